@@ -1,0 +1,110 @@
+"""The KV block pool: reference-counted blocks, an LRU free queue, and a prefix cache by content hash.
+
+A block's hash covers its tokens and, through the parent hash, every token before it, so equal hashes
+mean equal KV. A freed block keeps its hash and stays findable until the pool hands it out again:
+the free queue is in eviction order (least recently freed first; a request's tail blocks before its
+head blocks, since heads are the more shareable).
+
+NOTE: invariant: a block is in the free queue exactly when its ref_count is 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+ROOT_HASH = b"splitserve-root"
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    data = np.asarray(token_ids, dtype=np.int64).tobytes()
+    return hashlib.blake2b(parent + data, digest_size=16).digest()
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache has no room for a single block; raise the KV memory budget")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self.hits = 0
+        self.queries = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise NoFreeBlocks(f"need {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            out.append(block)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block; tail blocks become the first to evict."""
+        for block in reversed(block_ids):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The longest run of cached blocks matching `hashes` from the start (not yet referenced)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.queries += len(hashes)
+        self.hits += len(hits)
+        return hits
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference to cached blocks found by `lookup`."""
+        for block in block_ids:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        if not self.enable_prefix_caching or self.block_hash[block] is not None:
+            return
+        if block_hash in self._cached:  # same content computed twice: keep the first copy
+            return
+        self.block_hash[block] = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._cached.values()):
+            self.block_hash[block] = None
+        self._cached.clear()
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            self.block_hash[block] = None
+            if self._cached.get(h) == block:
+                del self._cached[h]

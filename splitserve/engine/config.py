@@ -1,0 +1,85 @@
+"""Engine knobs, and sizing of the KV block pool from a memory budget."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from splitserve.model.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # path to an HF dir or GGUF file; None = the embedded default model
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
+    kv_cache_bytes: int | None = None  # explicit KV budget; wins over the fraction
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
+    cpu_kv_cache_fraction: float = 0.1  # CPU: fraction of host memory for KV when no bytes given
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    progress: bool = True
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(_DTYPES)}")
+        return _DTYPES[self.dtype]
+
+    def resolve_max_model_len(self, cfg: ModelConfig) -> int:
+        if self.max_model_len is None:
+            return min(cfg.max_position_embeddings, 8192)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}"
+            )
+        return self.max_model_len
+
+
+def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers (K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return max(0, int(total * config.gpu_memory_utilization) - used)
+    return int(_host_memory_bytes() * config.cpu_kv_cache_fraction)
+
+
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV tensor. On CPU the zeros come from calloc, so pages are touched lazily
+    (torch.zeros would write every byte up front: seconds for a few GiB).
+
+    NOTE: it must be zeros, not garbage: attention masks padded slots to weight 0, and 0 * NaN is NaN.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

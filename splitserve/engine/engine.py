@@ -1,0 +1,230 @@
+"""LLMEngine: add_request / step / abort over the scheduler, the model runner and the sampler.
+
+One `step()` = schedule -> run the model on the flat batch -> sample -> append tokens, check stop
+conditions, cache full blocks, free finished requests -> return outputs for requests that changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from splitserve.engine.block_pool import BlockPool
+from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
+from splitserve.engine.kv_manager import KVManager
+from splitserve.engine.params import SamplingParams
+from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, completion_of
+from splitserve.engine.runner import ModelRunner
+from splitserve.engine.sampler import Sampler
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.stop import check_stop
+from splitserve.model.attention import TorchPagedAttention
+from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
+from splitserve.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None | bool = True,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        """`tokenizer`: True loads the checkpoint's; `loaded`: reuse weights already in memory."""
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        path = resolve_model_path(config.model)
+        self.model_path = path
+        self.loaded = loaded or load_model(
+            path, self.device, self.dtype, config.resolve_max_model_len, progress=config.progress
+        )
+        self.model_config = self.loaded.config
+        self.max_model_len = config.resolve_max_model_len(self.model_config)
+        if tokenizer is True:
+            tokenizer = Tokenizer.from_checkpoint(path, self.model_config.eos_token_ids)
+        self.tokenizer: Tokenizer | None = tokenizer or None
+        self.eos_token_ids = (
+            self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
+        )
+        self.block_size = config.block_size
+        num_blocks = kv_budget_bytes(config, self.device) // block_bytes(
+            self.model_config, self.block_size, self.dtype
+        )
+        cfg = self.model_config
+        self.kv = allocate_kv_cache(
+            (num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim),
+            self.dtype,
+            self.device,
+        )
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            KVManager(self.pool, self.block_size), config.max_num_seqs, config.max_num_batched_tokens
+        )
+        attn = TorchPagedAttention(scale=cfg.head_dim**-0.5)
+        self.runner = ModelRunner(self.loaded.model, self.kv, attn, self.block_size)
+        self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
+        self.requests: dict[str, Request] = {}
+        self._parents: dict[str, list[Request]] = {}
+        self._ids = itertools.count()
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks,
+            self.block_size,
+            self.kv.numel() * self.kv.element_size() / 2**30,
+        )
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self._prompt_ids(prompt)
+        max_tokens = self._check_lengths(prompt_ids, params)
+        children = [self._child(request_id, prompt_ids, params, i, max_tokens) for i in range(params.n)]
+        for child in children[1:]:
+            child.leader = children[0]
+        self._parents[request_id] = children
+        for child in children:
+            self.requests[child.request_id] = child
+            self.scheduler.add(child)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (all its n samples) and free everything it holds. Unknown ids are ignored."""
+        for req in self._parents.pop(request_id, []):
+            if not req.finished:
+                req.status = Status.FINISHED
+                req.finish_reason = "abort"
+                self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return []
+        logits, sample_chunks = self.runner.execute(sched.chunks)
+        reqs = [c.request for c in sample_chunks]
+        tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
+        return self._update(sched, reqs, tokens, logprobs)
+
+    def _update(
+        self,
+        sched: SchedulerOutput,
+        reqs: list[Request],
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+    ) -> list[RequestOutput]:
+        now = time.monotonic()
+        for chunk in sched.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        changed: dict[str, None] = {}
+        for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
+            req.first_token_time = req.first_token_time or now
+            self._append_token(req, token, lp)
+            changed[req.parent_id or req.request_id] = None
+        for chunk in sched.chunks:
+            if not chunk.request.finished:
+                self.scheduler.kv.cache_full_blocks(chunk.request)
+        return [self._output(pid) for pid in changed]
+
+    def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> None:
+        req.output_token_ids.append(token)
+        if lp is not None:
+            req.logprobs.append(lp)
+        new_chars = 0
+        if req.detokenizer is not None:
+            new_chars = len(req.detokenizer.step(token))
+            req.text = req.detokenizer.text
+        reason = check_stop(req, token, self.max_model_len, new_chars)
+        if reason is not None:
+            req.status = Status.FINISHED
+            self.scheduler.kv.cache_full_blocks(req)
+            self.scheduler.finish(req)
+
+    def _output(self, parent_id: str) -> RequestOutput:
+        children = self._parents[parent_id]
+        finished = all(c.finished for c in children)
+        if finished:
+            del self._parents[parent_id]
+            for c in children:
+                self.requests.pop(c.request_id, None)
+        head = children[0]
+        return RequestOutput(
+            request_id=parent_id,
+            prompt_token_ids=head.prompt_token_ids,
+            outputs=[completion_of(c) for c in children],
+            finished=finished,
+            num_cached_tokens=head.num_cached_tokens,
+            metrics={"arrival_time": head.arrival_time, "first_token_time": head.first_token_time},
+        )
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
+                "it must be shorter, to leave room for at least one generated token"
+            )
+        if -(-(n + 1) // self.block_size) > self.pool.num_blocks:
+            raise ValueError(f"the prompt ({n} tokens) does not fit in the KV cache")
+        room = self.max_model_len - n
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _child(
+        self, parent_id: str, prompt_ids: list[int], params: SamplingParams, index: int, max_tokens: int
+    ) -> Request:
+        child_params = params.for_child(index) if params.n > 1 else params
+        req = Request(
+            request_id=parent_id if params.n == 1 else f"{parent_id}#{index}",
+            prompt_token_ids=prompt_ids,
+            params=child_params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+            parent_id=parent_id if params.n > 1 else None,
+            index=index,
+        )
+        if child_params.seed is not None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(child_params.seed)
+        if self.tokenizer is not None and child_params.detokenize:
+            req.detokenizer = self.tokenizer.decode_stream(child_params.skip_special_tokens)
+        return req

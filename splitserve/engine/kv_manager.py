@@ -1,0 +1,60 @@
+"""Per-request block bookkeeping over the `BlockPool`: prefix hits, growth, caching of full blocks."""
+
+from __future__ import annotations
+
+from splitserve.engine.block_pool import ROOT_HASH, BlockPool, hash_block
+from splitserve.engine.request import Request
+
+
+class KVManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix(self, req: Request) -> list[int]:
+        """Cached blocks covering the request's leading tokens; at least one token is left to compute."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        self._extend_hashes(req, req.num_tokens)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.pool.lookup(req.block_hashes[:max_blocks])
+
+    def allocate(self, req: Request, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
+        """Make room for `num_new_tokens` more computed tokens; False (and no change) if the pool is short."""
+        prefix_blocks = prefix_blocks or []
+        have = len(req.block_ids) + len(prefix_blocks)
+        computed = req.num_computed_tokens + len(prefix_blocks) * self.block_size
+        need = self.blocks_for(computed + num_new_tokens) - have
+        # Blocks found in the cache with ref 0 sit in the free queue: touching them uses up free slots.
+        reclaimed = sum(1 for b in prefix_blocks if self.pool.ref_counts[b] == 0)
+        if need + reclaimed > self.pool.num_free:
+            return False
+        if prefix_blocks:
+            self.pool.touch(prefix_blocks)
+            req.block_ids.extend(prefix_blocks)
+        if need > 0:
+            req.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def free(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the blocks whose KV is now complete under their content hash."""
+        if not self.pool.enable_prefix_caching:
+            return
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        self._extend_hashes(req, full * self.block_size)
+        for i in range(full):
+            self.pool.cache(req.block_ids[i], req.block_hashes[i])
+
+    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
+        bs = self.block_size
+        while (len(req.block_hashes) + 1) * bs <= num_tokens:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
+            req.block_hashes.append(hash_block(parent, req.token_ids(i * bs, (i + 1) * bs)))

@@ -1,0 +1,116 @@
+"""A request's state inside the engine, and the outputs the engine hands back.
+
+Life of a request:
+  1. `add_request` builds a `Request` (status WAITING) with its prompt ids and params.
+  2. The scheduler admits it (RUNNING), possibly reusing cached prefix blocks, and schedules chunks of
+     its uncomputed tokens each step until `num_computed_tokens == num_tokens`; then every step
+     computes one token and the sampler appends the next.
+  3. It finishes (stop, length, abort) and its blocks go back to the pool, or it is preempted: blocks
+     freed, `num_computed_tokens = 0`, back to the front of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve.engine.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...]  # the top alternatives, most likely first
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_tokens: int  # resolved from params and max_model_len
+    parent_id: str | None = None  # set for the children of an n > 1 request
+    index: int = 0
+    leader: Request | None = None  # n > 1: wait until this sibling has prefilled the shared prompt
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    detokenizer: object | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+def completion_of(req: Request) -> CompletionOutput:
+    return CompletionOutput(
+        index=req.index,
+        text=req.text,
+        token_ids=list(req.output_token_ids),
+        finish_reason=req.finish_reason,
+        stop_reason=req.stop_reason,
+        logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+    )

@@ -1,0 +1,98 @@
+"""Turns a scheduled step into tensors, runs the model, and returns logits for the rows to sample.
+
+The flat batch puts single-token chunks (decodes) first, then multi-token chunks (prefills), which is
+the order `AttentionMetadata` expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from splitserve.engine.scheduler import ScheduledChunk
+from splitserve.model.attention import AttentionBackend, AttentionMetadata, PrefillChunk
+from splitserve.model.decoder import DecoderLM, ForwardContext
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [N] rows of the flat batch whose logits are sampled
+    sample_chunks: list[ScheduledChunk]
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, kv: torch.Tensor, attn: AttentionBackend, block_size: int) -> None:
+        self.model = model
+        self.kv = kv
+        self.attn = attn
+        self.block_size = block_size
+        self.device = kv.device
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to."""
+        inputs = self.prepare(chunks)
+        ctx = ForwardContext(self.attn, inputs.meta, self.kv)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        if not inputs.sample_chunks:
+            return hidden.new_empty((0, self.model.cfg.vocab_size)), []
+        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_chunks
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        ordered = sorted(chunks, key=lambda c: c.num_tokens > 1)  # stable: decodes first
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        sample_rows: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        prefills: list[PrefillChunk] = []
+        decodes: list[ScheduledChunk] = []
+        for c in ordered:
+            req = c.request
+            start = len(ids)
+            ids.extend(req.token_ids(c.start, c.start + c.num_tokens))
+            pos = np.arange(c.start, c.start + c.num_tokens, dtype=np.int64)
+            blocks = np.asarray(req.block_ids, dtype=np.int64)
+            positions.append(pos)
+            slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+            if c.num_tokens == 1:
+                decodes.append(c)
+            else:
+                ctx_len = c.start + c.num_tokens
+                table = torch.from_numpy(blocks[: -(-ctx_len // self.block_size)]).to(self.device)
+                prefills.append(PrefillChunk(start, c.num_tokens, ctx_len, table))
+            if c.samples:
+                sample_rows.append(len(ids) - 1)
+                sample_chunks.append(c)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(np.concatenate(slots)),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._decode_tables(decodes),
+            decode_context_lens=self._tensor(np.array([c.start + 1 for c in decodes], dtype=np.int64)),
+            prefills=tuple(prefills),
+        )
+        return StepInputs(
+            input_ids=self._tensor(np.asarray(ids, dtype=np.int64)),
+            positions=self._tensor(np.concatenate(positions)),
+            meta=meta,
+            sample_rows=self._tensor(np.asarray(sample_rows, dtype=np.int64)),
+            sample_chunks=sample_chunks,
+        )
+
+    def _decode_tables(self, decodes: list[ScheduledChunk]) -> torch.Tensor:
+        if not decodes:
+            return torch.zeros((0, 1), dtype=torch.long, device=self.device)
+        width = max(-(-(c.start + 1) // self.block_size) for c in decodes)
+        table = np.zeros((len(decodes), width), dtype=np.int64)
+        for i, c in enumerate(decodes):
+            n = -(-(c.start + 1) // self.block_size)
+            table[i, :n] = c.request.block_ids[:n]
+        return self._tensor(table)
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)

@@ -1,0 +1,111 @@
+"""Batched sampling with per-request parameters.
+
+Order of operations (vLLM's): raw logprobs are taken first (so they are the model's own distribution),
+then penalties, then greedy rows take the argmax; the rest are divided by temperature, filtered by
+min_p, top_k and top_p, and sampled with the exponential-race trick (argmax of p / q, q ~ Exp(1)).
+A seeded request draws q from its own generator, so its tokens do not depend on its batch mates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from splitserve.engine.request import Request, TokenLogprob
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, reqs: Sequence[Request]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        # logits [N, V] fp32, one row per request to sample
+        logits = logits[:, : self.vocab_size]
+        want_lp = [r.params.logprobs is not None for r in reqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        if any(r.params.has_penalties for r in reqs):
+            logits = self._apply_penalties(logits.clone(), reqs)
+        tokens = self._sample(logits, reqs)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return token_list, [None] * len(reqs)
+        return token_list, _gather_logprobs(raw_logprobs, tokens, reqs)
+
+    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
+        argmax = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return argmax
+        temps = torch.tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in reqs], device=logits.device
+        )
+        probs = torch.softmax(_filter(logits / temps[:, None], reqs), dim=-1)
+        q = torch.empty_like(probs)
+        for i, r in enumerate(reqs):
+            gen = r.generator if r.generator is not None else self.generator
+            q[i].exponential_(generator=gen)
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(greedy, argmax, sampled)
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        for i, r in enumerate(reqs):
+            p = r.params
+            if not p.has_penalties:
+                continue
+            out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, device=logits.device).unique()
+                row = logits[i, seen]
+                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.bincount(out_ids, minlength=logits.shape[1])[: logits.shape[1]].float()
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+
+def _filter(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """min_p, top_k and top_p, each applied only if some row asks for it. logits [N, V]."""
+    dev = logits.device
+    min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(~keep, float("-inf"))
+    top_k = [r.params.top_k for r in reqs]
+    top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
+    if not any(top_k) and bool((top_p >= 1).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    v = logits.shape[1]
+    k = torch.tensor([t if t > 0 else v for t in top_k], device=dev)
+    ranks = torch.arange(v, device=dev)[None, :]
+    drop = ranks >= k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before > top_p[:, None]
+    drop[:, 0] = False  # always keep the most likely token
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[Request]
+) -> list[TokenLogprob | None]:
+    max_k = max((r.params.logprobs or 0) for r in reqs)
+    top_vals, top_ids = logprobs.topk(max(max_k, 1), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    out: list[TokenLogprob | None] = []
+    for i, r in enumerate(reqs):
+        k = r.params.logprobs
+        if k is None:
+            out.append(None)
+            continue
+        top = tuple(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+        out.append(TokenLogprob(int(tokens[i]), float(chosen[i]), int(ranks[i]), top))
+    return out

@@ -1,0 +1,126 @@
+"""Continuous batching in the vLLM v1 manner: no prefill or decode phases, only a token budget.
+
+Each step, running requests (oldest first) get the tokens they still lack (one for a decoding
+request, up to the whole remaining budget for a prefilling one), then waiting requests are admitted
+while budget, `max_num_seqs` and blocks last. A long prompt is thereby chunked across steps, and
+prefill chunks share a batch with decode tokens. When a running request needs a block and none is
+free, the newest running request is preempted (blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from splitserve.engine.kv_manager import KVManager
+from splitserve.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first token position computed in this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's known tokens, so a token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, n, preempted):
+                break  # `req` itself was preempted: everything after it already was
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            budget = self._admit(chunks, budget)
+        return SchedulerOutput(chunks, preempted)
+
+    def _allocate_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
+        while not self.kv.allocate(req, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.popleft()
+            if _waits_for_leader(req):
+                skipped.append(req)
+                continue
+            prefix = self.kv.find_prefix(req) if req.num_computed_tokens == 0 else []
+            cached = len(prefix) * self.kv.block_size
+            n = min(req.num_tokens - req.num_computed_tokens - cached, budget)
+            if not self.kv.allocate(req, n, prefix):
+                self.waiting.appendleft(req)
+                break
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = cached
+            req.num_computed_tokens += cached
+            req.status = Status.RUNNING
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.num_preemptions += 1
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request from whichever queue holds it and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+
+
+def _waits_for_leader(req: Request) -> bool:
+    leader = req.leader
+    return (
+        leader is not None and not leader.finished and leader.num_computed_tokens < leader.num_prompt_tokens
+    )

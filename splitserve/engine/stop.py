@@ -1,0 +1,48 @@
+"""Stop conditions, checked after each appended token, in vLLM's order of precedence.
+
+A stop string cuts the text exactly where it starts (or after it, with include_stop_str_in_output);
+tokens are kept as generated, since a string may end inside a token.
+"""
+
+from __future__ import annotations
+
+from splitserve.engine.request import Request
+
+
+def check_stop(req: Request, token: int, max_model_len: int, new_chars: int = 0) -> str | None:
+    """Set and return the finish reason ("stop" or "length") if `req` must stop after `token`."""
+    p = req.params
+    n_out = len(req.output_token_ids)
+    if n_out >= p.min_tokens:
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return _finish(req, "stop", None)
+        if token in p.stop_token_ids:
+            return _finish(req, "stop", token)
+        if p.stop and _cut_stop_string(req, new_chars):
+            return "stop"
+    if n_out >= req.max_tokens or req.num_tokens >= max_model_len:
+        return _finish(req, "length", None)
+    return None
+
+
+def _finish(req: Request, reason: str, stop_reason: int | str | None) -> str:
+    req.finish_reason = reason
+    req.stop_reason = stop_reason
+    return reason
+
+
+def _cut_stop_string(req: Request, new_chars: int) -> bool:
+    text = req.text
+    # Only a match that overlaps the characters the last token added can be new.
+    start = max(0, len(text) - new_chars - max(len(s) for s in req.params.stop) + 1)
+    best: tuple[int, str] | None = None
+    for s in req.params.stop:
+        i = text.find(s, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is None:
+        return False
+    i, s = best
+    req.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
+    _finish(req, "stop", s)
+    return True

