@@ -56,7 +56,7 @@ class EngineConfig:
 def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block across all layers (K and V)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * cfg.num_kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:

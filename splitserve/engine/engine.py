@@ -21,6 +21,7 @@ from splitserve.engine.request import Request, RequestOutput, Status, TokenLogpr
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.state_pool import StatePool
 from splitserve.engine.stop import check_stop
 from splitserve.model.attention import TorchPagedAttention
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
@@ -48,7 +49,9 @@ class LLMEngine:
         self.model_config = self.loaded.config
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         if tokenizer is True:
-            tokenizer = Tokenizer.from_checkpoint(path, self.model_config.eos_token_ids)
+            tokenizer = Tokenizer.from_checkpoint(
+                path, self.model_config.eos_token_ids, cache_key=self.loaded.checkpoint.fingerprint()
+            )
         self.tokenizer: Tokenizer | None = tokenizer or None
         self.eos_token_ids = (
             self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
@@ -59,16 +62,27 @@ class LLMEngine:
         )
         cfg = self.model_config
         self.kv = allocate_kv_cache(
-            (num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim),
+            (num_blocks, cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim),
             self.dtype,
             self.device,
         )
-        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.states = StatePool(self.loaded.model.state_shapes(), config.max_num_seqs, self.device)
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and self.states.enabled:
+            log.warning(
+                "prefix caching is off for %s: its recurrent state cannot be restored at a block "
+                "boundary (no state checkpoints yet)",
+                cfg.architecture,
+            )
+            prefix_caching = False
+        self.pool = BlockPool(num_blocks, prefix_caching)
         self.scheduler = Scheduler(
-            KVManager(self.pool, self.block_size), config.max_num_seqs, config.max_num_batched_tokens
+            KVManager(self.pool, self.block_size, self.states),
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
         )
         attn = TorchPagedAttention(scale=cfg.head_dim**-0.5)
-        self.runner = ModelRunner(self.loaded.model, self.kv, attn, self.block_size)
+        self.runner = ModelRunner(self.loaded.model, self.kv, attn, self.block_size, self.states.states)
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from splitserve.engine.block_pool import ROOT_HASH, BlockPool, hash_block
 from splitserve.engine.request import Request
+from splitserve.engine.state_pool import StatePool
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    """Owns a request's blocks and, for hybrid models, its recurrent-state slot."""
+
+    def __init__(self, pool: BlockPool, block_size: int, states: StatePool | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.states = states if states is not None and states.enabled else None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -32,6 +36,10 @@ class KVManager:
         reclaimed = sum(1 for b in prefix_blocks if self.pool.ref_counts[b] == 0)
         if need + reclaimed > self.pool.num_free:
             return False
+        if self.states is not None and req.state_slot is None:
+            req.state_slot = self.states.allocate()
+            if req.state_slot is None:
+                return False
         if prefix_blocks:
             self.pool.touch(prefix_blocks)
             req.block_ids.extend(prefix_blocks)
@@ -42,6 +50,9 @@ class KVManager:
     def free(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
+        if req.state_slot is not None and self.states is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the blocks whose KV is now complete under their content hash."""

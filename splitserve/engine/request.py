@@ -52,6 +52,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks
+    state_slot: int | None = None  # hybrid models: the recurrent-state slot held while running
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     text: str = ""
@@ -106,9 +107,14 @@ class RequestOutput:
 
 
 def completion_of(req: Request) -> CompletionOutput:
+    text = req.text
+    if req.params.stop and not req.finished:
+        # Hold back a possible stop-string prefix, so streamed text never has to be taken back.
+        hold = max(len(s) for s in req.params.stop) - 1
+        text = text[: max(0, len(text) - hold)]
     return CompletionOutput(
         index=req.index,
-        text=req.text,
+        text=text,
         token_ids=list(req.output_token_ids),
         finish_reason=req.finish_reason,
         stop_reason=req.stop_reason,

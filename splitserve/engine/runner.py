@@ -26,9 +26,17 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, kv: torch.Tensor, attn: AttentionBackend, block_size: int) -> None:
+    def __init__(
+        self,
+        model: DecoderLM,
+        kv: torch.Tensor,
+        attn: AttentionBackend,
+        block_size: int,
+        states: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.model = model
         self.kv = kv
+        self.states = states or {}
         self.attn = attn
         self.block_size = block_size
         self.device = kv.device
@@ -37,7 +45,7 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to."""
         inputs = self.prepare(chunks)
-        ctx = ForwardContext(self.attn, inputs.meta, self.kv)
+        ctx = ForwardContext(self.attn, inputs.meta, self.kv, self.states)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         if not inputs.sample_chunks:
             return hidden.new_empty((0, self.model.cfg.vocab_size)), []
@@ -51,6 +59,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
         prefills: list[PrefillChunk] = []
+        prefills_chunks: list[ScheduledChunk] = []
         decodes: list[ScheduledChunk] = []
         for c in ordered:
             req = c.request
@@ -66,6 +75,7 @@ class ModelRunner:
                 ctx_len = c.start + c.num_tokens
                 table = torch.from_numpy(blocks[: -(-ctx_len // self.block_size)]).to(self.device)
                 prefills.append(PrefillChunk(start, c.num_tokens, ctx_len, table))
+                prefills_chunks.append(c)
             if c.samples:
                 sample_rows.append(len(ids) - 1)
                 sample_chunks.append(c)
@@ -75,6 +85,7 @@ class ModelRunner:
             decode_block_tables=self._decode_tables(decodes),
             decode_context_lens=self._tensor(np.array([c.start + 1 for c in decodes], dtype=np.int64)),
             prefills=tuple(prefills),
+            seq_slots=self._slots(decodes, prefills_chunks) if self.states else None,
         )
         return StepInputs(
             input_ids=self._tensor(np.asarray(ids, dtype=np.int64)),
@@ -93,6 +104,11 @@ class ModelRunner:
             n = -(-(c.start + 1) // self.block_size)
             table[i, :n] = c.request.block_ids[:n]
         return self._tensor(table)
+
+    def _slots(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> torch.Tensor:
+        slots = [c.request.state_slot for c in decodes + prefills]
+        assert None not in slots, "a hybrid-model request runs without a state slot"
+        return self._tensor(np.asarray(slots, dtype=np.int64))
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)

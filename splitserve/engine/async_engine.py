@@ -1,0 +1,179 @@
+"""AsyncLLM: the engine on its own thread, with a per-request async stream and cancellation.
+
+Life of a request:
+  1. `generate()` posts an `_Add` to the inbox and awaits its acceptance: validation errors
+     (prompt too long, bad ids) are raised to the caller before anything is streamed.
+  2. The engine thread drains the inbox between steps, runs `step()` while there is work, and pushes
+     each `RequestOutput` onto the request's asyncio queue through its event loop.
+  3. The stream ends after the finished output. If the consumer stops early (client went away,
+     task cancelled), the generator's `finally` posts an abort, which frees the request's KV blocks.
+  4. If a step raises, every in-flight request gets the error and is aborted; the engine keeps serving.
+
+torch releases the GIL inside its kernels, so the event loop stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.params import SamplingParams
+from splitserve.engine.request import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams
+    stream: _Stream
+    accepted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+        return cls(LLMEngine(config))
+
+    @property
+    def tokenizer(self):  # noqa: ANN201
+        return self.engine.tokenizer
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs (cumulative) until the request finishes; closing the stream aborts it."""
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        stream = _Stream(loop, asyncio.Queue())
+        accepted = loop.create_future()
+        self._inbox.put(_Add(rid, prompt, params, stream, accepted))
+        finished = False
+        try:
+            await accepted  # raises the engine's validation error, if any
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            if not self._drain(block=idle):
+                break
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - reported to every waiting client
+                log.exception("engine step failed; failing in-flight requests")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+        self._fail_all(EngineDeadError("the engine is shut down"))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; False on shutdown."""
+        try:
+            cmd = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is None:
+                return False
+            self._apply(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            self.engine.abort(cmd.request_id)
+            self._streams.pop(cmd.request_id, None)
+            return
+        try:
+            self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            _settle(cmd.stream.loop, cmd.accepted, exc)
+            return
+        self._streams[cmd.request_id] = cmd.stream
+        _settle(cmd.stream.loop, cmd.accepted, None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort(rid)
+            stream.put(exc)
+        self._streams.clear()
+
+
+def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None) -> None:
+    def done() -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(True)
+        else:
+            fut.set_exception(exc)
+
+    loop.call_soon_threadsafe(done)

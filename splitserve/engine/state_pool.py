@@ -1,0 +1,51 @@
+"""Per-sequence recurrent-state slots for hybrid models, managed beside the KV block pool.
+
+A linear-attention layer keeps a fixed-size state per sequence (a conv window and a recurrent
+matrix) instead of growing KV. Each running request holds one slot from admission until it
+finishes, is aborted or is preempted; a slot is zeroed when handed out, so a fresh sequence
+(or a recomputed one) starts from the zero state.
+
+    states[name]: [num_slots, *shape]     (fp32)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StatePool:
+    def __init__(
+        self,
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        num_slots: int,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots if shapes else 0
+        self.states = {
+            name: torch.zeros((self.num_slots, *shape), dtype=dtype, device=device)
+            for name, (shape, dtype) in shapes.items()
+        }
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.states)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        for t in self.states.values():
+            t[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        assert slot not in self._free, f"state slot {slot} freed twice"
+        self._free.append(slot)
+
+    def nbytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.states.values())

@@ -1,0 +1,210 @@
+"""The KV transport interface, its options and counters, and `make_transport`.
+
+Life of one request's KV (prefill worker P exports, decode worker D fetches):
+  1. P: `handle = t.export(request_id, block_ids, num_tokens, state)` puts the blocks under a lease
+     (they stay in P's cache, untouched) and returns a JSON-able `KVHandle`.
+  2. The handle travels P -> router -> D.
+  3. D: allocates its own blocks, `state = t.fetch(handle, into_block_ids, timeout_s)`: connects to
+     P's server (handshake: layouts + shared secret), pulls the payload into `kv[into_block_ids]`,
+     checks the checksum, returns the state tensors.
+  4. D: `t.release(handle)`; P's lease ends and its `on_free(block_ids)` runs exactly once. If D never
+     releases (crash, lost message), the lease expires after `lease_s` and frees the blocks the same way.
+
+Asking for a backend that cannot run here is a start-up error naming what is missing; another backend
+is used only when the caller lists it in `fallback`, and then a WARNING is logged and
+`describe()["counts"]["fallbacks"]` says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from splitserve.kv.errors import (
+    AuthError,
+    BackendUnavailable,
+    CorruptTransfer,
+    LeaseExpired,
+    PeerRefused,
+    TransferTimeout,
+    TransportError,
+    UnknownLease,
+)
+from splitserve.kv.handle import KVHandle
+from splitserve.kv.layout import KVLayout
+
+__all__ = [
+    "AuthError",
+    "BackendUnavailable",
+    "CorruptTransfer",
+    "KVTransport",
+    "LeaseExpired",
+    "PeerRefused",
+    "TransferTimeout",
+    "TransportError",
+    "TransportOptions",
+    "TransportStats",
+    "UnknownLease",
+    "make_transport",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    host: str = "127.0.0.1"  # where the exporter listens (tcp)
+    port: int = 0  # 0: the OS picks; the handle carries the real address
+    lease_s: float = 30.0  # kv_lease_s: how long exported blocks are held without a release
+    fetch_timeout_s: float = 30.0  # default deadline of one fetch (connect + handshake + payload)
+    connect_timeout_s: float = 5.0  # connect + handshake, and a release round trip
+    idle_timeout_s: float = 300.0  # an exporter closes a connection idle this long
+    max_fetch_s: float = 600.0  # cap on the deadline a fetcher may ask the exporter to honour
+    checksum: str | None = None  # "crc32" | "blake2b": computed at export, verified on fetch
+    socket_dir: str | None = None  # shm: where the control socket lives (default: a fresh temp dir)
+    shm_chunk_mb: int = 16  # shm: the payload streams through two slots of this size
+
+
+class TransportStats:
+    """Thread-safe counters and recent transfer rates, for describe()."""
+
+    def __init__(self, backend: str, window: int = 16) -> None:
+        self.backend = backend
+        self.requested = backend
+        self.fallback_reasons: list[str] = []
+        self.peer: str | None = None
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter()
+        self._fetched: deque[tuple[int, float]] = deque(maxlen=window)
+        self._served: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def error(self, exc: BaseException) -> None:
+        with self._lock:
+            self._errors[type(exc).__name__] += 1
+
+    def fetched(self, nbytes: int, seconds: float, peer: str) -> None:
+        with self._lock:
+            self._counts["fetches"] += 1
+            self._counts["fetched_bytes"] += nbytes
+            self._fetched.append((nbytes, seconds))
+            self.peer = peer
+
+    def served(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._counts["served"] += 1
+            self._counts["served_bytes"] += nbytes
+            self._served.append((nbytes, seconds))
+
+    def fell_back(self, requested: str, reasons: Sequence[str]) -> None:
+        with self._lock:
+            self.requested = requested
+            self.fallback_reasons = list(reasons)
+            self._counts["fallbacks"] += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "backend": self.backend,
+                "requested": self.requested,
+                "fallback_reasons": list(self.fallback_reasons),
+                "peer": self.peer,
+                "fetch_gbps_last": _gbps(list(self._fetched)[-1:]),
+                "fetch_gbps_recent": _gbps(self._fetched),
+                "serve_gbps_recent": _gbps(self._served),
+                "counts": dict(self._counts),
+                "errors": dict(self._errors),
+            }
+
+
+def _gbps(samples: Sequence[tuple[int, float]] | deque) -> float | None:
+    nbytes = sum(n for n, _ in samples)
+    seconds = sum(s for _, s in samples)
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else None
+
+
+class KVTransport(ABC):
+    """Moves a request's KV blocks (and state tensors) from an exporting worker to a fetching one."""
+
+    backend: str
+
+    # -- exporter side ---------------------------------------------------------------------------
+    @abstractmethod
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        """Lease the blocks (and copy the small state tensors) and return a handle to fetch them by."""
+
+    @abstractmethod
+    def release(self, handle: KVHandle) -> None:
+        """End the handle's lease (locally or at the exporter). Twice, or after expiry, is harmless."""
+
+    # -- fetcher side ----------------------------------------------------------------------------
+    @abstractmethod
+    def fetch(
+        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Write the handle's blocks into our kv[into_block_ids]; return its state tensors (CPU)."""
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """Backend actually running, peer, measured GB/s of recent transfers, counts."""
+
+    def close(self) -> None:
+        """Stop serving and free every lease still held."""
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_transport(
+    backend: str,
+    kv: torch.Tensor,
+    layout: KVLayout,
+    *,
+    secret: bytes | str | None = None,
+    on_free: Callable[[list[int]], None] | None = None,
+    options: TransportOptions | None = None,
+    fallback: Sequence[str] = (),
+) -> KVTransport:
+    """Open `backend`, or the first of `fallback` that can run here (logged and counted)."""
+    from splitserve.kv.backends import open_backend
+
+    reasons: list[str] = []
+    for name in [backend, *fallback]:
+        try:
+            transport = open_backend(name, kv, layout, secret=secret, on_free=on_free, options=options)
+        except BackendUnavailable as exc:
+            reasons.append(str(exc))
+            continue
+        if reasons:
+            log.warning(
+                "kv transport %r is not available (%s); falling back to %r as explicitly allowed",
+                backend, "; ".join(reasons), name,
+            )
+            transport.stats.fell_back(backend, reasons)  # type: ignore[attr-defined]
+        return transport
+    hint = "" if fallback else "; pass fallback=[...] to allow another backend explicitly"
+    raise BackendUnavailable(f"no usable kv transport: {'; '.join(reasons)}{hint}")
+
+
+def options_dict(options: TransportOptions) -> dict:
+    return asdict(options)

@@ -1,0 +1,168 @@
+"""Models with random weights at a given HF-style config, built straight on the target device.
+
+No checkpoint is read: the model is constructed on the meta device, materialized with `to_empty` on
+the target device and dtype, and initialized in place (linear and embedding weights ~ N(0, std),
+biases 0, norm weights 1), so an 8B model in bf16 appears on a GPU in a second or two. Used by
+benchmarks that need a model's shape, not its knowledge.
+
+`hf_state_dict` and `build_hf_model` give Hugging Face transformers the very same weights (merged
+`qkv_proj` / `gate_up_proj` split back into q/k/v and gate/up), for side-by-side comparisons.
+
+Only torch is needed here (transformers only inside `build_hf_model`); nothing imports `gguf`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitserve.model.config import ModelConfig
+from splitserve.model.decoder import DecoderLM
+from splitserve.model.layers import RotaryEmbedding
+from splitserve.model.loader import LoadedModel
+from splitserve.model.registry import MODEL_CLASSES, resolve_architecture
+
+#: Qwen3-8B (config.json of Qwen/Qwen3-8B, HF names).
+QWEN3_8B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+#: A Qwen3-shaped model small enough for unit tests and CPU smoke runs.
+TINY_QWEN3: dict[str, Any] = {
+    **QWEN3_8B,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+#: Names accepted by `random_model_config` (and the benchmarks' `--model`).
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-8b-random": QWEN3_8B,
+    "tiny-random": TINY_QWEN3,
+}
+
+
+def random_model_config(name: str) -> dict[str, Any]:
+    """A copy of the named shape's HF config dict; KeyError lists the known names."""
+    if name not in RANDOM_SHAPES:
+        raise KeyError(f"unknown random model {name!r}; known: {', '.join(RANDOM_SHAPES)}")
+    return dict(RANDOM_SHAPES[name])
+
+
+def random_model(
+    hf_config: dict[str, Any],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    max_positions: int | Callable[[ModelConfig], int] | None = None,
+    seed: int = 0,
+    std: float = 0.02,
+) -> LoadedModel:
+    """A `LoadedModel` (checkpoint=None) with random weights of `hf_config`'s shape on `device`.
+
+    `max_positions`: rotary table length, an int or (like `load_model`) a function of the config;
+    None means min(max_position_embeddings, 8192).
+    """
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    arch = resolve_architecture(hf_config)
+    cfg = ModelConfig.from_hf({**hf_config, "architectures": [arch]})
+    if max_positions is None:
+        positions = min(cfg.max_position_embeddings, 8192)
+    else:
+        positions = max_positions if isinstance(max_positions, int) else max_positions(cfg)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[arch](cfg, positions).to(dtype)
+    model = model.to_empty(device=device)
+    init_random_(model, seed, std)
+    # cos/sin are computed, not random, and stay fp32 (as load_model leaves them)
+    model.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, positions).to(device)
+    model.eval()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return LoadedModel(model, cfg, None, time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """In place: norm weights 1, biases 0, every other parameter ~ N(0, std), from one seeded generator."""
+    first = next(model.parameters())
+    gen = torch.Generator(device=first.device)
+    gen.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, std, generator=gen)
+
+
+def hf_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
+    """Our parameters under HF names and layouts (views, no copies); the inverse of `load_weights`.
+
+    Merged weights are split by rows: qkv_proj -> q_proj/k_proj/v_proj and gate_up_proj ->
+    gate_proj/up_proj. A tied model has no `lm_head.weight` (HF ties it to the embedding).
+    """
+    cfg = model.cfg
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        t = param.detach()
+        prefix, _, leaf = name.rpartition(".")  # leaf: weight | bias
+        if name.startswith("lm_head."):
+            out[name] = t
+        elif prefix.endswith(".qkv_proj"):
+            base = prefix[: -len("qkv_proj")]
+            rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+            for part, (a, b) in rows.items():
+                out[f"model.{base}{part}.{leaf}"] = t[a:b]
+        elif prefix.endswith(".gate_up_proj"):
+            base = prefix[: -len("gate_up_proj")]
+            n = cfg.intermediate_size
+            out[f"model.{base}gate_proj.{leaf}"] = t[:n]
+            out[f"model.{base}up_proj.{leaf}"] = t[n:]
+        else:
+            out[f"model.{name}"] = t
+    return out
+
+
+def build_hf_model(hf_config: dict[str, Any], model: DecoderLM) -> nn.Module:
+    """An HF transformers `AutoModelForCausalLM` of `hf_config` holding a copy of `model`'s weights.
+
+    Built on `model`'s device and dtype; every HF parameter must be covered (strict load).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    first = next(model.parameters())
+    kwargs = {k: v for k, v in hf_config.items() if k != "model_type"}
+    config = AutoConfig.for_model(hf_config.get("model_type", model.cfg.model_type), **kwargs)
+    with torch.device(first.device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=first.dtype)
+    hf.load_state_dict(hf_state_dict(model), strict=True)
+    return hf.eval()
