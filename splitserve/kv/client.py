@@ -12,13 +12,17 @@ Life of a fetch on the wire (see protocol.py for the frames):
 
 from __future__ import annotations
 
+import array
 import logging
+import os
 import socket
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
+
+import numpy as np
 
 from splitserve.kv.errors import AuthError, PeerRefused, TransferTimeout, TransportError, error_to_wire
 from splitserve.kv.layout import KVLayout
@@ -30,6 +34,7 @@ from splitserve.kv.protocol import (
     decode_prefix,
     encode_frame,
     expect,
+    kernel_timeout,
     new_nonce,
     proof,
     proof_ok,
@@ -37,10 +42,11 @@ from splitserve.kv.protocol import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_FD_ROOM = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # ancillary room for a few passed fds
 
 
 def parse_address(address: str) -> tuple[socket.AddressFamily, Any]:
-    """"unix:/path" -> (AF_UNIX, path); "host:port" or "[v6]:port" -> (AF_INET[6], (host, port))."""
+    """ "unix:/path" -> (AF_UNIX, path); "host:port" or "[v6]:port" -> (AF_INET[6], (host, port))."""
     if address.startswith("unix:"):
         return socket.AF_UNIX, address[len("unix:") :]
     host, sep, port = address.rpartition(":")
@@ -59,6 +65,7 @@ class SyncChannel:
         self.address = address
         self.peer_layout: KVLayout | None = None
         self.attached: dict[str, Any] = {}  # per-connection resources a backend keeps (shm mapping)
+        self.fds: list[int] = []  # file descriptors the exporter passed (unix sockets), not yet taken
 
     @classmethod
     def connect(cls, address: str, deadline: Deadline) -> SyncChannel:
@@ -75,25 +82,31 @@ class SyncChannel:
             raise TransportError(f"connect to {address}: {exc}") from exc
         if family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)  # blocking from here on; `_io` sets kernel timeouts per call
         return cls(sock, address)
 
-    def _io(self, what: str, deadline: Deadline, op: Callable[[], T]) -> T:
-        self.sock.settimeout(deadline.remaining(what))
+    def _io(self, what: str, deadline: Deadline, op: Callable[[], T], sending: bool = False) -> T:
+        """Run a blocking socket call under a kernel timeout (SO_RCVTIMEO / SO_SNDTIMEO) of what is left
+        of the deadline: unlike socket.settimeout (poll, then a non-blocking call) the call sleeps in
+        the kernel until done, which saves a wake-up per chunk of a large payload."""
+        kernel_timeout(self.sock, deadline.remaining(what), sending)
         try:
             return op()
-        except TimeoutError as exc:
-            raise TransferTimeout(f"{what} from {self.address}: deadline of {deadline.total_s:.3g}s passed") from exc
+        except (TimeoutError, BlockingIOError) as exc:
+            raise TransferTimeout(
+                f"{what} from {self.address}: deadline of {deadline.total_s:.3g}s passed"
+            ) from exc
         except OSError as exc:
             raise TransportError(f"{what} with {self.address}: {exc}") from exc
 
     def send(self, header: dict, deadline: Deadline) -> None:
         frame = encode_frame(header)
-        self._io(f"send {header['op']}", deadline, lambda: self.sock.sendall(frame))
+        self._io(f"send {header['op']}", deadline, lambda: self.sock.sendall(frame), sending=True)
 
     def recv_exact(self, nbytes: int, deadline: Deadline, what: str = "receive") -> bytes:
-        buf = bytearray(nbytes)
-        self.recv_stream(ByteStream([memoryview(buf)]), deadline, what)  # type: ignore[list-item]
-        return bytes(buf)
+        buf = np.empty(nbytes, dtype=np.uint8)
+        self.recv_stream(ByteStream([buf]), deadline, what)
+        return buf.tobytes()
 
     def recv(self, deadline: Deadline) -> tuple[dict, int]:
         """-> (header, body length); the body, if any, is the caller's to read."""
@@ -105,26 +118,40 @@ class SyncChannel:
         pos = 0
         while pos < stream.nbytes:
             window = stream.window(pos)
-            got = self._io(what, deadline, lambda w=window: self.sock.recvmsg_into(w)[0])
+            got = self._io(what, deadline, lambda w=window: self._recv_into(w))
             if got == 0:
                 raise TransportError(
                     f"{what}: {self.address} closed the connection after {pos} of {stream.nbytes} bytes"
                 )
             pos += got
 
+    def _recv_into(self, window: list) -> int:
+        # NOTE: MSG_WAITALL is safe: a window never asks for more than the frame being read
+        nbytes, ancillary, _flags, _addr = self.sock.recvmsg_into(window, _FD_ROOM, socket.MSG_WAITALL)
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                self.fds.extend(fds)
+        return nbytes
+
     def alive(self) -> bool:
         """Still open and with nothing unread (a pooled connection the exporter has not closed)."""
         try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"" and False
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
             return True
         except OSError:
             return False
+        return False  # EOF, or stray bytes that would desynchronise the next request
 
     def close(self) -> None:
         for resource in self.attached.values():
             resource.close()
         self.attached.clear()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
         self.sock.close()
 
 

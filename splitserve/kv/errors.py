@@ -77,7 +77,7 @@ def error_to_wire(exc: TransportError) -> dict:
 
 def error_from_wire(header: dict) -> TransportError:
     code = str(header.get("code", "transport"))
-    message = f"peer refused: {header.get('message', code)}"
+    message = f"from the peer: {header.get('message', code)}"
     if code == PeerRefused.code:
         return PeerRefused("peer refused the layout", [str(m) for m in header.get("mismatches", [])])
     return _BY_CODE.get(code, TransportError)(message)

@@ -19,12 +19,14 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 
 PROTOCOL_VERSION = 1
 
-StateShape = tuple[str, tuple[int, ...], str]  # (name, shape, dtype), e.g. ("layer3.conv", (4, 128), "float32")
+# (name, shape, dtype) of one per-request state tensor, e.g. ("layer3.conv", (4, 128), "float32")
+StateShape = tuple[str, tuple[int, ...], str]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,7 +71,8 @@ class KVLayout:
     ) -> KVLayout:
         """Read the layout off an engine KV tensor [num_blocks, L, 2, block_size, KVH, D]."""
         if kv.dim() != 6 or kv.shape[2] != 2:
-            raise ValueError(f"expected kv[num_blocks, layers, 2, block_size, kv_heads, head_dim], got {tuple(kv.shape)}")
+            want = "kv[num_blocks, layers, 2, block_size, kv_heads, head_dim]"
+            raise ValueError(f"expected {want}, got {tuple(kv.shape)}")
         _, layers, _, block_size, heads, head_dim = kv.shape
         states = tuple((str(n), tuple(int(d) for d in s), str(t)) for n, s, t in state_shapes)
         return cls(fingerprint, dtype_name(kv.dtype), block_size, layers, heads, head_dim, states)
@@ -111,7 +114,7 @@ class KVLayout:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed KV layout {data!r}: {exc}") from exc
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """A short stable hash of the whole layout (what a handle is stamped with)."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()

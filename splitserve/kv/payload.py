@@ -23,7 +23,7 @@ import torch
 from splitserve.kv.layout import KVLayout, torch_dtype
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-WINDOW_BYTES = 64 << 20  # one sendmsg / recvmsg_into call moves at most this much
+WINDOW_BYTES = 8 << 20  # one sendmsg / recvmsg_into call is offered this much (> socket buffers)
 
 
 class ByteStream:
@@ -55,6 +55,16 @@ class ByteStream:
             if len(out) == IOV_MAX:
                 break
         return out
+
+    def sub(self, pos: int, nbytes: int) -> ByteStream:
+        """stream[pos : pos + nbytes] as a stream of its own (views, no copy)."""
+        return ByteStream(list(self.segments(pos, nbytes)))
+
+    def copy_stream(self, src: ByteStream, pos: int = 0) -> None:
+        """src -> stream[pos : pos + src.nbytes], one memcpy per overlap of their pieces."""
+        for piece in src.pieces:
+            self.copy_from(pos, piece)
+            pos += piece.nbytes
 
     def copy_to(self, pos: int, dst: np.ndarray) -> None:
         """stream[pos : pos + len(dst)] -> dst."""

@@ -28,6 +28,7 @@ import hmac
 import json
 import os
 import secrets
+import socket
 import struct
 import time
 import zlib
@@ -62,6 +63,16 @@ class Deadline:
 
     def sooner(self, seconds: float) -> Deadline:
         return self if self.at - time.monotonic() <= seconds else Deadline.after(seconds)
+
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval
+
+
+def kernel_timeout(sock: socket.socket, seconds: float, sending: bool) -> None:
+    """Bound the next blocking send (recv) on `sock` in the kernel (SO_SNDTIMEO / SO_RCVTIMEO): the call
+    sleeps in the kernel until done or timed out (EAGAIN), with no user-space wake-up in between."""
+    timeval = _TIMEVAL.pack(int(seconds), max(1, int(seconds % 1 * 1e6)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO if sending else socket.SO_RCVTIMEO, timeval)
 
 
 # -- frames -----------------------------------------------------------------------------------------
@@ -110,7 +121,7 @@ def resolve_secret(secret: bytes | str | None) -> bytes:
     if secret is None:
         secret = os.environ.get(SECRET_ENV)
     if not secret:
-        raise AuthError(f"no KV transport secret: pass secret= or set ${SECRET_ENV} (same value on every worker)")
+        raise AuthError(f"no KV transport secret: pass secret= or set ${SECRET_ENV} (same on every worker)")
     return secret.encode() if isinstance(secret, str) else bytes(secret)
 
 

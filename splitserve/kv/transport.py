@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -165,6 +164,7 @@ class KVTransport(ABC):
     def describe(self) -> dict:
         """Backend actually running, peer, measured GB/s of recent transfers, counts."""
 
+    @abstractmethod
     def close(self) -> None:
         """Stop serving and free every lease still held."""
 
@@ -198,13 +198,11 @@ def make_transport(
         if reasons:
             log.warning(
                 "kv transport %r is not available (%s); falling back to %r as explicitly allowed",
-                backend, "; ".join(reasons), name,
+                backend,
+                "; ".join(reasons),
+                name,
             )
             transport.stats.fell_back(backend, reasons)  # type: ignore[attr-defined]
         return transport
     hint = "" if fallback else "; pass fallback=[...] to allow another backend explicitly"
     raise BackendUnavailable(f"no usable kv transport: {'; '.join(reasons)}{hint}")
-
-
-def options_dict(options: TransportOptions) -> dict:
-    return asdict(options)

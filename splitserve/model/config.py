@@ -77,7 +77,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         if "text_config" in cfg:  # multimodal wrapper (Qwen3.5): the language model's config
-            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+            cfg = _text_config_of(cfg)
         model_type = cfg.get("model_type", "llama")
         archs = cfg.get("architectures") or []
         hidden = int(cfg["hidden_size"])
@@ -104,6 +104,19 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **_hybrid_from_hf(cfg),
         )
+
+
+def _text_config_of(outer: dict[str, Any]) -> dict[str, Any]:
+    """The nested `text_config` of a multimodal wrapper, with what HF reads from the outer config:
+    `tie_word_embeddings` (the wrapper model ties by its own config's flag) and, where the text
+    config lacks them, the special token ids."""
+    cfg = {**outer["text_config"], "architectures": outer.get("architectures")}
+    if "tie_word_embeddings" in outer:
+        cfg["tie_word_embeddings"] = outer["tie_word_embeddings"]
+    for key in ("bos_token_id", "eos_token_id"):
+        if cfg.get(key) is None and outer.get(key) is not None:
+            cfg[key] = outer[key]
+    return cfg
 
 
 def _hybrid_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:

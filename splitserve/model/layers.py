@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoder families: RMSNorm, rotary embedding, gated MLP.
+"""Building blocks shared by the decoder families: RMSNorm, rotary embedding, gated MLP, and for
+Qwen3.5 a zero-centred RMSNorm, a gated RMSNorm and partial (leading-dims) rotary embedding.
 
 Each is written to match Hugging Face transformers' arithmetic step for step (fp32 norm statistics,
 cos/sin computed in fp32 from the same inverse frequencies), so that greedy output is token-exact
@@ -27,6 +28,37 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored as an offset from 1 (Qwen3.5): `norm(x) * (1 + w)`, all in fp32,
+    then cast back (the product is taken before the cast, unlike `RMSNorm`)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """`weight * norm(x) * silu(gate)` over the last dim (Qwen3.5's Gated DeltaNet output norm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
 
 
 def rope_inv_freq(cfg: RopeConfig, rotary_dim: int) -> torch.Tensor:
@@ -71,6 +103,44 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+class PartialRotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding on the first `rotary_dim` dims of each head; the rest pass through.
+
+    The cos/sin tables are computed on the CPU at construction (even under a `meta` device context)
+    and kept as plain attributes, not buffers, so a model built on `meta` and materialized with
+    `to_empty` needs no extra step; they are copied to a device on first use there.
+    """
+
+    def __init__(self, cfg: RopeConfig, rotary_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(cfg, rotary_dim)
+            positions = torch.arange(max_positions, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._tables = {torch.device("cpu"): (emb.cos(), emb.sin())}  # [max_positions, rotary_dim]
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._tables:
+            cos, sin = self._tables[torch.device("cpu")]
+            with torch.inference_mode(False):
+                self._tables[device] = (cos.to(device), sin.to(device))
+        return self._tables[device]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, H, D]; k [T, KVH, D]
+        cos_table, sin_table = self.tables(q.device)
+        cos = cos_table[positions].to(q.dtype).unsqueeze(1)  # [T, 1, rotary_dim]
+        sin = sin_table[positions].to(q.dtype).unsqueeze(1)
+        r = self.rotary_dim
+        q = torch.cat((_apply(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+        k = torch.cat((_apply(k[..., :r], cos, sin), k[..., r:]), dim=-1)
+        return q, k
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,15 @@ from torch import nn
 from splitserve.model.checkpoint import MODEL_TYPE_TO_ARCHITECTURE, SUPPORTED_ARCHITECTURES
 from splitserve.model.decoder import DecoderLM
 from splitserve.model.errors import ModelLoadError
+from splitserve.model.qwen3_5 import Qwen3_5LM
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {arch: DecoderLM for arch in SUPPORTED_ARCHITECTURES}
+_HYBRID: dict[str, type[nn.Module]] = {
+    "Qwen3_5ForCausalLM": Qwen3_5LM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5LM,
+}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    arch: _HYBRID.get(arch, DecoderLM) for arch in SUPPORTED_ARCHITECTURES
+}
 
 
 def resolve_architecture(hf_config: dict[str, Any]) -> str:

@@ -1,0 +1,46 @@
+"""KV transfer between workers: export / fetch / release of a request's KV blocks (and state).
+
+Nothing here depends on the engine: a transport moves the blocks of a plain block-major tensor
+`kv[num_blocks, layers, 2, block_size, kv_heads, head_dim]`. See transport.py for the life of a
+request's KV, protocol.py for the wire, and backends.py for what each backend needs. A prefill worker
+that exports over shm should allocate its cache with `allocate_shared_kv`: fetchers then copy
+straight out of it (shm_direct.py).
+"""
+
+from splitserve.kv.backends import available_backends
+from splitserve.kv.errors import (
+    AuthError,
+    BackendUnavailable,
+    CorruptTransfer,
+    LeaseExpired,
+    PeerRefused,
+    TransferTimeout,
+    TransportError,
+    UnknownLease,
+)
+from splitserve.kv.faults import FaultyTransport
+from splitserve.kv.handle import KVHandle
+from splitserve.kv.layout import KVLayout
+from splitserve.kv.lease import LeaseManager
+from splitserve.kv.shm_direct import allocate_shared_kv
+from splitserve.kv.transport import KVTransport, TransportOptions, make_transport
+
+__all__ = [
+    "AuthError",
+    "BackendUnavailable",
+    "CorruptTransfer",
+    "FaultyTransport",
+    "KVHandle",
+    "KVLayout",
+    "KVTransport",
+    "LeaseExpired",
+    "LeaseManager",
+    "PeerRefused",
+    "TransferTimeout",
+    "TransportError",
+    "TransportOptions",
+    "UnknownLease",
+    "allocate_shared_kv",
+    "available_backends",
+    "make_transport",
+]

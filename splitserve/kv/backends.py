@@ -1,0 +1,110 @@
+"""Which backends exist, what each needs, and opening one by name (used by `make_transport`).
+
+    tcp       any two hosts; always available
+    shm       same host, POSIX shared memory + a unix control socket
+    cuda_ipc  same host, GPU KV: needs CUDA                          (stub: not implemented yet)
+    nccl      GPU KV across hosts: needs CUDA and NCCL               (stub: not implemented yet)
+    nixl      RDMA / NVLink through NVIDIA NIXL: needs `import nixl` (stub: not implemented yet)
+
+A backend that cannot run raises `BackendUnavailable` naming what is missing; nothing here falls
+back on its own (that is `make_transport(..., fallback=[...])`, logged and counted).
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+from collections.abc import Callable
+
+import torch
+
+from splitserve.kv.errors import BackendUnavailable
+from splitserve.kv.layout import KVLayout
+from splitserve.kv.lease import FreeCallback
+from splitserve.kv.transport import KVTransport, TransportOptions
+
+
+def _tcp() -> type[KVTransport]:
+    from splitserve.kv.tcp import TcpTransport
+
+    return TcpTransport
+
+
+def _shm() -> type[KVTransport]:
+    try:
+        importlib.import_module("_posixshmem")
+    except ImportError as exc:
+        raise BackendUnavailable(f"shm: POSIX shared memory is not available here ({exc})") from exc
+    if not hasattr(socket, "AF_UNIX"):
+        raise BackendUnavailable("shm: unix sockets are not available here")
+    from splitserve.kv.shm import ShmTransport
+
+    return ShmTransport
+
+
+def _cuda() -> str:
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"
+    return ""
+
+
+def _cuda_ipc() -> type[KVTransport]:
+    missing = _cuda()
+    if missing:
+        raise BackendUnavailable(f"cuda_ipc: needs CUDA on both workers of one host; {missing}")
+    raise BackendUnavailable("cuda_ipc: CUDA is present, but splitserve has no cuda_ipc backend yet (stub)")
+
+
+def _nccl() -> type[KVTransport]:
+    missing = _cuda()
+    if not missing and not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+        missing = f"torch {torch.__version__} was built without NCCL"
+    if missing:
+        raise BackendUnavailable(f"nccl: needs CUDA and NCCL; {missing}")
+    raise BackendUnavailable("nccl: CUDA and NCCL are present, but splitserve has no nccl backend yet (stub)")
+
+
+def _nixl() -> type[KVTransport]:
+    try:
+        importlib.import_module("nixl")
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"nixl: the NIXL Python package is not installed ({exc}); it needs NIXL with UCX on both workers"
+        ) from exc
+    raise BackendUnavailable("nixl: `import nixl` works, but splitserve has no nixl backend yet (stub)")
+
+
+BACKENDS: dict[str, Callable[[], type[KVTransport]]] = {
+    "tcp": _tcp,
+    "shm": _shm,
+    "cuda_ipc": _cuda_ipc,
+    "nccl": _nccl,
+    "nixl": _nixl,
+}
+
+
+def open_backend(
+    name: str,
+    kv: torch.Tensor,
+    layout: KVLayout,
+    *,
+    secret: bytes | str | None = None,
+    on_free: FreeCallback | None = None,
+    options: TransportOptions | None = None,
+) -> KVTransport:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kv transport {name!r}; known: {', '.join(BACKENDS)}")
+    cls = BACKENDS[name]()
+    return cls(kv, layout, secret=secret, on_free=on_free, options=options)  # type: ignore[call-arg]
+
+
+def available_backends() -> dict[str, str]:
+    """name -> "ok" or why it cannot run here (for `splitserve verify`)."""
+    out = {}
+    for name, find in BACKENDS.items():
+        try:
+            find()
+            out[name] = "ok"
+        except BackendUnavailable as exc:
+            out[name] = str(exc)
+    return out

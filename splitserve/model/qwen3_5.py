@@ -1,0 +1,305 @@
+"""Qwen3.5 hybrid text model: Gated DeltaNet (linear attention) layers interleaved with gated full attention.
+
+Layer types (`cfg.layer_types`; by default every `full_attention_interval`-th layer is full attention):
+
+- "linear_attention": a Gated DeltaNet. One projection gives q/k/v (through a depthwise causal conv
+  of width `conv_kernel` and SiLU), the output gate z, beta (sigmoid) and the log-decay g
+  (`-exp(A_log) * softplus(a + dt_bias)`); the gated delta rule (`gated_delta.py`) mixes tokens
+  through a fixed-size per-sequence state; a gated RMSNorm (`norm(o) * silu(z)`) precedes out_proj.
+- "full_attention": softmax attention over the paged KV cache, with q/k RMSNorm, RoPE on the first
+  `head_dim * partial_rotary_factor` dims only, and an output gate: q_proj yields per head
+  [query | gate], and the attention output is multiplied by sigmoid(gate) before o_proj.
+
+Every RMSNorm except the gated one is zero-centred (`norm(x) * (1 + w)`, fp32). The MLP is the usual
+SwiGLU. Text-only input puts the same position in every M-RoPE section, so M-RoPE is plain RoPE here.
+
+State layout. Only the full-attention layers have KV: the cache holds `cfg.num_kv_layers` layers and a
+full-attention layer addresses it by its index in `cfg.kv_layer_ids`. The linear layers keep, per
+sequence, a state slot in the engine's `StatePool` (`state_shapes()`), all fp32:
+
+    states["conv"]       [num_slots, num_linear_layers, conv_dim, conv_kernel - 1]  last conv inputs
+    states["recurrent"]  [num_slots, num_linear_layers, value_heads, key_head_dim, value_head_dim]
+
+`AttentionMetadata.seq_slots` gives each sequence's slot (decodes first, then prefill chunks, as in the
+flat batch). Decode tokens are advanced together with the recurrent form; each prefill chunk runs
+the causal conv from its slot's conv window and the chunked rule from its slot's recurrent state,
+and both are written back, so a prompt may be split into chunks at any position. A slot is zeroed
+when allocated, which is the state before a sequence's first token.
+
+Out of scope: the vision tower (`model.visual.*`) and the multi-token-prediction head (`mtp.*`) of
+`Qwen3_5ForConditionalGeneration` checkpoints (only the language model is loaded, its
+`model.language_model.*` names read as `model.*`); GGUF files for qwen35; prefix caching (the engine
+turns it off for hybrid models: the recurrent state cannot be restored at a block boundary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.model.config import ModelConfig
+from splitserve.model.decoder import ForwardContext
+from splitserve.model.errors import ModelLoadError
+from splitserve.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from splitserve.model.layers import GatedMLP, GatedRMSNorm, PartialRotaryEmbedding, ZeroCentredRMSNorm
+
+
+class GatedAttention(nn.Module):
+    """Full attention with q/k norm, partial RoPE and a sigmoid output gate."""
+
+    def __init__(self, cfg: ModelConfig, kv_index: int) -> None:
+        super().__init__()
+        self.kv_index = kv_index  # this layer's index in the KV cache (position in cfg.kv_layer_ids)
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # rows: per head [query | gate] (2 * H * D), then k (KVH * D), then v (KVH * D)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, 2 * (self.h + self.kvh) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = ZeroCentredRMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(self.d, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, rope: PartialRotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qg, k, v = self.qkv_proj(x).split([2 * self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, gate = qg.view(t, self.h, 2 * self.d).chunk(2, dim=-1)  # [T, H, D] each
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(t, self.kvh, self.d))
+        q, k = rope(positions, q, k)
+        out = ctx.attn.forward(self.kv_index, q, k, v.reshape(t, self.kvh, self.d), ctx.kv, ctx.meta)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.h * self.d)))  # out: [T, H * D]
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear-attention layer over the flat batch, reading and writing per-sequence state slots."""
+
+    def __init__(self, cfg: ModelConfig, linear_index: int) -> None:
+        super().__init__()
+        lin = cfg.linear
+        assert lin is not None
+        self.index = linear_index  # this layer's index in the state tensors
+        self.hk, self.hv, self.dk, self.dv = (
+            lin.num_key_heads,
+            lin.num_value_heads,
+            lin.key_head_dim,
+            lin.value_head_dim,
+        )
+        self.conv_dim, self.kernel = lin.conv_dim, lin.conv_kernel
+        self.value_dim = self.hv * self.dv
+        # rows: q, k, v (conv_dim) | z (value_dim) | b (Hv) | a (Hv)
+        self.in_proj = nn.Linear(cfg.hidden_size, self.conv_dim + self.value_dim + 2 * self.hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        meta = ctx.meta
+        assert meta.seq_slots is not None, "hybrid model run without state slots"
+        conv_states = ctx.states["conv"][:, self.index]  # [num_slots, conv_dim, kernel - 1] (a view)
+        rec_states = ctx.states["recurrent"][:, self.index]  # [num_slots, Hv, Dk, Dv] (a view)
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+
+        # causal depthwise conv + SiLU, continuing each sequence's conv window
+        nd = meta.num_decode_tokens
+        conv_out = torch.empty_like(mixed)  # [T, conv_dim]
+        if nd:
+            slots = meta.seq_slots[:nd]
+            window = torch.cat([conv_states[slots].to(mixed.dtype), mixed[:nd, :, None]], dim=-1)  # [B, C, K]
+            conv_states[slots] = window[:, :, 1:].float()
+            conv_out[:nd] = self._conv(window)[:, :, -1]
+        for i, chunk in enumerate(meta.prefills):
+            slot = meta.seq_slots[nd + i : nd + i + 1]  # [1], a tensor: no device sync
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            seq = torch.cat([conv_states[slot].to(mixed.dtype), mixed[rows].T[None]], dim=-1)  # [1, C, K-1+L]
+            conv_states[slot] = seq[:, :, seq.shape[-1] - (self.kernel - 1) :].float()
+            conv_out[rows] = self._conv(seq)[0].T
+
+        q, k, v = conv_out.split([self.hk * self.dk, self.hk * self.dk, self.value_dim], dim=-1)
+        q, k, v = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv)
+        beta = b.sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log-decay, fp32
+
+        core = torch.empty_like(v)  # [T, Hv, Dv]
+        if nd:
+            slots = meta.seq_slots[:nd]
+            out, state = recurrent_gated_delta_rule(  # batch of B sequences, one token each
+                q[:nd, None], k[:nd, None], v[:nd, None], g[:nd, None], beta[:nd, None], rec_states[slots]
+            )
+            core[:nd] = out[:, 0]
+            rec_states[slots] = state
+        for i, chunk in enumerate(meta.prefills):
+            slot = meta.seq_slots[nd + i : nd + i + 1]
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out, state = chunk_gated_delta_rule(
+                q[None, rows], k[None, rows], v[None, rows], g[None, rows], beta[None, rows], rec_states[slot]
+            )
+            core[rows] = out[0]
+            rec_states[slot] = state
+
+        core = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv))  # [T * Hv, Dv]
+        return self.out_proj(core.reshape(t, self.value_dim))
+
+    def _conv(self, seq: torch.Tensor) -> torch.Tensor:
+        # seq [B, C, K - 1 + L] (left context included) -> silu(conv) [B, C, L], in seq's dtype
+        w = self.conv1d.weight  # [C, 1, K]
+        return F.silu(F.conv1d(seq.to(w.dtype), w, groups=self.conv_dim)).to(seq.dtype)
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.is_linear = cfg.layer_types[layer] == "linear_attention"
+        self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, cfg.layer_types[:layer].count("linear_attention"))
+        else:
+            self.self_attn = GatedAttention(cfg, cfg.kv_layer_ids.index(layer))
+        self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, rope: PartialRotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            h = self.linear_attn(h, ctx)
+        else:
+            h = self.self_attn(positions, h, rope, ctx)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5LM(nn.Module):
+    """Qwen3.5 (hybrid Gated DeltaNet / gated attention) causal LM over a flat token batch."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        if cfg.linear is None or len(cfg.layer_types) != cfg.num_layers:
+            raise ModelLoadError(
+                f"{cfg.architecture}: config lacks the linear-attention settings or layer_types"
+            )
+        unknown = set(cfg.layer_types) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise ModelLoadError(f"{cfg.architecture}: unsupported layer types {sorted(unknown)}")
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+        rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        # NOTE: not `self.rope`: the loaders replace `model.rope` with a full-head_dim table after
+        # `to_empty`; this one is partial and needs no rebuilding (see PartialRotaryEmbedding).
+        self.partial_rope = PartialRotaryEmbedding(cfg.rope, rotary_dim, max_positions)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.cfg.layer_types.count("linear_attention")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x, self.partial_rope, ctx)
+        return self.norm(x)
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        lin = self.cfg.linear
+        assert lin is not None
+        n = self.num_linear_layers
+        return {
+            "conv": ((n, lin.conv_dim, lin.conv_kernel - 1), torch.float32),
+            "recurrent": ((n, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim), torch.float32),
+        }
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()  # [N, vocab]
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into this model's (merged) parameters; every parameter must be set.
+
+        Accepts `Qwen3_5ForCausalLM` names and `Qwen3_5ForConditionalGeneration` ones
+        (`model.language_model.*`); vision-tower and MTP tensors are skipped.
+        """
+        params = dict(self.named_parameters())
+        merged = _merged_rows(self.cfg)
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            target, rows = _map_name(name, merged)
+            if target is None or (target == "lm_head.weight" and self.lm_head is None):
+                continue
+            if target not in params:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
+            dest = params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(f"{target}:{rows}")
+        missing = [n for n in _expected_keys(self, merged) if n not in loaded]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+_Merged = dict[str, tuple[str, tuple[int, int]]]
+
+
+def _merged_rows(cfg: ModelConfig) -> _Merged:
+    """HF module name -> (our merged module, its row range there), for every merged projection."""
+    lin = cfg.linear
+    assert lin is not None
+    q, kv = 2 * cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim  # q: [query | gate]
+    value = lin.num_value_heads * lin.value_head_dim
+    pieces = {
+        "qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+        "in_proj": [
+            ("in_proj_qkv", lin.conv_dim),
+            ("in_proj_z", value),
+            ("in_proj_b", lin.num_value_heads),
+            ("in_proj_a", lin.num_value_heads),
+        ],
+        "gate_up_proj": [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)],
+    }
+    out: _Merged = {}
+    for target, parts in pieces.items():
+        start = 0
+        for hf_module, size in parts:
+            out[hf_module] = (target, (start, start + size))
+            start += size
+    return out
+
+
+def _map_name(name: str, merged: _Merged) -> tuple[str | None, tuple[int, int] | None]:
+    """HF parameter name -> (our parameter name, row range inside a merged weight or None)."""
+    if name.startswith(("mtp.", "model.visual.")) or "rotary_emb" in name:
+        return None, None
+    for prefix in ("model.language_model.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    parts = name.split(".")
+    if len(parts) >= 5 and parts[0] == "layers" and parts[3] in merged:
+        target, rows = merged[parts[3]]
+        return ".".join([*parts[:3], target, *parts[4:]]), rows
+    return name, None
+
+
+def _expected_keys(model: Qwen3_5LM, merged: _Merged) -> list[str]:
+    rows_of: dict[str, list[tuple[int, int]]] = {}
+    for target, rows in merged.values():
+        rows_of.setdefault(target, []).append(rows)
+    keys = []
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) >= 5 and parts[3] in rows_of:
+            keys += [f"{name}:{r}" for r in rows_of[parts[3]]]
+        else:
+            keys.append(f"{name}:None")
+    return keys
