@@ -2,6 +2,11 @@
 
 One `step()` = schedule -> run the model on the flat batch -> sample -> append tokens, check stop
 conditions, cache full blocks, free finished requests -> return outputs for requests that changed.
+
+Prefill/decode disaggregation (disagg.py) plugs in through `kv_connector`: `add_request(...,
+kv_transfer="export")` leases a request's blocks to the KV transport after its first token instead of
+freeing them; `add_request_with_kv(...)` starts a request whose prompt KV is fetched from a prefill
+engine; blocks whose lease ended come back at the start of each `step()` (or `free_released_kv()`).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +32,10 @@ from splitserve.engine.stop import check_stop
 from splitserve.model.attention import TorchPagedAttention
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
 from splitserve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from splitserve.engine.disagg import KVConnector
+    from splitserve.kv.handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +71,13 @@ class LLMEngine:
             self.model_config, self.block_size, self.dtype
         )
         cfg = self.model_config
-        self.kv = allocate_kv_cache(
-            (num_blocks, cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim),
-            self.dtype,
-            self.device,
-        )
+        kv_shape = (num_blocks, cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        if config.kv_shared_memory:
+            from splitserve.kv.shm_direct import allocate_shared_kv
+
+            self.kv = allocate_shared_kv(kv_shape, self.dtype)
+        else:
+            self.kv = allocate_kv_cache(kv_shape, self.dtype, self.device)
         self.states = StatePool(self.loaded.model.state_shapes(), config.max_num_seqs, self.device)
         prefix_caching = config.enable_prefix_caching
         if prefix_caching and self.states.enabled:
@@ -86,6 +98,8 @@ class LLMEngine:
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
+        self.kv_connector: KVConnector | None = None  # set by disagg.KVConnector for the PD roles
+        self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
         self._ids = itertools.count()
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
@@ -101,16 +115,21 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        kv_transfer: str | None = None,
     ) -> str:
+        """`kv_transfer="export"` (prefill role): stop after the first token and lease the prompt's KV
+        to the transport; the final output's `kv_transfer` holds the handle (disagg.py)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_free_id(request_id)
+        if kv_transfer is not None:
+            self._connector().check_export(kv_transfer, params)
         prompt_ids = self._prompt_ids(prompt)
         max_tokens = self._check_lengths(prompt_ids, params)
         children = [self._child(request_id, prompt_ids, params, i, max_tokens) for i in range(params.n)]
         for child in children[1:]:
             child.leader = children[0]
+        children[0].export_kv = kv_transfer == "export"
         self._parents[request_id] = children
         for child in children:
             self.requests[child.request_id] = child
@@ -119,6 +138,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its n samples) and free everything it holds. Unknown ids are ignored."""
+        if self.kv_connector is not None:
+            self.kv_connector.abort_import(request_id)  # a KV fetch in flight: freed when it ends
         for req in self._parents.pop(request_id, []):
             if not req.finished:
                 req.status = Status.FINISHED
@@ -127,7 +148,7 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self._parents or self._ready)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -136,13 +157,15 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.free_released_kv()
+        ready, self._ready = self._ready, []
         sched = self.scheduler.schedule()
         if not sched.chunks:
-            return []
+            return ready
         logits, sample_chunks = self.runner.execute(sched.chunks)
         reqs = [c.request for c in sample_chunks]
         tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
-        return self._update(sched, reqs, tokens, logprobs)
+        return ready + self._update(sched, reqs, tokens, logprobs)
 
     def _update(
         self,
@@ -177,6 +200,8 @@ class LLMEngine:
             req.status = Status.FINISHED
             self.scheduler.kv.cache_full_blocks(req)
             self.scheduler.finish(req)
+        elif req.export_kv:
+            self._connector().export(req)  # finished, its blocks leased instead of freed
 
     def _output(self, parent_id: str) -> RequestOutput:
         children = self._parents[parent_id]
@@ -193,7 +218,70 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=head.num_cached_tokens,
             metrics={"arrival_time": head.arrival_time, "first_token_time": head.first_token_time},
+            kv_transfer=head.kv_export,
         )
+
+    # ---- prefill/decode disaggregation (the work is in disagg.py) -------------------------------
+
+    def add_request_with_kv(
+        self,
+        handle: KVHandle,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **options: object,
+    ) -> str:
+        """Decode role: fetch the prompt's KV from the prefill engine named by `handle` (blocking, with
+        a deadline) and continue as if this engine had prefilled it. A failed fetch follows the policy:
+        "fail" raises `KVTransferFailed`, "recompute" recomputes the prompt here. `options`: see
+        `disagg.ImportSpec` (generator_state, first_logprob, policy, timeout_s)."""
+        from splitserve.engine.disagg import ImportSpec
+
+        rid = request_id or handle.request_id
+        spec = ImportSpec(handle, list(prompt_token_ids), int(first_token), params or SamplingParams(),
+                          rid, **options)  # type: ignore[arg-type]  # fmt: skip
+        out = self._connector().import_blocking(spec)
+        if out is not None:  # already finished (its first token ends it): the next step() reports it
+            self._ready.append(out)
+        return rid
+
+    def free_released_kv(self) -> int:
+        """Give back the blocks of exports whose lease ended (released or expired); -> how many."""
+        return self.kv_connector.drain() if self.kv_connector is not None else 0
+
+    def build_request(self, prompt: Sequence[int], params: SamplingParams, request_id: str) -> Request:
+        """One request (n == 1), validated as `add_request` does, but not queued (a KV import)."""
+        if params.n != 1:
+            raise ValueError("a request with n > 1 cannot take part in a KV transfer")
+        self._check_free_id(request_id)
+        prompt_ids = self._prompt_ids(prompt)
+        return self._child(request_id, prompt_ids, params, 0, self._check_lengths(prompt_ids, params))
+
+    def adopt(
+        self, req: Request, first_token: int, logprob: TokenLogprob | None, num_computed_tokens: int
+    ) -> RequestOutput | None:
+        """Queue a request built by `build_request` (at the front: it has waited already) with its
+        prompt's first `num_computed_tokens` tokens computed (KV fetched: all; recompute: 0) and its
+        first token sampled elsewhere. -> its output if that token already ends it, else None."""
+        self._check_free_id(req.request_id)
+        req.num_computed_tokens = num_computed_tokens
+        self._parents[req.request_id] = [req]
+        self.requests[req.request_id] = req
+        self.scheduler.waiting.appendleft(req)
+        req.first_token_time = time.monotonic()
+        self._append_token(req, first_token, logprob)
+        return self._output(req.request_id) if req.finished else None
+
+    def _connector(self) -> KVConnector:
+        if self.kv_connector is None:
+            raise ValueError("this engine has no KV connector: start it with a prefill or decode role")
+        return self.kv_connector
+
+    def _check_free_id(self, request_id: str) -> None:
+        importing = self.kv_connector is not None and self.kv_connector.importing(request_id)
+        if request_id in self._parents or importing:
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -220,7 +308,8 @@ class LLMEngine:
             )
         if -(-(n + 1) // self.block_size) > self.pool.num_blocks:
             raise ValueError(f"the prompt ({n} tokens) does not fit in the KV cache")
-        room = self.max_model_len - n
+        # NOTE: capped by the whole KV pool too: a sequence that outgrew it would preempt itself forever
+        room = min(self.max_model_len, self.pool.num_blocks * self.block_size) - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def _child(

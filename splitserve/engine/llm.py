@@ -45,7 +45,14 @@ class LLM:
     ) -> list[RequestOutput]:
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch))
-        ids = [self.engine.add_request(_prompt_of(p), sp) for p, sp in zip(batch, params, strict=True)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(batch, params, strict=True):
+                ids.append(self.engine.add_request(_prompt_of(p), sp))
+        except Exception:  # an invalid prompt: drop the ones already added rather than leave them queued
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -1,8 +1,9 @@
 """Batched sampling with per-request parameters.
 
 Order of operations (vLLM's): raw logprobs are taken first (so they are the model's own distribution),
-then penalties, then greedy rows take the argmax; the rest are divided by temperature, filtered by
-min_p, top_k and top_p, and sampled with the exponential-race trick (argmax of p / q, q ~ Exp(1)).
+then penalties and the min_tokens ban on stop tokens, then greedy rows take the argmax; the rest are
+divided by temperature, filtered by min_p, top_k and top_p, and sampled with the exponential-race
+trick (argmax of p / q, q ~ Exp(1)).
 A seeded request draws q from its own generator, so its tokens do not depend on its batch mates.
 """
 
@@ -31,6 +32,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         if any(r.params.has_penalties for r in reqs):
             logits = self._apply_penalties(logits.clone(), reqs)
+        logits = self._apply_min_tokens(logits, reqs)
         tokens = self._sample(logits, reqs)
         token_list = tokens.tolist()
         if raw_logprobs is None:
@@ -52,6 +54,25 @@ class Sampler:
             q[i].exponential_(generator=gen)
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(greedy, argmax, sampled)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """Until a request has min_tokens outputs, EOS (unless ignored) and its stop_token_ids cannot be
+        sampled (vLLM's semantics: otherwise EOS would be emitted mid-output without stopping it)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if len(r.output_token_ids) >= p.min_tokens:
+                continue
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+            ids = [t for t in banned if 0 <= t < logits.shape[1]]
+            rows += [i] * len(ids)
+            cols += ids
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[rows, cols] = float("-inf")
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         for i, r in enumerate(reqs):
