@@ -9,6 +9,10 @@ Life of a request:
      task cancelled), the generator's `finally` posts an abort, which frees the request's KV blocks.
   4. If a step raises, every in-flight request gets the error and is aborted; the engine keeps serving.
 
+Other work that must run on the engine thread (a KV import's block reservation, stats) goes through
+`run_in_engine(fn)`; `stream(request_id, submit)` streams a request that `submit` puts into the engine
+by other means than `add_request` (a KV import, disagg_async.py).
+
 torch releases the GIL inside its kernels, so the event loop stays responsive while a step runs.
 """
 
@@ -19,8 +23,9 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
@@ -28,6 +33,7 @@ from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -46,10 +52,16 @@ class _Stream:
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | Sequence[int]
-    params: SamplingParams
+    submit: Callable[[], RequestOutput | None]  # puts the request into the engine; raises to refuse it
     stream: _Stream
     accepted: asyncio.Future
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop | None = None
+    done: asyncio.Future | None = None  # None: fire and forget
 
 
 @dataclass
@@ -60,7 +72,7 @@ class _Abort:
 class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._closed = False
@@ -76,16 +88,33 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        kv_transfer: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs (cumulative) until the request finishes; closing the stream aborts it."""
+        """Stream outputs (cumulative) until the request finishes; closing the stream aborts it.
+        `kv_transfer="export"`: see `LLMEngine.add_request` (prefill role)."""
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+
+        def submit() -> None:
+            self.engine.add_request(prompt, params, request_id=rid, kv_transfer=kv_transfer)
+
+        async for out in self.stream(rid, submit):
+            yield out
+
+    async def stream(
+        self, request_id: str, submit: Callable[[], RequestOutput | None]
+    ) -> AsyncIterator[RequestOutput]:
+        """Run `submit` on the engine thread (it adds request `request_id`; what it raises is raised
+        here; an output it returns is streamed first), then stream the request's outputs."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         loop = asyncio.get_running_loop()
-        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = _Stream(loop, asyncio.Queue())
         accepted = loop.create_future()
-        self._inbox.put(_Add(rid, prompt, params, stream, accepted))
+        self._inbox.put(_Add(request_id, submit, stream, accepted))
         finished = False
         try:
             await accepted  # raises the engine's validation error, if any
@@ -99,10 +128,23 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self.abort(rid)
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    async def run_in_engine(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between steps; -> its result (or its exception, raised here)."""
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._inbox.put(_Call(fn, loop, done))
+        return await done
+
+    def call_soon_in_engine(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on the engine thread between steps, from any thread; its result is dropped."""
+        self._inbox.put(_Call(fn))
 
     async def shutdown(self) -> None:
         self._closed = True
@@ -117,6 +159,7 @@ class AsyncLLM:
             if not self._drain(block=idle):
                 break
             if not self.engine.has_unfinished_requests():
+                self.engine.free_released_kv()  # exports whose lease ended while idle
                 continue
             try:
                 outputs = self.engine.step()
@@ -147,18 +190,34 @@ class AsyncLLM:
             except queue.Empty:
                 return True
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
         if isinstance(cmd, _Abort):
             self.engine.abort(cmd.request_id)
             self._streams.pop(cmd.request_id, None)
             return
+        if isinstance(cmd, _Call):
+            self._call(cmd)
+            return
         try:
-            self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+            first = cmd.submit()
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             _settle(cmd.stream.loop, cmd.accepted, exc)
             return
-        self._streams[cmd.request_id] = cmd.stream
+        if first is not None:
+            cmd.stream.put(first)
+        if first is None or not first.finished:
+            self._streams[cmd.request_id] = cmd.stream
         _settle(cmd.stream.loop, cmd.accepted, None)
+
+    def _call(self, cmd: _Call) -> None:
+        try:
+            result, exc = cmd.fn(), None
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            result, exc = None, e
+            if cmd.done is None:
+                log.exception("engine-thread call failed")
+        if cmd.done is not None and cmd.loop is not None:
+            _settle(cmd.loop, cmd.done, exc, result)
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, stream in list(self._streams.items()):
@@ -167,12 +226,14 @@ class AsyncLLM:
         self._streams.clear()
 
 
-def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None) -> None:
+def _settle(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None, result: Any = True
+) -> None:
     def done() -> None:
         if fut.done():
             return
         if exc is None:
-            fut.set_result(True)
+            fut.set_result(result)
         else:
             fut.set_exception(exc)
 

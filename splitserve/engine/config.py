@@ -28,6 +28,7 @@ class EngineConfig:
     cpu_kv_cache_fraction: float = 0.1  # CPU: fraction of host memory for KV when no bytes given
     enable_prefix_caching: bool = True
     seed: int = 0
+    kv_shared_memory: bool = False  # CPU: KV in a memfd, so shm KV fetchers copy straight out of it
     progress: bool = True
 
     def torch_device(self) -> torch.device:
@@ -69,12 +70,19 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     return int(_host_memory_bytes() * config.cpu_kv_cache_fraction)
 
 
-def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def allocate_kv_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, shared: bool = False
+) -> torch.Tensor:
     """A zero-filled KV tensor. On CPU the zeros come from calloc, so pages are touched lazily
-    (torch.zeros would write every byte up front: seconds for a few GiB).
+    (torch.zeros would write every byte up front: seconds for a few GiB). `shared` (CPU): in a memfd,
+    so that shm KV fetchers can map it and copy blocks straight out (kv/shm_direct.py; also lazy).
 
     NOTE: it must be zeros, not garbage: attention masks padded slots to weight 0, and 0 * NaN is NaN.
     """
+    if shared and device.type == "cpu":
+        from splitserve.kv.shm_direct import allocate_shared_kv
+
+        return allocate_shared_kv(shape, dtype)
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -72,12 +72,7 @@ class LLMEngine:
         )
         cfg = self.model_config
         kv_shape = (num_blocks, cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        if config.kv_shared_memory:
-            from splitserve.kv.shm_direct import allocate_shared_kv
-
-            self.kv = allocate_shared_kv(kv_shape, self.dtype)
-        else:
-            self.kv = allocate_kv_cache(kv_shape, self.dtype, self.device)
+        self.kv = allocate_kv_cache(kv_shape, self.dtype, self.device, shared=config.kv_shared_memory)
         self.states = StatePool(self.loaded.model.state_shapes(), config.max_num_seqs, self.device)
         prefix_caching = config.enable_prefix_caching
         if prefix_caching and self.states.enabled:

@@ -7,6 +7,9 @@ Life of a request:
      computes one token and the sampler appends the next.
   3. It finishes (stop, length, abort) and its blocks go back to the pool, or it is preempted: blocks
      freed, `num_computed_tokens = 0`, back to the front of the waiting queue to be recomputed.
+  (Prefill/decode disaggregation: a request added with `export_kv` ends after its first token with its
+  blocks leased to the KV transport instead of freed; a decode engine starts one with the prompt's KV
+  already fetched, `num_computed_tokens = len(prompt)`. See disagg.py.)
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     detokenizer: object | None = None
+    export_kv: bool = False  # prefill role: lease the KV to the transport after the first token
+    kv_export: object | None = None  # prefill role: the `disagg.KVExport` made when it was exported
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -104,6 +109,10 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # Prefill role: the `disagg.KVExport` (KV handle + sampler state) when the request was exported.
+    # NOTE: such an output is `finished` (this engine is done) while its completion is not
+    # (finish_reason None): generation continues on the decode worker that fetches the handle.
+    kv_transfer: object | None = None
 
 
 def completion_of(req: Request) -> CompletionOutput:

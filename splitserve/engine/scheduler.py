@@ -112,11 +112,15 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request from whichever queue holds it and free its blocks."""
+        self.detach(req)
+        self.kv.free(req)
+
+    def detach(self, req: Request) -> None:
+        """Remove a request from whichever queue holds it, keeping its blocks (a KV export leases them)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
 
 
 def _waits_for_leader(req: Request) -> bool:

@@ -110,17 +110,20 @@ def random_model(
 
 @torch.no_grad()
 def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """In place: norm weights 1, biases 0, every other parameter ~ N(0, std), from one seeded generator."""
+    """In place: norm weights at identity scale (1, or 0 for a norm that stores 1 + w), biases 0,
+    every other parameter ~ N(0, std), from one seeded generator."""
     first = next(model.parameters())
     gen = torch.Generator(device=first.device)
     gen.manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            param.normal_(0.0, std, generator=gen)
+    for module in model.modules():
+        kind = type(module).__name__
+        for name, param in module.named_parameters(recurse=False):
+            if "Norm" in kind and name == "weight":
+                param.fill_(0.0 if kind.startswith("ZeroCentred") else 1.0)
+            elif name == "bias":
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=gen)
 
 
 def hf_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:

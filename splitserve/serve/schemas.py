@@ -1,0 +1,130 @@
+"""The worker service's HTTP bodies (pydantic at the edge), and sampling params from JSON.
+
+A KV handle travels as `kv = {"handle": KVHandle.to_dict(), "generator_state": base64 | null}` (see
+`splitserve.engine.disagg.KVExport`): plain JSON, never pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from splitserve.engine.params import SamplingParams
+from splitserve.engine.request import RequestOutput
+
+_PARAM_FIELDS = {f.name for f in fields(SamplingParams)} - {"extra"}
+
+
+def sampling_params(data: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from a JSON object of its fields (vLLM's names); unknown keys are an error."""
+    unknown = set(data) - _PARAM_FIELDS
+    if unknown:
+        raise ValueError(f"unknown sampling params {sorted(unknown)}; known: {sorted(_PARAM_FIELDS)}")
+    try:
+        return SamplingParams(**data)
+    except TypeError as exc:
+        raise ValueError(f"bad sampling params: {exc}") from exc
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PrefillRequest(_Body):
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = None
+
+
+class PrefillResponse(_Body):
+    request_id: str
+    first_token: int
+    text: str
+    # Set when the first token already ends the request (EOS, stop, max_tokens=1): kv is then null.
+    finish_reason: str | None
+    kv: dict[str, Any] | None  # KVExport.to_dict(): what /decode needs besides the prompt
+    seconds: float
+
+
+class DecodeRequest(_Body):
+    prompt_token_ids: list[int] = Field(min_length=1)
+    first_token: int
+    kv: dict[str, Any]
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = None  # default: the handle's (the prefill worker's id)
+    kv_policy: Literal["fail", "recompute"] | None = None  # default: the worker's --kv-policy
+    timeout_s: float | None = Field(default=None, gt=0)  # room + fetch; default --kv-fetch-timeout-s
+    stream: bool = True
+
+
+class GenerateRequest(_Body):
+    prompt_token_ids: list[int] | None = None
+    prompt: str | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = None
+    stream: bool = True
+
+    def prompt_input(self) -> str | list[int]:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        return self.prompt if self.prompt is not None else list(self.prompt_token_ids or [])
+
+
+class AbortRequest(_Body):
+    request_id: str
+
+
+class ReleaseRequest(_Body):
+    """Give back an export's blocks now (e.g. its decode peer was refused and cannot release it)."""
+
+    kv: dict[str, Any]  # as /prefill returned it
+
+
+class PeerRequest(_Body):
+    address: str  # a prefill worker's kv_address (from its /health)
+    timeout_s: float = Field(default=5.0, gt=0)
+
+
+class FaultsRequest(_Body):
+    """Test-only (--enable-fault-injection): how this exporter misbehaves on each fetch it serves."""
+
+    drop: float = 0.0
+    delay: float = 0.0
+    corrupt: float = 0.0
+    kill: float = 0.0
+    delay_s: float = 5.0
+    seed: int = 0
+
+
+class StreamLine(_Body):
+    """One NDJSON line of /generate and /decode: the tokens new since the previous line."""
+
+    request_id: str
+    offset: int  # index of token_ids[0] in the completion (a /decode stream starts with the first token)
+    token_ids: list[int]
+    text: str  # new text
+    finished: bool
+    finish_reason: str | None = None
+
+
+class LineMaker:
+    """Turns the engine's cumulative outputs into delta lines."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.chars = 0
+
+    def __call__(self, out: RequestOutput) -> StreamLine:
+        comp = out.outputs[0]
+        line = StreamLine(
+            request_id=out.request_id,
+            offset=self.tokens,
+            token_ids=comp.token_ids[self.tokens :],
+            text=comp.text[self.chars :],
+            finished=out.finished,
+            finish_reason=comp.finish_reason,
+        )
+        self.tokens, self.chars = len(comp.token_ids), len(comp.text)
+        return line

@@ -1,0 +1,334 @@
+"""The worker service: one engine in one process, in a role, reached over HTTP (worker_app.py).
+
+    python -m splitserve.serve.worker --role prefill --model PATH --port 0 --kv-backend tcp \
+        --kv-secret-env SPLITSERVE_KV_SECRET
+
+prints one JSON line `{"event": "ready", "url": ..., "kv_address": ..., ...}` once it serves (ports
+come from the OS), then logs to stderr.
+
+Roles and the life of a disaggregated request through two workers (a router, issue 4, drives it):
+  1. prefill worker, POST /prefill {prompt_token_ids, sampling_params}: the engine runs the prompt,
+     samples the first token, leases the blocks (and hybrid state) to the KV transport, and answers
+     {first_token, kv: {handle, generator_state}}. Unclaimed, the lease ends after --kv-lease-s.
+  2. decode worker, POST /decode {prompt_token_ids, first_token, kv, sampling_params}: reserves blocks,
+     fetches (the transport's handshake checks the layout and the shared secret on first contact),
+     has the prefill lease released, joins the batch and streams NDJSON lines from the first token on.
+     A failed fetch follows --kv-policy (or the body's kv_policy): "fail" answers an HTTP error
+     before any line; "recompute" recomputes the prompt here and streams the same tokens.
+  colocated worker: POST /generate only (every role serves /generate: a whole request on one engine).
+All roles: POST /abort, GET /health, GET /stats (queues, free blocks and state slots, KV counters).
+KV plumbing: POST /kv/connect (decode: handshake with a prefill worker now, to check a pair),
+POST /kv/release (prefill: end an export's lease now), POST /debug/faults (--enable-fault-injection).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from splitserve.engine.async_engine import AsyncLLM
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.disagg import ImportSpec, KVConnector, KVExport
+from splitserve.engine.disagg_async import AsyncKVImporter
+from splitserve.engine.engine import LLMEngine
+from splitserve.kv import TransportError, TransportOptions
+from splitserve.kv.faults import FaultKnobs, FaultPlan
+from splitserve.model.errors import ModelLoadError
+from splitserve.serve.schemas import (
+    DecodeRequest,
+    FaultsRequest,
+    GenerateRequest,
+    LineMaker,
+    PrefillRequest,
+    PrefillResponse,
+    StreamLine,
+    sampling_params,
+)
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+class RoleError(ValueError):
+    """An endpoint this worker's role does not serve."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str = "colocated"
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    kv_cache_mb: int | None = None  # None: the engine's default budget
+    seed: int = 0
+    kv_backend: str = "tcp"
+    kv_secret: str | None = dataclasses.field(default=None, repr=False)
+    kv_host: str = "127.0.0.1"
+    kv_lease_s: float = 30.0
+    kv_fetch_timeout_s: float = 30.0
+    kv_policy: str = "fail"
+    kv_checksum: str | None = None
+    fault_injection: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; choose one of {ROLES}")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            kv_cache_bytes=None if self.kv_cache_mb is None else self.kv_cache_mb << 20,
+            seed=self.seed,
+            progress=False,
+            # the exporter's cache in a memfd: shm fetchers copy straight out of it (kv/shm_direct.py)
+            kv_shared_memory=self.role == "prefill" and self.kv_backend == "shm",
+        )
+
+    def transport_options(self) -> TransportOptions:
+        return TransportOptions(
+            host=self.kv_host,
+            lease_s=self.kv_lease_s,
+            fetch_timeout_s=self.kv_fetch_timeout_s,
+            checksum=self.kv_checksum,
+        )
+
+
+class Worker:
+    """prefill / decode / generate / abort / health / stats over one engine (the same class a Ray
+    deployment would wrap)."""
+
+    def __init__(self, config: WorkerConfig, engine: LLMEngine | None = None) -> None:
+        self.config = config
+        engine = engine or LLMEngine(config.engine_config())
+        self.connector: KVConnector | None = None
+        self.kv_address: str | None = None
+        if config.role != "colocated":
+            self.connector = KVConnector.open(
+                engine, config.kv_backend, secret=config.kv_secret,
+                options=config.transport_options(), policy=config.kv_policy,
+            )  # fmt: skip
+            if config.role == "prefill":
+                self.kv_address = self.connector.transport.listen()  # type: ignore[union-attr]
+        self.llm = AsyncLLM(engine)
+        self.importer = AsyncKVImporter(self.llm, self.connector) if config.role == "decode" else None
+        self._ids = itertools.count()
+        self._tag = secrets.token_hex(4)  # request ids unique across workers: decode keeps them
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.llm.engine
+
+    def _new_id(self, kind: str) -> str:
+        return f"{kind}-{self._tag}-{next(self._ids)}"
+
+    def _need(self, role: str) -> None:
+        if self.config.role != role:
+            raise RoleError(f"this is a {self.config.role} worker: only a {role} worker serves that")
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        self._need("prefill")
+        params = sampling_params(req.sampling_params)
+        rid = req.request_id or self._new_id("pf")
+        start, last = time.perf_counter(), None
+        async for out in self.llm.generate(req.prompt_token_ids, params, rid, kv_transfer="export"):
+            last = out
+        assert last is not None and last.finished
+        comp = last.outputs[0]
+        if comp.finish_reason == "error":
+            raise RuntimeError(f"prefill of {rid} failed: {comp.stop_reason}")
+        export = last.kv_transfer
+        return PrefillResponse(
+            request_id=rid,
+            first_token=comp.token_ids[0],
+            text=comp.text,
+            finish_reason=comp.finish_reason,
+            kv=export.to_dict() if isinstance(export, KVExport) else None,
+            seconds=time.perf_counter() - start,
+        )
+
+    async def decode(self, req: DecodeRequest) -> AsyncIterator[StreamLine]:
+        """Lines from the first token on; KVTransferFailed / ValueError come before the first line."""
+        self._need("decode")
+        assert self.importer is not None
+        export = KVExport.from_dict(req.kv)
+        spec = ImportSpec(
+            handle=export.handle,
+            prompt_token_ids=list(req.prompt_token_ids),
+            first_token=req.first_token,
+            params=sampling_params(req.sampling_params),
+            request_id=req.request_id or export.handle.request_id,
+            generator_state=export.generator_state,
+            policy=req.kv_policy,
+            timeout_s=req.timeout_s,
+        )
+        line = LineMaker()
+        async for out in self.importer.generate(spec):
+            yield line(out)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamLine]:
+        params = sampling_params(req.sampling_params)
+        line = LineMaker()
+        async for out in self.llm.generate(req.prompt_input(), params, req.request_id or self._new_id("gen")):
+            yield line(out)
+
+    def abort(self, request_id: str) -> None:
+        self.llm.abort(request_id)
+
+    def health(self) -> dict:
+        desc = self.connector.transport.describe() if self.connector and self.connector.transport else {}
+        return {
+            "status": "ok",
+            "role": self.config.role,
+            "model": self.engine.model_path,
+            "pid": os.getpid(),
+            "kv_backend": desc.get("backend"),
+            "kv_address": self.kv_address,
+            "layout_fingerprint": desc.get("layout_fingerprint"),
+        }
+
+    async def stats(self) -> dict:
+        def snapshot() -> dict:
+            engine = self.engine
+            engine.free_released_kv()
+            return {
+                "role": self.config.role,
+                "running": len(engine.scheduler.running),
+                "waiting": len(engine.scheduler.waiting),
+                "unfinished": engine.num_unfinished_requests,
+                "blocks": {"total": engine.pool.num_blocks, "free": engine.pool.num_free},
+                "state_slots": {"total": engine.states.num_slots, "free": engine.states.num_free},
+                "preemptions": engine.scheduler.num_preemptions,
+                "kv_transfer": self.connector.stats() if self.connector else None,
+            }
+
+        return await self.llm.run_in_engine(snapshot)
+
+    async def check_peer(self, address: str, timeout_s: float) -> dict:
+        """Handshake with an exporter now (decode side); raises PeerRefused / AuthError on a bad pair."""
+        if self.connector is None:
+            raise RoleError("a colocated worker has no KV transport")
+        peer = await asyncio.to_thread(self.connector.check_peer, address, timeout_s)
+        return {"ok": True, "address": address, "peer_layout": peer.to_dict() if peer else None}
+
+    def release(self, kv: dict) -> dict:
+        """Prefill side: end an export's lease now (its blocks come back at the next step)."""
+        self._need("prefill")
+        assert self.connector is not None and self.connector.transport is not None
+        handle = KVExport.from_dict(kv).handle
+        if handle.address != self.kv_address:
+            raise ValueError(f"handle {handle.request_id} was exported by {handle.address}, not by us")
+        self.connector.transport.release(handle)
+        self.llm.call_soon_in_engine(self.engine.free_released_kv)
+        return {"ok": True}
+
+    def set_faults(self, knobs: FaultsRequest) -> dict:
+        """Test-only: make this exporter drop / delay / corrupt / kill the fetches it serves."""
+        transport = self.connector.transport if self.connector else None
+        if not self.config.fault_injection or not hasattr(transport, "install_faults"):
+            raise RoleError("fault injection is off: start the worker with --enable-fault-injection")
+        k = FaultKnobs(**knobs.model_dump())
+        active = any((k.drop, k.delay, k.corrupt, k.kill))
+        transport.install_faults(FaultPlan(k) if active else None)  # type: ignore[union-attr]
+        return {"faults": dataclasses.asdict(k) if active else None}
+
+    async def close(self) -> None:
+        await self.llm.shutdown()
+        if self.importer is not None:
+            self.importer.close()
+        if self.connector is not None:
+            self.connector.close()
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m splitserve.serve.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--role", choices=ROLES, default="colocated")
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP (and tcp KV) address to bind")
+    p.add_argument("--port", type=int, default=0, help="HTTP port; 0: the OS picks (printed)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache budget (default: the engine's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-backend", default="tcp", help="tcp | shm (cuda_ipc, nccl, nixl: not yet)")
+    p.add_argument("--kv-secret-env", default="SPLITSERVE_KV_SECRET",
+                   help="name of the environment variable holding the shared KV secret")  # fmt: skip
+    p.add_argument("--kv-lease-s", type=float, default=30.0, help="free an unclaimed export after this")
+    p.add_argument("--kv-fetch-timeout-s", type=float, default=30.0, help="default deadline of an import")
+    p.add_argument("--kv-policy", choices=("fail", "recompute"), default="fail")
+    p.add_argument("--kv-checksum", choices=("crc32", "blake2b"), default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--enable-fault-injection", action="store_true", help="tests: POST /debug/faults")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    secret = os.environ.get(args.kv_secret_env) or None
+    if args.role != "colocated" and not secret:
+        raise ValueError(f"the {args.role} role needs the shared KV secret in ${args.kv_secret_env}")
+    return WorkerConfig(
+        role=args.role, model=args.model, device=args.device, dtype=args.dtype,
+        block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb, seed=args.seed,
+        kv_backend=args.kv_backend, kv_secret=secret, kv_host=args.host, kv_lease_s=args.kv_lease_s,
+        kv_fetch_timeout_s=args.kv_fetch_timeout_s, kv_policy=args.kv_policy,
+        kv_checksum=args.kv_checksum, fault_injection=args.enable_fault_injection,
+    )  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    import torch
+
+    torch.set_num_threads(max(1, args.threads))
+    from splitserve.serve.worker_app import serve
+
+    try:
+        worker = Worker(config_from_args(args))
+    except (ValueError, OSError, ModelLoadError, TransportError) as exc:
+        print(f"splitserve worker: error: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(url: str) -> None:
+        info = {"event": "ready", "url": url, **worker.health()}
+        print(json.dumps(info), flush=True)
+
+    serve(worker, args.host, args.port, ready)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
