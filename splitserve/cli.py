@@ -1,8 +1,8 @@
 """`splitserve` command line: run the engine on a prompt or a chat message, or show a model.
 
-    splitserve chat "What is the capital of France?"      # the embedded default model
-    splitserve generate --model /path/to/hf-dir "Once upon a time"
-    splitserve models                                      # what the default model is
+splitserve chat "What is the capital of France?"      # the embedded default model
+splitserve generate --model /path/to/hf-dir "Once upon a time"
+splitserve models                                      # what the default model is
 """
 
 from __future__ import annotations

@@ -12,8 +12,10 @@ import numpy as np
 import torch
 
 from splitserve.engine.scheduler import ScheduledChunk
-from splitserve.model.attention import AttentionBackend, AttentionMetadata, PrefillChunk
+from splitserve.model.attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillChunk
 from splitserve.model.decoder import DecoderLM, ForwardContext
+
+MAX_DECODE_GROUPS = 4  # more groups cost more kernel launches than the padding they save
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_chunks
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        ordered = sorted(chunks, key=lambda c: c.num_tokens > 1)  # stable: decodes first
+        # decodes first, shortest context first (so length groups are contiguous), then prefills
+        ordered = sorted(chunks, key=lambda c: (c.num_tokens > 1, c.start if c.num_tokens == 1 else 0))
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -82,8 +85,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(np.concatenate(slots)),
             num_decode_tokens=len(decodes),
-            decode_block_tables=self._decode_tables(decodes),
-            decode_context_lens=self._tensor(np.array([c.start + 1 for c in decodes], dtype=np.int64)),
+            decode_groups=self._decode_groups(decodes),
             prefills=tuple(prefills),
             seq_slots=self._slots(decodes, prefills_chunks) if self.states else None,
         )
@@ -95,15 +97,30 @@ class ModelRunner:
             sample_chunks=sample_chunks,
         )
 
-    def _decode_tables(self, decodes: list[ScheduledChunk]) -> torch.Tensor:
-        if not decodes:
-            return torch.zeros((0, 1), dtype=torch.long, device=self.device)
-        width = max(-(-(c.start + 1) // self.block_size) for c in decodes)
-        table = np.zeros((len(decodes), width), dtype=np.int64)
-        for i, c in enumerate(decodes):
-            n = -(-(c.start + 1) // self.block_size)
+    def _decode_groups(self, decodes: list[ScheduledChunk]) -> tuple[DecodeGroup, ...]:
+        """Split decodes (sorted by context length) so that padding stays under ~25% per group."""
+        lens = [c.start + 1 for c in decodes]
+        bounds: list[tuple[int, int]] = []
+        start, total = 0, 0
+        for i, n in enumerate(lens):
+            total += n
+            too_padded = (i + 1 - start) * n > 1.25 * total
+            if i > start and too_padded and len(bounds) < MAX_DECODE_GROUPS - 1:
+                bounds.append((start, i))
+                start, total = i, n
+        if decodes:
+            bounds.append((start, len(decodes)))
+        return tuple(self._decode_group(decodes, a, b) for a, b in bounds)
+
+    def _decode_group(self, decodes: list[ScheduledChunk], start: int, end: int) -> DecodeGroup:
+        bs = self.block_size
+        width = -(-(decodes[end - 1].start + 1) // bs)
+        table = np.zeros((end - start, width), dtype=np.int64)
+        for i, c in enumerate(decodes[start:end]):
+            n = -(-(c.start + 1) // bs)
             table[i, :n] = c.request.block_ids[:n]
-        return self._tensor(table)
+        lens = np.array([c.start + 1 for c in decodes[start:end]], dtype=np.int64)
+        return DecodeGroup(start, end, self._tensor(table), self._tensor(lens))
 
     def _slots(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> torch.Tensor:
         slots = [c.request.state_slot for c in decodes + prefills]

@@ -29,11 +29,20 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows [start, end) of similar context length, padded to the longest of them."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [end - start, max_blocks] int64, padded with 0
+    context_lens: torch.Tensor  # [end - start] int64
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset for every token
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int64, padded with 0
-    decode_context_lens: torch.Tensor  # [num_decode] int64
+    decode_groups: tuple[DecodeGroup, ...]  # decode rows sorted by context length, in groups
     prefills: tuple[PrefillChunk, ...]
     seq_slots: torch.Tensor | None = None  # [num_decode + num_prefill] state slots (hybrid models)
 
@@ -51,7 +60,13 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """Gather-then-SDPA attention: batched for decode tokens, one call per prefill chunk."""
+    """Gather-then-SDPA attention: one call per group of decode rows, one per prefill chunk.
+
+    Decode groups keep padding low (rows of similar length share a gather). Grouped-query heads
+    are folded into the query dimension for decode (the G query heads of a KV head act as G
+    queries of one sequence), so K/V are never repeated; prefill repeats them, which is what
+    PyTorch's fast CPU path wants.
+    """
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
@@ -68,51 +83,50 @@ class TorchPagedAttention:
         k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, block_size, KVH, D]
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        n = meta.num_decode_tokens
-        if n:
-            out[:n] = self._decode(q[:n], k_cache, v_cache, meta)
+        for group in meta.decode_groups:
+            rows = slice(group.start, group.end)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, group)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk)
         return out.flatten(1)  # [T, H * D]
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
     ) -> torch.Tensor:
-        tables = meta.decode_block_tables
-        keys = _gather(k_cache, tables)  # [B, KVH, L, D]
-        values = _gather(v_cache, tables)
+        b, h, d = q.shape
+        keys = _gather(k_cache, group.block_tables)  # [B, KVH, L, D]
+        values = _gather(v_cache, group.block_tables)
+        kvh = keys.shape[1]
         positions = torch.arange(keys.shape[2], device=q.device)
-        mask = positions[None, :] < meta.decode_context_lens[:, None]  # [B, L]
+        mask = positions[None, :] < group.context_lens[:, None]  # [B, L]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, H, 1, D]
+            q.view(b, kvh, h // kvh, d),  # [B, KVH, G, D]: head h reads KV head h // G
             keys,
             values,
             attn_mask=mask[:, None, None, :],
             scale=self.scale,
-            enable_gqa=True,
         )
-        return out.squeeze(2)  # [B, H, D]
+        return out.reshape(b, h, d)
 
     def _prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk
     ) -> torch.Tensor:
-        ctx = chunk.context_len
-        keys = _gather(k_cache, chunk.block_table[None])[0, :, :ctx]  # [KVH, ctx, D]
-        values = _gather(v_cache, chunk.block_table[None])[0, :, :ctx]
-        qh = q.transpose(0, 1)  # [H, q_len, D]
+        ctx, h = chunk.context_len, q.shape[1]
+        keys = _gather(k_cache, chunk.block_table[None])[:, :, :ctx]  # [1, KVH, ctx, D]
+        values = _gather(v_cache, chunk.block_table[None])[:, :, :ctx]
+        if keys.shape[1] != h:
+            keys = keys.repeat_interleave(h // keys.shape[1], dim=1)  # [1, H, ctx, D]
+            values = values.repeat_interleave(h // values.shape[1], dim=1)
+        qh = q.transpose(0, 1)[None]  # [1, H, q_len, D]
         if ctx == chunk.query_len:
-            out = F.scaled_dot_product_attention(
-                qh, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
-            )
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=self.scale)
         else:
             start = ctx - chunk.query_len
             rows = torch.arange(chunk.query_len, device=q.device)[:, None] + start
             mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [q_len, ctx]
-            out = F.scaled_dot_product_attention(
-                qh, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-            )
-        return out.transpose(0, 1)  # [q_len, H, D]
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale)
+        return out[0].transpose(0, 1)  # [q_len, H, D]
 
 
 def store_kv(

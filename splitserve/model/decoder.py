@@ -86,6 +86,10 @@ class DecoderLM(nn.Module):
             x = layer(positions, x, self.rope, ctx)
         return self.norm(x)
 
+    def build_rope(self, max_positions: int, device: torch.device) -> None:
+        """(Re)compute the cos/sin tables on `device` after weights were materialized from `meta`."""
+        self.rope = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, max_positions).to(device)
+
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-sequence recurrent state (none for pure-attention models)."""
         return {}

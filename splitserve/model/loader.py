@@ -14,7 +14,6 @@ from tqdm.auto import tqdm
 from splitserve.model.checkpoint import Checkpoint, default_model_path, open_checkpoint
 from splitserve.model.config import ModelConfig
 from splitserve.model.decoder import DecoderLM
-from splitserve.model.layers import RotaryEmbedding
 from splitserve.model.registry import MODEL_CLASSES, resolve_architecture
 
 log = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ def load_model(
     )
     model.load_weights(tensors)
     # NOTE: cos/sin are computed, not loaded, and stay fp32 (cast per use, as HF does)
-    model.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, positions).to(device)
+    model.build_rope(positions, device)
     model.eval()
     seconds = time.perf_counter() - t0
     log.info("loaded %s (%s) in %.2fs", path, arch, seconds)

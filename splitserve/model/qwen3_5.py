@@ -193,9 +193,11 @@ class Qwen3_5LM(nn.Module):
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
-        # NOTE: not `self.rope`: the loaders replace `model.rope` with a full-head_dim table after
-        # `to_empty`; this one is partial and needs no rebuilding (see PartialRotaryEmbedding).
+        # NOTE: its tables are built on the CPU even under `meta` and copied per device on first use
         self.partial_rope = PartialRotaryEmbedding(cfg.rope, rotary_dim, max_positions)
+
+    def build_rope(self, max_positions: int, device: torch.device) -> None:
+        """Nothing to do: PartialRotaryEmbedding keeps CPU tables and copies them per device."""
 
     @property
     def num_linear_layers(self) -> int:

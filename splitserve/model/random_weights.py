@@ -22,7 +22,6 @@ from torch import nn
 
 from splitserve.model.config import ModelConfig
 from splitserve.model.decoder import DecoderLM
-from splitserve.model.layers import RotaryEmbedding
 from splitserve.model.loader import LoadedModel
 from splitserve.model.registry import MODEL_CLASSES, resolve_architecture
 
@@ -101,7 +100,7 @@ def random_model(
     model = model.to_empty(device=device)
     init_random_(model, seed, std)
     # cos/sin are computed, not random, and stay fp32 (as load_model leaves them)
-    model.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, positions).to(device)
+    model.build_rope(positions, device)
     model.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
