@@ -88,7 +88,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
         )
-        attn = TorchPagedAttention(scale=cfg.head_dim**-0.5)
+        attn = TorchPagedAttention(scale=cfg.head_dim**-0.5, fold_gqa=self.device.type == "cpu")
         self.runner = ModelRunner(self.loaded.model, self.kv, attn, self.block_size, self.states.states)
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         self.requests: dict[str, Request] = {}

@@ -15,7 +15,9 @@ from splitserve.engine.scheduler import ScheduledChunk
 from splitserve.model.attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillChunk
 from splitserve.model.decoder import DecoderLM, ForwardContext
 
-MAX_DECODE_GROUPS = 4  # more groups cost more kernel launches than the padding they save
+# More groups cost more kernel launches than the padding they save: on CUDA (launch-bound without
+# CUDA graphs) one group, on CPU (bound by the bytes the gather copies) up to four.
+MAX_DECODE_GROUPS = {"cpu": 4}
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class ModelRunner:
         self.attn = attn
         self.block_size = block_size
         self.device = kv.device
+        self.max_decode_groups = MAX_DECODE_GROUPS.get(self.device.type, 1)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
@@ -105,7 +108,7 @@ class ModelRunner:
         for i, n in enumerate(lens):
             total += n
             too_padded = (i + 1 - start) * n > 1.25 * total
-            if i > start and too_padded and len(bounds) < MAX_DECODE_GROUPS - 1:
+            if i > start and too_padded and len(bounds) < self.max_decode_groups - 1:
                 bounds.append((start, i))
                 start, total = i, n
         if decodes:

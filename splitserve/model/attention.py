@@ -62,14 +62,16 @@ class AttentionBackend(Protocol):
 class TorchPagedAttention:
     """Gather-then-SDPA attention: one call per group of decode rows, one per prefill chunk.
 
-    Decode groups keep padding low (rows of similar length share a gather). Grouped-query heads
-    are folded into the query dimension for decode (the G query heads of a KV head act as G
-    queries of one sequence), so K/V are never repeated; prefill repeats them, which is what
-    PyTorch's fast CPU path wants.
+    On CPU (`fold_gqa`), grouped-query heads are folded into the query dimension for decode (the G
+    query heads of a KV head act as G queries of one sequence), so K/V are never repeated, and
+    prefill repeats K/V to 4-D, which is PyTorch's fast CPU path (about 4x faster than
+    `enable_gqa` there). On CUDA, where this path is bound by kernel launches, SDPA's own
+    `enable_gqa` does both with fewer kernels.
     """
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, fold_gqa: bool = True) -> None:
         self.scale = scale
+        self.fold_gqa = fold_gqa
 
     def forward(
         self,
@@ -100,33 +102,48 @@ class TorchPagedAttention:
         kvh = keys.shape[1]
         positions = torch.arange(keys.shape[2], device=q.device)
         mask = positions[None, :] < group.context_lens[:, None]  # [B, L]
-        out = F.scaled_dot_product_attention(
-            q.view(b, kvh, h // kvh, d),  # [B, KVH, G, D]: head h reads KV head h // G
-            keys,
-            values,
-            attn_mask=mask[:, None, None, :],
-            scale=self.scale,
-        )
+        if self.fold_gqa:
+            qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]: head h reads KV head h // G
+            out = F.scaled_dot_product_attention(
+                qg, keys, values, attn_mask=mask[:, None, None, :], scale=self.scale
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2),
+                keys,
+                values,
+                attn_mask=mask[:, None, None, :],
+                scale=self.scale,
+                enable_gqa=True,
+            )  # [B, H, 1, D]
         return out.reshape(b, h, d)
 
     def _prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk
     ) -> torch.Tensor:
         ctx, h = chunk.context_len, q.shape[1]
-        keys = _gather(k_cache, chunk.block_table[None])[:, :, :ctx]  # [1, KVH, ctx, D]
-        values = _gather(v_cache, chunk.block_table[None])[:, :, :ctx]
-        if keys.shape[1] != h:
-            keys = keys.repeat_interleave(h // keys.shape[1], dim=1)  # [1, H, ctx, D]
-            values = values.repeat_interleave(h // values.shape[1], dim=1)
-        qh = q.transpose(0, 1)[None]  # [1, H, q_len, D]
-        if ctx == chunk.query_len:
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=self.scale)
-        else:
-            start = ctx - chunk.query_len
-            rows = torch.arange(chunk.query_len, device=q.device)[:, None] + start
+        keys = _gather(k_cache, chunk.block_table[None])[0, :, :ctx]  # [KVH, ctx, D]
+        values = _gather(v_cache, chunk.block_table[None])[0, :, :ctx]
+        qh = q.transpose(0, 1)  # [H, q_len, D]
+        mask = None
+        if ctx != chunk.query_len:  # a later chunk: it also sees the earlier part of the prompt
+            rows = torch.arange(chunk.query_len, device=q.device)[:, None] + (ctx - chunk.query_len)
             mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [q_len, ctx]
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale)
-        return out[0].transpose(0, 1)  # [q_len, H, D]
+        if self.fold_gqa:  # CPU: 4-D with K/V repeated per query head
+            g = h // keys.shape[0]
+            out = F.scaled_dot_product_attention(
+                qh[None],
+                keys.repeat_interleave(g, dim=0)[None],
+                values.repeat_interleave(g, dim=0)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+            )[0]
+        else:
+            out = F.scaled_dot_product_attention(
+                qh, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+            )
+        return out.transpose(0, 1)  # [q_len, H, D]
 
 
 def store_kv(
