@@ -16,8 +16,8 @@ from torch import nn
 
 from splitserve.model.attention import AttentionBackend, AttentionMetadata
 from splitserve.model.config import ModelConfig
-from splitserve.model.errors import ModelLoadError
 from splitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from splitserve.model.weights import load_mapped_weights
 
 
 @dataclass(frozen=True)
@@ -100,25 +100,9 @@ class DecoderLM(nn.Module):
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into this model's (merged) parameters; every parameter must be set."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in tensors:
-            target, rows = _map_name(name, self.cfg)
-            if target is None or (target == "lm_head.weight" and self.lm_head is None):
-                continue
-            if target not in params:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
-            dest = params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            loaded.add(f"{target}:{rows}")
-        missing = [n for n in _expected_keys(self) if n not in loaded]
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        load_mapped_weights(
+            self, tensors, lambda n: _map_name(n, self.cfg), _expected_keys(self), self.cfg.architecture
+        )
 
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}

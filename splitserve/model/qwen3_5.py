@@ -45,6 +45,7 @@ from splitserve.model.decoder import ForwardContext
 from splitserve.model.errors import ModelLoadError
 from splitserve.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from splitserve.model.layers import GatedMLP, GatedRMSNorm, PartialRotaryEmbedding, ZeroCentredRMSNorm
+from splitserve.model.weights import load_mapped_weights
 
 
 class GatedAttention(nn.Module):
@@ -228,26 +229,14 @@ class Qwen3_5LM(nn.Module):
         Accepts `Qwen3_5ForCausalLM` names and `Qwen3_5ForConditionalGeneration` ones
         (`model.language_model.*`); vision-tower and MTP tensors are skipped.
         """
-        params = dict(self.named_parameters())
         merged = _merged_rows(self.cfg)
-        loaded: set[str] = set()
-        for name, tensor in tensors:
-            target, rows = _map_name(name, merged)
-            if target is None or (target == "lm_head.weight" and self.lm_head is None):
-                continue
-            if target not in params:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
-            dest = params[target].data if rows is None else params[target].data[rows[0] : rows[1]]
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            loaded.add(f"{target}:{rows}")
-        missing = [n for n in _expected_keys(self, merged) if n not in loaded]
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        load_mapped_weights(
+            self,
+            tensors,
+            lambda n: _map_name(n, merged),
+            _expected_keys(self, merged),
+            self.cfg.architecture,
+        )
 
 
 _Merged = dict[str, tuple[str, tuple[int, int]]]
