@@ -1,0 +1,175 @@
+"""Qwen3.5 hybrid: prefill tok/s and decode tok/s (apart from prefill), splitserve vs HF, same weights.
+
+HF transformers' `Qwen3_5ForCausalLM` is built with random bf16 weights on the device (its torch
+fallback for the Gated DeltaNet: no flash-linear-attention kernels), and splitserve's `Qwen3_5LM`
+loads the very same tensors. For each batch size: B prompts of `--prompt-len` random tokens, then
+`--decode-tokens` greedy tokens each.
+
+  * prefill tok/s: B * prompt_len / time of the prefill (HF: one forward with a cache; splitserve:
+    the engine steps until every request has its first token).
+  * decode tok/s: B * (decode_tokens - 1) / time of the decode-only part (HF: generate() time minus
+    its prefill; splitserve: the engine steps after the last prefill).
+  * roofline: bytes read per decode step (weights + recurrent state + KV) / bandwidth measured here.
+
+    python bench/hybrid_gpu.py --shape 9b            # Qwen3.5-9B shape on CUDA
+    python bench/hybrid_gpu.py --shape tiny --device cpu --batches 1,4 --prompt-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.engine.engine import LLMEngine  # noqa: E402
+from splitserve.engine.params import SamplingParams  # noqa: E402
+from splitserve.model.config import ModelConfig  # noqa: E402
+from splitserve.model.loader import LoadedModel  # noqa: E402
+from splitserve.model.qwen3_5 import Qwen3_5LM  # noqa: E402
+
+SHAPES = {
+    # Qwen3.5-9B text model: 32 layers (24 Gated DeltaNet + 8 gated attention), hidden 4096
+    "9b": dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+               num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+               linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+}  # fmt: skip
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_models(shape: str, device: torch.device, dtype: torch.dtype, max_len: int):  # noqa: ANN201
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(**SHAPES[shape], max_position_embeddings=max_len)
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = Qwen3_5ForCausalLM._from_config(cfg, dtype=dtype).eval()
+    mcfg = ModelConfig.from_hf({**cfg.to_dict(), "architectures": ["Qwen3_5ForCausalLM"]})
+    with torch.device("meta"):
+        ours = Qwen3_5LM(mcfg, max_len).to(dtype)
+    ours = ours.to_empty(device=device)
+    ours.load_weights(hf.state_dict().items())
+    ours.build_rope(max_len, device)
+    return hf, LoadedModel(ours.eval(), mcfg, None, 0.0)
+
+
+def bench_hf(hf, prompts: torch.Tensor, decode_tokens: int) -> tuple[float, float]:  # noqa: ANN001
+    dev = prompts.device
+    with torch.inference_mode():
+        hf(prompts[:, :16], use_cache=True)  # warm-up
+        sync(dev)
+        t0 = time.perf_counter()
+        hf(prompts, use_cache=True)
+        sync(dev)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = hf.generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=decode_tokens,
+            min_new_tokens=decode_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+        sync(dev)
+        total = time.perf_counter() - t0
+    assert out.shape[1] == prompts.shape[1] + decode_tokens
+    return prefill, max(total - prefill, 1e-9)
+
+
+def bench_ours(engine: LLMEngine, prompts: torch.Tensor, decode_tokens: int) -> tuple[float, float]:
+    params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+    dev = prompts.device
+    for p in prompts[:, :16].tolist():  # warm-up
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    sync(dev)
+    reqs = [engine.add_request(p, params) for p in prompts.tolist()]
+    t0 = time.perf_counter()
+    prefill = None
+    done = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if prefill is None and all(engine.requests[r].output_token_ids for r in reqs if r in engine.requests):
+            sync(dev)
+            prefill = time.perf_counter() - t0
+            t_dec = time.perf_counter()
+        done += sum(o.finished for o in outs)
+    sync(dev)
+    assert done == len(reqs) and prefill is not None
+    return prefill, time.perf_counter() - t_dec
+
+
+def decode_bytes_per_step(loaded: LoadedModel, batch: int, ctx: int) -> float:
+    cfg = loaded.config
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    weights -= loaded.model.embed_tokens.weight.numel() * loaded.model.embed_tokens.weight.element_size()
+    state = sum(
+        2 * batch * torch.Size(shape).numel() * 4 for shape, _ in loaded.model.state_shapes().values()
+    )  # fp32 state read and written
+    kv = batch * ctx * cfg.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    return weights + state + kv
+
+
+def measured_bandwidth(device: torch.device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync(device)
+    return 10 * 2 * x.numel() / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="9b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,32")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    max_len = args.prompt_len + args.decode_tokens + 16
+    hf, loaded = build_models(args.shape, device, dtype, max_len)
+    bw = measured_bandwidth(device)
+    print(f"Qwen3.5 {args.shape} on {device} {dtype}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'batch':>5} {'system':>10} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode roofline':>16}")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        config = EngineConfig(
+            model=f"qwen3.5-{args.shape}-random", device=args.device, dtype=str(dtype).split(".")[1],
+            max_model_len=max_len, max_num_seqs=max(batch, 2), max_num_batched_tokens=8192,
+            kv_cache_bytes=batch * max_len * 64 * 2**10 + 2**28, progress=False,
+        )  # fmt: skip
+        engine = LLMEngine(config, tokenizer=False, loaded=loaded)
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(0, loaded.config.vocab_size, (batch, args.prompt_len), generator=g).to(device)
+        floor = decode_bytes_per_step(loaded, batch, args.prompt_len + args.decode_tokens // 2) / bw
+        rows = {"splitserve": bench_ours(engine, prompts, args.decode_tokens)}
+        rows["HF"] = bench_hf(hf, prompts, args.decode_tokens)
+        for name, (pre, dec) in rows.items():
+            dec_tps = batch * (args.decode_tokens - 1) / dec
+            share = dec_tps / (batch / floor) if bw == bw else float("nan")
+            pre_tps = batch * args.prompt_len / pre
+            print(f"{batch:>5} {name:>10} {pre_tps:>14.1f} {dec_tps:>13.1f} {share:>15.1%}")
+        ratio = (rows["HF"][1]) / rows["splitserve"][1]
+        print(f"{batch:>5} decode speed-up splitserve/HF = {ratio:.2f}x (goal >= 10x)")
+        del engine
+
+
+if __name__ == "__main__":
+    main()
