@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from tiny_configs import TINY_QWEN3_5
 
 from splitserve import SamplingParams
 from splitserve.engine.config import EngineConfig, block_bytes
@@ -19,24 +20,6 @@ from splitserve.model.config import ModelConfig
 from splitserve.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from splitserve.model.loader import load_model
 
-TINY_TEXT = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 8,  # full_attention_interval 4: layers 3 and 7 are full attention
-    "full_attention_interval": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 32,
-    "linear_conv_kernel_dim": 4,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.1,  # larger logits than 0.02: no fp32 near-ties among the top tokens
-    "tie_word_embeddings": False,
-}
 PROMPT_LENS = (3, 17, 90, 64, 41)  # 90 > 64: two DeltaNet chunks in one prefill
 MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -74,7 +57,7 @@ def _hf_generate(model, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(0, TINY_TEXT["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return [torch.randint(0, TINY_QWEN3_5["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +67,7 @@ def hf_model():
     # Seed 1: HF's top-1/top-2 logprob gap is >= 8.9e-3 on every reference step, while ours differ
     # from HF's by <= 4e-5 (seed 0 had a 2.8e-4 gap: token-exact, but with a thin margin).
     torch.manual_seed(WEIGHT_SEED)
-    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY_TEXT)).eval()
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY_QWEN3_5)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +141,7 @@ def test_config_from_hf(model_dir, loaded):
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
         "tie_word_embeddings": True,
-        "text_config": {**TINY_TEXT, "model_type": "qwen3_5_text", "eos_token_id": 5},
+        "text_config": {**TINY_QWEN3_5, "model_type": "qwen3_5_text", "eos_token_id": 5},
     }
     wcfg = ModelConfig.from_hf(wrapper)
     assert wcfg.tie_word_embeddings and wcfg.eos_token_ids == (5,)
@@ -295,11 +278,11 @@ def test_conditional_generation_checkpoint(tmp_path, prompts):
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_heads": 2,
-        "out_hidden_size": TINY_TEXT["hidden_size"],
+        "out_hidden_size": TINY_QWEN3_5["hidden_size"],
         "patch_size": 4,
         "num_position_embeddings": 16,
     }
-    config = Qwen3_5Config(text_config=TINY_TEXT, vision_config=vision, tie_word_embeddings=True)
+    config = Qwen3_5Config(text_config=TINY_QWEN3_5, vision_config=vision, tie_word_embeddings=True)
     hf = Qwen3_5ForConditionalGeneration(config).eval()
     hf.save_pretrained(tmp_path)
     file = tmp_path / "model.safetensors"

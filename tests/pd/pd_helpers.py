@@ -18,28 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from tiny_configs import TINY_QWEN3_5
 
 SECRET_ENV = "SPLITSERVE_PD_TEST_SECRET"
 SECRET = "pd-test-secret"
 
-TINY_QWEN3_5 = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 8,  # full_attention_interval 4: layers 3 and 7 are full attention
-    "full_attention_interval": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 32,
-    "linear_conv_kernel_dim": 4,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.1,  # clear greedy margins (see tests/engine/test_qwen3_5.py)
-    "tie_word_embeddings": False,
-}
 TINY_ARGS = ("--max-model-len", "256", "--kv-cache-mb", "4", "--max-num-seqs", "8")
 
 
