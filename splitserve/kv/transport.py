@@ -26,33 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.kv.errors import (
-    AuthError,
-    BackendUnavailable,
-    CorruptTransfer,
-    LeaseExpired,
-    PeerRefused,
-    TransferTimeout,
-    TransportError,
-    UnknownLease,
-)
+from splitserve.kv.errors import BackendUnavailable
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
-
-__all__ = [
-    "AuthError",
-    "BackendUnavailable",
-    "CorruptTransfer",
-    "KVTransport",
-    "LeaseExpired",
-    "PeerRefused",
-    "TransferTimeout",
-    "TransportError",
-    "TransportOptions",
-    "TransportStats",
-    "UnknownLease",
-    "make_transport",
-]
 
 log = logging.getLogger(__name__)
 
