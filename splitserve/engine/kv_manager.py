@@ -50,6 +50,7 @@ class KVManager:
     def free(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
+        req.num_cached_blocks = 0
         if req.state_slot is not None and self.states is not None:
             self.states.free(req.state_slot)
             req.state_slot = None
@@ -60,8 +61,9 @@ class KVManager:
             return
         full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
         self._extend_hashes(req, full * self.block_size)
-        for i in range(full):
+        for i in range(req.num_cached_blocks, full):  # NOTE: only blocks that became full since last time
             self.pool.cache(req.block_ids[i], req.block_hashes[i])
+        req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
         bs = self.block_size

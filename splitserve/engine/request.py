@@ -55,6 +55,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks
+    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
     state_slot: int | None = None  # hybrid models: the recurrent-state slot held while running
     num_preemptions: int = 0
     generator: torch.Generator | None = None
