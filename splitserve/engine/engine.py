@@ -212,7 +212,11 @@ class LLMEngine:
             outputs=[completion_of(c) for c in children],
             finished=finished,
             num_cached_tokens=head.num_cached_tokens,
-            metrics={"arrival_time": head.arrival_time, "first_token_time": head.first_token_time},
+            metrics={
+                "arrival_time": head.arrival_time,
+                "scheduled_time": head.scheduled_time,
+                "first_token_time": head.first_token_time,
+            },
             kv_transfer=head.kv_export,
         )
 

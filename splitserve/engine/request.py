@@ -62,6 +62,7 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    scheduled_time: float | None = None  # first admitted to the running batch (queue time ends)
     first_token_time: float | None = None
     detokenizer: object | None = None
     export_kv: bool = False  # prefill role: lease the KV to the transport after the first token

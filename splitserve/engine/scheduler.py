@@ -9,6 +9,7 @@ free, the newest running request is preempted (blocks freed, recomputed later).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -96,6 +97,8 @@ class Scheduler:
                 req.num_cached_tokens = cached
             req.num_computed_tokens += cached
             req.status = Status.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
