@@ -39,6 +39,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -124,13 +125,16 @@ class KVConnector:
         secret: bytes | str | None = None,
         options: TransportOptions | None = None,
         policy: str = "fail",
+        fallback: Sequence[str] = (),
     ) -> KVConnector:
-        """A connector over a new transport of `backend` for this engine's KV cache."""
+        """A connector over a new transport of `backend` (or of the first usable one of `fallback`,
+        logged and counted) for this engine's KV cache."""
         options = options or TransportOptions()
         conn = cls(engine, None, policy, options.fetch_timeout_s)
         conn.transport = make_transport(
-            backend, engine.kv, conn.layout, secret=secret, on_free=conn.on_lease_end, options=options
-        )
+            backend, engine.kv, conn.layout, secret=secret, on_free=conn.on_lease_end, options=options,
+            fallback=fallback,
+        )  # fmt: skip
         return conn
 
     # ---- prefill side ---------------------------------------------------------------------------
@@ -240,8 +244,9 @@ class KVConnector:
             except Exception as exc:  # noqa: BLE001 - every failure follows the policy
                 ticket.error = exc
             else:
+                ticket.fetched_bytes = payload_nbytes(handle, ticket.state, self.engine.kv)
                 self._count("fetches")
-                self._count("fetched_bytes", payload_nbytes(handle, ticket.state, self.engine.kv))
+                self._count("fetched_bytes", ticket.fetched_bytes)
                 self._count("fetch_seconds", time.perf_counter() - start)
         if not isinstance(ticket.error, REFUSALS):  # a refused peer would refuse the release too
             self._releaser.submit(self.transport.release, handle)
@@ -314,6 +319,11 @@ class KVConnector:
             log.info("could not ask %s about its layout: %s", handle.address, exc)
         diff = f"layout_fingerprint: ours {self.layout.fingerprint}, handle {handle.layout_fingerprint}"
         return PeerRefused(f"handle {handle.request_id} was made for another KV layout", [diff])
+
+    @property
+    def backend_name(self) -> str | None:
+        """The backend the transport actually runs (after any fallback), not the one asked for."""
+        return self.transport.describe().get("backend") if self.transport is not None else None
 
     def stats(self) -> dict:
         with self._lock:

@@ -17,6 +17,7 @@ If the caller goes away during 1 or 2, the ticket is discarded on the engine thr
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -34,21 +35,33 @@ class AsyncKVImporter:
         self.poll_s = poll_s
         self._pool = ThreadPoolExecutor(max_workers=max_fetches, thread_name_prefix="kv-fetch")
 
-    async def generate(self, spec: ImportSpec) -> AsyncIterator[RequestOutput]:
+    async def generate(self, spec: ImportSpec, info: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of a request whose prompt KV is fetched per `spec` (see the module doc).
-        Raises ValueError (bad spec) or KVTransferFailed (policy "fail") before the first output."""
+        Raises ValueError (bad spec) or KVTransferFailed (policy "fail") before the first output.
+        `info`, if given, gets the import's timings before the first output: kv_wait_s (room),
+        kv_fetch_s, kv_bytes, kv_backend, kv_error (the failure a "recompute" recovered from)."""
         conn = self.connector
+        start = time.perf_counter()
         ticket = await self.llm.run_in_engine(lambda: conn.prepare(spec))
         fetching: asyncio.Future | None = None
         try:
             while ticket.waits_for_room:
                 await asyncio.sleep(self.poll_s)
                 await self.llm.run_in_engine(lambda: conn.try_reserve(ticket))
+            reserved = time.perf_counter()
             fetching = asyncio.get_running_loop().run_in_executor(self._pool, conn.fetch, ticket)
             await asyncio.shield(fetching)
         except BaseException:  # cancelled (the client went away) or the engine died
             self._discard_when_safe(ticket, fetching)
             raise
+        if info is not None:
+            info.update(
+                kv_wait_s=reserved - start,
+                kv_fetch_s=time.perf_counter() - reserved,
+                kv_bytes=ticket.fetched_bytes,
+                kv_backend=conn.backend_name,
+                kv_error=None if ticket.error is None else type(ticket.error).__name__,
+            )
         async for out in self.llm.stream(spec.request_id, lambda: conn.complete(ticket)):
             yield out
 

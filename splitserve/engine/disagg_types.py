@@ -81,6 +81,7 @@ class ImportTicket:
     aborted: bool = False
     error: BaseException | None = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    fetched_bytes: int = 0
 
     def seconds_left(self) -> float:
         return self.deadline - time.monotonic()

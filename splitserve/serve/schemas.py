@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import RequestOutput
+from splitserve.engine.request import RequestOutput, TokenLogprob
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)} - {"extra"}
 
@@ -26,6 +26,27 @@ def sampling_params(data: dict[str, Any]) -> SamplingParams:
         return SamplingParams(**data)
     except TypeError as exc:
         raise ValueError(f"bad sampling params: {exc}") from exc
+
+
+def logprob_to_dict(lp: TokenLogprob) -> dict[str, Any]:
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+
+
+def logprob_from_dict(data: dict[str, Any]) -> TokenLogprob:
+    try:
+        top = tuple((int(t), float(v)) for t, v in data.get("top", []))
+        return TokenLogprob(int(data["token_id"]), float(data["logprob"]), int(data["rank"]), top)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed logprob {data!r}: {exc}") from exc
+
+
+def request_timings(out: RequestOutput) -> dict[str, float]:
+    """queue_s (arrival -> first scheduled) and prefill_s (first scheduled -> first token) of an output."""
+    m = out.metrics
+    arrival, scheduled, first = m.get("arrival_time"), m.get("scheduled_time"), m.get("first_token_time")
+    if arrival is None or scheduled is None or first is None:
+        return {}
+    return {"queue_s": max(0.0, scheduled - arrival), "prefill_s": max(0.0, first - scheduled)}
 
 
 class _Body(BaseModel):
@@ -46,11 +67,14 @@ class PrefillResponse(_Body):
     finish_reason: str | None
     kv: dict[str, Any] | None  # KVExport.to_dict(): what /decode needs besides the prompt
     seconds: float
+    logprob: dict[str, Any] | None = None  # the first token's (logprob_to_dict), when asked for
+    metrics: dict[str, float] = Field(default_factory=dict)  # queue_s, prefill_s (request_timings)
 
 
 class DecodeRequest(_Body):
     prompt_token_ids: list[int] = Field(min_length=1)
     first_token: int
+    first_logprob: dict[str, Any] | None = None  # as /prefill returned it
     kv: dict[str, Any]
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     request_id: str | None = None  # default: the handle's (the prefill worker's id)
@@ -107,17 +131,24 @@ class StreamLine(_Body):
     text: str  # new text
     finished: bool
     finish_reason: str | None = None
+    logprobs: list[dict[str, Any]] | None = None  # one per token of token_ids, when asked for
+    # The first line only: where the time went (queue_s, prefill_s on /generate; kv_* on /decode).
+    metrics: dict[str, Any] | None = None
 
 
 class LineMaker:
-    """Turns the engine's cumulative outputs into delta lines."""
+    """Turns the engine's cumulative outputs into delta lines; `metrics` rides on the first line."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: dict[str, Any] | None = None) -> None:
         self.tokens = 0
         self.chars = 0
+        self.metrics = metrics  # may be filled in after construction, before the first line
 
     def __call__(self, out: RequestOutput) -> StreamLine:
         comp = out.outputs[0]
+        first = self.tokens == 0 and self.chars == 0
+        metrics = {**request_timings(out), **(self.metrics or {})} if first else None
+        lps = comp.logprobs
         line = StreamLine(
             request_id=out.request_id,
             offset=self.tokens,
@@ -125,6 +156,8 @@ class LineMaker:
             text=comp.text[self.chars :],
             finished=out.finished,
             finish_reason=comp.finish_reason,
+            logprobs=None if lps is None else [logprob_to_dict(x) for x in lps[self.tokens :]],
+            metrics=metrics,
         )
         self.tokens, self.chars = len(comp.token_ids), len(comp.text)
         return line

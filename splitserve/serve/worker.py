@@ -52,6 +52,9 @@ from splitserve.serve.schemas import (
     PrefillRequest,
     PrefillResponse,
     StreamLine,
+    logprob_from_dict,
+    logprob_to_dict,
+    request_timings,
     sampling_params,
 )
 
@@ -75,8 +78,10 @@ class WorkerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     kv_cache_mb: int | None = None  # None: the engine's default budget
+    gpu_memory_utilization: float | None = None  # CUDA: fraction for weights + KV (None: the engine's)
     seed: int = 0
     kv_backend: str = "tcp"
+    kv_fallback: tuple[str, ...] = ()  # backends allowed if kv_backend cannot run (logged, counted)
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
     kv_host: str = "127.0.0.1"
     kv_lease_s: float = 30.0
@@ -99,10 +104,15 @@ class WorkerConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             kv_cache_bytes=None if self.kv_cache_mb is None else self.kv_cache_mb << 20,
+            **(
+                {}
+                if self.gpu_memory_utilization is None
+                else {"gpu_memory_utilization": self.gpu_memory_utilization}
+            ),
             seed=self.seed,
             progress=False,
             # the exporter's cache in a memfd: shm fetchers copy straight out of it (kv/shm_direct.py)
-            kv_shared_memory=self.role == "prefill" and self.kv_backend == "shm",
+            kv_shared_memory=self.role == "prefill" and "shm" in (self.kv_backend, *self.kv_fallback),
         )
 
     def transport_options(self) -> TransportOptions:
@@ -126,7 +136,7 @@ class Worker:
         if config.role != "colocated":
             self.connector = KVConnector.open(
                 engine, config.kv_backend, secret=config.kv_secret,
-                options=config.transport_options(), policy=config.kv_policy,
+                options=config.transport_options(), policy=config.kv_policy, fallback=config.kv_fallback,
             )  # fmt: skip
             if config.role == "prefill":
                 self.kv_address = self.connector.transport.listen()  # type: ignore[union-attr]
@@ -165,6 +175,8 @@ class Worker:
             finish_reason=comp.finish_reason,
             kv=export.to_dict() if isinstance(export, KVExport) else None,
             seconds=time.perf_counter() - start,
+            logprob=logprob_to_dict(comp.logprobs[0]) if comp.logprobs else None,
+            metrics=request_timings(last),
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[StreamLine]:
@@ -179,11 +191,13 @@ class Worker:
             params=sampling_params(req.sampling_params),
             request_id=req.request_id or export.handle.request_id,
             generator_state=export.generator_state,
+            first_logprob=None if req.first_logprob is None else logprob_from_dict(req.first_logprob),
             policy=req.kv_policy,
             timeout_s=req.timeout_s,
         )
-        line = LineMaker()
-        async for out in self.importer.generate(spec):
+        info: dict = {}
+        line = LineMaker(info)  # info (kv backend, bytes, seconds) is filled before the first output
+        async for out in self.importer.generate(spec, info):
             yield line(out)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamLine]:
@@ -205,6 +219,11 @@ class Worker:
             "kv_backend": desc.get("backend"),
             "kv_address": self.kv_address,
             "layout_fingerprint": desc.get("layout_fingerprint"),
+            "kv_requested": desc.get("requested"),
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.model_config.vocab_size,
+            "device": str(self.engine.device),
+            "dtype": str(self.engine.dtype).removeprefix("torch."),
         }
 
     async def stats(self) -> dict:
@@ -276,8 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache budget (default: the engine's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-backend", default="tcp", help="tcp | shm (cuda_ipc, nccl, nixl: not yet)")
+    p.add_argument("--kv-fallback", default="",
+                   help="comma-separated backends allowed if --kv-backend cannot run (logged)")  # fmt: skip
     p.add_argument("--kv-secret-env", default="SPLITSERVE_KV_SECRET",
                    help="name of the environment variable holding the shared KV secret")  # fmt: skip
     p.add_argument("--kv-lease-s", type=float, default=30.0, help="free an unclaimed export after this")
@@ -298,7 +320,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         role=args.role, model=args.model, device=args.device, dtype=args.dtype,
         block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb, seed=args.seed,
-        kv_backend=args.kv_backend, kv_secret=secret, kv_host=args.host, kv_lease_s=args.kv_lease_s,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_backend=args.kv_backend, kv_fallback=tuple(b for b in args.kv_fallback.split(",") if b),
+        kv_secret=secret, kv_host=args.host, kv_lease_s=args.kv_lease_s,
         kv_fetch_timeout_s=args.kv_fetch_timeout_s, kv_policy=args.kv_policy,
         kv_checksum=args.kv_checksum, fault_injection=args.enable_fault_injection,
     )  # fmt: skip
