@@ -1,5 +1,7 @@
-"""`splitserve` command line: run the engine on a prompt or a chat message, or show a model.
+"""`splitserve` command line: serve a manifest, run the engine on a prompt or a chat message, or show a model.
 
+splitserve serve                                       # the default model, disaggregated, on :8000
+splitserve serve examples/colocated.yaml --port 8080   # a manifest; flags override its fields
 splitserve chat "What is the capital of France?"      # the embedded default model
 splitserve generate --model /path/to/hf-dir "Once upon a time"
 splitserve models                                      # what the default model is
@@ -43,7 +45,36 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="an optional system message")
     models = sub.add_parser("models", help="show a model's architecture and where it was found")
     models.add_argument("--model", default=None)
+    serve = sub.add_parser("serve", help="serve a manifest (default: the default model, disaggregated)")
+    serve.add_argument("manifest", nargs="?", default=None, help="a YAML manifest (default: all defaults)")
+    for flag, dest, kind, hint in _SERVE_FLAGS:
+        serve.add_argument(flag, dest=dest, type=kind, default=None, help=f"overrides {hint}")
+    serve.add_argument(
+        "--api-key", action="append", default=None, help="overrides server.api_keys (repeatable)"
+    )
+    serve.add_argument("--print-manifest", action="store_true", help="print the resolved manifest and exit")
+    serve.add_argument("--no-progress", action="store_true", help="no progress bar while workers load")
     return parser
+
+
+# flag, manifest field, type; `vllm serve`-style overrides of the manifest
+_SERVE_FLAGS = [
+    ("--host", "server.host", str, "server.host"),
+    ("--port", "server.port", int, "server.port"),
+    ("--mode", "mode", str, "mode (colocated | disaggregated)"),
+    ("--model", "model.source", str, "model.source"),
+    ("--served-model-name", "model.served_name", str, "model.served_name"),
+    ("--dtype", "model.dtype", str, "model.dtype"),
+    ("--device", "model.device", str, "model.device"),
+    ("--max-model-len", "model.max_model_len", int, "model.max_model_len"),
+    ("--kv-backend", "transport.backend", str, "transport.backend"),
+    ("--kv-cache-mb", "engine.kv_cache_mb", int, "engine.kv_cache_mb"),
+    ("--max-num-seqs", "engine.max_num_seqs", int, "engine.max_num_seqs"),
+    ("--prefill-replicas", "prefill.replicas", int, "prefill.replicas"),
+    ("--decode-replicas", "decode.replicas", int, "decode.replicas"),
+    ("--colocated-replicas", "colocated.replicas", int, "colocated.replicas"),
+    ("--router-policy", "router.policy", str, "router.policy"),
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,10 +83,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "models":
             return _models(args)
+        if args.command == "serve":
+            return _serve(args)
         return _run(args)
-    except (ValueError, OSError, ModelLoadError) as exc:
+    except (ValueError, OSError, ModelLoadError, RuntimeError) as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from splitserve.config import dump_manifest, load_manifest
+    from splitserve.runtime.launch import run_manifest
+
+    overrides = {
+        field: getattr(args, field) for _, field, _, _ in _SERVE_FLAGS if getattr(args, field) is not None
+    }
+    if args.api_key:
+        overrides["server.api_keys"] = args.api_key
+    manifest = load_manifest(args.manifest, overrides)
+    if args.print_manifest:
+        print(dump_manifest(manifest), end="")
+        return 0
+    return asyncio.run(run_manifest(manifest, progress=not args.no_progress))
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -139,15 +139,18 @@ class StreamLine(_Body):
 class LineMaker:
     """Turns the engine's cumulative outputs into delta lines; `metrics` rides on the first line."""
 
-    def __init__(self, metrics: dict[str, Any] | None = None) -> None:
+    def __init__(self, metrics: dict[str, Any] | None = None, timings: bool = True) -> None:
         self.tokens = 0
         self.chars = 0
         self.metrics = metrics  # may be filled in after construction, before the first line
+        self.timings = timings  # queue_s / prefill_s of this engine (not on /decode: prefill was elsewhere)
 
     def __call__(self, out: RequestOutput) -> StreamLine:
         comp = out.outputs[0]
         first = self.tokens == 0 and self.chars == 0
-        metrics = {**request_timings(out), **(self.metrics or {})} if first else None
+        metrics = None
+        if first:
+            metrics = {**(request_timings(out) if self.timings else {}), **(self.metrics or {})}
         lps = comp.logprobs
         line = StreamLine(
             request_id=out.request_id,

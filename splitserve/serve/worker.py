@@ -196,7 +196,7 @@ class Worker:
             timeout_s=req.timeout_s,
         )
         info: dict = {}
-        line = LineMaker(info)  # info (kv backend, bytes, seconds) is filled before the first output
+        line = LineMaker(info, timings=False)  # info (kv backend, bytes, seconds): filled before line one
         async for out in self.importer.generate(spec, info):
             yield line(out)
 

@@ -1,0 +1,297 @@
+"""The deployment manifest: one YAML file that says what to serve, how, and where.
+
+    model:     {source, served_name, dtype, device, max_model_len}
+    engine:    {block_size, max_num_seqs, max_num_batched_tokens, kv_cache_mb, memory_utilization,
+                enforce_eager, threads, seed}
+    mode:      colocated | disaggregated          (one key switches the same manifest between them)
+    prefill / decode / colocated:  pools {replicas, devices, placement}
+    transport: {backend, required_backends, fallback, lease_s, fetch_timeout_s, policy, checksum,
+                secret_env, secret}
+    router:    {policy, timeouts per stage, retries}
+    server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
+                max_queued_requests, queue_timeout_s}
+    runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
+    slos, prices: read by `splitserve bench` (goodput and cost per accepted response)
+
+Every section has defaults: an empty manifest (or none at all) serves the embedded default model,
+disaggregated, on this host. `load_manifest(path)` validates the YAML and raises `ManifestError`
+naming each bad field by its YAML path and line, with what to write instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    source: str = "default"  # an HF directory, a .gguf file, or "default" (SmolLM2-135M-Instruct)
+    served_name: str | None = None  # the id in /v1/models; default: derived from the source
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"  # auto | cpu | cuda (each pool's `devices` pins replicas to cuda:N)
+    max_model_len: int | None = Field(default=None, ge=16)
+
+    def resolved_served_name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        if self.source in ("default", "smollm2-135m-instruct"):
+            return "smollm2-135m-instruct"
+        name = Path(self.source.rstrip("/")).name
+        return name.removesuffix(".gguf") or self.source
+
+
+class EngineSection(_Section):
+    block_size: int = Field(default=16, ge=1, le=256)
+    max_num_seqs: int = Field(default=128, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=16)
+    kv_cache_mb: int | None = Field(default=None, ge=1)  # KV cache budget per worker
+    memory_utilization: float | None = Field(default=None, gt=0, le=1)  # GPU: fraction for weights + KV
+    enforce_eager: bool = False  # GPU: no CUDA graphs
+    threads: int = Field(default=1, ge=1)  # CPU: torch intra-op threads per worker
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> EngineSection:
+        if self.kv_cache_mb is not None and self.memory_utilization is not None:
+            raise ValueError("give kv_cache_mb or memory_utilization, not both")
+        return self
+
+
+class PoolSection(_Section):
+    replicas: int = Field(default=1, ge=0, le=64)
+    devices: list[str] = Field(default_factory=list)  # per replica, e.g. ["cuda:0", "cuda:1"]
+    placement: dict[str, Any] = Field(default_factory=dict)  # ray: resources / node labels
+
+
+class TransportSection(_Section):
+    backend: Backend = "shm"
+    # What `verify` demands be actually in use on every pair; default: [backend].
+    required_backends: list[Backend] | None = None
+    fallback: list[Backend] = Field(default_factory=list)  # tried in order if `backend` cannot run
+    lease_s: PositiveFloat = 30.0  # an unclaimed export is freed after this
+    fetch_timeout_s: PositiveFloat = 30.0  # room on the decode worker + the transfer
+    policy: Literal["fail", "recompute"] = "fail"  # a failed transfer: error, or recompute the prompt
+    checksum: Literal["crc32", "blake2b"] | None = None
+    secret_env: str = "SPLITSERVE_KV_SECRET"  # unset: the local runtime makes one per deployment
+    secret: str | None = Field(default=None, repr=False)  # prefer secret_env
+
+    @model_validator(mode="after")
+    def _fallback_differs(self) -> TransportSection:
+        if self.backend in self.fallback:
+            raise ValueError(f"fallback lists the backend itself ({self.backend}); list only alternatives")
+        return self
+
+    def required(self) -> list[str]:
+        return list(self.required_backends) if self.required_backends else [self.backend]
+
+
+class TimeoutsSection(_Section):
+    """A deadline per stage of a request, seconds."""
+
+    queue_s: PositiveFloat = 30.0  # waiting for a free slot in the router's bounded queue
+    prefill_s: PositiveFloat = 120.0  # the prefill worker's answer (its queue + the prompt)
+    kv_transfer_s: PositiveFloat = 30.0  # room on the decode worker + the KV fetch
+    inter_token_s: PositiveFloat = 30.0  # the longest gap between two streamed chunks
+    request_s: PositiveFloat = 600.0  # the whole request
+    connect_s: PositiveFloat = 5.0  # opening a connection to a worker
+
+
+class RouterSection(_Section):
+    policy: Literal["round_robin", "least_loaded", "prefix_affinity"] = "least_loaded"
+    timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
+    # prefix_affinity: how many leading prompt tokens choose the worker, and how much busier than the
+    # least-loaded worker the chosen one may be before the request goes elsewhere.
+    affinity_prefix_tokens: int = Field(default=256, ge=1)
+    affinity_max_imbalance: int = Field(default=8, ge=0)
+
+
+class ServerSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: the OS picks (printed)
+    api_keys: list[str] = Field(default_factory=list, repr=False)  # empty: no authentication
+    api_keys_env: str | None = None  # comma-separated keys from this environment variable
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    max_concurrent_requests: int = Field(default=256, ge=1)  # in flight to the workers
+    max_queued_requests: int = Field(default=1024, ge=0)  # waiting beyond that; more: 429
+    max_n: int = Field(default=16, ge=1)
+
+    def keys(self) -> list[str]:
+        keys = list(self.api_keys)
+        if self.api_keys_env:
+            keys += [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()]
+        return keys
+
+
+class RuntimeSection(_Section):
+    kind: Literal["local", "ray"] = "local"
+    health_interval_s: PositiveFloat = 1.0
+    health_failures: int = Field(default=3, ge=1)  # missed health checks before a restart
+    startup_timeout_s: PositiveFloat = 600.0  # a worker must be ready (weights loaded) by then
+    restart_backoff_s: PositiveFloat = 1.0  # doubled per consecutive failure ...
+    restart_backoff_max_s: PositiveFloat = 30.0  # ... up to this
+    max_restarts: int = Field(default=100, ge=0)  # per worker; then it stays down (and /health says so)
+    drain_timeout_s: PositiveFloat = 30.0  # SIGTERM: in-flight requests get this long to finish
+    worker_args: list[str] = Field(default_factory=list)  # extra worker flags (tests, debugging)
+
+
+class SLOSection(_Section):
+    ttft_ms: PositiveFloat = 2000.0
+    itl_ms: PositiveFloat = 200.0
+    e2e_ms: PositiveFloat | None = None
+
+
+class PricesSection(_Section):
+    """USD per device-hour, by device kind; `splitserve bench` turns it into cost per response."""
+
+    usd_per_hour: dict[str, float] = Field(default_factory=lambda: {"cpu": 0.05, "cuda": 4.0})
+
+
+class Manifest(_Section):
+    name: str = "splitserve"
+    model: ModelSection = Field(default_factory=ModelSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    mode: Literal["colocated", "disaggregated"] = "disaggregated"
+    prefill: PoolSection = Field(default_factory=PoolSection)
+    decode: PoolSection = Field(default_factory=PoolSection)
+    colocated: PoolSection = Field(default_factory=PoolSection)
+    transport: TransportSection = Field(default_factory=TransportSection)
+    router: RouterSection = Field(default_factory=RouterSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    slos: SLOSection = Field(default_factory=SLOSection)
+    prices: PricesSection = Field(default_factory=PricesSection)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v or not all(c.isalnum() or c in "-_." for c in v):
+            raise ValueError("use letters, digits, '-', '_' or '.'")
+        return v
+
+    @model_validator(mode="after")
+    def _pools(self) -> Manifest:
+        pools = ("prefill", "decode") if self.mode == "disaggregated" else ("colocated",)
+        for name in pools:
+            if getattr(self, name).replicas < 1:
+                raise ValueError(f"{self.mode} mode needs {name}.replicas >= 1")
+        return self
+
+    def pools(self) -> dict[str, PoolSection]:
+        """role -> pool, for the roles this mode runs."""
+        if self.mode == "disaggregated":
+            return {"prefill": self.prefill, "decode": self.decode}
+        return {"colocated": self.colocated}
+
+
+class ManifestError(ValueError):
+    """A manifest that does not validate; the message lists every problem with its YAML path."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__(f"invalid manifest {source}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def load_manifest(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> Manifest:
+    """Read and validate a manifest (None: all defaults), then apply `overrides` ({"server.port": 0}).
+    Raises ManifestError (or OSError for an unreadable file)."""
+    source = "<defaults>" if path is None else str(path)
+    text = "" if path is None else Path(path).read_text()
+    return parse_manifest(text, source, overrides)
+
+
+def parse_manifest(text: str, source: str = "<string>", overrides: dict[str, Any] | None = None) -> Manifest:
+    try:
+        root = yaml.compose(text) if text.strip() else None
+        data = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError as exc:
+        raise ManifestError(source, [f"not valid YAML: {exc}"]) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ManifestError(
+            source, [f"the top level must be a mapping of sections, got {type(data).__name__}"]
+        )
+    for dotted, value in (overrides or {}).items():
+        _set_path(data, dotted.split("."), value)  # an overridden field keeps its YAML line, if any
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestError(source, [_describe(err, root) for err in exc.errors()]) from None
+
+
+def _set_path(data: dict, keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        nxt = data.get(key)
+        if not isinstance(nxt, dict):
+            nxt = data[key] = {}
+        data = nxt
+    data[keys[-1]] = value
+
+
+def _describe(err: Any, root: yaml.Node | None) -> str:
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join(loc) or "(top level)"
+    where = _line(root, err["loc"])
+    at = f" (line {where})" if where else ""
+    kind, msg = err["type"], err["msg"]
+    if kind == "extra_forbidden":
+        known = _known_fields(err["loc"][:-1])
+        close = difflib.get_close_matches(loc[-1], known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"known fields here: {', '.join(sorted(known))}"
+        return f"{path}{at}: unknown field; {hint}"
+    if kind == "literal_error":
+        return f"{path}{at}: {msg.replace('Input should be', 'must be')} (got {err.get('input')!r})"
+    msg = msg.removeprefix("Value error, ")
+    return f"{path}{at}: {msg} (got {err.get('input')!r})"
+
+
+def _known_fields(loc: tuple) -> list[str]:
+    model: type[BaseModel] = Manifest
+    for key in loc:
+        field = model.model_fields.get(str(key))
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _line(root: yaml.Node | None, loc: tuple) -> int | None:
+    """The 1-based line of the deepest node of `loc` found in the YAML (None if it is not there)."""
+    node, line = root, None
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = next((v for k, v in node.value if getattr(k, "value", None) == str(key)), None)
+            if nxt is None:
+                return line
+            node = nxt
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+        else:
+            break
+        line = node.start_mark.line + 1
+    return line
+
+
+def dump_manifest(manifest: Manifest) -> str:
+    """The manifest with every default filled in, as YAML (secrets left out)."""
+    data = manifest.model_dump(mode="json")
+    data["transport"].pop("secret", None)
+    data["server"].pop("api_keys", None)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+__all__ = ["Manifest", "ManifestError", "dump_manifest", "load_manifest", "parse_manifest"]

@@ -1,0 +1,127 @@
+"""`splitserve serve`: start a manifest's workers (local runtime), then the OpenAI API in front of them.
+
+Order of events: workers spawn and load weights (a progress bar over workers; each worker's log lines
+are prefixed with its name) -> the tokenizer loads in this process -> the API binds and prints
+`splitserve: serving MODEL at URL` (tests read it) -> requests. SIGTERM or SIGINT: the API stops
+accepting, in-flight requests get `runtime.drain_timeout_s` to finish, then the workers are stopped
+(SIGTERM, then SIGKILL). A second signal skips the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Generator
+
+import uvicorn
+
+from splitserve.config.manifest import Manifest
+from splitserve.runtime.local import LocalRuntime
+from splitserve.serve.api import ModelInfo, OpenAIServer, build_api
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:  # we install our own (run_manifest)
+        yield
+
+
+async def _worker_stats(runtime: LocalRuntime, timeout_s: float = 2.0) -> list[dict]:
+    async def one(w) -> dict:  # noqa: ANN001
+        row = {"worker": w.name, "role": w.role, "up": w.ready}
+        if w.ready:
+            with contextlib.suppress(Exception):
+                r = await runtime._http.get(f"{w.url}/stats", timeout=timeout_s)
+                row.update(r.json())
+        return row
+
+    return list(await asyncio.gather(*(one(w) for w in runtime.workers)))
+
+
+def _bind(host: str, port: int) -> tuple[socket.socket, str]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    h, p = sock.getsockname()[:2]
+    return sock, f"http://{f'[{h}]' if family == socket.AF_INET6 else h}:{p}"
+
+
+async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
+    if manifest.runtime.kind != "local":
+        raise ValueError(
+            f"runtime.kind {manifest.runtime.kind!r} is not available from `splitserve serve` yet"
+        )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+    server: _Server | None = None
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        stop.set()
+        if server is not None:
+            server.should_exit = True
+            server.force_exit = signals > 1
+        log.warning("signal received: %s", "draining" if signals == 1 else "stopping now")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+
+    sock, url = _bind(manifest.server.host, manifest.server.port)  # bind first: a busy port fails fast
+    runtime = LocalRuntime(manifest)
+    try:
+        starting = asyncio.create_task(runtime.start(progress=progress))
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            return 130
+        stopper.cancel()
+        starting.result()
+        first = runtime.workers[0].info
+        tokenizer = await asyncio.to_thread(_tokenizer, first["model"])
+        info = ModelInfo(manifest.model.resolved_served_name(), int(first["max_model_len"]),
+                         int(first["vocab_size"]), first["model"])  # fmt: skip
+        api = OpenAIServer(
+            manifest, runtime, tokenizer, info, runtime.describe, lambda: _worker_stats(runtime)
+        )
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: object) -> AsyncIterator[None]:
+            yield
+            api.admission.closed = True
+            await api.dispatcher.close()
+
+        config = uvicorn.Config(build_api(api, lifespan), log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=int(manifest.runtime.drain_timeout_s))  # fmt: skip
+        server = _Server(config)
+        pools = ", ".join(f"{w.name} {w.url}" for w in runtime.workers)
+        print(f"splitserve: serving {info.served_name} at {url}/v1 ({manifest.mode}; {pools})", flush=True)
+        print(json.dumps({"event": "ready", "url": url, "model": info.served_name, "mode": manifest.mode,
+                          "workers": runtime.describe()}), file=sys.stderr, flush=True)  # fmt: skip
+        if not stop.is_set():
+            await server.serve(sockets=[sock])
+        return 0
+    finally:
+        sock.close()
+        await runtime.stop()
+
+
+def _tokenizer(model_path: str):  # noqa: ANN202
+    from splitserve.model.checkpoint import open_checkpoint
+    from splitserve.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_checkpoint(model_path, cache_key=open_checkpoint(model_path).fingerprint())
+
+
+__all__ = ["run_manifest"]

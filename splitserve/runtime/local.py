@@ -1,0 +1,348 @@
+"""The local runtime (the embedded default): every worker its own OS process on this host.
+
+Life of a worker:
+  1. spawned as `python -m splitserve.serve.worker --role ... --port 0` (the OS picks every port; the
+     shm socket lives in a fresh temp dir), with the deployment's KV secret in its environment and
+     PR_SET_PDEATHSIG set, so that no worker outlives a runtime that was killed;
+  2. ready when it prints its `{"event": "ready", ...}` line (weights loaded, HTTP listening); its
+     stderr is forwarded line by line, prefixed with its name;
+  3. watched: a process that exits, or misses `health_failures` health checks in a row, is killed and
+     restarted after a backoff (doubling from `restart_backoff_s` to `restart_backoff_max_s`, reset
+     once it has stayed up for a minute), at most `max_restarts` times;
+  4. stopped on shutdown: SIGTERM, then SIGKILL after a grace period.
+While a worker is not ready the router does not send it requests; `workers` is what the router reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from splitserve.config.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+STABLE_S = 60.0  # a worker up this long has its restart backoff reset
+
+
+class StartupError(RuntimeError):
+    """A worker could not start (its last stderr lines are in the message)."""
+
+
+@dataclass
+class WorkerProcess:
+    """One worker as the router and runtime see it."""
+
+    name: str  # "prefill-0"
+    role: str
+    argv: list[str]
+    env: dict[str, str] = field(repr=False)
+    state: str = "new"  # new | starting | ready | restarting | failed | stopped
+    url: str | None = None
+    kv_address: str | None = None
+    info: dict = field(default_factory=dict)  # the worker's ready line / last /health
+    proc: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    ready_at: float = 0.0
+    startup_s: float | None = None  # the last spawn -> ready time
+    last_exit: int | None = None
+    inflight: int = 0  # the router's count of requests on this worker
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "role": self.role,
+            "state": self.state,
+            "url": self.url,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
+            "last_exit": self.last_exit,
+            "inflight": self.inflight,
+            "kv_backend": self.info.get("kv_backend"),
+        }
+
+
+def worker_argv(manifest: Manifest, role: str, index: int, secret_env: str) -> list[str]:
+    """The command line of one worker, from the manifest."""
+    m, e, t = manifest.model, manifest.engine, manifest.transport
+    pool = manifest.pools()[role]
+    device = pool.devices[index % len(pool.devices)] if pool.devices else m.device
+    argv = [
+        sys.executable,
+        "-m",
+        "splitserve.serve.worker",
+        "--role",
+        role,
+        "--model",
+        m.source,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--device",
+        device,
+        "--dtype",
+        m.dtype,
+        "--block-size",
+        str(e.block_size),
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(e.max_num_batched_tokens),
+        "--seed",
+        str(e.seed),
+        "--threads",
+        str(e.threads),
+    ]
+    if m.max_model_len is not None:
+        argv += ["--max-model-len", str(m.max_model_len)]
+    if e.kv_cache_mb is not None:
+        argv += ["--kv-cache-mb", str(e.kv_cache_mb)]
+    if e.memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(e.memory_utilization)]
+    if role != "colocated":
+        argv += [
+            "--kv-backend",
+            t.backend,
+            "--kv-fallback",
+            ",".join(t.fallback),
+            "--kv-lease-s",
+            str(t.lease_s),
+            "--kv-fetch-timeout-s",
+            str(t.fetch_timeout_s),
+            "--kv-policy",
+            t.policy,
+            "--kv-secret-env",
+            secret_env,
+        ]
+        if t.checksum:
+            argv += ["--kv-checksum", t.checksum]
+    return argv + list(manifest.runtime.worker_args)
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class LocalRuntime:
+    def __init__(self, manifest: Manifest, on_event: Callable[[str, WorkerProcess], None] | None = None):
+        self.manifest = manifest
+        self.rt = manifest.runtime
+        self.on_event = on_event or (lambda _kind, _w: None)
+        secret_env = manifest.transport.secret_env
+        secret = manifest.transport.secret or os.environ.get(secret_env) or secrets.token_hex(32)
+        env = {**os.environ, secret_env: secret, "PYTHONUNBUFFERED": "1"}
+        self.workers: list[WorkerProcess] = [
+            WorkerProcess(f"{role}-{i}", role, worker_argv(manifest, role, i, secret_env), env)
+            for role, pool in manifest.pools().items()
+            for i in range(pool.replicas)
+        ]
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+
+    def ready(self, role: str) -> list[WorkerProcess]:
+        return [w for w in self.workers if w.role == role and w.ready]
+
+    # ---- start ----------------------------------------------------------------------------------
+
+    async def start(self, progress: bool = True) -> None:
+        """Spawn every worker and wait until all are ready; raises StartupError if one fails."""
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=len(self.workers),
+            desc="starting workers (loading weights)",
+            unit="worker",
+            disable=not progress,
+            file=sys.stderr,
+        )
+        try:
+            async with asyncio.TaskGroup() as group:
+                for w in self.workers:
+                    group.create_task(self._first_start(w, bar))
+        except* StartupError as eg:
+            await self.stop()
+            raise eg.exceptions[0] from None
+        finally:
+            bar.close()
+        for w in self.workers:
+            self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{w.name}"))
+
+    async def _first_start(self, w: WorkerProcess, bar: object) -> None:
+        await self._spawn(w)
+        bar.update(1)  # type: ignore[attr-defined]
+        bar.set_postfix_str(f"{w.name} ready in {w.startup_s:.1f}s")  # type: ignore[attr-defined]
+
+    async def _spawn(self, w: WorkerProcess) -> None:
+        w.state, w.url, w.kv_address = "starting", None, None
+        w.started_at = time.monotonic()
+        w.proc = await asyncio.create_subprocess_exec(
+            *w.argv,
+            env=w.env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
+        )
+        asyncio.create_task(self._forward_stderr(w, w.proc))
+        try:
+            info = await asyncio.wait_for(self._ready_line(w.proc), self.rt.startup_timeout_s)
+        except (TimeoutError, EOFError) as exc:
+            code = await self._kill(w.proc)
+            tail = "\n".join(f"    {line}" for line in list(w.stderr_tail)[-15:])
+            why = "did not become ready in time" if isinstance(exc, TimeoutError) else f"exited ({code})"
+            w.state = "failed"
+            raise StartupError(f"worker {w.name} {why}; its last output:\n{tail}") from None
+        w.info, w.url, w.kv_address = info, info["url"], info.get("kv_address")
+        w.ready_at = time.monotonic()
+        w.startup_s = w.ready_at - w.started_at
+        w.state = "ready"
+        log.info("worker %s ready at %s (pid %s) in %.1fs", w.name, w.url, w.pid, w.startup_s)
+        self.on_event("ready", w)
+
+    @staticmethod
+    async def _ready_line(proc: asyncio.subprocess.Process) -> dict:
+        assert proc.stdout is not None
+        while True:
+            raw = await proc.stdout.readline()
+            if not raw:
+                raise EOFError
+            with contextlib.suppress(ValueError):
+                msg = json.loads(raw)
+                if isinstance(msg, dict) and msg.get("event") == "ready":
+                    return msg
+
+    async def _forward_stderr(self, w: WorkerProcess, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None
+        while raw := await proc.stderr.readline():
+            line = raw.decode(errors="replace").rstrip()
+            w.stderr_tail.append(line)
+            if line:
+                print(f"[{w.name}] {line}", file=sys.stderr, flush=True)
+
+    # ---- watch and restart ----------------------------------------------------------------------
+
+    async def _watch(self, w: WorkerProcess) -> None:
+        backoff = self.rt.restart_backoff_s
+        while not self._stopping:
+            assert w.proc is not None
+            health = asyncio.create_task(self._health_loop(w))
+            code = await w.proc.wait()
+            health.cancel()
+            if self._stopping:
+                return
+            w.last_exit = code
+            up = time.monotonic() - w.ready_at
+            if up > STABLE_S:
+                backoff = self.rt.restart_backoff_s
+            w.state = "restarting"
+            self.on_event("died", w)
+            if w.restarts >= self.rt.max_restarts:
+                w.state = "failed"
+                log.error(
+                    "worker %s exited (%s) and has used its %d restarts; it stays down",
+                    w.name,
+                    code,
+                    self.rt.max_restarts,
+                )
+                return
+            log.error(
+                "worker %s (pid %s) exited with %s after %.1fs; restarting in %.1fs",
+                w.name,
+                w.pid,
+                code,
+                up,
+                backoff,
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.rt.restart_backoff_max_s)
+            w.restarts += 1
+            try:
+                await self._spawn(w)
+            except StartupError as exc:
+                log.error("%s", exc)
+                w.state = "restarting"
+            self.on_event("restarted", w)
+
+    async def _health_loop(self, w: WorkerProcess) -> None:
+        misses = 0
+        while True:
+            await asyncio.sleep(self.rt.health_interval_s)
+            if w.state != "ready" or w.url is None:
+                continue
+            try:
+                r = await self._http.get(f"{w.url}/health", timeout=max(1.0, self.rt.health_interval_s * 2))
+                r.raise_for_status()
+                w.info.update(r.json())
+                misses = 0
+            except (httpx.HTTPError, ValueError) as exc:
+                misses += 1
+                log.warning(
+                    "worker %s missed a health check (%d/%d): %s",
+                    w.name,
+                    misses,
+                    self.rt.health_failures,
+                    exc,
+                )
+                if misses >= self.rt.health_failures and w.proc is not None:
+                    log.error("worker %s is unresponsive; killing it for a restart", w.name)
+                    w.state = "restarting"
+                    await self._kill(w.proc)
+                    return
+
+    # ---- stop -----------------------------------------------------------------------------------
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        procs = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
+        await asyncio.gather(*(self._kill(p, grace_s) for p in procs), return_exceptions=True)
+        for w in self.workers:
+            w.state = "stopped"
+        await self._http.aclose()
+
+    @staticmethod
+    async def _kill(proc: asyncio.subprocess.Process, grace_s: float = 5.0) -> int | None:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        return proc.returncode
+
+    def describe(self) -> list[dict]:
+        return [w.describe() for w in self.workers]
+
+
+__all__ = ["LocalRuntime", "StartupError", "WorkerProcess", "worker_argv"]

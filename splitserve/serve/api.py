@@ -1,0 +1,753 @@
+"""The OpenAI-compatible HTTP API over the router: /v1/models, /v1/chat/completions, /v1/completions,
+/health and /metrics.
+
+A request's path through here: read the body (413 over `max_body_bytes`, 400 for bad JSON or UTF-8),
+authenticate (401), validate (400, naming the field), check the model (404) and the context length
+(400 with the numbers), tokenize, take a slot in the bounded queue (429 with Retry-After when it is
+full, 503 when the wait runs past `queue_s`), then run every choice through the `Dispatcher`
+concurrently. The answer starts only after the first piece of output has arrived, so a request that
+fails before producing anything gets a real status; a failure after that is an SSE `error` event.
+A client that goes away cancels its choices, which aborts them on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from splitserve.config.manifest import Manifest
+from splitserve.serve.metrics import RouterMetrics, ttft_breakdown
+from splitserve.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from splitserve.serve.router import Dispatcher, Piece, WorkerSet
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInfo:
+    served_name: str
+    max_model_len: int
+    vocab_size: int
+    root: str  # the checkpoint path
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Admission:
+    """At most `max_running` requests in flight; at most `max_queued` more waiting, for `timeout_s`."""
+
+    def __init__(self, max_running: int, max_queued: int, timeout_s: float) -> None:
+        self.max_queued = max_queued
+        self.timeout_s = timeout_s
+        self._slots = asyncio.Semaphore(max_running)
+        self.running = 0
+        self.waiting = 0
+        self.closed = False
+
+    async def acquire(self) -> float:
+        """-> seconds waited. Raises APIError 429 (queue full) / 503 (waited too long, or draining)."""
+        if self.closed:
+            raise APIError(
+                503,
+                "the server is shutting down",
+                type="service_unavailable",
+                code="shutting_down",
+                headers={"Retry-After": "5"},
+            )
+        start = time.perf_counter()
+        if self._slots.locked():
+            if self.waiting >= self.max_queued:
+                raise APIError(
+                    429,
+                    f"the server is overloaded ({self.running} running, {self.waiting} queued); retry later",
+                    type="rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                )
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+            except TimeoutError:
+                raise APIError(
+                    503,
+                    f"no capacity within {self.timeout_s:g}s; retry later",
+                    type="service_unavailable",
+                    code="queue_timeout",
+                    headers={"Retry-After": "2"},
+                ) from None
+            finally:
+                self.waiting -= 1
+        else:
+            await self._slots.acquire()
+        self.running += 1
+        return time.perf_counter() - start
+
+    def release(self) -> None:
+        self.running -= 1
+        self._slots.release()
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_len: int
+    tokens: int = 0
+    text: str = ""
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    last_time: float = 0.0
+
+
+class OpenAIServer:
+    def __init__(
+        self,
+        manifest: Manifest,
+        workers: WorkerSet,
+        tokenizer: Any,
+        info: ModelInfo,
+        describe_workers: Callable[[], list[dict]] = list,
+        worker_stats: Callable[[], Awaitable[list[dict]]] | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.workers = workers
+        self.tokenizer = tokenizer
+        self.info = info
+        self.describe_workers = describe_workers
+        self.worker_stats = worker_stats
+        self.keys = [k.encode() for k in manifest.server.keys()]
+        self.dispatcher = Dispatcher(workers, manifest.router, manifest.mode, manifest.engine.block_size)
+        srv = manifest.server
+        self.admission = Admission(
+            srv.max_concurrent_requests, srv.max_queued_requests, manifest.router.timeouts.queue_s
+        )
+        self.metrics = RouterMetrics(info.served_name)
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else str(token_id)
+
+    # ---- request plumbing -----------------------------------------------------------------------
+
+    def check_auth(self, request: Request) -> None:
+        if not self.keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        ok = False
+        for key in self.keys:  # every key compared, in constant time each
+            ok |= hmac.compare_digest(token.strip().encode(), key)
+        if scheme.lower() != "bearer" or not ok:
+            raise APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    async def read_json(self, request: Request) -> dict:
+        limit = self.manifest.server.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise APIError(
+                413, f"the request body is {length} bytes; the limit is {limit}", code="request_too_large"
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(
+                    413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large"
+                )
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"the request body is not valid UTF-8: {exc}", code="invalid_utf8") from None
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        return body
+
+    def check_model(self, name: str) -> None:
+        if name != self.info.served_name:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.info.served_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_length(self, prompt_len: int, max_tokens: int | None, what: str) -> None:
+        limit = self.info.max_model_len
+        if prompt_len >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{what} resulted in {prompt_len} tokens, which leaves no room for a completion. "
+                f"Please reduce the length of the {what}.",
+                param=what,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
+                f"{max_tokens} in the completion). Please reduce the length of the {what} or "
+                "completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    # ---- chat and completions -------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        start = time.perf_counter()
+        self.check_auth(request)
+        req = _validate(ChatCompletionRequest, await self.read_json(request))
+        self.check_model(req.model)
+        self._check_n(req.n)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
+        messages = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+            for m in req.messages
+        ]
+        try:
+            prompt_ids = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # noqa: BLE001 - the template's own complaint, e.g. role order
+            raise APIError(
+                400, f"the chat template rejected these messages: {exc}", param="messages"
+            ) from None
+        self.check_length(len(prompt_ids), req.max_new(), "messages")
+        params = req.sampling(req.max_new(), req.logprobs_k())
+        prompts = [(prompt_ids, "")]
+        return await self._run("chat", req, prompts, params, start, request)
+
+    async def completions(self, request: Request) -> Response:
+        start = time.perf_counter()
+        self.check_auth(request)
+        req = _validate(CompletionRequest, await self.read_json(request))
+        self.check_model(req.model)
+        self._check_n(req.n * len(req.prompts()))
+        prompts: list[tuple[list[int], str]] = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
+                if not p:
+                    raise APIError(400, "prompt must not be empty", param="prompt")
+                ids = await asyncio.to_thread(self.tokenizer.encode, p)
+                text = p
+            else:
+                ids = list(p)
+                if min(ids) < 0 or max(ids) >= self.info.vocab_size:
+                    raise APIError(
+                        400, f"prompt token ids must be in [0, {self.info.vocab_size})", param="prompt"
+                    )
+                text = (
+                    self.tokenizer.decode(ids, skip_special_tokens=False)
+                    if req.echo and self.tokenizer
+                    else ""
+                )
+            self.check_length(len(ids), req.max_tokens, "prompt")
+            prompts.append((ids, text if req.echo else ""))
+        params = req.sampling(req.max_tokens, req.logprobs)
+        return await self._run("completion", req, prompts, params, start, request)
+
+    def _check_n(self, n: int) -> None:
+        if n > self.manifest.server.max_n:
+            raise APIError(
+                400, f"at most {self.manifest.server.max_n} choices per request (n times prompts)", param="n"
+            )
+
+    async def _run(
+        self,
+        kind: str,
+        req: Any,
+        prompts: list[tuple[list[int], str]],
+        params: dict,
+        start: float,
+        request: Request,
+    ) -> Response:
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        name = self.info.served_name
+        try:
+            waited = await self.admission.acquire()
+        except APIError as exc:
+            self.metrics.errors.labels(name, str(exc.status)).inc()
+            raise
+        self.metrics.router_queue.labels(name).observe(waited)
+        run = _Run(self, kind, req, prompts, params, rid, start)
+        released = False
+
+        async def cleanup() -> None:  # idempotent: cancel what still runs, give the slot back
+            nonlocal released
+            await run.cancel()
+            if not released:
+                released = True
+                self.admission.release()
+
+        handed_over = False
+        try:
+            run.launch()
+            first = await run.first()
+            if req.stream:
+                handed_over = True
+                return _Stream(run.sse(first), cleanup, media_type="text/event-stream", headers=run.headers())
+            body = await _unless_disconnected(request, run.collect(first))
+            return JSONResponse(body, headers=run.headers())
+        except APIError as exc:
+            self.metrics.errors.labels(name, str(exc.status)).inc()
+            raise
+        finally:
+            if not handed_over:
+                await cleanup()
+
+    # ---- routes ---------------------------------------------------------------------------------
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {
+            "id": self.info.served_name,
+            "object": "model",
+            "created": self.info.created,
+            "owned_by": "splitserve",
+            "root": self.info.root,
+            "max_model_len": self.info.max_model_len,
+        }
+
+    def health(self) -> tuple[int, dict]:
+        pools = {role: len(self.workers.ready(role)) for role in self.manifest.pools()}
+        ok = all(n > 0 for n in pools.values()) and not self.admission.closed
+        body = {
+            "status": "ok" if ok else "degraded",
+            "mode": self.manifest.mode,
+            "ready": pools,
+            "workers": self.describe_workers(),
+        }
+        return (200 if ok else 503), body
+
+    async def render_metrics(self) -> bytes:
+        m, name = self.metrics, self.info.served_name
+        m.router_running.labels(name).set(self.admission.running)
+        m.router_waiting.labels(name).set(self.admission.waiting)
+        if self.worker_stats is not None:
+            for s in await self.worker_stats():
+                lab = (name, s["worker"], s["role"])
+                m.worker_up.labels(*lab).set(1 if s.get("up") else 0)
+                if "running" in s:
+                    m.running.labels(*lab).set(s["running"])
+                    m.waiting.labels(*lab).set(s["waiting"])
+                    blocks = s.get("blocks") or {}
+                    if blocks.get("total"):
+                        m.kv_usage.labels(*lab).set(1 - blocks["free"] / blocks["total"])
+                kv = s.get("kv_transfer") or {}
+                if kv.get("backend"):
+                    tr = kv.get("transport", {})
+                    m.kv_backend.labels(*lab, kv["backend"], tr.get("requested") or kv["backend"]).set(1)
+                    m.kv_fallbacks.labels(*lab).set((tr.get("counts") or {}).get("fallbacks", 0))
+        return m.render()
+
+
+class _Run:
+    """One API request's choices in flight: each runs in its own task and feeds one queue."""
+
+    def __init__(
+        self,
+        server: OpenAIServer,
+        kind: str,
+        req: Any,
+        prompts: list[tuple[list[int], str]],
+        params: dict,
+        rid: str,
+        start: float,
+    ) -> None:
+        self.s, self.kind, self.req, self.params, self.rid, self.start = server, kind, req, params, rid, start
+        self.created = int(time.time())
+        self.deadline = start + server.manifest.router.timeouts.request_s
+        self.choices: list[_Choice] = []
+        self.echo: list[str] = []
+        self.jobs: list[tuple[int, list[int], dict]] = []
+        for p_idx, (ids, echo) in enumerate(prompts):
+            for i in range(req.n):
+                index = p_idx * req.n + i
+                choice_params = dict(params)
+                if params.get("seed") is not None:
+                    choice_params["seed"] = params["seed"] + i  # as SamplingParams.for_child
+                self.choices.append(_Choice(index, len(ids)))
+                self.echo.append(echo)
+                self.jobs.append((index, ids, choice_params))
+        self.prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        self.queue: asyncio.Queue[Piece | BaseException | int] = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.first_metrics: dict = {}
+        self.ttft: float | None = None
+        self.pending = len(self.jobs)
+
+    def launch(self) -> None:
+        for index, ids, params in self.jobs:
+            rid = self.rid if len(self.jobs) == 1 else f"{self.rid}-{index}"
+            self.tasks.append(asyncio.create_task(self._one(index, ids, params, rid)))
+
+    async def _one(self, index: int, ids: list[int], params: dict, rid: str) -> None:
+        try:
+            async for piece in self.s.dispatcher.run(index, ids, params, rid):
+                self.queue.put_nowait(piece)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            self.queue.put_nowait(exc)
+        else:
+            self.queue.put_nowait(index)
+
+    async def cancel(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def next(self) -> Piece | None:
+        """The next piece of any choice; None once all are done. Raises a choice's error."""
+        while self.pending:
+            left = self.deadline - time.perf_counter()
+            try:
+                item = await asyncio.wait_for(self.queue.get(), max(left, 0.001))
+            except TimeoutError:
+                raise APIError(
+                    504,
+                    f"the request ran past its deadline ({self.s.manifest.router.timeouts.request_s:g}s)",
+                    type="timeout",
+                    code="request_timeout",
+                ) from None
+            if isinstance(item, BaseException):
+                raise (
+                    item
+                    if isinstance(item, APIError)
+                    else APIError(500, f"internal error: {item!r}", type="server_error")
+                )
+            if isinstance(item, int):
+                self.pending -= 1
+                continue
+            self._account(item)
+            return item
+        return None
+
+    def _account(self, piece: Piece) -> None:
+        now = time.perf_counter()
+        c = self.choices[piece.index]
+        m, name = self.s.metrics, self.s.info.served_name
+        if c.last_time == 0.0:
+            ttft = now - self.start
+            m.observe_first(ttft, piece.metrics)
+            if self.ttft is None:
+                self.ttft, self.first_metrics = ttft, piece.metrics
+        elif piece.token_ids:
+            gap = (now - c.last_time) / len(piece.token_ids)
+            for _ in piece.token_ids:
+                m.itl.labels(name).observe(gap)
+        c.last_time = now
+        c.tokens += len(piece.token_ids)
+        m.generation_tokens.labels(name).inc(len(piece.token_ids))
+        if piece.finished:
+            c.finish_reason = piece.finish_reason
+            m.requests.labels(name, piece.finish_reason or "unknown").inc()
+
+    async def first(self) -> Piece:
+        piece = await self.next()
+        assert piece is not None
+        return piece
+
+    def headers(self) -> dict[str, str]:
+        return {"x-request-id": self.rid, **ttft_breakdown(self.ttft or 0.0, self.first_metrics)}
+
+    def usage(self) -> dict:
+        done = sum(c.tokens for c in self.choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_tokens + done,
+        }
+
+    def _finish_metrics(self) -> None:
+        m, name = self.s.metrics, self.s.info.served_name
+        m.e2e.labels(name).observe(time.perf_counter() - self.start)
+        m.prompt_tokens.labels(name).inc(self.prompt_tokens)
+
+    # ---- non-streaming --------------------------------------------------------------------------
+
+    async def collect(self, first: Piece) -> dict:
+        piece: Piece | None = first
+        try:
+            while piece is not None:
+                self._add(piece)
+                piece = await self.next()
+        except BaseException:
+            await self.cancel()
+            raise
+        self._finish_metrics()
+        choices = []
+        for c, echo in zip(self.choices, self.echo, strict=True):
+            lp = self._logprobs(c.logprobs) if self.params.get("logprobs") is not None else None
+            if self.kind == "chat":
+                msg = {"role": "assistant", "content": c.text, "refusal": None}
+                choices.append(
+                    {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": c.finish_reason}
+                )
+            else:
+                choices.append(
+                    {
+                        "index": c.index,
+                        "text": echo + c.text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.s.info.served_name,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    def _add(self, piece: Piece) -> None:
+        c = self.choices[piece.index]
+        c.text += piece.text
+        if piece.logprobs:
+            c.logprobs.extend(piece.logprobs)
+
+    # ---- logprobs -------------------------------------------------------------------------------
+
+    def _logprobs(self, entries: list[dict], offset: int = 0) -> dict:
+        tt = self.s.token_text
+        if self.kind == "chat":
+            content = []
+            for e in entries:
+                tok = tt(e["token_id"])
+                top = [{"token": tt(t), "logprob": lp, "bytes": list(tt(t).encode())} for t, lp in e["top"]]
+                content.append(
+                    {"token": tok, "logprob": e["logprob"], "bytes": list(tok.encode()), "top_logprobs": top}
+                )
+            return {"content": content, "refusal": None}
+        tokens, offsets = [], []
+        for e in entries:
+            offsets.append(offset)
+            tok = tt(e["token_id"])
+            tokens.append(tok)
+            offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{tt(t): lp for t, lp in e["top"]} for e in entries],
+            "text_offset": offsets,
+        }
+
+    # ---- streaming ------------------------------------------------------------------------------
+
+    async def sse(self, first: Piece) -> AsyncIterator[bytes]:
+        include_usage = self.req.include_usage()
+        continuous = bool(self.req.stream_options and self.req.stream_options.continuous_usage_stats)
+        try:
+            if self.kind == "chat":
+                for c in self.choices:  # the role first, as OpenAI does
+                    yield self._chunk(
+                        [
+                            {
+                                "index": c.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        continuous,
+                    )
+            piece: Piece | None = first
+            offsets = [0] * len(self.choices)
+            while piece is not None:
+                c = self.choices[piece.index]
+                lp = None
+                if self.params.get("logprobs") is not None:
+                    lp = self._logprobs(piece.logprobs or [], offsets[piece.index])
+                    offsets[piece.index] += sum(
+                        len(self.s.token_text(e["token_id"])) for e in piece.logprobs or []
+                    )
+                text = piece.text
+                if self.kind == "chat":
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": text},
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason if piece.finished else None,
+                    }
+                else:
+                    if c.tokens == len(piece.token_ids):  # this choice's first piece
+                        text = self.echo[piece.index] + text
+                    choice = {
+                        "index": c.index,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason if piece.finished else None,
+                    }
+                yield self._chunk([choice], continuous)
+                piece = await self.next()
+            self._finish_metrics()
+            if include_usage:
+                yield self._chunk([], False, usage=True)
+        except APIError as exc:
+            self.s.metrics.errors.labels(self.s.info.served_name, str(exc.status)).inc()
+            yield _sse({**exc.body(), "status": exc.status})
+        except asyncio.CancelledError:
+            log.info("client went away from %s; aborting its choices", self.rid)
+            raise
+        yield b"data: [DONE]\n\n"
+
+    def _chunk(self, choices: list[dict], continuous: bool, usage: bool = False) -> bytes:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body: dict[str, Any] = {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.s.info.served_name,
+            "choices": choices,
+        }
+        if usage or continuous:
+            body["usage"] = self.usage()
+        return _sse(body)
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that runs `cleanup` however it ends: finished, failed or the client gone
+    (a generator never started, or left suspended at a yield, would otherwise run no `finally`)."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], **kw: Any
+    ) -> None:
+        super().__init__(content, **kw)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
+
+
+def _sse(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _validate(model: type, body: dict) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union[")))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unrecognized request argument"
+        if err["type"] == "missing":
+            msg = "missing required field"
+        more = f" (and {len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
+        raise APIError(400, f"{param}: {msg}{more}" if param else msg + more, param=param or None) from None
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict:
+    """Run `work`; if the client disconnects first, cancel it (its choices abort on the workers)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.create_task(gone())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise APIError(499, "client closed the request", code="client_closed")
+    return task.result()
+
+
+def build_api(server: OpenAIServer, lifespan: Any = None) -> FastAPI:
+    app = FastAPI(title="splitserve", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(
+            APIError(exc.status_code, str(exc.detail), code=kind).body(), status_code=exc.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        body = APIError(500, f"internal error ({type(exc).__name__})", type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        server.check_auth(request)
+        return server.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        server.check_auth(request)
+        server.check_model(model_id)
+        return server.model_card()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Response:
+        return await server.chat(request)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        return await server.completions(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = server.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await server.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+__all__ = ["Admission", "ModelInfo", "OpenAIServer", "build_api"]

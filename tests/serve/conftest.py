@@ -1,0 +1,187 @@
+"""Real deployments for the serving tests: `splitserve serve MANIFEST` as a subprocess (router + worker
+processes, the real default model), reached over real HTTP with the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+MODEL = "smollm2-135m-instruct"
+API_KEY = "sk-splitserve-test"
+# OpenAI's own API schema: the whole file where the workplace has it, else the components the tests
+# use, extracted from it into tests/serve/data (so that CI on a fresh clone validates too).
+SCHEMA_PATHS = [
+    Path(__file__).resolve().parents[3] / "shared" / "openai-openapi.json",
+    Path(__file__).resolve().parent / "data" / "openai_schemas.json",
+]
+
+
+@dataclass
+class Deployment:
+    proc: subprocess.Popen
+    url: str  # http://host:port (no /v1)
+    api_key: str | None
+    workers: list[dict]
+    log: deque[str] = field(default_factory=lambda: deque(maxlen=400))
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, **kw)
+
+    def async_client(self, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, **kw)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def worker_urls(self) -> dict[str, str]:
+        return {w["name"]: w["url"] for w in self.health()["workers"] if w["url"]}
+
+    def worker_stats(self) -> dict[str, dict]:
+        return {name: httpx.get(f"{url}/stats", timeout=10).json() for name, url in self.worker_urls().items()}
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, dict]:
+        """Until every worker has nothing running or waiting and every block free; -> the stats."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.worker_stats()
+            idle = all(
+                s["unfinished"] == 0 and s["blocks"]["free"] == s["blocks"]["total"]
+                and (s["kv_transfer"] or {}).get("importing", 0) == 0
+                for s in stats.values()
+            )  # fmt: skip
+            if idle or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.2)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def manifest_yaml(**sections) -> dict:
+    """The test deployments' manifest: the default model, small KV caches, quick health checks."""
+    base = {
+        "model": {"max_model_len": 2048},
+        "engine": {"kv_cache_mb": 48, "max_num_seqs": 32},
+        "server": {"port": 0},
+        "runtime": {"health_interval_s": 0.5, "restart_backoff_s": 0.5},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return base
+
+
+def start_deployment(tmp: Path, manifest: dict, api_key: str | None = None, timeout_s: float = 180.0) -> Deployment:
+    path = tmp / "manifest.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    cmd = [sys.executable, "-m", "splitserve.cli", "serve", str(path), "--no-progress"]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    dep = Deployment(proc, "", api_key, [])
+    ready: dict = {}
+    got = threading.Event()
+
+    def pump_err() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            dep.log.append(line.rstrip())
+            if line.startswith('{"event": "ready"'):
+                ready.update(json.loads(line))
+                got.set()
+
+    def pump_out() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            dep.log.append(line.rstrip())
+
+    threading.Thread(target=pump_err, daemon=True).start()
+    threading.Thread(target=pump_out, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not got.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("deployment did not start:\n" + "\n".join(dep.log))
+    dep.url, dep.workers = ready["url"], ready["workers"]
+    return dep
+
+
+@pytest.fixture(scope="session")
+def disagg(tmp_path_factory) -> Deployment:
+    """Disaggregated (1 prefill + 1 decode over shm), API keys on."""
+    dep = start_deployment(tmp_path_factory.mktemp("disagg"), manifest_yaml(mode="disaggregated"), API_KEY)
+    yield dep
+    assert dep.stop() == 0, "\n".join(dep.log)
+
+
+@pytest.fixture(scope="session")
+def colocated(tmp_path_factory) -> Deployment:
+    """Colocated (1 worker), no keys, a small bounded queue (2 running + 1 queued) for the overload test."""
+    manifest = manifest_yaml(
+        mode="colocated", server={"port": 0, "max_concurrent_requests": 2, "max_queued_requests": 1}
+    )
+    dep = start_deployment(tmp_path_factory.mktemp("colocated"), manifest)
+    yield dep
+    assert dep.stop() == 0, "\n".join(dep.log)
+
+
+@pytest.fixture(scope="session")
+def openai_schema() -> dict:
+    path = next(p for p in SCHEMA_PATHS if p.exists())
+    return json.loads(path.read_text())
+
+
+def check_schema(schema: dict, name: str, body: dict) -> None:
+    """Validate `body` against OpenAI's own schema component `name`."""
+    import jsonschema
+
+    doc = {"$ref": f"#/components/schemas/{name}", "components": _nullable(schema["components"])}
+    jsonschema.validate(body, doc, cls=jsonschema.Draft202012Validator)
+
+
+def _nullable(node):
+    """OpenAPI 3.0's `nullable: true` (which the file still uses in places) as JSON Schema: null allowed."""
+    if isinstance(node, list):
+        return [_nullable(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _nullable(v) for k, v in node.items()}
+    if out.pop("nullable", False):
+        if isinstance(out.get("type"), str):
+            out["type"] = [out["type"], "null"]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+        if "$ref" in out or "allOf" in out or "anyOf" in out or "oneOf" in out:
+            out = {"anyOf": [out, {"type": "null"}]}
+    return out
+
+
+def sse_events(raw: str) -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^data: (.*)$", raw, flags=re.M)]
