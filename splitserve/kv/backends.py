@@ -2,8 +2,8 @@
 
     tcp       any two hosts; always available
     shm       same host, POSIX shared memory + a unix control socket
-    cuda_ipc  same host, GPU KV: needs CUDA                          (stub: not implemented yet)
-    nccl      GPU KV across hosts: needs CUDA and NCCL               (stub: not implemented yet)
+    cuda_ipc  same host, GPU KV: needs CUDA; GPU-to-GPU copies through a CUDA IPC handle (cuda_ipc.py)
+    nccl      GPU KV, any hosts: needs CUDA and NCCL; NCCL send/recv per connection (nccl.py)
     nixl      RDMA / NVLink through NVIDIA NIXL: needs `import nixl` (stub: not implemented yet)
 
 A backend that cannot run raises `BackendUnavailable` naming what is missing; nothing here falls
@@ -50,9 +50,15 @@ def _cuda() -> str:
 
 def _cuda_ipc() -> type[KVTransport]:
     missing = _cuda()
+    if not missing and not hasattr(socket, "AF_UNIX"):
+        missing = "unix sockets are not available here"
+    if not missing and not hasattr(torch.UntypedStorage, "_new_shared_cuda"):
+        missing = f"torch {torch.__version__} cannot share CUDA storage (no UntypedStorage._new_shared_cuda)"
     if missing:
         raise BackendUnavailable(f"cuda_ipc: needs CUDA on both workers of one host; {missing}")
-    raise BackendUnavailable("cuda_ipc: CUDA is present, but splitserve has no cuda_ipc backend yet (stub)")
+    from splitserve.kv.cuda_ipc import CudaIpcTransport
+
+    return CudaIpcTransport
 
 
 def _nccl() -> type[KVTransport]:
@@ -61,7 +67,9 @@ def _nccl() -> type[KVTransport]:
         missing = f"torch {torch.__version__} was built without NCCL"
     if missing:
         raise BackendUnavailable(f"nccl: needs CUDA and NCCL; {missing}")
-    raise BackendUnavailable("nccl: CUDA and NCCL are present, but splitserve has no nccl backend yet (stub)")
+    from splitserve.kv.nccl import NcclTransport
+
+    return NcclTransport
 
 
 def _nixl() -> type[KVTransport]:

@@ -1,0 +1,392 @@
+"""GPU KV transfer: cuda_ipc and nccl between two GPUs of one host, beside a raw GPU-to-GPU copy.
+
+Setup: an exporter process (spawn) holds KV caches of random bytes on cuda:0 and serves cuda_ipc and
+nccl; this process fetches into its own KV caches on cuda:1. The baseline, measured in the same run,
+is `dst.copy_(src)` of the same number of bytes from a cuda:0 buffer to a cuda:1 buffer in this
+process (the copy engines over NVLink / PCIe: the most one cudaMemcpy gets).
+
+  1. Ladder: payloads 1 MiB .. --max-mb (x4 steps) of a small-block layout (default 256 KiB blocks),
+     block ids one run on both sides ("contiguous") and random on both sides ("scattered"). Each
+     figure is the median wall time of a whole synchronous fetch (control round trips included) over
+     several repetitions after a warm-up, the contenders taking turns; the ratio is to the raw copy.
+     "cuda_ipc/runs" is cuda_ipc forced to one cudaMemcpy per block run (scattered only), to show
+     why many runs go through gather/scatter kernels instead.
+  2. Latency: median of a 1-block fetch.
+  3. Qwen3-8B shape (36 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks): the KV of a
+     --prompt-tokens prompt, fetched over both backends, against the prefill time of that prompt on
+     one GPU (splitserve's engine on random weights of that shape, `qwen3-8b-random`, one prefill
+     step: max_num_batched_tokens = prompt length, no prefix caching).
+
+Goals: >= 85% of the raw copy on payloads >= 64 MiB; prompt KV transfer <= 5% of its prefill time.
+
+    python bench/kv_transfer_gpu.py                       # needs 2 GPUs; ~3 GiB of each
+    python bench/kv_transfer_gpu.py --max-mb 256 --skip-prefill --json /tmp/kv_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
+
+import splitserve.kv.cuda_ipc as cuda_ipc  # noqa: E402
+from splitserve.kv import KVHandle, KVLayout, TransportOptions, make_transport  # noqa: E402
+
+BACKENDS = ("cuda_ipc", "nccl")
+BULK_BYTES = 64 << 20
+GOAL_RATIO = 0.85
+GOAL_PREFILL = 0.05
+SECRET = os.urandom(16).hex()
+QWEN3_8B = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}
+
+
+def layout_of(shape: dict) -> KVLayout:
+    return KVLayout("bench-gpu", "bfloat16", shape["block_size"], shape["num_layers"], shape["num_kv_heads"],
+                    shape["head_dim"])  # fmt: skip
+
+
+def kv_shape(shape: dict, num_blocks: int) -> tuple[int, ...]:
+    return (num_blocks, shape["num_layers"], 2, shape["block_size"], shape["num_kv_heads"], shape["head_dim"])
+
+
+def options() -> TransportOptions:
+    return TransportOptions(lease_s=3600, fetch_timeout_s=120)
+
+
+# -- the exporter process -------------------------------------------------------------------------
+def exporter_main(conn, caches: dict[str, tuple[dict, int]]) -> None:
+    torch.cuda.set_device(0)
+    kvs, transports = {}, {}
+    for name, (shape, num_blocks) in caches.items():
+        kv = torch.empty(kv_shape(shape, num_blocks), dtype=torch.bfloat16, device="cuda:0")
+        raw = kv.view(-1).view(torch.uint8)
+        gen = torch.Generator(device="cuda:0").manual_seed(0)
+        for at in range(0, raw.numel(), 256 << 20):
+            part = raw[at : at + (256 << 20)]
+            part.copy_(torch.randint(0, 256, part.shape, dtype=torch.uint8, device="cuda:0", generator=gen))
+        kvs[name] = kv
+        for b in BACKENDS:
+            transports[name, b] = make_transport(b, kv, layout_of(shape), secret=SECRET, options=options())
+            transports[name, b].listen()
+    torch.cuda.synchronize()
+    conn.send("ready")
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "export":
+            name, backend, ids = args
+            n = len(ids) * caches[name][0]["block_size"]
+            conn.send(transports[name, backend].export(f"bench-{len(ids)}", ids, n).to_dict())
+        elif cmd == "release":
+            name, backend, handle = args
+            transports[name, backend].release(KVHandle.from_dict(handle))
+            conn.send("ok")
+        elif cmd == "digest":
+            name, ids = args
+            conn.send(digest(kvs[name], ids))
+        elif cmd == "describe":
+            conn.send({f"{n}/{b}": t.describe() for (n, b), t in transports.items()})
+        elif cmd == "stop":
+            for t in transports.values():
+                t.close()
+            conn.send("bye")
+            return
+
+
+def digest(kv: torch.Tensor, ids: list[int]) -> int:
+    """A cheap fingerprint of kv[ids] (sum of its int32 words, weighted by position in the payload)."""
+    rows = cuda_ipc.kv_rows(kv)
+    total = 0
+    for i, b in enumerate(ids):
+        total += (i + 1) * int(rows[b].view(torch.int32).sum(dtype=torch.int64).item())
+    return total
+
+
+class Exporter:
+    def __init__(self, caches: dict[str, tuple[dict, int]]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=exporter_main, args=(child, caches), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(300) or self.conn.recv() != "ready":
+            raise RuntimeError("exporter process did not start")
+
+    def call(self, *cmd):
+        self.conn.send(cmd)
+        return self.conn.recv()
+
+    def export(self, name: str, backend: str, ids: list[int]) -> KVHandle:
+        return KVHandle.from_dict(self.call("export", name, backend, ids))
+
+    def stop(self) -> None:
+        self.call("stop")
+        self.proc.join(timeout=30)
+
+
+# -- measurements ---------------------------------------------------------------------------------
+def sync() -> None:
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+
+
+def alternate(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """One warm-up each, then `reps` rounds taking every contender in turn."""
+    for once in runs.values():
+        once()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, once in runs.items():
+            start = time.perf_counter()
+            once()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+class Fetchers:
+    """This process's side: a KV cache on cuda:1 and a fetcher per backend for each cache."""
+
+    def __init__(self, caches: dict[str, tuple[dict, int]], raw_bytes: int) -> None:
+        self.caches = caches
+        self.kv = {
+            name: torch.zeros(kv_shape(shape, n), dtype=torch.bfloat16, device="cuda:1")
+            for name, (shape, n) in caches.items()
+        }
+        self.t = {
+            (name, b): make_transport(b, self.kv[name], layout_of(shape), secret=SECRET, options=options())
+            for name, (shape, _) in caches.items()
+            for b in BACKENDS
+        }
+        self.raw_src = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda:0").fill_(7)
+        self.raw_dst = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda:1")
+
+    def raw_copy(self, nbytes: int) -> None:
+        self.raw_dst[:nbytes].copy_(self.raw_src[:nbytes])
+        sync()
+
+    def close(self) -> None:
+        for t in self.t.values():
+            t.close()
+
+
+def measure(
+    exporter: Exporter, fetchers: Fetchers, name: str, n: int, pattern: str, reps: int, gen: torch.Generator
+) -> dict:
+    shape, num_blocks = fetchers.caches[name]
+    block = layout_of(shape).block_nbytes
+    if pattern == "contiguous":
+        ids, into = list(range(3, 3 + n)), list(range(num_blocks - n - 1, num_blocks - 1))
+    else:
+        ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()
+        into = torch.randperm(num_blocks, generator=gen)[:n].tolist()
+    handles = {b: exporter.export(name, b, ids) for b in BACKENDS}
+    runs: dict[str, Callable[[], object]] = {
+        b: (lambda b=b: fetchers.t[name, b].fetch(handles[b], into)) for b in BACKENDS
+    }
+    if pattern == "scattered" and n > cuda_ipc.COPY_RUNS_MAX:
+        runs["cuda_ipc/runs"] = lambda: fetch_per_run(fetchers.t[name, "cuda_ipc"], handles["cuda_ipc"], into)
+    runs["raw_copy"] = lambda: fetchers.raw_copy(n * block)
+    try:
+        times = alternate(runs, reps)
+        check = None
+        if n * block >= BULK_BYTES or n == 1:  # the bytes that arrived are the exporter's
+            want = exporter.call("digest", name, ids)
+            check = {}
+            for b in BACKENDS:
+                fetchers.t[name, b].fetch(handles[b], into)
+                check[b] = digest(fetchers.kv[name], into) == want
+    finally:
+        for b, h in handles.items():
+            exporter.call("release", name, b, h.to_dict())
+    row = {"bytes": n * block, "blocks": n, "pattern": pattern, "reps": reps, "check": check}
+    for k, ts in times.items():
+        row[k] = {"gbps": n * block / statistics.median(ts) / 1e9, "ms": 1e3 * statistics.median(ts)}
+    return row
+
+
+def fetch_per_run(transport, handle: KVHandle, into: list[int]) -> None:
+    saved = cuda_ipc.COPY_RUNS_MAX
+    cuda_ipc.COPY_RUNS_MAX = 1 << 30
+    try:
+        transport.fetch(handle, into)
+    finally:
+        cuda_ipc.COPY_RUNS_MAX = saved
+
+
+# -- prefill at Qwen3-8B shape --------------------------------------------------------------------
+def prefill_seconds(tokens: int, reps: int, device: str) -> dict:
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+    from splitserve.engine.params import SamplingParams
+    from splitserve.model.random_weights import random_model, random_model_config
+
+    t0 = time.perf_counter()
+    loaded = random_model(random_model_config("qwen3-8b-random"), device, torch.bfloat16, tokens + 64)
+    build_s = time.perf_counter() - t0
+    blocks = 4 * (tokens // 16 + 4)
+    config = EngineConfig(
+        model="qwen3-8b-random", device=device, dtype="bfloat16",
+        kv_cache_bytes=blocks * layout_of(QWEN3_8B).block_nbytes, max_model_len=tokens + 64,
+        max_num_batched_tokens=tokens, enable_prefix_caching=False, progress=False,
+    )  # fmt: skip
+    engine = LLMEngine(config, tokenizer=False, loaded=loaded)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for i in range(reps + 1):  # the first is a warm-up
+        prompt = torch.randint(100, 150000, (tokens,), generator=gen).tolist()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        engine.add_request(prompt, params, request_id=f"prefill-{i}")
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return {"tokens": tokens, "seconds": statistics.median(times), "all": times, "steps": steps,
+            "model_build_s": build_s}  # fmt: skip
+
+
+# -- the run --------------------------------------------------------------------------------------
+def size_ladder(max_mb: int) -> list[int]:
+    sizes, mb = [], 1
+    while mb <= max_mb:
+        sizes.append(mb << 20)
+        mb *= 4
+    return sizes
+
+
+def run(args: argparse.Namespace) -> dict:
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("needs two CUDA devices")
+    ladder = {"block_size": args.block_size, "num_layers": args.layers, "num_kv_heads": args.kv_heads,
+              "head_dim": args.head_dim}  # fmt: skip
+    block = layout_of(ladder).block_nbytes
+    sizes = size_ladder(args.max_mb)
+    qwen_blocks = -(-args.prompt_tokens // 16)
+    caches = {"ladder": (ladder, sizes[-1] // block + 8), "qwen3-8b": (QWEN3_8B, qwen_blocks + 64)}
+    exporter = Exporter(caches)
+    fetchers = Fetchers(caches, max(sizes[-1], qwen_blocks * layout_of(QWEN3_8B).block_nbytes))
+    gen = torch.Generator().manual_seed(1)
+    rows, qwen = [], []
+    try:
+        for nbytes in sizes:
+            n = max(1, nbytes // block)
+            reps = args.reps or max(5, min(30, (256 << 20) // nbytes))
+            for pattern in ("contiguous", "scattered"):
+                rows.append(measure(exporter, fetchers, "ladder", n, pattern, reps, gen))
+                figs = ", ".join(f"{k} {rows[-1][k]['gbps']:.1f}" for k in (*BACKENDS, "raw_copy"))
+                print(f"  {fmt_size(n * block)} {pattern}: {figs} GB/s", flush=True)
+        latency = measure(exporter, fetchers, "ladder", 1, "contiguous", 50, gen)
+        for pattern in ("contiguous", "scattered"):
+            qwen.append(measure(exporter, fetchers, "qwen3-8b", qwen_blocks, pattern, args.reps or 20, gen))
+        described = exporter.call("describe")
+        described.update({f"fetcher {n}/{b}": t.describe() for (n, b), t in fetchers.t.items()})
+    finally:
+        fetchers.close()
+        exporter.stop()
+    del fetchers
+    torch.cuda.empty_cache()
+    prefill = None
+    if not args.skip_prefill:
+        try:
+            prefill = prefill_seconds(args.prompt_tokens, 3, "cuda:1")
+        except Exception as exc:  # noqa: BLE001 - report it, keep the transfer figures
+            prefill = {"error": f"{type(exc).__name__}: {exc}"}
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "p2p": torch.cuda.can_device_access_peer(1, 0),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "torch": torch.__version__,
+        "ladder_layout": ladder, "block_bytes": block, "rows": rows, "latency": latency,
+        "qwen3_8b": {"prompt_tokens": args.prompt_tokens, "blocks": qwen_blocks, "rows": qwen},
+        "prefill": prefill, "describe": described,
+    }  # fmt: skip
+
+
+def report(result: dict) -> str:
+    columns = [*BACKENDS, "cuda_ipc/runs", "raw_copy"]
+    head = (
+        f"{result['device']} x2, p2p access {result['p2p']}, NCCL {result['nccl']}, torch {result['torch']}"
+    )
+    lines = [head,
+             f"ladder blocks of {fmt_size(result['block_bytes'])}; GB/s (median) and % of raw copy",
+             f"{'payload':>9} {'pattern':>10} | " + " ".join(f"{c:>13}" for c in columns)
+             + " | " + " ".join(f"{c + ' %':>10}" for c in BACKENDS) + " | bytes ok"]  # fmt: skip
+    for r in result["rows"]:
+        figs = " ".join(f"{r[c]['gbps']:13.1f}" if c in r else f"{'-':>13}" for c in columns)
+        ratios = " ".join(f"{r[b]['gbps'] / r['raw_copy']['gbps']:10.0%}" for b in BACKENDS)
+        lines.append(f"{fmt_size(r['bytes']):>9} {r['pattern']:>10} | {figs} | {ratios} | {r['check'] or ''}")
+    lat = result["latency"]
+    lines.append(f"latency of a 1-block fetch ({fmt_size(lat['bytes'])}, median of 50): "
+                 + ", ".join(f"{c} {lat[c]['ms']:.3f} ms" for c in (*BACKENDS, "raw_copy")))  # fmt: skip
+    for b in BACKENDS:
+        bulk = [r[b]["gbps"] / r["raw_copy"]["gbps"] for r in result["rows"] if r["bytes"] >= BULK_BYTES]
+        if bulk:
+            verdict = "PASS" if min(bulk) >= GOAL_RATIO else "FAIL"
+            mid = statistics.median(bulk)
+            lines.append(f"goal: {b} >= {GOAL_RATIO:.0%} of raw copy on payloads >= {fmt_size(BULK_BYTES)}:"
+                         f" min {min(bulk):.0%}, median {mid:.0%} -> {verdict}")  # fmt: skip
+    q, prefill = result["qwen3_8b"], result["prefill"]
+    lines.append(f"Qwen3-8B shape, {q['prompt_tokens']}-token prompt: {q['blocks']} blocks, "
+                 f"{fmt_size(q['rows'][0]['bytes'])} of KV")  # fmt: skip
+    have_prefill = prefill is not None and "seconds" in prefill
+    if have_prefill:
+        lines.append(f"  prefill on one GPU (engine, random weights): {1e3 * prefill['seconds']:.1f} ms "
+                     f"(median of {len(prefill['all'])}, {prefill['steps']} step)")  # fmt: skip
+    elif prefill is not None:
+        lines.append(f"  prefill: not measured ({prefill['error']})")
+    for r in q["rows"]:
+        for c in (*BACKENDS, "raw_copy"):
+            share = f", {r[c]['ms'] / 1e3 / prefill['seconds']:.2%} of prefill" if have_prefill else ""
+            lines.append(f"  {r['pattern']:>10} {c:>9}: {r[c]['ms']:.2f} ms ({r[c]['gbps']:.1f} GB/s){share}")
+    if have_prefill:
+        worst = max(r[b]["ms"] for r in q["rows"] for b in BACKENDS) / 1e3 / prefill["seconds"]
+        verdict = "PASS" if worst <= GOAL_PREFILL else "FAIL"
+        lines.append(
+            f"goal: prompt KV transfer <= {GOAL_PREFILL:.0%} of prefill: worst {worst:.2%} -> {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def fmt_size(nbytes: int) -> str:
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:g} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:g} MiB"
+    return f"{nbytes / 2**10:g} KiB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--max-mb", type=int, default=1024, help="largest ladder payload in MiB")
+    p.add_argument("--reps", type=int, default=0, help="repetitions per size (default: by size)")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--json", help="where to write the results (default: $OUT or bench/results)")
+    args = p.parse_args(argv)
+    result = run(args)
+    print(report(result))
+    default_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    path = Path(args.json) if args.json else default_dir / "kv_transfer_gpu.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,583 @@
+"""cuda_ipc: GPU KV between two processes of one host, copied device to device (NVLink or PCIe P2P).
+
+The control channel is shm's (shm.py): the authenticated protocol of protocol.py on a unix socket whose
+path is new for each exporter, so the two ends share a host by construction. Only the payload moves
+differently: the fetcher's GPU copies the blocks straight out of the exporter's KV cache.
+
+Life of a connection and of one fetch:
+  0. start-up: both workers keep their KV on a GPU. Asking for cuda_ipc on a host without CUDA, or with
+     a KV on the CPU, is `BackendUnavailable` (backends.py, `GpuSocketTransport.__init__`).
+  1. handshake (layouts + shared secret), then on the connection's first fetch the fetcher asks
+     {"op": "cuda_ipc_open", host, pid, gpu}. The exporter answers {"op": "cuda_ipc_handle", ...}: a
+     CUDA IPC handle of its whole KV storage (torch's `UntypedStorage._share_cuda_()`, made once; its
+     bytes ride base64 in the JSON header, nothing is pickled), its GPU's UUID, host id (boot id) and
+     the KV's offset and block size in that storage.
+  2. The fetcher refuses (PeerRefused) an exporter on another host or on a GPU it cannot see, and opens
+     the handle once per exporter (`UntypedStorage._new_shared_cuda`, kept until close):
+        p2p     on its own GPU, when that GPU has peer access to the exporter's: our kernels and copy
+                engine read the exporter's memory over NVLink / PCIe directly;
+        staged  on the exporter's GPU otherwise: the driver stages each cross-device copy;
+        local   exporter and fetcher are one process (CUDA cannot open its own IPC handle): the
+                exporter's tensor is used directly, from a process-wide registry.
+  3. fetch: fetcher -> {"op": "fetch", lease_id, timeout_s}; exporter (lease pinned) ->
+     {"op": "kv_cuda", block_ids, blocks, checksum} + the state tensors as the frame body.
+  4. fetcher: `copy_blocks` kv_src[block_ids] -> kv[into_block_ids] on a side stream of its GPU (one
+     cudaMemcpy per run of ids consecutive on both sides; past `COPY_RUNS_MAX` runs, gather/scatter
+     kernels through a bounded temporary), synchronizes, checks its deadline, -> {"op": "done"}.
+  5. exporter: drops its pin on "done" (or at the deadline, or when the fetcher hangs up).
+
+Checksums work, but on host copies: the exporter copies the blocks to the host at export and the
+fetcher after the copy (slow: leave `checksum` off unless debugging).
+
+NOTE: like shm direct, the fetcher maps the exporter's whole KV allocation, and CUDA IPC mappings are
+writable; it gets the handle only after proving the shared secret. The exporter synchronizes its
+current CUDA stream in `export`, so the prefill's writes are done before any fetcher reads the blocks.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from splitserve.kv.client import SyncChannel
+from splitserve.kv.errors import (
+    BackendUnavailable,
+    CorruptTransfer,
+    PeerRefused,
+    TransportError,
+    error_to_wire,
+)
+from splitserve.kv.faults import Fault
+from splitserve.kv.handle import KVHandle
+from splitserve.kv.layout import KVLayout
+from splitserve.kv.lease import FreeCallback
+from splitserve.kv.payload import ByteStream, empty_state, source_pieces, state_pieces
+from splitserve.kv.protocol import Deadline, checksum, checksum_algo, expect
+from splitserve.kv.server import AsyncChannel, Endpoint
+from splitserve.kv.socket_transport import Export, SocketTransport
+from splitserve.kv.transport import TransportOptions
+
+log = logging.getLogger(__name__)
+
+COPY_RUNS_MAX = 16  # up to this many runs: one cudaMemcpy each; more: gather/scatter kernels
+STAGING_BYTES = 64 << 20  # the gather/scatter path moves at most this much per kernel pair
+PEERS_MAX = 64  # exporters whose KV mapping a fetcher keeps open
+
+
+# -- identity of this host and its GPUs -------------------------------------------------------------
+def host_id() -> str:
+    """The kernel's boot id (one per running host; containers of a host share it), else the hostname."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """A GPU's UUID, the same in every process whatever CUDA_VISIBLE_DEVICES says; "cpu" for the CPU."""
+    if device.type != "cuda":
+        return "cpu"
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_gpu(uuid: str) -> int | None:
+    """Our index of the GPU with this UUID, or None if this process cannot see it."""
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        if gpu_uuid(torch.device("cuda", i)) == uuid:
+            return i
+    return None
+
+
+# -- moving blocks between two row views of KV caches --------------------------------------------
+def kv_rows(kv: torch.Tensor) -> torch.Tensor:
+    """A contiguous KV tensor as [num_blocks, block_nbytes] bytes (a view, no copy)."""
+    return kv.reshape(kv.shape[0], -1).view(torch.uint8)
+
+
+def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, n) for each run of ids consecutive on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def consecutive_start(ids: Sequence[int]) -> int | None:
+    """The first id when `ids` are consecutive ([4, 5, 6] -> 4), else None."""
+    if not ids or any(b - a != 1 for a, b in zip(ids, ids[1:], strict=False)):
+        return None
+    return ids[0]
+
+
+_WIDE = (torch.complex128, torch.int64, torch.int32)  # bit-exact copies, wider loads per element
+
+
+def wide(*rows: torch.Tensor) -> list[torch.Tensor]:
+    """Byte rows viewed with the widest element size that suits them all (faster index kernels)."""
+    for dtype in _WIDE:
+        size = dtype.itemsize
+        if all(r.shape[-1] % size == 0 and r.data_ptr() % size == 0 for r in rows):
+            return [r.view(dtype) for r in rows]
+    return list(rows)
+
+
+def copy_blocks(
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+    src_ids: Sequence[int],
+    dst_ids: Sequence[int],
+    max_runs: int | None = None,
+    staging_bytes: int | None = None,
+) -> str:
+    """dst_rows[dst_ids] = src_rows[src_ids], enqueued on the current stream(s); -> "runs" or "gather".
+
+    Rows are [num_blocks, block_nbytes] uint8 on any devices. Few runs (ids consecutive on both sides):
+    one copy each (cudaMemcpy: the copy engines). Many: index_select / index_copy_ kernels in chunks
+    of at most `staging_bytes`, gathered on the source's device (crossing devices once per chunk).
+    """
+    max_runs = COPY_RUNS_MAX if max_runs is None else max_runs
+    runs = paired_runs(src_ids, dst_ids)
+    if len(runs) <= max_runs:
+        for s, d, n in runs:
+            dst_rows[d : d + n].copy_(src_rows[s : s + n], non_blocking=True)
+        return "runs"
+    per = max(1, (STAGING_BYTES if staging_bytes is None else staging_bytes) // src_rows.shape[1])
+    src_idx = torch.tensor(list(src_ids), dtype=torch.long).to(src_rows.device, non_blocking=True)
+    dst_idx = torch.tensor(list(dst_ids), dtype=torch.long).to(dst_rows.device, non_blocking=True)
+    src_w, dst_w = wide(src_rows, dst_rows)
+    for at in range(0, len(src_ids), per):
+        part = src_w.index_select(0, src_idx[at : at + per])
+        if part.device != dst_rows.device:
+            part = part.to(dst_rows.device, non_blocking=True)
+        dst_w.index_copy_(0, dst_idx[at : at + per], part)
+    return "gather"
+
+
+# -- the exporter's KV as a JSON-able share; the fetcher's view of it ------------------------------
+# NOTE: a process-wide fact, not configuration: KV caches this process exports, by share key, so that
+# a fetcher in the same process (CUDA cannot open its own IPC handle) can read them directly.
+_LOCAL: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def _unb64(text: object) -> bytes:
+    if not isinstance(text, str):
+        raise TransportError(f"exporter sent a malformed IPC handle field: {text!r}")
+    return base64.b64decode(text.encode(), validate=True)
+
+
+def share_kv(kv: torch.Tensor, rows: torch.Tensor, key: str) -> dict:
+    """The exporter's half of the open exchange: its KV storage as a CUDA IPC handle (once per key).
+
+    `rows` is `kv_rows(kv)` held by the exporter: same-process fetchers find it under `key` while it
+    lives."""
+    _LOCAL[key] = rows
+    share: dict[str, Any] = {
+        "key": key,
+        "host": host_id(),
+        "pid": os.getpid(),
+        "gpu": gpu_uuid(kv.device),
+        "kv_offset": kv.storage_offset() * kv.element_size(),
+        "kv_nbytes": rows.numel(),
+        "block_nbytes": rows.shape[1],
+        "handle": None,
+    }
+    if kv.device.type == "cuda":
+        try:
+            (_dev, handle, size, offset, ref_counter, ref_offset, _event, _sync) = (
+                kv.untyped_storage()._share_cuda_()
+            )
+        except RuntimeError as exc:
+            raise BackendUnavailable(
+                f"cuda_ipc: cannot share this KV allocation over CUDA IPC: {exc}"
+            ) from exc
+        share.update(handle=_b64(handle), storage_nbytes=int(size), storage_offset=int(offset),
+                     ref_counter=_b64(ref_counter), ref_counter_offset=int(ref_offset))  # fmt: skip
+    return share
+
+
+@dataclass
+class PeerKV:
+    """Fetcher side: one exporter's KV cache as byte rows on some device of ours."""
+
+    rows: torch.Tensor  # [num_blocks, block_nbytes] uint8
+    mode: str  # "p2p" | "staged" | "local"
+    gpu: str  # the exporter's GPU UUID
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "gpu": self.gpu, "device": str(self.rows.device)}
+
+
+def open_peer(share: dict, dst: torch.device, layout: KVLayout) -> PeerKV:
+    """Open the exporter's share (answer of cuda_ipc_open) for copies into our KV on `dst`."""
+    if share.get("host") != host_id():
+        raise PeerRefused("cuda_ipc needs both workers on one host",
+                          [f"host: ours {host_id()}, peer {share.get('host')}"])  # fmt: skip
+    block_nbytes, kv_nbytes = int(share["block_nbytes"]), int(share["kv_nbytes"])
+    if block_nbytes != layout.block_nbytes or kv_nbytes <= 0 or kv_nbytes % block_nbytes:
+        raise TransportError(f"exporter shares {kv_nbytes} bytes in blocks of {block_nbytes}; "
+                             f"our layout's blocks are {layout.block_nbytes} bytes")  # fmt: skip
+    gpu = str(share["gpu"])
+    if int(share["pid"]) == os.getpid():
+        rows = _LOCAL.get(str(share["key"]))
+        if rows is None:
+            raise TransportError("exporter in this process no longer holds the KV it shared")
+        return PeerKV(rows, "local", gpu)
+    if share.get("handle") is None or dst.type != "cuda":
+        raise PeerRefused("cuda_ipc moves GPU KV between GPU workers", [f"gpu: ours {dst}, peer {gpu}"])
+    src_index = local_gpu(gpu)
+    if src_index is None:
+        raise PeerRefused(
+            "cuda_ipc: the exporter's GPU is not visible to this process",
+            [f"gpu: peer {gpu}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}"],
+        )
+    assert dst.index is not None
+    p2p = src_index == dst.index or torch.cuda.can_device_access_peer(dst.index, src_index)
+    args = (_unb64(share["handle"]), int(share["storage_nbytes"]), int(share["storage_offset"]),
+            _unb64(share["ref_counter"]), int(share["ref_counter_offset"]), b"", False)  # fmt: skip
+    storage, mode = None, "p2p"
+    if p2p:  # map the exporter's memory into our own GPU's address space (peer access enabled lazily)
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(dst.index, *args)
+        except RuntimeError as exc:
+            log.warning("cuda_ipc: opening %s's KV on %s failed (%s); copying across devices instead",
+                        gpu, dst, exc)  # fmt: skip
+    if storage is None:
+        mode = "staged" if src_index != dst.index else "p2p"
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(src_index, *args)
+        except RuntimeError as exc:
+            raise TransportError(f"cuda_ipc: cannot open the exporter's KV handle: {exc}") from exc
+    offset = int(share["kv_offset"])
+    if offset + kv_nbytes > storage.nbytes():
+        raise TransportError(f"exporter's KV ({offset}+{kv_nbytes} bytes) lies outside its shared storage")
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    flat.set_(storage, offset, (kv_nbytes // block_nbytes, block_nbytes), (block_nbytes, 1))
+    return PeerKV(flat, mode, gpu)
+
+
+class _NoClose:
+    """A per-connection marker whose resource the transport owns (SyncChannel closes attachments)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def close(self) -> None: ...
+
+
+# -- what cuda_ipc and nccl share ------------------------------------------------------------------
+class GpuSocketTransport(SocketTransport):
+    """The control channel, leases and auth of tcp/shm, with the blocks moved GPU to GPU.
+
+    Exporter: a backend's open request sets up the connection ("cuda_ipc_open" / "nccl_open"); each
+    fetch then gets {"op": payload_op, block_ids, blocks, checksum, ...} + the state tensors as the
+    frame body, the backend's `push`, and waits for the fetcher's "done" with the lease pinned.
+    Fetcher: `attach` once per connection, then the request, the header and state, the backend's
+    `pull`, "done". The state tensors are small and travel on the control channel.
+    """
+
+    open_op: ClassVar[str]
+    payload_op: ClassVar[str]
+    # NOTE: tests only: let a CPU KV through, to exercise the protocol on a machine without a GPU
+    # (cuda_ipc: same-process reads; nccl: Gloo in place of NCCL). Never set in production.
+    cpu_test_double: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        *,
+        secret: bytes | str | None = None,
+        on_free: FreeCallback | None = None,
+        options: TransportOptions | None = None,
+    ) -> None:
+        if kv.device.type != "cuda" and not self.cpu_test_double:
+            raise BackendUnavailable(
+                f"{self.backend} moves KV from GPU to GPU: it needs the KV cache on a CUDA device, "
+                f"and this worker's is on {kv.device}"
+            )
+        if not kv.is_contiguous():
+            raise ValueError(f"{self.backend}: the KV tensor must be contiguous")
+        super().__init__(kv, layout, secret=secret, on_free=on_free, options=options)
+        self.rows = kv_rows(kv)
+        self.gpu = gpu_uuid(kv.device)
+        self.gpu_counts: Counter[str] = Counter()
+        self._stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
+
+    # -- device helpers ----------------------------------------------------------------------------
+    @property
+    def on_cuda(self) -> bool:
+        return self.kv.device.type == "cuda"
+
+    @contextlib.contextmanager
+    def on_device(self, after_current: bool = True) -> Iterator[None]:
+        """Our GPU current, and a side stream of ours current on it, so that a transfer does not hold
+        up the engine's later work on its stream. `after_current`: the transfer starts only after the
+        work already queued on the caller's current stream (a fetcher: kernels still reading blocks
+        that are now ours to overwrite); an exporter does not wait (`export` synchronized)."""
+        if not self.on_cuda:
+            yield
+            return
+        assert self._stream is not None
+        with torch.cuda.device(self.kv.device):
+            if after_current:
+                self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+            with torch.cuda.stream(self._stream):
+                yield
+
+    def sync_stream(self) -> None:
+        if self.on_cuda:
+            torch.cuda.current_stream(self.kv.device).synchronize()
+
+    # -- backend hooks -----------------------------------------------------------------------------
+    async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
+        """Exporter: answer the backend's open request; add `open_op` to chan.notes when done."""
+        raise NotImplementedError
+
+    def payload_fields(self) -> dict:
+        """Exporter: extra fields of the payload header."""
+        return {}
+
+    async def push(self, chan: AsyncChannel, block_ids: list[int], deadline: Deadline) -> None:
+        """Exporter: after the header and state went out, send the blocks (if the backend sends)."""
+
+    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
+        """Fetcher: the open exchange on a fresh connection; -> what `pull` needs (kept on chan)."""
+        raise NotImplementedError
+
+    def pull(
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: list[int], into: tuple[int, ...],
+        deadline: Deadline,
+    ) -> None:  # fmt: skip
+        """Fetcher: move the blocks into kv[into], synchronized, within the deadline."""
+        raise NotImplementedError
+
+    # -- exporter side -----------------------------------------------------------------------------
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        self.sync_stream()  # the prefill's writes to these blocks land before anyone reads them
+        return super().export(request_id, block_ids, num_tokens, state)
+
+    async def handle(self, chan: AsyncChannel, header: dict) -> bool:
+        if header["op"] != self.open_op:
+            return await super().handle(chan, header)
+        try:
+            return await self.serve_open(chan, header)
+        except PeerRefused as exc:
+            self.stats.error(exc)
+            log.warning("kv %s exporter refused %s: %s", self.backend, chan.peer, exc)
+            await chan.send(error_to_wire(exc), Deadline.after(self.options.connect_timeout_s))
+            return False
+
+    async def send_payload(
+        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
+        fault: Fault, deadline: Deadline,
+    ) -> int:  # fmt: skip
+        if self.open_op not in chan.notes:
+            exc = TransportError(f"{self.backend}: fetch before {self.open_op} on this connection")
+            await chan.send(error_to_wire(exc), deadline)
+            raise exc
+        if fault is Fault.KILL:
+            return 0  # hang up instead of answering: the fetcher must fail, not hang
+        ids = list(block_ids)
+        if fault is Fault.CORRUPT:
+            ids = ids[1:] + ids[:1]  # the wrong blocks in each place: the checksum must notice
+        state = ByteStream(state_pieces(export.state, self.layout))
+        header = {"op": self.payload_op, **meta, "block_ids": ids, **self.payload_fields()}
+        await chan.send(header, deadline, state.nbytes)
+        await chan.send_stream(state, deadline)
+        await self.push(chan, ids, deadline)
+        expect(await chan.recv(deadline), "done")
+        return len(ids) * self.layout.block_nbytes + state.nbytes
+
+    # -- fetcher side ------------------------------------------------------------------------------
+    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> dict:
+        raise TransportError(f"{self.backend}: the payload is pulled by fetch(), not streamed")  # unused
+
+    def fetch(
+        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        into = self._check_fetch(handle, into_block_ids)
+        deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
+        state = empty_state(self.layout)
+        body = ByteStream(state_pieces(state, self.layout))
+        start = time.perf_counter()
+        try:
+            with self.pool.connection(handle.address, deadline) as chan:
+                if chan.peer_layout is not None and chan.peer_layout.fingerprint != handle.layout_fingerprint:
+                    raise PeerRefused(f"handle {handle.request_id} was made for another layout")
+                attached = chan.attached.get(self.backend)
+                if attached is None:
+                    attached = chan.attached[self.backend] = self.attach(chan, handle, deadline)
+                request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
+                chan.send({**request, "timeout_s": deadline.remaining("fetch")}, deadline)
+                header, body_nbytes = chan.recv(deadline)
+                meta = expect(header, self.payload_op)
+                src_ids = self._peer_ids(meta, len(into))
+                if body_nbytes != body.nbytes:
+                    raise TransportError(
+                        f"exporter sends {body_nbytes} bytes of state, we expect {body.nbytes}"
+                    )
+                chan.recv_stream(body, deadline)
+                self.pull(chan, attached, meta, src_ids, into, deadline)
+                deadline.remaining("copy out of the exporter's KV")  # past it the exporter may unpin
+                chan.send({"op": "done"}, deadline)
+            self._verify_blocks(handle, meta, into, state)
+        except TransportError as exc:
+            self.stats.error(exc)
+            raise
+        except (KeyError, TypeError, ValueError) as exc:  # a field missing or mistyped in an answer
+            malformed = TransportError(f"malformed answer from {handle.address}: {exc!r}")
+            self.stats.error(malformed)
+            raise malformed from exc
+        nbytes = len(into) * self.layout.block_nbytes + body.nbytes
+        self.stats.fetched(nbytes, time.perf_counter() - start, handle.address)
+        return state
+
+    def _peer_ids(self, meta: dict, n: int) -> list[int]:
+        ids = [int(b) for b in meta["block_ids"]]
+        if len(ids) != n:
+            raise TransportError(f"exporter names {len(ids)} blocks, the handle has {n}")
+        return ids
+
+    def _verify_blocks(self, handle: KVHandle, meta: dict, into: tuple[int, ...], state: dict) -> None:
+        expected = handle.checksum or meta.get("checksum")
+        if not expected:
+            return
+        pieces = source_pieces(self.kv, into) + state_pieces(state, self.layout)  # host copies
+        got = checksum(checksum_algo(expected), pieces)
+        if got != expected:
+            where = f"{handle.request_id} from {handle.address}"
+            raise CorruptTransfer(f"payload of {where}: checksum {got}, expected {expected}")
+        self.stats.count("checksums_verified")
+
+    def describe(self) -> dict:
+        out = super().describe()
+        out["device"] = str(self.kv.device)
+        out["gpu"] = self.gpu
+        out["copies"] = dict(self.gpu_counts)
+        return out
+
+
+# -- the cuda_ipc backend --------------------------------------------------------------------------
+class CudaIpcTransport(GpuSocketTransport):
+    backend = "cuda_ipc"
+    open_op = "cuda_ipc_open"
+    payload_op = "kv_cuda"
+    _own_dir: str | None = None
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
+        super().__init__(kv, layout, **kwargs)
+        self._key = f"{os.getpid()}-{secrets.token_hex(8)}"
+        self._share: dict | None = None
+        self._share_lock = threading.Lock()
+        self._peers: OrderedDict[str, PeerKV] = OrderedDict()  # share key -> the opened mapping
+        self._peers_lock = threading.Lock()
+
+    def endpoint(self) -> Endpoint:
+        if self.options.socket_dir:
+            directory = self.options.socket_dir
+        else:
+            directory = self._own_dir = tempfile.mkdtemp(prefix="splitserve-kv-")
+        path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        return Endpoint("unix", path=path)
+
+    # -- exporter --------------------------------------------------------------------------------
+    def share(self) -> dict:
+        with self._share_lock:
+            if self._share is None:
+                self._share = share_kv(self.kv, self.rows, self._key)
+            return self._share
+
+    async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
+        if header.get("host") != host_id():
+            raise PeerRefused("cuda_ipc needs both workers on one host",
+                              [f"host: ours {host_id()}, peer {header.get('host')}"])  # fmt: skip
+        await chan.send(
+            {"op": "cuda_ipc_handle", **self.share()}, Deadline.after(self.options.connect_timeout_s)
+        )
+        chan.notes.add(self.open_op)
+        self.stats.count("ipc_handles_sent")
+        return True
+
+    # -- fetcher ---------------------------------------------------------------------------------
+    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
+        hello = {"op": self.open_op, "host": host_id(), "pid": os.getpid(), "gpu": self.gpu}
+        chan.send(hello, deadline)
+        share = expect(chan.recv(deadline)[0], "cuda_ipc_handle")
+        key = str(share["key"])
+        with self._peers_lock:
+            peer = self._peers.get(key)
+            if peer is None:
+                with torch.cuda.device(self.kv.device) if self.on_cuda else contextlib.nullcontext():
+                    peer = open_peer(share, self.kv.device, self.layout)
+                self._peers[key] = peer
+                self.stats.count("ipc_handles_opened")
+                while len(self._peers) > PEERS_MAX:
+                    self._peers.popitem(last=False)
+            self._peers.move_to_end(key)
+        return _NoClose(peer)
+
+    def pull(
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: list[int], into: tuple[int, ...],
+        deadline: Deadline,
+    ) -> None:  # fmt: skip
+        mapped: PeerKV = peer.value
+        if max(src_ids) >= mapped.rows.shape[0] or min(src_ids) < 0:
+            raise TransportError(f"exporter named blocks outside its cache: {src_ids[:16]}")
+        try:
+            with self.on_device():
+                how = copy_blocks(mapped.rows, self.rows, src_ids, list(into))
+                self.sync_stream()
+        except RuntimeError as exc:  # a CUDA error
+            raise TransportError(f"cuda_ipc copy from {chan.address} failed: {exc}") from exc
+        self.gpu_counts[f"{mapped.mode}_{how}"] += 1
+
+    def describe(self) -> dict:
+        out = super().describe()
+        with self._peers_lock:
+            peers = [p.describe() for p in self._peers.values()]
+        p2p = None
+        if self.on_cuda and torch.cuda.device_count() > 1:
+            index = self.kv.device.index or 0
+            p2p = {
+                str(i): torch.cuda.can_device_access_peer(index, i)
+                for i in range(torch.cuda.device_count())
+                if i != index
+            }
+        out["cuda_ipc"] = {"peers": peers, "p2p_access": p2p, "checksum_on": "host copies"}
+        return out
+
+    def close(self) -> None:
+        super().close()
+        with self._peers_lock:
+            self._peers.clear()
+        if self._own_dir:
+            shutil.rmtree(self._own_dir, ignore_errors=True)

@@ -1,0 +1,338 @@
+"""nccl: GPU KV between workers on any hosts, sent with NCCL send/recv between the two GPUs.
+
+The control channel is tcp's (the authenticated protocol of protocol.py on `options.host:port`); each
+connection gets its own two-rank NCCL process group, and the blocks go over it.
+
+Life of a connection and of one fetch:
+  0. start-up: both workers keep their KV on a GPU; no CUDA, no NCCL in this torch, or a KV on the
+     CPU is `BackendUnavailable`.
+  1. handshake (layouts + shared secret), then on the connection's first fetch the fetcher asks
+     {"op": "nccl_open", gpu, timeout_s}. The exporter refuses a fetcher on its own GPU (NCCL cannot
+     pair a GPU with itself), starts a TCPStore on a port the OS picks and answers
+     {"op": "nccl_rendezvous", port, prefix, gpu}; both build a `ProcessGroupNCCL` of two ranks
+     (exporter 0, fetcher 1) on that store under the random prefix (the fetcher reaches the store at
+     the host of the handle's address), and a one-byte warm-up send proves the pair works before
+     {"op": "nccl_ready"}. The group lives as long as the connection.
+  2. fetch: fetcher -> {"op": "fetch", lease_id, timeout_s}; exporter (lease pinned) ->
+     {"op": "kv_nccl", block_ids, blocks, checksum, chunk_blocks} + the state tensors as the frame
+     body, then sends the blocks in chunks of `chunk_blocks` (the last may be shorter). A chunk whose
+     ids are consecutive is sent straight from the cache; any other is gathered into one of two
+     staging buffers first (double-buffered: gathering chunk k+1 overlaps sending chunk k).
+  3. fetcher: receives each chunk straight into kv[into] when its ids there are consecutive, else into
+     a staging buffer and scatters it; waits for all of it within its deadline -> {"op": "done"}.
+  4. exporter: drops its pin once its sends completed and "done" came (or at the deadline).
+
+Deadlines: NCCL calls do not time out on their own; each side polls for completion (a CUDA event)
+against its deadline and watches the control socket. On either, it aborts the group (ncclCommAbort)
+and the connection closes; the next fetch makes a new group. The group's own watchdog timeout is set
+past `max_fetch_s`, so it never fires first.
+
+Checksums work, on host copies of the blocks (slow: leave `checksum` off unless debugging).
+
+NOTE: the TCPStore serves the rendezvous without authentication; its keys sit under a random prefix
+that only went out over the authenticated channel. Transfers on one exporter are serialized (one
+NCCL operation in flight per exporter), so that groups on one GPU never wait on each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from splitserve.kv.client import SyncChannel, parse_address
+from splitserve.kv.cuda_ipc import GpuSocketTransport, consecutive_start, host_id, wide
+from splitserve.kv.errors import PeerRefused, TransferTimeout, TransportError
+from splitserve.kv.handle import KVHandle
+from splitserve.kv.layout import KVLayout
+from splitserve.kv.protocol import Deadline, expect
+from splitserve.kv.server import AsyncChannel, Endpoint
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 << 20  # blocks go in chunks of about this much (at least one block)
+WARMUP_BYTE = 0x5A
+POLL_PEER_S = 0.01  # how often a waiting side checks that the control connection is still up
+
+
+def nccl_version() -> str | None:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - no NCCL in this build
+        return None
+    return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
+
+
+def make_group(store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> Any:
+    """A two-rank process group on `store`: NCCL for a GPU; Gloo for the CPU (the tests' stand-in)."""
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+class PairGroup:
+    """One connection's process group and its store; aborted when the connection closes."""
+
+    def __init__(self, group: Any, store: dist.Store) -> None:
+        self.group = group
+        self.store = store
+        self.aborted = False
+
+    def abort(self) -> None:
+        if not self.aborted:
+            self.aborted = True
+            with contextlib.suppress(Exception):
+                self.group.abort()
+
+    def close(self) -> None:
+        self.abort()
+
+
+def chunk_spans(n: int, per: int) -> list[tuple[int, int]]:
+    return [(a, min(a + per, n)) for a in range(0, n, per)]
+
+
+def wait_done(
+    works: Sequence[Any],
+    pair: PairGroup,
+    device: torch.device,
+    deadline: Deadline,
+    peer_gone: Callable[[], bool],
+    what: str,
+) -> None:
+    """Block until `works` (and everything queued after them on our stream) finished; on the deadline
+    or a lost peer, abort the group and raise."""
+    if device.type != "cuda":  # Gloo (tests): its own timeout bounds the wait
+        for work in works:
+            work.wait(timedelta(seconds=deadline.remaining(what)))
+        return
+    for work in works:
+        work.wait()  # our stream waits for NCCL's (no CPU wait)
+    done = torch.cuda.Event()
+    done.record()
+    spins, checked = 0, time.monotonic()
+    while not done.query():
+        now = time.monotonic()
+        if now >= deadline.at:
+            pair.abort()
+            raise TransferTimeout(f"{what}: deadline of {deadline.total_s:.3g}s passed")
+        if now - checked >= POLL_PEER_S:
+            checked = now
+            if peer_gone():
+                pair.abort()
+                raise TransportError(f"{what}: the peer closed the connection")
+        spins += 1
+        time.sleep(0 if spins < 200 else 50e-6)
+
+
+def _sock_gone(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+class NcclTransport(GpuSocketTransport):
+    backend = "nccl"
+    open_op = "nccl_open"
+    payload_op = "kv_nccl"
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
+        super().__init__(kv, layout, **kwargs)
+        self.chunk_blocks = max(1, CHUNK_BYTES // layout.block_nbytes)
+        self._send_lock = threading.Lock()
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint("tcp", host=self.options.host, port=self.options.port)
+
+    @property
+    def group_timeout_s(self) -> float:
+        return self.options.max_fetch_s + 60.0
+
+    def staging(self, per: int) -> torch.Tensor:
+        """Two chunk-sized buffers [2, per, block_nbytes] on our device, for one transfer (the caching
+        allocator makes them cheap; concurrent fetches each get their own)."""
+        return torch.empty((2, per, self.rows.shape[1]), dtype=torch.uint8, device=self.kv.device)
+
+    # -- exporter --------------------------------------------------------------------------------
+    async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
+        asked = float(header.get("timeout_s", self.options.connect_timeout_s))
+        deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
+        if str(header.get("gpu")) == self.gpu and self.on_cuda:
+            raise PeerRefused(
+                "nccl cannot pair a GPU with itself", [f"gpu: ours {self.gpu}, peer {header.get('gpu')}"]
+            )
+        host = self.options.host if self.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        store = await asyncio.to_thread(
+            dist.TCPStore, host, 0, None, True, timedelta(seconds=deadline.remaining("rendezvous")), False
+        )
+        prefix = f"splitserve-kv/{secrets.token_hex(16)}"
+        answer = {"op": "nccl_rendezvous", "port": store.port, "prefix": prefix, "gpu": self.gpu,
+                  "host": host_id(), "nccl": nccl_version()}  # fmt: skip
+        await chan.send(answer, deadline)
+        try:
+            group = make_group(dist.PrefixStore(prefix, store), 0, self.kv.device, self.group_timeout_s)
+        except (RuntimeError, ValueError) as exc:
+            raise TransportError(f"nccl: cannot make a process group: {exc}") from exc
+        pair = chan.attached["nccl"] = PairGroup(group, store)
+        await asyncio.to_thread(self._warmup_send, pair, deadline, lambda: _sock_gone(chan.sock))
+        expect(await chan.recv(deadline), "nccl_ready")
+        chan.notes.add(self.open_op)
+        self.stats.count("nccl_groups")
+        return True
+
+    def _warmup_send(self, pair: PairGroup, deadline: Deadline, gone: Callable[[], bool]) -> None:
+        with self._send_lock, self.on_device(after_current=False):
+            byte = torch.full((1,), WARMUP_BYTE, dtype=torch.uint8, device=self.kv.device)
+            try:
+                work = pair.group.send([byte], 1, 0)
+                wait_done([work], pair, self.kv.device, deadline, gone, "nccl warm-up")
+            except TransportError:
+                pair.abort()
+                raise
+            except RuntimeError as exc:
+                pair.abort()
+                raise TransportError(f"nccl warm-up send failed: {exc}") from exc
+
+    def payload_fields(self) -> dict:
+        return {"chunk_blocks": self.chunk_blocks}
+
+    async def push(self, chan: AsyncChannel, block_ids: list[int], deadline: Deadline) -> None:
+        pair = chan.attached["nccl"]
+        await asyncio.to_thread(self._send_blocks, pair, block_ids, deadline, lambda: _sock_gone(chan.sock))
+
+    def _send_blocks(
+        self, pair: PairGroup, ids: list[int], deadline: Deadline, gone: Callable[[], bool]
+    ) -> None:
+        per = self.chunk_blocks
+        with self._send_lock, self.on_device(after_current=False):
+            try:
+                works: list[Any] = []
+                waited: set[int] = set()
+                index = bufs = None
+                for k, (a, b) in enumerate(chunk_spans(len(ids), per)):
+                    first = consecutive_start(ids[a:b])
+                    if first is not None:
+                        chunk = self.rows[first : first + b - a]
+                    else:
+                        if index is None or bufs is None:
+                            index = torch.tensor(ids, dtype=torch.long).to(self.kv.device, non_blocking=True)
+                            bufs = self.staging(per)
+                        if k >= 2 and k - 2 not in waited:
+                            works[k - 2].wait()  # the buffer's last send is done before we refill it
+                            waited.add(k - 2)
+                        chunk = bufs[k % 2][: b - a]
+                        src, out = wide(self.rows, chunk)
+                        torch.index_select(src, 0, index[a:b], out=out)
+                    works.append(pair.group.send([chunk], 1, 0))
+                left = [w for i, w in enumerate(works) if i not in waited]  # Gloo: a work waits once
+                wait_done(left, pair, self.kv.device, deadline, gone, "nccl send")
+            except TransportError:
+                pair.abort()
+                raise
+            except RuntimeError as exc:
+                pair.abort()
+                raise TransportError(f"nccl send failed: {exc}") from exc
+
+    # -- fetcher ---------------------------------------------------------------------------------
+    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
+        chan.send({"op": self.open_op, "gpu": self.gpu, "host": host_id(),
+                   "timeout_s": deadline.remaining("nccl open")}, deadline)  # fmt: skip
+        answer = expect(chan.recv(deadline)[0], "nccl_rendezvous")
+        if str(answer["gpu"]) == self.gpu and self.on_cuda:
+            raise PeerRefused(
+                "nccl cannot pair a GPU with itself", [f"gpu: ours {self.gpu}, peer {answer['gpu']}"]
+            )
+        family, target = parse_address(handle.address)
+        if family == socket.AF_UNIX:
+            raise TransportError(f"nccl needs a tcp exporter address, got {handle.address}")
+        try:
+            store = dist.TCPStore(str(target[0]), int(answer["port"]), None, False,
+                                  timedelta(seconds=deadline.remaining("rendezvous")), False)  # fmt: skip
+            group = make_group(dist.PrefixStore(str(answer["prefix"]), store), 1, self.kv.device,
+                               self.group_timeout_s)  # fmt: skip
+        except (RuntimeError, ValueError) as exc:
+            raise TransportError(f"nccl rendezvous with {handle.address} failed: {exc}") from exc
+        pair = PairGroup(group, store)
+        try:
+            with self.on_device():
+                byte = torch.zeros(1, dtype=torch.uint8, device=self.kv.device)
+                work = group.recv([byte], 0, 0)
+                wait_done([work], pair, self.kv.device, deadline, lambda: not chan.alive(), "nccl warm-up")
+                if int(byte.item()) != WARMUP_BYTE:
+                    raise TransportError(f"nccl warm-up from {handle.address} delivered the wrong byte")
+            chan.send({"op": "nccl_ready"}, deadline)
+        except TransportError:
+            pair.abort()
+            raise
+        except RuntimeError as exc:
+            pair.abort()
+            raise TransportError(f"nccl warm-up with {handle.address} failed: {exc}") from exc
+        except BaseException:
+            pair.abort()
+            raise
+        self.stats.count("nccl_groups")
+        return pair
+
+    def pull(
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: list[int], into: tuple[int, ...],
+        deadline: Deadline,
+    ) -> None:  # fmt: skip
+        pair: PairGroup = peer
+        per = int(meta["chunk_blocks"])
+        if per <= 0:
+            raise TransportError(f"exporter announced chunks of {per} blocks")
+        ids = list(into)
+        staged = 0
+        try:
+            with self.on_device():
+                works: list[Any] = []
+                index = bufs = None
+                for k, (a, b) in enumerate(chunk_spans(len(ids), per)):
+                    first = consecutive_start(ids[a:b])
+                    if first is not None:
+                        works.append(pair.group.recv([self.rows[first : first + b - a]], 0, 0))
+                        continue
+                    if index is None or bufs is None:
+                        index = torch.tensor(ids, dtype=torch.long).to(self.kv.device, non_blocking=True)
+                        bufs = self.staging(per)
+                    # NOTE: the recv waits for our stream, so chunk k-2's scatter has read the buffer
+                    chunk = bufs[k % 2][: b - a]
+                    work = pair.group.recv([chunk], 0, 0)
+                    work.wait()  # our stream waits for it (Gloo: done)
+                    dst, src = wide(self.rows, chunk)
+                    dst.index_copy_(0, index[a:b], src)
+                    staged += 1
+                wait_done(works, pair, self.kv.device, deadline, lambda: not chan.alive(), "nccl recv")
+        except TransportError:
+            pair.abort()
+            raise
+        except RuntimeError as exc:
+            pair.abort()
+            raise TransportError(f"nccl recv from {chan.address} failed: {exc}") from exc
+        self.gpu_counts["chunks"] += len(chunk_spans(len(ids), per))
+        self.gpu_counts["chunks_staged"] += staged
+
+    def describe(self) -> dict:
+        out = super().describe()
+        out["nccl"] = {"version": nccl_version(), "chunk_blocks": self.chunk_blocks,
+                       "checksum_on": "host copies"}  # fmt: skip
+        return out

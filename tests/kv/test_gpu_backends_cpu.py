@@ -1,0 +1,225 @@
+"""The GPU backends (cuda_ipc, nccl) on a machine without a GPU.
+
+  * asking for them without CUDA, or with a KV on the CPU, is a clear `BackendUnavailable`, and an
+    explicit fallback works;
+  * their protocol (open exchange, payload header + state, "done", leases, checksums, faults,
+    refusals) runs end to end through test doubles: `cpu_test_double` lets a CPU KV through, cuda_ipc
+    then reads a same-process exporter's tensor and nccl runs on Gloo instead of NCCL;
+  * the block-copy planner (runs vs gather/scatter) and the chunking are exact.
+
+The real thing (two processes, two GPUs) is tests/gpu/test_kv_gpu.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from kv_helpers import SECRET, layout_of, small_kv, wait_for
+
+import splitserve.kv.nccl as nccl_mod
+from splitserve.kv import (
+    AuthError,
+    BackendUnavailable,
+    CorruptTransfer,
+    FaultyTransport,
+    LeaseExpired,
+    PeerRefused,
+    TransportError,
+    TransportOptions,
+    available_backends,
+    make_transport,
+)
+from splitserve.kv.cuda_ipc import CudaIpcTransport, copy_blocks, kv_rows, open_peer, paired_runs
+from splitserve.kv.nccl import NcclTransport, chunk_spans
+
+NO_CUDA = not torch.cuda.is_available()
+STATES = (("conv", (4, 8), "float32"), ("ssm", (2, 3, 5), "float32"))
+
+
+class IpcDouble(CudaIpcTransport):
+    cpu_test_double = True
+
+
+class NcclDouble(NcclTransport):
+    cpu_test_double = True
+
+
+DOUBLES = {"cuda_ipc": IpcDouble, "nccl": NcclDouble}
+
+
+@pytest.fixture
+def pair():
+    """pair(backend, **options) -> (exporter, fetcher, freed): test doubles over the same layout."""
+    made = []
+
+    def _pair(backend, num_blocks=48, states=STATES, **options):
+        src = small_kv(num_blocks=num_blocks, seed=1)
+        layout = layout_of(src, states=states)
+        freed: list[list[int]] = []
+        opts = TransportOptions(**options)
+        exporter = DOUBLES[backend](src, layout, secret=SECRET, on_free=freed.append, options=opts)
+        fetcher = DOUBLES[backend](torch.zeros_like(src), layout, secret=SECRET, options=opts)
+        made.extend([exporter, fetcher])
+        return exporter, fetcher, freed
+
+    yield _pair
+    for t in made:
+        t.close()
+
+
+def some_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=gen) for name, shape, _ in STATES}
+
+
+# -- start-up ------------------------------------------------------------------------------------
+@pytest.mark.skipif(not NO_CUDA, reason="this host has CUDA")
+@pytest.mark.parametrize("backend, missing", [("cuda_ipc", "needs CUDA"), ("nccl", "needs CUDA and NCCL")])
+def test_no_cuda_is_a_clear_start_up_error(backend, missing):
+    kv = small_kv()
+    with pytest.raises(BackendUnavailable, match=missing) as info:
+        make_transport(backend, kv, layout_of(kv), secret=SECRET)
+    assert "torch.cuda.is_available() is False" in str(info.value)
+    assert available_backends()[backend].startswith(f"{backend}: needs CUDA")
+
+
+@pytest.mark.parametrize("cls", [CudaIpcTransport, NcclTransport])
+def test_a_cpu_kv_is_refused_even_with_cuda(cls):
+    kv = small_kv()
+    with pytest.raises(BackendUnavailable, match="needs the KV cache on a CUDA device.*cpu"):
+        cls(kv, layout_of(kv), secret=SECRET)
+
+
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nccl"])
+def test_explicit_fallback_to_tcp(backend):
+    kv = small_kv()
+    t = make_transport(backend, kv, layout_of(kv), secret=SECRET, fallback=["tcp"])
+    try:
+        info = t.describe()
+        assert info["backend"] == "tcp" and info["requested"] == backend
+        assert info["counts"]["fallbacks"] == 1 and backend in info["fallback_reasons"][0]
+    finally:
+        t.close()
+
+
+# -- the protocol, through the doubles -----------------------------------------------------------
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nccl"])
+@pytest.mark.parametrize("checksum", [None, "crc32"])
+@pytest.mark.parametrize(
+    "ids, into",
+    [([4, 5, 6, 7], [20, 21, 22, 23]), ([9, 2, 30, 31, 32, 7], [0, 40, 41, 42, 3, 17])],
+    ids=["one-run", "scattered"],
+)
+def test_round_trip(pair, backend, checksum, ids, into):
+    exporter, fetcher, freed = pair(backend, checksum=checksum)
+    state = some_state()
+    handle = exporter.export("r1", ids, len(ids) * 16 - 3, state)
+    assert handle.backend == backend and (handle.checksum is not None) == bool(checksum)
+    got = fetcher.fetch(handle, into, timeout_s=10)
+    assert torch.equal(fetcher.kv[into], exporter.kv[ids])
+    untouched = [b for b in range(fetcher.kv.shape[0]) if b not in into]
+    assert not fetcher.kv[untouched].any()
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    fetcher.release(handle)
+    assert wait_for(lambda: freed == [ids])
+    info = fetcher.describe()
+    assert info["backend"] == backend and info["counts"]["fetches"] == 1
+    assert info["counts"].get("checksums_verified", 0) == (1 if checksum else 0)
+    with pytest.raises(LeaseExpired):
+        fetcher.fetch(handle, into, timeout_s=5)
+
+
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nccl"])
+def test_connection_is_reused_and_opened_once(pair, backend):
+    exporter, fetcher, _ = pair(backend, states=())
+    for i in range(3):
+        handle = exporter.export(f"r{i}", [i * 3, i * 3 + 1], 32)
+        fetcher.fetch(handle, [40 - i * 2, 41 - i * 2], timeout_s=10)
+        fetcher.release(handle)
+    assert fetcher.describe()["connections_opened"] == 1
+    key = "ipc_handles_opened" if backend == "cuda_ipc" else "nccl_groups"
+    assert fetcher.describe()["counts"][key] == 1
+
+
+def test_nccl_chunks_mix_direct_and_staged(pair, monkeypatch):
+    block = layout_of(small_kv()).block_nbytes
+    monkeypatch.setattr(nccl_mod, "CHUNK_BYTES", 3 * block)  # 3 blocks a chunk
+    exporter, fetcher, _ = pair("nccl", states=())
+    assert exporter.chunk_blocks == 3
+    ids = [10, 11, 12, 1, 5, 3, 20, 21, 22, 30, 31]  # chunks: run | scattered | run | run(2)
+    into = [0, 8, 2, 3, 4, 5, 6, 7, 44, 45, 46]  # chunks: scattered | run | scattered | run(2)
+    handle = exporter.export("r", ids, len(ids) * 16)
+    fetcher.fetch(handle, into, timeout_s=10)
+    assert torch.equal(fetcher.kv[into], exporter.kv[ids])
+    assert fetcher.describe()["copies"] == {"chunks": 4, "chunks_staged": 2}
+
+
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nccl"])
+def test_wrong_secret_and_layout_are_refused(pair, backend):
+    exporter, _, _ = pair(backend)
+    handle = exporter.export("r", [1, 2], 32, some_state())
+    kv = small_kv(num_blocks=48)
+    stranger = DOUBLES[backend](kv, layout_of(kv, states=STATES), secret="wrong")
+    other = small_kv(num_blocks=48, block_size=32)
+    different = DOUBLES[backend](other, layout_of(other, states=STATES), secret=SECRET)
+    try:
+        with pytest.raises(AuthError):
+            stranger.fetch(handle, [3, 4], timeout_s=5)
+        with pytest.raises(PeerRefused, match="block_size"):
+            different.fetch(handle, [3, 4], timeout_s=5)
+    finally:
+        stranger.close()
+        different.close()
+
+
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nccl"])
+def test_corruption_is_caught_and_kill_is_an_error(pair, backend):
+    exporter, fetcher, _ = pair(backend, states=(), checksum="crc32")
+    faulty = FaultyTransport(exporter, corrupt=1.0)
+    handle = faulty.export("r", [1, 2, 3], 48)
+    with pytest.raises(CorruptTransfer):
+        fetcher.fetch(handle, [4, 5, 6], timeout_s=10)
+    faulty.plan.knobs = type(faulty.plan.knobs)(kill=1.0)
+    start = time.monotonic()
+    with pytest.raises(TransportError):
+        fetcher.fetch(handle, [4, 5, 6], timeout_s=10)
+    assert time.monotonic() - start < 5
+    exporter.install_faults(None)
+    fetcher.fetch(handle, [4, 5, 6], timeout_s=10)  # served again, intact
+    assert torch.equal(fetcher.kv[[4, 5, 6]], exporter.kv[[1, 2, 3]])
+
+
+def test_cuda_ipc_refuses_another_host(pair):
+    exporter, fetcher, _ = pair("cuda_ipc")
+    share = {**exporter.share(), "host": "some-other-boot-id"}
+    with pytest.raises(PeerRefused, match="one host"):
+        open_peer(share, fetcher.kv.device, fetcher.layout)
+
+
+def test_cuda_ipc_refuses_a_gpu_it_cannot_see(pair):
+    exporter, fetcher, _ = pair("cuda_ipc")
+    share = {**exporter.share(), "pid": -1, "handle": "AAAA", "gpu": "GPU-not-here"}
+    with pytest.raises(PeerRefused):
+        open_peer(share, torch.device("cuda", 0), fetcher.layout)
+
+
+# -- copies and chunks ---------------------------------------------------------------------------
+def test_paired_runs_and_chunks():
+    assert paired_runs([5, 6, 7, 2, 3], [0, 1, 2, 3, 4]) == [(5, 0, 3), (2, 3, 2)]
+    assert paired_runs([5, 6, 7], [0, 2, 3]) == [(5, 0, 1), (6, 2, 2)]
+    assert chunk_spans(7, 3) == [(0, 3), (3, 6), (6, 7)]
+
+
+@pytest.mark.parametrize("max_runs", [0, 100], ids=["gather", "runs"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_copy_blocks_is_exact_either_way(max_runs, dtype):
+    src = small_kv(num_blocks=40, seed=3).to(dtype)
+    dst = torch.zeros_like(src)
+    src_ids = [7, 8, 9, 1, 33, 2, 3, 4, 39]
+    dst_ids = [0, 1, 2, 30, 31, 10, 11, 12, 5]
+    how = copy_blocks(kv_rows(src), kv_rows(dst), src_ids, dst_ids, max_runs=max_runs, staging_bytes=1)
+    assert how == ("gather" if max_runs == 0 else "runs")
+    assert torch.equal(kv_rows(dst)[dst_ids], kv_rows(src)[src_ids])
+    assert not kv_rows(dst)[[b for b in range(40) if b not in dst_ids]].any()
