@@ -46,7 +46,7 @@ BACKENDS = ("cuda_ipc", "nccl")
 BULK_BYTES = 64 << 20
 GOAL_RATIO = 0.85
 GOAL_PREFILL = 0.05
-SECRET = os.urandom(16).hex()
+SECRET = os.environ.get("SPLITSERVE_KV_SECRET") or os.urandom(16).hex()  # the child gets it in its args
 QWEN3_8B = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}
 
 
@@ -64,7 +64,9 @@ def options() -> TransportOptions:
 
 
 # -- the exporter process -------------------------------------------------------------------------
-def exporter_main(conn, caches: dict[str, tuple[dict, int]]) -> None:
+def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str) -> None:
+    global SECRET
+    SECRET = secret
     torch.cuda.set_device(0)
     kvs, transports = {}, {}
     for name, (shape, num_blocks) in caches.items():
@@ -115,7 +117,7 @@ class Exporter:
     def __init__(self, caches: dict[str, tuple[dict, int]]) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=exporter_main, args=(child, caches), daemon=True)
+        self.proc = ctx.Process(target=exporter_main, args=(child, caches, SECRET), daemon=True)
         self.proc.start()
         if not self.conn.poll(300) or self.conn.recv() != "ready":
             raise RuntimeError("exporter process did not start")

@@ -19,11 +19,13 @@ Life of a connection and of one fetch:
         staged  on the exporter's GPU otherwise: the driver stages each cross-device copy;
         local   exporter and fetcher are one process (CUDA cannot open its own IPC handle): the
                 exporter's tensor is used directly, from a process-wide registry.
-  3. fetch: fetcher -> {"op": "fetch", lease_id, timeout_s}; exporter (lease pinned) ->
+  3. fetch: fetcher -> {"op": "fetch", lease_id, timeout_s}, and at once starts copying the handle's
+     blocks (`prefetch`: safe, see there) while the exporter (lease pinned) answers
      {"op": "kv_cuda", block_ids, blocks, checksum} + the state tensors as the frame body.
   4. fetcher: `copy_blocks` kv_src[block_ids] -> kv[into_block_ids] on a side stream of its GPU (one
-     cudaMemcpy per run of ids consecutive on both sides; past `COPY_RUNS_MAX` runs, gather/scatter
-     kernels through a bounded temporary), synchronizes, checks its deadline, -> {"op": "done"}.
+     cudaMemcpy per run of ids consecutive on both sides; past `COPY_RUNS_MAX` runs, index kernels,
+     through a bounded temporary when neither side is one run); copies again if the answer names
+     other blocks than the handle; synchronizes, checks its deadline, -> {"op": "done"}.
   5. exporter: drops its pin on "done" (or at the deadline, or when the fetcher hangs up).
 
 Checksums work, but on host copies: the exporter copies the blocks to the host at export and the
@@ -52,6 +54,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from splitserve.kv.client import SyncChannel
@@ -110,22 +113,33 @@ def kv_rows(kv: torch.Tensor) -> torch.Tensor:
     return kv.reshape(kv.shape[0], -1).view(torch.uint8)
 
 
+def as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
 def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, n) for each run of ids consecutive on both sides."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+    """(src_start, dst_start, n) for each run of ids consecutive on both sides (vectorized: a
+    request can have thousands of blocks)."""
+    s, d = as_ids(src_ids), as_ids(dst_ids)
+    if s.shape != d.shape:
+        raise ValueError(f"{s.size} source blocks, {d.size} destination blocks")
+    if not s.size:
+        return []
+    cut = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts, ends = np.concatenate(([0], cut)), np.concatenate((cut, [s.size]))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), (ends - starts).tolist(), strict=True))
 
 
-def consecutive_start(ids: Sequence[int]) -> int | None:
+def consecutive_start(ids: Sequence[int] | np.ndarray) -> int | None:
     """The first id when `ids` are consecutive ([4, 5, 6] -> 4), else None."""
-    if not ids or any(b - a != 1 for a, b in zip(ids, ids[1:], strict=False)):
+    a = as_ids(ids)
+    if not a.size or (a.size > 1 and not bool((np.diff(a) == 1).all())):
         return None
-    return ids[0]
+    return int(a[0])
+
+
+def index_tensor(ids: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(as_ids(ids)).to(device, non_blocking=True)
 
 
 _WIDE = (torch.complex128, torch.int64, torch.int32)  # bit-exact copies, wider loads per element
@@ -148,11 +162,13 @@ def copy_blocks(
     max_runs: int | None = None,
     staging_bytes: int | None = None,
 ) -> str:
-    """dst_rows[dst_ids] = src_rows[src_ids], enqueued on the current stream(s); -> "runs" or "gather".
+    """dst_rows[dst_ids] = src_rows[src_ids], enqueued on the current stream(s); -> how it was done.
 
     Rows are [num_blocks, block_nbytes] uint8 on any devices. Few runs (ids consecutive on both sides):
-    one copy each (cudaMemcpy: the copy engines). Many: index_select / index_copy_ kernels in chunks
-    of at most `staging_bytes`, gathered on the source's device (crossing devices once per chunk).
+    one copy each ("runs": cudaMemcpy, the copy engines). Many, on one device (p2p: the exporter's
+    memory is mapped on ours): one index kernel when one side is a single run ("scatter" /
+    "gather"), else index_select + index_copy_ through a temporary of at most `staging_bytes`
+    ("gather_scatter"). Across devices (staged), the gathers run on the source's device.
     """
     max_runs = COPY_RUNS_MAX if max_runs is None else max_runs
     runs = paired_runs(src_ids, dst_ids)
@@ -160,16 +176,36 @@ def copy_blocks(
         for s, d, n in runs:
             dst_rows[d : d + n].copy_(src_rows[s : s + n], non_blocking=True)
         return "runs"
-    per = max(1, (STAGING_BYTES if staging_bytes is None else staging_bytes) // src_rows.shape[1])
-    src_idx = torch.tensor(list(src_ids), dtype=torch.long).to(src_rows.device, non_blocking=True)
-    dst_idx = torch.tensor(list(dst_ids), dtype=torch.long).to(dst_rows.device, non_blocking=True)
+    n = len(src_ids)
     src_w, dst_w = wide(src_rows, dst_rows)
-    for at in range(0, len(src_ids), per):
+    if src_rows.device == dst_rows.device:
+        first = consecutive_start(src_ids)
+        if first is not None:  # one pass: scatter straight out of the source run
+            dst_w.index_copy_(0, index_tensor(dst_ids, dst_rows.device), src_w[first : first + n])
+            return "scatter"
+        first = consecutive_start(dst_ids)
+        if first is not None:  # one pass: gather straight into the destination run
+            torch.index_select(src_w, 0, index_tensor(src_ids, src_rows.device), out=dst_w[first : first + n])
+            return "gather"
+    per = max(1, (STAGING_BYTES if staging_bytes is None else staging_bytes) // src_rows.shape[1])
+    src_idx, dst_idx = index_tensor(src_ids, src_rows.device), index_tensor(dst_ids, dst_rows.device)
+    for at in range(0, n, per):
         part = src_w.index_select(0, src_idx[at : at + per])
         if part.device != dst_rows.device:
             part = part.to(dst_rows.device, non_blocking=True)
         dst_w.index_copy_(0, dst_idx[at : at + per], part)
-    return "gather"
+    return "gather_scatter"
+
+
+def ids_to_wire(ids: Sequence[int]) -> str:
+    """Block ids as base64 of little-endian int32 (thousands of ids cost microseconds, not JSON's ms)."""
+    return base64.b64encode(as_ids(ids).astype("<i4").tobytes()).decode()
+
+
+def ids_from_wire(text: object) -> np.ndarray:
+    if not isinstance(text, str):
+        raise TransportError(f"malformed block ids from the exporter: {text!r}")
+    return np.frombuffer(base64.b64decode(text.encode(), validate=True), dtype="<i4").astype(np.int64)
 
 
 # -- the exporter's KV as a JSON-able share; the fetcher's view of it ------------------------------
@@ -292,10 +328,11 @@ class GpuSocketTransport(SocketTransport):
     """The control channel, leases and auth of tcp/shm, with the blocks moved GPU to GPU.
 
     Exporter: a backend's open request sets up the connection ("cuda_ipc_open" / "nccl_open"); each
-    fetch then gets {"op": payload_op, block_ids, blocks, checksum, ...} + the state tensors as the
-    frame body, the backend's `push`, and waits for the fetcher's "done" with the lease pinned.
-    Fetcher: `attach` once per connection, then the request, the header and state, the backend's
-    `pull`, "done". The state tensors are small and travel on the control channel.
+    fetch then gets {"op": payload_op, block_ids (base64 int32), blocks, checksum, ...} + the state
+    tensors as the frame body, the backend's `push`, and waits for the fetcher's "done" with the
+    lease pinned. Fetcher: `attach` once per connection, then the request, the backend's `prefetch`
+    (work that may start before the answer), the header and state, its `pull`, "done". The state
+    tensors are small and travel on the control channel.
     """
 
     open_op: ClassVar[str]
@@ -351,14 +388,31 @@ class GpuSocketTransport(SocketTransport):
         if self.on_cuda:
             torch.cuda.current_stream(self.kv.device).synchronize()
 
+    def sync_stream_of_transfers(self) -> None:
+        """Wait for everything queued on our side stream (and, across devices, what it waits for)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
     # -- backend hooks -----------------------------------------------------------------------------
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
         """Exporter: answer the backend's open request; add `open_op` to chan.notes when done."""
         raise NotImplementedError
 
-    def payload_fields(self) -> dict:
-        """Exporter: extra fields of the payload header."""
+    def payload_fields(self, chan: AsyncChannel, block_ids: list[int]) -> dict:
+        """Exporter: extra fields of the payload header (`chan.notes`/`request_of(chan)` say more)."""
         return {}
+
+    def fetch_fields(self, into: tuple[int, ...]) -> dict:
+        """Fetcher: extra fields of the fetch request."""
+        return {}
+
+    def prefetch(self, peer: Any, handle: KVHandle, into: tuple[int, ...]) -> Any:
+        """Fetcher: work that may start as soon as the request is out (before the exporter answers);
+        -> what `pull` and `settle` get."""
+        return None
+
+    def settle(self, early: Any) -> None:
+        """Fetcher: a fetch failed after `prefetch`: make sure nothing still writes our blocks."""
 
     async def push(self, chan: AsyncChannel, block_ids: list[int], deadline: Deadline) -> None:
         """Exporter: after the header and state went out, send the blocks (if the backend sends)."""
@@ -368,11 +422,20 @@ class GpuSocketTransport(SocketTransport):
         raise NotImplementedError
 
     def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: list[int], into: tuple[int, ...],
-        deadline: Deadline,
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: tuple[int, ...],
+        deadline: Deadline, early: Any,
     ) -> None:  # fmt: skip
         """Fetcher: move the blocks into kv[into], synchronized, within the deadline."""
         raise NotImplementedError
+
+    def _check_ids(self, block_ids: Sequence[int], what: str) -> tuple[int, ...]:
+        ids = as_ids(block_ids)  # vectorized: a request can have thousands of blocks
+        n = self.kv.shape[0]
+        if not ids.size:
+            raise ValueError(f"{what} is empty")
+        if ids.min() < 0 or ids.max() >= n or np.unique(ids).size != ids.size:
+            raise ValueError(f"{what} must be distinct ids in [0, {n}), got {ids[:16].tolist()}")
+        return tuple(ids.tolist())
 
     # -- exporter side -----------------------------------------------------------------------------
     def export(
@@ -386,6 +449,8 @@ class GpuSocketTransport(SocketTransport):
         return super().export(request_id, block_ids, num_tokens, state)
 
     async def handle(self, chan: AsyncChannel, header: dict) -> bool:
+        if header["op"] == "fetch":
+            chan.attached["fetch_request"] = _NoClose(header)  # what the fetcher asked, for the hooks
         if header["op"] != self.open_op:
             return await super().handle(chan, header)
         try:
@@ -410,7 +475,8 @@ class GpuSocketTransport(SocketTransport):
         if fault is Fault.CORRUPT:
             ids = ids[1:] + ids[:1]  # the wrong blocks in each place: the checksum must notice
         state = ByteStream(state_pieces(export.state, self.layout))
-        header = {"op": self.payload_op, **meta, "block_ids": ids, **self.payload_fields()}
+        fields = self.payload_fields(chan, ids)
+        header = {"op": self.payload_op, **meta, "block_ids": ids_to_wire(ids), **fields}
         await chan.send(header, deadline, state.nbytes)
         await chan.send_stream(state, deadline)
         await self.push(chan, ids, deadline)
@@ -437,16 +503,22 @@ class GpuSocketTransport(SocketTransport):
                 if attached is None:
                     attached = chan.attached[self.backend] = self.attach(chan, handle, deadline)
                 request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
-                chan.send({**request, "timeout_s": deadline.remaining("fetch")}, deadline)
-                header, body_nbytes = chan.recv(deadline)
-                meta = expect(header, self.payload_op)
-                src_ids = self._peer_ids(meta, len(into))
-                if body_nbytes != body.nbytes:
-                    raise TransportError(
-                        f"exporter sends {body_nbytes} bytes of state, we expect {body.nbytes}"
-                    )
-                chan.recv_stream(body, deadline)
-                self.pull(chan, attached, meta, src_ids, into, deadline)
+                request.update(self.fetch_fields(into), timeout_s=deadline.remaining("fetch"))
+                chan.send(request, deadline)
+                early = self.prefetch(attached, handle, into)
+                try:
+                    header, body_nbytes = chan.recv(deadline)
+                    meta = expect(header, self.payload_op)
+                    src_ids = self._peer_ids(meta, len(into))
+                    if body_nbytes != body.nbytes:
+                        raise TransportError(
+                            f"exporter sends {body_nbytes} bytes of state, we expect {body.nbytes}"
+                        )
+                    chan.recv_stream(body, deadline)
+                    self.pull(chan, attached, meta, src_ids, into, deadline, early)
+                except BaseException:
+                    self.settle(early)
+                    raise
                 deadline.remaining("copy out of the exporter's KV")  # past it the exporter may unpin
                 chan.send({"op": "done"}, deadline)
             self._verify_blocks(handle, meta, into, state)
@@ -461,10 +533,10 @@ class GpuSocketTransport(SocketTransport):
         self.stats.fetched(nbytes, time.perf_counter() - start, handle.address)
         return state
 
-    def _peer_ids(self, meta: dict, n: int) -> list[int]:
-        ids = [int(b) for b in meta["block_ids"]]
-        if len(ids) != n:
-            raise TransportError(f"exporter names {len(ids)} blocks, the handle has {n}")
+    def _peer_ids(self, meta: dict, n: int) -> np.ndarray:
+        ids = ids_from_wire(meta["block_ids"])
+        if ids.size != n:
+            raise TransportError(f"exporter names {ids.size} blocks, the handle has {n}")
         return ids
 
     def _verify_blocks(self, handle: KVHandle, meta: dict, into: tuple[int, ...], state: dict) -> None:
@@ -519,7 +591,7 @@ class CudaIpcTransport(GpuSocketTransport):
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
         if header.get("host") != host_id():
             raise PeerRefused("cuda_ipc needs both workers on one host",
-                              [f"host: ours {host_id()}, peer {header.get('host')}"])  # fmt: skip
+                              [f"host: exporter {host_id()}, fetcher {header.get('host')}"])  # fmt: skip
         await chan.send(
             {"op": "cuda_ipc_handle", **self.share()}, Deadline.after(self.options.connect_timeout_s)
         )
@@ -531,7 +603,10 @@ class CudaIpcTransport(GpuSocketTransport):
     def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
         hello = {"op": self.open_op, "host": host_id(), "pid": os.getpid(), "gpu": self.gpu}
         chan.send(hello, deadline)
-        share = expect(chan.recv(deadline)[0], "cuda_ipc_handle")
+        try:
+            share = expect(chan.recv(deadline)[0], "cuda_ipc_handle")
+        except PeerRefused as exc:
+            raise PeerRefused(f"cuda_ipc exporter {handle.address} refused us", exc.mismatches) from exc
         key = str(share["key"])
         with self._peers_lock:
             peer = self._peers.get(key)
@@ -545,20 +620,45 @@ class CudaIpcTransport(GpuSocketTransport):
             self._peers.move_to_end(key)
         return _NoClose(peer)
 
+    def prefetch(self, peer: Any, handle: KVHandle, into: tuple[int, ...]) -> Any:
+        """Start copying the handle's blocks before the exporter confirms the lease: if the lease is
+        live when the exporter pins it, it was live all along (a lease never comes back), so the
+        bytes read meanwhile are good; if not, the answer is an error and they are dropped. Saves a
+        round trip of the control channel per fetch."""
+        mapped: PeerKV = peer.value
+        ids = as_ids(handle.block_ids)
+        if ids.min() < 0 or ids.max() >= mapped.rows.shape[0]:
+            return None  # let the exporter's answer say what is wrong
+        return ids, self._copy(mapped, ids, into)
+
+    def settle(self, early: Any) -> None:
+        if early is not None and self.on_cuda:
+            with torch.cuda.device(self.kv.device):
+                self.sync_stream_of_transfers()
+
     def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: list[int], into: tuple[int, ...],
-        deadline: Deadline,
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: tuple[int, ...],
+        deadline: Deadline, early: Any,
     ) -> None:  # fmt: skip
         mapped: PeerKV = peer.value
-        if max(src_ids) >= mapped.rows.shape[0] or min(src_ids) < 0:
-            raise TransportError(f"exporter named blocks outside its cache: {src_ids[:16]}")
+        if src_ids.min() < 0 or src_ids.max() >= mapped.rows.shape[0]:
+            raise TransportError(f"exporter named blocks outside its cache: {src_ids[:16].tolist()}")
+        if early is None or not np.array_equal(early[0], src_ids):  # not what we guessed: copy again
+            self.settle(early)
+            early = src_ids, self._copy(mapped, src_ids, into)
         try:
-            with self.on_device():
-                how = copy_blocks(mapped.rows, self.rows, src_ids, list(into))
-                self.sync_stream()
+            with torch.cuda.device(self.kv.device) if self.on_cuda else contextlib.nullcontext():
+                self.sync_stream_of_transfers()
         except RuntimeError as exc:  # a CUDA error
             raise TransportError(f"cuda_ipc copy from {chan.address} failed: {exc}") from exc
-        self.gpu_counts[f"{mapped.mode}_{how}"] += 1
+        self.gpu_counts[f"{mapped.mode}_{early[1]}"] += 1
+
+    def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: tuple[int, ...]) -> str:
+        try:
+            with self.on_device():
+                return copy_blocks(mapped.rows, self.rows, src_ids, into)
+        except RuntimeError as exc:  # a CUDA error
+            raise TransportError(f"cuda_ipc copy failed: {exc}") from exc
 
     def describe(self) -> dict:
         out = super().describe()

@@ -13,11 +13,13 @@ Life of a connection and of one fetch:
      (exporter 0, fetcher 1) on that store under the random prefix (the fetcher reaches the store at
      the host of the handle's address), and a one-byte warm-up send proves the pair works before
      {"op": "nccl_ready"}. The group lives as long as the connection.
-  2. fetch: fetcher -> {"op": "fetch", lease_id, timeout_s}; exporter (lease pinned) ->
+  2. fetch: fetcher -> {"op": "fetch", lease_id, timeout_s, into_run}; exporter (lease pinned) ->
      {"op": "kv_nccl", block_ids, blocks, checksum, chunk_blocks} + the state tensors as the frame
-     body, then sends the blocks in chunks of `chunk_blocks` (the last may be shorter). A chunk whose
-     ids are consecutive is sent straight from the cache; any other is gathered into one of two
-     staging buffers first (double-buffered: gathering chunk k+1 overlaps sending chunk k).
+     body, then sends the blocks in chunks of `chunk_blocks` (the last may be shorter): all blocks
+     in one message when they are one run on both sides (`into_run`: the fetcher's are), else about
+     CHUNK_BYTES each. The sends are enqueued on the server's loop thread (a worker thread waits for
+     them). A chunk whose ids are consecutive is sent straight from the cache; any other is gathered
+     into one of two staging buffers first (double-buffered: gathering chunk k+1 overlaps sending k).
   3. fetcher: receives each chunk straight into kv[into] when its ids there are consecutive, else into
      a staging buffer and scatters it; waits for all of it within its deadline -> {"op": "done"}.
   4. exporter: drops its pin once its sends completed and "done" came (or at the deadline).
@@ -47,11 +49,12 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from splitserve.kv.client import SyncChannel, parse_address
-from splitserve.kv.cuda_ipc import GpuSocketTransport, consecutive_start, host_id, wide
+from splitserve.kv.cuda_ipc import GpuSocketTransport, consecutive_start, host_id, index_tensor, wide
 from splitserve.kv.errors import PeerRefused, TransferTimeout, TransportError
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
@@ -178,7 +181,7 @@ class NcclTransport(GpuSocketTransport):
         deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
         if str(header.get("gpu")) == self.gpu and self.on_cuda:
             raise PeerRefused(
-                "nccl cannot pair a GPU with itself", [f"gpu: ours {self.gpu}, peer {header.get('gpu')}"]
+                "nccl cannot pair a GPU with itself", [f"gpu: exporter and fetcher both on {self.gpu}"]
             )
         host = self.options.host if self.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         store = await asyncio.to_thread(
@@ -212,18 +215,43 @@ class NcclTransport(GpuSocketTransport):
                 pair.abort()
                 raise TransportError(f"nccl warm-up send failed: {exc}") from exc
 
-    def payload_fields(self) -> dict:
-        return {"chunk_blocks": self.chunk_blocks}
+    def chunk_for(self, chan: AsyncChannel, ids: list[int]) -> int:
+        """Blocks per message: all of them when they are one run on both sides (no staging anywhere),
+        else `chunk_blocks` (staging buffers of about CHUNK_BYTES)."""
+        request = chan.attached.get("fetch_request")
+        into_run = bool(request.value.get("into_run")) if request is not None else False
+        return len(ids) if into_run and consecutive_start(ids) is not None else self.chunk_blocks
+
+    def payload_fields(self, chan: AsyncChannel, block_ids: list[int]) -> dict:
+        return {"chunk_blocks": self.chunk_for(chan, block_ids)}
 
     async def push(self, chan: AsyncChannel, block_ids: list[int], deadline: Deadline) -> None:
-        pair = chan.attached["nccl"]
-        await asyncio.to_thread(self._send_blocks, pair, block_ids, deadline, lambda: _sock_gone(chan.sock))
+        pair: PairGroup = chan.attached["nccl"]
+        per = self.chunk_for(chan, block_ids)
+
+        def gone() -> bool:
+            return _sock_gone(chan.sock)
+
+        if self.on_cuda and self._send_lock.acquire(blocking=False):
+            # fast path: the sends are only enqueued here, on the loop thread (no thread hand-off
+            # before the first byte moves); a worker thread waits for them
+            try:
+                works = self._enqueue_sends(pair, block_ids, per)
+                await asyncio.to_thread(self._finish_sends, pair, works, deadline, gone)
+            finally:
+                self._send_lock.release()
+            return
+        await asyncio.to_thread(self._send_blocks, pair, block_ids, per, deadline, gone)
 
     def _send_blocks(
-        self, pair: PairGroup, ids: list[int], deadline: Deadline, gone: Callable[[], bool]
+        self, pair: PairGroup, ids: list[int], per: int, deadline: Deadline, gone: Callable[[], bool]
     ) -> None:
-        per = self.chunk_blocks
-        with self._send_lock, self.on_device(after_current=False):
+        with self._send_lock:
+            self._finish_sends(pair, self._enqueue_sends(pair, ids, per), deadline, gone)
+
+    def _enqueue_sends(self, pair: PairGroup, ids: list[int], per: int) -> list[Any]:
+        """Queue the gathers and sends of every chunk; -> the works not waited for yet."""
+        with self.on_device(after_current=False):
             try:
                 works: list[Any] = []
                 waited: set[int] = set()
@@ -234,8 +262,7 @@ class NcclTransport(GpuSocketTransport):
                         chunk = self.rows[first : first + b - a]
                     else:
                         if index is None or bufs is None:
-                            index = torch.tensor(ids, dtype=torch.long).to(self.kv.device, non_blocking=True)
-                            bufs = self.staging(per)
+                            index, bufs = index_tensor(ids, self.kv.device), self.staging(per)
                         if k >= 2 and k - 2 not in waited:
                             works[k - 2].wait()  # the buffer's last send is done before we refill it
                             waited.add(k - 2)
@@ -243,8 +270,17 @@ class NcclTransport(GpuSocketTransport):
                         src, out = wide(self.rows, chunk)
                         torch.index_select(src, 0, index[a:b], out=out)
                     works.append(pair.group.send([chunk], 1, 0))
-                left = [w for i, w in enumerate(works) if i not in waited]  # Gloo: a work waits once
-                wait_done(left, pair, self.kv.device, deadline, gone, "nccl send")
+                return [w for i, w in enumerate(works) if i not in waited]  # Gloo: a work waits once
+            except RuntimeError as exc:
+                pair.abort()
+                raise TransportError(f"nccl send failed: {exc}") from exc
+
+    def _finish_sends(
+        self, pair: PairGroup, works: list[Any], deadline: Deadline, gone: Callable[[], bool]
+    ) -> None:
+        with self.on_device(after_current=False):
+            try:
+                wait_done(works, pair, self.kv.device, deadline, gone, "nccl send")
             except TransportError:
                 pair.abort()
                 raise
@@ -256,10 +292,13 @@ class NcclTransport(GpuSocketTransport):
     def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
         chan.send({"op": self.open_op, "gpu": self.gpu, "host": host_id(),
                    "timeout_s": deadline.remaining("nccl open")}, deadline)  # fmt: skip
-        answer = expect(chan.recv(deadline)[0], "nccl_rendezvous")
+        try:
+            answer = expect(chan.recv(deadline)[0], "nccl_rendezvous")
+        except PeerRefused as exc:
+            raise PeerRefused(f"nccl exporter {handle.address} refused us", exc.mismatches) from exc
         if str(answer["gpu"]) == self.gpu and self.on_cuda:
             raise PeerRefused(
-                "nccl cannot pair a GPU with itself", [f"gpu: ours {self.gpu}, peer {answer['gpu']}"]
+                "nccl cannot pair a GPU with itself", [f"gpu: exporter and fetcher both on {self.gpu}"]
             )
         family, target = parse_address(handle.address)
         if family == socket.AF_UNIX:
@@ -292,9 +331,12 @@ class NcclTransport(GpuSocketTransport):
         self.stats.count("nccl_groups")
         return pair
 
+    def fetch_fields(self, into: tuple[int, ...]) -> dict:
+        return {"into_run": consecutive_start(into) is not None}
+
     def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: list[int], into: tuple[int, ...],
-        deadline: Deadline,
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: tuple[int, ...],
+        deadline: Deadline, early: Any,
     ) -> None:  # fmt: skip
         pair: PairGroup = peer
         per = int(meta["chunk_blocks"])
@@ -312,8 +354,7 @@ class NcclTransport(GpuSocketTransport):
                         works.append(pair.group.recv([self.rows[first : first + b - a]], 0, 0))
                         continue
                     if index is None or bufs is None:
-                        index = torch.tensor(ids, dtype=torch.long).to(self.kv.device, non_blocking=True)
-                        bufs = self.staging(per)
+                        index, bufs = index_tensor(ids, self.kv.device), self.staging(per)
                     # NOTE: the recv waits for our stream, so chunk k-2's scatter has read the buffer
                     chunk = bufs[k % 2][: b - a]
                     work = pair.group.recv([chunk], 0, 0)

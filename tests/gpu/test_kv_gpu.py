@@ -188,7 +188,7 @@ def test_mismatched_layout_and_secret_are_refused(exporter, fetcher_for, backend
 
 def test_nccl_refuses_to_pair_a_gpu_with_itself(exporter, fetcher_for):
     handle = exporter.export("nccl", f"self-{time.monotonic_ns()}", [5])
-    with pytest.raises(PeerRefused, match="itself"):
+    with pytest.raises(PeerRefused, match="refused us: gpu: exporter and fetcher both on"):
         fetcher_for("nccl", device="cuda:0").fetch(handle, [6], timeout_s=20)
 
 

@@ -212,14 +212,20 @@ def test_paired_runs_and_chunks():
     assert chunk_spans(7, 3) == [(0, 3), (3, 6), (6, 7)]
 
 
-@pytest.mark.parametrize("max_runs", [0, 100], ids=["gather", "runs"])
+@pytest.mark.parametrize(
+    "src_ids, dst_ids, max_runs, how",
+    [
+        ([7, 8, 9, 1, 33, 2, 3, 4, 39], [0, 1, 2, 30, 31, 10, 11, 12, 5], 100, "runs"),
+        ([7, 8, 9, 1, 33, 2, 3, 4, 39], [0, 1, 2, 30, 31, 10, 11, 12, 5], 0, "gather_scatter"),
+        ([5, 6, 7, 8, 9], [30, 2, 17, 3, 11], 0, "scatter"),
+        ([30, 2, 17, 3, 11], [5, 6, 7, 8, 9], 0, "gather"),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
-def test_copy_blocks_is_exact_either_way(max_runs, dtype):
+def test_copy_blocks_is_exact_every_way(src_ids, dst_ids, max_runs, how, dtype):
     src = small_kv(num_blocks=40, seed=3).to(dtype)
     dst = torch.zeros_like(src)
-    src_ids = [7, 8, 9, 1, 33, 2, 3, 4, 39]
-    dst_ids = [0, 1, 2, 30, 31, 10, 11, 12, 5]
-    how = copy_blocks(kv_rows(src), kv_rows(dst), src_ids, dst_ids, max_runs=max_runs, staging_bytes=1)
-    assert how == ("gather" if max_runs == 0 else "runs")
+    got = copy_blocks(kv_rows(src), kv_rows(dst), src_ids, dst_ids, max_runs=max_runs, staging_bytes=1)
+    assert got == how
     assert torch.equal(kv_rows(dst)[dst_ids], kv_rows(src)[src_ids])
     assert not kv_rows(dst)[[b for b in range(40) if b not in dst_ids]].any()
