@@ -253,8 +253,10 @@ class LocalRuntime:
         while not self._stopping:
             assert w.proc is not None
             health = asyncio.create_task(self._health_loop(w))
-            code = await w.proc.wait()
-            health.cancel()
+            try:
+                code = await w.proc.wait()
+            finally:
+                health.cancel()
             if self._stopping:
                 return
             w.last_exit = code

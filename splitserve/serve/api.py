@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -661,18 +662,22 @@ def _sse(body: dict) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
 
+_TYPE_TAGS = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[")  # a union member's tag in a loc
+
+
 def _validate(model: type, body: dict) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union[")))
+        errors = exc.errors()
+        err = errors[0]
+        param = ".".join(str(p) for p in err["loc"] if isinstance(p, int) or not _TYPE_TAGS.search(str(p)))
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unrecognized request argument"
         if err["type"] == "missing":
             msg = "missing required field"
-        more = f" (and {len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         raise APIError(400, f"{param}: {msg}{more}" if param else msg + more, param=param or None) from None
 
 

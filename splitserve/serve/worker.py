@@ -131,6 +131,14 @@ class Worker:
     def __init__(self, config: WorkerConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
         engine = engine or LLMEngine(config.engine_config())
+        capacity = engine.pool.num_blocks * engine.block_size
+        if capacity < engine.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({engine.pool.num_blocks} blocks of "
+                f"{engine.block_size}), fewer than max_model_len ({engine.max_model_len}): a long request "
+                "could never run. Give the worker more KV cache (--kv-cache-mb / engine.kv_cache_mb) or "
+                "lower max_model_len"
+            )
         self.connector: KVConnector | None = None
         self.kv_address: str | None = None
         if config.role != "colocated":

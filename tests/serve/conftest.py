@@ -42,7 +42,9 @@ class Deployment:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, **kw)
 
     def async_client(self, **kw) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, **kw)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, **kw
+        )
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -54,7 +56,9 @@ class Deployment:
         return {w["name"]: w["url"] for w in self.health()["workers"] if w["url"]}
 
     def worker_stats(self) -> dict[str, dict]:
-        return {name: httpx.get(f"{url}/stats", timeout=10).json() for name, url in self.worker_urls().items()}
+        return {
+            name: httpx.get(f"{url}/stats", timeout=10).json() for name, url in self.worker_urls().items()
+        }
 
     def wait_idle(self, timeout_s: float = 30.0) -> dict[str, dict]:
         """Until every worker has nothing running or waiting and every block free; -> the stats."""
@@ -62,10 +66,11 @@ class Deployment:
         while True:
             stats = self.worker_stats()
             idle = all(
-                s["unfinished"] == 0 and s["blocks"]["free"] == s["blocks"]["total"]
+                s["unfinished"] == 0
+                and s["blocks"]["free"] == s["blocks"]["total"]
                 and (s["kv_transfer"] or {}).get("importing", 0) == 0
                 for s in stats.values()
-            )  # fmt: skip
+            )
             if idle or time.monotonic() > deadline:
                 return stats
             time.sleep(0.2)
@@ -85,7 +90,7 @@ def manifest_yaml(**sections) -> dict:
     """The test deployments' manifest: the default model, small KV caches, quick health checks."""
     base = {
         "model": {"max_model_len": 2048},
-        "engine": {"kv_cache_mb": 48, "max_num_seqs": 32},
+        "engine": {"kv_cache_mb": 128, "max_num_seqs": 32},
         "server": {"port": 0},
         "runtime": {"health_interval_s": 0.5, "restart_backoff_s": 0.5},
     }
@@ -97,14 +102,21 @@ def manifest_yaml(**sections) -> dict:
     return base
 
 
-def start_deployment(tmp: Path, manifest: dict, api_key: str | None = None, timeout_s: float = 180.0) -> Deployment:
+def start_deployment(
+    tmp: Path, manifest: dict, api_key: str | None = None, timeout_s: float = 180.0
+) -> Deployment:
     path = tmp / "manifest.yaml"
     path.write_text(yaml.safe_dump(manifest))
     cmd = [sys.executable, "-m", "splitserve.cli", "serve", str(path), "--no-progress"]
     if api_key:
         cmd += ["--api-key", api_key]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     dep = Deployment(proc, "", api_key, [])
     ready: dict = {}
     got = threading.Event()

@@ -62,7 +62,14 @@ def test_greedy_http_equals_llm_both_modes(disagg, colocated, llm):
 def test_stream_equals_non_stream_and_usage(disagg, openai_schema):
     full = _chat(disagg, PROMPTS[1], temperature=0, max_tokens=40)
     chunks = list(
-        _chat(disagg, PROMPTS[1], temperature=0, max_tokens=40, stream=True, stream_options={"include_usage": True})
+        _chat(
+            disagg,
+            PROMPTS[1],
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -71,8 +78,15 @@ def test_stream_equals_non_stream_and_usage(disagg, openai_schema):
     assert finals == [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     # the raw SSE: every chunk is OpenAI's schema, then [DONE]
-    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8, "stream": True}
-    raw = httpx.post(f"{disagg.url}/v1/chat/completions", json=body, headers=disagg.headers(), timeout=60).text
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPTS[0]}],
+        "max_tokens": 8,
+        "stream": True,
+    }
+    raw = httpx.post(
+        f"{disagg.url}/v1/chat/completions", json=body, headers=disagg.headers(), timeout=60
+    ).text
     events = sse_events(raw)
     assert events[-1] == "[DONE]"
     import json
@@ -107,8 +121,16 @@ def test_max_tokens_stop_and_max_completion_tokens(disagg):
 
 
 def test_seed_n_and_sampling_fields(disagg, colocated):
-    kw = dict(temperature=0.9, top_p=0.9, max_tokens=24, seed=1234, n=3, presence_penalty=0.3,
-              frequency_penalty=0.2, extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1})  # fmt: skip
+    kw = dict(
+        temperature=0.9,
+        top_p=0.9,
+        max_tokens=24,
+        seed=1234,
+        n=3,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+        extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1},
+    )
     a = _chat(disagg, PROMPTS[1], **kw)
     b = _chat(disagg, PROMPTS[1], **kw)
     c = _chat(colocated, PROMPTS[1], **kw)
@@ -135,9 +157,15 @@ def test_chat_logprobs_match_llm(disagg, llm):
         assert [t.token for t in got.top_logprobs] == [tok.token_text(t) for t, _ in want.top]
         assert bytes(got.bytes) == got.token.encode()
     # streamed logprobs are the same
-    chunks = list(_chat(disagg, PROMPTS[2], temperature=0, max_tokens=6, logprobs=True, top_logprobs=3, stream=True))
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    chunks = list(
+        _chat(disagg, PROMPTS[2], temperature=0, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+    )
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in content
+    ]
 
 
 def test_completions_api(disagg, llm, openai_schema):
@@ -152,18 +180,31 @@ def test_completions_api(disagg, llm, openai_schema):
     ids = llm.engine.tokenizer.encode("Once upon a time")
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
     assert r.choices[0].text == exp.text
-    r = client.completions.create(model=MODEL, prompt=["Once upon a time", "The sky is"], max_tokens=4,
-                                  temperature=0, n=2)  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt=["Once upon a time", "The sky is"], max_tokens=4, temperature=0, n=2
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.choices[0].text == r.choices[1].text
-    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True)
+    r = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True
+    )
     echoed = r.choices[0].text
-    assert echoed.startswith("Once upon a time") and exp.text.startswith(echoed.removeprefix("Once upon a time"))
-    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2)
+    assert echoed.startswith("Once upon a time") and exp.text.startswith(
+        echoed.removeprefix("Once upon a time")
+    )
+    r = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
-    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})  # fmt: skip
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == exp.text
     assert chunks[-1].usage.completion_tokens == 12
@@ -172,8 +213,12 @@ def test_completions_api(disagg, llm, openai_schema):
 def test_concurrent_clients(disagg):
     async def main() -> list[str]:
         client = disagg.async_client()
-        jobs = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
-                                               temperature=0, max_tokens=24) for p in PROMPTS * 3]  # fmt: skip
+        jobs = [
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=24
+            )
+            for p in PROMPTS * 3
+        ]
         return [r.choices[0].message.content for r in await asyncio.gather(*jobs)]
 
     texts = asyncio.run(main())
@@ -185,10 +230,16 @@ def test_concurrent_clients(disagg):
 def test_metrics_endpoint(disagg):
     _chat(disagg, PROMPTS[0], temperature=0, max_tokens=4)
     text = httpx.get(f"{disagg.url}/metrics", timeout=10).text
-    for name in ("splitserve:time_to_first_token_seconds", "splitserve:inter_token_latency_seconds",
-                 "splitserve:e2e_request_latency_seconds", "splitserve:request_queue_time_seconds",
-                 "splitserve:request_prefill_time_seconds", "splitserve:num_requests_running",
-                 "splitserve:num_requests_waiting", "splitserve:kv_cache_usage_perc"):  # fmt: skip
+    for name in (
+        "splitserve:time_to_first_token_seconds",
+        "splitserve:inter_token_latency_seconds",
+        "splitserve:e2e_request_latency_seconds",
+        "splitserve:request_queue_time_seconds",
+        "splitserve:request_prefill_time_seconds",
+        "splitserve:num_requests_running",
+        "splitserve:num_requests_waiting",
+        "splitserve:kv_cache_usage_perc",
+    ):
         assert name in text, name
     assert 'splitserve:kv_transfer_seconds_count{backend="shm",model_name="smollm2-135m-instruct"}' in text
     assert 'splitserve:kv_transfer_bytes_total{backend="shm"' in text
@@ -200,10 +251,16 @@ def test_overload_answers_429_with_retry_after(colocated):
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
-            body = {"model": MODEL, "prompt": "Count to one hundred:", "max_tokens": 64, "temperature": 0,
-                    "ignore_eos": True}  # fmt: skip
-            return await asyncio.gather(*(client.post(f"{colocated.url}/v1/completions", json=body)
-                                          for _ in range(6)))  # fmt: skip
+            body = {
+                "model": MODEL,
+                "prompt": "Count to one hundred:",
+                "max_tokens": 64,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            return await asyncio.gather(
+                *(client.post(f"{colocated.url}/v1/completions", json=body) for _ in range(6))
+            )
 
     results = asyncio.run(main())
     codes = sorted(r.status_code for r in results)
