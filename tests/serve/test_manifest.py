@@ -1,0 +1,133 @@
+"""The manifest: defaults, the shipped examples, errors that name the YAML path and line, CLI overrides."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from splitserve.config import ManifestError, load_manifest, parse_manifest
+from splitserve.runtime.local import worker_argv
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_defaults_serve_the_default_model_disaggregated():
+    m = load_manifest()
+    assert m.mode == "disaggregated" and m.model.source == "default"
+    assert m.model.resolved_served_name() == "smollm2-135m-instruct"
+    assert set(m.pools()) == {"prefill", "decode"}
+    assert m.transport.required() == [m.transport.backend]
+
+
+def test_examples_load_and_differ_only_in_mode():
+    dis = load_manifest(EXAMPLES / "disaggregated.yaml")
+    col = load_manifest(EXAMPLES / "colocated.yaml")
+    assert (dis.mode, col.mode) == ("disaggregated", "colocated")
+    assert dis.model_dump(exclude={"mode"}) == col.model_dump(exclude={"mode"})
+    assert set(col.pools()) == {"colocated"}
+
+
+def test_one_key_switches_mode():
+    text = (EXAMPLES / "disaggregated.yaml").read_text()
+    m = parse_manifest(text, overrides={"mode": "colocated"})
+    assert m.mode == "colocated" and set(m.pools()) == {"colocated"}
+
+
+def test_errors_name_path_line_and_fix():
+    text = """\
+mode: colo
+transport:
+  backend: shm
+  fallbak: [tcp]
+router:
+  timeouts:
+    prefill_s: -1
+server: {port: 99999}
+engine:
+  kv_cache_mb: 64
+  memory_utilization: 0.5
+"""
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text, "bad.yaml")
+    problems = info.value.problems
+    msg = str(info.value)
+    assert "bad.yaml" in msg
+    assert any("mode (line 1): must be 'colocated' or 'disaggregated'" in p for p in problems)
+    assert any("transport.fallbak (line 4): unknown field; did you mean 'fallback'?" in p for p in problems)
+    assert any(p.startswith("router.timeouts.prefill_s (line 7)") and "greater than 0" in p for p in problems)
+    assert any(p.startswith("server.port (line 8)") for p in problems)
+    assert any(p.startswith("engine (line 10)") and "not both" in p for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("transport: {backend: rdma}", "transport.backend"),
+        ("transport: {backend: tcp, fallback: [tcp]}", "only alternatives"),
+        ("mode: disaggregated\ndecode: {replicas: 0}", "decode.replicas >= 1"),
+        ("[1, 2]", "mapping"),
+        ("model: {source: x\n", "not valid YAML"),
+        ("modell: {}", "did you mean 'model'"),
+    ],
+)
+def test_more_errors(text, words):
+    with pytest.raises(ManifestError, match=words.replace("[", r"\[").replace(".", r"\.")):
+        parse_manifest(text)
+
+
+def test_worker_command_lines_follow_the_manifest():
+    m = parse_manifest(
+        "transport: {backend: tcp, fallback: [shm], policy: recompute, checksum: crc32}\n"
+        "prefill: {replicas: 2, devices: ['cuda:0', 'cuda:1']}\nengine: {kv_cache_mb: 99}"
+    )
+    argv = worker_argv(m, "prefill", 1, "SECRET_ENV")
+    joined = " ".join(argv)
+    for part in (
+        "--role prefill",
+        "--device cuda:1",
+        "--kv-backend tcp",
+        "--kv-fallback shm",
+        "--kv-policy recompute",
+        "--kv-checksum crc32",
+        "--kv-cache-mb 99",
+        "--kv-secret-env SECRET_ENV",
+    ):
+        assert part in joined, part
+    assert "--kv-backend" not in " ".join(worker_argv(parse_manifest("mode: colocated"), "colocated", 0, "S"))
+
+
+def test_cli_flags_override_the_manifest():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.cli",
+            "serve",
+            str(EXAMPLES / "disaggregated.yaml"),
+            "--port",
+            "9123",
+            "--host",
+            "0.0.0.0",
+            "--mode",
+            "colocated",
+            "--model",
+            "/models/x.gguf",
+            "--print-manifest",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    m = yaml.safe_load(out.stdout)
+    assert m["server"]["port"] == 9123 and m["server"]["host"] == "0.0.0.0"
+    assert m["mode"] == "colocated" and m["model"]["source"] == "/models/x.gguf"
+    bad = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "serve", "--port", "-5", "--print-manifest"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "server.port" in bad.stderr
