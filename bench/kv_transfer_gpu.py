@@ -95,6 +95,9 @@ def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str) -> Non
         elif cmd == "digest":
             name, ids = args
             conn.send(digest(kvs[name], ids))
+        elif cmd == "nccl_raw":
+            port, prefix, sizes, reps = args
+            conn.send(nccl_raw_side(0, port, prefix, sizes, reps, kvs["ladder"].view(-1).view(torch.uint8)))
         elif cmd == "describe":
             conn.send({f"{n}/{b}": t.describe() for (n, b), t in transports.items()})
         elif cmd == "stop":
@@ -111,6 +114,63 @@ def digest(kv: torch.Tensor, ids: list[int]) -> int:
     for i, b in enumerate(ids):
         total += (i + 1) * int(rows[b].view(torch.int32).sum(dtype=torch.int64).item())
     return total
+
+
+NCCL_PROBES = {"default": {}, "min_ctas=32": {"min_ctas": 32, "max_ctas": 32}}
+
+
+def nccl_raw_side(rank: int, port: int, prefix: str, sizes: list[int], reps: int, buf: torch.Tensor) -> dict:
+    """Plain NCCL send (rank 0) / recv (rank 1) of `sizes` bytes, `reps` + 1 times each, per probe
+    config: the NCCL ceiling the nccl transport works under. -> {probe: {nbytes: [seconds]}}."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from splitserve.kv.nccl import make_group
+
+    device = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=120), False)
+    out: dict = {}
+    for probe, config in NCCL_PROBES.items():
+        try:
+            group = make_group(dist.PrefixStore(f"{prefix}/{probe}", store), rank, device, 300, config)
+        except Exception as exc:  # noqa: BLE001 - a config this NCCL does not take
+            out[probe] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        times: dict[int, list[float]] = {}
+        with torch.cuda.device(device):
+            for nbytes in sizes:
+                times[nbytes] = []
+                for _ in range(reps + 1):
+                    start = time.perf_counter()
+                    op = group.send if rank == 0 else group.recv
+                    op([buf[:nbytes]], 1 - rank, 0).wait()
+                    torch.cuda.synchronize(device)
+                    times[nbytes].append(time.perf_counter() - start)
+        group.abort()
+        out[probe] = {n: ts[1:] for n, ts in times.items()}
+    return out
+
+
+def nccl_raw(exporter: Exporter, buf: torch.Tensor, sizes: list[int], reps: int) -> dict:
+    """The parent's side of nccl_raw_side: it receives; -> {probe: {nbytes: {gbps, ms}}}."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120), False)
+    prefix = os.urandom(8).hex()
+    exporter.conn.send(("nccl_raw", store.port, prefix, sizes, reps))
+    mine = nccl_raw_side(1, store.port, prefix, sizes, reps, buf)
+    exporter.conn.recv()
+    out: dict = {}
+    for probe, by_size in mine.items():
+        if "error" in by_size:
+            out[probe] = by_size
+            continue
+        out[probe] = {n: {"gbps": n / statistics.median(ts) / 1e9, "ms": 1e3 * statistics.median(ts)}
+                      for n, ts in by_size.items()}  # fmt: skip
+    return out
 
 
 class Exporter:
@@ -292,6 +352,8 @@ def run(args: argparse.Namespace) -> dict:
         latency = measure(exporter, fetchers, "ladder", 1, "contiguous", 50, gen)
         for pattern in ("contiguous", "scattered"):
             qwen.append(measure(exporter, fetchers, "qwen3-8b", qwen_blocks, pattern, args.reps or 20, gen))
+        raw_sizes = sorted({r["bytes"] for r in rows + qwen if r["bytes"] >= 16 << 20})
+        nccl_ceiling = nccl_raw(exporter, fetchers.raw_dst, raw_sizes, args.reps or 10)
         described = exporter.call("describe")
         described.update({f"fetcher {n}/{b}": t.describe() for (n, b), t in fetchers.t.items()})
     finally:
@@ -312,7 +374,7 @@ def run(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "ladder_layout": ladder, "block_bytes": block, "rows": rows, "latency": latency,
         "qwen3_8b": {"prompt_tokens": args.prompt_tokens, "blocks": qwen_blocks, "rows": qwen},
-        "prefill": prefill, "describe": described,
+        "prefill": prefill, "nccl_raw": nccl_ceiling, "describe": described,
     }  # fmt: skip
 
 
@@ -339,6 +401,12 @@ def report(result: dict) -> str:
             mid = statistics.median(bulk)
             lines.append(f"goal: {b} >= {GOAL_RATIO:.0%} of raw copy on payloads >= {fmt_size(BULK_BYTES)}:"
                          f" min {min(bulk):.0%}, median {mid:.0%} -> {verdict}")  # fmt: skip
+    for probe, by_size in result.get("nccl_raw", {}).items():
+        if "error" in by_size:
+            lines.append(f"plain NCCL send/recv ({probe}): {by_size['error']}")
+            continue
+        figs = ", ".join(f"{fmt_size(n)} {v['gbps']:.1f}" for n, v in sorted(by_size.items()))
+        lines.append(f"plain NCCL send/recv between the two processes ({probe}), GB/s: {figs}")
     q, prefill = result["qwen3_8b"], result["prefill"]
     lines.append(f"Qwen3-8B shape, {q['prompt_tokens']}-token prompt: {q['blocks']} blocks, "
                  f"{fmt_size(q['rows'][0]['bytes'])} of KV")  # fmt: skip

@@ -114,7 +114,42 @@ def kv_rows(kv: torch.Tensor) -> torch.Tensor:
 
 
 def as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    return np.asarray(ids, dtype=np.int64).reshape(-1)
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int64, copy=False).reshape(-1)
+    return np.fromiter(ids, dtype=np.int64, count=len(ids))
+
+
+_HANDLE_IDS: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()  # a handle's ids, converted once
+_HANDLE_IDS_LOCK = threading.Lock()
+
+
+def handle_ids(handle: KVHandle) -> np.ndarray:
+    """`handle.block_ids` as an array (cached: a handle is fetched again on retries and in benches)."""
+    key = handle.block_ids
+    with _HANDLE_IDS_LOCK:
+        ids = _HANDLE_IDS.get(key)
+        if ids is not None:
+            _HANDLE_IDS.move_to_end(key)
+            return ids
+    ids = as_ids(key)
+    ids.setflags(write=False)
+    with _HANDLE_IDS_LOCK:
+        _HANDLE_IDS[key] = ids
+        while len(_HANDLE_IDS) > 256:
+            _HANDLE_IDS.popitem(last=False)
+    return ids
+
+
+def check_ids(ids: np.ndarray, num_blocks: int, what: str) -> None:
+    """Non-empty, distinct, in [0, num_blocks); the messages of SocketTransport._check_ids."""
+    if not ids.size:
+        raise ValueError(f"{what} is empty")
+    bad = ids.min() < 0 or ids.max() >= num_blocks
+    if not bad and ids.size > 1 and not bool((np.diff(ids) == 1).all()):  # one run is distinct
+        ordered = np.sort(ids)
+        bad = not bool((ordered[1:] != ordered[:-1]).all())
+    if bad:
+        raise ValueError(f"{what} must be distinct ids in [0, {num_blocks}), got {ids[:16].tolist()}")
 
 
 def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -402,11 +437,11 @@ class GpuSocketTransport(SocketTransport):
         """Exporter: extra fields of the payload header (`chan.notes`/`request_of(chan)` say more)."""
         return {}
 
-    def fetch_fields(self, into: tuple[int, ...]) -> dict:
+    def fetch_fields(self, into: np.ndarray) -> dict:
         """Fetcher: extra fields of the fetch request."""
         return {}
 
-    def prefetch(self, peer: Any, handle: KVHandle, into: tuple[int, ...]) -> Any:
+    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
         """Fetcher: work that may start as soon as the request is out (before the exporter answers);
         -> what `pull` and `settle` get."""
         return None
@@ -422,7 +457,7 @@ class GpuSocketTransport(SocketTransport):
         raise NotImplementedError
 
     def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: tuple[int, ...],
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
         deadline: Deadline, early: Any,
     ) -> None:  # fmt: skip
         """Fetcher: move the blocks into kv[into], synchronized, within the deadline."""
@@ -430,12 +465,19 @@ class GpuSocketTransport(SocketTransport):
 
     def _check_ids(self, block_ids: Sequence[int], what: str) -> tuple[int, ...]:
         ids = as_ids(block_ids)  # vectorized: a request can have thousands of blocks
-        n = self.kv.shape[0]
-        if not ids.size:
-            raise ValueError(f"{what} is empty")
-        if ids.min() < 0 or ids.max() >= n or np.unique(ids).size != ids.size:
-            raise ValueError(f"{what} must be distinct ids in [0, {n}), got {ids[:16].tolist()}")
+        check_ids(ids, self.kv.shape[0], what)
         return tuple(ids.tolist())
+
+    def _check_into(self, handle: KVHandle, into_block_ids: Sequence[int]) -> np.ndarray:
+        """SocketTransport._check_fetch, on arrays."""
+        if handle.backend != self.backend:
+            diff = f"backend: ours {self.backend}, peer {handle.backend}"
+            raise PeerRefused("handle is for another backend", [diff])
+        into = as_ids(into_block_ids)
+        check_ids(into, self.kv.shape[0], "into_block_ids")
+        if into.size != handle.num_blocks:
+            raise ValueError(f"the handle has {handle.num_blocks} blocks, into_block_ids has {into.size}")
+        return into
 
     # -- exporter side -----------------------------------------------------------------------------
     def export(
@@ -490,7 +532,7 @@ class GpuSocketTransport(SocketTransport):
     def fetch(
         self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
     ) -> dict[str, torch.Tensor]:
-        into = self._check_fetch(handle, into_block_ids)
+        into = self._check_into(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         state = empty_state(self.layout)
         body = ByteStream(state_pieces(state, self.layout))
@@ -539,7 +581,7 @@ class GpuSocketTransport(SocketTransport):
             raise TransportError(f"exporter names {ids.size} blocks, the handle has {n}")
         return ids
 
-    def _verify_blocks(self, handle: KVHandle, meta: dict, into: tuple[int, ...], state: dict) -> None:
+    def _verify_blocks(self, handle: KVHandle, meta: dict, into: np.ndarray, state: dict) -> None:
         expected = handle.checksum or meta.get("checksum")
         if not expected:
             return
@@ -620,13 +662,13 @@ class CudaIpcTransport(GpuSocketTransport):
             self._peers.move_to_end(key)
         return _NoClose(peer)
 
-    def prefetch(self, peer: Any, handle: KVHandle, into: tuple[int, ...]) -> Any:
+    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
         """Start copying the handle's blocks before the exporter confirms the lease: if the lease is
         live when the exporter pins it, it was live all along (a lease never comes back), so the
         bytes read meanwhile are good; if not, the answer is an error and they are dropped. Saves a
         round trip of the control channel per fetch."""
         mapped: PeerKV = peer.value
-        ids = as_ids(handle.block_ids)
+        ids = handle_ids(handle)
         if ids.min() < 0 or ids.max() >= mapped.rows.shape[0]:
             return None  # let the exporter's answer say what is wrong
         return ids, self._copy(mapped, ids, into)
@@ -637,7 +679,7 @@ class CudaIpcTransport(GpuSocketTransport):
                 self.sync_stream_of_transfers()
 
     def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: tuple[int, ...],
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
         deadline: Deadline, early: Any,
     ) -> None:  # fmt: skip
         mapped: PeerKV = peer.value
@@ -653,7 +695,7 @@ class CudaIpcTransport(GpuSocketTransport):
             raise TransportError(f"cuda_ipc copy from {chan.address} failed: {exc}") from exc
         self.gpu_counts[f"{mapped.mode}_{early[1]}"] += 1
 
-    def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: tuple[int, ...]) -> str:
+    def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> str:
         try:
             with self.on_device():
                 return copy_blocks(mapped.rows, self.rows, src_ids, into)

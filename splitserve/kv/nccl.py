@@ -76,12 +76,19 @@ def nccl_version() -> str | None:
     return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
 
 
-def make_group(store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> Any:
+NCCL_CONFIG: dict[str, int] = {}  # ncclConfig_t fields for our groups (e.g. min_ctas), if any
+
+
+def make_group(
+    store: dist.Store, rank: int, device: torch.device, timeout_s: float, config: dict | None = None
+) -> Any:
     """A two-rank process group on `store`: NCCL for a GPU; Gloo for the CPU (the tests' stand-in)."""
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
+        for key, value in (NCCL_CONFIG if config is None else config).items():
+            setattr(options.config, key, value)
         return dist.ProcessGroupNCCL(store, rank, 2, options)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -331,18 +338,18 @@ class NcclTransport(GpuSocketTransport):
         self.stats.count("nccl_groups")
         return pair
 
-    def fetch_fields(self, into: tuple[int, ...]) -> dict:
+    def fetch_fields(self, into: np.ndarray) -> dict:
         return {"into_run": consecutive_start(into) is not None}
 
     def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: tuple[int, ...],
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
         deadline: Deadline, early: Any,
     ) -> None:  # fmt: skip
         pair: PairGroup = peer
         per = int(meta["chunk_blocks"])
         if per <= 0:
             raise TransportError(f"exporter announced chunks of {per} blocks")
-        ids = list(into)
+        ids = into
         staged = 0
         try:
             with self.on_device():

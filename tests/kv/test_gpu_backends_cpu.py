@@ -229,3 +229,21 @@ def test_copy_blocks_is_exact_every_way(src_ids, dst_ids, max_runs, how, dtype):
     assert got == how
     assert torch.equal(kv_rows(dst)[dst_ids], kv_rows(src)[src_ids])
     assert not kv_rows(dst)[[b for b in range(40) if b not in dst_ids]].any()
+
+
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nccl"])
+def test_fetch_checks_its_arguments(pair, backend):
+    exporter, fetcher, _ = pair(backend, states=())
+    handle = exporter.export("r", [1, 2, 3, 4], 64)
+    with pytest.raises(ValueError, match="4 blocks"):
+        fetcher.fetch(handle, [0, 1], timeout_s=5)
+    with pytest.raises(ValueError, match="distinct"):
+        fetcher.fetch(handle, [0, 1, 1, 2], timeout_s=5)
+    with pytest.raises(ValueError, match="distinct"):
+        fetcher.fetch(handle, [0, 1, 2, 48], timeout_s=5)
+    with pytest.raises(ValueError, match="distinct"):
+        exporter.export("r2", [5, 5], 32)
+    other = "nccl" if backend == "cuda_ipc" else "cuda_ipc"
+    with DOUBLES[other](torch.zeros_like(fetcher.kv), fetcher.layout, secret=SECRET) as wrong:
+        with pytest.raises(PeerRefused, match=f"backend: ours {other}, peer {backend}"):
+            wrong.fetch(handle, [0, 1, 2, 3])
