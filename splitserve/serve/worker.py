@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache budget (default: the engine's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-backend", default="tcp", help="tcp | shm (cuda_ipc, nccl, nixl: not yet)")
+    p.add_argument("--kv-backend", default="tcp",
+                   help="tcp | shm | cuda_ipc (GPU KV, one host) | nccl (GPU KV); nixl: not yet")  # fmt: skip
     p.add_argument("--kv-fallback", default="",
                    help="comma-separated backends allowed if --kv-backend cannot run (logged)")  # fmt: skip
     p.add_argument("--kv-secret-env", default="SPLITSERVE_KV_SECRET",
