@@ -207,3 +207,58 @@ def test_cuda_ipc_in_one_process_reads_the_tensor_directly():
     finally:
         fet.close()
         exp.close()
+
+
+# -- through the engine: prefill on cuda:0, decode on cuda:1, one process -------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_disaggregated_on_two_gpus_equals_colocated(backend):
+    """KVConnector over cuda_ipc (one process: the exporter's tensor directly) or nccl (two ranks
+    in one process), fp32 tiny Qwen3 with random weights: decode continues token for token."""
+    from splitserve import SamplingParams
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.disagg import KVConnector
+    from splitserve.engine.engine import LLMEngine
+    from splitserve.model.random_weights import random_model, random_model_config
+
+    cfg = random_model_config("tiny-random")
+    models = [random_model(cfg, f"cuda:{i}", torch.float32, 256) for i in (0, 1)]
+    models[1].model.load_state_dict(models[0].model.state_dict())
+    engines, conns = [], []
+    for i, loaded in enumerate(models):
+        config = EngineConfig(model="tiny-random", device=f"cuda:{i}", dtype="float32", max_model_len=256,
+                              kv_cache_bytes=8 << 20, max_num_seqs=4, progress=False)  # fmt: skip
+        engines.append(LLMEngine(config, tokenizer=None, loaded=loaded))
+        options = TransportOptions(lease_s=30, fetch_timeout_s=30)
+        conns.append(KVConnector.open(engines[-1], backend, secret=SECRET, options=options))
+    p, d = engines
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (7, 40, 70)]
+    try:
+        for i, prompt in enumerate(prompts):
+            p.add_request(prompt, params, request_id=f"r{i}", kv_transfer="export")
+        outs = _run(p)
+        for i, prompt in enumerate(prompts):
+            out = outs[f"r{i}"]
+            ex = out.kv_transfer
+            d.add_request_with_kv(ex.handle, prompt, out.outputs[0].token_ids[0], params, f"d{i}",
+                                  generator_state=ex.generator_state)  # fmt: skip
+        split = _run(d)
+        for i, prompt in enumerate(prompts):
+            d.add_request(prompt, params, request_id=f"c{i}")
+        colocated = _run(d)
+        for i in range(len(prompts)):
+            assert split[f"d{i}"].outputs[0].token_ids == colocated[f"c{i}"].outputs[0].token_ids
+        assert conns[1].transport.describe()["counts"]["fetches"] == len(prompts)
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def _run(engine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
