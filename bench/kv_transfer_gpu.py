@@ -98,6 +98,12 @@ def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str) -> Non
         elif cmd == "nccl_raw":
             port, prefix, sizes, reps = args
             conn.send(nccl_raw_side(0, port, prefix, sizes, reps, kvs["ladder"].view(-1).view(torch.uint8)))
+        elif cmd == "phases":  # the exporter's serve phases since the last call, per backend
+            out = {}
+            for b in BACKENDS:
+                out[b] = transports[args[0], b].describe().get("serve_phases_ms")
+                transports[args[0], b].serve_phases.clear()
+            conn.send(out)
         elif cmd == "describe":
             conn.send({f"{n}/{b}": t.describe() for (n, b), t in transports.items()})
         elif cmd == "stop":
@@ -256,8 +262,13 @@ def measure(
     if pattern == "scattered" and n > cuda_ipc.COPY_RUNS_MAX:
         runs["cuda_ipc/runs"] = lambda: fetch_per_run(fetchers.t[name, "cuda_ipc"], handles["cuda_ipc"], into)
     runs["raw_copy"] = lambda: fetchers.raw_copy(n * block)
+    for b in BACKENDS:
+        fetchers.t[name, b].phases.clear()
+    exporter.call("phases", name)
     try:
         times = alternate(runs, reps)
+        phases = {b: fetchers.t[name, b].describe().get("fetch_phases_ms") for b in BACKENDS}
+        phases["exporter"] = exporter.call("phases", name)
         check = None
         if n * block >= BULK_BYTES or n == 1:  # the bytes that arrived are the exporter's
             want = exporter.call("digest", name, ids)
@@ -268,7 +279,14 @@ def measure(
     finally:
         for b, h in handles.items():
             exporter.call("release", name, b, h.to_dict())
-    row = {"bytes": n * block, "blocks": n, "pattern": pattern, "reps": reps, "check": check}
+    row = {
+        "bytes": n * block,
+        "blocks": n,
+        "pattern": pattern,
+        "reps": reps,
+        "check": check,
+        "phases": phases,
+    }
     for k, ts in times.items():
         row[k] = {"gbps": n * block / statistics.median(ts) / 1e9, "ms": 1e3 * statistics.median(ts)}
     return row
@@ -420,6 +438,7 @@ def report(result: dict) -> str:
         for c in (*BACKENDS, "raw_copy"):
             share = f", {r[c]['ms'] / 1e3 / prefill['seconds']:.2%} of prefill" if have_prefill else ""
             lines.append(f"  {r['pattern']:>10} {c:>9}: {r[c]['ms']:.2f} ms ({r[c]['gbps']:.1f} GB/s){share}")
+        lines.append(f"  {'':>10} phases (ms, median): {r['phases']}")
     if have_prefill:
         worst = max(r[b]["ms"] for r in q["rows"] for b in BACKENDS) / 1e3 / prefill["seconds"]
         verdict = "PASS" if worst <= GOAL_PREFILL else "FAIL"

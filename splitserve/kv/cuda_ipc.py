@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -174,7 +174,8 @@ def consecutive_start(ids: Sequence[int] | np.ndarray) -> int | None:
 
 
 def index_tensor(ids: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(as_ids(ids)).to(device, non_blocking=True)
+    a = as_ids(ids)
+    return torch.from_numpy(a if a.flags.writeable else a.copy()).to(device, non_blocking=True)
 
 
 _WIDE = (torch.complex128, torch.int64, torch.int32)  # bit-exact copies, wider loads per element
@@ -396,6 +397,8 @@ class GpuSocketTransport(SocketTransport):
         self.rows = kv_rows(kv)
         self.gpu = gpu_uuid(kv.device)
         self.gpu_counts: Counter[str] = Counter()
+        self.phases: deque[tuple[float, float, float]] = deque(maxlen=64)  # fetcher: see describe()
+        self.serve_phases: deque[tuple[float, float, float]] = deque(maxlen=64)  # exporter: likewise
         self._stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
 
     # -- device helpers ----------------------------------------------------------------------------
@@ -517,12 +520,16 @@ class GpuSocketTransport(SocketTransport):
         if fault is Fault.CORRUPT:
             ids = ids[1:] + ids[:1]  # the wrong blocks in each place: the checksum must notice
         state = ByteStream(state_pieces(export.state, self.layout))
+        start = time.perf_counter()
         fields = self.payload_fields(chan, ids)
         header = {"op": self.payload_op, **meta, "block_ids": ids_to_wire(ids), **fields}
         await chan.send(header, deadline, state.nbytes)
         await chan.send_stream(state, deadline)
+        answered = time.perf_counter()
         await self.push(chan, ids, deadline)
+        pushed = time.perf_counter()
         expect(await chan.recv(deadline), "done")
+        self.serve_phases.append((answered - start, pushed - answered, time.perf_counter() - pushed))
         return len(ids) * self.layout.block_nbytes + state.nbytes
 
     # -- fetcher side ------------------------------------------------------------------------------
@@ -546,10 +553,12 @@ class GpuSocketTransport(SocketTransport):
                     attached = chan.attached[self.backend] = self.attach(chan, handle, deadline)
                 request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
                 request.update(self.fetch_fields(into), timeout_s=deadline.remaining("fetch"))
+                sent = time.perf_counter()
                 chan.send(request, deadline)
                 early = self.prefetch(attached, handle, into)
                 try:
                     header, body_nbytes = chan.recv(deadline)
+                    answered = time.perf_counter()
                     meta = expect(header, self.payload_op)
                     src_ids = self._peer_ids(meta, len(into))
                     if body_nbytes != body.nbytes:
@@ -558,6 +567,7 @@ class GpuSocketTransport(SocketTransport):
                         )
                     chan.recv_stream(body, deadline)
                     self.pull(chan, attached, meta, src_ids, into, deadline, early)
+                    pulled = time.perf_counter()
                 except BaseException:
                     self.settle(early)
                     raise
@@ -572,7 +582,9 @@ class GpuSocketTransport(SocketTransport):
             self.stats.error(malformed)
             raise malformed from exc
         nbytes = len(into) * self.layout.block_nbytes + body.nbytes
-        self.stats.fetched(nbytes, time.perf_counter() - start, handle.address)
+        end = time.perf_counter()
+        self.phases.append((sent - start, answered - sent, pulled - answered))
+        self.stats.fetched(nbytes, end - start, handle.address)
         return state
 
     def _peer_ids(self, meta: dict, n: int) -> np.ndarray:
@@ -597,7 +609,19 @@ class GpuSocketTransport(SocketTransport):
         out["device"] = str(self.kv.device)
         out["gpu"] = self.gpu
         out["copies"] = dict(self.gpu_counts)
+        # medians of recent transfers, ms. Fetcher: setup (checks, connection), request -> answer,
+        # pull (the rest of the copy / the receive). Exporter: answer (header and state out), push
+        # (nccl: until its sends completed), then until the fetcher's "done".
+        out["fetch_phases_ms"] = _medians(self.phases, ("setup", "answer", "pull"))
+        out["serve_phases_ms"] = _medians(self.serve_phases, ("answer", "push", "until_done"))
         return out
+
+
+def _medians(samples: deque, names: tuple[str, ...]) -> dict[str, float] | None:
+    if not samples:
+        return None
+    cols = zip(*samples, strict=True)
+    return {n: round(1e3 * float(np.median(c)), 3) for n, c in zip(names, cols, strict=True)}
 
 
 # -- the cuda_ipc backend --------------------------------------------------------------------------
