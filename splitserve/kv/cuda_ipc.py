@@ -125,7 +125,11 @@ _HANDLE_IDS_LOCK = threading.Lock()
 
 def handle_ids(handle: KVHandle) -> np.ndarray:
     """`handle.block_ids` as an array (cached: a handle is fetched again on retries and in benches)."""
-    key = handle.block_ids
+    return cached_ids(handle.block_ids)
+
+
+def cached_ids(key: tuple[int, ...]) -> np.ndarray:
+    """A tuple of block ids (a handle's, a lease's) as a read-only array, converted once."""
     with _HANDLE_IDS_LOCK:
         ids = _HANDLE_IDS.get(key)
         if ids is not None:
@@ -175,7 +179,10 @@ def consecutive_start(ids: Sequence[int] | np.ndarray) -> int | None:
 
 def index_tensor(ids: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
     a = as_ids(ids)
-    return torch.from_numpy(a if a.flags.writeable else a.copy()).to(device, non_blocking=True)
+    t = torch.from_numpy(a if a.flags.writeable else a.copy())
+    if device.type == "cuda":  # pinned: a truly asynchronous copy (pageable would sync the stream)
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 _WIDE = (torch.complex128, torch.int64, torch.int32)  # bit-exact copies, wider loads per element
@@ -436,7 +443,7 @@ class GpuSocketTransport(SocketTransport):
         """Exporter: answer the backend's open request; add `open_op` to chan.notes when done."""
         raise NotImplementedError
 
-    def payload_fields(self, chan: AsyncChannel, block_ids: list[int]) -> dict:
+    def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
         """Exporter: extra fields of the payload header (`chan.notes`/`request_of(chan)` say more)."""
         return {}
 
@@ -452,7 +459,15 @@ class GpuSocketTransport(SocketTransport):
     def settle(self, early: Any) -> None:
         """Fetcher: a fetch failed after `prefetch`: make sure nothing still writes our blocks."""
 
-    async def push(self, chan: AsyncChannel, block_ids: list[int], deadline: Deadline) -> None:
+    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray) -> Any:
+        """Exporter, on the server loop: queue what can start before the answer goes out; -> what
+        `push` (or, if the answer cannot be sent, `cancel_push`) gets."""
+        return None
+
+    def cancel_push(self, chan: AsyncChannel, early: Any) -> None:
+        """Exporter: the answer did not go out after `start_push`."""
+
+    async def push(self, chan: AsyncChannel, block_ids: np.ndarray, deadline: Deadline, early: Any) -> None:
         """Exporter: after the header and state went out, send the blocks (if the backend sends)."""
 
     def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
@@ -516,17 +531,22 @@ class GpuSocketTransport(SocketTransport):
             raise exc
         if fault is Fault.KILL:
             return 0  # hang up instead of answering: the fetcher must fail, not hang
-        ids = list(block_ids)
-        if fault is Fault.CORRUPT:
-            ids = ids[1:] + ids[:1]  # the wrong blocks in each place: the checksum must notice
-        state = ByteStream(state_pieces(export.state, self.layout))
         start = time.perf_counter()
-        fields = self.payload_fields(chan, ids)
-        header = {"op": self.payload_op, **meta, "block_ids": ids_to_wire(ids), **fields}
-        await chan.send(header, deadline, state.nbytes)
-        await chan.send_stream(state, deadline)
+        ids = cached_ids(block_ids)
+        if fault is Fault.CORRUPT:
+            ids = np.roll(ids, -1)  # the wrong blocks in each place: the checksum must notice
+        state = ByteStream(state_pieces(export.state, self.layout))
+        early = self.start_push(chan, ids)
+        try:
+            fields = self.payload_fields(chan, ids)
+            header = {"op": self.payload_op, **meta, "block_ids": ids_to_wire(ids), **fields}
+            await chan.send(header, deadline, state.nbytes)
+            await chan.send_stream(state, deadline)
+        except BaseException:
+            self.cancel_push(chan, early)
+            raise
         answered = time.perf_counter()
-        await self.push(chan, ids, deadline)
+        await self.push(chan, ids, deadline, early)
         pushed = time.perf_counter()
         expect(await chan.recv(deadline), "done")
         self.serve_phases.append((answered - start, pushed - answered, time.perf_counter() - pushed))

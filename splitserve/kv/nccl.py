@@ -17,9 +17,10 @@ Life of a connection and of one fetch:
      {"op": "kv_nccl", block_ids, blocks, checksum, chunk_blocks} + the state tensors as the frame
      body, then sends the blocks in chunks of `chunk_blocks` (the last may be shorter): all blocks
      in one message when they are one run on both sides (`into_run`: the fetcher's are), else about
-     CHUNK_BYTES each. The sends are enqueued on the server's loop thread (a worker thread waits for
-     them). A chunk whose ids are consecutive is sent straight from the cache; any other is gathered
-     into one of two staging buffers first (double-buffered: gathering chunk k+1 overlaps sending k).
+     CHUNK_BYTES each. The sends are queued on the server's loop thread before the answer goes out
+     (`start_push`; a worker thread then waits for them). A chunk whose ids are consecutive is sent
+     straight from the cache; any other is gathered into one of two staging buffers first
+     (double-buffered: gathering chunk k+1 overlaps sending chunk k).
   3. fetcher: receives each chunk straight into kv[into] when its ids there are consecutive, else into
      a staging buffer and scatters it; waits for all of it within its deadline -> {"op": "done"}.
   4. exporter: drops its pin once its sends completed and "done" came (or at the deadline).
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 64 << 20  # blocks go in chunks of about this much (at least one block)
 WARMUP_BYTE = 0x5A
 POLL_PEER_S = 0.01  # how often a waiting side checks that the control connection is still up
+SPIN_S = 0.002  # a waiting side yields without sleeping this long, then sleeps in short naps
 
 
 def nccl_version() -> str | None:
@@ -136,7 +138,7 @@ def wait_done(
         work.wait()  # our stream waits for NCCL's (no CPU wait)
     done = torch.cuda.Event()
     done.record()
-    spins, checked = 0, time.monotonic()
+    start = checked = time.monotonic()
     while not done.query():
         now = time.monotonic()
         if now >= deadline.at:
@@ -147,8 +149,7 @@ def wait_done(
             if peer_gone():
                 pair.abort()
                 raise TransportError(f"{what}: the peer closed the connection")
-        spins += 1
-        time.sleep(0 if spins < 200 else 50e-6)
+        time.sleep(0 if now - start < SPIN_S else 20e-6)
 
 
 def _sock_gone(sock: socket.socket) -> bool:
@@ -222,41 +223,56 @@ class NcclTransport(GpuSocketTransport):
                 pair.abort()
                 raise TransportError(f"nccl warm-up send failed: {exc}") from exc
 
-    def chunk_for(self, chan: AsyncChannel, ids: list[int]) -> int:
+    def chunk_for(self, chan: AsyncChannel, ids: np.ndarray) -> int:
         """Blocks per message: all of them when they are one run on both sides (no staging anywhere),
         else `chunk_blocks` (staging buffers of about CHUNK_BYTES)."""
         request = chan.attached.get("fetch_request")
         into_run = bool(request.value.get("into_run")) if request is not None else False
         return len(ids) if into_run and consecutive_start(ids) is not None else self.chunk_blocks
 
-    def payload_fields(self, chan: AsyncChannel, block_ids: list[int]) -> dict:
+    def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
         return {"chunk_blocks": self.chunk_for(chan, block_ids)}
 
-    async def push(self, chan: AsyncChannel, block_ids: list[int], deadline: Deadline) -> None:
+    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray) -> Any:
+        """Fast path (GPU, no other transfer of ours in flight): queue the gathers and sends on the
+        loop thread before the answer goes out, so that they are waiting when the fetcher posts its
+        receives; the send lock stays held until `push` or `cancel_push`. Else None: `push` does it
+        all on a worker thread."""
+        if not self.on_cuda or not self._send_lock.acquire(blocking=False):
+            return None
+        try:
+            return self._enqueue_sends(chan.attached["nccl"], block_ids, self.chunk_for(chan, block_ids))
+        except BaseException:
+            self._send_lock.release()
+            raise
+
+    def cancel_push(self, chan: AsyncChannel, early: Any) -> None:
+        if early is not None:
+            chan.attached["nccl"].abort()  # sends queued that nobody will receive
+            self._send_lock.release()
+
+    async def push(self, chan: AsyncChannel, block_ids: np.ndarray, deadline: Deadline, early: Any) -> None:
         pair: PairGroup = chan.attached["nccl"]
-        per = self.chunk_for(chan, block_ids)
 
         def gone() -> bool:
             return _sock_gone(chan.sock)
 
-        if self.on_cuda and self._send_lock.acquire(blocking=False):
-            # fast path: the sends are only enqueued here, on the loop thread (no thread hand-off
-            # before the first byte moves); a worker thread waits for them
+        if early is not None:
             try:
-                works = self._enqueue_sends(pair, block_ids, per)
-                await asyncio.to_thread(self._finish_sends, pair, works, deadline, gone)
+                await asyncio.to_thread(self._finish_sends, pair, early, deadline, gone)
             finally:
                 self._send_lock.release()
             return
+        per = self.chunk_for(chan, block_ids)
         await asyncio.to_thread(self._send_blocks, pair, block_ids, per, deadline, gone)
 
     def _send_blocks(
-        self, pair: PairGroup, ids: list[int], per: int, deadline: Deadline, gone: Callable[[], bool]
+        self, pair: PairGroup, ids: np.ndarray, per: int, deadline: Deadline, gone: Callable[[], bool]
     ) -> None:
         with self._send_lock:
             self._finish_sends(pair, self._enqueue_sends(pair, ids, per), deadline, gone)
 
-    def _enqueue_sends(self, pair: PairGroup, ids: list[int], per: int) -> list[Any]:
+    def _enqueue_sends(self, pair: PairGroup, ids: np.ndarray, per: int) -> list[Any]:
         """Queue the gathers and sends of every chunk; -> the works not waited for yet."""
         with self.on_device(after_current=False):
             try:
