@@ -54,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--print-manifest", action="store_true", help="print the resolved manifest and exit")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar while workers load")
+    from splitserve.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+    verify = sub.add_parser("verify", help="the deployment gate: exit 0 only when every check passes")
+    verify.add_argument(
+        "manifest", nargs="?", default=None, help="start this manifest's deployment and check it"
+    )
+    verify.add_argument("--url", default=None, help="check a running deployment instead (its router URL)")
+    verify.add_argument("--api-key", default=None, help="the router's API key (default: the manifest's)")
+    verify.add_argument("--json", default=None, help="also write the report as JSON here")
     return parser
 
 
@@ -85,6 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _models(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench":
+            from splitserve.bench.cli import run as run_bench
+
+            return run_bench(args)
+        if args.command == "verify":
+            return _verify(args)
         return _run(args)
     except (ValueError, OSError, ModelLoadError, RuntimeError) as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
@@ -107,6 +123,28 @@ def _serve(args: argparse.Namespace) -> int:
         print(dump_manifest(manifest), end="")
         return 0
     return asyncio.run(run_manifest(manifest, progress=not args.no_progress))
+
+
+def _verify(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    from pathlib import Path
+
+    from splitserve.config import load_manifest
+    from splitserve.gate.verify import verify_manifest, verify_url
+
+    if args.url:
+        key = args.api_key
+        if key is None and args.manifest:
+            keys = load_manifest(args.manifest).server.keys()
+            key = keys[0] if keys else None
+        report = asyncio.run(verify_url(args.url.rstrip("/").removesuffix("/v1"), key))
+    else:
+        report = verify_manifest(load_manifest(args.manifest))
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=1))
+    return 0 if report.ok else 1
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
                 max_queued_requests, queue_timeout_s}
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
+    verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)
     slos, prices: read by `splitserve bench` (goodput and cost per accepted response)
 
 Every section has defaults: an empty manifest (or none at all) serves the embedded default model,
@@ -152,6 +153,19 @@ class SLOSection(_Section):
     e2e_ms: PositiveFloat | None = None
 
 
+class VerifySection(_Section):
+    """Thresholds of the deployment gate (`splitserve verify`) and of the run-time KV probe."""
+
+    min_gbps: PositiveFloat = 0.2  # the KV probe's bandwidth floor on every prefill/decode pair
+    max_transfer_share: float = Field(default=0.5, gt=0, le=1)  # KV transfer / TTFT of the round trip
+    probe_mb: PositiveFloat = 32.0  # payload of the gate's bandwidth probe
+    probe_interval_s: float = Field(default=30.0, ge=0)  # run time: one small probe per pair; 0 = off
+    runtime_probe_mb: PositiveFloat = 4.0
+    max_transfer_failures: int = Field(default=0, ge=0)  # KV transfer failures the gate tolerates
+    prompt: str = "What is the capital of France?"  # the round trip's known prompt (greedy)
+    max_tokens: int = Field(default=16, ge=1)
+
+
 class PricesSection(_Section):
     """USD per device-hour, by device kind; `splitserve bench` turns it into cost per response."""
 
@@ -170,6 +184,7 @@ class Manifest(_Section):
     router: RouterSection = Field(default_factory=RouterSection)
     server: ServerSection = Field(default_factory=ServerSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    verify: VerifySection = Field(default_factory=VerifySection)
     slos: SLOSection = Field(default_factory=SLOSection)
     prices: PricesSection = Field(default_factory=PricesSection)
 

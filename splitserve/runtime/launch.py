@@ -23,6 +23,7 @@ import uvicorn
 from splitserve.config.manifest import Manifest
 from splitserve.runtime.local import LocalRuntime
 from splitserve.serve.api import ModelInfo, OpenAIServer, build_api
+from splitserve.serve.probe import KVProber
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,13 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         loop.add_signal_handler(sig, on_signal)
 
     sock, url = _bind(manifest.server.host, manifest.server.port)  # bind first: a busy port fails fast
-    runtime = LocalRuntime(manifest)
+    api: OpenAIServer | None = None
+
+    def on_event(kind: str, worker: object) -> None:
+        if api is not None:
+            api.on_worker_event(kind, worker)
+
+    runtime = LocalRuntime(manifest, on_event)
     try:
         starting = asyncio.create_task(runtime.start(progress=progress))
         stopper = asyncio.create_task(stop.wait())
@@ -95,11 +102,14 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         api = OpenAIServer(
             manifest, runtime, tokenizer, info, runtime.describe, lambda: _worker_stats(runtime)
         )
+        prober = KVProber(manifest, runtime.ready, api.on_probe)
 
         @contextlib.asynccontextmanager
         async def lifespan(_app: object) -> AsyncIterator[None]:
+            prober.start()
             yield
             api.admission.closed = True
+            await prober.stop()
             await api.dispatcher.close()
 
         config = uvicorn.Config(build_api(api, lifespan), log_level="warning", lifespan="on",

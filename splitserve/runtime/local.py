@@ -83,6 +83,8 @@ class WorkerProcess:
             "last_exit": self.last_exit,
             "inflight": self.inflight,
             "kv_backend": self.info.get("kv_backend"),
+            "kv_address": self.kv_address,
+            "info": dict(self.info),
         }
 
 

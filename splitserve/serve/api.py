@@ -122,6 +122,8 @@ class OpenAIServer:
         describe_workers: Callable[[], list[dict]] = list,
         worker_stats: Callable[[], Awaitable[list[dict]]] | None = None,
     ) -> None:
+        """`describe_workers()`: every worker's name, role, state, url, kv address, restarts and its
+        last /health; `worker_stats()`: each ready worker's /stats (for /metrics)."""
         self.manifest = manifest
         self.workers = workers
         self.tokenizer = tokenizer
@@ -135,6 +137,7 @@ class OpenAIServer:
             srv.max_concurrent_requests, srv.max_queued_requests, manifest.router.timeouts.queue_s
         )
         self.metrics = RouterMetrics(info.served_name)
+        self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     def _token_text(self, token_id: int) -> str:
@@ -323,6 +326,9 @@ class OpenAIServer:
             return JSONResponse(body, headers=run.headers())
         except APIError as exc:
             self.metrics.errors.labels(name, str(exc.status)).inc()
+            if exc.code in ("kv_transfer_failed", "kv_transfer_timeout", "kv_transport"):
+                # NOTE: labelled with the manifest's backend: the error does not say which one failed
+                self.metrics.kv_failures.labels(name, self.manifest.transport.backend, exc.code).inc()
             raise
         finally:
             if not handed_over:
@@ -344,15 +350,55 @@ class OpenAIServer:
         }
 
     def health(self) -> tuple[int, dict]:
+        """Public: whether every pool has a ready worker, and each worker's state (no addresses)."""
         pools = {role: len(self.workers.ready(role)) for role in self.manifest.pools()}
         ok = all(n > 0 for n in pools.values()) and not self.admission.closed
+        public = ("name", "role", "state", "restarts", "startup_s", "kv_backend")
+        workers = [{k: w.get(k) for k in public} for w in self.describe_workers()]
         body = {
             "status": "ok" if ok else "degraded",
             "mode": self.manifest.mode,
             "ready": pools,
-            "workers": self.describe_workers(),
+            "workers": workers,
         }
         return (200 if ok else 503), body
+
+    def deployment(self) -> dict:
+        """Behind the API key: what `splitserve verify` needs (worker addresses, asked-for backends,
+        thresholds)."""
+        t = self.manifest.transport
+        return {
+            "mode": self.manifest.mode,
+            "model": self.info.served_name,
+            "transport": {
+                "backend": t.backend,
+                "required_backends": t.required(),
+                "fallback": list(t.fallback),
+            },
+            "verify": self.manifest.verify.model_dump(),
+            "workers": self.describe_workers(),
+        }
+
+    # ---- run-time signals -----------------------------------------------------------------------
+
+    def on_probe(self, prefill: str, decode: str, result: dict | None, error: str | None) -> None:
+        m, name = self.metrics, self.info.served_name
+        if result is None:
+            m.kv_probe_failures.labels(name, prefill, decode).inc()
+            m.kv_bandwidth_low.labels(name, prefill, decode).set(1)
+            return
+        m.kv_probe_gbps.labels(name, prefill, decode, result["backend"]).set(result["gbps"])
+        low = result["gbps"] < self.manifest.verify.min_gbps
+        m.kv_bandwidth_low.labels(name, prefill, decode).set(1 if low else 0)
+        if low:
+            log.warning(
+                "kv probe %s -> %s: %.3f GB/s over %s, below verify.min_gbps %.3f",
+                prefill, decode, result["gbps"], result["backend"], self.manifest.verify.min_gbps,
+            )  # fmt: skip
+
+    def on_worker_event(self, kind: str, worker: Any) -> None:
+        if kind == "died":
+            self.metrics.worker_restarts.labels(self.info.served_name, worker.name, worker.role).inc()
 
     async def render_metrics(self) -> bytes:
         m, name = self.metrics, self.info.served_name
@@ -370,6 +416,8 @@ class OpenAIServer:
                         m.kv_usage.labels(*lab).set(1 - blocks["free"] / blocks["total"])
                 kv = s.get("kv_transfer") or {}
                 if kv.get("backend"):
+                    ok = kv["backend"] in self.manifest.transport.required()
+                    m.kv_backend_ok.labels(*lab).set(1 if ok else 0)
                     tr = kv.get("transport", {})
                     m.kv_backend.labels(*lab, kv["backend"], tr.get("requested") or kv["backend"]).set(1)
                     m.kv_fallbacks.labels(*lab).set((tr.get("counts") or {}).get("fallbacks", 0))
@@ -742,6 +790,11 @@ def build_api(server: OpenAIServer, lifespan: Any = None) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         return await server.completions(request)
+
+    @app.get("/admin/deployment")
+    async def deployment(request: Request) -> dict:
+        server.check_auth(request)
+        return server.deployment()
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -173,6 +173,39 @@ class RouterMetrics:
             [*L, "worker", "role"],
             registry=r,
         )
+        self.kv_failures = Counter(
+            "splitserve:kv_transfer_failures",
+            "KV transfers that failed, by kind",
+            [*L, "backend", "kind"],
+            registry=r,
+        )
+        self.kv_backend_ok = Gauge(
+            "splitserve:kv_backend_ok",
+            "1 when the backend a worker runs is one the manifest requires",
+            [*L, "worker", "role"],
+            registry=r,
+        )
+        self.kv_probe_gbps = Gauge(
+            "splitserve:kv_probe_gbps",
+            "Last run-time KV probe bandwidth of a pair",
+            [*L, "prefill", "decode", "backend"],
+            registry=r,
+        )
+        self.kv_probe_failures = Counter(
+            "splitserve:kv_probe_failures",
+            "Run-time KV probes that failed",
+            [*L, "prefill", "decode"],
+            registry=r,
+        )
+        self.kv_bandwidth_low = Gauge(
+            "splitserve:kv_bandwidth_low",
+            "1 when a pair's last probe was below verify.min_gbps",
+            [*L, "prefill", "decode"],
+            registry=r,
+        )
+        self.kv_min_gbps = Gauge(
+            "splitserve:kv_min_gbps", "The manifest's KV bandwidth floor (verify.min_gbps)", L, registry=r
+        )
         self.router_running = Gauge(
             "splitserve:router_requests_running", "Requests in flight in the router", L, registry=r
         )

@@ -54,9 +54,15 @@ class _Body(BaseModel):
 
 
 class PrefillRequest(_Body):
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
+    prompt: str | None = None  # tokenized by the worker (the answer carries the ids)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     request_id: str | None = None
+
+    def prompt_input(self) -> str | list[int]:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        return self.prompt if self.prompt is not None else list(self.prompt_token_ids or [])
 
 
 class PrefillResponse(_Body):
@@ -68,6 +74,7 @@ class PrefillResponse(_Body):
     kv: dict[str, Any] | None  # KVExport.to_dict(): what /decode needs besides the prompt
     seconds: float
     logprob: dict[str, Any] | None = None  # the first token's (logprob_to_dict), when asked for
+    prompt_token_ids: list[int] = Field(default_factory=list)
     metrics: dict[str, float] = Field(default_factory=dict)  # queue_s, prefill_s (request_timings)
 
 
@@ -109,6 +116,15 @@ class ReleaseRequest(_Body):
 class PeerRequest(_Body):
     address: str  # a prefill worker's kv_address (from its /health)
     timeout_s: float = Field(default=5.0, gt=0)
+
+
+class ProbeExportRequest(_Body):
+    num_blocks: int = Field(default=64, ge=1)
+
+
+class ProbeRequest(_Body):
+    kv: dict[str, Any]  # as /kv/probe/export returned it
+    timeout_s: float = Field(default=30.0, gt=0)
 
 
 class FaultsRequest(_Body):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from splitserve.engine.async_engine import AsyncLLM
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.disagg import ImportSpec, KVConnector, KVExport
+from splitserve.engine.disagg import ImportSpec, KVConnector, KVExport, NoRoom
 from splitserve.engine.disagg_async import AsyncKVImporter
 from splitserve.engine.engine import LLMEngine
 from splitserve.kv import TransportError, TransportOptions
@@ -89,6 +89,7 @@ class WorkerConfig:
     kv_policy: str = "fail"
     kv_checksum: str | None = None
     fault_injection: bool = False
+    kv_throttle_gbps: float | None = None  # test hook: hold every fetch to this bandwidth
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -148,6 +149,13 @@ class Worker:
             )  # fmt: skip
             if config.role == "prefill":
                 self.kv_address = self.connector.transport.listen()  # type: ignore[union-attr]
+            if config.kv_throttle_gbps:
+                from splitserve.kv.throttle import ThrottledTransport
+
+                log.warning("kv fetches throttled to %.3f GB/s (a test hook)", config.kv_throttle_gbps)
+                self.connector.transport = ThrottledTransport(
+                    self.connector.transport, config.kv_throttle_gbps
+                )
         self.llm = AsyncLLM(engine)
         self.importer = AsyncKVImporter(self.llm, self.connector) if config.role == "decode" else None
         self._ids = itertools.count()
@@ -169,7 +177,7 @@ class Worker:
         params = sampling_params(req.sampling_params)
         rid = req.request_id or self._new_id("pf")
         start, last = time.perf_counter(), None
-        async for out in self.llm.generate(req.prompt_token_ids, params, rid, kv_transfer="export"):
+        async for out in self.llm.generate(req.prompt_input(), params, rid, kv_transfer="export"):
             last = out
         assert last is not None and last.finished
         comp = last.outputs[0]
@@ -184,6 +192,7 @@ class Worker:
             kv=export.to_dict() if isinstance(export, KVExport) else None,
             seconds=time.perf_counter() - start,
             logprob=logprob_to_dict(comp.logprobs[0]) if comp.logprobs else None,
+            prompt_token_ids=list(last.prompt_token_ids),
             metrics=request_timings(last),
         )
 
@@ -229,6 +238,8 @@ class Worker:
             "layout_fingerprint": desc.get("layout_fingerprint"),
             "kv_requested": desc.get("requested"),
             "max_model_len": self.engine.max_model_len,
+            "block_bytes": self.engine.kv[0].numel() * self.engine.kv.element_size(),
+            "num_blocks": self.engine.pool.num_blocks,
             "vocab_size": self.engine.model_config.vocab_size,
             "device": str(self.engine.device),
             "dtype": str(self.engine.dtype).removeprefix("torch."),
@@ -268,6 +279,62 @@ class Worker:
         self.connector.transport.release(handle)
         self.llm.call_soon_in_engine(self.engine.free_released_kv)
         return {"ok": True}
+
+    # ---- KV probe (the gate and the run-time check): real blocks over the real transport ----------
+
+    async def probe_export(self, num_blocks: int) -> dict:
+        """Prefill side: lease `num_blocks` free blocks (their bytes as they are) as a probe export."""
+        self._need("prefill")
+        conn = self.connector
+        assert conn is not None and conn.transport is not None
+        engine = self.engine
+
+        def export() -> dict:
+            engine.free_released_kv()
+            if engine.pool.num_free < num_blocks:
+                raise NoRoom(f"only {engine.pool.num_free} free blocks for a {num_blocks}-block probe")
+            ids = engine.pool.allocate(num_blocks)
+            state = {name: t[0].clone() for name, t in engine.states.states.items()} or None
+            try:
+                handle = conn.transport.export(
+                    self._new_id("probe"), ids, num_blocks * engine.block_size, state
+                )
+            except Exception:
+                engine.pool.free(ids)
+                raise
+            return KVExport(handle).to_dict()
+
+        return {"kv": await self.llm.run_in_engine(export)}
+
+    async def probe(self, kv: dict, timeout_s: float) -> dict:
+        """Decode side: fetch a probe export into free blocks, time it, give everything back."""
+        self._need("decode")
+        conn = self.connector
+        assert conn is not None and conn.transport is not None
+        engine, handle = self.engine, KVExport.from_dict(kv).handle
+
+        def reserve() -> list[int]:
+            if engine.pool.num_free < handle.num_blocks:
+                raise NoRoom(f"only {engine.pool.num_free} free blocks for a {handle.num_blocks}-block probe")
+            return engine.pool.allocate(handle.num_blocks)
+
+        ids = await self.llm.run_in_engine(reserve)
+        start = time.perf_counter()
+        try:
+            await asyncio.to_thread(conn.transport.fetch, handle, ids, timeout_s)
+            seconds = time.perf_counter() - start
+        finally:
+            self.llm.call_soon_in_engine(lambda: engine.pool.free(ids))
+            await asyncio.to_thread(conn.transport.release, handle)
+        nbytes = handle.num_blocks * engine.kv[0].numel() * engine.kv.element_size()
+        return {
+            "bytes": nbytes,
+            "seconds": seconds,
+            "gbps": nbytes / seconds / 1e9,
+            "blocks": handle.num_blocks,
+            "backend": conn.backend_name,
+            "peer": handle.address,
+        }
 
     def set_faults(self, knobs: FaultsRequest) -> dict:
         """Test-only: make this exporter drop / delay / corrupt / kill the fetches it serves."""
@@ -317,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-checksum", choices=("crc32", "blake2b"), default=None)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--enable-fault-injection", action="store_true", help="tests: POST /debug/faults")
+    p.add_argument(
+        "--kv-throttle-gbps", type=float, default=None, help="test hook: hold fetches to this GB/s"
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -334,6 +404,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         kv_secret=secret, kv_host=args.host, kv_lease_s=args.kv_lease_s,
         kv_fetch_timeout_s=args.kv_fetch_timeout_s, kv_policy=args.kv_policy,
         kv_checksum=args.kv_checksum, fault_injection=args.enable_fault_injection,
+        kv_throttle_gbps=args.kv_throttle_gbps,
     )  # fmt: skip
 
 

@@ -30,6 +30,8 @@ from splitserve.serve.schemas import (
     PeerRequest,
     PrefillRequest,
     PrefillResponse,
+    ProbeExportRequest,
+    ProbeRequest,
     ReleaseRequest,
     StreamLine,
 )
@@ -62,6 +64,10 @@ def _install_errors(app: FastAPI) -> None:
     async def transport_error(_: Request, exc: TransportError) -> JSONResponse:
         return _error(_transfer_status(exc), "kv_transport", str(exc), kind=type(exc).__name__,
                       mismatches=getattr(exc, "mismatches", None))  # fmt: skip
+
+    @app.exception_handler(NoRoom)
+    async def no_room(_: Request, exc: NoRoom) -> JSONResponse:
+        return _error(503, "no_room", str(exc))
 
     @app.exception_handler(ValueError)
     async def bad_request(_: Request, exc: ValueError) -> JSONResponse:
@@ -146,6 +152,14 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
     @app.post("/kv/release")
     async def release(req: ReleaseRequest) -> dict:
         return worker.release(req.kv)
+
+    @app.post("/kv/probe/export")
+    async def probe_export(req: ProbeExportRequest) -> dict:
+        return await worker.probe_export(req.num_blocks)
+
+    @app.post("/kv/probe")
+    async def probe(req: ProbeRequest) -> dict:
+        return await worker.probe(req.kv, req.timeout_s)
 
     @app.post("/debug/faults")
     async def faults(req: FaultsRequest) -> dict:

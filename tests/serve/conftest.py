@@ -52,8 +52,12 @@ class Deployment:
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 
+    def admin(self) -> dict:
+        """GET /admin/deployment (behind the API key): workers with their addresses, thresholds."""
+        return httpx.get(f"{self.url}/admin/deployment", headers=self.headers(), timeout=10).json()
+
     def worker_urls(self) -> dict[str, str]:
-        return {w["name"]: w["url"] for w in self.health()["workers"] if w["url"]}
+        return {w["name"]: w["url"] for w in self.admin()["workers"] if w["url"]}
 
     def worker_stats(self) -> dict[str, dict]:
         return {

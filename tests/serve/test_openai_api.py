@@ -43,6 +43,10 @@ def test_models_and_health(disagg, openai_schema):
     health = disagg.health()
     assert health["status"] == "ok" and health["ready"] == {"prefill": 1, "decode": 1}
     assert {w["kv_backend"] for w in health["workers"]} == {"shm"}
+    assert all("url" not in w for w in health["workers"])  # addresses only behind the key:
+    assert httpx.get(f"{disagg.url}/admin/deployment", timeout=10).status_code == 401
+    workers = disagg.admin()["workers"]
+    assert {w["role"] for w in workers} == {"prefill", "decode"} and all(w["url"] for w in workers)
 
 
 def test_greedy_http_equals_llm_both_modes(disagg, colocated, llm):

@@ -102,7 +102,7 @@ VICTIMS = {"decode-0": (LONG["prompt"], 150), "prefill-0": ("Tell me a story. " 
 
 @pytest.mark.parametrize("victim", list(VICTIMS))
 def test_sigkill_a_worker_under_load(fragile, victim):
-    before = {w["name"]: w for w in fragile.health()["workers"]}
+    before = {w["name"]: w for w in fragile.admin()["workers"]}
     prompt, max_tokens = VICTIMS[victim]
     killed_at = 0.0
 
@@ -149,7 +149,7 @@ def test_sigkill_a_worker_under_load(fragile, victim):
 
 def test_sigterm_drains_and_stops_workers(tmp_path):
     dep = start_deployment(tmp_path, manifest_yaml(mode="colocated"))
-    pids = [w["pid"] for w in dep.health()["workers"]]
+    pids = [w["pid"] for w in dep.admin()["workers"]]
 
     async def one() -> str:
         client = dep.async_client(timeout=60)

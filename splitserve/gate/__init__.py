@@ -1,0 +1,1 @@
+"""The deployment gate (`splitserve verify`): see verify.py."""

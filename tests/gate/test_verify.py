@@ -1,0 +1,109 @@
+"""`splitserve verify` fails closed: a deployment that does not run the backend it asked for, or moves KV
+slower than the manifest's floor, fails with a clear reason and a non-zero exit; a correct one passes.
+Real deployments of the default model (router + worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+
+from splitserve.config import load_manifest
+from splitserve.gate.verify import verify_url
+from splitserve.runtime.process import start_serve
+
+pytestmark = pytest.mark.slow
+
+BASE = {
+    "model": {"max_model_len": 1024},
+    "engine": {"kv_cache_mb": 96, "max_num_seqs": 8},
+    "server": {"port": 0},
+}
+
+
+def _manifest(tmp_path, **sections) -> str:
+    data = {**BASE, **sections}
+    path = tmp_path / "manifest.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _verify_cli(*args: str) -> tuple[int, str, dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "verify", *args], capture_output=True, text=True, timeout=600
+    )
+    report = {}
+    if "--json" in args:
+        report = json.loads(open(args[args.index("--json") + 1]).read())
+    return out.returncode, out.stdout + out.stderr, report
+
+
+def test_a_correct_deployment_passes(tmp_path):
+    path = _manifest(tmp_path, transport={"backend": "shm"})
+    code, out, report = _verify_cli(path, "--json", str(tmp_path / "r.json"))
+    assert code == 0, out
+    assert report["ok"] and out.strip().endswith("PASS")
+    names = {c["name"] for c in report["checks"]}
+    assert {"kv backend", "handshake", "latency", "bandwidth", "round trip", "transfer share"} <= names
+    backend = [c for c in report["checks"] if c["name"] == "kv backend"]
+    assert {c["value"] for c in backend} == {"shm"}
+
+
+def test_a_fallback_that_happened_fails(tmp_path):
+    """Asked for nixl (not installed here), allowed to fall back to tcp: it serves, and the gate fails."""
+    path = _manifest(tmp_path, transport={"backend": "nixl", "fallback": ["tcp"]})
+    code, out, report = _verify_cli(path, "--json", str(tmp_path / "r.json"))
+    assert code == 1, out
+    bad = [c for c in report["checks"] if not c["ok"]]
+    assert {c["name"] for c in bad} == {"kv backend"}, bad
+    assert all(
+        "runs tcp (asked nixl; required nixl)" in c["detail"] and "FELL BACK" in c["detail"] for c in bad
+    )
+    assert "nixl" in bad[0]["detail"] and "not installed" in bad[0]["detail"]
+
+
+def test_an_unavailable_backend_without_fallback_never_serves(tmp_path):
+    path = _manifest(tmp_path, transport={"backend": "nixl"})
+    code, out, report = _verify_cli(path, "--json", str(tmp_path / "r.json"))
+    assert code == 1 and not report["ok"]
+    assert "did not start" in report["error"] and "nixl" in report["error"], report["error"]
+
+
+def test_required_backend_differs_from_the_one_running(tmp_path):
+    """A tcp deployment gated on shm (say, a manifest meant for one host run across two) fails."""
+    path = _manifest(tmp_path, transport={"backend": "tcp", "required_backends": ["shm"]})
+    code, out, _ = _verify_cli(path)
+    assert code == 1 and "runs tcp (asked tcp; required shm)" in out, out
+
+
+def test_a_throttled_transport_fails_the_gate_and_fires_the_alert_metric(tmp_path):
+    manifest = load_manifest(
+        _manifest(
+            tmp_path,
+            transport={"backend": "shm"},
+            verify={"min_gbps": 0.5, "probe_mb": 8, "probe_interval_s": 0.5, "runtime_probe_mb": 2},
+            runtime={"worker_args": ["--kv-throttle-gbps", "0.05"]},
+        )
+    )
+    with start_serve(manifest) as sp:
+        report = asyncio.run(verify_url(sp.url))
+        assert not report.ok
+        bandwidth = [c for c in report.checks if c.name == "bandwidth"]
+        assert len(bandwidth) == 1 and not bandwidth[0].ok and bandwidth[0].value < 0.5, report.table()
+        assert "floor 0.5 GB/s" in bandwidth[0].detail
+        assert {c.name for c in report.checks if not c.ok} == {"bandwidth"}, report.table()
+        deadline = time.monotonic() + 30
+        while True:  # the run-time probe sees it too, and raises the alert's metric
+            text = httpx.get(f"{sp.url}/metrics", timeout=10).text
+            low = [line for line in text.splitlines() if line.startswith("splitserve:kv_bandwidth_low{")]
+            if low and all(line.endswith(" 1.0") for line in low):
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.5)
+        assert "splitserve:kv_min_gbps" in text and "splitserve:kv_probe_gbps{" in text
