@@ -1,6 +1,8 @@
 """The GPU KV transports for real: an exporter process on cuda:0, this process fetching on cuda:1.
 
-Skipped without two CUDA devices (CI has none); on a GPU machine: `python -m pytest tests/gpu -q`.
+Skipped without CUDA (CI has none); on a GPU machine: `python -m pytest tests/gpu -q`. With one GPU,
+cuda_ipc runs between two processes on that GPU and the nccl transfers are skipped (NCCL cannot pair
+a GPU with itself: that refusal is still checked).
 Checks for cuda_ipc and nccl: the fetched bytes equal the exported ones (one run of blocks, scattered
 blocks, many blocks), state tensors and checksums arrive, release frees the exporter's blocks, and a
 peer with another layout or secret is refused before any KV moves. cuda_ipc also in one process
@@ -18,12 +20,13 @@ import torch
 
 from splitserve.kv import AuthError, KVHandle, KVLayout, PeerRefused, TransportOptions, make_transport
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
-)
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+FETCH_ON = "cuda:1" if TWO_GPUS else "cuda:0"
 
 SECRET = "gpu-test-secret"
 BACKENDS = ["cuda_ipc", "nccl"]
+TRANSFERS = ["cuda_ipc", pytest.param("nccl", marks=pytest.mark.skipif(not TWO_GPUS, reason="needs 2 GPUs"))]
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def exporter(request):
 def fetcher_for(exporter):
     made = []
 
-    def _make(backend: str, device: str = "cuda:1", layout: KVLayout | None = None, secret: str = SECRET):
+    def _make(backend: str, device: str = FETCH_ON, layout: KVLayout | None = None, secret: str = SECRET):
         spec = exporter.spec
         kv = torch.zeros_like(spec.cpu_kv(), device=device)
         t = make_transport(backend, kv, layout or spec.layout(), secret=secret, options=spec.options())
@@ -140,7 +143,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TRANSFERS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_fetch_across_processes_is_exact(exporter, fetcher_for, backend, case):
     ids, into = CASES[case]
@@ -174,7 +177,7 @@ def test_mismatched_layout_and_secret_are_refused(exporter, fetcher_for, backend
     handle = exporter.export(backend, f"refuse-{backend}-{time.monotonic_ns()}", [1, 2])
     spec = exporter.spec
     kv = torch.zeros((8, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim + 64),
-                     dtype=torch.bfloat16, device="cuda:1")  # fmt: skip
+                     dtype=torch.bfloat16, device=FETCH_ON)  # fmt: skip
     other = KVLayout.from_tensor(kv, "gpu-test", spec.states)
     mismatched = make_transport(backend, kv, other, secret=SECRET, options=spec.options())
     try:
@@ -195,7 +198,7 @@ def test_nccl_refuses_to_pair_a_gpu_with_itself(exporter, fetcher_for):
 def test_cuda_ipc_in_one_process_reads_the_tensor_directly():
     spec = Spec()
     src = spec.cpu_kv().to("cuda:0")
-    dst = torch.zeros_like(src, device="cuda:1")
+    dst = torch.zeros_like(src, device=FETCH_ON)
     exp = make_transport("cuda_ipc", src, spec.layout(), secret=SECRET, options=spec.options())
     fet = make_transport("cuda_ipc", dst, spec.layout(), secret=SECRET, options=spec.options())
     try:
@@ -210,7 +213,7 @@ def test_cuda_ipc_in_one_process_reads_the_tensor_directly():
 
 
 # -- through the engine: prefill on cuda:0, decode on cuda:1, one process -------------------------
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TRANSFERS)
 def test_engine_disaggregated_on_two_gpus_equals_colocated(backend):
     """KVConnector over cuda_ipc (one process: the exporter's tensor directly) or nccl (two ranks
     in one process), fp32 tiny Qwen3 with random weights: decode continues token for token."""
@@ -221,11 +224,12 @@ def test_engine_disaggregated_on_two_gpus_equals_colocated(backend):
     from splitserve.model.random_weights import random_model, random_model_config
 
     cfg = random_model_config("tiny-random")
-    models = [random_model(cfg, f"cuda:{i}", torch.float32, 256) for i in (0, 1)]
+    devices = ["cuda:0", FETCH_ON]
+    models = [random_model(cfg, dev, torch.float32, 256) for dev in devices]
     models[1].model.load_state_dict(models[0].model.state_dict())
     engines, conns = [], []
     for i, loaded in enumerate(models):
-        config = EngineConfig(model="tiny-random", device=f"cuda:{i}", dtype="float32", max_model_len=256,
+        config = EngineConfig(model="tiny-random", device=devices[i], dtype="float32", max_model_len=256,
                               kv_cache_bytes=8 << 20, max_num_seqs=4, progress=False)  # fmt: skip
         engines.append(LLMEngine(config, tokenizer=None, loaded=loaded))
         options = TransportOptions(lease_s=30, fetch_timeout_s=30)
