@@ -29,9 +29,8 @@ from splitserve.bench.workload import WORKLOADS, LengthDist, WorkloadSpec, build
 
 GATE_NOT_RUN = {
     "status": "gate not run",
-    "detail": "--skip-verify (the default): the `splitserve verify` gate (issue #7) is not wired into bench "
-    "yet, so nothing checked that the deployments answer correctly or move KV over the required backends "
-    "before this comparison",
+    "detail": "--skip-verify (the default): `splitserve verify` did not check, before this comparison, that "
+    "the deployments answer correctly and move KV over their required backends (--verify runs it)",
 }
 
 
@@ -110,7 +109,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=True,
         help="do not run the `splitserve verify` gate first (the default; recorded in the report)",
     )
-    s.add_argument("--verify", dest="skip_verify", action="store_false", help="run the gate (not built yet)")
+    s.add_argument(
+        "--verify",
+        dest="skip_verify",
+        action="store_false",
+        help="run `splitserve verify` on each deployment first; one that fails is not benchmarked",
+    )
     c = p.add_argument_group("client")
     c.add_argument("--model", default=None, help="the model name to request (default: the server's)")
     c.add_argument("--api-key", default=None)
@@ -139,13 +143,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"splitserve bench: error: {exc}", file=sys.stderr)
         return 2
-    if not args.skip_verify:
-        print(
-            "splitserve bench: error: the `splitserve verify` gate is not wired into bench yet (issue #7); "
-            "run with --skip-verify",
-            file=sys.stderr,
-        )
-        return 2
     out = Path(args.out or f"bench/results/bench-{dt.datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     write_trace(out / "trace.jsonl", trace)
@@ -165,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         progress=not args.no_progress,
         out_dir=out,
+        verify=not args.skip_verify,
     )
     runs = [run_target(t, trace, opts) for t in targets]
     report = _report(args, spec, slo, runs)
@@ -267,11 +265,20 @@ def _report(args: argparse.Namespace, spec: WorkloadSpec, slo: SLO, runs: list) 
             "temperature": args.temperature,
             "warmup": args.warmup,
         },
-        "gate": GATE_NOT_RUN,
+        "gate": _gate_summary(args, targets),
         "targets": targets,
         "verdicts": verdicts,
         "rules": rules_text(cfg),
     }
+
+
+def _gate_summary(args: argparse.Namespace, targets: list[dict]) -> dict:
+    if args.skip_verify:
+        return GATE_NOT_RUN
+    states = {t["name"]: t["gate"]["status"] for t in targets}
+    status = "passed" if all(s == "passed" for s in states.values()) else "failed"
+    detail = ", ".join(f"{name}: {s}" for name, s in states.items())
+    return {"status": status, "detail": f"`splitserve verify` on each deployment before the run: {detail}"}
 
 
 def _write(out: Path, report: dict) -> int:

@@ -52,6 +52,7 @@ class RunOptions:
     max_concurrency: int | None = None
     progress: bool = True
     out_dir: Path | None = None  # per-request records go here
+    verify: bool = False  # run the `splitserve verify` gate on each target first (fail closed)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class TargetRun:
     hardware: dict = field(default_factory=dict)
     points: list[dict] = field(default_factory=list)
     error: str | None = None
+    gate: dict = field(default_factory=lambda: {"status": "gate not run"})
 
     def to_json(self) -> dict:
         return {
@@ -73,6 +75,7 @@ class TargetRun:
             "hardware": self.hardware,
             "points": self.points,
             "error": self.error,
+            "gate": self.gate,
         }
 
 
@@ -147,6 +150,8 @@ def run_target(target: Target, trace: list[BenchRequest], opts: RunOptions) -> T
 async def _bench(
     run: TargetRun, url: str, trace: list[BenchRequest], opts: RunOptions, pid: int | None
 ) -> None:
+    if opts.verify:
+        await _gate(run, url, opts)
     model = opts.model or run.model or await served_model(url, opts.api_key)
     run.model = model
     copts = ClientOptions(
@@ -168,6 +173,18 @@ async def _bench(
         run.mode = run.mode or mode
     for rate in opts.rates:
         run.points.append(await _bench_rate(run, url, trace, rate, copts, opts, pid))
+
+
+async def _gate(run: TargetRun, url: str, opts: RunOptions) -> None:
+    """`splitserve verify` on the running deployment; a target that fails it is not benchmarked."""
+    from splitserve.gate.verify import verify_url
+
+    _say(opts, f"verifying {run.target.name} ...")
+    report = await verify_url(url, opts.api_key)
+    failed = [f"{c.name} ({c.scope}): {c.detail}" for c in report.checks if not c.ok]
+    run.gate = {"status": "passed" if report.ok else "failed", "report": report.to_dict()}
+    if not report.ok:
+        raise RuntimeError("the verify gate failed: " + "; ".join(filter(None, [report.error, *failed])))
 
 
 async def _bench_rate(

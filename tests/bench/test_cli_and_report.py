@@ -99,9 +99,12 @@ def test_bad_arguments_exit_2(tmp_path, capsys, extra, word):
     assert word in capsys.readouterr().err
 
 
-def test_verify_gate_is_not_wired_yet(tmp_path, capsys):
-    assert main(["bench", "http://127.0.0.1:1", "--verify", "--out", str(tmp_path)]) == 2
-    assert "issue #7" in capsys.readouterr().err
+def test_a_target_failing_the_verify_gate_is_not_benchmarked(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["bench", "down=http://127.0.0.1:1", "--verify", "--out", str(out), "--no-progress"]) == 1
+    assert "verify gate failed" in capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["gate"]["status"] == "failed" and report["targets"][0]["points"] == []
 
 
 def test_an_unreachable_target_fails_the_run(tmp_path, capsys):
