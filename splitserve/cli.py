@@ -57,6 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     from splitserve.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    render = sub.add_parser("render", help="render a manifest for another platform (kuberay: a RayService)")
+    render.add_argument("target", choices=["kuberay"])
+    render.add_argument("manifest", nargs="?", default=None)
+    render.add_argument(
+        "--image", default="rayproject/ray:2.60.0-py311", help="with splitserve[ray] installed"
+    )
+    render.add_argument("--namespace", default=None)
+    render.add_argument("--secret-name", default="splitserve-kv", help="the Secret holding key kv-secret")
+    render.add_argument("--zone", default=None, help="topology.kubernetes.io/zone for every pod")
+    render.add_argument("--instance-type", default=None, help="node.kubernetes.io/instance-type of GPU pods")
+    render.add_argument("--efa-per-pod", type=int, default=0, help="vpc.amazonaws.com/efa per GPU pod")
     verify = sub.add_parser("verify", help="the deployment gate: exit 0 only when every check passes")
     verify.add_argument(
         "manifest", nargs="?", default=None, help="start this manifest's deployment and check it"
@@ -101,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "render":
+            return _render(args)
         return _run(args)
     except (ValueError, OSError, ModelLoadError, RuntimeError) as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
@@ -122,7 +135,29 @@ def _serve(args: argparse.Namespace) -> int:
     if args.print_manifest:
         print(dump_manifest(manifest), end="")
         return 0
+    if manifest.runtime.kind == "ray":
+        try:
+            from splitserve.runtime import ray_serve
+        except ImportError as exc:
+            raise ValueError(f"runtime.kind ray needs Ray: pip install 'splitserve[ray]' ({exc})") from exc
+        return ray_serve.run(manifest)
     return asyncio.run(run_manifest(manifest, progress=not args.no_progress))
+
+
+def _render(args: argparse.Namespace) -> int:
+    from splitserve.config import load_manifest
+    from splitserve.runtime.kuberay import KubeRayOptions, render_yaml
+
+    opts = KubeRayOptions(
+        image=args.image,
+        namespace=args.namespace,
+        secret_name=args.secret_name,
+        zone=args.zone,
+        instance_type=args.instance_type,
+        efa_per_pod=args.efa_per_pod,
+    )
+    print(render_yaml(load_manifest(args.manifest), opts), end="")
+    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -70,10 +70,23 @@ class EngineSection(_Section):
         return self
 
 
+class PlacementSection(_Section):
+    """Ray: where a pool's replicas may run (Ray resources a node must offer) and what each takes."""
+
+    num_cpus: float | None = Field(default=None, ge=0)
+    num_gpus: float | None = Field(default=None, ge=0)  # default: 1 when the pool's devices are cuda
+    resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. {"prefill_node": 1}
+    label_selector: dict[str, str] = Field(default_factory=dict)  # node labels (Ray >= 2.49)
+    memory_gb: float | None = Field(default=None, gt=0)
+
+
 class PoolSection(_Section):
     replicas: int = Field(default=1, ge=0, le=64)
     devices: list[str] = Field(default_factory=list)  # per replica, e.g. ["cuda:0", "cuda:1"]
-    placement: dict[str, Any] = Field(default_factory=dict)  # ray: resources / node labels
+    placement: PlacementSection = Field(default_factory=PlacementSection)
+    # ray: autoscaling bounds (both set: Serve autoscales the pool between them)
+    min_replicas: int | None = Field(default=None, ge=0)
+    max_replicas: int | None = Field(default=None, ge=1)
 
 
 class TransportSection(_Section):
@@ -145,6 +158,9 @@ class RuntimeSection(_Section):
     max_restarts: int = Field(default=100, ge=0)  # per worker; then it stays down (and /health says so)
     drain_timeout_s: PositiveFloat = 30.0  # SIGTERM: in-flight requests get this long to finish
     worker_args: list[str] = Field(default_factory=list)  # extra worker flags (tests, debugging)
+    address: str | None = None  # ray: the cluster to join ("auto", "ray://...", host:port); None: auto
+    namespace: str = "splitserve"  # ray: namespace of the deployment's registry actor
+    router_placement: PlacementSection = Field(default_factory=PlacementSection)  # ray: the router replica
 
 
 class SLOSection(_Section):

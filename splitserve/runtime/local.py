@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from splitserve.config.manifest import Manifest
+from splitserve.runtime.common import worker_argv
 
 log = logging.getLogger(__name__)
 
@@ -86,64 +87,6 @@ class WorkerProcess:
             "kv_address": self.kv_address,
             "info": dict(self.info),
         }
-
-
-def worker_argv(manifest: Manifest, role: str, index: int, secret_env: str) -> list[str]:
-    """The command line of one worker, from the manifest."""
-    m, e, t = manifest.model, manifest.engine, manifest.transport
-    pool = manifest.pools()[role]
-    device = pool.devices[index % len(pool.devices)] if pool.devices else m.device
-    argv = [
-        sys.executable,
-        "-m",
-        "splitserve.serve.worker",
-        "--role",
-        role,
-        "--model",
-        m.source,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--device",
-        device,
-        "--dtype",
-        m.dtype,
-        "--block-size",
-        str(e.block_size),
-        "--max-num-seqs",
-        str(e.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(e.max_num_batched_tokens),
-        "--seed",
-        str(e.seed),
-        "--threads",
-        str(e.threads),
-    ]
-    if m.max_model_len is not None:
-        argv += ["--max-model-len", str(m.max_model_len)]
-    if e.kv_cache_mb is not None:
-        argv += ["--kv-cache-mb", str(e.kv_cache_mb)]
-    if e.memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", str(e.memory_utilization)]
-    if role != "colocated":
-        argv += [
-            "--kv-backend",
-            t.backend,
-            "--kv-fallback",
-            ",".join(t.fallback),
-            "--kv-lease-s",
-            str(t.lease_s),
-            "--kv-fetch-timeout-s",
-            str(t.fetch_timeout_s),
-            "--kv-policy",
-            t.policy,
-            "--kv-secret-env",
-            secret_env,
-        ]
-        if t.checksum:
-            argv += ["--kv-checksum", t.checksum]
-    return argv + list(manifest.runtime.worker_args)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -754,6 +754,13 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict:
 
 def build_api(server: OpenAIServer, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="splitserve", lifespan=lifespan)
+    install_routes(app, lambda: server)
+    return app
+
+
+def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
+    """The API's routes and error handlers on `app`, over the server `get()` returns (the Ray ingress
+    builds its app at import time and its server later, in the replica)."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -774,38 +781,36 @@ def build_api(server: OpenAIServer, lifespan: Any = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
-        server.check_auth(request)
-        return server.models()
+        get().check_auth(request)
+        return get().models()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict:
-        server.check_auth(request)
-        server.check_model(model_id)
-        return server.model_card()
+        get().check_auth(request)
+        get().check_model(model_id)
+        return get().model_card()
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
-        return await server.chat(request)
+        return await get().chat(request)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
-        return await server.completions(request)
+        return await get().completions(request)
 
     @app.get("/admin/deployment")
     async def deployment(request: Request) -> dict:
-        server.check_auth(request)
-        return server.deployment()
+        get().check_auth(request)
+        return get().deployment()
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status, body = server.health()
+        status, body = get().health()
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await server.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    return app
+        return Response(await get().render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-__all__ = ["Admission", "ModelInfo", "OpenAIServer", "build_api"]
+__all__ = ["Admission", "ModelInfo", "OpenAIServer", "build_api", "install_routes"]

@@ -1,0 +1,404 @@
+"""The Ray runtime: the same manifest across the nodes of a Ray cluster, on Ray Serve.
+
+    runtime: {kind: ray, address: auto}            # in the manifest; then `splitserve serve manifest.yaml`
+
+Pieces (one Serve application per manifest):
+  <name>-prefill / <name>-decode / <name>-colocated   Serve deployments, `replicas` each (or autoscaled
+      between `min_replicas` and `max_replicas`), placed by each pool's `placement` (Ray resources such
+      as {"prefill_node": 1}, node labels, CPUs/GPUs per replica). A replica builds the same `Worker` the
+      local runtime starts as a process, serves the worker HTTP API on its node's address (port from the
+      OS), and registers itself with the deployment's registry actor. Serve health-checks it
+      (`check_health`: the HTTP server and the engine thread are alive) and replaces it when it fails
+      or its process dies; the new replica registers under a new id.
+  <name>-router   the Serve ingress: the same OpenAI API (`install_routes`) and `Dispatcher` as the local
+      runtime. It reads the registry, health-checks every worker it lists over HTTP and routes only to
+      ready ones, dropping those that stopped answering.
+  registry        a named actor (no resources) mapping replica id -> {role, url, kv address, node}.
+KV moves between workers over splitserve's own transports (the worker addresses travel through the
+registry; tensors never go through Ray's object store). The KV secret reaches the workers through their
+runtime_env, from `transport.secret_env` on the driver (or a fresh one per deployment).
+
+Ray is optional: `pip install 'splitserve[ray]'`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import ray
+from fastapi import FastAPI
+from ray import serve
+
+from splitserve.config.manifest import Manifest, PlacementSection
+from splitserve.runtime.common import worker_config
+from splitserve.serve.api import ModelInfo, OpenAIServer, install_routes
+
+log = logging.getLogger(__name__)
+
+INGRESS = FastAPI(title="splitserve (ray)")
+_SERVER: OpenAIServer | None = None
+
+
+def _server() -> OpenAIServer:
+    if _SERVER is None:
+        raise RuntimeError("the router is still starting")
+    return _SERVER
+
+
+install_routes(INGRESS, _server)
+
+
+@ray.remote(num_cpus=0)
+class Registry:
+    """replica id -> what the router needs to reach that worker."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, dict] = {}
+
+    def register(self, entry: dict) -> None:
+        self.entries[entry["id"]] = entry
+
+    def unregister(self, replica_id: str) -> None:
+        self.entries.pop(replica_id, None)
+
+    def list(self) -> list[dict]:
+        return list(self.entries.values())
+
+
+class WorkerReplica:
+    """A Serve replica of a prefill, decode or colocated pool: one engine and its worker HTTP API."""
+
+    def __init__(self, manifest_json: str, role: str, registry: str, namespace: str) -> None:
+        import torch
+
+        from splitserve.serve.worker import Worker
+        from splitserve.serve.worker_app import serve as serve_http
+
+        manifest = Manifest.model_validate_json(manifest_json)
+        torch.set_num_threads(manifest.engine.threads)
+        secret = os.environ.get(manifest.transport.secret_env)
+        host = ray.util.get_node_ip_address()
+        ctx = serve.get_replica_context()
+        self.id = ctx.replica_id.unique_id
+        self.worker = Worker(worker_config(manifest, role, 0, secret, host))
+        ready, url = threading.Event(), []
+
+        def on_ready(u: str) -> None:
+            url.append(u)
+            ready.set()
+
+        self.http = threading.Thread(
+            target=serve_http, args=(self.worker, host, 0, on_ready), daemon=True, name="worker-http"
+        )
+        self.http.start()
+        if not ready.wait(60):
+            raise RuntimeError("the worker's HTTP server did not start")
+        health = self.worker.health()
+        self.entry = {
+            "id": self.id,
+            "role": role,
+            "name": f"{role}-{self.id[:6]}",
+            "url": url[0],
+            "kv_address": self.worker.kv_address,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": host,
+            "pid": os.getpid(),
+            "started": time.time(),
+            "info": health,
+        }
+        self.registry = ray.get_actor(registry, namespace=namespace)
+        ray.get(self.registry.register.remote(self.entry))
+        log.info("worker %s ready at %s", self.entry["name"], url[0])
+
+    def check_health(self) -> None:
+        if not self.http.is_alive():
+            raise RuntimeError("the worker's HTTP server stopped")
+        if not self.worker.llm._thread.is_alive():  # noqa: SLF001
+            raise RuntimeError("the engine thread died")
+
+    def info(self) -> dict:
+        return self.entry
+
+
+@dataclass
+class RayEndpoint:
+    """A worker as the router sees it (the `Endpoint` protocol of splitserve.serve.router)."""
+
+    id: str
+    name: str
+    role: str
+    url: str
+    kv_address: str | None
+    node_id: str
+    pid: int
+    info: dict = field(default_factory=dict)
+    state: str = "starting"
+    inflight: int = 0
+    misses: int = 0
+    restarts: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "role": self.role,
+            "state": self.state,
+            "url": self.url,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "startup_s": None,
+            "last_exit": None,
+            "inflight": self.inflight,
+            "kv_backend": self.info.get("kv_backend"),
+            "kv_address": self.kv_address,
+            "node_id": self.node_id,
+            "info": dict(self.info),
+        }
+
+
+class RayWorkers:
+    """The router's view of the workers: the registry, health-checked over HTTP every `interval_s`."""
+
+    def __init__(self, registry: Any, interval_s: float, failures: int) -> None:
+        self.registry = registry
+        self.interval_s = interval_s
+        self.failures = failures
+        self.endpoints: dict[str, RayEndpoint] = {}
+        self.http = httpx.AsyncClient(timeout=max(1.0, 2 * interval_s))
+
+    def ready(self, role: str) -> list[RayEndpoint]:
+        return [e for e in self.endpoints.values() if e.role == role and e.ready]
+
+    def describe(self) -> list[dict]:
+        return [e.describe() for e in self.endpoints.values()]
+
+    async def refresh(self) -> None:
+        entries = await self.registry.list.remote()
+        for entry in entries:
+            if entry["id"] not in self.endpoints:
+                self.endpoints[entry["id"]] = RayEndpoint(
+                    entry["id"],
+                    entry["name"],
+                    entry["role"],
+                    entry["url"],
+                    entry["kv_address"],
+                    entry["node_id"],
+                    entry["pid"],
+                    dict(entry["info"]),
+                )
+        await asyncio.gather(*(self._check(e) for e in list(self.endpoints.values())))
+
+    async def _check(self, e: RayEndpoint) -> None:
+        try:
+            r = await self.http.get(f"{e.url}/health")
+            r.raise_for_status()
+            e.info.update(r.json())
+            e.state, e.misses = "ready", 0
+        except (httpx.HTTPError, ValueError):
+            e.misses += 1
+            e.state = "unreachable"
+            if e.misses >= self.failures:  # gone (Serve replaces the replica; the new one registers)
+                log.warning("worker %s at %s stopped answering; dropping it", e.name, e.url)
+                self.endpoints.pop(e.id, None)
+                await self.registry.unregister.remote(e.id)
+
+    async def stats(self) -> list[dict]:
+        async def one(e: RayEndpoint) -> dict:
+            row = {"worker": e.name, "role": e.role, "up": e.ready}
+            if e.ready:
+                try:
+                    row.update((await self.http.get(f"{e.url}/stats")).json())
+                except (httpx.HTTPError, ValueError):
+                    pass
+            return row
+
+        return list(await asyncio.gather(*(one(e) for e in list(self.endpoints.values()))))
+
+    async def loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - the watcher must outlive one bad round
+                log.exception("refreshing the worker list failed")
+            await asyncio.sleep(self.interval_s)
+
+
+@serve.ingress(INGRESS)
+class Router:
+    """The Serve ingress: the OpenAI API over the registered workers."""
+
+    def __init__(self, manifest_json: str, registry: str, namespace: str, *_worker_apps: Any) -> None:
+        self.manifest = Manifest.model_validate_json(manifest_json)
+        self.registry = ray.get_actor(registry, namespace=namespace)
+        rt = self.manifest.runtime
+        self.workers = RayWorkers(self.registry, rt.health_interval_s, rt.health_failures)
+        self._setup = asyncio.get_event_loop().create_task(self._start())
+
+    async def _start(self) -> None:
+        global _SERVER
+        from splitserve.runtime.launch import _tokenizer
+        from splitserve.serve.probe import KVProber
+
+        m = self.manifest
+        deadline = time.monotonic() + m.runtime.startup_timeout_s
+        while not all(self.workers.ready(role) for role in m.pools()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("workers did not register in time")
+            await self.workers.refresh()
+            await asyncio.sleep(0.5)
+        first = next(iter(self.workers.ready(next(iter(m.pools()))))).info
+        tokenizer = await asyncio.to_thread(_tokenizer, first["model"])
+        info = ModelInfo(
+            m.model.resolved_served_name(),
+            int(first["max_model_len"]),
+            int(first["vocab_size"]),
+            first["model"],
+        )
+        server = OpenAIServer(m, self.workers, tokenizer, info, self.workers.describe, self.workers.stats)
+        self.prober = KVProber(m, self.workers.ready, server.on_probe)
+        self.prober.start()
+        _SERVER = server
+        asyncio.get_running_loop().create_task(self.workers.loop())
+
+    async def check_health(self) -> None:
+        if self._setup.done() and self._setup.exception() is not None:
+            raise RuntimeError(f"the router failed to start: {self._setup.exception()}")
+
+
+def _actor_options(p: PlacementSection, gpus_default: float = 0.0, env: dict[str, str] | None = None) -> dict:
+    opts: dict[str, Any] = {"num_cpus": p.num_cpus if p.num_cpus is not None else 1}
+    gpus = p.num_gpus if p.num_gpus is not None else gpus_default
+    if gpus:
+        opts["num_gpus"] = gpus
+    if p.resources:
+        opts["resources"] = dict(p.resources)
+    if p.label_selector:
+        opts["label_selector"] = dict(p.label_selector)
+    if p.memory_gb:
+        opts["memory"] = int(p.memory_gb * (1 << 30))
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    return opts
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """Serve's application builder (`import_path` of the KubeRay serveConfigV2): args = {"manifest": the
+    manifest as a mapping (or a JSON string)}."""
+    data = args["manifest"]
+    return build_app(
+        Manifest.model_validate_json(data) if isinstance(data, str) else Manifest.model_validate(data)
+    )
+
+
+def registry_name(manifest: Manifest) -> str:
+    return f"{manifest.name}-registry"
+
+
+def build_app(manifest: Manifest, secret: str | None = None) -> Any:
+    """The Serve application of a manifest (its registry actor is created here, on the driver)."""
+    t, rt = manifest.transport, manifest.runtime
+    secret = secret or t.secret or os.environ.get(t.secret_env) or secrets.token_hex(32)
+    reg = registry_name(manifest)
+    Registry.options(name=reg, namespace=rt.namespace, get_if_exists=True, lifetime="detached").remote()
+    blob = manifest.model_dump_json()
+    workers = []
+    for role, pool in manifest.pools().items():
+        gpus = (
+            1.0
+            if any(d.startswith("cuda") for d in pool.devices) or manifest.model.device.startswith("cuda")
+            else 0
+        )
+        opts: dict[str, Any] = {
+            "name": f"{manifest.name}-{role}",
+            "ray_actor_options": _actor_options(pool.placement, gpus, {t.secret_env: secret}),
+            "health_check_period_s": rt.health_interval_s,
+            "health_check_timeout_s": max(10.0, 5 * rt.health_interval_s),
+            "max_ongoing_requests": 4096,
+        }
+        if pool.min_replicas is not None and pool.max_replicas is not None:
+            opts["autoscaling_config"] = {
+                "min_replicas": pool.min_replicas,
+                "max_replicas": pool.max_replicas,
+                "initial_replicas": pool.replicas,
+            }
+        else:
+            opts["num_replicas"] = pool.replicas
+        workers.append(serve.deployment(WorkerReplica, **opts).bind(blob, role, reg, rt.namespace))
+    srv = manifest.server
+    router = serve.deployment(
+        Router,
+        name=f"{manifest.name}-router",
+        ray_actor_options=_actor_options(rt.router_placement),
+        max_ongoing_requests=srv.max_concurrent_requests + srv.max_queued_requests,
+        health_check_period_s=rt.health_interval_s,
+    )
+    return router.bind(blob, reg, rt.namespace, *workers)
+
+
+def deploy(manifest: Manifest, timeout_s: float | None = None) -> str:
+    """Connect to the cluster, start Serve's HTTP proxy at `server.host:port`, run the application and
+    wait until the router answers /health with every pool ready. -> the URL."""
+    rt, srv = manifest.runtime, manifest.server
+    if not ray.is_initialized():
+        ray.init(address=rt.address or "auto", namespace=rt.namespace, logging_level=logging.WARNING)
+    serve.start(http_options={"host": srv.host, "port": srv.port})
+    serve.run(build_app(manifest), name=manifest.name, route_prefix="/", blocking=False)
+    url = f"http://{srv.host}:{srv.port}"
+    deadline = time.monotonic() + (timeout_s or rt.startup_timeout_s)
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the Ray deployment {manifest.name} did not become healthy at {url} in time")
+        time.sleep(0.5)
+
+
+def undeploy(manifest: Manifest) -> None:
+    serve.delete(manifest.name)
+    try:
+        ray.kill(ray.get_actor(registry_name(manifest), namespace=manifest.runtime.namespace))
+    except ValueError:
+        pass
+
+
+def run(manifest: Manifest) -> int:
+    """`splitserve serve` with `runtime.kind: ray`: deploy, print the URL, serve until SIGINT/SIGTERM."""
+    url = deploy(manifest)
+    print(
+        f"splitserve: serving {manifest.model.resolved_served_name()} at {url}/v1 (ray; {manifest.mode})",
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    undeploy(manifest)
+    return 0
+
+
+__all__ = [
+    "INGRESS",
+    "Registry",
+    "Router",
+    "WorkerReplica",
+    "app_builder",
+    "build_app",
+    "deploy",
+    "run",
+    "undeploy",
+]
