@@ -12,7 +12,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -51,9 +51,25 @@ class TensorSource(Protocol):
 
     def tensor_names(self) -> list[str]: ...
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def iter_tensors(
+        self, names: Collection[str] | None = None, timings: dict[str, float] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     def fingerprint_parts(self) -> Iterator[bytes]: ...
+
+    def files(self) -> list[Path]: ...
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one tensor's raw bytes lie in a checkpoint file (formats that store plain tensors)."""
+
+    name: str
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype | None  # None: a type torch has no plain dtype for
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -72,9 +88,24 @@ class Checkpoint:
     hf_config: dict[str, Any]
     _source: TensorSource = field(repr=False, compare=False)
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, tensor)`` pairs, reading (and dequantizing) one tensor at a time."""
-        return self._source.iter_tensors()
+    def iter_tensors(
+        self, names: Collection[str] | None = None, timings: dict[str, float] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` pairs, reading (and dequantizing) one tensor at a time.
+
+        ``names``: only these tensors. ``timings``: seconds spent reading ("read") and dequantizing or
+        reordering ("convert") are added to it.
+        """
+        return self._source.iter_tensors(names, timings)
+
+    def files(self) -> list[Path]:
+        """The files this checkpoint is read from (config and weights)."""
+        return self._source.files()
+
+    def tensor_locations(self) -> list[TensorLocation] | None:
+        """Raw byte ranges of every tensor, or None when the format needs decoding (GGUF)."""
+        locations = getattr(self._source, "tensor_locations", None)
+        return None if locations is None else locations()
 
     def tensor_names(self) -> list[str]:
         """HF names of the stored tensors, in the order ``iter_tensors`` yields them (no data is read)."""
@@ -86,13 +117,18 @@ class Checkpoint:
         It covers the format, the (canonicalized) ``hf_config``, every file's tensor headers/metadata, and
         a few fixed windows sampled from each file's data region (so that two fine-tunes with identical
         headers do not collide).  It does not read whole files and does not depend on path or mtime.
+        Computed once per object.
         """
+        cached = self.__dict__.get("_fingerprint")
+        if cached is not None:
+            return str(cached)
         digest = hashlib.sha256(_FINGERPRINT_VERSION)
         _update_framed(digest, self.format.encode())
         config_json = json.dumps(self.hf_config, sort_keys=True, separators=(",", ":"), default=str)
         _update_framed(digest, config_json.encode())
         for part in self._source.fingerprint_parts():
             _update_framed(digest, part)
+        object.__setattr__(self, "_fingerprint", digest.hexdigest())  # a cache, not a field
         return digest.hexdigest()
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,16 @@ class GGUFSource:
         self._entries = entries
         self._reader = reader
 
+    def state(self) -> list[list[Any]]:
+        """JSON-ready tensor table, for `from_state` (memoizing a parsed header)."""
+        return [[e.index, e.gguf_name, e.hf_name, e.n_heads_for_unpermute] for e in self._entries]
+
+    @classmethod
+    def from_state(cls, path: Path, state: list[list[Any]]) -> GGUFSource:
+        """A source whose file is parsed only when its tensors are read."""
+        entries = [_Entry(int(i), str(g), str(h), None if n is None else int(n)) for i, g, h, n in state]
+        return cls(path, entries)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_reader"] = None  # a memmap-backed reader must not be pickled
@@ -90,15 +101,26 @@ class GGUFSource:
     def tensor_names(self) -> list[str]:
         return [entry.hf_name for entry in self._entries]
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(
+        self, names: Collection[str] | None = None, timings: dict[str, float] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         reader = self._get_reader()
+        wanted = None if names is None else set(names)
         for entry in self._entries:
-            tensor = tensor_to_torch(reader.tensors[entry.index], self.path)
+            if wanted is not None and entry.hf_name not in wanted:
+                continue
+            tensor = tensor_to_torch(reader.tensors[entry.index], self.path, timings)
             if entry.n_heads_for_unpermute is not None:
+                t = time.perf_counter()
                 tensor = reverse_llama_permute(
                     tensor, entry.n_heads_for_unpermute, entry.gguf_name, self.path
                 )
+                if timings is not None:
+                    timings["convert"] = timings.get("convert", 0.0) + time.perf_counter() - t
             yield entry.hf_name, tensor
+
+    def files(self) -> list[Path]:
+        return [self.path]
 
     def fingerprint_parts(self) -> Iterator[bytes]:
         reader = self._get_reader()
@@ -320,10 +342,15 @@ def _map_tensors(reader: GGUFReader, path: Path, arch: str, config: dict[str, An
     return entries
 
 
-def tensor_to_torch(tensor: ReaderTensor, path: Path) -> torch.Tensor:
-    """Copy a GGUF tensor out of the memory map as a torch tensor in HF layout."""
+def tensor_to_torch(
+    tensor: ReaderTensor, path: Path, timings: dict[str, float] | None = None
+) -> torch.Tensor:
+    """Copy a GGUF tensor out of the memory map as a torch tensor in HF layout.
+
+    ``timings``: seconds copying out of the map ("read") and dequantizing ("convert") are added."""
     qtype = tensor.tensor_type
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF ne[] is fastest-first
+    t0 = time.perf_counter()
     try:
         if qtype == _Q.F32:
             array = np.array(tensor.data, dtype=np.float32)
@@ -331,9 +358,15 @@ def tensor_to_torch(tensor: ReaderTensor, path: Path) -> torch.Tensor:
             array = np.array(tensor.data, dtype=np.float16)
         elif qtype == _Q.BF16:
             raw = np.array(tensor.data, dtype=np.uint8).view(np.int16)
+            _add_time(timings, "read", t0)
             return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
         else:
-            array = np.ascontiguousarray(dequantize(tensor.data, qtype), dtype=np.float32)
+            blocks = np.array(tensor.data)  # the read: pages come in here, not in dequantize
+            t1 = _add_time(timings, "read", t0)
+            array = np.ascontiguousarray(dequantize(blocks, qtype), dtype=np.float32)
+            _add_time(timings, "convert", t1)
+            return torch.from_numpy(array).reshape(shape)
+        _add_time(timings, "read", t0)
         return torch.from_numpy(array).reshape(shape)
     except (ValueError, RuntimeError, NotImplementedError) as exc:
         raise ModelLoadError(
@@ -341,6 +374,13 @@ def tensor_to_torch(tensor: ReaderTensor, path: Path) -> torch.Tensor:
             path=path,
             hint=_CORRUPT_HINT,
         ) from exc
+
+
+def _add_time(timings: dict[str, float] | None, key: str, since: float) -> float:
+    now = time.perf_counter()
+    if timings is not None:
+        timings[key] = timings.get(key, 0.0) + now - since
+    return now
 
 
 def reverse_llama_permute(weight: torch.Tensor, n_heads: int, name: str, path: Path) -> torch.Tensor:

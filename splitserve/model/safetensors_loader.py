@@ -7,20 +7,33 @@ Headers are validated when the directory is opened; tensor data is memory-mapped
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from splitserve.model.checkpoint import sample_data_digest
+from splitserve.model.checkpoint import TensorLocation, sample_data_digest
 from splitserve.model.errors import ModelLoadError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _CORRUPT_HINT = "the file is corrupt or truncated; re-download or re-save the checkpoint"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def read_hf_config(directory: Path) -> dict[str, Any]:
@@ -51,16 +64,48 @@ class SafetensorsSource:
     def tensor_names(self) -> list[str]:
         return [name for _, names in self._shards for name in names]
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for file, names in self._shards:
+    def iter_tensors(
+        self, names: Collection[str] | None = None, timings: dict[str, float] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        wanted = None if names is None else set(names)
+        for file, file_names in self._shards:
+            selected = [n for n in file_names if wanted is None or n in wanted]
+            if not selected:
+                continue
             try:
                 with safe_open(file, framework="pt") as handle:
-                    for name in names:
-                        yield name, handle.get_tensor(name)
+                    for name in selected:
+                        t = time.perf_counter()
+                        tensor = handle.get_tensor(name)
+                        if timings is not None:
+                            timings["read"] = timings.get("read", 0.0) + time.perf_counter() - t
+                        yield name, tensor
             except (SafetensorError, OSError) as exc:
                 raise ModelLoadError(
                     f"cannot read safetensors data: {exc}", path=file, hint=_CORRUPT_HINT
                 ) from exc
+
+    def files(self) -> list[Path]:
+        index = self.directory / INDEX_FILE
+        extra = [index] if index.is_file() else []
+        return [self.directory / "config.json", *extra, *(file for file, _ in self._shards)]
+
+    def tensor_locations(self) -> list[TensorLocation]:
+        """Absolute byte range, dtype and shape of every tensor (from the headers; no data is read)."""
+        out = []
+        for file, names in self._shards:
+            header = _read_raw_header(file)
+            entries = json.loads(header)
+            data_start = 8 + len(header)
+            for name in names:
+                info = entries[name]
+                dtype = _SAFETENSORS_DTYPES.get(info["dtype"])  # None: left to the per-tensor path
+                begin, end = info["data_offsets"]
+                shape = tuple(int(d) for d in info["shape"])
+                out.append(
+                    TensorLocation(name, file, data_start + int(begin), int(end) - int(begin), dtype, shape)
+                )
+        return out
 
     def fingerprint_parts(self) -> Iterator[bytes]:
         for file, names in self._shards:
