@@ -101,8 +101,16 @@ class DecoderLM(nn.Module):
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into this model's (merged) parameters; every parameter must be set."""
         load_mapped_weights(
-            self, tensors, lambda n: _map_name(n, self.cfg), _expected_keys(self), self.cfg.architecture
+            self, tensors, self.map_weight_name, self.expected_weight_keys(), self.cfg.architecture
         )
+
+    def map_weight_name(self, name: str) -> tuple[str | None, tuple[int, int] | None]:
+        """HF tensor name -> (our parameter, its row range in a merged weight or None); None: skip."""
+        return _map_name(name, self.cfg)
+
+    def expected_weight_keys(self) -> list[str]:
+        """The `param:rows` keys that a checkpoint must fill (see `load_mapped_weights`)."""
+        return _expected_keys(self)
 
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}

@@ -89,12 +89,18 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: RopeConfig, rotary_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(cfg, rotary_dim)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, rotary_dim]
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        if torch.empty(0).device.type == "meta":
+            # A skeleton built on `meta` (load_model) gets its tables from build_rope later; computing
+            # them on meta would import PyTorch's Python reference ops (and dynamo): a second or more.
+            cos = sin = torch.empty(max_positions, rotary_dim)
+        else:
+            inv_freq = rope_inv_freq(cfg, rotary_dim)
+            positions = torch.arange(max_positions, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+        self.register_buffer("cos", cos, persistent=False)  # [max_positions, rotary_dim]
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -229,14 +229,17 @@ class Qwen3_5LM(nn.Module):
         Accepts `Qwen3_5ForCausalLM` names and `Qwen3_5ForConditionalGeneration` ones
         (`model.language_model.*`); vision-tower and MTP tensors are skipped.
         """
-        merged = _merged_rows(self.cfg)
         load_mapped_weights(
-            self,
-            tensors,
-            lambda n: _map_name(n, merged),
-            _expected_keys(self, merged),
-            self.cfg.architecture,
+            self, tensors, self.map_weight_name, self.expected_weight_keys(), self.cfg.architecture
         )
+
+    def map_weight_name(self, name: str) -> tuple[str | None, tuple[int, int] | None]:
+        """HF tensor name -> (our parameter, its row range in a merged weight or None); None: skip."""
+        return _map_name(name, _merged_rows(self.cfg))
+
+    def expected_weight_keys(self) -> list[str]:
+        """The `param:rows` keys that a checkpoint must fill (see `load_mapped_weights`)."""
+        return _expected_keys(self, _merged_rows(self.cfg))
 
 
 _Merged = dict[str, tuple[str, tuple[int, int]]]
