@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from splitserve.model.config import ModelConfig
+from splitserve.model.weight_cache import WeightCache, resolve_cache_dir
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +31,11 @@ class EngineConfig:
     seed: int = 0
     kv_shared_memory: bool = False  # CPU: KV in a memfd, so shm KV fetchers copy straight out of it
     progress: bool = True
+    # Host-side cache of converted weights (model/weight_cache.py): "auto" = $SPLITSERVE_CACHE_DIR/weights
+    # or ~/.cache/splitserve/weights; a path (e.g. /dev/shm/splitserve-weights); None or "off" disables
+    weight_cache_dir: str | None = "auto"
+    weight_cache_max_gb: float | None = 64.0  # least recently used entries are evicted beyond this
+    weight_cache_verify: bool = True  # CRC32 of every chunk on load (see weight_cache.py for the cost)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -42,6 +48,14 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(_DTYPES)}")
         return _DTYPES[self.dtype]
+
+    def weight_cache(self) -> WeightCache | None:
+        """The weight cache these knobs describe, or None when it is off."""
+        directory = resolve_cache_dir(self.weight_cache_dir)
+        if directory is None:
+            return None
+        max_bytes = None if self.weight_cache_max_gb is None else int(self.weight_cache_max_gb * 1e9)
+        return WeightCache(directory, max_bytes, self.weight_cache_verify)
 
     def resolve_max_model_len(self, cfg: ModelConfig) -> int:
         if self.max_model_len is None:

@@ -54,7 +54,12 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_path = path
         self.loaded = loaded or load_model(
-            path, self.device, self.dtype, config.resolve_max_model_len, progress=config.progress
+            path,
+            self.device,
+            self.dtype,
+            config.resolve_max_model_len,
+            progress=config.progress,
+            weight_cache=config.weight_cache(),
         )
         self.model_config = self.loaded.config
         self.max_model_len = config.resolve_max_model_len(self.model_config)
