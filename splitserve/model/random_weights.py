@@ -13,8 +13,11 @@ Only torch is needed here (transformers only inside `build_hf_model`); nothing i
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +48,17 @@ QWEN3_8B: dict[str, Any] = {
     "eos_token_id": 151645,
 }
 
+#: Qwen3-1.7B (config.json of Qwen/Qwen3-1.7B, HF names): 1.7B parameters, 3.4 GB in bf16.
+QWEN3_1_7B: dict[str, Any] = {
+    **QWEN3_8B,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": True,
+}
+
 #: A Qwen3-shaped model small enough for unit tests and CPU smoke runs.
 TINY_QWEN3: dict[str, Any] = {
     **QWEN3_8B,
@@ -63,6 +77,7 @@ TINY_QWEN3: dict[str, Any] = {
 #: Names accepted by `random_model_config` (and the benchmarks' `--model`).
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b-random": QWEN3_8B,
+    "qwen3-1.7b-random": QWEN3_1_7B,
     "tiny-random": TINY_QWEN3,
 }
 
@@ -168,3 +183,55 @@ def build_hf_model(hf_config: dict[str, Any], model: DecoderLM) -> nn.Module:
         hf = AutoModelForCausalLM.from_config(config, dtype=first.dtype)
     hf.load_state_dict(hf_state_dict(model), strict=True)
     return hf.eval()
+
+
+def save_hf_checkpoint(
+    model: DecoderLM,
+    hf_config: dict[str, Any],
+    directory: str | os.PathLike[str],
+    dtype: torch.dtype | None = None,
+    shard_bytes: int = 5 * 10**9,
+    progress: bool = True,
+) -> Path:
+    """Write `model`'s weights as a Hugging Face safetensors directory (config.json, shards, index).
+
+    Tensors are copied to the CPU one shard at a time (`dtype`: cast them, default: the model's), so
+    an 8B model on a GPU needs only about one shard of host memory.
+    """
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = hf_state_dict(model)
+    first = next(iter(tensors.values()))
+    dtype = dtype or first.dtype
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * dtype.itemsize
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    n = len(groups)
+    files = (
+        ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file, names in tqdm(
+        list(zip(files, groups, strict=True)), desc="saving shards", disable=not progress
+    ):
+        shard = {name: tensors[name].detach().to("cpu", dtype, copy=True).contiguous() for name in names}
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+        del shard
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
