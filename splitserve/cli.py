@@ -163,17 +163,20 @@ def _render(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     import asyncio
     import json
+    import os
     from pathlib import Path
 
     from splitserve.config import load_manifest
     from splitserve.gate.verify import verify_manifest, verify_url
 
     if args.url:
-        key = args.api_key
-        if key is None and args.manifest:
-            keys = load_manifest(args.manifest).server.keys()
-            key = keys[0] if keys else None
-        report = asyncio.run(verify_url(args.url.rstrip("/").removesuffix("/v1"), key))
+        key, secret_env = args.api_key, "SPLITSERVE_KV_SECRET"
+        if args.manifest:
+            m = load_manifest(args.manifest)
+            keys, secret_env = m.server.keys(), m.transport.secret_env
+            key = key or (keys[0] if keys else None)
+        secret = os.environ.get(secret_env)
+        report = asyncio.run(verify_url(args.url.rstrip("/").removesuffix("/v1"), key, secret))
     else:
         report = verify_manifest(load_manifest(args.manifest))
     print(report.table())

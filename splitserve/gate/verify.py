@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ import httpx
 
 from splitserve.config.manifest import Manifest
 from splitserve.serve.probe import ProbeError, blocks_for, probe_pair
+from splitserve.serve.worker_auth import worker_headers
 
 
 @dataclass
@@ -74,10 +77,15 @@ class Report:
         return "\n".join(lines)
 
 
-async def verify_url(url: str, api_key: str | None = None, timeout_s: float = 60.0) -> Report:
+async def verify_url(
+    url: str, api_key: str | None = None, secret: str | None = None, timeout_s: float = 60.0
+) -> Report:
+    """`api_key`: the router's (if it has keys); `secret`: the deployment's KV secret, from which the
+    workers' API token derives (default: $SPLITSERVE_KV_SECRET)."""
     report = Report(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=timeout_s) as http:
+    secret = secret or os.environ.get("SPLITSERVE_KV_SECRET")
+    async with httpx.AsyncClient(timeout=timeout_s, headers=worker_headers(secret)) as http:
         try:
             r = await http.get(f"{url}/admin/deployment", headers=headers)
             r.raise_for_status()
@@ -85,6 +93,13 @@ async def verify_url(url: str, api_key: str | None = None, timeout_s: float = 60
             report.error = f"could not read {url}/admin/deployment: {exc}"
             return report
         dep = r.json()
+        ready = [w for w in dep["workers"] if w["state"] == "ready"]
+        if ready and (await http.get(f"{ready[0]['url']}/stats")).status_code == 401:
+            report.error = (
+                "the workers refused our token: run verify with the deployment's secret in "
+                "the environment variable its manifest names (transport.secret_env)"
+            )
+            return report
         await _check(http, dep, report, timeout_s)
     return report
 
@@ -268,6 +283,8 @@ def verify_manifest(manifest: Manifest, timeout_s: float = 60.0) -> Report:
     manifest = manifest.model_copy(deep=True)
     manifest.server.port = 0
     keys = manifest.server.keys()
+    env = manifest.transport.secret_env
+    secret = manifest.transport.secret or os.environ.setdefault(env, secrets.token_hex(32))  # the child's too
     try:
         sp = start_serve(manifest)
     except RuntimeError as exc:
@@ -276,7 +293,7 @@ def verify_manifest(manifest: Manifest, timeout_s: float = 60.0) -> Report:
         report.error = "the deployment did not start: " + (" | ".join(tail) or str(exc)[-500:])
         return report
     try:
-        report = asyncio.run(verify_url(sp.url, keys[0] if keys else None, timeout_s))
+        report = asyncio.run(verify_url(sp.url, keys[0] if keys else None, secret, timeout_s))
         report.target = f"{sp.url} (started from manifest {manifest.name})"
         return report
     finally:

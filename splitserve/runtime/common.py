@@ -18,59 +18,25 @@ def pool_device(manifest: Manifest, role: str, index: int) -> str:
 
 
 def worker_argv(manifest: Manifest, role: str, index: int, secret_env: str) -> list[str]:
-    """The command line of one worker, from the manifest."""
+    """The command line of one worker, from the manifest. Every role gets the deployment's secret (in
+    the environment variable `secret_env`): it keys the KV handshake and the worker API's token."""
     m, e, t = manifest.model, manifest.engine, manifest.transport
-    device = pool_device(manifest, role, index)
-    argv = [
-        sys.executable,
-        "-m",
-        "splitserve.serve.worker",
-        "--role",
-        role,
-        "--model",
-        m.source,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--device",
-        device,
-        "--dtype",
-        m.dtype,
-        "--block-size",
-        str(e.block_size),
-        "--max-num-seqs",
-        str(e.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(e.max_num_batched_tokens),
-        "--seed",
-        str(e.seed),
-        "--threads",
-        str(e.threads),
-    ]
-    if m.max_model_len is not None:
-        argv += ["--max-model-len", str(m.max_model_len)]
-    if e.kv_cache_mb is not None:
-        argv += ["--kv-cache-mb", str(e.kv_cache_mb)]
-    if e.memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", str(e.memory_utilization)]
+    flags: dict[str, object] = {
+        "--role": role, "--model": m.source, "--host": "127.0.0.1", "--port": 0,
+        "--device": pool_device(manifest, role, index), "--dtype": m.dtype, "--block-size": e.block_size,
+        "--max-num-seqs": e.max_num_seqs, "--max-num-batched-tokens": e.max_num_batched_tokens,
+        "--seed": e.seed, "--threads": e.threads, "--max-model-len": m.max_model_len,
+        "--kv-cache-mb": e.kv_cache_mb, "--gpu-memory-utilization": e.memory_utilization,
+        "--kv-secret-env": secret_env,
+    }  # fmt: skip
     if role != "colocated":
-        argv += [
-            "--kv-backend",
-            t.backend,
-            "--kv-fallback",
-            ",".join(t.fallback),
-            "--kv-lease-s",
-            str(t.lease_s),
-            "--kv-fetch-timeout-s",
-            str(t.fetch_timeout_s),
-            "--kv-policy",
-            t.policy,
-            "--kv-secret-env",
-            secret_env,
-        ]
-        if t.checksum:
-            argv += ["--kv-checksum", t.checksum]
+        flags |= {"--kv-backend": t.backend, "--kv-fallback": ",".join(t.fallback), "--kv-lease-s": t.lease_s,
+                  "--kv-fetch-timeout-s": t.fetch_timeout_s, "--kv-policy": t.policy,
+                  "--kv-checksum": t.checksum}  # fmt: skip
+    argv = [sys.executable, "-m", "splitserve.serve.worker", "--http-auth"]
+    for flag, value in flags.items():
+        if value is not None:
+            argv += [flag, str(value)]
     return argv + list(manifest.runtime.worker_args)
 
 
@@ -81,14 +47,27 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
     m, e, t = manifest.model, manifest.engine, manifest.transport
     device = pool_device(manifest, role, index)
     return WorkerConfig(
-        role=role, model=None if m.source == "default" else m.source, device=device,
-        dtype=m.dtype, block_size=e.block_size, max_model_len=m.max_model_len, max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens, kv_cache_mb=e.kv_cache_mb,
-        gpu_memory_utilization=e.memory_utilization, seed=e.seed, kv_backend=t.backend,
-        kv_fallback=tuple(t.fallback), kv_secret=secret if role != "colocated" else None, kv_host=host,
-        kv_lease_s=t.lease_s, kv_fetch_timeout_s=t.fetch_timeout_s, kv_policy=t.policy,
+        role=role,
+        model=None if m.source == "default" else m.source,
+        device=device,
+        dtype=m.dtype,
+        block_size=e.block_size,
+        max_model_len=m.max_model_len,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        kv_cache_mb=e.kv_cache_mb,
+        gpu_memory_utilization=e.memory_utilization,
+        seed=e.seed,
+        kv_backend=t.backend,
+        kv_fallback=tuple(t.fallback),
+        kv_secret=secret,
+        http_auth=secret is not None,
+        kv_host=host,
+        kv_lease_s=t.lease_s,
+        kv_fetch_timeout_s=t.fetch_timeout_s,
+        kv_policy=t.policy,
         kv_checksum=t.checksum,
-    )  # fmt: skip
+    )
 
 
 __all__ = ["pool_device", "worker_argv", "worker_config"]

@@ -100,9 +100,10 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         info = ModelInfo(manifest.model.resolved_served_name(), int(first["max_model_len"]),
                          int(first["vocab_size"]), first["model"])  # fmt: skip
         api = OpenAIServer(
-            manifest, runtime, tokenizer, info, runtime.describe, lambda: _worker_stats(runtime)
-        )
-        prober = KVProber(manifest, runtime.ready, api.on_probe)
+            manifest, runtime, tokenizer, info, runtime.describe, lambda: _worker_stats(runtime),
+            runtime.worker_headers,
+        )  # fmt: skip
+        prober = KVProber(manifest, runtime.ready, api.on_probe, runtime.worker_headers)
 
         @contextlib.asynccontextmanager
         async def lifespan(_app: object) -> AsyncIterator[None]:

@@ -33,6 +33,7 @@ import httpx
 
 from splitserve.config.manifest import Manifest
 from splitserve.runtime.common import worker_argv
+from splitserve.serve.worker_auth import worker_headers
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class LocalRuntime:
         secret_env = manifest.transport.secret_env
         secret = manifest.transport.secret or os.environ.get(secret_env) or secrets.token_hex(32)
         env = {**os.environ, secret_env: secret, "PYTHONUNBUFFERED": "1"}
+        self.worker_headers = worker_headers(secret)  # the worker API's bearer token, from the secret
         self.workers: list[WorkerProcess] = [
             WorkerProcess(f"{role}-{i}", role, worker_argv(manifest, role, i, secret_env), env)
             for role, pool in manifest.pools().items()
@@ -109,7 +111,7 @@ class LocalRuntime:
         ]
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self.worker_headers)
 
     def ready(self, role: str) -> list[WorkerProcess]:
         return [w for w in self.workers if w.role == role and w.ready]

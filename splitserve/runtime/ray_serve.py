@@ -41,6 +41,7 @@ from ray import serve
 from splitserve.config.manifest import Manifest, PlacementSection
 from splitserve.runtime.common import worker_config
 from splitserve.serve.api import ModelInfo, OpenAIServer, install_routes
+from splitserve.serve.worker_auth import worker_headers
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +172,12 @@ class RayEndpoint:
 class RayWorkers:
     """The router's view of the workers: the registry, health-checked over HTTP every `interval_s`."""
 
-    def __init__(self, registry: Any, interval_s: float, failures: int) -> None:
+    def __init__(self, registry: Any, interval_s: float, failures: int, headers: dict[str, str]) -> None:
         self.registry = registry
         self.interval_s = interval_s
         self.failures = failures
         self.endpoints: dict[str, RayEndpoint] = {}
-        self.http = httpx.AsyncClient(timeout=max(1.0, 2 * interval_s))
+        self.http = httpx.AsyncClient(timeout=max(1.0, 2 * interval_s), headers=headers)
 
     def ready(self, role: str) -> list[RayEndpoint]:
         return [e for e in self.endpoints.values() if e.role == role and e.ready]
@@ -243,7 +244,8 @@ class Router:
         self.manifest = Manifest.model_validate_json(manifest_json)
         self.registry = ray.get_actor(registry, namespace=namespace)
         rt = self.manifest.runtime
-        self.workers = RayWorkers(self.registry, rt.health_interval_s, rt.health_failures)
+        self.headers = worker_headers(os.environ.get(self.manifest.transport.secret_env))
+        self.workers = RayWorkers(self.registry, rt.health_interval_s, rt.health_failures, self.headers)
         self._setup = asyncio.get_event_loop().create_task(self._start())
 
     async def _start(self) -> None:
@@ -266,8 +268,10 @@ class Router:
             int(first["vocab_size"]),
             first["model"],
         )
-        server = OpenAIServer(m, self.workers, tokenizer, info, self.workers.describe, self.workers.stats)
-        self.prober = KVProber(m, self.workers.ready, server.on_probe)
+        server = OpenAIServer(
+            m, self.workers, tokenizer, info, self.workers.describe, self.workers.stats, self.headers
+        )
+        self.prober = KVProber(m, self.workers.ready, server.on_probe, self.headers)
         self.prober.start()
         _SERVER = server
         asyncio.get_running_loop().create_task(self.workers.loop())
@@ -340,7 +344,7 @@ def build_app(manifest: Manifest, secret: str | None = None) -> Any:
     router = serve.deployment(
         Router,
         name=f"{manifest.name}-router",
-        ray_actor_options=_actor_options(rt.router_placement),
+        ray_actor_options=_actor_options(rt.router_placement, env={t.secret_env: secret}),
         max_ongoing_requests=srv.max_concurrent_requests + srv.max_queued_requests,
         health_check_period_s=rt.health_interval_s,
     )

@@ -121,9 +121,11 @@ class OpenAIServer:
         info: ModelInfo,
         describe_workers: Callable[[], list[dict]] = list,
         worker_stats: Callable[[], Awaitable[list[dict]]] | None = None,
+        worker_headers: dict[str, str] | None = None,
     ) -> None:
         """`describe_workers()`: every worker's name, role, state, url, kv address, restarts and its
-        last /health; `worker_stats()`: each ready worker's /stats (for /metrics)."""
+        last /health; `worker_stats()`: each ready worker's /stats (for /metrics); `worker_headers`:
+        what calls to the workers carry (their API's bearer token)."""
         self.manifest = manifest
         self.workers = workers
         self.tokenizer = tokenizer
@@ -131,7 +133,9 @@ class OpenAIServer:
         self.describe_workers = describe_workers
         self.worker_stats = worker_stats
         self.keys = [k.encode() for k in manifest.server.keys()]
-        self.dispatcher = Dispatcher(workers, manifest.router, manifest.mode, manifest.engine.block_size)
+        self.dispatcher = Dispatcher(
+            workers, manifest.router, manifest.mode, manifest.engine.block_size, worker_headers
+        )
         srv = manifest.server
         self.admission = Admission(
             srv.max_concurrent_requests, srv.max_queued_requests, manifest.router.timeouts.queue_s

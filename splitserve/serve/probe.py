@@ -63,11 +63,12 @@ class KVProber:
         manifest: Manifest,
         workers: Callable[[str], Sequence[Any]],
         on_result: Callable[[str, str, dict | None, str | None], None],
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.manifest = manifest
         self.workers = workers
         self.on_result = on_result
-        self.http = httpx.AsyncClient(timeout=30)
+        self.http = httpx.AsyncClient(timeout=30, headers=headers or {})
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

@@ -102,14 +102,22 @@ class Picker:
 class Dispatcher:
     """Drives choices through the workers (see the module doc)."""
 
-    def __init__(self, workers: WorkerSet, config: RouterSection, mode: str, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        workers: WorkerSet,
+        config: RouterSection,
+        mode: str,
+        block_size: int = 16,
+        headers: dict[str, str] | None = None,  # the worker API's bearer token
+    ) -> None:
         self.workers = workers
         self.config = config
         self.mode = mode
         self.picker = Picker(config, block_size)
         t = config.timeouts
         limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(t.request_s, connect=t.connect_s), limits=limits)
+        timeout = httpx.Timeout(t.request_s, connect=t.connect_s)
+        self.http = httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers or {})
         self._background: set[asyncio.Task] = set()
 
     async def close(self) -> None:

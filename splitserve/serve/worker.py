@@ -57,6 +57,7 @@ from splitserve.serve.schemas import (
     request_timings,
     sampling_params,
 )
+from splitserve.serve.worker_auth import worker_headers, worker_token  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,13 @@ class WorkerConfig:
     kv_checksum: str | None = None
     fault_injection: bool = False
     kv_throttle_gbps: float | None = None  # test hook: hold every fetch to this bandwidth
+    http_auth: bool = False  # every endpoint but GET /health wants `Bearer worker_token(kv_secret)`
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"unknown role {self.role!r}; choose one of {ROLES}")
+        if self.http_auth and not self.kv_secret:
+            raise ValueError("http_auth needs the deployment's secret (kv_secret) to derive its token")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -385,6 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--enable-fault-injection", action="store_true", help="tests: POST /debug/faults")
     p.add_argument(
+        "--http-auth",
+        action="store_true",
+        help="require a bearer token derived from the KV secret on every endpoint but /health",
+    )
+    p.add_argument(
         "--kv-throttle-gbps", type=float, default=None, help="test hook: hold fetches to this GB/s"
     )
     p.add_argument("-v", "--verbose", action="store_true")
@@ -393,8 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     secret = os.environ.get(args.kv_secret_env) or None
-    if args.role != "colocated" and not secret:
-        raise ValueError(f"the {args.role} role needs the shared KV secret in ${args.kv_secret_env}")
+    if (args.role != "colocated" or args.http_auth) and not secret:
+        why = "--http-auth" if args.role == "colocated" else f"the {args.role} role"
+        raise ValueError(f"{why} needs the deployment's shared secret in ${args.kv_secret_env}")
     return WorkerConfig(
         role=args.role, model=args.model, device=args.device, dtype=args.dtype,
         block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -404,7 +414,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         kv_secret=secret, kv_host=args.host, kv_lease_s=args.kv_lease_s,
         kv_fetch_timeout_s=args.kv_fetch_timeout_s, kv_policy=args.kv_policy,
         kv_checksum=args.kv_checksum, fault_injection=args.enable_fault_injection,
-        kv_throttle_gbps=args.kv_throttle_gbps,
+        kv_throttle_gbps=args.kv_throttle_gbps, http_auth=args.http_auth,
     )  # fmt: skip
 
 

@@ -11,9 +11,11 @@ A /decode or /generate stream answers its status before the first line: a failed
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -36,6 +38,7 @@ from splitserve.serve.schemas import (
     StreamLine,
 )
 from splitserve.serve.worker import Worker
+from splitserve.serve.worker_auth import worker_token
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,19 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
     return StreamingResponse(body(), media_type=NDJSON)
 
 
+def _require_token(app: FastAPI, token: str) -> None:
+    """Every endpoint but GET /health answers 401 without `Authorization: Bearer <token>`."""
+    expected = f"Bearer {token}".encode()
+
+    @app.middleware("http")
+    async def check(request: Request, call_next: Callable) -> Any:
+        if request.url.path != "/health":
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                return _error(401, "unauthorized", "this worker wants the deployment's worker token")
+        return await call_next(request)
+
+
 def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -119,6 +135,8 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
 
     app = FastAPI(title=f"splitserve {worker.config.role} worker", lifespan=lifespan)
     _install_errors(app)
+    if worker.config.http_auth:
+        _require_token(app, worker_token(worker.config.kv_secret or ""))
 
     @app.post("/prefill", response_model=PrefillResponse)
     async def prefill(req: PrefillRequest) -> PrefillResponse:

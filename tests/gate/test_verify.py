@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,6 +20,9 @@ from splitserve.gate.verify import verify_url
 from splitserve.runtime.process import start_serve
 
 pytestmark = pytest.mark.slow
+os.environ.setdefault(
+    "SPLITSERVE_KV_SECRET", "splitserve-test-secret-0123456789abcdef"
+)  # deployments inherit it
 
 BASE = {
     "model": {"max_model_len": 1024},

@@ -20,8 +20,12 @@ import openai
 import pytest
 import yaml
 
+from splitserve.serve.worker_auth import worker_headers
+
 MODEL = "smollm2-135m-instruct"
 API_KEY = "sk-splitserve-test"
+# The deployments' KV secret (inherited by `splitserve serve`), so that tests can reach the workers' API.
+SECRET = os.environ.setdefault("SPLITSERVE_KV_SECRET", "splitserve-test-secret-0123456789abcdef")
 # OpenAI's own API schema: the whole file where the workplace has it, else the components the tests
 # use, extracted from it into tests/serve/data (so that CI on a fresh clone validates too).
 SCHEMA_PATHS = [
@@ -60,8 +64,10 @@ class Deployment:
         return {w["name"]: w["url"] for w in self.admin()["workers"] if w["url"]}
 
     def worker_stats(self) -> dict[str, dict]:
+        h = worker_headers(SECRET)
         return {
-            name: httpx.get(f"{url}/stats", timeout=10).json() for name, url in self.worker_urls().items()
+            name: httpx.get(f"{url}/stats", headers=h, timeout=10).json()
+            for name, url in self.worker_urls().items()
         }
 
     def wait_idle(self, timeout_s: float = 30.0) -> dict[str, dict]:

@@ -9,9 +9,10 @@ import math
 
 import httpx
 import pytest
-from conftest import MODEL, check_schema, sse_events
+from conftest import MODEL, SECRET, check_schema, sse_events
 
 from splitserve import SamplingParams
+from splitserve.serve.worker_auth import worker_headers
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +48,14 @@ def test_models_and_health(disagg, openai_schema):
     assert httpx.get(f"{disagg.url}/admin/deployment", timeout=10).status_code == 401
     workers = disagg.admin()["workers"]
     assert {w["role"] for w in workers} == {"prefill", "decode"} and all(w["url"] for w in workers)
+    # the workers' own API wants the token derived from the deployment's secret (all but /health)
+    for w in workers:
+        assert httpx.get(f"{w['url']}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{w['url']}/stats", timeout=10).status_code == 401
+        assert httpx.post(f"{w['url']}/abort", json={"request_id": "x"}, timeout=10).status_code == 401
+        wrong = worker_headers("not-the-secret")
+        assert httpx.get(f"{w['url']}/stats", headers=wrong, timeout=10).status_code == 401
+        assert httpx.get(f"{w['url']}/stats", headers=worker_headers(SECRET), timeout=10).status_code == 200
 
 
 def test_greedy_http_equals_llm_both_modes(disagg, colocated, llm):
