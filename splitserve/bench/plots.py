@@ -102,7 +102,7 @@ def ttft_breakdown(plt: Any, report: dict) -> Any:
     ax.set_xticks(range(len(bars)), [f"{n}\n@{r}" for n, r, _ in bars], fontsize=8)
     ax.set_ylabel("mean ms per request (server side)")
     ax.set_title("where TTFT goes (router /metrics)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig

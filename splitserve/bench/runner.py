@@ -164,13 +164,10 @@ async def _bench(
     )
     if opts.warmup:
         await _warm_up(url, copts, opts.warmup)
-    if not run.hardware:
-        mode = None
-        samples = await fetch_metrics(url, opts.api_key)
-        run.hardware = url_hardware(samples, opts.url_device, opts.prices)
+    if not run.hardware:  # a URL target: its workers from /metrics
+        run.hardware = url_hardware(await fetch_metrics(url, opts.api_key), opts.url_device, opts.prices)
         roles = {w["role"] for w in run.hardware["workers"]}
-        mode = "disaggregated" if "prefill" in roles else "colocated" if "colocated" in roles else None
-        run.mode = run.mode or mode
+        run.mode = "disaggregated" if "prefill" in roles else "colocated" if "colocated" in roles else None
     for rate in opts.rates:
         run.points.append(await _bench_rate(run, url, trace, rate, copts, opts, pid))
 

