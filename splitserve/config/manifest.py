@@ -62,6 +62,12 @@ class EngineSection(_Section):
     enforce_eager: bool = False  # GPU: no CUDA graphs
     threads: int = Field(default=1, ge=1)  # CPU: torch intra-op threads per worker
     seed: int = 0
+    # Host-side cache of converted weights, shared by the workers of a host and kept across restarts:
+    # "auto" = $SPLITSERVE_CACHE_DIR/weights or ~/.cache/splitserve/weights; a path (/dev/shm/... keeps
+    # it in memory); null turns it off.
+    weight_cache_dir: str | None = "auto"
+    weight_cache_max_gb: float | None = Field(default=64.0, gt=0)
+    weight_cache_verify: bool = True  # a CRC32 of every 32 MiB chunk on load
 
     @model_validator(mode="after")
     def _one_budget(self) -> EngineSection:

@@ -125,6 +125,13 @@ async def _check(http: httpx.AsyncClient, dep: dict, report: Report, timeout_s: 
         report.add(
             "device", w["name"], True, f"{h.get('device')} {h.get('dtype')}, restarts {w.get('restarts', 0)}"
         )
+        load = h.get("load") or {}
+        stages = ", ".join(f"{k} {v:.2f}s" for k, v in (load.get("seconds") or {}).items())
+        started = f"; ready {w['startup_s']:.1f}s after spawn" if w.get("startup_s") else ""
+        cache = (load.get("cache") or {}).get("status", "off")
+        total = load.get("total_seconds") or 0.0
+        detail = f"{load.get('method', '?')}, cache {cache}: {total:.2f}s ({stages}){started}"
+        report.add("weights", w["name"], True, detail, load.get("total_seconds"))
         if w["role"] == "colocated":
             continue
         kv = s.get("kv_transfer") or {}

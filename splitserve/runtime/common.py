@@ -28,12 +28,15 @@ def worker_argv(manifest: Manifest, role: str, index: int, secret_env: str) -> l
         "--seed": e.seed, "--threads": e.threads, "--max-model-len": m.max_model_len,
         "--kv-cache-mb": e.kv_cache_mb, "--gpu-memory-utilization": e.memory_utilization,
         "--kv-secret-env": secret_env,
+        "--weight-cache-dir": e.weight_cache_dir or "off", "--weight-cache-max-gb": e.weight_cache_max_gb,
     }  # fmt: skip
     if role != "colocated":
         flags |= {"--kv-backend": t.backend, "--kv-fallback": ",".join(t.fallback), "--kv-lease-s": t.lease_s,
                   "--kv-fetch-timeout-s": t.fetch_timeout_s, "--kv-policy": t.policy,
                   "--kv-checksum": t.checksum}  # fmt: skip
     argv = [sys.executable, "-m", "splitserve.serve.worker", "--http-auth"]
+    if not e.weight_cache_verify:
+        argv.append("--no-weight-cache-verify")
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]
@@ -67,6 +70,9 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
         kv_fetch_timeout_s=t.fetch_timeout_s,
         kv_policy=t.policy,
         kv_checksum=t.checksum,
+        weight_cache_dir=e.weight_cache_dir,
+        weight_cache_max_gb=e.weight_cache_max_gb,
+        weight_cache_verify=e.weight_cache_verify,
     )
 
 

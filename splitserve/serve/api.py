@@ -407,6 +407,17 @@ class OpenAIServer:
     async def render_metrics(self) -> bytes:
         m, name = self.metrics, self.info.served_name
         m.router_running.labels(name).set(self.admission.running)
+        for w in self.describe_workers():
+            lab = (name, w["name"], w["role"])
+            load = (w.get("info") or {}).get("load") or {}
+            for stage, secs in {**load.get("seconds", {}), "total": load.get("total_seconds")}.items():
+                if secs is not None:
+                    m.load_seconds.labels(*lab, stage).set(secs)
+            if load:
+                status = (load.get("cache") or {}).get("status", "off")
+                m.weight_cache.labels(*lab, status, load.get("method", "?")).set(1)
+            if w.get("startup_s") is not None:
+                m.startup_seconds.labels(*lab).set(w["startup_s"])
         m.router_waiting.labels(name).set(self.admission.waiting)
         if self.worker_stats is not None:
             for s in await self.worker_stats():

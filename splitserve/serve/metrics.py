@@ -206,6 +206,25 @@ class RouterMetrics:
         self.kv_min_gbps = Gauge(
             "splitserve:kv_min_gbps", "The manifest's KV bandwidth floor (verify.min_gbps)", L, registry=r
         )
+        self.load_seconds = Gauge(
+            "splitserve:worker_weight_load_seconds",
+            "A worker's last weight load, by stage (open, read, convert, cache_write, "
+            "verify, copy, warmup; total)",
+            [*L, "worker", "role", "stage"],
+            registry=r,
+        )
+        self.weight_cache = Gauge(
+            "splitserve:worker_weight_cache_info",
+            "1 for how a worker's weights were loaded (cache status and method)",
+            [*L, "worker", "role", "status", "method"],
+            registry=r,
+        )
+        self.startup_seconds = Gauge(
+            "splitserve:worker_startup_seconds",
+            "A worker's last start, spawn to ready",
+            [*L, "worker", "role"],
+            registry=r,
+        )
         self.router_running = Gauge(
             "splitserve:router_requests_running", "Requests in flight in the router", L, registry=r
         )

@@ -81,6 +81,9 @@ class WorkerConfig:
     kv_cache_mb: int | None = None  # None: the engine's default budget
     gpu_memory_utilization: float | None = None  # CUDA: fraction for weights + KV (None: the engine's)
     seed: int = 0
+    weight_cache_dir: str | None = "auto"
+    weight_cache_max_gb: float | None = 64.0
+    weight_cache_verify: bool = True
     kv_backend: str = "tcp"
     kv_fallback: tuple[str, ...] = ()  # backends allowed if kv_backend cannot run (logged, counted)
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
@@ -116,6 +119,9 @@ class WorkerConfig:
             ),
             seed=self.seed,
             progress=False,
+            weight_cache_dir=self.weight_cache_dir,
+            weight_cache_max_gb=self.weight_cache_max_gb,
+            weight_cache_verify=self.weight_cache_verify,
             # the exporter's cache in a memfd: shm fetchers copy straight out of it (kv/shm_direct.py)
             kv_shared_memory=self.role == "prefill" and "shm" in (self.kv_backend, *self.kv_fallback),
         )
@@ -247,6 +253,7 @@ class Worker:
             "vocab_size": self.engine.model_config.vocab_size,
             "device": str(self.engine.device),
             "dtype": str(self.engine.dtype).removeprefix("torch."),
+            "load": self.engine.loaded.load_stats,  # weights: method, cache status, seconds per stage
         }
 
     async def stats(self) -> dict:
@@ -320,7 +327,10 @@ class Worker:
         def reserve() -> list[int]:
             if engine.pool.num_free < handle.num_blocks:
                 raise NoRoom(f"only {engine.pool.num_free} free blocks for a {handle.num_blocks}-block probe")
-            return engine.pool.allocate(handle.num_blocks)
+            ids = engine.pool.allocate(handle.num_blocks)
+            for i in ids:  # touch the pages first: the probe measures the transport, not page faults
+                engine.kv[i].zero_()
+            return ids
 
         ids = await self.llm.run_in_engine(reserve)
         start = time.perf_counter()
@@ -376,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache budget (default: the engine's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-cache-dir", default="auto", help='"auto", a path, or "off"')
+    p.add_argument("--weight-cache-max-gb", type=float, default=64.0)
+    p.add_argument("--no-weight-cache-verify", action="store_true", help="skip the per-chunk CRC32 on load")
     p.add_argument("--kv-backend", default="tcp",
                    help="tcp | shm | cuda_ipc (GPU KV, one host) | nccl (GPU KV); nixl: not yet")  # fmt: skip
     p.add_argument("--kv-fallback", default="",
@@ -410,6 +423,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb, seed=args.seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        weight_cache_dir=None if args.weight_cache_dir == "off" else args.weight_cache_dir,
+        weight_cache_max_gb=args.weight_cache_max_gb, weight_cache_verify=not args.no_weight_cache_verify,
         kv_backend=args.kv_backend, kv_fallback=tuple(b for b in args.kv_fallback.split(",") if b),
         kv_secret=secret, kv_host=args.host, kv_lease_s=args.kv_lease_s,
         kv_fetch_timeout_s=args.kv_fetch_timeout_s, kv_policy=args.kv_policy,

@@ -134,7 +134,12 @@ def test_sigkill_a_worker_under_load(fragile, victim):
         assert time.monotonic() < deadline, health
         time.sleep(0.2)
     back_in = time.monotonic() - killed_at
-    print(f"{victim} killed; back ready in {back_in:.1f}s (its own start-up {w['startup_s']:.1f}s)")
+    load = {x["name"]: x for x in fragile.admin()["workers"]}[victim]["info"]["load"]
+    print(
+        f"{victim} killed; back ready in {back_in:.1f}s (spawn to ready {w['startup_s']:.1f}s; weights "
+        f"{load['method']}, cache {load['cache']['status']}, {load['total_seconds']:.2f}s)"
+    )
+    assert load["cache"]["status"] == "hit"  # the restart mapped the host-side weight cache
     client = fragile.client(timeout=60)
     for _ in range(3):
         r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
