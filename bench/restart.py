@@ -10,6 +10,9 @@ Phases (each one a new Python process, so nothing is shared but the OS page cach
 * cached      - the entry from `build` (in the page cache): a restart or a second worker
 * cached-unverified - (opt-in) the same without the CRC32 checks (what verification costs)
 * cached-cold - (opt-in) the entry dropped from the page cache too: a restart after a reboot
+* cached-standby - (opt-in) `cached`, in a process started beforehand that has done its imports (and
+                made its CUDA context) and waits: how the local runtime restarts a worker (its warm
+                spare, `runtime.standby`); "spawn" is then the moment the spare is handed its config
 
 For each: the load itself (`load_model` seconds and weight GB/s, with its stage breakdown) and the
 process's time from spawn to ready (interpreter start, imports, CUDA context, load, warm-up); with
@@ -43,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a bare checkout, too
 
-PHASES = ("cold", "warm", "build", "cached", "cached-unverified", "cached-cold")
+PHASES = ("cold", "warm", "build", "cached", "cached-unverified", "cached-cold", "cached-standby")
 DEFAULT_PHASES = "cold,warm,build,cached"
 
 
@@ -116,7 +119,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engine", action="store_true", help="also build the engine and serve one token")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--spawned", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--spawned", default=None, help=argparse.SUPPRESS)  # a time, or "standby"
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -177,7 +180,7 @@ def prepare_phase(phase: str, files: list[Path], cache_dir: Path) -> dict[str, A
         shutil.rmtree(cache_dir, ignore_errors=True)
         preload(files)
         return {"checkpoint_resident": resident_fraction(files)}
-    if phase in ("cached", "cached-unverified"):
+    if phase in ("cached", "cached-unverified", "cached-standby"):
         return {"checkpoint_resident": resident_fraction(files), "entry_resident": resident_fraction(entries)}
     if phase == "cached-cold":
         how = evict(entries + files)
@@ -255,20 +258,40 @@ def run_child(
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
-        "--child", phase,
-        "--model", str(model),
-        "--device", device,
-        "--dtype", args.dtype,
-        "--workdir", str(args.workdir),
-        "--cache-dir", str(cache_dir),
-        "--result-file", str(result_file),
-    ]  # fmt: skip
+        "--child",
+        phase,
+        "--model",
+        str(model),
+        "--device",
+        device,
+        "--dtype",
+        args.dtype,
+        "--workdir",
+        str(args.workdir),
+        "--cache-dir",
+        str(cache_dir),
+        "--result-file",
+        str(result_file),
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if args.no_verify:
         cmd.append("--no-verify")
     if args.engine:
         cmd.append("--engine")
+    if phase == "cached-standby":  # a warm spare: started and imported before the clock starts
+        proc = subprocess.Popen(
+            [*cmd, "--spawned", "standby"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        if proc.stdout.readline().strip() != "standby":
+            raise SystemExit("the standby child did not start")
+        spawned = time.time()
+        proc.stdin.write(repr(spawned) + "\n")
+        proc.stdin.flush()
+        if proc.wait() != 0:
+            raise SystemExit(f"the standby child failed ({proc.returncode})")
+        return json.loads(result_file.read_text())
     spawned = time.time()
     subprocess.run([*cmd, "--spawned", repr(spawned)], check=True)
     return json.loads(result_file.read_text())
@@ -284,18 +307,29 @@ def child(args: argparse.Namespace) -> None:
     from splitserve.model.weight_cache import WeightCache
 
     logging.basicConfig(level=logging.INFO, format="  %(name)s: %(message)s")
+    if args.spawned == "standby":  # imports done; a CUDA context too, as the runtime's spare makes one
+        if torch.cuda.is_available():
+            torch.cuda.init()
+        print("standby", flush=True)
+        args.spawned = sys.stdin.readline().strip()
+    args.spawned = float(args.spawned)
     imported = time.time()
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     cache = None
-    if args.child in ("build", "cached", "cached-unverified", "cached-cold"):
+    if args.child in ("build", "cached", "cached-unverified", "cached-cold", "cached-standby"):
         verify = not args.no_verify and args.child != "cached-unverified"
         cache = WeightCache(args.cache_dir, None, verify=verify)
     loaded = load_model(
-        args.model, device, dtype, config.resolve_max_model_len, progress=False, weight_cache=cache,
+        args.model,
+        device,
+        dtype,
+        config.resolve_max_model_len,
+        progress=False,
+        weight_cache=cache,
         threads=args.threads,
-    )  # fmt: skip
+    )
     ready = time.time()
     out: dict[str, Any] = {
         "load_stats": loaded.load_stats,
@@ -308,9 +342,14 @@ def child(args: argparse.Namespace) -> None:
 
         t = time.perf_counter()
         engine_config = EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=1 << 30, progress=False,
-            max_model_len=min(4096, loaded.config.max_position_embeddings), weight_cache_dir=None,
-        )  # fmt: skip
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_bytes=1 << 30,
+            progress=False,
+            max_model_len=min(4096, loaded.config.max_position_embeddings),
+            weight_cache_dir=None,
+        )
         engine = LLMEngine(engine_config, tokenizer=False, loaded=loaded)
         engine.add_request(
             list(range(1, 33)), SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)

@@ -164,6 +164,7 @@ class RuntimeSection(_Section):
     max_restarts: int = Field(default=100, ge=0)  # per worker; then it stays down (and /health says so)
     drain_timeout_s: PositiveFloat = 30.0  # SIGTERM: in-flight requests get this long to finish
     worker_args: list[str] = Field(default_factory=list)  # extra worker flags (tests, debugging)
+    standby: bool = True  # local: keep a spare process with its imports done, for fast restarts
     address: str | None = None  # ray: the cluster to join ("auto", "ray://...", host:port); None: auto
     namespace: str = "splitserve"  # ray: namespace of the deployment's registry actor
     router_placement: PlacementSection = Field(default_factory=PlacementSection)  # ray: the router replica

@@ -95,6 +95,17 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass
+class _Owner:
+    owner: WorkerProcess | None
+
+
+@dataclass
+class _Standby:
+    proc: asyncio.subprocess.Process
+    owner: WorkerProcess | None = None  # set when it becomes a worker
+
+
 class LocalRuntime:
     def __init__(self, manifest: Manifest, on_event: Callable[[str, WorkerProcess], None] | None = None):
         self.manifest = manifest
@@ -102,7 +113,7 @@ class LocalRuntime:
         self.on_event = on_event or (lambda _kind, _w: None)
         secret_env = manifest.transport.secret_env
         secret = manifest.transport.secret or os.environ.get(secret_env) or secrets.token_hex(32)
-        env = {**os.environ, secret_env: secret, "PYTHONUNBUFFERED": "1"}
+        env = self.env = {**os.environ, secret_env: secret, "PYTHONUNBUFFERED": "1"}
         self.worker_headers = worker_headers(secret)  # the worker API's bearer token, from the secret
         self.workers: list[WorkerProcess] = [
             WorkerProcess(f"{role}-{i}", role, worker_argv(manifest, role, i, secret_env), env)
@@ -111,6 +122,7 @@ class LocalRuntime:
         ]
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._standby: _Standby | None = None  # a warm spare process for the next restart
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self.worker_headers)
 
     def ready(self, role: str) -> list[WorkerProcess]:
@@ -140,6 +152,8 @@ class LocalRuntime:
             bar.close()
         for w in self.workers:
             self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{w.name}"))
+        if self.rt.standby:
+            self._tasks.append(asyncio.create_task(self._make_standby(), name="standby"))
 
     async def _first_start(self, w: WorkerProcess, bar: object) -> None:
         await self._spawn(w)
@@ -149,15 +163,27 @@ class LocalRuntime:
     async def _spawn(self, w: WorkerProcess) -> None:
         w.state, w.url, w.kv_address = "starting", None, None
         w.started_at = time.monotonic()
-        w.proc = await asyncio.create_subprocess_exec(
-            *w.argv,
-            env=w.env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_die_with_parent,
-            start_new_session=True,
-        )
-        asyncio.create_task(self._forward_stderr(w, w.proc))
+        spare, self._standby = self._standby, None
+        adopted = spare is not None and spare.proc.returncode is None
+        if spare is not None and adopted:
+            # a warm spare becomes this worker: no interpreter start-up, no imports
+            spare.owner = w
+            w.proc = spare.proc
+            assert w.proc.stdin is not None
+            w.proc.stdin.write(json.dumps({"argv": w.argv[3:]}).encode() + b"\n")
+            await w.proc.stdin.drain()
+            if self.rt.standby and not self._stopping:
+                asyncio.create_task(self._make_standby())
+        else:
+            w.proc = await asyncio.create_subprocess_exec(
+                *w.argv,
+                env=w.env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                preexec_fn=_die_with_parent,
+                start_new_session=True,
+            )
+            asyncio.create_task(self._forward_stderr(_Owner(w), w.proc))
         try:
             info = await asyncio.wait_for(self._ready_line(w.proc), self.rt.startup_timeout_s)
         except (TimeoutError, EOFError) as exc:
@@ -167,6 +193,7 @@ class LocalRuntime:
             w.state = "failed"
             raise StartupError(f"worker {w.name} {why}; its last output:\n{tail}") from None
         w.info, w.url, w.kv_address = info, info["url"], info.get("kv_address")
+        w.info["from_standby"] = adopted
         w.ready_at = time.monotonic()
         w.startup_s = w.ready_at - w.started_at
         w.state = "ready"
@@ -185,13 +212,43 @@ class LocalRuntime:
                 if isinstance(msg, dict) and msg.get("event") == "ready":
                     return msg
 
-    async def _forward_stderr(self, w: WorkerProcess, proc: asyncio.subprocess.Process) -> None:
+    async def _forward_stderr(self, owner: _Owner | _Standby, proc: asyncio.subprocess.Process) -> None:
         assert proc.stderr is not None
         while raw := await proc.stderr.readline():
             line = raw.decode(errors="replace").rstrip()
-            w.stderr_tail.append(line)
+            w = owner.owner
+            if w is not None:
+                w.stderr_tail.append(line)
             if line:
-                print(f"[{w.name}] {line}", file=sys.stderr, flush=True)
+                print(f"[{w.name if w else 'standby'}] {line}", file=sys.stderr, flush=True)
+
+    async def _make_standby(self) -> None:
+        """Start a spare worker process that has done its imports and waits for a command line."""
+        argv = [sys.executable, "-m", "splitserve.serve.worker", "--standby"]
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=self.env,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
+        )
+        spare = _Standby(proc)
+        asyncio.create_task(self._forward_stderr(spare, proc))
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 300)
+            if json.loads(line or b"{}").get("event") != "standby":
+                raise ValueError(f"unexpected first line {line[:100]!r}")
+        except (TimeoutError, ValueError) as exc:
+            log.warning("the standby worker process did not start (%s); restarts spawn afresh", exc)
+            await self._kill(proc)
+            return
+        if self._stopping:
+            await self._kill(proc)
+            return
+        self._standby = spare
 
     # ---- watch and restart ----------------------------------------------------------------------
 
@@ -272,6 +329,8 @@ class LocalRuntime:
         for task in self._tasks:
             task.cancel()
         procs = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
+        if self._standby is not None:
+            procs.append(self._standby.proc)
         await asyncio.gather(*(self._kill(p, grace_s) for p in procs), return_exceptions=True)
         for w in self.workers:
             w.state = "stopped"

@@ -433,7 +433,34 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     )  # fmt: skip
 
 
+STANDBY = "--standby"
+
+
+def standby() -> list[str]:
+    """A warm spare: import what a worker needs (torch, the engine, the HTTP stack; a CUDA context when
+    there is a GPU), say so, and wait for the worker's command line as one JSON line on stdin. The local
+    runtime keeps one, so that a restart skips interpreter start-up and imports (seconds)."""
+    import torch
+
+    import splitserve.serve.worker_app  # noqa: F401 - the import is the point
+    from splitserve.model import loader  # noqa: F401
+
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    print(json.dumps({"event": "standby", "pid": os.getpid()}), flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit(0)  # the runtime went away
+    argv = json.loads(line)["argv"]
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise SystemExit("splitserve worker: a standby wants {\"argv\": [str, ...]}")
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == [STANDBY]:
+        argv = standby()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -134,12 +134,16 @@ def test_sigkill_a_worker_under_load(fragile, victim):
         assert time.monotonic() < deadline, health
         time.sleep(0.2)
     back_in = time.monotonic() - killed_at
-    load = {x["name"]: x for x in fragile.admin()["workers"]}[victim]["info"]["load"]
+    info = {x["name"]: x for x in fragile.admin()["workers"]}[victim]["info"]
+    load = info["load"]
     print(
-        f"{victim} killed; back ready in {back_in:.1f}s (spawn to ready {w['startup_s']:.1f}s; weights "
-        f"{load['method']}, cache {load['cache']['status']}, {load['total_seconds']:.2f}s)"
+        f"{victim} killed; back ready in {back_in:.1f}s (spawn to ready {w['startup_s']:.1f}s, from the "
+        f"standby process: {info['from_standby']}; weights {load['method']}, "
+        f"cache {load['cache']['status']}, "
+        f"{load['total_seconds']:.2f}s)"
     )
-    assert load["cache"]["status"] == "hit"  # the restart mapped the host-side weight cache
+    assert load["cache"]["status"] == "hit"  # the restart mapped the host-side weight cache ...
+    assert info["from_standby"]  # ... in the warm spare process (its imports were done)
     client = fragile.client(timeout=60)
     for _ in range(3):
         r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
