@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from splitserve.bench.metrics import SLO
-from splitserve.bench.runner import RunOptions, Target, run_target
+from splitserve.bench.runner import RunOptions, Target, run_targets
 from splitserve.bench.verdict import VerdictConfig, decide, rules_text
 from splitserve.bench.workload import WORKLOADS, LengthDist, WorkloadSpec, build_trace, write_trace
 
@@ -96,6 +96,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--attainment-target", type=float, default=0.9)
     s.add_argument("--margin", type=float, default=0.10, help="a gain or loss smaller than this is no change")
     s.add_argument(
+        "--max-interference-cores",
+        type=float,
+        default=0.25,
+        help="a difference at a rate does not count when other processes' CPU use differed more than this",
+    )
+    s.add_argument(
         "--usd-per-hour",
         action="append",
         default=[],
@@ -128,6 +134,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     c.add_argument("--max-concurrency", type=int, default=None)
     c.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     c.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each target")
+    c.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every target at once and run each rate on all of them back to back (a shared machine's "
+        "drifting load then falls on both sides alike; needs room for all deployments at once)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="report folder (default bench/results/bench-<time>)")
     o.add_argument("--no-progress", action="store_true")
@@ -164,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir=out,
         verify=not args.skip_verify,
     )
-    runs = [run_target(t, trace, opts) for t in targets]
+    runs = run_targets(targets, trace, opts, interleave=args.interleave)
     report = _report(args, spec, slo, runs)
     return _write(out, report)
 
@@ -246,7 +258,12 @@ def _slo_and_prices(args: argparse.Namespace, targets: list[Target]) -> tuple[SL
 
 
 def _report(args: argparse.Namespace, spec: WorkloadSpec, slo: SLO, runs: list) -> dict:
-    cfg = VerdictConfig(margin=args.margin, attainment_target=args.attainment_target, seed=args.seed)
+    cfg = VerdictConfig(
+        margin=args.margin,
+        attainment_target=args.attainment_target,
+        seed=args.seed,
+        max_interference_cores=args.max_interference_cores,
+    )
     targets = [r.to_json() for r in runs]
     verdicts = [decide(t, targets[0], cfg).to_json() for t in targets[1:]]
     return {
@@ -264,12 +281,34 @@ def _report(args: argparse.Namespace, spec: WorkloadSpec, slo: SLO, runs: list) 
             "ignore_eos": args.ignore_eos,
             "temperature": args.temperature,
             "warmup": args.warmup,
+            "interleave": args.interleave,
+            "max_interference_cores": args.max_interference_cores,
         },
+        "code": _code_version(),
         "gate": _gate_summary(args, targets),
         "targets": targets,
         "verdicts": verdicts,
         "rules": rules_text(cfg),
     }
+
+
+def _code_version() -> str:
+    """The git commit this ran from (+ "dirty" with uncommitted changes), where there is one."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno"], cwd=here, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "")
 
 
 def _gate_summary(args: argparse.Namespace, targets: list[dict]) -> dict:

@@ -99,7 +99,7 @@ def ttft_breakdown(plt: Any, report: dict) -> Any:
         vals = [0.0 if math.isnan(b[2].get(key, math.nan)) else b[2][key] for b in bars]
         ax.bar(range(len(bars)), vals, bottom=bottom, label=label)
         bottom = [x + v for x, v in zip(bottom, vals, strict=True)]
-    ax.set_xticks(range(len(bars)), [f"{n}\n@{r}" for n, r, _ in bars], fontsize=8)
+    ax.set_xticks(range(len(bars)), [f"{n}\n@{r}" for n, r, _ in bars], fontsize=7, rotation=20, ha="right")
     ax.set_ylabel("mean ms per request (server side)")
     ax.set_title("where TTFT goes (router /metrics)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))

@@ -200,6 +200,7 @@ def _breakdown_rows(report: dict) -> list[dict]:
                     "errors": ", ".join(f"{k}: {v}" for k, v in (s.get("errors_by_status") or {}).items())
                     or "-",
                     "host CPU %": _f(p["util"].get("cpu_host_pct")),
+                    "other procs cores": _f(p["util"].get("cpu_other_cores"), 2),
                     "GPU %": _f(p["util"].get("gpu_util_pct")),
                 }
             )
@@ -241,6 +242,7 @@ def _verdict_html(v: dict) -> str:
             "90% interval": f"{_f(r['ci90'][0], 2)} - {_f(r['ci90'][1], 2)}",
             "class": r["class"],
             "candidate KV % TTFT": _pct(r["candidate_kv_share"]),
+            "other procs cores (cand / base)": " / ".join(_f(x, 2) for x in r.get("other_cpu_cores", [])),
         }
         for r in v["rows"]
     ]
@@ -258,7 +260,8 @@ def write_html(out: Path, report: dict, plots: list[str]) -> Path:
     parts = [f"<!doctype html><meta charset='utf-8'><title>splitserve bench</title><style>{_CSS}</style>"]
     parts.append("<h1>splitserve bench</h1>")
     parts.append(
-        f"<p>{html.escape(report['created'])} &middot; <code>{html.escape(report['command'])}</code></p>"
+        f"<p>{html.escape(report['created'])} &middot; code {html.escape(report.get('code', '?'))} &middot; "
+        f"<code>{html.escape(report['command'])}</code></p>"
     )
     parts.append(
         f"<p>Workload: {html.escape(report['workload']['description'])}<br>SLOs: "

@@ -119,43 +119,92 @@ def _cuda() -> bool:
         return False
 
 
-def run_target(target: Target, trace: list[BenchRequest], opts: RunOptions) -> TargetRun:
-    """Start (if a manifest), bench every rate, stop. Errors end up in TargetRun.error."""
-    run = TargetRun(target)
-    sp = None
+class Session:
+    """One target while it is benchmarked: open (start, verify, warm up), bench rates, close."""
+
+    def __init__(self, target: Target, trace: list[BenchRequest], opts: RunOptions) -> None:
+        self.run, self.trace, self.opts = TargetRun(target), trace, opts
+        self.sp = None
+        self.url = target.source.rstrip("/")
+        self.copts: ClientOptions | None = None
+
+    def open(self) -> bool:
+        t, run = self.run.target, self.run
+        try:
+            if t.manifest is not None:
+                from splitserve.runtime.process import start_serve
+
+                run.mode = t.manifest.mode
+                _say(self.opts, f"starting {t.name} ({t.source}, {run.mode}) ...")
+                manifest = t.manifest.model_copy(deep=True)
+                manifest.server.port = 0
+                self.sp = start_serve(manifest)
+                self.url, run.model = self.sp.url, self.sp.ready.get("model", "")
+                run.hardware = manifest_hardware(manifest, self.opts.prices)
+            self.copts = asyncio.run(_prepare(run, self.url, self.opts))
+        except Exception as exc:  # noqa: BLE001 - a target that fails is reported, the others still run
+            self._fail(exc)
+        return run.error is None
+
+    def bench(self, rate: float | None) -> None:
+        if self.run.error is not None or self.copts is None:
+            return
+        pid = self.sp.proc.pid if self.sp else None
+        try:
+            point = asyncio.run(_bench_rate(self.run, self.url, self.trace, rate, self.copts, self.opts, pid))
+            self.run.points.append(point)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def close(self) -> None:
+        if self.sp is not None:
+            self.sp.stop()
+            self.sp = None
+
+    def _fail(self, exc: Exception) -> None:
+        self.run.error = f"{type(exc).__name__}: {exc}"
+        if self.sp is not None:
+            self.run.error += "\n" + "\n".join(list(self.sp.log)[-20:])
+
+
+def run_targets(
+    targets: list[Target], trace: list[BenchRequest], opts: RunOptions, interleave: bool = False
+) -> list[TargetRun]:
+    """Each target in turn (started, every rate, stopped); or, interleaved, all started at once and each
+    rate run on every target back to back (order alternating by rate), so that a machine whose load
+    drifts treats the sides alike. Errors end up in each TargetRun.error."""
+    sessions = [Session(t, trace, opts) for t in targets]
     try:
-        if target.manifest is not None:
-            from splitserve.runtime.process import start_serve
-
-            run.mode = target.manifest.mode
-            _say(opts, f"starting {target.name} ({target.source}, {run.mode}) ...")
-            manifest = target.manifest.model_copy(deep=True)
-            manifest.server.port = 0
-            sp = start_serve(manifest)
-            url, run.model = sp.url, sp.ready.get("model", "")
-            run.hardware = manifest_hardware(manifest, opts.prices)
+        if interleave:
+            for s in sessions:
+                s.open()
+            for i, rate in enumerate(opts.rates):
+                for s in sessions if i % 2 == 0 else sessions[::-1]:
+                    s.bench(rate)
         else:
-            url = target.source.rstrip("/")
-        asyncio.run(_bench(run, url, trace, opts, sp.proc.pid if sp else None))
-    except Exception as exc:  # noqa: BLE001 - a target that fails is reported, the others still run
-        run.error = f"{type(exc).__name__}: {exc}"
-        if sp is not None:
-            run.error += "\n" + "\n".join(list(sp.log)[-20:])
+            for s in sessions:
+                if s.open():
+                    for rate in opts.rates:
+                        s.bench(rate)
+                s.close()
     finally:
-        if sp is not None:
-            sp.stop()
-    return run
+        for s in sessions:
+            s.close()
+    return [s.run for s in sessions]
 
 
-async def _bench(
-    run: TargetRun, url: str, trace: list[BenchRequest], opts: RunOptions, pid: int | None
-) -> None:
+def run_target(target: Target, trace: list[BenchRequest], opts: RunOptions) -> TargetRun:
+    """Start (if a manifest), bench every rate, stop."""
+    return run_targets([target], trace, opts)[0]
+
+
+async def _prepare(run: TargetRun, url: str, opts: RunOptions) -> ClientOptions:
+    """The gate (if asked), the model name, warm-up requests, and a URL target's hardware."""
     if opts.verify:
         await _gate(run, url, opts)
-    model = opts.model or run.model or await served_model(url, opts.api_key)
-    run.model = model
+    run.model = opts.model or run.model or await served_model(url, opts.api_key)
     copts = ClientOptions(
-        model,
+        run.model,
         api_key=opts.api_key,
         temperature=opts.temperature,
         ignore_eos=opts.ignore_eos,
@@ -168,8 +217,7 @@ async def _bench(
         run.hardware = url_hardware(await fetch_metrics(url, opts.api_key), opts.url_device, opts.prices)
         roles = {w["role"] for w in run.hardware["workers"]}
         run.mode = "disaggregated" if "prefill" in roles else "colocated" if "colocated" in roles else None
-    for rate in opts.rates:
-        run.points.append(await _bench_rate(run, url, trace, rate, copts, opts, pid))
+    return copts
 
 
 async def _gate(run: TargetRun, url: str, opts: RunOptions) -> None:
@@ -256,4 +304,13 @@ def _say(opts: RunOptions, msg: str) -> None:
         tqdm.write(msg)
 
 
-__all__ = ["RunOptions", "Target", "TargetRun", "manifest_hardware", "run_target", "url_hardware"]
+__all__ = [
+    "RunOptions",
+    "Session",
+    "Target",
+    "TargetRun",
+    "manifest_hardware",
+    "run_target",
+    "run_targets",
+    "url_hardware",
+]

@@ -12,6 +12,7 @@ An endpoint that is not splitserve (no /metrics, or none of these names) gives e
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import subprocess
 import threading
@@ -129,9 +130,9 @@ def workers(samples: Samples | None) -> list[dict[str, str]]:
 
 
 class UtilSampler:
-    """CPU use of this host and of one process tree (a started deployment) over a run, from CPU-time
-    deltas (psutil, else /proc/stat for the host only); GPU utilization sampled each second from
-    nvidia-smi where it exists."""
+    """CPU use over a run, from CPU-time deltas (psutil, else /proc/stat for the host only): the host's,
+    one process tree's (a started deployment), this client's, and the rest (other processes: the
+    interference a shared machine adds); GPU utilization sampled each second from nvidia-smi."""
 
     def __init__(self, pid: int | None = None) -> None:
         self.pid = pid
@@ -141,6 +142,7 @@ class UtilSampler:
 
     def start(self) -> UtilSampler:
         self._t0 = time.perf_counter()
+        self._self0 = time.process_time()
         self._host0 = _host_cpu()
         self._tree0 = _tree_cpu(self.pid)
         if shutil.which("nvidia-smi"):
@@ -154,13 +156,23 @@ class UtilSampler:
         if self._thread:
             self._thread.join(5)
         host1, tree1 = _host_cpu(), _tree_cpu(self.pid)
-        out: dict = {"cpu_host_pct": math.nan, "cpu_deployment_cores": math.nan, "gpu_util_pct": None}
+        cores = os.cpu_count() or 1
+        out: dict = {
+            "host_cores": cores,
+            "cpu_host_pct": math.nan,  # all cores busy = 100
+            "cpu_deployment_cores": math.nan,  # the started deployment's processes
+            "cpu_client_cores": (time.process_time() - self._self0) / wall,  # this load client
+            "cpu_other_cores": math.nan,  # everything else on the host: interference
+            "gpu_util_pct": None,
+        }
         if self._host0 and host1:
             busy = (host1[0] - self._host0[0]) / max(host1[1] - self._host0[1], 1e-9)
             out["cpu_host_pct"] = 100.0 * busy
         if tree1 is not None and self._tree0 is not None:
             used = sum(t - self._tree0.get(pid, 0.0) for pid, t in tree1.items())
             out["cpu_deployment_cores"] = used / wall
+            other = out["cpu_host_pct"] / 100 * cores - out["cpu_deployment_cores"] - out["cpu_client_cores"]
+            out["cpu_other_cores"] = max(0.0, other)
         if self._gpu:
             out["gpu_util_pct"] = sum(self._gpu) / len(self._gpu)
         return out

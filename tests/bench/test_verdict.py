@@ -89,3 +89,18 @@ def test_rules_are_written_out():
     text = " ".join(rules_text(CFG))
     for word in ("R0", "R1 trial", "R2 reject", "R3 wait", "10%", "transfer overhead", "idle duplication"):
         assert word in text
+
+
+def test_a_difference_under_unequal_machine_load_does_not_count():
+    cand, base = target("disagg", [40, 30, 12]), target("colo", [40, 38, 30])
+    for p, other in zip(cand["points"], (0.1, 1.2, 0.2), strict=True):
+        p["util"] = {"cpu_other_cores": other}
+    for p in base["points"]:
+        p["util"] = {"cpu_other_cores": 0.1}
+    v = decide(cand, base, CFG)
+    assert [r["class"] for r in v.rows] == ["same", "noisy", "worse"]
+    assert v.verdict == "reject"  # 2 req/s still counts: the load was alike there
+    cand["points"][2]["util"]["cpu_other_cores"] = 0.9
+    v = decide(cand, base, CFG)
+    assert (v.verdict, v.rule) == ("wait", "R3")
+    assert "machine noise at 1 req/s (other processes: 1.20 vs 0.10 cores), 2 req/s" in v.reasons[0]
