@@ -453,7 +453,7 @@ def standby() -> list[str]:
         raise SystemExit(0)  # the runtime went away
     argv = json.loads(line)["argv"]
     if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
-        raise SystemExit("splitserve worker: a standby wants {\"argv\": [str, ...]}")
+        raise SystemExit('splitserve worker: a standby wants {"argv": [str, ...]}')
     return argv
 
 
