@@ -7,7 +7,8 @@
 
 Each TARGET is a manifest (started on a free port, benchmarked, stopped) or a running endpoint's URL,
 optionally named `NAME=TARGET`. The first target is the baseline; each other one gets a verdict against
-it. Every target sees the identical trace at every rate. The report (report.html, report.json, PNG
+it. Every target sees the identical trace at each rate (each rate its own prompts, so that no prefix
+cache answers a prompt from an earlier rate). The report (report.html, report.json, PNG
 plots, per-request records) goes into --out; a short summary is printed at the end. Exit status: 0,
 1 if the run itself failed (a target did not start or answer, or none of its requests succeeded),
 2 for bad arguments.
@@ -25,7 +26,7 @@ from pathlib import Path
 from splitserve.bench.metrics import SLO
 from splitserve.bench.runner import RunOptions, Target, run_targets
 from splitserve.bench.verdict import VerdictConfig, decide, rules_text
-from splitserve.bench.workload import WORKLOADS, LengthDist, WorkloadSpec, build_trace, write_trace
+from splitserve.bench.workload import WORKLOADS, LengthDist, WorkloadSpec, at_rate, sweep_traces, write_trace
 
 GATE_NOT_RUN = {
     "status": "gate not run",
@@ -150,14 +151,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         targets = _targets(args)
         spec, rates = _workload(args, targets)
-        trace = build_trace(spec)
+        traces = sweep_traces(spec, len(rates))
         slo, prices = _slo_and_prices(args, targets)
     except ValueError as exc:
         print(f"splitserve bench: error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out or f"bench/results/bench-{dt.datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
-    write_trace(out / "trace.jsonl", trace)
+    for i, trace in enumerate(traces):
+        write_trace(out / f"trace-{i}.jsonl", at_rate(trace, rates[i], args.burstiness, args.seed))
     opts = RunOptions(
         rates=rates,
         slo=slo,
@@ -176,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir=out,
         verify=not args.skip_verify,
     )
-    runs = run_targets(targets, trace, opts, interleave=args.interleave)
+    runs = run_targets(targets, traces, opts, interleave=args.interleave)
     report = _report(args, spec, slo, runs)
     return _write(out, report)
 

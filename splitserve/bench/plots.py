@@ -52,6 +52,7 @@ def goodput(plt: Any, report: dict) -> Any:
         a1.plot(xs, ys, "x--", color=line.get_color(), alpha=0.6, label=f"{t['name']} throughput")
         xs, ys = _series(report, t, lambda p: 100 * p["metrics"]["slo_attainment"])
         a2.plot(xs, ys, "o-", color=line.get_color(), label=t["name"])
+    _mark_busy(a2, report, lambda p: 100 * p["metrics"]["slo_attainment"])
     a1.set_ylabel("requests/s")
     a1.set_title("goodput (met SLOs) and throughput")
     a2.axhline(100 * report["config"]["attainment_target"], color="gray", ls=":", label="target")
@@ -63,6 +64,19 @@ def goodput(plt: Any, report: dict) -> Any:
         a.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _mark_busy(ax: Any, report: dict, get: Any) -> None:
+    """Flag the points measured while other processes used more than the noise threshold of CPU."""
+    limit = report["config"].get("max_interference_cores", 0.25)
+    labels = _rates(report)
+    for t in report["targets"]:
+        for p in t["points"]:
+            other = (p.get("util") or {}).get("cpu_other_cores")
+            if isinstance(other, float) and other > limit:
+                x = labels.index(rate_label(p["rate"]))
+                ax.annotate(f"busy host\n(+{other:.1f} cores)", (x, get(p)), textcoords="offset points",
+                            xytext=(6, -18), fontsize=7, color="gray")  # fmt: skip
 
 
 def latency(plt: Any, report: dict) -> Any:

@@ -1,5 +1,6 @@
-"""Run a benchmark: for each target (a manifest to start, or a URL), warm up, then drive the same trace
-at every swept rate, scraping /metrics and CPU/GPU use around each rate; stop what was started.
+"""Run a benchmark: for each target (a manifest to start, or a URL), warm up, then drive each swept
+rate's trace (the same for every target), scraping /metrics and CPU/GPU use around each rate; stop
+what was started.
 
 The result of one target (`TargetRun.to_json`) is what the report and the verdict read:
     {name, source, kind, mode, model, hardware: {workers, devices, usd_per_hour, formula},
@@ -122,8 +123,8 @@ def _cuda() -> bool:
 class Session:
     """One target while it is benchmarked: open (start, verify, warm up), bench rates, close."""
 
-    def __init__(self, target: Target, trace: list[BenchRequest], opts: RunOptions) -> None:
-        self.run, self.trace, self.opts = TargetRun(target), trace, opts
+    def __init__(self, target: Target, traces: list[list[BenchRequest]], opts: RunOptions) -> None:
+        self.run, self.traces, self.opts = TargetRun(target), traces, opts
         self.sp = None
         self.url = target.source.rstrip("/")
         self.copts: ClientOptions | None = None
@@ -146,12 +147,14 @@ class Session:
             self._fail(exc)
         return run.error is None
 
-    def bench(self, rate: float | None) -> None:
+    def bench(self, i: int) -> None:
+        """The i-th swept rate, with its trace."""
         if self.run.error is not None or self.copts is None:
             return
         pid = self.sp.proc.pid if self.sp else None
+        rate, trace = self.opts.rates[i], self.traces[i]
         try:
-            point = asyncio.run(_bench_rate(self.run, self.url, self.trace, rate, self.copts, self.opts, pid))
+            point = asyncio.run(_bench_rate(self.run, self.url, trace, rate, self.copts, self.opts, pid))
             self.run.points.append(point)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
@@ -168,24 +171,25 @@ class Session:
 
 
 def run_targets(
-    targets: list[Target], trace: list[BenchRequest], opts: RunOptions, interleave: bool = False
+    targets: list[Target], traces: list[list[BenchRequest]], opts: RunOptions, interleave: bool = False
 ) -> list[TargetRun]:
     """Each target in turn (started, every rate, stopped); or, interleaved, all started at once and each
     rate run on every target back to back (order alternating by rate), so that a machine whose load
-    drifts treats the sides alike. Errors end up in each TargetRun.error."""
-    sessions = [Session(t, trace, opts) for t in targets]
+    drifts treats the sides alike. traces[i] is the trace of opts.rates[i]. Errors end up in each
+    TargetRun.error."""
+    sessions = [Session(t, traces, opts) for t in targets]
     try:
         if interleave:
             for s in sessions:
                 s.open()
-            for i, rate in enumerate(opts.rates):
+            for i in range(len(opts.rates)):
                 for s in sessions if i % 2 == 0 else sessions[::-1]:
-                    s.bench(rate)
+                    s.bench(i)
         else:
             for s in sessions:
                 if s.open():
-                    for rate in opts.rates:
-                        s.bench(rate)
+                    for i in range(len(opts.rates)):
+                        s.bench(i)
                 s.close()
     finally:
         for s in sessions:
@@ -193,9 +197,9 @@ def run_targets(
     return [s.run for s in sessions]
 
 
-def run_target(target: Target, trace: list[BenchRequest], opts: RunOptions) -> TargetRun:
+def run_target(target: Target, traces: list[list[BenchRequest]], opts: RunOptions) -> TargetRun:
     """Start (if a manifest), bench every rate, stop."""
-    return run_targets([target], trace, opts)[0]
+    return run_targets([target], traces, opts)[0]
 
 
 async def _prepare(run: TargetRun, url: str, opts: RunOptions) -> ClientOptions:

@@ -75,6 +75,7 @@ def run_vllm(
     model: str,
     out: Path,
     tag: str,
+    seed: int,
     alongside: Callable[[], dict] | None = None,
 ) -> tuple[dict, dict | None]:
     """vLLM's bench client on the endpoint; with `alongside`, that (our client) runs at the same time,
@@ -84,11 +85,13 @@ def run_vllm(
         "--endpoint", "/v1/completions", "--model", model, "--tokenizer", args.tokenizer,
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-        "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--ignore-eos",
+        "--request-rate", str(args.request_rate), "--seed", str(seed), "--ignore-eos",
         "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,90,99",
         "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", f"vllm-{tag}.json",
     ]  # fmt: skip
+    if args.max_concurrency:
+        cmd += ["--max-concurrency", str(args.max_concurrency)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log: list[str] = []
@@ -130,20 +133,21 @@ def vllm_schedule(result: dict) -> list[float]:
     return [s - min(starts) + lead for s in starts]
 
 
-def run_ours(url: str, model: str, args: argparse.Namespace, schedule: list[float] | None) -> dict:
+def run_ours(url: str, model: str, args: argparse.Namespace, seed: int, schedule: list[float] | None) -> dict:
     """Our client on the same workload: prompts of the same lengths (random token ids), and vLLM's own
     send times when `schedule` is given (else our Poisson arrivals at the same rate)."""
     spec = WorkloadSpec(
         num_prompts=args.num_prompts,
         input_len=LengthDist("fixed", args.input_len),
         output_len=LengthDist("fixed", args.output_len),
-        seed=args.seed,
+        seed=seed,
         vocab=(100, 32000),
     )
-    trace = at_rate(build_trace(spec), args.request_rate, 1.0, args.seed)
+    trace = at_rate(build_trace(spec), args.request_rate, 1.0, seed)
     if schedule is not None:
         trace = [replace(r, arrival_s=t) for r, t in zip(trace, sorted(schedule), strict=True)]
-    results, duration = asyncio.run(run_trace(url, trace, ClientOptions(model, temperature=0.0)))
+    copts = ClientOptions(model, temperature=0.0, max_concurrency=args.max_concurrency)
+    results, duration = asyncio.run(run_trace(url, trace, copts))
     return summarize(results, duration, SLO())
 
 
@@ -162,6 +166,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--request-rate", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-concurrency", type=int, default=None, help="both clients: at most N in flight")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=1200)
     ap.add_argument("--out", default="bench/results/vllm-compare")
@@ -189,17 +194,20 @@ def main() -> int:
     try:
         model = asyncio.run(served_model(url))
         ours, theirs, math_rows = [], [], []
-        schedule: list[float] | None = None
         asyncio.run(run_trace(url, at_rate(build_trace(WorkloadSpec(num_prompts=2)), math.inf, 1, 0),
                               ClientOptions(model)))  # fmt: skip
         for k in range(args.repeats):  # vLLM first (its send times are then replayed), then alternating
-            order = ("vllm", "ours") if k % 2 == 0 else ("ours", "vllm")
+            # fresh prompts every repeat (seed + k): a repeat must not hit the prefix cache of an earlier one
+            seed, schedule = args.seed + k, None
+            order = ("vllm", "ours") if k % 2 == 0 or not args.own_arrivals else ("ours", "vllm")
             order = ("vllm",) if args.concurrent else order
             for who in order:
                 print(f"repeat {k + 1}/{args.repeats}: {who} ...", flush=True)
                 if who == "vllm":
-                    alongside = (lambda: run_ours(url, model, args, None)) if args.concurrent else None
-                    result, mine = run_vllm(args, url, model, out, str(k), alongside)
+                    alongside = (
+                        (lambda s=seed: run_ours(url, model, args, s, None)) if args.concurrent else None
+                    )
+                    result, mine = run_vllm(args, url, model, out, str(k), seed, alongside)
                     theirs.append(result)
                     if mine is not None:
                         ours.append(mine)
@@ -207,10 +215,10 @@ def main() -> int:
                     math_rows.append(
                         {lab: _diff(_get(recomputed, p), theirs[-1][key]) for lab, key, p in COMPARED}
                     )
-                    if schedule is None and not args.own_arrivals:
+                    if not args.own_arrivals:
                         schedule = vllm_schedule(theirs[-1])
                 else:
-                    ours.append(run_ours(url, model, args, schedule))
+                    ours.append(run_ours(url, model, args, seed, schedule))
     finally:
         if sp is not None:
             sp.stop()
@@ -232,7 +240,8 @@ def main() -> int:
     }
     (out / "compare.json").write_text(json.dumps(result, indent=1))
     print(f"\n{args.num_prompts} prompts x {args.repeats} repeats, input {args.input_len}, "
-          f"output {args.output_len}, rate {args.request_rate:g} req/s, greedy, ignore_eos")  # fmt: skip
+          f"output {args.output_len}, rate {args.request_rate:g} req/s, max concurrency "
+          f"{args.max_concurrency or 'unlimited'}, greedy, ignore_eos")  # fmt: skip
     print(f"{'metric':<20}{'vllm bench':>12}{'splitserve':>12}{'diff':>9}{'math diff':>11}  pair by pair")
     for r in rows:
         pairs = " ".join(f"{x:+.1f}%" for x in r["pair_diffs_pct"])

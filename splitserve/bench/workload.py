@@ -14,7 +14,9 @@ prompts at the same offsets. Kinds:
 
 Arrivals (open loop) follow `vllm bench serve`: gaps from a gamma distribution of shape `burstiness`
 (1: Poisson) and mean 1/rate, rescaled so that the last request is due at n/rate; rate inf sends all
-at once. A sweep reuses the same requests at every rate, only the arrival times scale.
+at once. In a sweep each rate has its own requests (`sweep_traces`: the seed moves on with the rate's
+position), so that a deployment's prefix cache never answers a prompt it saw at an earlier rate; the
+gap pattern is the same at every rate, scaled. Every target gets the same requests at a given rate.
 Prompts are token ids (exact lengths), except replayed text prompts.
 """
 
@@ -129,6 +131,12 @@ def build_trace(spec: WorkloadSpec) -> list[BenchRequest]:
             raise ValueError("the replay workload needs --trace FILE.jsonl")
         return load_trace(spec.trace, spec.max_model_len, spec.vocab, spec.seed)
     raise ValueError(f"unknown workload {spec.kind!r}; one of {', '.join(WORKLOADS)}")
+
+
+def sweep_traces(spec: WorkloadSpec, n_rates: int) -> list[list[BenchRequest]]:
+    """One trace per swept rate, with fresh prompts each (a replayed trace's text prompts stay the same:
+    the report says so)."""
+    return [build_trace(replace(spec, seed=spec.seed + 1009 * i)) for i in range(n_rates)]
 
 
 def at_rate(
@@ -281,6 +289,7 @@ __all__ = [
     "arrival_offsets",
     "at_rate",
     "build_trace",
+    "sweep_traces",
     "load_trace",
     "write_trace",
 ]

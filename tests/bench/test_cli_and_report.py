@@ -141,4 +141,4 @@ def test_bench_a_colocated_deployment(tmp_path, capsys):
     assert 0 < server["ttft_ms"] <= m["ttft_ms"]["max"] * 1.05
     assert (out / "report.html").exists() and len(list((out / "requests").glob("*.jsonl"))) == 1
     assert "colo" in text and "gate (splitserve verify): gate not run" in text
-    assert Path(out / "trace.jsonl").read_text().count("\n") == 6
+    assert Path(out / "trace-0.jsonl").read_text().count("\n") == 6

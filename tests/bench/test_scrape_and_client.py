@@ -154,7 +154,7 @@ def test_interleaved_targets_alternate_by_rate(monkeypatch):
         runner.Session, "open", lambda self: calls.append(("open", self.run.target.name)) or True
     )
     monkeypatch.setattr(
-        runner.Session, "bench", lambda self, rate: calls.append((self.run.target.name, rate))
+        runner.Session, "bench", lambda self, i: calls.append((self.run.target.name, self.opts.rates[i]))
     )
     opts = runner.RunOptions(rates=[1.0, 2.0, 4.0], slo=SLO(), prices={"cpu": 1.0})
     targets = [runner.Target("a", "http://a"), runner.Target("b", "http://b")]

@@ -15,6 +15,7 @@ from splitserve.bench.workload import (
     at_rate,
     build_trace,
     load_trace,
+    sweep_traces,
     write_trace,
 )
 
@@ -64,6 +65,14 @@ def test_a_sweep_keeps_the_requests_and_scales_arrivals():
     assert [r.prompt for r in slow] == [r.prompt for r in fast]
     assert [r.arrival_s / 2 for r in slow] == pytest.approx([r.arrival_s for r in fast])
     assert slow == at_rate(trace, 1.0, 1.0, 0)
+
+
+def test_each_rate_of_a_sweep_has_fresh_prompts_of_the_same_kind():
+    spec = WorkloadSpec(num_prompts=10)
+    a, b = sweep_traces(spec, 2)
+    assert a == build_trace(spec) and b != a
+    assert not {r.prompt for r in a} & {r.prompt for r in b}  # no prefix-cache hits across rates
+    assert sweep_traces(spec, 2) == [a, b]
 
 
 def test_rag_prompts_share_popular_chunks():
