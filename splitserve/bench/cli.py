@@ -30,8 +30,8 @@ from splitserve.bench.workload import WORKLOADS, LengthDist, WorkloadSpec, at_ra
 
 GATE_NOT_RUN = {
     "status": "gate not run",
-    "detail": "--skip-verify (the default): `splitserve verify` did not check, before this comparison, that "
-    "the deployments answer correctly and move KV over their required backends (--verify runs it)",
+    "detail": "--skip-verify: `splitserve verify` did not check, before this comparison, that the "
+    "deployments answer correctly and move KV over their required backends",
 }
 
 
@@ -113,14 +113,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument(
         "--skip-verify",
         action="store_true",
-        default=True,
-        help="do not run the `splitserve verify` gate first (the default; recorded in the report)",
+        default=False,
+        help="do not run the `splitserve verify` gate first (recorded in the report)",
     )
     s.add_argument(
         "--verify",
         dest="skip_verify",
         action="store_false",
-        help="run `splitserve verify` on each deployment first; one that fails is not benchmarked",
+        help="run `splitserve verify` on each deployment first (the default); a failing one is not run",
     )
     c = p.add_argument_group("client")
     c.add_argument("--model", default=None, help="the model name to request (default: the server's)")

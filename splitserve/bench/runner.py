@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +141,8 @@ class Session:
                 _say(self.opts, f"starting {t.name} ({t.source}, {run.mode}) ...")
                 manifest = t.manifest.model_copy(deep=True)
                 manifest.server.port = 0
+                # the deployment's secret, known here too: the verify gate talks to its workers
+                os.environ.setdefault(manifest.transport.secret_env, secrets.token_hex(32))
                 self.sp = start_serve(manifest)
                 self.url, run.model = self.sp.url, self.sp.ready.get("model", "")
                 run.hardware = manifest_hardware(manifest, self.opts.prices)
@@ -229,7 +233,8 @@ async def _gate(run: TargetRun, url: str, opts: RunOptions) -> None:
     from splitserve.gate.verify import verify_url
 
     _say(opts, f"verifying {run.target.name} ...")
-    report = await verify_url(url, opts.api_key)
+    env = run.target.manifest.transport.secret_env if run.target.manifest else "SPLITSERVE_KV_SECRET"
+    report = await verify_url(url, opts.api_key, os.environ.get(env))
     failed = [f"{c.name} ({c.scope}): {c.detail}" for c in report.checks if not c.ok]
     run.gate = {"status": "passed" if report.ok else "failed", "report": report.to_dict()}
     if not report.ok:

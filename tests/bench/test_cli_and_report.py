@@ -109,7 +109,18 @@ def test_a_target_failing_the_verify_gate_is_not_benchmarked(tmp_path, capsys):
 
 def test_an_unreachable_target_fails_the_run(tmp_path, capsys):
     out = tmp_path / "r"
-    code = main(["bench", "down=http://127.0.0.1:1", "--model", "m", "--out", str(out), "--no-progress"])
+    code = main(
+        [
+            "bench",
+            "down=http://127.0.0.1:1",
+            "--model",
+            "m",
+            "--skip-verify",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 1
     assert "down failed" in capsys.readouterr().err
     report = json.loads((out / "report.json").read_text())
@@ -140,5 +151,6 @@ def test_bench_a_colocated_deployment(tmp_path, capsys):
     assert server["generation_tokens"] == 36  # the router's /metrics agree with the client's usage
     assert 0 < server["ttft_ms"] <= m["ttft_ms"]["max"] * 1.05
     assert (out / "report.html").exists() and len(list((out / "requests").glob("*.jsonl"))) == 1
-    assert "colo" in text and "gate (splitserve verify): gate not run" in text
+    assert "colo" in text and "gate (splitserve verify): passed" in text  # the gate runs first by default
+    assert report["gate"]["status"] == "passed"
     assert Path(out / "trace-0.jsonl").read_text().count("\n") == 6
