@@ -144,11 +144,32 @@ def run_ours(url: str, model: str, args: argparse.Namespace, seed: int, schedule
         vocab=(100, 32000),
     )
     trace = at_rate(build_trace(spec), args.request_rate, 1.0, seed)
+    if args.text_prompts:
+        trace = _as_text(trace, args.tokenizer)
     if schedule is not None:
         trace = [replace(r, arrival_s=t) for r, t in zip(trace, sorted(schedule), strict=True)]
     copts = ClientOptions(model, temperature=0.0, max_concurrency=args.max_concurrency)
     results, duration = asyncio.run(run_trace(url, trace, copts))
     return summarize(results, duration, SLO())
+
+
+def _as_text(trace: list, tokenizer_dir: str) -> list:
+    """Each prompt as text that the tokenizer encodes back to (about) the same length, as vLLM's random
+    dataset sends them (decoded random ids, cut until the re-encoded length fits)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = []
+    for r in trace:
+        ids = list(r.prompt)
+        for _ in range(8):
+            text = tok.decode(ids)
+            again = tok.encode(text, add_special_tokens=False)
+            if len(again) <= r.prompt_len:
+                break
+            ids = again[: r.prompt_len]
+        out.append(replace(r, prompt=text))
+    return out
 
 
 def _diff(a: float, b: float) -> float:
@@ -167,6 +188,9 @@ def main() -> int:
     ap.add_argument("--request-rate", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-concurrency", type=int, default=None, help="both clients: at most N in flight")
+    ap.add_argument(
+        "--text-prompts", action="store_true", help="our client sends text prompts too (default: token ids)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=1200)
     ap.add_argument("--out", default="bench/results/vllm-compare")
