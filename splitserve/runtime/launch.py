@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Generator
 
@@ -23,6 +22,7 @@ import uvicorn
 from splitserve.config.manifest import Manifest
 from splitserve.runtime.local import LocalRuntime
 from splitserve.serve.api import ModelInfo, OpenAIServer, build_api
+from splitserve.serve.listen import listen
 from splitserve.serve.probe import KVProber
 
 log = logging.getLogger(__name__)
@@ -44,16 +44,6 @@ async def _worker_stats(runtime: LocalRuntime, timeout_s: float = 2.0) -> list[d
         return row
 
     return list(await asyncio.gather(*(one(w) for w in runtime.workers)))
-
-
-def _bind(host: str, port: int) -> tuple[socket.socket, str]:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    h, p = sock.getsockname()[:2]
-    return sock, f"http://{f'[{h}]' if family == socket.AF_INET6 else h}:{p}"
 
 
 async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
@@ -78,7 +68,8 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
 
-    sock, url = _bind(manifest.server.host, manifest.server.port)  # bind first: a busy port fails fast
+    # bind first: a busy port fails fast
+    sock, url = listen(manifest.server.host, manifest.server.port, backlog=1024)
     api: OpenAIServer | None = None
 
     def on_event(kind: str, worker: object) -> None:

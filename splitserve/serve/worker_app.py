@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from splitserve.engine.async_engine import EngineDeadError
 from splitserve.engine.disagg import KVTransferFailed, NoRoom
 from splitserve.kv import AuthError, PeerRefused, TransferTimeout, TransportError
+from splitserve.serve.listen import listen
 from splitserve.serve.schemas import (
     AbortRequest,
     DecodeRequest,
@@ -188,14 +188,7 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
 
 def serve(worker: Worker, host: str, port: int, on_ready: Callable[[str], None]) -> None:
     """Bind (port 0: the OS picks), then serve until SIGINT / SIGTERM; `on_ready(url)` once listening."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(256)  # connections queue from here on, before uvicorn takes the socket
-    bound_host, bound_port = sock.getsockname()[:2]
-    shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-    url = f"http://{shown}:{bound_port}"
+    sock, url = listen(host, port)
     app = build_app(worker, lambda: on_ready(url))
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])

@@ -6,10 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,6 +17,8 @@ import openai
 import pytest
 import yaml
 
+from splitserve.config import parse_manifest
+from splitserve.runtime.process import ServeProcess, start_serve
 from splitserve.serve.worker_auth import worker_headers
 
 MODEL = "smollm2-135m-instruct"
@@ -36,6 +35,7 @@ SCHEMA_PATHS = [
 
 @dataclass
 class Deployment:
+    sp: ServeProcess
     proc: subprocess.Popen
     url: str  # http://host:port (no /v1)
     api_key: str | None
@@ -86,14 +86,7 @@ class Deployment:
             time.sleep(0.2)
 
     def stop(self, timeout_s: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return self.sp.stop(timeout_s)
 
 
 def manifest_yaml(**sections) -> dict:
@@ -112,64 +105,29 @@ def manifest_yaml(**sections) -> dict:
     return base
 
 
-def start_deployment(
-    tmp: Path, manifest: dict, api_key: str | None = None, timeout_s: float = 180.0
-) -> Deployment:
-    path = tmp / "manifest.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    cmd = [sys.executable, "-m", "splitserve.cli", "serve", str(path), "--no-progress"]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    dep = Deployment(proc, "", api_key, [])
-    ready: dict = {}
-    got = threading.Event()
-
-    def pump_err() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            dep.log.append(line.rstrip())
-            if line.startswith('{"event": "ready"'):
-                ready.update(json.loads(line))
-                got.set()
-
-    def pump_out() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            dep.log.append(line.rstrip())
-
-    threading.Thread(target=pump_err, daemon=True).start()
-    threading.Thread(target=pump_out, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while not got.wait(0.2):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("deployment did not start:\n" + "\n".join(dep.log))
-    dep.url, dep.workers = ready["url"], ready["workers"]
-    return dep
+def start_deployment(manifest: dict, api_key: str | None = None, timeout_s: float = 180.0) -> Deployment:
+    """`splitserve serve` on `manifest` (a dict of YAML sections) as a child process, through the same
+    launcher the benchmarks and `verify` use; returns once it serves."""
+    overrides = {"server.api_keys": [api_key]} if api_key else None
+    sp = start_serve(parse_manifest(yaml.safe_dump(manifest), "test manifest", overrides), timeout_s)
+    return Deployment(sp, sp.proc, sp.url, api_key, sp.ready["workers"], sp.log)
 
 
 @pytest.fixture(scope="session")
-def disagg(tmp_path_factory) -> Deployment:
+def disagg() -> Deployment:
     """Disaggregated (1 prefill + 1 decode over shm), API keys on."""
-    dep = start_deployment(tmp_path_factory.mktemp("disagg"), manifest_yaml(mode="disaggregated"), API_KEY)
+    dep = start_deployment(manifest_yaml(mode="disaggregated"), API_KEY)
     yield dep
     assert dep.stop() == 0, "\n".join(dep.log)
 
 
 @pytest.fixture(scope="session")
-def colocated(tmp_path_factory) -> Deployment:
+def colocated() -> Deployment:
     """Colocated (1 worker), no keys, a small bounded queue (2 running + 1 queued) for the overload test."""
     manifest = manifest_yaml(
         mode="colocated", server={"port": 0, "max_concurrent_requests": 2, "max_queued_requests": 1}
     )
-    dep = start_deployment(tmp_path_factory.mktemp("colocated"), manifest)
+    dep = start_deployment(manifest)
     yield dep
     assert dep.stop() == 0, "\n".join(dep.log)
 

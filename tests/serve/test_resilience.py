@@ -59,14 +59,14 @@ def test_client_disconnect_while_waiting_non_streaming(disagg):
 
 
 @pytest.fixture(scope="module")
-def fragile(tmp_path_factory):
+def fragile():
     """Its own deployment (workers get killed here), with short deadlines."""
     manifest = manifest_yaml(
         mode="disaggregated",
         router={"timeouts": {"inter_token_s": 10, "kv_transfer_s": 10, "prefill_s": 30}},
         transport={"lease_s": 10},
     )
-    dep = start_deployment(tmp_path_factory.mktemp("fragile"), manifest)
+    dep = start_deployment(manifest)
     yield dep
     assert dep.stop() == 0, "\n".join(dep.log)
 
@@ -156,8 +156,8 @@ def test_sigkill_a_worker_under_load(fragile, victim):
     assert "splitserve:worker_up" in metrics
 
 
-def test_sigterm_drains_and_stops_workers(tmp_path):
-    dep = start_deployment(tmp_path, manifest_yaml(mode="colocated"))
+def test_sigterm_drains_and_stops_workers():
+    dep = start_deployment(manifest_yaml(mode="colocated"))
     pids = [w["pid"] for w in dep.admin()["workers"]]
 
     async def one() -> str:

@@ -1,0 +1,21 @@
+"""A listening socket for an HTTP server (the workers' and the router's), bound before uvicorn starts."""
+
+from __future__ import annotations
+
+import socket
+
+
+def listen(host: str, port: int, backlog: int = 256) -> tuple[socket.socket, str]:
+    """A bound, listening socket (port 0: the OS picks) and its URL. Connections queue from here on,
+    before uvicorn takes the socket, so a URL handed out early is already safe to call."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+    return sock, f"http://{shown}:{bound_port}"
+
+
+__all__ = ["listen"]
