@@ -30,6 +30,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     kv_shared_memory: bool = False  # CPU: KV in a memfd, so shm KV fetchers copy straight out of it
+    attention_backend: str = "auto"  # auto (triton on CUDA when it can run, else torch) | torch | triton
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs (they need the triton backend)
     progress: bool = True
     # Host-side cache of converted weights (model/weight_cache.py): "auto" = $SPLITSERVE_CACHE_DIR/weights
     # or ~/.cache/splitserve/weights; a path (e.g. /dev/shm/splitserve-weights); None or "off" disables
@@ -74,13 +76,16 @@ def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
-def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+def kv_budget_bytes(config: EngineConfig, device: torch.device, reserve_bytes: int = 0) -> int:
+    """Bytes for the KV cache. CUDA: `gpu_memory_utilization` of the device, less what is in use now
+    (weights, CUDA context, other processes) and `reserve_bytes` (the peak activations of a warm-up
+    forward pass and the CUDA graphs' memory, measured by the engine)."""
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        return max(0, int(total * config.gpu_memory_utilization) - used)
+        return max(0, int(total * config.gpu_memory_utilization) - used - reserve_bytes)
     return int(_host_memory_bytes() * config.cpu_kv_cache_fraction)
 
 

@@ -29,7 +29,16 @@ from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.state_pool import StatePool
 from splitserve.engine.stop import check_stop
-from splitserve.model.attention import TorchPagedAttention
+from splitserve.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillBatch,
+    PrefillChunk,
+    TorchPagedAttention,
+    TritonPagedAttention,
+    triton_supported,
+)
+from splitserve.model.decoder import ForwardContext
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
 from splitserve.model.tokenizer import Tokenizer
 
@@ -72,13 +81,21 @@ class LLMEngine:
             self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
         )
         self.block_size = config.block_size
-        num_blocks = kv_budget_bytes(config, self.device) // block_bytes(
-            self.model_config, self.block_size, self.dtype
-        )
         cfg = self.model_config
-        kv_shape = (num_blocks, cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        attn = self._attention_backend()
+        graphs = self.device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
+        if self.device.type == "cuda" and not graphs:
+            log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
+        reserve = self._profile_run(attn) if self.device.type == "cuda" else 0
+        budget = kv_budget_bytes(config, self.device, reserve)
+        num_blocks = budget // block_bytes(cfg, self.block_size, self.dtype)
+        # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
+        layout = (cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv_shape = (num_blocks + int(graphs), *layout)
         self.kv = allocate_kv_cache(kv_shape, self.dtype, self.device, shared=config.kv_shared_memory)
-        self.states = StatePool(self.loaded.model.state_shapes(), config.max_num_seqs, self.device)
+        self.states = StatePool(
+            self.loaded.model.state_shapes(), config.max_num_seqs, self.device, scratch_slot=graphs
+        )
         prefix_caching = config.enable_prefix_caching
         if prefix_caching and self.states.enabled:
             log.warning(
@@ -93,8 +110,12 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
         )
-        attn = TorchPagedAttention(scale=cfg.head_dim**-0.5, fold_gqa=self.device.type == "cpu")
         self.runner = ModelRunner(self.loaded.model, self.kv, attn, self.block_size, self.states.states)
+        self.graph_capture_s = 0.0
+        if graphs:
+            self.graph_capture_s = self.runner.enable_cuda_graphs(
+                config.max_num_seqs, self.max_model_len, num_blocks, self.states.scratch
+            )
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
@@ -102,11 +123,79 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
         self._ids = itertools.count()
         log.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            "KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s",
             num_blocks,
             self.block_size,
             self.kv.numel() * self.kv.element_size() / 2**30,
+            type(attn).__name__,
         )
+
+    def _attention_backend(self) -> AttentionBackend:
+        cfg = self.model_config
+        scale = cfg.head_dim**-0.5
+        choice = self.config.attention_backend
+        if choice not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, not {choice!r}")
+        usable = triton_supported(self.device, cfg.head_dim)
+        if choice == "triton" and not usable:
+            raise ValueError(
+                "attention_backend=triton needs CUDA, an importable triton and a power-of-two head_dim >= 16"
+            )
+        if choice == "triton" or (choice == "auto" and usable):
+            enable = getattr(self.loaded.model, "enable_fused_kernels", None)
+            if enable is not None and enable():
+                log.info("fused Triton kernels on (RMSNorm + residual, q/k norm + rotary + KV store, SiLU)")
+            return TritonPagedAttention(scale)
+        return TorchPagedAttention(scale, fold_gqa=self.device.type == "cpu")
+
+    def _profile_run(self, attn: AttentionBackend) -> int:
+        """CUDA: one forward pass over `max_num_batched_tokens` tokens (one prefill chunk, against a
+        temporary cache just big enough) plus the LM head for `max_num_seqs` rows, before the KV cache
+        exists; -> bytes to hold back from the KV budget for activations and the decode graphs."""
+        cfg, config = self.model_config, self.config
+        tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // self.block_size)
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        kv = torch.zeros(
+            (blocks, cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=dev,
+        )
+        states = StatePool(self.loaded.model.state_shapes(), 1, dev)
+        table = torch.arange(blocks, device=dev)
+        positions = torch.arange(tokens, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=positions,
+            num_decode_tokens=0,
+            decode_groups=(),
+            prefills=(PrefillChunk(0, tokens, tokens, None if attn.batched_prefill else table),),
+            seq_slots=torch.zeros(1, dtype=torch.int64, device=dev) if states.enabled else None,
+            prefill_batch=PrefillBatch(
+                torch.zeros(1, dtype=torch.int64, device=dev),
+                torch.full((1,), tokens, device=dev),
+                torch.full((1,), tokens, device=dev),
+                table[None],
+                tokens,
+            ),
+        )
+        model = self.loaded.model
+        with torch.inference_mode():
+            ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+            hidden = model(ids, positions, ForwardContext(attn, meta, kv, states.states))
+            rows = min(tokens, config.max_num_seqs)
+            model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(dev)
+        scratch = kv.numel() * kv.element_size() + states.nbytes_per_slot()
+        peak = torch.cuda.max_memory_allocated(dev) - before - scratch
+        del kv, states, hidden
+        torch.cuda.empty_cache()
+        # the decode graphs keep their own logits ([max_num_seqs, vocab] fp32) and a small pool
+        graphs = 2 * config.max_num_seqs * cfg.vocab_size * 4 + 256 * 2**20
+        log.info("warm-up pass over %d tokens: %.2f GiB of activations at peak", tokens, peak / 2**30)
+        return max(0, peak) + graphs
 
     # ---- requests -------------------------------------------------------------------------------
 

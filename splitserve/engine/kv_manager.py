@@ -28,6 +28,10 @@ class KVManager:
 
     def allocate(self, req: Request, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
         """Make room for `num_new_tokens` more computed tokens; False (and no change) if the pool is short."""
+        if not prefix_blocks and (self.states is None or req.state_slot is not None):
+            # the common case (a running decode inside its last block): nothing to do
+            if req.num_computed_tokens + num_new_tokens <= len(req.block_ids) * self.block_size:
+                return True
         prefix_blocks = prefix_blocks or []
         have = len(req.block_ids) + len(prefix_blocks)
         computed = req.num_computed_tokens + len(prefix_blocks) * self.block_size
@@ -60,6 +64,8 @@ class KVManager:
         if not self.pool.enable_prefix_caching:
             return
         full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        if full <= req.num_cached_blocks:
+            return
         self._extend_hashes(req, full * self.block_size)
         for i in range(req.num_cached_blocks, full):  # NOTE: only blocks that became full since last time
             self.pool.cache(req.block_ids[i], req.block_hashes[i])

@@ -2,22 +2,48 @@
 
 The flat batch puts single-token chunks (decodes) first, then multi-token chunks (prefills), which is
 the order `AttentionMetadata` expects.
+
+On CUDA with the Triton attention backend, decode-only steps replay CUDA graphs: one graph per batch
+size of a ladder (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, then every 32), captured once at start-up
+over static input buffers. A step of B decodes pads to the next captured size: a padded row has a
+context of one token and writes its K/V into a scratch block that no request owns (and, for hybrid
+models, its recurrent state into a scratch state slot), so it cannot disturb real sequences. A
+step's inputs reach the GPU in two host-to-device copies (the 1-D inputs packed in one pinned
+buffer, and the block table), and nothing waits on the GPU until the sampler's token ids. Mixed
+and prefill steps run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from splitserve.engine.scheduler import ScheduledChunk
-from splitserve.model.attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillChunk
+from splitserve.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillBatch,
+    PrefillChunk,
+)
 from splitserve.model.decoder import DecoderLM, ForwardContext
 
-# More groups cost more kernel launches than the padding they save: on CUDA (launch-bound without
-# CUDA graphs) one group, on CPU (bound by the bytes the gather copies) up to four.
+log = logging.getLogger(__name__)
+
+# More groups cost more kernel launches than the padding they save: on CUDA (one kernel reads every
+# length) one group, on CPU (bound by the bytes the gather copies) up to four.
 MAX_DECODE_GROUPS = {"cpu": 4}
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """The ladder of decode batch sizes captured as CUDA graphs, up to `max_batch` (always included)."""
+    ladder = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    ladder += list(range(160, max_batch + 1, 32))
+    sizes = [b for b in ladder if b < max_batch] + [max_batch]
+    return sorted(set(sizes))
 
 
 @dataclass(frozen=True)
@@ -45,10 +71,26 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv.device
         self.max_decode_groups = MAX_DECODE_GROUPS.get(self.device.type, 1)
+        self.num_kv_heads = kv.shape[4]
+        self.sm_count = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 0
+        )
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_cuda_graphs(
+        self, max_batch: int, max_model_len: int, scratch_block: int, scratch_slot: int | None
+    ) -> float:
+        """Capture the decode graphs (CUDA, Triton backend); -> seconds it took."""
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len, scratch_block, scratch_slot)
+        return self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to."""
+        if self.graphs is not None and self.graphs.accepts(chunks):
+            return self.graphs.run(chunks)
         inputs = self.prepare(chunks)
         ctx = ForwardContext(self.attn, inputs.meta, self.kv, self.states)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
@@ -65,8 +107,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
         prefills: list[PrefillChunk] = []
+        prefill_blocks: list[np.ndarray] = []
         prefills_chunks: list[ScheduledChunk] = []
         decodes: list[ScheduledChunk] = []
+        batched = self.attn.batched_prefill
         for c in ordered:
             req = c.request
             start = len(ids)
@@ -79,8 +123,10 @@ class ModelRunner:
                 decodes.append(c)
             else:
                 ctx_len = c.start + c.num_tokens
-                table = torch.from_numpy(blocks[: -(-ctx_len // self.block_size)]).to(self.device)
+                used = blocks[: -(-ctx_len // self.block_size)]
+                table = None if batched else self._tensor(used)
                 prefills.append(PrefillChunk(start, c.num_tokens, ctx_len, table))
+                prefill_blocks.append(used)
                 prefills_chunks.append(c)
             if c.samples:
                 sample_rows.append(len(ids) - 1)
@@ -91,6 +137,7 @@ class ModelRunner:
             decode_groups=self._decode_groups(decodes),
             prefills=tuple(prefills),
             seq_slots=self._slots(decodes, prefills_chunks) if self.states else None,
+            prefill_batch=self._prefill_batch(prefills, prefill_blocks) if batched and prefills else None,
         )
         return StepInputs(
             input_ids=self._tensor(np.asarray(ids, dtype=np.int64)),
@@ -99,6 +146,14 @@ class ModelRunner:
             sample_rows=self._tensor(np.asarray(sample_rows, dtype=np.int64)),
             sample_chunks=sample_chunks,
         )
+
+    def _prefill_batch(self, prefills: list[PrefillChunk], blocks: list[np.ndarray]) -> PrefillBatch:
+        cols = np.array([(p.query_start, p.query_len, p.context_len) for p in prefills], dtype=np.int64)
+        table = np.zeros((len(blocks), max(len(b) for b in blocks)), dtype=np.int64)
+        for i, b in enumerate(blocks):
+            table[i, : len(b)] = b
+        packed = self._tensor(np.ascontiguousarray(cols.T))  # [3, P]
+        return PrefillBatch(packed[0], packed[1], packed[2], self._tensor(table), int(cols[:, 1].max()))
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> tuple[DecodeGroup, ...]:
         """Split decodes (sorted by context length) so that padding stays under ~25% per group."""
@@ -123,7 +178,12 @@ class ModelRunner:
             n = -(-(c.start + 1) // bs)
             table[i, :n] = c.request.block_ids[:n]
         lens = np.array([c.start + 1 for c in decodes[start:end]], dtype=np.int64)
-        return DecodeGroup(start, end, self._tensor(table), self._tensor(lens))
+        splits = 1
+        if self.attn.batched_prefill:  # the Triton backend: split long contexts when rows are few
+            from splitserve.kernels.paged_attention import decode_num_splits
+
+            splits = decode_num_splits(end - start, self.num_kv_heads, int(lens.max()), self.sm_count)
+        return DecodeGroup(start, end, self._tensor(table), self._tensor(lens), splits)
 
     def _slots(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> torch.Tensor:
         slots = [c.request.state_slot for c in decodes + prefills]
@@ -131,4 +191,127 @@ class ModelRunner:
         return self._tensor(np.asarray(slots, dtype=np.int64))
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
+        t = torch.from_numpy(a)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode step (model forward + LM head) over a ladder of batch sizes."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_batch: int,
+        max_model_len: int,
+        scratch_block: int,
+        scratch_slot: int | None,
+    ) -> None:
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.scratch_block = scratch_block
+        self.scratch_slot = scratch_slot
+        self.hybrid = bool(runner.states)
+        if self.hybrid and scratch_slot is None:
+            raise ValueError("a hybrid model's decode graphs need a scratch state slot")
+        dev = runner.device
+        bs = runner.block_size
+        self.max_blocks = -(-max_model_len // bs)
+        # rows of `inputs`: token ids, positions, KV slots, context lengths, state slots
+        self.inputs = torch.zeros((5, self.max_batch), dtype=torch.int64, device=dev)
+        self.tables = torch.full(
+            (self.max_batch, self.max_blocks), scratch_block, dtype=torch.int64, device=dev
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def accepts(self, chunks: list[ScheduledChunk]) -> bool:
+        return 0 < len(chunks) <= self.max_batch and all(c.num_tokens == 1 for c in chunks)
+
+    def _meta(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        from splitserve.kernels.paged_attention import decode_num_splits
+
+        r = self.runner
+        ids, pos, slots, lens, seq_slots = self.inputs[:, :b]
+        splits = decode_num_splits(b, r.num_kv_heads, self.max_blocks * r.block_size, r.sm_count)
+        group = DecodeGroup(0, b, self.tables[:b], lens, splits)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decode_tokens=b,
+            decode_groups=(group,),
+            prefills=(),
+            seq_slots=seq_slots if self.hybrid else None,
+        )
+        return ids, pos, meta
+
+    def _forward(self, b: int) -> torch.Tensor:
+        r = self.runner
+        ids, pos, meta = self._meta(b)
+        hidden = r.model(ids, pos, ForwardContext(r.attn, meta, r.kv, r.states))
+        return r.model.compute_logits(hidden)
+
+    def _pad(self) -> None:
+        """Every row a padded row: one token of the scratch block, the scratch state slot."""
+        bs = self.runner.block_size
+        self.inputs[0].zero_()
+        self.inputs[1].zero_()
+        self.inputs[2].fill_(self.scratch_block * bs)
+        self.inputs[3].fill_(1)
+        self.inputs[4].fill_(self.scratch_slot if self.scratch_slot is not None else 0)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        import time
+
+        t0 = time.perf_counter()
+        self._pad()
+        for b in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
+            self._forward(b)  # warm-up: Triton compiles, lazy tables are built
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[b] = self._forward(b)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.runner.device)
+        seconds = time.perf_counter() - t0
+        log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.sizes), self.sizes, seconds)
+        return seconds
+
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        b = len(chunks)
+        size = next(s for s in self.sizes if s >= b)
+        bs = self.runner.block_size
+        host = np.empty((5, size), dtype=np.int64)
+        host[0, b:] = 0
+        host[1, b:] = 0
+        host[2, b:] = self.scratch_block * bs
+        host[3, b:] = 1
+        host[4, b:] = self.scratch_slot if self.scratch_slot is not None else 0
+        width = max(-(-(c.start + 1) // bs) for c in chunks)
+        table = np.full((b, width), self.scratch_block, dtype=np.int64)
+        for i, c in enumerate(chunks):
+            req = c.request
+            p = c.start
+            blocks = req.block_ids
+            n = -(-(p + 1) // bs)
+            host[0, i] = req.token_ids(p, p + 1)[0]
+            host[1, i] = p
+            host[2, i] = blocks[p // bs] * bs + p % bs
+            host[3, i] = p + 1
+            host[4, i] = req.state_slot if self.hybrid else 0
+            table[i, :n] = blocks[:n]
+        dev = self.runner.device
+        self.inputs[:, :size].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        self.tables[:b, :width].copy_(torch.from_numpy(table).pin_memory(), non_blocking=True)
+        self.graphs[size].replay()
+        logits = self.logits[size]
+        sample = [i for i, c in enumerate(chunks) if c.samples]
+        if len(sample) == b:
+            return logits[:b], list(chunks)
+        rows = torch.tensor(sample, dtype=torch.int64).to(dev, non_blocking=True)
+        return logits[rows], [chunks[i] for i in sample]

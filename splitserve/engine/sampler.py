@@ -40,10 +40,10 @@ class Sampler:
         return token_list, _gather_logprobs(raw_logprobs, tokens, reqs)
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         argmax = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        if all(r.params.greedy for r in reqs):  # decided on the host: no wait on the GPU
             return argmax
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         temps = torch.tensor(
             [1.0 if r.params.greedy else r.params.temperature for r in reqs], device=logits.device
         )
@@ -93,15 +93,16 @@ class Sampler:
 def _filter(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """min_p, top_k and top_p, each applied only if some row asks for it. logits [N, V]."""
     dev = logits.device
-    min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
-    if bool((min_p > 0).any()):
+    # which filters run is decided from the host-side parameters: no wait on the GPU
+    if any(r.params.min_p > 0 for r in reqs):
+        min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
         probs = torch.softmax(logits, dim=-1)
         keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(~keep, float("-inf"))
     top_k = [r.params.top_k for r in reqs]
-    top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
-    if not any(top_k) and bool((top_p >= 1).all()):
+    if not any(top_k) and all(r.params.top_p >= 1 for r in reqs):
         return logits
+    top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     v = logits.shape[1]
     k = torch.tensor([t if t > 0 else v for t in top_k], device=dev)

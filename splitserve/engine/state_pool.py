@@ -19,12 +19,17 @@ class StatePool:
         shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
         num_slots: int,
         device: torch.device,
+        scratch_slot: bool = False,
     ) -> None:
+        """`scratch_slot`: one more slot, never handed out (`self.scratch`), for the padded rows of a
+        CUDA-graph decode step to write into."""
         self.num_slots = num_slots if shapes else 0
+        extra = 1 if scratch_slot and shapes else 0
         self.states = {
-            name: torch.zeros((self.num_slots, *shape), dtype=dtype, device=device)
+            name: torch.zeros((self.num_slots + extra, *shape), dtype=dtype, device=device)
             for name, (shape, dtype) in shapes.items()
         }
+        self.scratch: int | None = self.num_slots if extra else None
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     @property

@@ -25,7 +25,18 @@ class PrefillChunk:
     query_start: int  # offset of the chunk's first token in the flat batch
     query_len: int
     context_len: int  # tokens in the cache after this chunk is stored (prefix + chunk)
-    block_table: torch.Tensor  # [num_blocks_for_context] int64
+    block_table: torch.Tensor | None  # [num_blocks_for_context] int64 (None: backend reads PrefillBatch)
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """All prefill chunks of a step as device tensors, for backends that take them in one launch."""
+
+    query_start: torch.Tensor  # [P] int64
+    query_len: torch.Tensor  # [P] int64
+    context_len: torch.Tensor  # [P] int64
+    block_tables: torch.Tensor  # [P, max_blocks] int64, padded with 0
+    max_query_len: int
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,7 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor  # [end - start, max_blocks] int64, padded with 0
     context_lens: torch.Tensor  # [end - start] int64
+    num_splits: int = 1  # split-K factor for backends that split the context (fixed per CUDA graph)
 
 
 @dataclass(frozen=True)
@@ -45,9 +57,13 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeGroup, ...]  # decode rows sorted by context length, in groups
     prefills: tuple[PrefillChunk, ...]
     seq_slots: torch.Tensor | None = None  # [num_decode + num_prefill] state slots (hybrid models)
+    prefill_batch: PrefillBatch | None = None  # set for backends with `batched_prefill`
 
 
 class AttentionBackend(Protocol):
+    #: True: the backend reads `meta.prefill_batch` (one launch for all chunks), not per-chunk tables
+    batched_prefill: bool
+
     def forward(
         self,
         layer: int,
@@ -68,6 +84,8 @@ class TorchPagedAttention:
     `enable_gqa` there). On CUDA, where this path is bound by kernel launches, SDPA's own
     `enable_gqa` does both with fewer kernels.
     """
+
+    batched_prefill = False
 
     def __init__(self, scale: float, fold_gqa: bool = True) -> None:
         self.scale = scale
@@ -122,6 +140,7 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk
     ) -> torch.Tensor:
         ctx, h = chunk.context_len, q.shape[1]
+        assert chunk.block_table is not None
         keys = _gather(k_cache, chunk.block_table[None])[0, :, :ctx]  # [KVH, ctx, D]
         values = _gather(v_cache, chunk.block_table[None])[0, :, :ctx]
         qh = q.transpose(0, 1)  # [H, q_len, D]
@@ -144,6 +163,60 @@ class TorchPagedAttention:
                 qh, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
             )
         return out.transpose(0, 1)  # [q_len, H, D]
+
+
+class TritonPagedAttention:
+    """CUDA: the Triton kernels of `splitserve.kernels.paged_attention`: one launch for all decode
+    rows (split-K when there are few of them) and one for all prefill chunks; no K/V gathers."""
+
+    batched_prefill = True
+
+    def __init__(self, scale: float) -> None:
+        from splitserve.kernels import paged_attention
+
+        self.scale = scale
+        self._kernels = paged_attention
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        kv: torch.Tensor,  # [num_blocks, L, 2, block_size, KVH, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        store_kv(kv[:, layer, 0], kv[:, layer, 1], k, v, meta.slot_mapping)
+        return self.attend(layer, q, kv, meta)
+
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over a cache that already holds this step's K/V (stored by a fused kernel)."""
+        k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        for g in meta.decode_groups:
+            self._kernels.paged_decode_attention(
+                q[g.start : g.end], k_cache, v_cache, g.block_tables, g.context_lens, self.scale,
+                g.num_splits, out=out[g.start : g.end],
+            )  # fmt: skip
+        batch = meta.prefill_batch
+        if batch is not None:
+            self._kernels.paged_prefill_attention(
+                q, k_cache, v_cache, out, batch.block_tables, batch.query_start, batch.query_len,
+                batch.context_len, batch.max_query_len, self.scale,
+            )  # fmt: skip
+        return out.flatten(1)
+
+
+def triton_supported(device: torch.device, head_dim: int) -> bool:
+    """Whether the Triton backend can run here: CUDA, triton importable, a power-of-two head_dim >= 16."""
+    if device.type != "cuda" or head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def store_kv(

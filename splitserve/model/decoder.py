@@ -52,6 +52,22 @@ class Attention(nn.Module):
         out = ctx.attn.forward(self.layer, q, k, v.contiguous(), ctx.kv, ctx.meta)  # [T, H * D]
         return self.o_proj(out)
 
+    def forward_fused(
+        self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """CUDA: q/k norm, rotary and the KV store in one kernel, then the backend's attention."""
+        from splitserve.kernels.fused import qk_norm_rope_store
+
+        kv = ctx.kv
+        q = qk_norm_rope_store(
+            self.qkv_proj(x), self.h, self.kvh, positions, rope.cos, rope.sin,
+            kv[:, self.layer, 0], kv[:, self.layer, 1], ctx.meta.slot_mapping,
+            self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None,
+            self.q_norm.eps if self.q_norm is not None else 0.0,
+        )  # fmt: skip
+        return self.o_proj(ctx.attn.attend(self.layer, q, kv, ctx.meta))  # type: ignore[attr-defined]
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
@@ -79,12 +95,39 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.fused = False
+
+    def enable_fused_kernels(self) -> bool:
+        """Use the Triton kernels of splitserve.kernels.fused (CUDA, with a backend that has
+        `attend`); they reproduce the plain path's roundings. -> whether they are on."""
+        d = self.cfg.head_dim
+        self.fused = d >= 32 and d & (d - 1) == 0
+        return self.fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.fused:
+            return self._forward_fused(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
             x = layer(positions, x, self.rope, ctx)
         return self.norm(x)
+
+    def _forward_fused(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """The same computation with each residual add fused into the next RMSNorm."""
+        from splitserve.kernels.fused import rmsnorm, silu_mul
+
+        eps = self.cfg.rms_norm_eps
+        residual = self.embed_tokens(input_ids)  # [T, hidden], updated in place by each add
+        h = rmsnorm(residual, self.layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn.forward_fused(positions, h, self.rope, ctx)
+            h = rmsnorm(a, layer.post_attention_layernorm.weight, eps, residual=residual)
+            m = layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(h)))
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h = rmsnorm(m, nxt.weight, eps, residual=residual)
+        return h
 
     def build_rope(self, max_positions: int, device: torch.device) -> None:
         """(Re)compute the cos/sin tables on `device` after weights were materialized from `meta`."""

@@ -21,7 +21,8 @@ sequence, a state slot in the engine's `StatePool` (`state_shapes()`), all fp32:
     states["recurrent"]  [num_slots, num_linear_layers, value_heads, key_head_dim, value_head_dim]
 
 `AttentionMetadata.seq_slots` gives each sequence's slot (decodes first, then prefill chunks, as in the
-flat batch). Decode tokens are advanced together with the recurrent form; each prefill chunk runs
+flat batch). Decode tokens are advanced together with the recurrent form (on CUDA by the fused Triton
+kernels of splitserve/kernels/gated_delta.py, in place on the state pools); each prefill chunk runs
 the causal conv from its slot's conv window and the chunked rule from its slot's recurrent state,
 and both are written back, so a prompt may be split into chunks at any position. A slot is zeroed
 when allocated, which is the state before a sequence's first token.
@@ -34,7 +35,10 @@ turns it off for hybrid models: the recurrent state cannot be restored at a bloc
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +50,26 @@ from splitserve.model.errors import ModelLoadError
 from splitserve.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from splitserve.model.layers import GatedMLP, GatedRMSNorm, PartialRotaryEmbedding, ZeroCentredRMSNorm
 from splitserve.model.weights import load_mapped_weights
+
+# Set to 1 to run the decode kernels on CPU tensors too (with TRITON_INTERPRET=1: kernel tests only).
+TRITON_ON_CPU_ENV = "SPLITSERVE_TRITON_INTERPRET_TEST"
+
+
+@functools.cache
+def _decode_kernels() -> ModuleType | None:
+    """splitserve.kernels.gated_delta, imported on first use; None without triton."""
+    try:
+        from splitserve.kernels import gated_delta
+    except ImportError:
+        return None
+    return gated_delta
+
+
+def _fused_decode_wanted(x: torch.Tensor) -> bool:
+    """Whether decode rows should take the fused Triton kernels (if triton is installed): on CUDA, or
+    anywhere when TRITON_ON_CPU_ENV is 1. Otherwise the torch path, which on CPU is token-exact with
+    HF transformers."""
+    return x.is_cuda or os.environ.get(TRITON_ON_CPU_ENV) == "1"
 
 
 class GatedAttention(nn.Module):
@@ -97,6 +121,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.fused = False  # set by Qwen3_5LM.enable_fused_kernels (CUDA)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -109,7 +134,12 @@ class GatedDeltaNet(nn.Module):
         # causal depthwise conv + SiLU, continuing each sequence's conv window
         nd = meta.num_decode_tokens
         conv_out = torch.empty_like(mixed)  # [T, conv_dim]
-        if nd:
+        kernels = _decode_kernels() if nd and _fused_decode_wanted(x) else None
+        if kernels is not None:  # in place on the state pool, written straight into conv_out
+            kernels.causal_conv1d_update(
+                mixed[:nd], conv_states, self.conv1d.weight, meta.seq_slots[:nd], out=conv_out[:nd]
+            )
+        elif nd:
             slots = meta.seq_slots[:nd]
             window = torch.cat([conv_states[slots].to(mixed.dtype), mixed[:nd, :, None]], dim=-1)  # [B, C, K]
             conv_states[slots] = window[:, :, 1:].float()
@@ -127,7 +157,11 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log-decay, fp32
 
         core = torch.empty_like(v)  # [T, Hv, Dv]
-        if nd:
+        if kernels is not None:
+            kernels.fused_recurrent_gated_delta_rule_update(
+                q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], rec_states, meta.seq_slots[:nd], out=core[:nd]
+            )
+        elif nd:
             slots = meta.seq_slots[:nd]
             out, state = recurrent_gated_delta_rule(  # batch of B sequences, one token each
                 q[:nd, None], k[:nd, None], v[:nd, None], g[:nd, None], beta[:nd, None], rec_states[slots]
@@ -143,6 +177,10 @@ class GatedDeltaNet(nn.Module):
             core[rows] = out[0]
             rec_states[slot] = state
 
+        if self.fused:  # one kernel, reading the gate z in place
+            from splitserve.kernels.fused import gated_rmsnorm
+
+            return self.out_proj(gated_rmsnorm(core.view(t, -1), z, self.norm.weight, self.norm.eps))
         core = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv))  # [T * Hv, Dv]
         return self.out_proj(core.reshape(t, self.value_dim))
 
@@ -196,6 +234,7 @@ class Qwen3_5LM(nn.Module):
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         # NOTE: its tables are built on the CPU even under `meta` and copied per device on first use
         self.partial_rope = PartialRotaryEmbedding(cfg.rope, rotary_dim, max_positions)
+        self.fused = False
 
     def build_rope(self, max_positions: int, device: torch.device) -> None:
         """Nothing to do: PartialRotaryEmbedding keeps CPU tables and copies them per device."""
@@ -205,10 +244,40 @@ class Qwen3_5LM(nn.Module):
         return self.cfg.layer_types.count("linear_attention")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.fused:
+            return self._forward_fused(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
             x = layer(positions, x, self.partial_rope, ctx)
         return self.norm(x)
+
+    def enable_fused_kernels(self) -> bool:
+        """CUDA: the zero-centred RMSNorms with their residual adds, and SiLU-and-multiply, as Triton
+        kernels (splitserve.kernels.fused) that reproduce the plain path's roundings."""
+        self.fused = True
+        for layer in self.layers:
+            if layer.is_linear and layer.linear_attn.dv & (layer.linear_attn.dv - 1) == 0:
+                layer.linear_attn.fused = True
+        return True
+
+    def _forward_fused(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        from splitserve.kernels.fused import rmsnorm, silu_mul
+
+        eps = self.cfg.rms_norm_eps
+        residual = self.embed_tokens(input_ids)  # [T, hidden], updated in place by each add
+        h = rmsnorm(residual, self.layers[0].input_layernorm.weight, eps, zero_centred=True)
+        for i, layer in enumerate(self.layers):
+            if layer.is_linear:
+                a = layer.linear_attn(h, ctx)
+            else:
+                a = layer.self_attn(positions, h, self.partial_rope, ctx)
+            h = rmsnorm(a, layer.post_attention_layernorm.weight, eps, residual, zero_centred=True)
+            m = layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(h)))
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h = rmsnorm(m, nxt.weight, eps, residual, zero_centred=True)
+        return h
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         lin = self.cfg.linear

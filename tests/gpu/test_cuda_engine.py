@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def _tiny_checkpoint(tmp_path, arch: str):
+def _tiny_checkpoint(tmp_path, arch: str, init: float | None = None):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -28,7 +28,7 @@ def _tiny_checkpoint(tmp_path, arch: str):
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=32,
-            initializer_range=0.15,
+            initializer_range=0.15 if init is None else init,
             max_position_embeddings=1024,
         )
         model = Qwen3ForCausalLM(cfg)
@@ -57,12 +57,13 @@ def _tiny_checkpoint(tmp_path, arch: str):
 
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 33, 90, 150)]
+    # five sequences: decode steps pad to the CUDA graph of batch 8 (padded rows must not disturb them)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 33, 90, 150, 61)]
 
 
-def _run(path: str, device: str, dtype: str, prompts, **knobs):
+def _run(path: str, device: str, dtype: str, prompts, params=GREEDY, **knobs):
     llm = LLM(model=path, device=device, dtype=dtype, kv_cache_bytes=64 * 2**20, progress=False, **knobs)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -76,26 +77,38 @@ def test_cuda_fp32_equals_cpu_fp32(tmp_path, arch):
     assert cuda == cpu
 
 
-def test_cuda_bf16_is_as_close_to_fp32_as_hf_bf16(tmp_path):
-    """bf16 drifts from fp32 at near-ties; ours must drift no more than HF's own bf16 path does.
-
-    Teacher-forced on our bf16 greedy continuations: the fp32 model's top-1 is the reference.
-    """
-    model, path = _tiny_checkpoint(tmp_path, "qwen3")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_cuda_graphs_equal_eager(tmp_path, arch):
+    """Decode through CUDA graphs (the default) gives the tokens of eager decode (fp32: in bf16 the
+    padded batch may pick other matmul kernels, whose rounding moves near-ties)."""
+    model, path = _tiny_checkpoint(tmp_path, arch)
     prompts = _prompts(model.config.vocab_size)
-    ours = _run(path, "cuda", "bfloat16", prompts)
-    ref = model.to("cuda", torch.float32).eval()
-    hf_bf16 = _tiny_checkpoint(tmp_path / "copy", "qwen3")[0].to("cuda", torch.bfloat16).eval()
-    ours_ok = hf_ok = total = 0
+    graphs = _run(path, "cuda", "float32", prompts)
+    eager = _run(path, "cuda", "float32", prompts, enforce_eager=True)
+    assert graphs == eager
+
+
+def test_cuda_bf16_top1_agrees_with_hf_bf16(tmp_path):
+    """Teacher-forced on our bf16 greedy output, HF's bf16 model picks our token at >= 97% of steps:
+    as often as HF's bf16 agrees with its own fp32 (random weights have near-ties that bf16 rounding
+    flips either way: on this model HF bf16 vs fp32 agree on about 98%, so 99% is out of reach)."""
+    model, path = _tiny_checkpoint(tmp_path, "qwen3", init=0.02)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+               for n in (5, 17, 40, 64, 100, 180, 250, 333)]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ours = _run(path, "cuda", "bfloat16", prompts, params)
+    fp32 = _tiny_checkpoint(tmp_path / "copy", "qwen3", init=0.02)[0].to("cuda", torch.float32).eval()
+    hf = model.to("cuda", torch.bfloat16).eval()
+    same = hf_same = total = 0
     with torch.inference_mode():
         for prompt, out in zip(prompts, ours, strict=True):
             ids = torch.tensor([prompt + out], device="cuda")
             rows = slice(len(prompt) - 1, -1)
-            want = ref(ids).logits[0, rows].argmax(-1)
-            hf = hf_bf16(ids).logits[0, rows].argmax(-1)
-            ours_ok += int((want == torch.tensor(out, device="cuda")).sum())
-            hf_ok += int((want == hf).sum())
+            top1 = hf(ids).logits[0, rows].argmax(-1)
+            same += int((top1 == torch.tensor(out, device="cuda")).sum())
+            hf_same += int((top1 == fp32(ids).logits[0, rows].argmax(-1)).sum())
             total += len(out)
-    print(f"top-1 agreement with fp32: splitserve bf16 {ours_ok}/{total}, HF bf16 {hf_ok}/{total}")
-    assert ours_ok / total >= 0.9
-    assert ours_ok >= hf_ok - max(2, total // 50)
+    print(f"top-1 agreement with HF bf16: splitserve {same}/{total}; HF bf16 with HF fp32 {hf_same}/{total}")
+    assert same / total >= 0.97
+    assert same >= hf_same - max(2, total // 100)

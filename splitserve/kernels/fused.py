@@ -1,0 +1,207 @@
+"""Fused Triton kernels for the dense decoder's small per-layer steps on CUDA.
+
+Each replaces a run of tiny torch kernels (about 50 per layer unfused, which at batch 1 cost as much
+GPU time as reading the weights) and reproduces torch's bf16 roundings step by step, so the fused
+model computes what the plain one does:
+
+* `rmsnorm` (with a residual add): (residual += x, then) `w * round(norm_fp32(residual))`, as HF's
+  RMSNorm (statistics in fp32, the product in the activation dtype), or Qwen3.5's zero-centred
+  `round(norm_fp32(residual) * (1 + w))`;
+* `qk_norm_rope_store`: from the fused QKV projection, per head: optional RMSNorm (Qwen3's q/k
+  norm), neox rotary embedding with the cos/sin tables rounded to the activation dtype, then q to
+  `q_out`, and k and v straight into the paged KV cache at each token's slot;
+* `silu_mul`: `round(silu(gate)) * up`;
+* `gated_rmsnorm`: Qwen3.5's `w * norm(x) * silu(z)` per head.
+
+`ROUND` below rounds an fp32 value to the activation dtype and back: what an op in that dtype does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps,
+    HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = _round(x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32), DTYPE)
+        tl.store(res_ptr + row * stride_r + cols, x.to(DTYPE), mask=mask)
+    var = tl.sum(x * x, 0) / n
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:  # Qwen3.5: norm(x) * (1 + w), all in fp32, rounded once
+        out = x * tl.rsqrt(var + eps) * (1.0 + w)
+    else:
+        out = w * _round(x * tl.rsqrt(var + eps), DTYPE)
+    tl.store(out_ptr + row * stride_o + cols, out.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    qkv_ptr, q_out_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
+    stride_t, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_cos,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    HAS_NORM: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    head = tl.program_id(1)  # 0..H-1: query heads; H..H+KVH-1: key heads (and their value heads)
+    half = tl.arange(0, D // 2)
+    is_q = head < H
+    base = qkv_ptr + t * stride_t + head * D
+    x1 = tl.load(base + half).to(tl.float32)
+    x2 = tl.load(base + D // 2 + half).to(tl.float32)
+    if HAS_NORM:
+        var = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D
+        r = tl.rsqrt(var + eps)
+        if is_q:
+            w1 = tl.load(qw_ptr + half).to(tl.float32)
+            w2 = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
+        else:
+            w1 = tl.load(kw_ptr + half).to(tl.float32)
+            w2 = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
+        x1 = _round(w1 * _round(x1 * r, DTYPE), DTYPE)
+        x2 = _round(w2 * _round(x2 * r, DTYPE), DTYPE)
+    pos = tl.load(pos_ptr + t)
+    c = _round(tl.load(cos_ptr + pos * stride_cos + half), DTYPE)  # cos[:D/2] == cos[D/2:]
+    s = _round(tl.load(sin_ptr + pos * stride_cos + half), DTYPE)
+    # rotate_half(x) = [-x2, x1]; out = round(round(x * cos) + round(rotate_half(x) * sin))
+    o1 = _round(_round(x1 * c, DTYPE) + _round(-x2 * s, DTYPE), DTYPE)
+    o2 = _round(_round(x2 * c, DTYPE) + _round(x1 * s, DTYPE), DTYPE)
+    if is_q:
+        q = q_out_ptr + t * stride_qt + head * stride_qh
+        tl.store(q + half, o1.to(DTYPE))
+        tl.store(q + D // 2 + half, o2.to(DTYPE))
+    else:
+        j = head - H
+        slot = tl.load(slots_ptr + t)
+        dst = (slot // BS) * stride_kb + (slot % BS) * stride_kt + j * stride_kh
+        tl.store(k_ptr + dst + half, o1.to(DTYPE))
+        tl.store(k_ptr + dst + D // 2 + half, o2.to(DTYPE))
+        v = qkv_ptr + t * stride_t + (H + KVH + j) * D
+        tl.store(v_ptr + dst + half, tl.load(v + half))
+        tl.store(v_ptr + dst + D // 2 + half, tl.load(v + D // 2 + half))
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = _round(g / (1.0 + tl.exp(-g)), DTYPE)
+    tl.store(out_ptr + row * stride_o + cols, (silu * u).to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr, stride_xt, stride_zt, stride_ot, eps,
+    HEADS: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)  # token t, head h
+    t = row // HEADS
+    h = row % HEADS
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + t * stride_xt + h * D + d).to(tl.float32)
+    var = tl.sum(x * x, 0) / D
+    w = tl.load(w_ptr + d).to(tl.float32)
+    normed = _round(w * _round(x * tl.rsqrt(var + eps), DTYPE), DTYPE)
+    z = tl.load(z_ptr + t * stride_zt + h * D + d).to(tl.float32)
+    out = normed * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + t * stride_ot + h * D + d, out.to(DTYPE))
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    zero_centred: bool = False,
+) -> torch.Tensor:
+    """norm(x) * weight, or with `residual`: residual += x (in place), then norm(residual) * weight.
+    `zero_centred`: the weight is stored as an offset from 1 (`ZeroCentredRMSNorm`)."""
+    t, n = x.shape
+    out = torch.empty_like(x)
+    res = residual if residual is not None else x
+    _rmsnorm_kernel[(t,)](
+        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
+        HAS_RES=residual is not None, ZERO_CENTRED=zero_centred, BLOCK=triton.next_power_of_2(n),
+        DTYPE=_TL[x.dtype], num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,  # [T, (H + 2 KVH) * D]
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,  # [T]
+    cos: torch.Tensor,  # [max_positions, D] fp32
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] (strided view)
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [T]
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """-> q [T, H, D] (normed, rotated); k (normed, rotated) and v written into the cache at `slots`."""
+    t = qkv.shape[0]
+    d = k_cache.shape[-1]
+    assert qkv.stride(1) == 1 and k_cache.stride() == v_cache.stride() and cos.stride(1) == 1
+    q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    norm = q_weight is not None and k_weight is not None
+    _qk_norm_rope_store_kernel[(t, num_heads + num_kv_heads)](
+        qkv, q, k_cache, v_cache, slots, positions, cos, sin,
+        q_weight if norm else qkv, k_weight if norm else qkv, eps,
+        qkv.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
+        H=num_heads, KVH=num_kv_heads, D=d, BS=k_cache.shape[1], HAS_NORM=norm, DTYPE=_TL[qkv.dtype],
+        num_warps=1,
+    )  # fmt: skip
+    return q
+
+
+def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`GatedRMSNorm` per head: x [T, H * D] (rows contiguous), gate z [T, H * D] (any row stride)
+    -> round(round(w * round(norm(x))) * silu(z_fp32)), [T, H * D]. D = weight's length."""
+    t, n = x.shape
+    d = weight.shape[0]
+    assert x.stride(1) == 1 and z.stride(1) == 1 and n % d == 0
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t:
+        _gated_rmsnorm_kernel[(t * (n // d),)](
+            x, z, weight, out, x.stride(0), z.stride(0), out.stride(0), eps,
+            HEADS=n // d, D=d, DTYPE=_TL[x.dtype], num_warps=1,
+        )  # fmt: skip
+    return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 I] = [gate | up] -> silu(gate) * up [T, I]."""
+    t, n2 = x.shape
+    n = n2 // 2
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(t, triton.cdiv(n, block))](
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, DTYPE=_TL[x.dtype], num_warps=4
+    )
+    return out

@@ -1,0 +1,299 @@
+"""Paged attention in Triton: decode (split-K over the context) and variable-length chunked prefill.
+
+Both read K/V straight from the engine's block-major cache through block tables, with no gather
+into contiguous copies. A layer's K (or V) cache is the strided view
+
+    kv[:, layer, 0]   [num_blocks, block_size, KVH, D]     (kv[:, layer, 1] for V: same strides)
+
+Decode (one query token per sequence). A program takes one sequence, one KV head and one split of
+the context: the G query heads that share the KV head are the rows of one tensor-core tile (padded
+to 16), so each K/V tile is loaded once for all of them. With `num_splits` > 1 each split writes a
+partial result and its log-sum-exp, and a second small kernel merges the splits (flash-decoding):
+at batch 1 there are only KVH programs per split, too few to keep an H200's 132 SMs reading.
+
+Prefill. A program takes one query tile of one prefill chunk for one query head and walks the keys
+from the sequence's first token to the tile's last position (the chunk's own keys, just stored,
+and every earlier chunk's), causally masked: chunked prefill and prefix-cache hits are the same
+case. All chunks of a step are one launch.
+
+Everything is sized by tensors (context lengths, block tables), never by host-side values that
+change per step, so the decode kernels can be captured in CUDA graphs. fp32 inputs use IEEE
+products (no TF32), so fp32 results track the plain-torch reference to rounding.
+
+Checked on CPU with `TRITON_INTERPRET=1` (tests/kernels); `triton` is imported lazily by callers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lens_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + seq).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    head = kvh * G + g
+    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None])
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        block = tl.load(tables_ptr + seq * stride_tb + offs // BS, mask=valid, other=0).to(tl.int64)
+        rows = block * stride_kb + (offs % BS) * stride_kt + kvh * stride_kh
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_N], log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = (g < G)[:, None]
+    if NUM_SPLITS == 1:
+        acc = acc / l_i[:, None]
+        o = out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :]
+        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials [B, H, NUM_SPLITS, D] fp32 and lse [B, H, NUM_SPLITS] (log2 units), contiguous
+        nonempty = l_i > 0
+        acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        num_heads = tl.num_programs(1) * G
+        row = (seq * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=out_mask)
+        tl.store(lse_ptr + row, lse, mask=g < G)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D)
+    row = (seq * H + head) * NUM_SPLITS + s
+    lse = tl.load(lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
+    parts = tl.load(part_ptr + row[:, None] * D + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    tables_ptr,
+    q_start_ptr,
+    q_len_ptr,
+    ctx_len_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    q_len = tl.load(q_len_ptr + chunk).to(tl.int32)
+    q0 = tl.load(q_start_ptr + chunk).to(tl.int32)
+    ctx = tl.load(ctx_len_ptr + chunk).to(tl.int32)
+    prefix = ctx - q_len
+    kvh = head // G
+
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = m < q_len
+    pos = prefix + m  # each query's position in its sequence: it sees keys 0..pos
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (q0 + m)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=m_valid[:, None])
+    # keys up to the tile's last position; none for a tile past the chunk's end (its stores are masked)
+    hi = tl.where(tile * BLOCK_M < q_len, tl.minimum(ctx, prefix + (tile + 1) * BLOCK_M), 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(0, hi, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = offs < hi
+        block = tl.load(tables_ptr + chunk * stride_tb + offs // BS, mask=valid, other=0).to(tl.int64)
+        rows = block * stride_kb + (offs % BS) * stride_kt + kvh * stride_kh
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where((offs[None, :] <= pos[:, None]) & valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o = out_ptr + (q0 + m)[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int = 132) -> int:
+    """Splits of the context per (sequence, KV head): enough programs for ~2 waves over the SMs,
+    at least 128 tokens per split, at most 16 splits."""
+    programs = max(1, batch * num_kv_heads)
+    want = -(-2 * sm_count // programs)
+    return max(1, min(16, want, max(1, max_context // 128)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] (a strided view)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    context_lens: torch.Tensor,  # [B] int, >= 1
+    scale: float,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q K^T * scale) V per sequence over its first context_lens[b] cached tokens -> [B, H, D]."""
+    b, h, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    g = h // kvh
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    out = torch.empty_like(q) if out is None else out
+    if b == 0:
+        return out
+    small = _interpreted()
+    block_n = 16 if small else (64 if d <= 128 else 32)
+    if num_splits > 1:
+        part = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
+    _decode_split_kernel[(b, kvh, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part, lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BS=bs, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_merge_kernel[(b, h)](
+            part, lse, out, out.stride(0), out.stride(1),
+            H=h, D=d, NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=2,
+        )  # fmt: skip
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, H, D] (the prefill rows of the flat batch are addressed by q_start)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [T, H, D]
+    block_tables: torch.Tensor,  # [P, max_blocks] int
+    q_start: torch.Tensor,  # [P] int: each chunk's first row in q / out
+    q_len: torch.Tensor,  # [P] int
+    ctx_len: torch.Tensor,  # [P] int: tokens cached after the chunk (earlier ones + the chunk)
+    max_q_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each prefill chunk's queries over its sequence's cached keys (incl. its own)."""
+    p = q_len.shape[0]
+    _, h, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    if p == 0:
+        return out
+    if _interpreted():
+        block_m, block_n, warps, stages = 16, 16, 4, 1
+    elif d <= 128:
+        block_m, block_n, warps, stages = 128, 64, 8, 3
+    else:
+        block_m, block_n, warps, stages = 64, 64, 8, 2
+    grid = (p, triton.cdiv(max_q_len, block_m), h)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, q_start, q_len, ctx_len,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=h // kvh, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
