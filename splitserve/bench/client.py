@@ -6,6 +6,12 @@ Per request, as `vllm bench serve` measures it (its `async_request_openai_comple
     ITL      = the gaps between later chunks with a choice (one chunk may hold several tokens)
     latency  = the last chunk with a choice, minus start
     tokens   = `usage.completion_tokens` from the final chunk (`stream_options.include_usage`)
+Connections are kept alive and reused, as vLLM's aiohttp session does: every response is read to its
+end (past `[DONE]`), so its connection goes back to the pool for the next request. This matters for
+TTFT, not only for connect costs: a server whose sockets leave Nagle's algorithm on holds the first
+chunk after the response headers until the client ACKs them, and a client that sends its next request
+at once on a reused connection delays that ACK (~40 ms on Linux); a fresh connection ACKs at once. A
+client that abandons each stream at `[DONE]` (then a new connection per request) would not see that.
 A request fails, by kind: `http_<status>`, `timeout`, `connect`, `stream_error` (an SSE error event),
 `incomplete` (no chunk with a choice, or the stream ended without `[DONE]`), `protocol` (anything else).
 
@@ -61,6 +67,7 @@ class ClientOptions:
     ignore_eos: bool = True
     timeout_s: float = 600.0
     max_concurrency: int | None = None
+    extra_body: dict | None = None  # more fields for every request body (as vLLM's --extra-body)
 
 
 def _payload(req: BenchRequest, opts: ClientOptions) -> dict:
@@ -75,6 +82,8 @@ def _payload(req: BenchRequest, opts: ClientOptions) -> dict:
     }
     if opts.ignore_eos:
         body["ignore_eos"] = True
+    if opts.extra_body:
+        body.update(opts.extra_body)
     return body
 
 
@@ -101,9 +110,11 @@ async def send_one(
                 if not line.startswith("data:"):
                     continue
                 chunk = line[5:].strip()
+                if done:
+                    continue  # read on to the end of the body: the connection is then reused
                 if chunk == "[DONE]":
                     done = True
-                    break
+                    continue
                 data = json.loads(chunk)
                 if "error" in data:
                     err = data["error"]

@@ -138,6 +138,64 @@ def test_client_times_chunks_and_sorts_failures():
     assert duration >= ok.latency_s
 
 
+def test_extra_body_fields_join_every_request():
+    seen = []
+
+    def endpoint(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return _endpoint(request)
+
+    opts = ClientOptions("m", extra_body={"repetition_penalty": 1.0, "logprobs": None})
+    mock = httpx.MockTransport(endpoint)
+    asyncio.run(run_trace("http://bench.test", [BenchRequest(0, (0, 5), 2, 2)], opts, transport=mock))
+    assert seen[0]["repetition_penalty"] == 1.0 and "logprobs" in seen[0] and seen[0]["max_tokens"] == 2
+
+
+def test_requests_reuse_one_kept_alive_connection():
+    """Each answer is read to its end (past [DONE]), so one at a time all go over one connection, as with
+    vLLM's client (a stream abandoned at [DONE] would cost a new connection per request)."""
+    connections = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return  # the client closed this connection
+            lines = head.lower().split(b"\r\n")
+            length = next(int(x.split(b":")[1]) for x in lines if x.startswith(b"content-length"))
+            body = json.loads(await reader.readexactly(length))
+            events = [{"choices": [{"text": "x", "index": 0}]}] * body["max_tokens"]
+            events += [
+                {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": body["max_tokens"]}}
+            ]
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            for chunk in [_sse([e]) for e in events] + [_sse(["[DONE]"]), b""]:
+                writer.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                await writer.drain()
+
+    async def go() -> list:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        trace = [BenchRequest(i, (5, 6), 2, 3) for i in range(4)]
+        try:
+            results, _ = await run_trace(
+                f"http://127.0.0.1:{port}", trace, ClientOptions("m", max_concurrency=1)
+            )
+        finally:
+            server.close()
+            for w in connections:
+                w.close()
+        return results
+
+    results = asyncio.run(go())
+    assert all(r.success and r.output_tokens == 3 for r in results)
+    assert len(connections) == 1
+
+
 def test_connection_refused_is_a_failure_kind():
     results, _ = asyncio.run(
         run_trace("http://127.0.0.1:1", [BenchRequest(0, (5,), 1, 2)], ClientOptions("m", timeout_s=5))
