@@ -9,7 +9,10 @@ def listen(host: str, port: int, backlog: int = 256) -> tuple[socket.socket, str
     """A bound, listening socket (port 0: the OS picks) and its URL. Connections queue from here on,
     before uvicorn takes the socket, so a URL handed out early is already safe to call."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # NOTE: protocol IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the
+    # listening socket says it is TCP. With Nagle on, the first SSE chunk after the response headers
+    # waits for the client's delayed ACK (about 40 ms) on every reused keep-alive connection.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(backlog)
