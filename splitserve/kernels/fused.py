@@ -124,6 +124,77 @@ def _gated_rmsnorm_kernel(
     tl.store(out_ptr + t * stride_ot + h * D + d, out.to(DTYPE))
 
 
+@triton.jit
+def _gdn_gates_kernel(
+    a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, stride_a, stride_b, HV: tl.constexpr,
+    BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK)
+    m = h < HV
+    a = tl.load(a_ptr + t * stride_a + h, mask=m, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float32)
+    x = a + dt
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float32)) * softplus
+    tl.store(g_ptr + t * HV + h, g, mask=m)
+    b = tl.load(b_ptr + t * stride_b + h, mask=m, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + t * HV + h, (1.0 / (1.0 + tl.exp(-b))).to(DTYPE), mask=m)
+
+
+@triton.jit
+def _gated_qk_norm_rope_store_kernel(
+    qkv_ptr, q_out_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
+    stride_t, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_cos,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, BS: tl.constexpr,
+    DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Qwen3.5's gated attention: rows [q_0 | gate_0 | q_1 | gate_1 ... | k | v]; zero-centred q/k
+    norm over D, rotary on the first ROT dims only."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    is_q = head < H
+    j = head - H
+    src = qkv_ptr + t * stride_t + tl.where(is_q, head * 2 * D, 2 * H * D + j * D)
+    d = tl.arange(0, D)
+    x = tl.load(src + d).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    if is_q:
+        w = tl.load(qw_ptr + d).to(tl.float32)
+    else:
+        w = tl.load(kw_ptr + d).to(tl.float32)
+    y = _round(x * r * (1.0 + w), DTYPE)  # the norm's output, in the activation dtype
+    half = tl.arange(0, ROT // 2)
+    x1 = tl.load(src + half).to(tl.float32)
+    x2 = tl.load(src + ROT // 2 + half).to(tl.float32)
+    if is_q:
+        w1 = tl.load(qw_ptr + half).to(tl.float32)
+        w2 = tl.load(qw_ptr + ROT // 2 + half).to(tl.float32)
+    else:
+        w1 = tl.load(kw_ptr + half).to(tl.float32)
+        w2 = tl.load(kw_ptr + ROT // 2 + half).to(tl.float32)
+    x1 = _round(x1 * r * (1.0 + w1), DTYPE)
+    x2 = _round(x2 * r * (1.0 + w2), DTYPE)
+    pos = tl.load(pos_ptr + t)
+    c = _round(tl.load(cos_ptr + pos * stride_cos + half), DTYPE)
+    s = _round(tl.load(sin_ptr + pos * stride_cos + half), DTYPE)
+    o1 = _round(_round(x1 * c, DTYPE) + _round(-x2 * s, DTYPE), DTYPE)
+    o2 = _round(_round(x2 * c, DTYPE) + _round(x1 * s, DTYPE), DTYPE)
+    if is_q:
+        dst = q_out_ptr + t * stride_qt + head * stride_qh
+        tl.store(dst + d, y.to(DTYPE), mask=d >= ROT)
+        tl.store(dst + half, o1.to(DTYPE))
+        tl.store(dst + ROT // 2 + half, o2.to(DTYPE))
+    else:
+        slot = tl.load(slots_ptr + t)
+        off = (slot // BS) * stride_kb + (slot % BS) * stride_kt + j * stride_kh
+        tl.store(k_ptr + off + d, y.to(DTYPE), mask=d >= ROT)
+        tl.store(k_ptr + off + half, o1.to(DTYPE))
+        tl.store(k_ptr + off + ROT // 2 + half, o2.to(DTYPE))
+        v = tl.load(qkv_ptr + t * stride_t + 2 * H * D + KVH * D + j * D + d)
+        tl.store(v_ptr + off + d, v)
+
+
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -193,6 +264,54 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
             HEADS=n // d, D=d, DTYPE=_TL[x.dtype], num_warps=1,
         )  # fmt: skip
     return out
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's gates from a, b [T, Hv] (any row stride): g = -exp(A_log) * softplus(a +
+    dt_bias) (fp32) and beta = sigmoid(b) (b's dtype)."""
+    t, hv = a.shape
+    g = torch.empty((t, hv), dtype=torch.float32, device=a.device)
+    beta = torch.empty((t, hv), dtype=b.dtype, device=b.device)
+    if t:
+        _gdn_gates_kernel[(t,)](
+            a, b, a_log, dt_bias, g, beta, a.stride(0), b.stride(0), HV=hv,
+            BLOCK=triton.next_power_of_2(hv), DTYPE=_TL[b.dtype], num_warps=1,
+        )  # fmt: skip
+    return g, beta
+
+
+def gated_qk_norm_rope_store(
+    qkv: torch.Tensor,  # [T, 2 H D + 2 KVH D]: per head [query | gate], then k, then v
+    num_heads: int,
+    num_kv_heads: int,
+    rotary_dim: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,  # [max_positions, rotary_dim] fp32
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Qwen3.5 gated attention's q/k path: zero-centred norm, partial rotary; -> q [T, H, D]; k and
+    v stored in the cache at `slots`."""
+    t = qkv.shape[0]
+    d = k_cache.shape[-1]
+    assert qkv.stride(1) == 1 and k_cache.stride() == v_cache.stride() and cos.stride(1) == 1
+    q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if t:
+        _gated_qk_norm_rope_store_kernel[(t, num_heads + num_kv_heads)](
+            qkv, q, k_cache, v_cache, slots, positions, cos, sin, q_weight, k_weight, eps,
+            qkv.stride(0), q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
+            H=num_heads, KVH=num_kv_heads, D=d, ROT=rotary_dim, BS=k_cache.shape[1], DTYPE=_TL[qkv.dtype],
+            num_warps=2,
+        )  # fmt: skip
+    return q
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,10 @@ def _fused_decode_wanted(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get(TRITON_ON_CPU_ENV) == "1"
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 class GatedAttention(nn.Module):
     """Full attention with q/k norm, partial RoPE and a sigmoid output gate."""
 
@@ -84,11 +88,25 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = ZeroCentredRMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(self.d, cfg.rms_norm_eps)
+        self.fused = False  # set by Qwen3_5LM.enable_fused_kernels (CUDA, a backend with `attend`)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, rope: PartialRotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
         t = x.shape[0]
+        if self.fused:  # q/k norm, partial rotary and the KV store in one kernel
+            from splitserve.kernels.fused import gated_qk_norm_rope_store
+
+            qkv = self.qkv_proj(x)
+            cos, sin = rope.tables(x.device)
+            q = gated_qk_norm_rope_store(
+                qkv, self.h, self.kvh, rope.rotary_dim, positions, cos, sin,
+                ctx.kv[:, self.kv_index, 0], ctx.kv[:, self.kv_index, 1], ctx.meta.slot_mapping,
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            )  # fmt: skip
+            out = ctx.attn.attend(self.kv_index, q, ctx.kv, ctx.meta)  # type: ignore[attr-defined]
+            gate = qkv[:, : 2 * self.h * self.d].view(t, self.h, 2 * self.d)[..., self.d :]
+            return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.h * self.d)))
         qg, k, v = self.qkv_proj(x).split([2 * self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q, gate = qg.view(t, self.h, 2 * self.d).chunk(2, dim=-1)  # [T, H, D] each
         q = self.q_norm(q)
@@ -153,8 +171,13 @@ class GatedDeltaNet(nn.Module):
 
         q, k, v = conv_out.split([self.hk * self.dk, self.hk * self.dk, self.value_dim], dim=-1)
         q, k, v = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv)
-        beta = b.sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log-decay, fp32
+        if self.fused:
+            from splitserve.kernels.fused import gdn_gates
+
+            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        else:
+            beta = b.sigmoid()  # [T, Hv]
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log-decay, fp32
 
         core = torch.empty_like(v)  # [T, Hv, Dv]
         if kernels is not None:
@@ -258,6 +281,10 @@ class Qwen3_5LM(nn.Module):
         for layer in self.layers:
             if layer.is_linear and layer.linear_attn.dv & (layer.linear_attn.dv - 1) == 0:
                 layer.linear_attn.fused = True
+            elif not layer.is_linear:
+                attn = layer.self_attn
+                rot = self.partial_rope.rotary_dim
+                attn.fused = _pow2(attn.d) and _pow2(rot) and rot >= 2
         return True
 
     def _forward_fused(

@@ -125,38 +125,66 @@ def test_zero_centred_rmsnorm() -> None:
 
 
 def test_fused_hybrid_forward_equals_plain() -> None:
-    """Qwen3.5 with the fused norms and SiLU: the plain forward's hidden states for a prompt."""
+    """Qwen3.5 with every fused kernel (norms, SiLU, gates, gated q/k path) and the Triton attention:
+    the plain forward's hidden states, for decode rows and a prefill chunk after a cached prefix."""
     from tiny_configs import TINY_QWEN3_5
 
     from splitserve.engine.state_pool import StatePool
 
     loaded = random_model({**TINY_QWEN3_5, "architectures": ["Qwen3_5ForCausalLM"]}, "cpu", torch.float32, 64)
     model, cfg = loaded.model, loaded.config
-    bs, n = 4, 11
-    kv = torch.zeros((4, cfg.num_kv_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim))
-    ids = torch.randint(0, cfg.vocab_size, (n,))
-    table = torch.tensor([0, 1, 2])
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        num_decode_tokens=0,
-        decode_groups=(),
-        prefills=(PrefillChunk(0, n, n, table),),
-        seq_slots=torch.tensor([0]),
+    bs = 4
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn((12, cfg.num_kv_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim), generator=gen)
+    states = StatePool(model.state_shapes(), 3, torch.device("cpu"))
+    for t in states.states.values():
+        t.copy_(torch.randn(t.shape, generator=gen) * 0.1)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0]])  # decode rows at positions 9 and 6
+    ptable = torch.tensor([5, 6, 7])  # prefill of positions 3..10 after 3 cached tokens
+    positions = torch.cat([torch.tensor([9, 6]), torch.arange(3, 11)])
+    slot = [2 * bs + 1, 4 * bs + 2] + [int(ptable[p // bs]) * bs + p % bs for p in range(3, 11)]
+    ids = torch.randint(0, cfg.vocab_size, (10,), generator=gen)
+    common = dict(
+        slot_mapping=torch.tensor(slot),
+        num_decode_tokens=2,
+        decode_groups=(DecodeGroup(0, 2, tables, torch.tensor([10, 7])),),
+        seq_slots=torch.tensor([2, 0, 1]),
     )
-    outs = []
-    deltanets = [layer.linear_attn for layer in model.layers if layer.is_linear]
+    plain = AttentionMetadata(**common, prefills=(PrefillChunk(2, 8, 11, ptable),))
+    fused = AttentionMetadata(
+        **common,
+        prefills=(PrefillChunk(2, 8, 11, None),),
+        prefill_batch=PrefillBatch(torch.tensor([2]), torch.tensor([8]), torch.tensor([11]), ptable[None], 8),
+    )
+    scale = cfg.head_dim**-0.5
+    runs = []
     with torch.inference_mode():
-        for fused in (False, True):
-            model.fused = fused
-            for net in deltanets:
-                net.fused = fused
-            states = StatePool(model.state_shapes(), 1, torch.device("cpu"))
-            ctx = ForwardContext(TorchPagedAttention(cfg.head_dim**-0.5), meta, kv.clone(), states.states)
-            outs.append(model(ids, torch.arange(n), ctx))
-    model.fused = False
-    for net in deltanets:
-        net.fused = False
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        for meta, attn in ((plain, TorchPagedAttention(scale)), (fused, TritonPagedAttention(scale))):
+            if meta is fused:
+                assert model.enable_fused_kernels()
+            st = {name: t.clone() for name, t in states.states.items()}
+            cache = kv.clone()
+            runs.append((model(ids, positions, ForwardContext(attn, meta, cache, st)), cache, st))
+    for m in model.modules():
+        if hasattr(m, "fused"):
+            m.fused = False
+    (want, want_kv, want_st), (got, got_kv, got_st) = runs
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)
+    for name in want_st:
+        torch.testing.assert_close(got_st[name], want_st[name], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_gdn_gates() -> None:
+    from splitserve.kernels.fused import gdn_gates
+
+    ab = torch.randn(5, 12) * 8  # a strided pair of slices, with values past softplus's threshold
+    a, b = ab[:, :6], ab[:, 6:]
+    a_log, dt = torch.randn(6), torch.randn(6)
+    g, beta = gdn_gates(a, b, a_log, dt)
+    torch.testing.assert_close(g, -a_log.exp() * F.softplus(a + dt))
+    torch.testing.assert_close(beta, b.sigmoid())
 
 
 @torch.inference_mode()
