@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--hf-new-tokens", type=int, default=64, help="HF: new tokens (batch 1 and batch runs)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=16384, help="tokens per step (vLLM's offline default)"
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="leaves room for HF's copy")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to see what they give)")
     ap.add_argument("--out", default="bench/results/gpu_engine.json")
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         model=name,
         device=str(device),
         max_num_seqs=max(args.batch, 1),
-        max_num_batched_tokens=max(args.prefill_len, 8192),
+        max_num_batched_tokens=max(args.prefill_len, args.max_num_batched_tokens),
         max_model_len=max_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_bytes=None if device.type == "cuda" else 256 << 20,
