@@ -86,7 +86,10 @@ class LLMEngine:
         graphs = self.device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
         if self.device.type == "cuda" and not graphs:
             log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
-        reserve = self._profile_run(attn) if self.device.type == "cuda" else 0
+        reserve = 0
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):  # Triton launches on the current device
+                reserve = self._profile_run(attn)
         budget = kv_budget_bytes(config, self.device, reserve)
         num_blocks = budget // block_bytes(cfg, self.block_size, self.dtype)
         # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write

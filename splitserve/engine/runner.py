@@ -89,6 +89,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to."""
+        if self.device.type == "cuda":
+            # NOTE: Triton launches on the *current* device, whatever its tensors' device: make it ours
+            with torch.cuda.device(self.device):
+                return self._execute(chunks)
+        return self._execute(chunks)
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         if self.graphs is not None and self.graphs.accepts(chunks):
             return self.graphs.run(chunks)
         inputs = self.prepare(chunks)
@@ -264,15 +271,22 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> float:
+        with torch.cuda.device(self.runner.device):  # graphs and Triton use the current device
+            return self._capture()
+
+    def _capture(self) -> float:
         import time
 
         t0 = time.perf_counter()
+        self.stream = torch.cuda.Stream(self.runner.device)
         self._pad()
         for b in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
             self._forward(b)  # warm-up: Triton compiles, lazy tables are built
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # NOTE: a capture stream of our own device: torch.cuda.graph's default one is made once per
+            # process, on whichever device was current then (another engine's, in a multi-GPU process)
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 self.logits[b] = self._forward(b)
             if self.pool is None:
                 self.pool = graph.pool()

@@ -213,8 +213,9 @@ def test_cuda_ipc_in_one_process_reads_the_tensor_directly():
 
 
 # -- through the engine: prefill on cuda:0, decode on cuda:1, one process -------------------------
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("backend", TRANSFERS)
-def test_engine_disaggregated_on_two_gpus_equals_colocated(backend):
+def test_engine_disaggregated_on_two_gpus_equals_colocated(backend, eager):
     """KVConnector over cuda_ipc (one process: the exporter's tensor directly) or nccl (two ranks
     in one process), fp32 tiny Qwen3 with random weights: decode continues token for token."""
     from splitserve import SamplingParams
@@ -230,7 +231,8 @@ def test_engine_disaggregated_on_two_gpus_equals_colocated(backend):
     engines, conns = [], []
     for i, loaded in enumerate(models):
         config = EngineConfig(model="tiny-random", device=devices[i], dtype="float32", max_model_len=256,
-                              kv_cache_bytes=8 << 20, max_num_seqs=4, progress=False)  # fmt: skip
+                              kv_cache_bytes=8 << 20, max_num_seqs=4, progress=False,
+                              enforce_eager=eager)  # fmt: skip
         engines.append(LLMEngine(config, tokenizer=None, loaded=loaded))
         options = TransportOptions(lease_s=30, fetch_timeout_s=30)
         conns.append(KVConnector.open(engines[-1], backend, secret=SECRET, options=options))
