@@ -8,10 +8,6 @@ real ones and the scratch one may change. Last, GatedDeltaNet.forward with the k
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
