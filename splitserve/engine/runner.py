@@ -219,21 +219,23 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.scratch_block = scratch_block
-        self.scratch_slot = scratch_slot
         self.hybrid = bool(runner.states)
         if self.hybrid and scratch_slot is None:
             raise ValueError("a hybrid model's decode graphs need a scratch state slot")
         dev = runner.device
         bs = runner.block_size
         self.max_blocks = -(-max_model_len // bs)
-        # rows of `inputs`: token ids, positions, KV slots, context lengths, state slots
-        self.inputs = torch.zeros((5, self.max_batch), dtype=torch.int64, device=dev)
+        # rows of `inputs`: token ids, positions, KV slots, context lengths, state slots. A padded row:
+        # token 0 at position 0, stored in the scratch block, a context of one token, the scratch slot
+        self.pad_row = np.array([0, 0, scratch_block * bs, 1, scratch_slot or 0], dtype=np.int64)
+        self.inputs = torch.from_numpy(np.repeat(self.pad_row[:, None], self.max_batch, axis=1)).to(dev)
         self.tables = torch.full(
             (self.max_batch, self.max_blocks), scratch_block, dtype=torch.int64, device=dev
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.stream: torch.cuda.Stream | None = None  # made on our device when capturing
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         return 0 < len(chunks) <= self.max_batch and all(c.num_tokens == 1 for c in chunks)
@@ -260,15 +262,6 @@ class DecodeGraphs:
         hidden = r.model(ids, pos, ForwardContext(r.attn, meta, r.kv, r.states))
         return r.model.compute_logits(hidden)
 
-    def _pad(self) -> None:
-        """Every row a padded row: one token of the scratch block, the scratch state slot."""
-        bs = self.runner.block_size
-        self.inputs[0].zero_()
-        self.inputs[1].zero_()
-        self.inputs[2].fill_(self.scratch_block * bs)
-        self.inputs[3].fill_(1)
-        self.inputs[4].fill_(self.scratch_slot if self.scratch_slot is not None else 0)
-
     @torch.inference_mode()
     def capture(self) -> float:
         with torch.cuda.device(self.runner.device):  # graphs and Triton use the current device
@@ -279,7 +272,6 @@ class DecodeGraphs:
 
         t0 = time.perf_counter()
         self.stream = torch.cuda.Stream(self.runner.device)
-        self._pad()
         for b in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
             self._forward(b)  # warm-up: Triton compiles, lazy tables are built
             torch.cuda.synchronize(self.runner.device)
@@ -301,11 +293,7 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= b)
         bs = self.runner.block_size
         host = np.empty((5, size), dtype=np.int64)
-        host[0, b:] = 0
-        host[1, b:] = 0
-        host[2, b:] = self.scratch_block * bs
-        host[3, b:] = 1
-        host[4, b:] = self.scratch_slot if self.scratch_slot is not None else 0
+        host[:, b:] = self.pad_row[:, None]
         width = max(-(-(c.start + 1) // bs) for c in chunks)
         table = np.full((b, width), self.scratch_block, dtype=np.int64)
         for i, c in enumerate(chunks):

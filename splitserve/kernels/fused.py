@@ -50,6 +50,28 @@ def _rmsnorm_kernel(
 
 
 @triton.jit
+def _head_weight(is_q, qw_ptr, kw_ptr, offs):
+    """The q norm's weight at `offs` for a query head, else the k norm's, as fp32."""
+    if is_q:
+        w = tl.load(qw_ptr + offs).to(tl.float32)
+    else:
+        w = tl.load(kw_ptr + offs).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _rotate(x1, x2, cos_ptr, sin_ptr, pos, stride_cos, half, DTYPE: tl.constexpr):
+    """Neox rotary of a head's halves x1, x2 at position `pos`, with torch's bf16 roundings:
+    rotate_half(x) = [-x2, x1]; out = round(round(x * cos) + round(rotate_half(x) * sin)), with cos/sin
+    rounded to the activation dtype first (the table's two halves are equal)."""
+    c = _round(tl.load(cos_ptr + pos * stride_cos + half), DTYPE)
+    s = _round(tl.load(sin_ptr + pos * stride_cos + half), DTYPE)
+    o1 = _round(_round(x1 * c, DTYPE) + _round(-x2 * s, DTYPE), DTYPE)
+    o2 = _round(_round(x2 * c, DTYPE) + _round(x1 * s, DTYPE), DTYPE)
+    return o1, o2
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr, q_out_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
     stride_t, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_cos,
@@ -66,20 +88,9 @@ def _qk_norm_rope_store_kernel(
     if HAS_NORM:
         var = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D
         r = tl.rsqrt(var + eps)
-        if is_q:
-            w1 = tl.load(qw_ptr + half).to(tl.float32)
-            w2 = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
-        else:
-            w1 = tl.load(kw_ptr + half).to(tl.float32)
-            w2 = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
-        x1 = _round(w1 * _round(x1 * r, DTYPE), DTYPE)
-        x2 = _round(w2 * _round(x2 * r, DTYPE), DTYPE)
-    pos = tl.load(pos_ptr + t)
-    c = _round(tl.load(cos_ptr + pos * stride_cos + half), DTYPE)  # cos[:D/2] == cos[D/2:]
-    s = _round(tl.load(sin_ptr + pos * stride_cos + half), DTYPE)
-    # rotate_half(x) = [-x2, x1]; out = round(round(x * cos) + round(rotate_half(x) * sin))
-    o1 = _round(_round(x1 * c, DTYPE) + _round(-x2 * s, DTYPE), DTYPE)
-    o2 = _round(_round(x2 * c, DTYPE) + _round(x1 * s, DTYPE), DTYPE)
+        x1 = _round(_head_weight(is_q, qw_ptr, kw_ptr, half) * _round(x1 * r, DTYPE), DTYPE)
+        x2 = _round(_head_weight(is_q, qw_ptr, kw_ptr, D // 2 + half) * _round(x2 * r, DTYPE), DTYPE)
+    o1, o2 = _rotate(x1, x2, cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_cos, half, DTYPE)
     if is_q:
         q = q_out_ptr + t * stride_qt + head * stride_qh
         tl.store(q + half, o1.to(DTYPE))
@@ -159,27 +170,13 @@ def _gated_qk_norm_rope_store_kernel(
     d = tl.arange(0, D)
     x = tl.load(src + d).to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-    if is_q:
-        w = tl.load(qw_ptr + d).to(tl.float32)
-    else:
-        w = tl.load(kw_ptr + d).to(tl.float32)
-    y = _round(x * r * (1.0 + w), DTYPE)  # the norm's output, in the activation dtype
+    y = _round(x * r * (1.0 + _head_weight(is_q, qw_ptr, kw_ptr, d)), DTYPE)  # the norm's output
     half = tl.arange(0, ROT // 2)
     x1 = tl.load(src + half).to(tl.float32)
     x2 = tl.load(src + ROT // 2 + half).to(tl.float32)
-    if is_q:
-        w1 = tl.load(qw_ptr + half).to(tl.float32)
-        w2 = tl.load(qw_ptr + ROT // 2 + half).to(tl.float32)
-    else:
-        w1 = tl.load(kw_ptr + half).to(tl.float32)
-        w2 = tl.load(kw_ptr + ROT // 2 + half).to(tl.float32)
-    x1 = _round(x1 * r * (1.0 + w1), DTYPE)
-    x2 = _round(x2 * r * (1.0 + w2), DTYPE)
-    pos = tl.load(pos_ptr + t)
-    c = _round(tl.load(cos_ptr + pos * stride_cos + half), DTYPE)
-    s = _round(tl.load(sin_ptr + pos * stride_cos + half), DTYPE)
-    o1 = _round(_round(x1 * c, DTYPE) + _round(-x2 * s, DTYPE), DTYPE)
-    o2 = _round(_round(x2 * c, DTYPE) + _round(x1 * s, DTYPE), DTYPE)
+    x1 = _round(x1 * r * (1.0 + _head_weight(is_q, qw_ptr, kw_ptr, half)), DTYPE)
+    x2 = _round(x2 * r * (1.0 + _head_weight(is_q, qw_ptr, kw_ptr, ROT // 2 + half)), DTYPE)
+    o1, o2 = _rotate(x1, x2, cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_cos, half, DTYPE)
     if is_q:
         dst = q_out_ptr + t * stride_qt + head * stride_qh
         tl.store(dst + d, y.to(DTYPE), mask=d >= ROT)

@@ -25,11 +25,44 @@ Checked on CPU with `TRITON_INTERPRET=1` (tests/kernels); `triton` is imported l
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(
+    q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, n0, hi, pos, kvh, scale_log2,
+    stride_kb, stride_kt, stride_kh,
+    D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over the cached keys [n0, n0 + BLOCK_N) below `hi` of one sequence
+    (block table row `table_ptr`, KV head `kvh`): -> the updated (m_i, l_i, acc) of q's rows.
+    CAUSAL: row i also masks keys past its position pos[i]."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    valid = offs < hi
+    d = tl.arange(0, D)
+    block = tl.load(table_ptr + offs // BS, mask=valid, other=0).to(tl.int64)
+    rows = block * stride_kb + (offs % BS) * stride_kt + kvh * stride_kh
+    k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N], log2 units
+    if CAUSAL:
+        keep = (offs[None, :] <= pos[:, None]) & valid[None, :]
+    else:
+        keep = valid[None, :]
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -74,21 +107,11 @@ def _decode_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        valid = offs < end
-        block = tl.load(tables_ptr + seq * stride_tb + offs // BS, mask=valid, other=0).to(tl.int64)
-        rows = block * stride_kb + (offs % BS) * stride_kt + kvh * stride_kh
-        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_N], log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    for n0 in range(start, end, BLOCK_N):  # (not causal: `g` stands in for the unused positions)
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr + seq * stride_tb, n0, end, g, kvh, scale_log2,
+            stride_kb, stride_kt, stride_kh, D, BS, BLOCK_N, False, PRECISION,
+        )  # fmt: skip
 
     out_mask = (g < G)[:, None]
     if NUM_SPLITS == 1:
@@ -178,20 +201,10 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for n0 in range(0, hi, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        valid = offs < hi
-        block = tl.load(tables_ptr + chunk * stride_tb + offs // BS, mask=valid, other=0).to(tl.int64)
-        rows = block * stride_kb + (offs % BS) * stride_kt + kvh * stride_kh
-        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where((offs[None, :] <= pos[:, None]) & valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr + chunk * stride_tb, n0, hi, pos, kvh, scale_log2,
+            stride_kb, stride_kt, stride_kh, D, BS, BLOCK_N, True, PRECISION,
+        )  # fmt: skip
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o = out_ptr + (q0 + m)[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
@@ -202,8 +215,6 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _interpreted() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -83,6 +83,9 @@ def test_cuda_graphs_equal_eager(tmp_path, arch):
     padded batch may pick other matmul kernels, whose rounding moves near-ties)."""
     model, path = _tiny_checkpoint(tmp_path, arch)
     prompts = _prompts(model.config.vocab_size)
+    llm = LLM(model=path, device="cuda", dtype="float32", kv_cache_bytes=64 * 2**20, progress=False)
+    assert llm.engine.runner.graphs is not None  # the default really decodes through graphs
+    del llm
     graphs = _run(path, "cuda", "float32", prompts)
     eager = _run(path, "cuda", "float32", prompts, enforce_eager=True)
     assert graphs == eager
