@@ -86,14 +86,14 @@ class LLMEngine:
         graphs = self.device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
         if self.device.type == "cuda" and not graphs:
             log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
+        layout = (cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)  # of one block
         reserve = 0
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):  # Triton launches on the current device
-                reserve = self._profile_run(attn)
+                reserve = self._profile_run(attn, layout)
         budget = kv_budget_bytes(config, self.device, reserve)
         num_blocks = budget // block_bytes(cfg, self.block_size, self.dtype)
         # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
-        layout = (cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         kv_shape = (num_blocks + int(graphs), *layout)
         self.kv = allocate_kv_cache(kv_shape, self.dtype, self.device, shared=config.kv_shared_memory)
         self.states = StatePool(
@@ -151,7 +151,7 @@ class LLMEngine:
             return TritonPagedAttention(scale)
         return TorchPagedAttention(scale, fold_gqa=self.device.type == "cpu")
 
-    def _profile_run(self, attn: AttentionBackend) -> int:
+    def _profile_run(self, attn: AttentionBackend, block_layout: tuple[int, ...]) -> int:
         """CUDA: one forward pass over `max_num_batched_tokens` tokens (one prefill chunk, against a
         temporary cache just big enough) plus the LM head for `max_num_seqs` rows, before the KV cache
         exists; -> bytes to hold back from the KV budget for activations and the decode graphs."""
@@ -162,11 +162,7 @@ class LLMEngine:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
-        kv = torch.zeros(
-            (blocks, cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim),
-            dtype=self.dtype,
-            device=dev,
-        )
+        kv = torch.zeros((blocks, *block_layout), dtype=self.dtype, device=dev)
         states = StatePool(self.loaded.model.state_shapes(), 1, dev)
         table = torch.arange(blocks, device=dev)
         positions = torch.arange(tokens, device=dev)

@@ -8,7 +8,7 @@ that will be sampled.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -115,19 +115,10 @@ class DecoderLM(nn.Module):
     def _forward_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """The same computation with each residual add fused into the next RMSNorm."""
-        from splitserve.kernels.fused import rmsnorm, silu_mul
+        def mix(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            return layer.self_attn.forward_fused(positions, h, self.rope, ctx)
 
-        eps = self.cfg.rms_norm_eps
-        residual = self.embed_tokens(input_ids)  # [T, hidden], updated in place by each add
-        h = rmsnorm(residual, self.layers[0].input_layernorm.weight, eps)
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn.forward_fused(positions, h, self.rope, ctx)
-            h = rmsnorm(a, layer.post_attention_layernorm.weight, eps, residual=residual)
-            m = layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(h)))
-            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h = rmsnorm(m, nxt.weight, eps, residual=residual)
-        return h
+        return fused_forward(self, input_ids, mix, zero_centred=False)
 
     def build_rope(self, max_positions: int, device: torch.device) -> None:
         """(Re)compute the cos/sin tables on `device` after weights were materialized from `meta`."""
@@ -154,6 +145,32 @@ class DecoderLM(nn.Module):
     def expected_weight_keys(self) -> list[str]:
         """The `param:rows` keys that a checkpoint must fill (see `load_mapped_weights`)."""
         return _expected_keys(self)
+
+
+def fused_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    mix: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    zero_centred: bool,
+) -> torch.Tensor:
+    """A pre-norm decoder's forward with the fused Triton kernels (splitserve.kernels.fused): each
+    residual add is fused into the next RMSNorm, the MLP's activation into one SiLU-and-multiply.
+    `mix(layer, h)`: the layer's token mixer (attention, or Qwen3.5's DeltaNet) on its normed input.
+    The model has `embed_tokens`, `layers` (with `input_layernorm`, `post_attention_layernorm`, `mlp`)
+    and `norm`; `zero_centred`: its norms store 1 + w (Qwen3.5)."""
+    from splitserve.kernels.fused import rmsnorm, silu_mul
+
+    eps = model.cfg.rms_norm_eps
+    layers = model.layers
+    residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place by each add
+    h = rmsnorm(residual, layers[0].input_layernorm.weight, eps, zero_centred=zero_centred)
+    for i, layer in enumerate(layers):
+        a = mix(layer, h)
+        h = rmsnorm(a, layer.post_attention_layernorm.weight, eps, residual, zero_centred)
+        m = layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(h)))
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+        h = rmsnorm(m, nxt.weight, eps, residual, zero_centred)
+    return h
 
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.model.config import ModelConfig
-from splitserve.model.decoder import ForwardContext
+from splitserve.model.decoder import ForwardContext, fused_forward
 from splitserve.model.errors import ModelLoadError
 from splitserve.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from splitserve.model.layers import GatedMLP, GatedRMSNorm, PartialRotaryEmbedding, ZeroCentredRMSNorm
@@ -290,21 +290,12 @@ class Qwen3_5LM(nn.Module):
     def _forward_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        from splitserve.kernels.fused import rmsnorm, silu_mul
-
-        eps = self.cfg.rms_norm_eps
-        residual = self.embed_tokens(input_ids)  # [T, hidden], updated in place by each add
-        h = rmsnorm(residual, self.layers[0].input_layernorm.weight, eps, zero_centred=True)
-        for i, layer in enumerate(self.layers):
+        def mix(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
             if layer.is_linear:
-                a = layer.linear_attn(h, ctx)
-            else:
-                a = layer.self_attn(positions, h, self.partial_rope, ctx)
-            h = rmsnorm(a, layer.post_attention_layernorm.weight, eps, residual, zero_centred=True)
-            m = layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(h)))
-            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h = rmsnorm(m, nxt.weight, eps, residual, zero_centred=True)
-        return h
+                return layer.linear_attn(h, ctx)
+            return layer.self_attn(positions, h, self.partial_rope, ctx)
+
+        return fused_forward(self, input_ids, mix, zero_centred=True)
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         lin = self.cfg.linear
