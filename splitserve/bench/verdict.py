@@ -109,7 +109,7 @@ def compare_point(cand: dict, base: dict, cfg: VerdictConfig) -> dict:
 
 def decide(candidate: dict, baseline: dict, cfg: VerdictConfig) -> Verdict:
     """candidate / baseline: a target's results (report.target_json): name, hardware, points."""
-    equal = candidate["hardware"]["devices"] == baseline["hardware"]["devices"]
+    equal = candidate["hardware"].get("devices") == baseline["hardware"].get("devices")
     v = Verdict(candidate["name"], baseline["name"], "wait", "R0", [], equal)
     if candidate.get("error") or baseline.get("error"):
         v.reasons.append(

@@ -38,7 +38,10 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    source: str = "default"  # an HF directory, a .gguf file, or "default" (SmolLM2-135M-Instruct)
+    # an HF directory, a .gguf file, "default" (SmolLM2-135M-Instruct), or random:SHAPE (random weights at
+    # a named shape, e.g. random:qwen3-8b, for benchmarks; its tokenizer defaults to the default model's)
+    source: str = "default"
+    tokenizer: str | None = None  # an HF directory or .gguf whose tokenizer to use (default: the source's)
     served_name: str | None = None  # the id in /v1/models; default: derived from the source
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto | cpu | cuda (each pool's `devices` pins replicas to cuda:N)

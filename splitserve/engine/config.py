@@ -17,7 +17,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # path to an HF dir or GGUF file; None = the embedded default model
+    model: str | None = None  # an HF dir, a GGUF file, random:SHAPE; None = the embedded default model
+    tokenizer: str | None = None  # an HF dir or GGUF file whose tokenizer to use (default: the model's)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     block_size: int = 16

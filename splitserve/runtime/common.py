@@ -22,7 +22,7 @@ def worker_argv(manifest: Manifest, role: str, index: int, secret_env: str) -> l
     the environment variable `secret_env`): it keys the KV handshake and the worker API's token."""
     m, e, t = manifest.model, manifest.engine, manifest.transport
     flags: dict[str, object] = {
-        "--role": role, "--model": m.source, "--host": "127.0.0.1", "--port": 0,
+        "--role": role, "--model": m.source, "--tokenizer": m.tokenizer, "--host": "127.0.0.1", "--port": 0,
         "--device": pool_device(manifest, role, index), "--dtype": m.dtype, "--block-size": e.block_size,
         "--max-num-seqs": e.max_num_seqs, "--max-num-batched-tokens": e.max_num_batched_tokens,
         "--seed": e.seed, "--threads": e.threads, "--max-model-len": m.max_model_len,
@@ -52,6 +52,7 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
     return WorkerConfig(
         role=role,
         model=None if m.source == "default" else m.source,
+        tokenizer=m.tokenizer,
         device=device,
         dtype=m.dtype,
         block_size=e.block_size,

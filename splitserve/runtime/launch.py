@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Generator
 import uvicorn
 
 from splitserve.config.manifest import Manifest
+from splitserve.model.tokenizer import load_tokenizer
 from splitserve.runtime.local import LocalRuntime
 from splitserve.serve.api import ModelInfo, OpenAIServer, build_api
 from splitserve.serve.listen import listen
@@ -87,7 +88,7 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         stopper.cancel()
         starting.result()
         first = runtime.workers[0].info
-        tokenizer = await asyncio.to_thread(_tokenizer, first["model"])
+        tokenizer = await asyncio.to_thread(load_tokenizer, first["model"], first.get("tokenizer"))
         info = ModelInfo(manifest.model.resolved_served_name(), int(first["max_model_len"]),
                          int(first["vocab_size"]), first["model"])  # fmt: skip
         api = OpenAIServer(
@@ -117,13 +118,6 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
     finally:
         sock.close()
         await runtime.stop()
-
-
-def _tokenizer(model_path: str):  # noqa: ANN202
-    from splitserve.model.checkpoint import open_checkpoint
-    from splitserve.model.tokenizer import Tokenizer
-
-    return Tokenizer.from_checkpoint(model_path, cache_key=open_checkpoint(model_path).fingerprint())
 
 
 __all__ = ["run_manifest"]

@@ -250,7 +250,7 @@ class Router:
 
     async def _start(self) -> None:
         global _SERVER
-        from splitserve.runtime.launch import _tokenizer
+        from splitserve.model.tokenizer import load_tokenizer
         from splitserve.serve.probe import KVProber
 
         m = self.manifest
@@ -261,7 +261,7 @@ class Router:
             await self.workers.refresh()
             await asyncio.sleep(0.5)
         first = next(iter(self.workers.ready(next(iter(m.pools()))))).info
-        tokenizer = await asyncio.to_thread(_tokenizer, first["model"])
+        tokenizer = await asyncio.to_thread(load_tokenizer, first["model"], first.get("tokenizer"))
         info = ModelInfo(
             m.model.resolved_served_name(),
             int(first["max_model_len"]),

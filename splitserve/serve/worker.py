@@ -72,6 +72,7 @@ class RoleError(ValueError):
 class WorkerConfig:
     role: str = "colocated"
     model: str | None = None
+    tokenizer: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16
@@ -105,6 +106,7 @@ class WorkerConfig:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model,
+            tokenizer=self.tokenizer,
             device=self.device,
             dtype=self.dtype,
             block_size=self.block_size,
@@ -242,6 +244,7 @@ class Worker:
             "status": "ok",
             "role": self.config.role,
             "model": self.engine.model_path,
+            "tokenizer": self.config.tokenizer,
             "pid": os.getpid(),
             "kv_backend": desc.get("backend"),
             "kv_address": self.kv_address,
@@ -374,7 +377,9 @@ class Worker:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m splitserve.serve.worker", description=__doc__.split("\n")[0])
     p.add_argument("--role", choices=ROLES, default="colocated")
-    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="HF directory, GGUF file or random:SHAPE (default: SmolLM2-135M)")  # fmt: skip
+    p.add_argument("--tokenizer", default=None, help="HF directory or GGUF file (default: the model's)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP (and tcp KV) address to bind")
     p.add_argument("--port", type=int, default=0, help="HTTP port; 0: the OS picks (printed)")
     p.add_argument("--device", default="auto")
@@ -419,7 +424,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         why = "--http-auth" if args.role == "colocated" else f"the {args.role} role"
         raise ValueError(f"{why} needs the deployment's shared secret in ${args.kv_secret_env}")
     return WorkerConfig(
-        role=args.role, model=args.model, device=args.device, dtype=args.dtype,
+        role=args.role, model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
         block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb, seed=args.seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
