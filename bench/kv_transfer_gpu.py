@@ -10,7 +10,8 @@ process (the copy engines over NVLink / PCIe: the most one cudaMemcpy gets).
      figure is the median wall time of a whole synchronous fetch (control round trips included) over
      several repetitions after a warm-up, the contenders taking turns; the ratio is to the raw copy.
      "cuda_ipc/runs" is cuda_ipc forced to one cudaMemcpy per block run (scattered only), to show
-     why many runs go through gather/scatter kernels instead.
+     why many runs go through the block-copy kernel instead; "cuda_ipc/kernel" is the kernel forced
+     on one run (contiguous only), beside the single cudaMemcpy (copy engines) used there.
   2. Latency: median of a 1-block fetch.
   3. Qwen3-8B shape (36 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks): the KV of a
      --prompt-tokens prompt, fetched over both backends, against the prefill time of that prompt on
@@ -259,8 +260,11 @@ def measure(
     runs: dict[str, Callable[[], object]] = {
         b: (lambda b=b: fetchers.t[name, b].fetch(handles[b], into)) for b in BACKENDS
     }
-    if pattern == "scattered" and n > cuda_ipc.COPY_RUNS_MAX:
-        runs["cuda_ipc/runs"] = lambda: fetch_per_run(fetchers.t[name, "cuda_ipc"], handles["cuda_ipc"], into)
+    ipc = fetchers.t[name, "cuda_ipc"]
+    if pattern == "scattered" and n > 1:  # one cudaMemcpy per run instead of the kernel
+        runs["cuda_ipc/runs"] = lambda: fetch_forced(ipc, handles["cuda_ipc"], into, RUNS)
+    if pattern == "contiguous" and n > 1:  # the block-copy kernel instead of one cudaMemcpy
+        runs["cuda_ipc/kernel"] = lambda: fetch_forced(ipc, handles["cuda_ipc"], into, KERNEL)
     runs["raw_copy"] = lambda: fetchers.raw_copy(n * block)
     for b in BACKENDS:
         fetchers.t[name, b].phases.clear()
@@ -292,13 +296,61 @@ def measure(
     return row
 
 
-def fetch_per_run(transport, handle: KVHandle, into: list[int]) -> None:
-    saved = cuda_ipc.COPY_RUNS_MAX
-    cuda_ipc.COPY_RUNS_MAX = 1 << 30
+RUNS = {"KERNEL_MIN_RUNS": 1 << 30, "COPY_RUNS_MAX": 1 << 30}  # a cudaMemcpy per run, always
+KERNEL = {"KERNEL_MIN_RUNS": 1}  # the block-copy kernel, always
+
+
+def fetch_forced(transport, handle: KVHandle, into: list[int], knobs: dict[str, int]) -> None:
+    saved = {k: getattr(cuda_ipc, k) for k in knobs}
+    for k, v in knobs.items():
+        setattr(cuda_ipc, k, v)
     try:
         transport.fetch(handle, into)
     finally:
-        cuda_ipc.COPY_RUNS_MAX = saved
+        for k, v in saved.items():
+            setattr(cuda_ipc, k, v)
+
+
+# (TILE, STEPS, num_warps) of kernels/block_copy.py
+KERNEL_CONFIGS = [(2048, 1, 8), (4096, 4, 8), (4096, 8, 16), (8192, 4, 16), (2048, 16, 4)]
+
+
+def kernel_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwen_blocks: int,
+                 gen: torch.Generator, reps: int = 10) -> list[dict]:  # fmt: skip
+    """cuda_ipc's scattered fetch (the block-copy kernel) per kernel shape, beside the raw copy."""
+    from splitserve.kernels import block_copy
+
+    saved = (block_copy.TILE, block_copy.STEPS, block_copy.NUM_WARPS)
+    out = []
+    try:
+        for name, n in (("ladder", ladder_blocks), ("qwen3-8b", qwen_blocks)):
+            num_blocks = fetchers.caches[name][1]
+            ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()
+            into = torch.randperm(num_blocks, generator=gen)[:n].tolist()
+            handle = exporter.export(name, "cuda_ipc", ids)
+            nbytes = n * layout_of(fetchers.caches[name][0]).block_nbytes
+            fetcher = fetchers.t[name, "cuda_ipc"]
+            runs: dict[str, Callable[[], object]] = {"raw_copy": lambda b=nbytes: fetchers.raw_copy(b)}
+            for config in KERNEL_CONFIGS:
+
+                def once(config=config, fetcher=fetcher, handle=handle, into=into) -> None:
+                    block_copy.TILE, block_copy.STEPS, block_copy.NUM_WARPS = config
+                    fetch_forced(fetcher, handle, into, KERNEL)
+
+                runs["{}x{}/{}w".format(*config)] = once
+            times = alternate(runs, reps)
+            exporter.call("release", name, "cuda_ipc", handle.to_dict())
+            raw = statistics.median(times["raw_copy"])
+            row = {"cache": name, "bytes": nbytes}
+            for k, ts in times.items():
+                row[k] = {"gbps": nbytes / statistics.median(ts) / 1e9, "of_raw": raw / statistics.median(ts)}
+            print(f"  kernel sweep {name} {fmt_size(nbytes)} scattered: "
+                  + ", ".join(f"{k} {v['gbps']:.0f} GB/s ({v['of_raw']:.0%})" for k, v in row.items()
+                              if isinstance(v, dict)), flush=True)  # fmt: skip
+            out.append(row)
+    finally:
+        block_copy.TILE, block_copy.STEPS, block_copy.NUM_WARPS = saved
+    return out
 
 
 # -- prefill at Qwen3-8B shape --------------------------------------------------------------------
@@ -370,6 +422,9 @@ def run(args: argparse.Namespace) -> dict:
         latency = measure(exporter, fetchers, "ladder", 1, "contiguous", 50, gen)
         for pattern in ("contiguous", "scattered"):
             qwen.append(measure(exporter, fetchers, "qwen3-8b", qwen_blocks, pattern, args.reps or 20, gen))
+        sweep = None
+        if args.sweep_kernel:
+            sweep = kernel_sweep(exporter, fetchers, sizes[-1] // block, qwen_blocks, gen)
         raw_sizes = sorted({r["bytes"] for r in rows + qwen if r["bytes"] >= 16 << 20})
         nccl_ceiling = nccl_raw(exporter, fetchers.raw_dst, raw_sizes, args.reps or 10)
         described = exporter.call("describe")
@@ -392,12 +447,12 @@ def run(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "ladder_layout": ladder, "block_bytes": block, "rows": rows, "latency": latency,
         "qwen3_8b": {"prompt_tokens": args.prompt_tokens, "blocks": qwen_blocks, "rows": qwen},
-        "prefill": prefill, "nccl_raw": nccl_ceiling, "describe": described,
+        "prefill": prefill, "nccl_raw": nccl_ceiling, "describe": described, "kernel_sweep": sweep,
     }  # fmt: skip
 
 
 def report(result: dict) -> str:
-    columns = [*BACKENDS, "cuda_ipc/runs", "raw_copy"]
+    columns = [*BACKENDS, "cuda_ipc/runs", "cuda_ipc/kernel", "raw_copy"]
     head = (
         f"{result['device']} x2, p2p access {result['p2p']}, NCCL {result['nccl']}, torch {result['torch']}"
     )
@@ -466,6 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--sweep-kernel", action="store_true", help="time cuda_ipc's block-copy kernel shapes")
     p.add_argument("--json", help="where to write the results (default: $OUT or bench/results)")
     args = p.parse_args(argv)
     result = run(args)

@@ -77,7 +77,13 @@ from splitserve.kv.transport import TransportOptions
 
 log = logging.getLogger(__name__)
 
-COPY_RUNS_MAX = 16  # up to this many runs: one cudaMemcpy each; more: gather/scatter kernels
+# A copy of blocks whose ids make one run on both sides is one cudaMemcpy (the copy engines). Any other
+# pattern on one device (p2p: the exporter's memory mapped on ours) is one launch of the block-copy
+# kernel (kernels/block_copy.py, our SMs reading the peer over NVLink): no temporary, one launch,
+# whatever the pattern. Without triton, up to COPY_RUNS_MAX runs are a cudaMemcpy each and more go
+# through torch index kernels.
+KERNEL_MIN_RUNS = 2
+COPY_RUNS_MAX = 16
 STAGING_BYTES = 64 << 20  # the gather/scatter path moves at most this much per kernel pair
 PEERS_MAX = 64  # exporters whose KV mapping a fetcher keeps open
 
@@ -186,15 +192,32 @@ def index_tensor(ids: Sequence[int] | np.ndarray, device: torch.device) -> torch
 
 
 _WIDE = (torch.complex128, torch.int64, torch.int32)  # bit-exact copies, wider loads per element
+_WORDS = (torch.int64, torch.int32, torch.int16)  # the same for Triton (which has no complex types)
 
 
-def wide(*rows: torch.Tensor) -> list[torch.Tensor]:
+def wide(*rows: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _WIDE) -> list[torch.Tensor]:
     """Byte rows viewed with the widest element size that suits them all (faster index kernels)."""
-    for dtype in _WIDE:
+    for dtype in dtypes:
         size = dtype.itemsize
         if all(r.shape[-1] % size == 0 and r.data_ptr() % size == 0 for r in rows):
             return [r.view(dtype) for r in rows]
     return list(rows)
+
+
+def _block_copy() -> Any:
+    """kernels.block_copy, or None where triton cannot be imported (cached)."""
+    global _BLOCK_COPY
+    if _BLOCK_COPY is None:
+        try:
+            from splitserve.kernels import block_copy
+
+            _BLOCK_COPY = block_copy
+        except ImportError:
+            _BLOCK_COPY = False
+    return _BLOCK_COPY or None
+
+
+_BLOCK_COPY: Any = None
 
 
 def copy_blocks(
@@ -207,14 +230,23 @@ def copy_blocks(
 ) -> str:
     """dst_rows[dst_ids] = src_rows[src_ids], enqueued on the current stream(s); -> how it was done.
 
-    Rows are [num_blocks, block_nbytes] uint8 on any devices. Few runs (ids consecutive on both sides):
-    one copy each ("runs": cudaMemcpy, the copy engines). Many, on one device (p2p: the exporter's
-    memory is mapped on ours): one index kernel when one side is a single run ("scatter" /
+
+    Rows are [num_blocks, block_nbytes] uint8 on any devices. One run (ids consecutive on both sides):
+    one copy ("runs": cudaMemcpy, the copy engines). More, on one GPU (p2p: the exporter's memory is
+    mapped on ours): one launch of the block-copy kernel ("kernel"). Without triton: up to
+    `max_runs` runs a copy each; past that one index kernel when one side is a single run ("scatter" /
     "gather"), else index_select + index_copy_ through a temporary of at most `staging_bytes`
     ("gather_scatter"). Across devices (staged), the gathers run on the source's device.
     """
     max_runs = COPY_RUNS_MAX if max_runs is None else max_runs
     runs = paired_runs(src_ids, dst_ids)
+    if src_rows.is_cuda and src_rows.device == dst_rows.device and len(runs) >= KERNEL_MIN_RUNS:
+        if _block_copy() is not None:
+            src_w, dst_w = wide(src_rows, dst_rows, dtypes=_WORDS)
+            n = len(src_ids)  # both id lists in one host-to-device copy
+            ids = index_tensor(np.concatenate([as_ids(src_ids), as_ids(dst_ids)]), dst_rows.device)
+            _block_copy().copy_rows(src_w, dst_w, ids[:n], ids[n:])
+            return "kernel"
     if len(runs) <= max_runs:
         for s, d, n in runs:
             dst_rows[d : d + n].copy_(src_rows[s : s + n], non_blocking=True)
