@@ -16,13 +16,14 @@ Life of a connection and of one fetch:
   2. fetch: fetcher -> {"op": "fetch", lease_id, timeout_s, into_run}; exporter (lease pinned) ->
      {"op": "kv_nccl", block_ids, blocks, checksum, chunk_blocks} + the state tensors as the frame
      body, then sends the blocks in chunks of `chunk_blocks` (the last may be shorter): all blocks
-     in one message when they are one run on both sides (`into_run`: the fetcher's are), else about
-     CHUNK_BYTES each. The sends are queued on the server's loop thread before the answer goes out
-     (`start_push`; a worker thread then waits for them). A chunk whose ids are consecutive is sent
-     straight from the cache; any other is gathered into one of two staging buffers first
-     (double-buffered: gathering chunk k+1 overlaps sending chunk k).
+     in one message when they are one run on both sides (`into_run`: the fetcher's are) or come to
+     at most ONE_MESSAGE_BYTES, else about CHUNK_BYTES each. The sends are queued on the server's
+     loop thread before the answer goes out (`start_push`; a worker thread then waits for them). A
+     chunk whose ids are consecutive is sent straight from the cache; any other is gathered into one
+     of up to STAGING_BUFS staging buffers first (gathering chunk k+1 overlaps sending chunk k).
   3. fetcher: receives each chunk straight into kv[into] when its ids there are consecutive, else into
-     a staging buffer and scatters it; waits for all of it within its deadline -> {"op": "done"}.
+     a staging buffer and scatters it (receives run ahead of scatters); waits for all of it within
+     its deadline -> {"op": "done"}.
   4. exporter: drops its pin once its sends completed and "done" came (or at the deadline).
 
 Deadlines: NCCL calls do not time out on their own; each side polls for completion (a CUDA event)
@@ -46,6 +47,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -55,7 +57,13 @@ import torch
 import torch.distributed as dist
 
 from splitserve.kv.client import SyncChannel, parse_address
-from splitserve.kv.cuda_ipc import GpuSocketTransport, consecutive_start, host_id, index_tensor, wide
+from splitserve.kv.cuda_ipc import (
+    GpuSocketTransport,
+    consecutive_start,
+    host_id,
+    index_tensor,
+    wide,
+)
 from splitserve.kv.errors import PeerRefused, TransferTimeout, TransportError
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
@@ -64,7 +72,12 @@ from splitserve.kv.server import AsyncChannel, Endpoint
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 64 << 20  # blocks go in chunks of about this much (at least one block)
+CHUNK_BYTES = 32 << 20  # blocks go in chunks of about this much (at least one block)
+STAGING_BUFS = 3  # staged chunks in flight per transfer side (gathering / sending / scattering)
+# A transfer up to this size is one message (one NCCL send and receive), gathered whole into one
+# staging buffer where its blocks are not one run: per-message costs (c10d's calls, NCCL's launch and
+# rendezvous) are paid once. Larger ones go in CHUNK_BYTES chunks through STAGING_BUFS buffers.
+ONE_MESSAGE_BYTES = 1 << 30
 WARMUP_BYTE = 0x5A
 POLL_PEER_S = 0.01  # how often a waiting side checks that the control connection is still up
 SPIN_S = 0.002  # a waiting side yields without sleeping this long, then sleeps in short naps
@@ -170,6 +183,7 @@ class NcclTransport(GpuSocketTransport):
         super().__init__(kv, layout, **kwargs)
         self.chunk_blocks = max(1, CHUNK_BYTES // layout.block_nbytes)
         self._send_lock = threading.Lock()
+        self.send_calls: deque[float] = deque(maxlen=64)  # seconds in c10d's send calls, per transfer
 
     def endpoint(self) -> Endpoint:
         return Endpoint("tcp", host=self.options.host, port=self.options.port)
@@ -178,10 +192,20 @@ class NcclTransport(GpuSocketTransport):
     def group_timeout_s(self) -> float:
         return self.options.max_fetch_s + 60.0
 
-    def staging(self, per: int) -> torch.Tensor:
-        """Two chunk-sized buffers [2, per, block_nbytes] on our device, for one transfer (the caching
-        allocator makes them cheap; concurrent fetches each get their own)."""
-        return torch.empty((2, per, self.rows.shape[1]), dtype=torch.uint8, device=self.kv.device)
+    def staging(self, per: int, count: int = STAGING_BUFS) -> torch.Tensor:
+        """`count` chunk-sized buffers [count, per, block_nbytes] on our device, for one transfer (the
+        caching allocator makes them cheap; concurrent fetches each get their own)."""
+        shape = (count, per, self.rows.shape[1])
+        return torch.empty(shape, dtype=torch.uint8, device=self.kv.device)
+
+    def blocks_per_message(self, ids: np.ndarray, into_run: bool) -> int:
+        """How many blocks each message carries: all of them when they are one run on both sides (no
+        staging anywhere) or fit in ONE_MESSAGE_BYTES; else `chunk_blocks`."""
+        n = len(ids)
+        one_run = into_run and consecutive_start(ids) is not None
+        if one_run or n * self.layout.block_nbytes <= ONE_MESSAGE_BYTES:
+            return n
+        return self.chunk_blocks
 
     # -- exporter --------------------------------------------------------------------------------
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
@@ -224,11 +248,10 @@ class NcclTransport(GpuSocketTransport):
                 raise TransportError(f"nccl warm-up send failed: {exc}") from exc
 
     def chunk_for(self, chan: AsyncChannel, ids: np.ndarray) -> int:
-        """Blocks per message: all of them when they are one run on both sides (no staging anywhere),
-        else `chunk_blocks` (staging buffers of about CHUNK_BYTES)."""
+        """Blocks per message for this fetch (`blocks_per_message`)."""
         request = chan.attached.get("fetch_request")
         into_run = bool(request.value.get("into_run")) if request is not None else False
-        return len(ids) if into_run and consecutive_start(ids) is not None else self.chunk_blocks
+        return self.blocks_per_message(ids, into_run)
 
     def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
         return {"chunk_blocks": self.chunk_for(chan, block_ids)}
@@ -279,20 +302,27 @@ class NcclTransport(GpuSocketTransport):
                 works: list[Any] = []
                 waited: set[int] = set()
                 index = bufs = None
-                for k, (a, b) in enumerate(chunk_spans(len(ids), per)):
+                spans = chunk_spans(len(ids), per)
+                calls = 0.0
+                for k, (a, b) in enumerate(spans):
                     first = consecutive_start(ids[a:b])
                     if first is not None:
                         chunk = self.rows[first : first + b - a]
                     else:
                         if index is None or bufs is None:
-                            index, bufs = index_tensor(ids, self.kv.device), self.staging(per)
-                        if k >= 2 and k - 2 not in waited:
-                            works[k - 2].wait()  # the buffer's last send is done before we refill it
-                            waited.add(k - 2)
-                        chunk = bufs[k % 2][: b - a]
+                            index = index_tensor(ids, self.kv.device)
+                            bufs = self.staging(per, min(STAGING_BUFS, len(spans)))
+                        reuse = k - len(bufs)
+                        if reuse >= 0 and reuse not in waited:
+                            works[reuse].wait()  # the buffer's last send is done before we refill it
+                            waited.add(reuse)
+                        chunk = bufs[k % len(bufs)][: b - a]
                         src, out = wide(self.rows, chunk)
                         torch.index_select(src, 0, index[a:b], out=out)
+                    start = time.perf_counter()
                     works.append(pair.group.send([chunk], 1, 0))
+                    calls += time.perf_counter() - start
+                self.send_calls.append(calls)
                 return [w for i, w in enumerate(works) if i not in waited]  # Gloo: a work waits once
             except RuntimeError as exc:
                 pair.abort()
@@ -365,26 +395,9 @@ class NcclTransport(GpuSocketTransport):
         per = int(meta["chunk_blocks"])
         if per <= 0:
             raise TransportError(f"exporter announced chunks of {per} blocks")
-        ids = into
-        staged = 0
         try:
             with self.on_device():
-                works: list[Any] = []
-                index = bufs = None
-                for k, (a, b) in enumerate(chunk_spans(len(ids), per)):
-                    first = consecutive_start(ids[a:b])
-                    if first is not None:
-                        works.append(pair.group.recv([self.rows[first : first + b - a]], 0, 0))
-                        continue
-                    if index is None or bufs is None:
-                        index, bufs = index_tensor(ids, self.kv.device), self.staging(per)
-                    # NOTE: the recv waits for our stream, so chunk k-2's scatter has read the buffer
-                    chunk = bufs[k % 2][: b - a]
-                    work = pair.group.recv([chunk], 0, 0)
-                    work.wait()  # our stream waits for it (Gloo: done)
-                    dst, src = wide(self.rows, chunk)
-                    dst.index_copy_(0, index[a:b], src)
-                    staged += 1
+                works, staged = self._recv_chunks(pair, into, per)
                 wait_done(works, pair, self.kv.device, deadline, lambda: not chan.alive(), "nccl recv")
         except TransportError:
             pair.abort()
@@ -392,11 +405,50 @@ class NcclTransport(GpuSocketTransport):
         except RuntimeError as exc:
             pair.abort()
             raise TransportError(f"nccl recv from {chan.address} failed: {exc}") from exc
-        self.gpu_counts["chunks"] += len(chunk_spans(len(ids), per))
+        self.gpu_counts["chunks"] += len(chunk_spans(len(into), per))
         self.gpu_counts["chunks_staged"] += staged
+
+    def _recv_chunks(self, pair: PairGroup, ids: np.ndarray, per: int) -> tuple[list[Any], int]:
+        """Queue the receives (and scatters) of every chunk on our side stream; -> the works to wait
+        for, and how many chunks went through staging.
+
+        A chunk whose ids are one run lands in place. Others land in one of (up to) STAGING_BUFS
+        buffers and are scattered from there; a chunk's scatter is queued only when its buffer is
+        needed again, so receives run ahead of scatters and the two overlap (a receive waits for our
+        stream as it is when queued, which then holds the scatter of the buffer's last chunk)."""
+        spans = chunk_spans(len(ids), per)
+        works: list[Any] = []
+        index = bufs = None
+        pending: list[tuple[Any, torch.Tensor, int, int]] = []  # received, not yet scattered
+        staged = 0
+
+        def scatter_oldest() -> None:
+            work, chunk, a, b = pending.pop(0)
+            work.wait()  # our stream waits for the receive (Gloo: it is done)
+            dst, src = wide(self.rows, chunk)
+            dst.index_copy_(0, index[a:b], src)
+
+        for a, b in spans:
+            first = consecutive_start(ids[a:b])
+            if first is not None:
+                works.append(pair.group.recv([self.rows[first : first + b - a]], 0, 0))
+                continue
+            if index is None or bufs is None:
+                index = index_tensor(ids, self.kv.device)
+                bufs = self.staging(per, min(STAGING_BUFS, len(spans)))
+            if len(pending) == len(bufs):
+                scatter_oldest()  # before this receive is queued: it frees the buffer it reuses
+            chunk = bufs[staged % len(bufs)][: b - a]
+            pending.append((pair.group.recv([chunk], 0, 0), chunk, a, b))
+            staged += 1
+        while pending:
+            scatter_oldest()
+        return works, staged
 
     def describe(self) -> dict:
         out = super().describe()
+        calls = sorted(self.send_calls)
         out["nccl"] = {"version": nccl_version(), "chunk_blocks": self.chunk_blocks,
+                       "send_calls_ms": round(1e3 * calls[len(calls) // 2], 3) if calls else None,
                        "checksum_on": "host copies"}  # fmt: skip
         return out

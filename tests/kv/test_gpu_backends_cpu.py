@@ -146,6 +146,7 @@ def test_connection_is_reused_and_opened_once(pair, backend):
 def test_nccl_chunks_mix_direct_and_staged(pair, monkeypatch):
     block = layout_of(small_kv()).block_nbytes
     monkeypatch.setattr(nccl_mod, "CHUNK_BYTES", 3 * block)  # 3 blocks a chunk
+    monkeypatch.setattr(nccl_mod, "ONE_MESSAGE_BYTES", 0)  # chunks even for a small transfer
     exporter, fetcher, _ = pair("nccl", states=())
     assert exporter.chunk_blocks == 3
     ids = [10, 11, 12, 1, 5, 3, 20, 21, 22, 30, 31]  # chunks: run | scattered | run | run(2)
