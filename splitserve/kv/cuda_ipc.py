@@ -230,7 +230,6 @@ def copy_blocks(
 ) -> str:
     """dst_rows[dst_ids] = src_rows[src_ids], enqueued on the current stream(s); -> how it was done.
 
-
     Rows are [num_blocks, block_nbytes] uint8 on any devices. One run (ids consecutive on both sides):
     one copy ("runs": cudaMemcpy, the copy engines). More, on one GPU (p2p: the exporter's memory is
     mapped on ours): one launch of the block-copy kernel ("kernel"). Without triton: up to

@@ -91,7 +91,7 @@ def random_source_config(source: str) -> dict[str, Any]:
     if name not in RANDOM_SHAPES:
         known = ", ".join(RANDOM_SOURCE + k.removesuffix("-random") for k in RANDOM_SHAPES)
         raise ValueError(f"unknown random model {source!r}; known: {known}")
-    return dict(RANDOM_SHAPES[name])
+    return random_model_config(name)
 
 
 def random_model_config(name: str) -> dict[str, Any]:
