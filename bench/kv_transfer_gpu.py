@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
 import splitserve.kv.cuda_ipc as cuda_ipc  # noqa: E402
-from splitserve.kv import KVHandle, KVLayout, TransportOptions, make_transport  # noqa: E402
+from splitserve.kv import KVHandle, KVLayout, TransportOptions, make_transport, trace  # noqa: E402
 
 BACKENDS = ("cuda_ipc", "nccl")
 BULK_BYTES = 64 << 20
@@ -65,9 +65,10 @@ def options() -> TransportOptions:
 
 
 # -- the exporter process -------------------------------------------------------------------------
-def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str) -> None:
+def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str, tracing: bool) -> None:
     global SECRET
     SECRET = secret
+    trace.ON = tracing
     torch.cuda.set_device(0)
     kvs, transports = {}, {}
     for name, (shape, num_blocks) in caches.items():
@@ -105,6 +106,8 @@ def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str) -> Non
                 out[b] = transports[args[0], b].describe().get("serve_phases_ms")
                 transports[args[0], b].serve_phases.clear()
             conn.send(out)
+        elif cmd == "trace":
+            conn.send(trace.events())
         elif cmd == "describe":
             conn.send({f"{n}/{b}": t.describe() for (n, b), t in transports.items()})
         elif cmd == "stop":
@@ -184,7 +187,7 @@ class Exporter:
     def __init__(self, caches: dict[str, tuple[dict, int]]) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=exporter_main, args=(child, caches, SECRET), daemon=True)
+        self.proc = ctx.Process(target=exporter_main, args=(child, caches, SECRET, trace.ON), daemon=True)
         self.proc.start()
         if not self.conn.poll(300) or self.conn.recv() != "ready":
             raise RuntimeError("exporter process did not start")
@@ -271,6 +274,7 @@ def measure(
     exporter.call("phases", name)
     try:
         times = alternate(runs, reps)
+        timelines = traced(exporter, fetchers, name, handles, into) if trace.ON else None
         phases = {b: fetchers.t[name, b].describe().get("fetch_phases_ms") for b in BACKENDS}
         phases["exporter"] = exporter.call("phases", name)
         check = None
@@ -290,10 +294,33 @@ def measure(
         "reps": reps,
         "check": check,
         "phases": phases,
+        "timelines": timelines,
     }
     for k, ts in times.items():
         row[k] = {"gbps": n * block / statistics.median(ts) / 1e9, "ms": 1e3 * statistics.median(ts)}
     return row
+
+
+def traced(
+    exporter: Exporter, fetchers: Fetchers, name: str, handles: dict, into: list[int], reps: int = 3
+) -> dict:
+    """`--trace`: a few more fetches per backend with both processes' marks (splitserve/kv/trace.py)
+    merged into one timeline each: [(ms since the fetch began, "F|E label")]."""
+    out: dict[str, list] = {}
+    for b in BACKENDS:
+        trace.events(), exporter.call("trace")  # drop what came before
+        out[b] = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fetchers.t[name, b].fetch(handles[b], into)
+            t1 = time.perf_counter()
+            time.sleep(0.005)  # the exporter's last marks (its "done") land
+            marks = [(t, f"F {label}") for t, label in trace.events()]
+            marks += [(t, f"E {label}") for t, label in exporter.call("trace")]
+            marks += [(t0, "start"), (t1, "end")]
+            out[b].append([(round(1e3 * (t - t0), 3), label) for t, label in sorted(marks)])
+    return out
 
 
 RUNS = {"KERNEL_MIN_RUNS": 1 << 30, "COPY_RUNS_MAX": 1 << 30}  # a cudaMemcpy per run, always
@@ -419,9 +446,11 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append(measure(exporter, fetchers, "ladder", n, pattern, reps, gen))
                 figs = ", ".join(f"{k} {rows[-1][k]['gbps']:.1f}" for k in (*BACKENDS, "raw_copy"))
                 print(f"  {fmt_size(n * block)} {pattern}: {figs} GB/s", flush=True)
+                print_timelines(rows[-1])
         latency = measure(exporter, fetchers, "ladder", 1, "contiguous", 50, gen)
         for pattern in ("contiguous", "scattered"):
             qwen.append(measure(exporter, fetchers, "qwen3-8b", qwen_blocks, pattern, args.reps or 20, gen))
+            print_timelines(qwen[-1])
         sweep = None
         if args.sweep_kernel:
             sweep = kernel_sweep(exporter, fetchers, sizes[-1] // block, qwen_blocks, gen)
@@ -503,6 +532,12 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def print_timelines(row: dict) -> None:
+    for backend, runs in (row.get("timelines") or {}).items():
+        for marks in runs[-2:]:
+            print(f"    {backend}: " + " | ".join(f"{ms:.3f} {label}" for ms, label in marks), flush=True)
+
+
 def fmt_size(nbytes: int) -> str:
     if nbytes >= 2**30:
         return f"{nbytes / 2**30:g} GiB"
@@ -522,8 +557,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--sweep-kernel", action="store_true", help="time cuda_ipc's block-copy kernel shapes")
+    p.add_argument("--trace", action="store_true", help="print timelines of a few fetches (kv/trace.py)")
     p.add_argument("--json", help="where to write the results (default: $OUT or bench/results)")
     args = p.parse_args(argv)
+    trace.ON = trace.ON or args.trace
     result = run(args)
     print(report(result))
     default_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"

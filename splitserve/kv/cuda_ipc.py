@@ -19,14 +19,20 @@ Life of a connection and of one fetch:
         staged  on the exporter's GPU otherwise: the driver stages each cross-device copy;
         local   exporter and fetcher are one process (CUDA cannot open its own IPC handle): the
                 exporter's tensor is used directly, from a process-wide registry.
-  3. fetch: fetcher -> {"op": "fetch", lease_id, timeout_s}, and at once starts copying the handle's
-     blocks (`prefetch`: safe, see there) while the exporter (lease pinned) answers
+     The answer also names the exporter's lease board (board.py), which the fetcher maps read-only.
+  3. one-sided fetch (the usual one: no state to carry, the handle has a board slot, the board allows
+     it): the fetcher checks the lease's slot, copies (step 4), waits for the copy and checks the slot
+     again; still the lease's means its blocks were not handed back before the copy ended. No message
+     at all, like an RDMA READ; the release follows in the background as for any backend. A slot
+     that says otherwise (ended, or faults injected) sends the fetch down the two-sided path:
+     fetcher -> {"op": "fetch", lease_id, timeout_s}, and at once starts copying the handle's blocks
+     (`prefetch`: safe, see there) while the exporter (lease pinned) answers
      {"op": "kv_cuda", block_ids, blocks, checksum} + the state tensors as the frame body.
   4. fetcher: `copy_blocks` kv_src[block_ids] -> kv[into_block_ids] on a side stream of its GPU (one
-     cudaMemcpy per run of ids consecutive on both sides; past `COPY_RUNS_MAX` runs, index kernels,
-     through a bounded temporary when neither side is one run); copies again if the answer names
-     other blocks than the handle; synchronizes, checks its deadline, -> {"op": "done"}.
-  5. exporter: drops its pin on "done" (or at the deadline, or when the fetcher hangs up).
+     cudaMemcpy for one run of ids consecutive on both sides, else one launch of the block-copy
+     kernel); two-sided, copies again if the answer names other blocks than the handle;
+     synchronizes, checks its deadline, -> {"op": "done"}.
+  5. exporter (two-sided): drops its pin on "done" (or at the deadline, or when the fetcher hangs up).
 
 Checksums work, but on host copies: the exporter copies the blocks to the host at export and the
 fetcher after the copy (slow: leave `checksum` off unless debugging).
@@ -57,6 +63,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from splitserve.kv import trace
+from splitserve.kv.board import BoardView, LeaseBoard
 from splitserve.kv.client import SyncChannel
 from splitserve.kv.errors import (
     BackendUnavailable,
@@ -335,9 +343,12 @@ class PeerKV:
     rows: torch.Tensor  # [num_blocks, block_nbytes] uint8
     mode: str  # "p2p" | "staged" | "local"
     gpu: str  # the exporter's GPU UUID
+    board: BoardView | None = None  # the exporter's lease board: one-sided fetches (board.py)
+    layout_fingerprint: str = ""  # the exporter's layout, from the handshake
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "gpu": self.gpu, "device": str(self.rows.device)}
+        return {"mode": self.mode, "gpu": self.gpu, "device": str(self.rows.device),
+                "one_sided": self.board is not None}  # fmt: skip
 
 
 def open_peer(share: dict, dst: torch.device, layout: KVLayout) -> PeerKV:
@@ -386,6 +397,18 @@ def open_peer(share: dict, dst: torch.device, layout: KVLayout) -> PeerKV:
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
     flat.set_(storage, offset, (kv_nbytes // block_nbytes, block_nbytes), (block_nbytes, 1))
     return PeerKV(flat, mode, gpu)
+
+
+def open_board(share: object, address: str) -> BoardView | None:
+    """The fetcher's map of an exporter's lease board (the `board` of its share), or None: without
+    one every fetch asks first (counted as such in describe()); no error, nothing is lost."""
+    if not isinstance(share, dict):
+        return None
+    try:
+        return BoardView(str(share["path"]), int(share["slots"]))
+    except (KeyError, OSError, ValueError) as exc:
+        log.warning("cuda_ipc: cannot map the lease board of %s (%s): its fetches ask first", address, exc)
+        return None
 
 
 class _NoClose:
@@ -563,11 +586,13 @@ class GpuSocketTransport(SocketTransport):
         if fault is Fault.KILL:
             return 0  # hang up instead of answering: the fetcher must fail, not hang
         start = time.perf_counter()
+        trace.mark("e.serve")
         ids = cached_ids(block_ids)
         if fault is Fault.CORRUPT:
             ids = np.roll(ids, -1)  # the wrong blocks in each place: the checksum must notice
         state = ByteStream(state_pieces(export.state, self.layout))
         early = self.start_push(chan, ids)
+        trace.mark("e.queued")
         try:
             fields = self.payload_fields(chan, ids)
             header = {"op": self.payload_op, **meta, "block_ids": ids_to_wire(ids), **fields}
@@ -577,9 +602,12 @@ class GpuSocketTransport(SocketTransport):
             self.cancel_push(chan, early)
             raise
         answered = time.perf_counter()
+        trace.mark("e.answered")
         await self.push(chan, ids, deadline, early)
         pushed = time.perf_counter()
+        trace.mark("e.pushed")
         expect(await chan.recv(deadline), "done")
+        trace.mark("e.done")
         self.serve_phases.append((answered - start, pushed - answered, time.perf_counter() - pushed))
         return len(ids) * self.layout.block_nbytes + state.nbytes
 
@@ -605,11 +633,13 @@ class GpuSocketTransport(SocketTransport):
                 request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
                 request.update(self.fetch_fields(into), timeout_s=deadline.remaining("fetch"))
                 sent = time.perf_counter()
+                trace.mark("f.request")
                 chan.send(request, deadline)
                 early = self.prefetch(attached, handle, into)
                 try:
                     header, body_nbytes = chan.recv(deadline)
                     answered = time.perf_counter()
+                    trace.mark("f.answer")
                     meta = expect(header, self.payload_op)
                     src_ids = self._peer_ids(meta, len(into))
                     if body_nbytes != body.nbytes:
@@ -619,6 +649,7 @@ class GpuSocketTransport(SocketTransport):
                     chan.recv_stream(body, deadline)
                     self.pull(chan, attached, meta, src_ids, into, deadline, early)
                     pulled = time.perf_counter()
+                    trace.mark("f.pulled")
                 except BaseException:
                     self.settle(early)
                     raise
@@ -699,10 +730,19 @@ class CudaIpcTransport(GpuSocketTransport):
         return Endpoint("unix", path=path)
 
     # -- exporter --------------------------------------------------------------------------------
+    def make_board(self) -> LeaseBoard | None:
+        try:  # in the socket directory when one is configured: fetchers can see it by construction
+            return LeaseBoard(directory=self.options.socket_dir)
+        except OSError as exc:
+            log.warning("cuda_ipc: no lease board (%s): every fetch will ask the exporter first", exc)
+            return None
+
     def share(self) -> dict:
         with self._share_lock:
             if self._share is None:
                 self._share = share_kv(self.kv, self.rows, self._key)
+                board = self.leases.board
+                self._share["board"] = board.share() if board is not None else None
             return self._share
 
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
@@ -730,12 +770,73 @@ class CudaIpcTransport(GpuSocketTransport):
             if peer is None:
                 with torch.cuda.device(self.kv.device) if self.on_cuda else contextlib.nullcontext():
                     peer = open_peer(share, self.kv.device, self.layout)
+                peer.board = open_board(share.get("board"), chan.address)
+                peer.layout_fingerprint = chan.peer_layout.fingerprint if chan.peer_layout else ""
                 self._peers[key] = peer
                 self.stats.count("ipc_handles_opened")
                 while len(self._peers) > PEERS_MAX:
                     self._peers.popitem(last=False)
             self._peers.move_to_end(key)
         return _NoClose(peer)
+
+    # -- one-sided fetches -----------------------------------------------------------------------
+    def fetch(
+        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Read the blocks straight out of the exporter's mapped KV when its lease board says the
+        lease is live before and after the copy (no round trip; board.py); else, or for a payload
+        with state, the request/answer fetch of GpuSocketTransport."""
+        if handle.lease_slot is None or self.layout.state_shapes or handle.backend != self.backend:
+            return super().fetch(handle, into_block_ids, timeout_s)
+        into = self._check_into(handle, into_block_ids)
+        deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
+        start = time.perf_counter()
+        try:  # a pooled connection: its first use attaches; `alive` says the exporter still runs
+            with self.pool.connection(handle.address, deadline) as chan:
+                peer = self._mapped(chan, handle, deadline)
+                done = peer is not None and self._read_one_sided(peer, handle, into) and chan.alive()
+        except TransportError as exc:
+            self.stats.error(exc)
+            raise
+        if not done:  # the exporter says what became of the lease
+            return super().fetch(handle, into, deadline.remaining("fetch"))
+        end = time.perf_counter()
+        self._verify_blocks(handle, {}, into, {})
+        self.phases.append((0.0, 0.0, end - start))
+        self.stats.fetched(len(into) * self.layout.block_nbytes, end - start, handle.address)
+        self.stats.count("one_sided_fetches")
+        return empty_state(self.layout)
+
+    def _mapped(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> PeerKV | None:
+        """The exporter's mapping (attached on the connection's first use), if it has a board."""
+        attached = chan.attached.get(self.backend)
+        if attached is None:
+            attached = chan.attached[self.backend] = self.attach(chan, handle, deadline)
+        peer: PeerKV = attached.value
+        if peer.board is None or peer.layout_fingerprint != handle.layout_fingerprint:
+            return None  # no board, or another layout: the exporter's answer says what is wrong
+        return peer
+
+    def _read_one_sided(self, peer: PeerKV, handle: KVHandle, into: np.ndarray) -> bool:
+        board, slot = peer.board, int(handle.lease_slot or 0)
+        assert board is not None
+        ids = handle_ids(handle)
+        if ids.min() < 0 or ids.max() >= peer.rows.shape[0] or not board.live(slot, handle.lease_id):
+            return False
+        trace.mark("f.one_sided")
+        how = self._copy(peer, ids, into)
+        trace.mark("f.copy_queued")
+        try:
+            with torch.cuda.device(self.kv.device) if self.on_cuda else contextlib.nullcontext():
+                self.sync_stream_of_transfers()
+        except RuntimeError as exc:  # a CUDA error
+            raise TransportError(f"cuda_ipc copy from {handle.address} failed: {exc}") from exc
+        trace.mark("f.copied")
+        if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
+            self.stats.count("one_sided_lost")
+            return False
+        self.gpu_counts[f"{peer.mode}_{how}"] += 1
+        return True
 
     def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
         """Start copying the handle's blocks before the exporter confirms the lease: if the lease is
@@ -773,7 +874,10 @@ class CudaIpcTransport(GpuSocketTransport):
     def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> str:
         try:
             with self.on_device():
-                return copy_blocks(mapped.rows, self.rows, src_ids, into)
+                trace.gpu_mark("f.copy_start", self.kv.device)
+                how = copy_blocks(mapped.rows, self.rows, src_ids, into)
+                trace.gpu_mark("f.copy_end", self.kv.device)
+                return how
         except RuntimeError as exc:  # a CUDA error
             raise TransportError(f"cuda_ipc copy failed: {exc}") from exc
 
@@ -789,7 +893,9 @@ class CudaIpcTransport(GpuSocketTransport):
                 for i in range(torch.cuda.device_count())
                 if i != index
             }
-        out["cuda_ipc"] = {"peers": peers, "p2p_access": p2p, "checksum_on": "host copies"}
+        board = self.leases.board
+        out["cuda_ipc"] = {"peers": peers, "p2p_access": p2p, "checksum_on": "host copies",
+                           "lease_board": None if board is None else board.describe()}  # fmt: skip
         return out
 
     def close(self) -> None:

@@ -8,7 +8,9 @@ Life of a lease:
      until the last pin is dropped.
   3. It ends once, by `release` (the fetcher is done) or by expiry (the reaper thread): `on_free(block_ids)`
      is called exactly once, outside the lock, on whichever thread ended it.
-  4. A second release, a release after expiry, or a late fetch is harmless: the ended lease is
+  4. With a `LeaseBoard` (cuda_ipc), a live lease is also published in shared memory for one-sided
+     reads (board.py); its slot is cleared when it ends, before `on_free`.
+  5. A second release, a release after expiry, or a late fetch is harmless: the ended lease is
      remembered (bounded) so that a late fetch gets `LeaseExpired`, not a confusing "unknown lease".
 
 NOTE: `on_free` may run on any thread (caller, server loop, reaper); keep it short and thread-safe,
@@ -28,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.kv.board import LeaseBoard
 from splitserve.kv.errors import LeaseExpired, UnknownLease
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class Lease:
     block_ids: tuple[int, ...]
     expires_at: float  # monotonic
     payload: Any = None  # what the exporter needs to serve a fetch (request id, state, checksum)
+    slot: int | None = None  # its slot on the lease board, if there is one and it had room
 
 
 class LeaseManager:
@@ -50,6 +54,7 @@ class LeaseManager:
         on_free: FreeCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
         remember: int = 4096,
+        board: LeaseBoard | None = None,
     ) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
@@ -57,6 +62,7 @@ class LeaseManager:
         self._on_free = on_free or (lambda ids: None)
         self._clock = clock
         self._remember = remember
+        self.board = board
         self._cond = threading.Condition()
         self._leases: dict[str, Lease] = {}
         self._pins: Counter[str] = Counter()
@@ -69,10 +75,12 @@ class LeaseManager:
 
     # -- exporter side ------------------------------------------------------------------------
     def grant(self, block_ids: Sequence[int], payload: Any = None) -> Lease:
-        lease = Lease(secrets.token_hex(12), tuple(block_ids), self._clock() + self.lease_s, payload)
+        lease_id = secrets.token_hex(12)
         with self._cond:
             if self._closed:
                 raise RuntimeError("lease manager is closed")
+            slot = self.board.post(lease_id) if self.board is not None else None
+            lease = Lease(lease_id, tuple(block_ids), self._clock() + self.lease_s, payload, slot)
             self._leases[lease.lease_id] = lease
             heapq.heappush(self._heap, (lease.expires_at, lease.lease_id))
             self.counts["granted"] += 1
@@ -156,6 +164,8 @@ class LeaseManager:
     def _pop(self, lease_id: str, why: str) -> Lease:
         # NOTE: the caller holds the lock; popping is what makes the free happen exactly once.
         lease = self._leases.pop(lease_id)
+        if self.board is not None:  # one-sided readers see it end before its blocks can be reused
+            self.board.clear(lease.slot)
         self._pins.pop(lease_id, None)
         self._doomed.pop(lease_id, None)
         self._ended[lease_id] = why

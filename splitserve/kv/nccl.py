@@ -56,6 +56,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from splitserve.kv import trace
 from splitserve.kv.client import SyncChannel, parse_address
 from splitserve.kv.cuda_ipc import (
     GpuSocketTransport,
@@ -149,9 +150,11 @@ def wait_done(
         return
     for work in works:
         work.wait()  # our stream waits for NCCL's (no CPU wait)
+    trace.gpu_mark(f"{what} finished", device)
     done = torch.cuda.Event()
     done.record()
     start = checked = time.monotonic()
+    trace.mark(f"{what}: waiting")
     while not done.query():
         now = time.monotonic()
         if now >= deadline.at:
@@ -163,6 +166,7 @@ def wait_done(
                 pair.abort()
                 raise TransportError(f"{what}: the peer closed the connection")
         time.sleep(0 if now - start < SPIN_S else 20e-6)
+    trace.mark(f"{what}: seen done")
 
 
 def _sock_gone(sock: socket.socket) -> bool:
@@ -320,8 +324,10 @@ class NcclTransport(GpuSocketTransport):
                         src, out = wide(self.rows, chunk)
                         torch.index_select(src, 0, index[a:b], out=out)
                     start = time.perf_counter()
+                    trace.gpu_mark("e.send_queued", self.kv.device)
                     works.append(pair.group.send([chunk], 1, 0))
                     calls += time.perf_counter() - start
+                    trace.mark("e.send_called")
                 self.send_calls.append(calls)
                 return [w for i, w in enumerate(works) if i not in waited]  # Gloo: a work waits once
             except RuntimeError as exc:
@@ -443,6 +449,7 @@ class NcclTransport(GpuSocketTransport):
             staged += 1
         while pending:
             scatter_oldest()
+        trace.mark("f.recv_called")
         return works, staged
 
     def describe(self) -> dict:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.kv import trace
+from splitserve.kv.board import LeaseBoard
 from splitserve.kv.client import ConnectionPool, SyncChannel
 from splitserve.kv.errors import (
     CorruptTransfer,
@@ -94,6 +96,10 @@ class SocketTransport(KVTransport):
     def endpoint(self) -> Endpoint:
         """Where the exporter listens."""
 
+    def make_board(self) -> LeaseBoard | None:
+        """Exporter: a lease board for one-sided fetches (board.py), made when serving starts."""
+        return None
+
     @abstractmethod
     async def send_payload(
         self,
@@ -128,6 +134,10 @@ class SocketTransport(KVTransport):
                 )
                 server.start()
                 self._server = server
+                if self.leases.board is None:
+                    self.leases.board = self.make_board()
+                    if self.leases.board is not None:
+                        self.leases.board.allow_one_sided(self.faults is None)
             return self._server.address
 
     def export(
@@ -158,6 +168,7 @@ class SocketTransport(KVTransport):
             layout_fingerprint=self.layout.fingerprint,
             lease_expires_at=time.time() + self.options.lease_s,
             checksum=digest,
+            lease_slot=lease.slot,
         )
 
     def release(self, handle: KVHandle) -> None:
@@ -197,6 +208,7 @@ class SocketTransport(KVTransport):
         return False
 
     async def _serve_fetch(self, chan: AsyncChannel, header: dict) -> bool:
+        trace.mark("e.request")
         asked = float(header.get("timeout_s", self.options.fetch_timeout_s))
         deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
         try:
@@ -277,8 +289,11 @@ class SocketTransport(KVTransport):
 
     # -- both ------------------------------------------------------------------------------------
     def install_faults(self, plan: FaultPlan | None) -> None:
-        """Tests: break the exporter's answers according to `plan` (see faults.py)."""
+        """Tests: break the exporter's answers according to `plan` (see faults.py). While a plan is
+        installed, fetchers are told to ask (no one-sided reads), so that every fetch meets it."""
         self.faults = plan
+        if self.leases.board is not None:
+            self.leases.board.allow_one_sided(plan is None)
 
     @property
     def address(self) -> str | None:
@@ -305,6 +320,8 @@ class SocketTransport(KVTransport):
             server.close()
         self.pool.close()
         self.leases.close(free_remaining=True)
+        if self.leases.board is not None:
+            self.leases.board.close()
 
 
 _TENSOR_FIELDS = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")

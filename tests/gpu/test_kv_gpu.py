@@ -5,8 +5,9 @@ cuda_ipc runs between two processes on that GPU and the nccl transfers are skipp
 a GPU with itself: that refusal is still checked).
 Checks for cuda_ipc and nccl: the fetched bytes equal the exported ones (one run of blocks, scattered
 blocks, many blocks), state tensors and checksums arrive, release frees the exporter's blocks, and a
-peer with another layout or secret is refused before any KV moves. cuda_ipc also in one process
-(local mode); nccl refuses to pair a GPU with itself.
+peer with another layout or secret is refused before any KV moves; cuda_ipc reads one-sided when
+there is no state to carry. cuda_ipc also in one process (local mode); nccl refuses to pair a GPU
+with itself.
 """
 
 from __future__ import annotations
@@ -113,9 +114,12 @@ class Exporter:
                 self.proc.kill()
 
 
-@pytest.fixture(scope="module", params=[None, "crc32"], ids=["plain", "crc32"])
+SPECS = {"plain": Spec(), "crc32": Spec(checksum="crc32"), "stateless": Spec(states=())}
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
 def exporter(request):
-    ex = Exporter(Spec(checksum=request.param))
+    ex = Exporter(SPECS[request.param])
     yield ex
     ex.stop()
 
@@ -166,7 +170,8 @@ def test_fetch_across_processes_is_exact(exporter, fetcher_for, backend, case):
     assert info["backend"] == backend and info["counts"]["fetches"] == 1
     if exporter.spec.checksum:
         assert info["counts"]["checksums_verified"] == 1
-    if backend == "cuda_ipc":
+    if backend == "cuda_ipc":  # no state to carry: read one-sided (the lease board), no round trip
+        assert info["counts"].get("one_sided_fetches", 0) == (0 if exporter.spec.states else 1)
         (peer,) = info["cuda_ipc"]["peers"]
         staged = TWO_GPUS and not torch.cuda.can_device_access_peer(1, 0)
         assert peer["mode"] == ("staged" if staged else "p2p")

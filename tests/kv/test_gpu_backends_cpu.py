@@ -12,6 +12,7 @@ The real thing (two processes, two GPUs) is tests/gpu/test_kv_gpu.py.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -32,6 +33,7 @@ from splitserve.kv import (
     make_transport,
 )
 from splitserve.kv.cuda_ipc import CudaIpcTransport, copy_blocks, kv_rows, open_peer, paired_runs
+from splitserve.kv.faults import FaultKnobs, FaultPlan
 from splitserve.kv.nccl import NcclTransport, chunk_spans
 
 NO_CUDA = not torch.cuda.is_available()
@@ -204,6 +206,85 @@ def test_cuda_ipc_refuses_a_gpu_it_cannot_see(pair):
     share = {**exporter.share(), "pid": -1, "handle": "AAAA", "gpu": "GPU-not-here"}
     with pytest.raises(PeerRefused):
         open_peer(share, torch.device("cuda", 0), fetcher.layout)
+
+
+# -- cuda_ipc's one-sided fetches (the lease board) -----------------------------------------------
+def test_cuda_ipc_reads_one_sided_and_stops_when_the_lease_ends(pair):
+    exporter, fetcher, freed = pair("cuda_ipc", states=())
+    handle = exporter.export("r", [9, 2, 30], 40)
+    board = exporter.leases.board  # made when serving starts
+    assert handle.lease_slot is not None and board.words[handle.lease_slot] != 0
+    fetcher.fetch(handle, [0, 40, 41], timeout_s=10)
+    assert torch.equal(fetcher.kv[[0, 40, 41]], exporter.kv[[9, 2, 30]])
+    counts = fetcher.describe()["counts"]
+    assert counts["one_sided_fetches"] == 1 and counts["fetches"] == 1
+    assert "served" not in exporter.describe()["counts"]  # no request reached the exporter
+    fetcher.fetch(handle, [3, 4, 5], timeout_s=10)  # again: still live
+    assert fetcher.describe()["counts"]["one_sided_fetches"] == 2
+    fetcher.release(handle)
+    assert wait_for(lambda: freed == [[9, 2, 30]])
+    assert board.words[handle.lease_slot] == 0  # cleared before the blocks were freed
+    with pytest.raises(LeaseExpired):  # the slot sends it to the exporter, which says why
+        fetcher.fetch(handle, [0, 40, 41], timeout_s=5)
+
+
+def test_cuda_ipc_one_sided_read_of_a_lease_ending_mid_copy_is_refused(pair, monkeypatch):
+    exporter, fetcher, freed = pair("cuda_ipc", states=())
+    handle = exporter.export("r", [1, 2], 32)
+    fetcher.fetch(exporter.export("warm", [5], 16), [7], timeout_s=10)  # mapped, one-sided
+    copy = fetcher._copy
+
+    def copy_then_lose_the_lease(peer, src_ids, into):  # the lease expires while the bytes move
+        how = copy(peer, src_ids, into)
+        exporter.leases.release(handle.lease_id)
+        return how
+
+    monkeypatch.setattr(fetcher, "_copy", copy_then_lose_the_lease)
+    with pytest.raises(LeaseExpired):
+        fetcher.fetch(handle, [10, 11], timeout_s=5)
+    assert fetcher.describe()["counts"]["one_sided_lost"] == 1
+    assert [1, 2] in freed
+
+
+def test_cuda_ipc_one_sided_read_from_a_dead_exporter_is_an_error(pair):
+    exporter, fetcher, _ = pair("cuda_ipc", states=())
+    handle = exporter.export("r", [1, 2], 32)
+    fetcher.fetch(handle, [10, 11], timeout_s=10)  # mapped, one-sided
+    exporter._server.close()  # its process "dies": the board still says live, the socket is gone
+    with pytest.raises(TransportError):
+        fetcher.fetch(handle, [12, 13], timeout_s=5)
+    assert fetcher.describe()["counts"]["one_sided_fetches"] == 1
+
+
+def test_cuda_ipc_asks_first_for_state_faults_and_a_full_board(pair, monkeypatch):
+    exporter, fetcher, _ = pair("cuda_ipc")  # a layout with state: it travels on the control channel
+    fetcher.fetch(exporter.export("s", [1, 2], 32, some_state()), [3, 4], timeout_s=10)
+    assert "one_sided_fetches" not in fetcher.describe()["counts"]
+    exporter, fetcher, _ = pair("cuda_ipc", states=())
+    exporter.listen()
+    monkeypatch.setattr(exporter.leases.board, "_free", [exporter.leases.board._free[-1]])  # 1 slot
+    first, second = exporter.export("a", [1], 16), exporter.export("b", [2], 16)
+    assert first.lease_slot is not None and second.lease_slot is None
+    assert exporter.describe()["cuda_ipc"]["lease_board"]["full"] == 1
+    fetcher.fetch(second, [5], timeout_s=10)
+    assert fetcher.describe()["counts"]["fetches"] == 1
+    assert "one_sided_fetches" not in fetcher.describe()["counts"]
+    exporter.install_faults(FaultPlan(FaultKnobs()))  # a fault plan: every fetch must meet it
+    fetcher.fetch(first, [6], timeout_s=10)
+    assert "one_sided_fetches" not in fetcher.describe()["counts"]
+    exporter.install_faults(None)
+    fetcher.fetch(first, [6], timeout_s=10)
+    assert fetcher.describe()["counts"]["one_sided_fetches"] == 1
+    assert torch.equal(fetcher.kv[[5, 6]], exporter.kv[[2, 1]])
+
+
+def test_lease_board_file_is_private_and_removed_on_close(pair):
+    exporter, _, _ = pair("cuda_ipc", states=())
+    exporter.listen()
+    path = exporter.leases.board.path
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    exporter.close()
+    assert not os.path.exists(path)
 
 
 # -- copies and chunks ---------------------------------------------------------------------------
