@@ -44,6 +44,7 @@ import splitserve.kv.cuda_ipc as cuda_ipc  # noqa: E402
 from splitserve.kv import KVHandle, KVLayout, TransportOptions, make_transport, trace  # noqa: E402
 
 BACKENDS = ("cuda_ipc", "nccl")
+FETCH = "cuda:1"  # the fetcher's GPU; --same-gpu: cuda:0 (a smoke test on one GPU: cuda_ipc only)
 BULK_BYTES = 64 << 20
 GOAL_RATIO = 0.85
 GOAL_PREFILL = 0.05
@@ -207,7 +208,7 @@ class Exporter:
 # -- measurements ---------------------------------------------------------------------------------
 def sync() -> None:
     torch.cuda.synchronize(0)
-    torch.cuda.synchronize(1)
+    torch.cuda.synchronize(FETCH)
 
 
 def alternate(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
@@ -229,7 +230,7 @@ class Fetchers:
     def __init__(self, caches: dict[str, tuple[dict, int]], raw_bytes: int) -> None:
         self.caches = caches
         self.kv = {
-            name: torch.zeros(kv_shape(shape, n), dtype=torch.bfloat16, device="cuda:1")
+            name: torch.zeros(kv_shape(shape, n), dtype=torch.bfloat16, device=FETCH)
             for name, (shape, n) in caches.items()
         }
         self.t = {
@@ -238,7 +239,7 @@ class Fetchers:
             for b in BACKENDS
         }
         self.raw_src = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda:0").fill_(7)
-        self.raw_dst = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda:1")
+        self.raw_dst = torch.empty(raw_bytes, dtype=torch.uint8, device=FETCH)
 
     def raw_copy(self, nbytes: int) -> None:
         self.raw_dst[:nbytes].copy_(self.raw_src[:nbytes])
@@ -380,6 +381,76 @@ def kernel_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwe
     return out
 
 
+def ce_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwen_blocks: int,
+             gen: torch.Generator, reps: int = 10) -> list[dict]:  # fmt: skip
+    """`--sweep-ce`: cuda_ipc's copy through the copy engines, by hand (cuMemcpyAsync via ctypes, about
+    a microsecond a call): one copy per run of blocks spread round-robin over 1/2/4/8 streams (each
+    stream may get a copy engine of its own), beside the raw copy and the block-copy kernel. For one
+    run (contiguous) the run is cut into as many pieces as streams."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    lib.cuMemcpyAsync.restype = ctypes.c_int
+    streams = [torch.cuda.Stream(device=FETCH) for _ in range(8)]
+    out = []
+    cases = [(name, n, pattern) for name, n in (("ladder", ladder_blocks), ("qwen3-8b", qwen_blocks))
+             for pattern in ("contiguous", "scattered")]  # fmt: skip
+    for name, n, pattern in cases:
+        num_blocks = fetchers.caches[name][1]
+        if pattern == "contiguous":
+            ids, into = list(range(3, 3 + n)), list(range(num_blocks - n - 1, num_blocks - 1))
+        else:
+            ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()
+            into = torch.randperm(num_blocks, generator=gen)[:n].tolist()
+        handle = exporter.export(name, "cuda_ipc", ids)
+        fetcher = fetchers.t[name, "cuda_ipc"]
+        fetcher.fetch(handle, into)  # maps the exporter's KV
+        (peer,) = list(fetcher._peers.values())[-1:]
+        block = layout_of(fetchers.caches[name][0]).block_nbytes
+        src0, dst0 = peer.rows.data_ptr(), fetcher.rows.data_ptr()
+        if pattern == "contiguous":
+            pieces = [(src0 + ids[0] * block, dst0 + into[0] * block, n * block)]
+        else:
+            pieces = [(src0 + s * block, dst0 + d * block, block) for s, d in zip(ids, into, strict=True)]
+        nbytes = n * block
+
+        def copy_on(k: int, pieces=pieces, nbytes=nbytes) -> None:
+            work = pieces
+            if len(pieces) == 1 and k > 1:  # cut the one run into k pieces
+                s0, d0, total = pieces[0]
+                step = -(-total // k)
+                work = [(s0 + a, d0 + a, min(step, total - a)) for a in range(0, total, step)]
+            current = torch.cuda.current_stream(FETCH)
+            for st in streams[:k]:
+                st.wait_stream(current)
+            handles = [st.cuda_stream for st in streams[:k]]
+            for i, (src, dst, size) in enumerate(work):
+                err = lib.cuMemcpyAsync(dst, src, size, handles[i % k])
+                if err:
+                    raise RuntimeError(f"cuMemcpyAsync: CUresult {err}")
+            for st in streams[:k]:
+                current.wait_stream(st)
+            torch.cuda.synchronize(FETCH)
+
+        runs: dict[str, Callable[[], object]] = {"raw_copy": lambda b=nbytes: fetchers.raw_copy(b)}
+        runs["fetch"] = lambda f=fetcher, h=handle, i=into: f.fetch(h, i)
+        for k in (1, 2, 4, 8):
+            runs[f"ce x{k}"] = lambda k=k, f=copy_on: f(k)
+        times = alternate(runs, reps)
+        fetcher.fetch(handle, into)
+        exporter.call("release", name, "cuda_ipc", handle.to_dict())
+        raw = statistics.median(times["raw_copy"])
+        row = {"cache": name, "pattern": pattern, "bytes": nbytes, "pieces": len(pieces)}
+        for k, ts in times.items():
+            row[k] = {"gbps": nbytes / statistics.median(ts) / 1e9, "of_raw": raw / statistics.median(ts)}
+        print(f"  ce sweep {name} {fmt_size(nbytes)} {pattern} ({len(pieces)} copies): "
+              + ", ".join(f"{k} {v['gbps']:.0f} GB/s ({v['of_raw']:.0%})" for k, v in row.items()
+                          if isinstance(v, dict)), flush=True)  # fmt: skip
+        out.append(row)
+    return out
+
+
 # -- prefill at Qwen3-8B shape --------------------------------------------------------------------
 def prefill_seconds(tokens: int, reps: int, device: str) -> dict:
     from splitserve.engine.config import EngineConfig
@@ -426,8 +497,8 @@ def size_ladder(max_mb: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("needs two CUDA devices")
+    if torch.cuda.device_count() < 2 and FETCH != "cuda:0":
+        raise SystemExit("needs two CUDA devices (--same-gpu: a smoke test on one)")
     ladder = {"block_size": args.block_size, "num_layers": args.layers, "num_kv_heads": args.kv_heads,
               "head_dim": args.head_dim}  # fmt: skip
     block = layout_of(ladder).block_nbytes
@@ -451,11 +522,15 @@ def run(args: argparse.Namespace) -> dict:
         for pattern in ("contiguous", "scattered"):
             qwen.append(measure(exporter, fetchers, "qwen3-8b", qwen_blocks, pattern, args.reps or 20, gen))
             print_timelines(qwen[-1])
-        sweep = None
+        sweep = ce = None
         if args.sweep_kernel:
             sweep = kernel_sweep(exporter, fetchers, sizes[-1] // block, qwen_blocks, gen)
+        if args.sweep_ce:
+            ce = ce_sweep(exporter, fetchers, sizes[-1] // block, qwen_blocks, gen)
         raw_sizes = sorted({r["bytes"] for r in rows + qwen if r["bytes"] >= 16 << 20})
-        nccl_ceiling = nccl_raw(exporter, fetchers.raw_dst, raw_sizes, args.reps or 10)
+        nccl_ceiling = {}
+        if "nccl" in BACKENDS:
+            nccl_ceiling = nccl_raw(exporter, fetchers.raw_dst, raw_sizes, args.reps or 10)
         described = exporter.call("describe")
         described.update({f"fetcher {n}/{b}": t.describe() for (n, b), t in fetchers.t.items()})
     finally:
@@ -466,17 +541,18 @@ def run(args: argparse.Namespace) -> dict:
     prefill = None
     if not args.skip_prefill:
         try:
-            prefill = prefill_seconds(args.prompt_tokens, 3, "cuda:1")
+            prefill = prefill_seconds(args.prompt_tokens, 3, FETCH)
         except Exception as exc:  # noqa: BLE001 - report it, keep the transfer figures
             prefill = {"error": f"{type(exc).__name__}: {exc}"}
     return {
         "device": torch.cuda.get_device_name(0),
-        "p2p": torch.cuda.can_device_access_peer(1, 0),
+        "p2p": FETCH == "cuda:0" or torch.cuda.can_device_access_peer(1, 0),
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         "torch": torch.__version__,
         "ladder_layout": ladder, "block_bytes": block, "rows": rows, "latency": latency,
         "qwen3_8b": {"prompt_tokens": args.prompt_tokens, "blocks": qwen_blocks, "rows": qwen},
-        "prefill": prefill, "nccl_raw": nccl_ceiling, "describe": described, "kernel_sweep": sweep,
+        "prefill": prefill, "nccl_raw": nccl_ceiling, "describe": described,
+        "kernel_sweep": sweep, "ce_sweep": ce,
     }  # fmt: skip
 
 
@@ -557,10 +633,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--sweep-kernel", action="store_true", help="time cuda_ipc's block-copy kernel shapes")
+    p.add_argument("--sweep-ce", action="store_true", help="time copies over the copy engines by hand")
+    p.add_argument("--same-gpu", action="store_true", help="smoke test on one GPU: cuda_ipc, both on cuda:0")
     p.add_argument("--trace", action="store_true", help="print timelines of a few fetches (kv/trace.py)")
     p.add_argument("--json", help="where to write the results (default: $OUT or bench/results)")
     args = p.parse_args(argv)
     trace.ON = trace.ON or args.trace
+    if args.same_gpu:
+        global BACKENDS, FETCH
+        BACKENDS, FETCH = ("cuda_ipc",), "cuda:0"
     result = run(args)
     print(report(result))
     default_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"

@@ -199,6 +199,38 @@ def index_tensor(ids: Sequence[int] | np.ndarray, device: torch.device) -> torch
     return t.to(device, non_blocking=True)
 
 
+class _IdStage(threading.local):
+    """Block ids for the block-copy kernel, host to GPU without a pinned allocation per copy: each
+    thread reuses one pinned host buffer and one device buffer per device. An event recorded after
+    the kernel that reads them guards reuse (waited for only if that copy is still running)."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
+
+    def put(self, src: np.ndarray, dst: np.ndarray, device: torch.device) -> torch.Tensor:
+        n = src.size
+        host, dev, last = self.bufs.get(device, (None, None, None))
+        if host is None or dev is None or host.numel() < 2 * n:
+            size = max(2 * n, 8192)
+            host = torch.empty(size, dtype=torch.int64).pin_memory()
+            dev = torch.empty(size, dtype=torch.int64, device=device)
+        elif last is not None:
+            last.synchronize()  # the last copy through these buffers is done with them
+        words = host.numpy()
+        words[:n], words[n : 2 * n] = src, dst
+        out = dev[: 2 * n]
+        out.copy_(host[: 2 * n], non_blocking=True)
+        self.bufs[device] = (host, dev, None)
+        return out
+
+    def launched(self, device: torch.device) -> None:
+        host, dev, _ = self.bufs[device]
+        event = torch.cuda.Event()
+        event.record()
+        self.bufs[device] = (host, dev, event)
+
+
+_ID_STAGE = _IdStage()
 _WIDE = (torch.complex128, torch.int64, torch.int32)  # bit-exact copies, wider loads per element
 _WORDS = (torch.int64, torch.int32, torch.int16)  # the same for Triton (which has no complex types)
 
@@ -246,14 +278,22 @@ def copy_blocks(
     ("gather_scatter"). Across devices (staged), the gathers run on the source's device.
     """
     max_runs = COPY_RUNS_MAX if max_runs is None else max_runs
-    runs = paired_runs(src_ids, dst_ids)
-    if src_rows.is_cuda and src_rows.device == dst_rows.device and len(runs) >= KERNEL_MIN_RUNS:
+    s_ids, d_ids = as_ids(src_ids), as_ids(dst_ids)
+    if s_ids.shape != d_ids.shape:
+        raise ValueError(f"{s_ids.size} source blocks, {d_ids.size} destination blocks")
+    first_s, first_d = consecutive_start(s_ids), consecutive_start(d_ids)
+    one_run = first_s is not None and first_d is not None
+    # how many runs, counted only where it matters (not one run: at least two)
+    runs_at_least = 1 if one_run else 2 if KERNEL_MIN_RUNS <= 2 else len(paired_runs(s_ids, d_ids))
+    if src_rows.is_cuda and src_rows.device == dst_rows.device and runs_at_least >= KERNEL_MIN_RUNS:
         if _block_copy() is not None:
             src_w, dst_w = wide(src_rows, dst_rows, dtypes=_WORDS)
-            n = len(src_ids)  # both id lists in one host-to-device copy
-            ids = index_tensor(np.concatenate([as_ids(src_ids), as_ids(dst_ids)]), dst_rows.device)
+            n = s_ids.size  # both id lists in one host-to-device copy, through this thread's buffer
+            ids = _ID_STAGE.put(s_ids, d_ids, dst_rows.device)
             _block_copy().copy_rows(src_w, dst_w, ids[:n], ids[n:])
+            _ID_STAGE.launched(dst_rows.device)
             return "kernel"
+    runs = [(first_s, first_d, s_ids.size)] if one_run else paired_runs(s_ids, d_ids)
     if len(runs) <= max_runs:
         for s, d, n in runs:
             dst_rows[d : d + n].copy_(src_rows[s : s + n], non_blocking=True)
