@@ -33,6 +33,10 @@ class EngineConfig:
     kv_shared_memory: bool = False  # CPU: KV in a memfd, so shm KV fetchers copy straight out of it
     attention_backend: str = "auto"  # auto (triton on CUDA when it can run, else torch) | torch | triton
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (they need the triton backend)
+    # Overlap the host's work with the GPU's in steady decode: step N+1 is launched with step N's
+    # tokens still on the device, then step N's are read and stop conditions checked (engine.py).
+    # None: on for CUDA, off for the CPU (where nothing runs asynchronously to overlap with).
+    async_scheduling: bool | None = None
     progress: bool = True
     # Host-side cache of converted weights (model/weight_cache.py): "auto" = $SPLITSERVE_CACHE_DIR/weights
     # or ~/.cache/splitserve/weights; a path (e.g. /dev/shm/splitserve-weights); None or "off" disables

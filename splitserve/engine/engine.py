@@ -3,6 +3,17 @@
 One `step()` = schedule -> run the model on the flat batch -> sample -> append tokens, check stop
 conditions, cache full blocks, free finished requests -> return outputs for requests that changed.
 
+Overlapped steps (`async_scheduling`, on by default on CUDA): in steady decode the host would leave
+the GPU idle while it reads a step's tokens, checks stops and prepares the next step. Instead a
+decode step's tokens stay on the device and each request gets a placeholder token; the next
+`step()` schedules and launches step N+1 with those tokens fed to it on the device, and only then
+reads step N's (waiting while N+1 runs), replaces the placeholders and checks stop conditions. A
+request that stops at step N has computed one token too many in N+1, which is dropped (its blocks
+are freed after N+1 in stream order). Only decode steps whose requests need nothing from the host
+between steps overlap (no logprobs, penalties, min_tokens, n > 1, KV export, recurrent state); new
+requests, a request about to reach its length limit or a short block pool end the overlap: the
+pending step is read first, and the next step runs as usual.
+
 Prefill/decode disaggregation (disagg.py) plugs in through `kv_connector`: `add_request(...,
 kv_transfer="export")` leases a request's blocks to the KV transport after its first token instead of
 freeing them; `add_request_with_kv(...)` starts a request whose prompt KV is fetched from a prefill
@@ -15,6 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +61,36 @@ if TYPE_CHECKING:
     from splitserve.kv.handle import KVHandle
 
 log = logging.getLogger(__name__)
+
+
+PLACEHOLDER = -1  # an output token of an overlapped step that is still on the device
+
+
+@dataclass
+class _Inflight:
+    """An overlapped step: its scheduled chunks, the requests it samples for, their tokens on the
+    device, and a copy of them on its way to the host."""
+
+    sched: SchedulerOutput
+    reqs: list[Request]
+    tokens: torch.Tensor  # [N] int64 on the device
+    host: torch.Tensor  # [N] int64 (pinned on CUDA)
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, sched: SchedulerOutput, reqs: list[Request], tokens: torch.Tensor) -> _Inflight:
+        if tokens.device.type != "cuda":
+            return cls(sched, reqs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(sched, reqs, tokens, host, copied)
+
+    def read(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
 
 
 class LLMEngine:
@@ -132,6 +174,10 @@ class LLMEngine:
         self._parents: dict[str, list[Request]] = {}
         self.kv_connector: KVConnector | None = None  # set by disagg.KVConnector for the PD roles
         self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
+        overlap = config.async_scheduling
+        self.async_scheduling = self.device.type == "cuda" if overlap is None else overlap
+        self._inflight: _Inflight | None = None  # an overlapped step whose tokens are not read yet
+        self.overlapped_steps = 0
         self._ids = itertools.count()
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s",
@@ -255,13 +301,84 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.free_released_kv()
         ready, self._ready = self._ready, []
+        inflight = self._inflight
+        if inflight is not None and not self._may_continue():
+            self._inflight = None
+            return ready + self._resolve(inflight)  # read it now; the next step runs as usual
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return ready
-        logits, sample_chunks = self.runner.execute(sched.chunks)
+        if inflight is None and not self._may_overlap(sched):
+            logits, sample_chunks = self.runner.execute(sched.chunks)
+            reqs = [c.request for c in sample_chunks]
+            tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
+            return ready + self._update(sched, reqs, tokens, logprobs)
+        feed = (
+            None if inflight is None else (inflight.tokens, {id(r): i for i, r in enumerate(inflight.reqs)})
+        )
+        logits, sample_chunks = self.runner.execute(sched.chunks, feed)
         reqs = [c.request for c in sample_chunks]
-        tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
-        return ready + self._update(sched, reqs, tokens, logprobs)
+        pending = _Inflight.launch(sched, reqs, self.sampler.sample_tokens(logits, reqs))
+        self.overlapped_steps += 1
+        outputs = self._resolve(inflight) if inflight is not None else []  # while this step runs
+        for chunk in sched.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        for req in reqs:
+            if not req.finished:
+                req.output_token_ids.append(PLACEHOLDER)
+        self._inflight = pending
+        return ready + outputs
+
+    def _overlappable(self, req: Request) -> bool:
+        """Nothing of `req` needs the host between two of its decode steps."""
+        p = req.params
+        return (
+            req.parent_id is None
+            and not req.export_kv
+            and p.logprobs is None
+            and p.min_tokens == 0
+            and not p.has_penalties
+            and req.state_slot is None
+        )
+
+    def _may_overlap(self, sched: SchedulerOutput) -> bool:
+        """Start overlapping with this step: decode only, every request overlappable, no newcomers."""
+        if not self.async_scheduling or self.scheduler.waiting or self.states.enabled:
+            return False
+        return all(c.num_tokens == 1 and c.samples and self._overlappable(c.request) for c in sched.chunks)
+
+    def _may_continue(self) -> bool:
+        """Launch the next step before reading the pending one: nobody waits, no running request
+        ends with its pending token by length, and the pool has a block for each running request."""
+        running = self.scheduler.running
+        if self.scheduler.waiting or not running or self.pool.num_free < len(running):
+            return False
+        for req in running:
+            if not self._overlappable(req) or not req.output_token_ids:
+                return False
+            if req.output_token_ids[-1] != PLACEHOLDER:
+                return False  # not in the pending step (it joined otherwise)
+            if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                return False
+        return True
+
+    def _resolve(self, inflight: _Inflight) -> list[RequestOutput]:
+        """Read an overlapped step's tokens (waiting for it), put them in place of the placeholders and
+        do what `_update` does for them. A request that finished meanwhile drops its token."""
+        tokens = inflight.read()
+        now = time.monotonic()
+        changed: dict[str, None] = {}
+        for req, token in zip(inflight.reqs, tokens, strict=True):
+            if req.finished or not req.output_token_ids or req.output_token_ids[-1] != PLACEHOLDER:
+                continue
+            req.output_token_ids.pop()
+            req.first_token_time = req.first_token_time or now
+            self._append_token(req, token, None)
+            changed[req.parent_id or req.request_id] = None
+        for chunk in inflight.sched.chunks:
+            if not chunk.request.finished:
+                self.scheduler.kv.cache_full_blocks(chunk.request)
+        return [self._output(pid) for pid in changed if pid in self._parents]
 
     def _update(
         self,

@@ -46,6 +46,11 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
+# An overlapped step's input tokens that are still on the device: the previous step's sampled tokens,
+# and id(request) -> the row of that tensor holding the request's next input token.
+Feed = tuple[torch.Tensor, dict[int, int]]
+
+
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T]
@@ -87,25 +92,31 @@ class ModelRunner:
         return self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to."""
+    def execute(
+        self, chunks: list[ScheduledChunk], feed: Feed | None = None
+    ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to. `feed`: the
+        input tokens of some decode chunks come from the previous step's sampled tokens on the device
+        (their host copy is a placeholder until that step is resolved: the engine's overlap)."""
         if self.device.type == "cuda":
             # NOTE: Triton launches on the *current* device, whatever its tensors' device: make it ours
             with torch.cuda.device(self.device):
-                return self._execute(chunks)
-        return self._execute(chunks)
+                return self._execute(chunks, feed)
+        return self._execute(chunks, feed)
 
-    def _execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+    def _execute(
+        self, chunks: list[ScheduledChunk], feed: Feed | None
+    ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         if self.graphs is not None and self.graphs.accepts(chunks):
-            return self.graphs.run(chunks)
-        inputs = self.prepare(chunks)
+            return self.graphs.run(chunks, feed)
+        inputs = self.prepare(chunks, feed)
         ctx = ForwardContext(self.attn, inputs.meta, self.kv, self.states)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         if not inputs.sample_chunks:
             return hidden.new_empty((0, self.model.cfg.vocab_size)), []
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_chunks
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+    def prepare(self, chunks: list[ScheduledChunk], feed: Feed | None = None) -> StepInputs:
         # decodes first, shortest context first (so length groups are contiguous), then prefills
         ordered = sorted(chunks, key=lambda c: (c.num_tokens > 1, c.start if c.num_tokens == 1 else 0))
         ids: list[int] = []
@@ -117,11 +128,16 @@ class ModelRunner:
         prefill_blocks: list[np.ndarray] = []
         prefills_chunks: list[ScheduledChunk] = []
         decodes: list[ScheduledChunk] = []
+        fed: list[tuple[int, int]] = []  # (row of the flat batch, row of feed's tokens)
         batched = self.attn.batched_prefill
         for c in ordered:
             req = c.request
             start = len(ids)
-            ids.extend(req.token_ids(c.start, c.start + c.num_tokens))
+            if feed is not None and c.num_tokens == 1 and id(req) in feed[1]:
+                fed.append((start, feed[1][id(req)]))
+                ids.append(0)  # the token is on the device: set below
+            else:
+                ids.extend(req.token_ids(c.start, c.start + c.num_tokens))
             pos = np.arange(c.start, c.start + c.num_tokens, dtype=np.int64)
             blocks = np.asarray(req.block_ids, dtype=np.int64)
             positions.append(pos)
@@ -146,8 +162,13 @@ class ModelRunner:
             seq_slots=self._slots(decodes, prefills_chunks) if self.states else None,
             prefill_batch=self._prefill_batch(prefills, prefill_blocks) if batched and prefills else None,
         )
+        input_ids = self._tensor(np.asarray(ids, dtype=np.int64))
+        if fed:
+            assert feed is not None
+            rows = self._tensor(np.asarray(fed, dtype=np.int64).T.copy())
+            input_ids[rows[0]] = feed[0][rows[1]]
         return StepInputs(
-            input_ids=self._tensor(np.asarray(ids, dtype=np.int64)),
+            input_ids=input_ids,
             positions=self._tensor(np.concatenate(positions)),
             meta=meta,
             sample_rows=self._tensor(np.asarray(sample_rows, dtype=np.int64)),
@@ -288,8 +309,11 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.sizes), self.sizes, seconds)
         return seconds
 
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+    def run(
+        self, chunks: list[ScheduledChunk], feed: Feed | None = None
+    ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         b = len(chunks)
+        fed: list[tuple[int, int]] = []  # (batch row, row of feed's tokens)
         size = next(s for s in self.sizes if s >= b)
         bs = self.runner.block_size
         host = np.empty((5, size), dtype=np.int64)
@@ -301,7 +325,11 @@ class DecodeGraphs:
             p = c.start
             blocks = req.block_ids
             n = -(-(p + 1) // bs)
-            host[0, i] = req.token_ids(p, p + 1)[0]
+            if feed is not None and id(req) in feed[1]:
+                fed.append((i, feed[1][id(req)]))
+                host[0, i] = 0  # on the device: set below
+            else:
+                host[0, i] = req.token_ids(p, p + 1)[0]
             host[1, i] = p
             host[2, i] = blocks[p // bs] * bs + p % bs
             host[3, i] = p + 1
@@ -310,6 +338,13 @@ class DecodeGraphs:
         dev = self.runner.device
         self.inputs[:, :size].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         self.tables[:b, :width].copy_(torch.from_numpy(table).pin_memory(), non_blocking=True)
+        if fed:
+            assert feed is not None
+            if all(i == j for i, j in fed) and len(fed) == b:  # the usual case: same rows, same order
+                self.inputs[0, :b].copy_(feed[0][:b])
+            else:
+                rows = self.runner._tensor(np.asarray(fed, dtype=np.int64).T.copy())
+                self.inputs[0, rows[0]] = feed[0][rows[1]]
         self.graphs[size].replay()
         logits = self.logits[size]
         sample = [i for i, c in enumerate(chunks) if c.samples]

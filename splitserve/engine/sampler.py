@@ -39,14 +39,17 @@ class Sampler:
             return token_list, [None] * len(reqs)
         return token_list, _gather_logprobs(raw_logprobs, tokens, reqs)
 
+    def sample_tokens(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """The next token of each row, left on the device (nothing waits for the GPU): for requests
+        without logprobs, penalties or min_tokens (the engine's overlapped steps)."""
+        return self._sample(logits[:, : self.vocab_size], reqs)
+
     def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         argmax = logits.argmax(dim=-1)
         if all(r.params.greedy for r in reqs):  # decided on the host: no wait on the GPU
             return argmax
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
-        temps = torch.tensor(
-            [1.0 if r.params.greedy else r.params.temperature for r in reqs], device=logits.device
-        )
+        greedy = _on(logits.device, [r.params.greedy for r in reqs], torch.bool)
+        temps = _on(logits.device, [1.0 if r.params.greedy else r.params.temperature for r in reqs])
         probs = torch.softmax(_filter(logits / temps[:, None], reqs), dim=-1)
         q = torch.empty_like(probs)
         for i, r in enumerate(reqs):
@@ -90,22 +93,31 @@ class Sampler:
         return logits
 
 
+def _on(device: torch.device, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-row parameters on the device without a host wait (a plain torch.tensor(..., device=cuda)
+    synchronizes the stream: it would wait for the step that is still running)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def _filter(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """min_p, top_k and top_p, each applied only if some row asks for it. logits [N, V]."""
     dev = logits.device
     # which filters run is decided from the host-side parameters: no wait on the GPU
     if any(r.params.min_p > 0 for r in reqs):
-        min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
+        min_p = _on(dev, [r.params.min_p for r in reqs])
         probs = torch.softmax(logits, dim=-1)
         keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(~keep, float("-inf"))
     top_k = [r.params.top_k for r in reqs]
     if not any(top_k) and all(r.params.top_p >= 1 for r in reqs):
         return logits
-    top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
+    top_p = _on(dev, [r.params.top_p for r in reqs])
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     v = logits.shape[1]
-    k = torch.tensor([t if t > 0 else v for t in top_k], device=dev)
+    k = _on(dev, [t if t > 0 else v for t in top_k], torch.int64)
     ranks = torch.arange(v, device=dev)[None, :]
     drop = ranks >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
