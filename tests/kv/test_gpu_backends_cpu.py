@@ -31,6 +31,7 @@ from splitserve.kv import (
     TransportOptions,
     available_backends,
     make_transport,
+    trace,
 )
 from splitserve.kv.cuda_ipc import CudaIpcTransport, copy_blocks, kv_rows, open_peer, paired_runs
 from splitserve.kv.faults import FaultKnobs, FaultPlan
@@ -329,3 +330,22 @@ def test_fetch_checks_its_arguments(pair, backend):
     with DOUBLES[other](torch.zeros_like(fetcher.kv), fetcher.layout, secret=SECRET) as wrong:
         with pytest.raises(PeerRefused, match=f"backend: ours {other}, peer {backend}"):
             wrong.fetch(handle, [0, 1, 2, 3])
+
+
+def test_trace_gives_the_timeline_of_a_fetch(pair, monkeypatch):
+    """SPLITSERVE_KV_TRACE: marks from both ends in one clock (here one process holds both)."""
+    monkeypatch.setattr(trace, "ON", True)
+    trace.events()
+    exporter, fetcher, _ = pair("cuda_ipc", states=())
+    fetcher.fetch(exporter.export("r", [1, 2], 32), [3, 4], timeout_s=10)
+    labels = [label for _, label in trace.events()]
+    assert labels.index("f.one_sided") < labels.index("f.copy_queued") < labels.index("f.copied")
+    exporter, fetcher, _ = pair("nccl", states=())
+    fetcher.fetch(exporter.export("r", [1, 2], 32), [3, 4], timeout_s=10)
+    marks: list = []
+    assert wait_for(lambda: marks.extend(trace.events()) or "e.done" in [label for _, label in marks])
+    marks.sort()
+    labels = [label for _, label in marks]
+    for label in ("f.request", "e.request", "e.send_called", "e.answered", "f.answer", "f.pulled"):
+        assert label in labels, labels
+    assert labels.index("f.request") < labels.index("e.request") < labels.index("f.answer")
