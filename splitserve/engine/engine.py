@@ -313,6 +313,7 @@ class LLMEngine:
             reqs = [c.request for c in sample_chunks]
             tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
             return ready + self._update(sched, reqs, tokens, logprobs)
+        self._inflight = None  # a step that raises leaves no stale pending step behind
         feed = (
             None if inflight is None else (inflight.tokens, {id(r): i for i, r in enumerate(inflight.reqs)})
         )
