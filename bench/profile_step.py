@@ -31,6 +31,7 @@ def _time_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
     """Wall time per phase of `engine.step()`, averaged (the sampler's includes the wait on the GPU)."""
     spent: dict[str, float] = {}
     targets = [(engine.scheduler, "schedule"), (engine.runner, "execute"), (engine, "_update")]
+    targets.append((engine, "_resolve"))  # overlapped steps: reads the pending step (waits for the GPU)
     if engine.runner.graphs is not None:
         targets.append((engine.runner.graphs, "run"))
     for obj, name in targets:
@@ -45,8 +46,15 @@ def _time_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
 
         setattr(obj, name, timed)
     sampler = engine.sampler
-    label = "sample (waits for the GPU)"
-    engine.sampler = lambda logits, reqs: _timed_call(spent, label, sampler, logits, reqs)
+
+    class Timed:  # the sampler, timed (its __call__ waits for the GPU; sample_tokens does not)
+        def __call__(self, logits, reqs):  # noqa: ANN001, ANN204
+            return _timed_call(spent, "sample (waits for the GPU)", sampler, logits, reqs)
+
+        def sample_tokens(self, logits, reqs):  # noqa: ANN001, ANN201
+            return _timed_call(spent, "sample on the GPU (overlapped)", sampler.sample_tokens, logits, reqs)
+
+    engine.sampler = Timed()  # type: ignore[assignment]
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()

@@ -16,7 +16,7 @@ from torch import nn
 
 from splitserve.model.attention import AttentionBackend, AttentionMetadata
 from splitserve.model.config import ModelConfig
-from splitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from splitserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
 from splitserve.model.weights import load_mapped_weights
 
 
@@ -34,8 +34,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_out = (self.h + 2 * self.kvh) * self.d
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -130,7 +130,7 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()  # [N, vocab]
+        return linear(hidden, weight).float()  # [N, vocab]
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into this model's (merged) parameters; every parameter must be set."""

@@ -48,7 +48,14 @@ from splitserve.model.config import ModelConfig
 from splitserve.model.decoder import ForwardContext, fused_forward
 from splitserve.model.errors import ModelLoadError
 from splitserve.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from splitserve.model.layers import GatedMLP, GatedRMSNorm, PartialRotaryEmbedding, ZeroCentredRMSNorm
+from splitserve.model.layers import (
+    GatedMLP,
+    GatedRMSNorm,
+    Linear,
+    PartialRotaryEmbedding,
+    ZeroCentredRMSNorm,
+    linear,
+)
 from splitserve.model.weights import load_mapped_weights
 
 # Set to 1 to run the decode kernels on CPU tensors too (with TRITON_INTERPRET=1: kernel tests only).
@@ -84,8 +91,8 @@ class GatedAttention(nn.Module):
         self.kv_index = kv_index  # this layer's index in the KV cache (position in cfg.kv_layer_ids)
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         # rows: per head [query | gate] (2 * H * D), then k (KVH * D), then v (KVH * D)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, 2 * (self.h + self.kvh) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, 2 * (self.h + self.kvh) * self.d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = ZeroCentredRMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(self.d, cfg.rms_norm_eps)
         self.fused = False  # set by Qwen3_5LM.enable_fused_kernels (CUDA, a backend with `attend`)
@@ -133,12 +140,12 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim, self.kernel = lin.conv_dim, lin.conv_kernel
         self.value_dim = self.hv * self.dv
         # rows: q, k, v (conv_dim) | z (value_dim) | b (Hv) | a (Hv)
-        self.in_proj = nn.Linear(cfg.hidden_size, self.conv_dim + self.value_dim + 2 * self.hv, bias=False)
+        self.in_proj = Linear(cfg.hidden_size, self.conv_dim + self.value_dim + 2 * self.hv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
         self.fused = False  # set by Qwen3_5LM.enable_fused_kernels (CUDA)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -308,7 +315,7 @@ class Qwen3_5LM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [N, vocab]
+        return linear(hidden, weight).float()  # [N, vocab]
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into this model's (merged) parameters; every parameter must be set.
