@@ -11,8 +11,9 @@ reads step N's (waiting while N+1 runs), replaces the placeholders and checks st
 request that stops at step N has computed one token too many in N+1, which is dropped (its blocks
 are freed after N+1 in stream order). Only decode steps whose requests need nothing from the host
 between steps overlap (no logprobs, penalties, min_tokens, n > 1, KV export, recurrent state); new
-requests, a request about to reach its length limit or a short block pool end the overlap: the
-pending step is read first, and the next step runs as usual.
+requests that can be admitted (some wait and the batch has room), a request about to reach its length
+limit or a short block pool end the overlap: the pending step is read first, and the next step runs
+as usual.
 
 Prefill/decode disaggregation (disagg.py) plugs in through `kv_connector`: `add_request(...,
 kv_transfer="export")` leases a request's blocks to the KV transport after its first token instead of
@@ -343,16 +344,24 @@ class LLMEngine:
         )
 
     def _may_overlap(self, sched: SchedulerOutput) -> bool:
-        """Start overlapping with this step: decode only, every request overlappable, no newcomers."""
-        if not self.async_scheduling or self.scheduler.waiting or self.states.enabled:
+        """Start overlapping with this step: decode only, every request overlappable, no newcomer
+        that the next step could admit."""
+        if not self.async_scheduling or self._admits() or self.states.enabled:
             return False
         return all(c.num_tokens == 1 and c.samples and self._overlappable(c.request) for c in sched.chunks)
 
+    def _admits(self) -> bool:
+        """The next schedule may admit a waiting request (which would make it a prefill step): some
+        wait and a running slot is free. A full batch with a queue keeps overlapping."""
+        sched = self.scheduler
+        return bool(sched.waiting) and len(sched.running) < sched.max_num_seqs
+
     def _may_continue(self) -> bool:
-        """Launch the next step before reading the pending one: nobody waits, no running request
-        ends with its pending token by length, and the pool has a block for each running request."""
+        """Launch the next step before reading the pending one: no waiting request can be admitted,
+        no running request ends with its pending token by length, and the pool has a block for each
+        running request."""
         running = self.scheduler.running
-        if self.scheduler.waiting or not running or self.pool.num_free < len(running):
+        if self._admits() or not running or self.pool.num_free < len(running):
             return False
         for req in running:
             if not self._overlappable(req) or not req.output_token_ids:

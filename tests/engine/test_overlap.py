@@ -97,3 +97,14 @@ def test_arrivals_and_aborts_while_a_step_is_pending(engines, tiny):
     got = _drive(overlapped, plan, aborts)
     assert got == _drive(plain, plan, aborts)
     assert set(got) == {"c", "d"} and got["c"] == tiny.hf_greedy[2][:8] and got["d"] == tiny.hf_greedy[5][:5]
+
+
+def test_a_full_batch_with_a_queue_keeps_overlapping(tiny):
+    """max_num_seqs 2, six requests: four wait while two decode; those steps still overlap."""
+    plain, overlapped = _llm(tiny, False, max_num_seqs=2), _llm(tiny, True, max_num_seqs=2)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 20, 5, 16, 9, 14)]
+    got = _generate(overlapped, tiny.prompts, params)
+    assert got == _generate(plain, tiny.prompts, params)
+    assert got == [hf[: p.max_tokens] for hf, p in zip(tiny.hf_greedy, params, strict=True)]
+    decode_steps = sum(p.max_tokens for p in params) // 2
+    assert overlapped.engine.overlapped_steps > decode_steps // 2
