@@ -18,20 +18,26 @@ carry only the slot. A full board just means new leases get no slot (two-sided f
 NOTE: the board is no authority: a fetcher gets its path only over the authenticated channel, it
 says nothing about the bytes, and the worst a forged slot value can do is make a fetch two-sided or
 accept a read of blocks the fetcher could read anyway. The file is 0600 in /dev/shm (or the socket
-directory) and unlinked when the exporter closes.
+directory) and unlinked when the exporter closes. The exporter holds an exclusive flock on it for its
+life, so the board of an exporter that died without closing is found and removed by the next one
+made in that directory (`sweep_stale`; flocks work across PID namespaces, unlike a pid check).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import tempfile
 import threading
+import time
 
 import numpy as np
 
 ONE_SIDED = 1  # flags bit: fetchers may read without asking
 DEFAULT_SLOTS = 8191  # + the flags word: 64 KiB
+PREFIX = "splitserve-leases-"
+STALE_AFTER_S = 60.0  # a board file this old that nobody holds locked belongs to a dead exporter
 
 
 def lease_tag(lease_id: str) -> int:
@@ -53,13 +59,19 @@ class LeaseBoard:
     """Exporter side: owns the file; `post` a lease's tag, `clear` it before its blocks are freed."""
 
     def __init__(self, slots: int = DEFAULT_SLOTS, directory: str | None = None) -> None:
-        fd, self.path = tempfile.mkstemp(prefix="splitserve-leases-", dir=_shm_dir(directory))
+        where = _shm_dir(directory)
+        sweep_stale(where or tempfile.gettempdir())
+        fd, self.path = tempfile.mkstemp(prefix=PREFIX, dir=where)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until close (or our death)
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, 8 * (slots + 1))
             self._map = mmap.mmap(fd, 8 * (slots + 1))
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(self.path)
+            raise
+        self._fd = fd
         self.slots = slots
         self.words = np.frombuffer(self._map, dtype=np.uint64)
         self.words[0] = ONE_SIDED
@@ -110,6 +122,38 @@ class LeaseBoard:
             self._map.close()
         except BufferError:  # a view of the map is still alive somewhere; it goes with the process
             pass
+        os.close(self._fd)  # and with it the flock
+
+
+def sweep_stale(directory: str) -> int:
+    """Remove the board files in `directory` whose exporter died without closing them (older than
+    STALE_AFTER_S and not flocked by anyone); -> how many."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if time.time() - os.stat(path).st_mtime < STALE_AFTER_S:
+                continue  # perhaps made a moment ago and not locked yet
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its exporter is alive
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 class BoardView:

@@ -349,3 +349,20 @@ def test_trace_gives_the_timeline_of_a_fetch(pair, monkeypatch):
     for label in ("f.request", "e.request", "e.send_called", "e.answered", "f.answer", "f.pulled"):
         assert label in labels, labels
     assert labels.index("f.request") < labels.index("e.request") < labels.index("f.answer")
+
+
+def test_a_dead_exporters_board_is_swept_a_live_ones_is_not(tmp_path):
+    from splitserve.kv.board import PREFIX, STALE_AFTER_S, LeaseBoard, sweep_stale
+
+    live = LeaseBoard(slots=4, directory=str(tmp_path))
+    dead = tmp_path / f"{PREFIX}dead"  # what a killed exporter leaves: a file nobody holds locked
+    dead.write_bytes(b"\0" * 40)
+    young = tmp_path / f"{PREFIX}young"
+    young.write_bytes(b"\0" * 40)
+    old = time.time() - STALE_AFTER_S - 5
+    os.utime(dead, (old, old))
+    os.utime(live.path, (old, old))
+    assert sweep_stale(str(tmp_path)) == 1
+    assert not dead.exists() and young.exists() and os.path.exists(live.path)
+    live.close()
+    assert not os.path.exists(live.path)
