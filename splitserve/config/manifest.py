@@ -2,7 +2,7 @@
 
     model:     {source, served_name, dtype, device, max_model_len}
     engine:    {block_size, max_num_seqs, max_num_batched_tokens, kv_cache_mb, memory_utilization,
-                enforce_eager, threads, seed}
+                enforce_eager, async_scheduling, threads, seed, weight_cache_*}
     mode:      colocated | disaggregated          (one key switches the same manifest between them)
     prefill / decode / colocated:  pools {replicas, devices, placement}
     transport: {backend, required_backends, fallback, lease_s, fetch_timeout_s, policy, checksum,
@@ -63,6 +63,7 @@ class EngineSection(_Section):
     kv_cache_mb: int | None = Field(default=None, ge=1)  # KV cache budget per worker
     memory_utilization: float | None = Field(default=None, gt=0, le=1)  # GPU: fraction for weights + KV
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    async_scheduling: bool | None = None  # overlapped decode steps (engine.py); null: on for GPUs
     threads: int = Field(default=1, ge=1)  # CPU: torch intra-op threads per worker
     seed: int = 0
     # Host-side cache of converted weights, shared by the workers of a host and kept across restarts:

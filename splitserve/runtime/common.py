@@ -37,6 +37,10 @@ def worker_argv(manifest: Manifest, role: str, index: int, secret_env: str) -> l
     argv = [sys.executable, "-m", "splitserve.serve.worker", "--http-auth"]
     if not e.weight_cache_verify:
         argv.append("--no-weight-cache-verify")
+    if e.enforce_eager:
+        argv.append("--enforce-eager")
+    if e.async_scheduling is not None:
+        argv += ["--async-scheduling", "on" if e.async_scheduling else "off"]
     for flag, value in flags.items():
         if value is not None:
             argv += [flag, str(value)]
@@ -74,6 +78,8 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
         weight_cache_dir=e.weight_cache_dir,
         weight_cache_max_gb=e.weight_cache_max_gb,
         weight_cache_verify=e.weight_cache_verify,
+        enforce_eager=e.enforce_eager,
+        async_scheduling=e.async_scheduling,
     )
 
 

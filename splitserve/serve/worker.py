@@ -85,6 +85,8 @@ class WorkerConfig:
     weight_cache_dir: str | None = "auto"
     weight_cache_max_gb: float | None = 64.0
     weight_cache_verify: bool = True
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    async_scheduling: bool | None = None  # overlapped decode steps; None: on for CUDA
     kv_backend: str = "tcp"
     kv_fallback: tuple[str, ...] = ()  # backends allowed if kv_backend cannot run (logged, counted)
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
@@ -124,6 +126,8 @@ class WorkerConfig:
             weight_cache_dir=self.weight_cache_dir,
             weight_cache_max_gb=self.weight_cache_max_gb,
             weight_cache_verify=self.weight_cache_verify,
+            enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             # the exporter's cache in a memfd: shm fetchers copy straight out of it (kv/shm_direct.py)
             kv_shared_memory=self.role == "prefill" and "shm" in (self.kv_backend, *self.kv_fallback),
         )
@@ -394,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-cache-dir", default="auto", help='"auto", a path, or "off"')
     p.add_argument("--weight-cache-max-gb", type=float, default=64.0)
     p.add_argument("--no-weight-cache-verify", action="store_true", help="skip the per-chunk CRC32 on load")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="overlap the host's and the GPU's work in decode (auto: on for CUDA)")  # fmt: skip
     p.add_argument("--kv-backend", default="tcp",
                    help="tcp | shm | cuda_ipc (GPU KV, one host) | nccl (GPU KV); nixl: not yet")  # fmt: skip
     p.add_argument("--kv-fallback", default="",
@@ -430,6 +437,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         weight_cache_dir=None if args.weight_cache_dir == "off" else args.weight_cache_dir,
         weight_cache_max_gb=args.weight_cache_max_gb, weight_cache_verify=not args.no_weight_cache_verify,
+        enforce_eager=args.enforce_eager,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         kv_backend=args.kv_backend, kv_fallback=tuple(b for b in args.kv_fallback.split(",") if b),
         kv_secret=secret, kv_host=args.host, kv_lease_s=args.kv_lease_s,
         kv_fetch_timeout_s=args.kv_fetch_timeout_s, kv_policy=args.kv_policy,

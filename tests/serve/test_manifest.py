@@ -100,6 +100,28 @@ def test_worker_command_lines_follow_the_manifest():
     assert "--kv-backend" not in " ".join(worker_argv(parse_manifest("mode: colocated"), "colocated", 0, "S"))
 
 
+@pytest.mark.parametrize(
+    "knobs, eager, overlap",
+    [
+        ("{}", False, None),
+        ("{enforce_eager: true, async_scheduling: true}", True, True),
+        ("{async_scheduling: false}", False, False),
+    ],
+)
+def test_engine_knobs_reach_the_worker_engine(knobs, eager, overlap, monkeypatch):
+    """engine.enforce_eager and engine.async_scheduling travel manifest -> worker argv -> EngineConfig."""
+    from splitserve.runtime.common import worker_config
+    from splitserve.serve.worker import build_parser, config_from_args
+
+    m = parse_manifest(f"mode: colocated\nengine: {knobs}")
+    argv = worker_argv(m, "colocated", 0, "S")
+    monkeypatch.setenv("S", "a-secret")
+    engine = config_from_args(build_parser().parse_args(argv[3:])).engine_config()
+    assert (engine.enforce_eager, engine.async_scheduling) == (eager, overlap)
+    direct = worker_config(m, "colocated", 0, "a-secret", "127.0.0.1").engine_config()
+    assert (direct.enforce_eager, direct.async_scheduling) == (eager, overlap)
+
+
 def test_cli_flags_override_the_manifest():
     out = subprocess.run(
         [
