@@ -7,8 +7,8 @@ on an H200): too few output tiles to fill the GPU without a split over K and its
 Here each program owns BLOCK_N output rows and walks the whole K for them: N / BLOCK_N programs (256
 for 4,096 rows of 16), each streaming contiguous rows of the weight into an fp32 accumulator tile
 [BLOCK_N, BLOCK_K] reduced once at the end. No split, no reduction kernel, one launch. Together with
-the tile shapes `tiles` picks, a step's projections at Qwen3-8B shape read at 94% of the copy
-bandwidth against cuBLAS's 86%.
+the tile shapes `tiles` picks, a step's projections at Qwen3-8B shape read at 93-94% of the copy
+bandwidth against cuBLAS's 85-86% (two runs of `bench/gemv.py` on an H200).
 
 Accumulation is in fp32 and the result rounded once to the weight's dtype, as cuBLAS does; only the
 order of the sum differs (so bf16 results can differ from cuBLAS's in the last bit). `use_gemv`
