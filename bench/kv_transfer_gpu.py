@@ -7,8 +7,9 @@ process (the copy engines over NVLink / PCIe: the most one cudaMemcpy gets).
 
   1. Ladder: payloads 1 MiB .. --max-mb (x4 steps) of a small-block layout (default 256 KiB blocks),
      block ids one run on both sides ("contiguous") and random on both sides ("scattered"). Each
-     figure is the median wall time of a whole synchronous fetch (control round trips included) over
-     several repetitions after a warm-up, the contenders taking turns; the ratio is to the raw copy.
+     figure is the median wall time of a whole synchronous fetch (nccl's control round trip included;
+     cuda_ipc reads one-sided, checking the exporter's lease board) over several repetitions after a
+     warm-up, the contenders taking turns; the ratio is to the raw copy.
      "cuda_ipc/runs" is cuda_ipc forced to one cudaMemcpy per block run (scattered only), to show
      why many runs go through the block-copy kernel instead; "cuda_ipc/kernel" is the kernel forced
      on one run (contiguous only), beside the single cudaMemcpy (copy engines) used there.
@@ -22,6 +23,9 @@ Goals: >= 85% of the raw copy on payloads >= 64 MiB; prompt KV transfer <= 5% of
 
     python bench/kv_transfer_gpu.py                       # needs 2 GPUs; ~3 GiB of each
     python bench/kv_transfer_gpu.py --max-mb 256 --skip-prefill --json /tmp/kv_gpu.json
+    python bench/kv_transfer_gpu.py --trace               # + each row's fetch timelines (kv/trace.py)
+    python bench/kv_transfer_gpu.py --sweep-ce            # + copy-engine copies by hand, 1-8 streams
+    python bench/kv_transfer_gpu.py --same-gpu            # one GPU: a smoke test of cuda_ipc's path
 """
 
 from __future__ import annotations
