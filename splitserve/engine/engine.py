@@ -83,9 +83,10 @@ class _Inflight:
         if tokens.device.type != "cuda":
             return cls(sched, reqs, tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+        with torch.cuda.device(tokens.device):  # the copy and its event on the tokens' GPU's stream
+            host.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
         return cls(sched, reqs, tokens, host, copied)
 
     def read(self) -> list[int]:
@@ -318,9 +319,14 @@ class LLMEngine:
         feed = (
             None if inflight is None else (inflight.tokens, {id(r): i for i, r in enumerate(inflight.reqs)})
         )
-        logits, sample_chunks = self.runner.execute(sched.chunks, feed)
-        reqs = [c.request for c in sample_chunks]
-        pending = _Inflight.launch(sched, reqs, self.sampler.sample_tokens(logits, reqs))
+        try:
+            logits, sample_chunks = self.runner.execute(sched.chunks, feed)
+            reqs = [c.request for c in sample_chunks]
+            pending = _Inflight.launch(sched, reqs, self.sampler.sample_tokens(logits, reqs))
+        except BaseException:
+            if inflight is not None:
+                self._unwind(inflight)
+            raise
         self.overlapped_steps += 1
         outputs = self._resolve(inflight) if inflight is not None else []  # while this step runs
         for chunk in sched.chunks:
@@ -371,6 +377,14 @@ class LLMEngine:
             if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 return False
         return True
+
+    def _unwind(self, inflight: _Inflight) -> None:
+        """The step after `inflight` failed before `inflight` was read: forget its tokens (placeholders
+        out, its positions uncomputed again), so that the requests recompute them in a later step."""
+        for req in inflight.reqs:
+            if not req.finished and req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+                req.output_token_ids.pop()
+                req.num_computed_tokens -= 1
 
     def _resolve(self, inflight: _Inflight) -> list[RequestOutput]:
         """Read an overlapped step's tokens (waiting for it), put them in place of the placeholders and

@@ -18,6 +18,7 @@ decides whether a call takes this path; `tiles` picks the tile shape for the wei
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -91,11 +92,14 @@ def gemv(
     bn, bk = block_n or picked[0], block_k or picked[1]
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     even = k % bk == 0 and n % bn == 0
-    _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN=even,
-        num_warps=num_warps or picked[2], num_stages=num_stages or picked[3],
-    )  # fmt: skip
+    # NOTE: Triton launches on the current device, whatever the tensors' (a model loaded on cuda:1)
+    other = x.is_cuda and x.device.index != torch.cuda.current_device()
+    with torch.cuda.device(x.device) if other else contextlib.nullcontext():
+        _gemv_kernel[(triton.cdiv(n, bn),)](
+            x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN=even,
+            num_warps=num_warps or picked[2], num_stages=num_stages or picked[3],
+        )  # fmt: skip
     return out
 
 

@@ -117,6 +117,7 @@ class LeaseBoard:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        self.words[:] = 0  # in the shared file: no lease reads as live (even one still pinned here)
         self.words = np.zeros(self.slots + 1, dtype=np.uint64)  # late clears land here harmlessly
         try:
             self._map.close()

@@ -108,3 +108,34 @@ def test_a_full_batch_with_a_queue_keeps_overlapping(tiny):
     assert got == [hf[: p.max_tokens] for hf, p in zip(tiny.hf_greedy, params, strict=True)]
     decode_steps = sum(p.max_tokens for p in params) // 2
     assert overlapped.engine.overlapped_steps > decode_steps // 2
+
+
+def test_a_failed_step_unwinds_the_pending_one(tiny, monkeypatch):
+    """A step that raises while the previous one is pending (a CUDA OOM, say): the pending step's
+    tokens are forgotten, and stepping on recomputes them; the outputs are still the plain ones."""
+    llm = _llm(tiny, True)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request(tiny.prompts[0], params, "a")
+    engine.add_request(tiny.prompts[1], params, "b")
+    while engine._inflight is None:
+        engine.step()
+    execute = engine.runner.execute
+
+    def fail_once(chunks, feed=None):  # noqa: ANN001, ANN202
+        engine.runner.execute = execute
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    engine.runner.execute = fail_once
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    for req in engine.requests.values():
+        assert PLACEHOLDER not in req.output_token_ids
+        assert req.num_computed_tokens == req.num_tokens - 1
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == {"a": tiny.hf_greedy[0][:12], "b": tiny.hf_greedy[1][:12]}
+    assert engine.pool.num_free == engine.pool.num_blocks

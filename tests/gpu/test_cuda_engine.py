@@ -93,6 +93,28 @@ def test_cuda_graphs_equal_eager(tmp_path, arch):
     assert graphs == eager
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_overlapped_steps_equal_plain_steps(tmp_path, dtype):
+    """async_scheduling (the CUDA default) against the same engine without: the same tokens, for a
+    batch of five (graphs of 8) and for one sequence alone (bf16: through the batch-1 GEMV)."""
+    model, path = _tiny_checkpoint(tmp_path, "qwen3")
+    prompts = _prompts(model.config.vocab_size)
+    for batch in (prompts, prompts[:1]):
+        overlapped = _run(path, "cuda", dtype, batch)
+        assert overlapped == _run(path, "cuda", dtype, batch, async_scheduling=False)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_an_engine_on_the_second_gpu_equals_one_on_the_first(tmp_path):
+    """cuda:1 while cuda:0 is the current device: Triton kernels (the batch-1 GEMV at load and in
+    decode) and the overlapped steps' token copies must run on the engine's own GPU."""
+    model, path = _tiny_checkpoint(tmp_path, "qwen3")
+    prompts = _prompts(model.config.vocab_size)
+    assert torch.cuda.current_device() == 0
+    for batch in (prompts, prompts[:1]):
+        assert _run(path, "cuda:1", "bfloat16", batch) == _run(path, "cuda:0", "bfloat16", batch)
+
+
 def test_cuda_bf16_top1_agrees_with_hf_bf16(tmp_path):
     """Teacher-forced on our bf16 greedy output, HF's bf16 model picks our token at >= 97% of steps:
     as often as HF's bf16 agrees with its own fp32 (random weights have near-ties that bf16 rounding

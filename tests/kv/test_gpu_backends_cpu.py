@@ -366,3 +366,14 @@ def test_a_dead_exporters_board_is_swept_a_live_ones_is_not(tmp_path):
     assert not dead.exists() and young.exists() and os.path.exists(live.path)
     live.close()
     assert not os.path.exists(live.path)
+
+
+def test_a_closed_board_shows_no_live_lease(tmp_path):
+    from splitserve.kv.board import BoardView, LeaseBoard
+
+    board = LeaseBoard(slots=4, directory=str(tmp_path))
+    slot = board.post("abcdef0123456789abcdef01")
+    view = BoardView(board.path, 4)
+    assert view.live(slot, "abcdef0123456789abcdef01")
+    board.close()  # e.g. a lease still pinned: its clear would come later, into nothing
+    assert not view.live(slot, "abcdef0123456789abcdef01") and not view.one_sided()
