@@ -23,7 +23,7 @@ from splitserve.config.manifest import Manifest
 from splitserve.model.tokenizer import load_tokenizer
 from splitserve.runtime.local import LocalRuntime
 from splitserve.serve.api import ModelInfo, OpenAIServer, build_api
-from splitserve.serve.listen import listen
+from splitserve.serve.listen import KEEP_ALIVE_S, listen
 from splitserve.serve.probe import KVProber
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,8 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
             await api.dispatcher.close()
 
         config = uvicorn.Config(build_api(api, lifespan), log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=int(manifest.runtime.drain_timeout_s))  # fmt: skip
+                                timeout_graceful_shutdown=int(manifest.runtime.drain_timeout_s),
+                                timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
         server = _Server(config)
         pools = ", ".join(f"{w.name} {w.url}" for w in runtime.workers)
         print(f"splitserve: serving {info.served_name} at {url}/v1 ({manifest.mode}; {pools})", flush=True)

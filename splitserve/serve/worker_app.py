@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from splitserve.engine.async_engine import EngineDeadError
 from splitserve.engine.disagg import KVTransferFailed, NoRoom
 from splitserve.kv import AuthError, PeerRefused, TransferTimeout, TransportError
-from splitserve.serve.listen import listen
+from splitserve.serve.listen import KEEP_ALIVE_S, listen
 from splitserve.serve.schemas import (
     AbortRequest,
     DecodeRequest,
@@ -190,7 +190,8 @@ def serve(worker: Worker, host: str, port: int, on_ready: Callable[[str], None])
     """Bind (port 0: the OS picks), then serve until SIGINT / SIGTERM; `on_ready(url)` once listening."""
     sock, url = listen(host, port)
     app = build_app(worker, lambda: on_ready(url))
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -47,3 +47,23 @@ def test_seeded_sampling_equals_colocated(pair, smol_chat_prompts):
     disagg = in_parallel(lambda c: disaggregated(p, d, *c), cases)
     assert disagg == colocated
     assert_pools_full(p, d)
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_expiry(pair):
+    """Workers keep an idle connection open past the 5 s after which httpx clients stop reusing one
+    (listen.KEEP_ALIVE_S). With both at 5 s a client could send on a connection in the instant the
+    worker closes it and get "connection reset by peer" (this module's tests did, once, in CI)."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    backend, p, _ = pair
+    if backend != "tcp":
+        pytest.skip("one worker is enough")
+    url = urlsplit(p.info["url"])
+    request = f"GET /health HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n".encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        for _ in range(2):
+            sock.sendall(request)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200"), "the worker closed the idle connection"
+            time.sleep(6)
