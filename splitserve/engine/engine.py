@@ -388,21 +388,16 @@ class LLMEngine:
 
     def _resolve(self, inflight: _Inflight) -> list[RequestOutput]:
         """Read an overlapped step's tokens (waiting for it), put them in place of the placeholders and
-        do what `_update` does for them. A request that finished meanwhile drops its token."""
-        tokens = inflight.read()
-        now = time.monotonic()
-        changed: dict[str, None] = {}
-        for req, token in zip(inflight.reqs, tokens, strict=True):
+        take them as `_update` does (its chunks were counted at launch). A request that finished
+        meanwhile (stopped one step earlier, or aborted) drops its token."""
+        reqs, tokens = [], []
+        for req, token in zip(inflight.reqs, inflight.read(), strict=True):
             if req.finished or not req.output_token_ids or req.output_token_ids[-1] != PLACEHOLDER:
                 continue
             req.output_token_ids.pop()
-            req.first_token_time = req.first_token_time or now
-            self._append_token(req, token, None)
-            changed[req.parent_id or req.request_id] = None
-        for chunk in inflight.sched.chunks:
-            if not chunk.request.finished:
-                self.scheduler.kv.cache_full_blocks(chunk.request)
-        return [self._output(pid) for pid in changed if pid in self._parents]
+            reqs.append(req)
+            tokens.append(token)
+        return self._take_tokens(inflight.sched, reqs, tokens, [None] * len(reqs))
 
     def _update(
         self,
@@ -411,9 +406,20 @@ class LLMEngine:
         tokens: list[int],
         logprobs: list[TokenLogprob | None],
     ) -> list[RequestOutput]:
-        now = time.monotonic()
         for chunk in sched.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+        return self._take_tokens(sched, reqs, tokens, logprobs)
+
+    def _take_tokens(
+        self,
+        sched: SchedulerOutput,
+        reqs: list[Request],
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+    ) -> list[RequestOutput]:
+        """Append each sampled token (stop checks, KV export), cache the blocks the step filled, and
+        return the outputs of the requests that changed."""
+        now = time.monotonic()
         changed: dict[str, None] = {}
         for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
             req.first_token_time = req.first_token_time or now

@@ -163,10 +163,8 @@ class ModelRunner:
             prefill_batch=self._prefill_batch(prefills, prefill_blocks) if batched and prefills else None,
         )
         input_ids = self._tensor(np.asarray(ids, dtype=np.int64))
-        if fed:
-            assert feed is not None
-            rows = self._tensor(np.asarray(fed, dtype=np.int64).T.copy())
-            input_ids[rows[0]] = feed[0][rows[1]]
+        if feed is not None:
+            self.put_fed(input_ids, fed, feed[0])
         return StepInputs(
             input_ids=input_ids,
             positions=self._tensor(np.concatenate(positions)),
@@ -217,6 +215,16 @@ class ModelRunner:
         slots = [c.request.state_slot for c in decodes + prefills]
         assert None not in slots, "a hybrid-model request runs without a state slot"
         return self._tensor(np.asarray(slots, dtype=np.int64))
+
+    def put_fed(self, input_ids: torch.Tensor, fed: list[tuple[int, int]], tokens: torch.Tensor) -> None:
+        """input_ids[row] = tokens[src] for each (row, src) of `fed`, on the device (no host wait)."""
+        if not fed:
+            return
+        if all(i == j for i, j in fed) and fed[-1][0] == len(fed) - 1:  # same rows, same order: a copy
+            input_ids[: len(fed)].copy_(tokens[: len(fed)])
+            return
+        rows = self._tensor(np.asarray(fed, dtype=np.int64).T.copy())
+        input_ids[rows[0]] = tokens[rows[1]]
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
@@ -338,13 +346,8 @@ class DecodeGraphs:
         dev = self.runner.device
         self.inputs[:, :size].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         self.tables[:b, :width].copy_(torch.from_numpy(table).pin_memory(), non_blocking=True)
-        if fed:
-            assert feed is not None
-            if all(i == j for i, j in fed) and len(fed) == b:  # the usual case: same rows, same order
-                self.inputs[0, :b].copy_(feed[0][:b])
-            else:
-                rows = self.runner._tensor(np.asarray(fed, dtype=np.int64).T.copy())
-                self.inputs[0, rows[0]] = feed[0][rows[1]]
+        if feed is not None:
+            self.runner.put_fed(self.inputs[0], fed, feed[0])
         self.graphs[size].replay()
         logits = self.logits[size]
         sample = [i for i, c in enumerate(chunks) if c.samples]
