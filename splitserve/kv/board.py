@@ -26,6 +26,7 @@ made in that directory (`sweep_stale`; flocks work across PID namespaces, unlike
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import mmap
 import os
 import tempfile
@@ -41,12 +42,10 @@ STALE_AFTER_S = 60.0  # a board file this old that nobody holds locked belongs t
 
 
 def lease_tag(lease_id: str) -> int:
-    """A lease's non-zero 63-bit tag (from its random id; a stale slot never matches a new lease)."""
-    try:
-        tag = int(lease_id[:15], 16)
-    except ValueError:
-        tag = hash(lease_id) & ((1 << 60) - 1)
-    return tag or 1
+    """A lease's non-zero 63-bit tag, the same in every process (a stale slot never matches a new
+    lease: ids are random)."""
+    digest = hashlib.blake2b(lease_id.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 1) or 1
 
 
 def _shm_dir(directory: str | None) -> str | None:

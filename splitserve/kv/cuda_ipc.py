@@ -866,11 +866,7 @@ class CudaIpcTransport(GpuSocketTransport):
         trace.mark("f.one_sided")
         how = self._copy(peer, ids, into)
         trace.mark("f.copy_queued")
-        try:
-            with torch.cuda.device(self.kv.device) if self.on_cuda else contextlib.nullcontext():
-                self.sync_stream_of_transfers()
-        except RuntimeError as exc:  # a CUDA error
-            raise TransportError(f"cuda_ipc copy from {handle.address} failed: {exc}") from exc
+        self._wait_copies(handle.address)
         trace.mark("f.copied")
         if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
             self.stats.count("one_sided_lost")
@@ -904,12 +900,16 @@ class CudaIpcTransport(GpuSocketTransport):
         if early is None or not np.array_equal(early[0], src_ids):  # not what we guessed: copy again
             self.settle(early)
             early = src_ids, self._copy(mapped, src_ids, into)
+        self._wait_copies(chan.address)
+        self.gpu_counts[f"{mapped.mode}_{early[1]}"] += 1
+
+    def _wait_copies(self, address: str) -> None:
+        """Wait for the copies queued on our side stream; a CUDA error is the transfer's."""
         try:
             with torch.cuda.device(self.kv.device) if self.on_cuda else contextlib.nullcontext():
                 self.sync_stream_of_transfers()
-        except RuntimeError as exc:  # a CUDA error
-            raise TransportError(f"cuda_ipc copy from {chan.address} failed: {exc}") from exc
-        self.gpu_counts[f"{mapped.mode}_{early[1]}"] += 1
+        except RuntimeError as exc:
+            raise TransportError(f"cuda_ipc copy from {address} failed: {exc}") from exc
 
     def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> str:
         try:

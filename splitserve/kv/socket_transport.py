@@ -124,6 +124,10 @@ class SocketTransport(KVTransport):
             if self._closed:
                 raise TransportError(f"{self.backend} transport is closed")
             if self._server is None:
+                if self.leases.board is None:  # before the server: a fetcher's open exchange names it
+                    self.leases.board = self.make_board()
+                    if self.leases.board is not None:
+                        self.leases.board.allow_one_sided(self.faults is None)
                 server = ExportServer(
                     self.endpoint(),
                     self.layout,
@@ -134,10 +138,6 @@ class SocketTransport(KVTransport):
                 )
                 server.start()
                 self._server = server
-                if self.leases.board is None:
-                    self.leases.board = self.make_board()
-                    if self.leases.board is not None:
-                        self.leases.board.allow_one_sided(self.faults is None)
             return self._server.address
 
     def export(
