@@ -254,16 +254,31 @@ class Fetchers:
             t.close()
 
 
+def block_ids(pattern: str, n: int, num_blocks: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
+    """Exporter and fetcher block ids: one run on both sides ("contiguous"), or random on both."""
+    if pattern == "contiguous":
+        return list(range(3, 3 + n)), list(range(num_blocks - n - 1, num_blocks - 1))
+    ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()
+    return ids, torch.randperm(num_blocks, generator=gen)[:n].tolist()
+
+
+def sweep_row(label: str, times: dict[str, list[float]], nbytes: int, **fields) -> dict:  # noqa: ANN003
+    """A sweep's contenders as GB/s and share of the raw copy (printed on one line); + `fields`."""
+    raw = statistics.median(times["raw_copy"])
+    row: dict = dict(fields)
+    for k, ts in times.items():
+        row[k] = {"gbps": nbytes / statistics.median(ts) / 1e9, "of_raw": raw / statistics.median(ts)}
+    figs = [f"{k} {v['gbps']:.0f} GB/s ({v['of_raw']:.0%})" for k, v in row.items() if isinstance(v, dict)]
+    print(f"  {label}: " + ", ".join(figs), flush=True)
+    return row
+
+
 def measure(
     exporter: Exporter, fetchers: Fetchers, name: str, n: int, pattern: str, reps: int, gen: torch.Generator
 ) -> dict:
     shape, num_blocks = fetchers.caches[name]
     block = layout_of(shape).block_nbytes
-    if pattern == "contiguous":
-        ids, into = list(range(3, 3 + n)), list(range(num_blocks - n - 1, num_blocks - 1))
-    else:
-        ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()
-        into = torch.randperm(num_blocks, generator=gen)[:n].tolist()
+    ids, into = block_ids(pattern, n, num_blocks, gen)
     handles = {b: exporter.export(name, b, ids) for b in BACKENDS}
     runs: dict[str, Callable[[], object]] = {
         b: (lambda b=b: fetchers.t[name, b].fetch(handles[b], into)) for b in BACKENDS
@@ -357,8 +372,7 @@ def kernel_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwe
     try:
         for name, n in (("ladder", ladder_blocks), ("qwen3-8b", qwen_blocks)):
             num_blocks = fetchers.caches[name][1]
-            ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()
-            into = torch.randperm(num_blocks, generator=gen)[:n].tolist()
+            ids, into = block_ids("scattered", n, num_blocks, gen)
             handle = exporter.export(name, "cuda_ipc", ids)
             nbytes = n * layout_of(fetchers.caches[name][0]).block_nbytes
             fetcher = fetchers.t[name, "cuda_ipc"]
@@ -372,14 +386,8 @@ def kernel_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwe
                 runs["{}x{}/{}w".format(*config)] = once
             times = alternate(runs, reps)
             exporter.call("release", name, "cuda_ipc", handle.to_dict())
-            raw = statistics.median(times["raw_copy"])
-            row = {"cache": name, "bytes": nbytes}
-            for k, ts in times.items():
-                row[k] = {"gbps": nbytes / statistics.median(ts) / 1e9, "of_raw": raw / statistics.median(ts)}
-            print(f"  kernel sweep {name} {fmt_size(nbytes)} scattered: "
-                  + ", ".join(f"{k} {v['gbps']:.0f} GB/s ({v['of_raw']:.0%})" for k, v in row.items()
-                              if isinstance(v, dict)), flush=True)  # fmt: skip
-            out.append(row)
+            out.append(sweep_row(f"kernel sweep {name} {fmt_size(nbytes)} scattered", times, nbytes,
+                                 cache=name, bytes=nbytes))  # fmt: skip
     finally:
         block_copy.TILE, block_copy.STEPS, block_copy.NUM_WARPS = saved
     return out
@@ -402,11 +410,7 @@ def ce_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwen_bl
              for pattern in ("contiguous", "scattered")]  # fmt: skip
     for name, n, pattern in cases:
         num_blocks = fetchers.caches[name][1]
-        if pattern == "contiguous":
-            ids, into = list(range(3, 3 + n)), list(range(num_blocks - n - 1, num_blocks - 1))
-        else:
-            ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()
-            into = torch.randperm(num_blocks, generator=gen)[:n].tolist()
+        ids, into = block_ids(pattern, n, num_blocks, gen)
         handle = exporter.export(name, "cuda_ipc", ids)
         fetcher = fetchers.t[name, "cuda_ipc"]
         fetcher.fetch(handle, into)  # maps the exporter's KV
@@ -444,14 +448,9 @@ def ce_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwen_bl
         times = alternate(runs, reps)
         fetcher.fetch(handle, into)
         exporter.call("release", name, "cuda_ipc", handle.to_dict())
-        raw = statistics.median(times["raw_copy"])
-        row = {"cache": name, "pattern": pattern, "bytes": nbytes, "pieces": len(pieces)}
-        for k, ts in times.items():
-            row[k] = {"gbps": nbytes / statistics.median(ts) / 1e9, "of_raw": raw / statistics.median(ts)}
-        print(f"  ce sweep {name} {fmt_size(nbytes)} {pattern} ({len(pieces)} copies): "
-              + ", ".join(f"{k} {v['gbps']:.0f} GB/s ({v['of_raw']:.0%})" for k, v in row.items()
-                          if isinstance(v, dict)), flush=True)  # fmt: skip
-        out.append(row)
+        label = f"ce sweep {name} {fmt_size(nbytes)} {pattern} ({len(pieces)} copies)"
+        out.append(sweep_row(label, times, nbytes, cache=name, pattern=pattern, bytes=nbytes,
+                             pieces=len(pieces)))  # fmt: skip
     return out
 
 
