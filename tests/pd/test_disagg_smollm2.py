@@ -63,7 +63,14 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_expiry(pair):
     url = urlsplit(p.info["url"])
     request = f"GET /health HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n".encode()
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        stream = sock.makefile("rb")
         for _ in range(2):
             sock.sendall(request)
-            assert sock.recv(65536).startswith(b"HTTP/1.1 200"), "the worker closed the idle connection"
+            status = stream.readline()
+            assert status.startswith(b"HTTP/1.1 200"), f"the worker closed the idle connection: {status!r}"
+            length = 0
+            while (line := stream.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            assert len(stream.read(length)) == length  # the whole answer: the next starts clean
             time.sleep(6)
