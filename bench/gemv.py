@@ -9,6 +9,12 @@ prints GB/s, the share of the copy bandwidth, and what a whole step's projection
 cuBLAS alone and with the GEMV where it is used (36 layers + the LM head).
 
     python bench/gemv.py            # one GPU, about a minute
+    python bench/gemv.py --fused    # the batch-1 fusions: each fused GEMV against GEMV + its kernel
+
+`--fused` times the variants model/decoder.py's batch-1 forward uses (kernels/gemv.py): QKV and
+gate/up reading RMSNorm(residual) in factored form, o_proj adding into the residual in its epilogue,
+down_proj both (SiLU-and-multiply in, residual out); each against the plain GEMV plus the separate
+kernel it replaces (rmsnorm with its residual add, silu_mul), over a sweep of tile shapes.
 """
 
 from __future__ import annotations
@@ -75,11 +81,14 @@ def timed(fn, weights: list[torch.Tensor], x: torch.Tensor, iters: int = 48) -> 
     return start.elapsed_time(end) / 1e3 / (3 * iters)
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="only the tiles the engine picks (gemv.tiles)")
     p.add_argument("--json", help="where to write the results (default: $OUT or bench/results)")
+    p.add_argument("--fused", action="store_true", help="the batch-1 fused variants (see above)")
     args = p.parse_args()
+    if args.fused:
+        return fused(args.quick)
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
@@ -137,6 +146,61 @@ def main() -> None:
     path.write_text(json.dumps({"copy_GBps": bw / 1e9, "rows": rows, "step_cublas_s": step_cublas,
                                 "step_with_gemv_s": step_best}, indent=2))  # fmt: skip
     print(f"wrote {path}")
+
+
+FUSED = {"qkv_proj": "normed", "o_proj": "residual", "gate_up_proj": "normed", "down_proj": "silu"}
+FUSED_SWEEP = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (3, 4)))
+
+
+def fused(quick: bool) -> None:
+    """Per layer: GEMV + the kernel its fusion replaces, against the fused GEMV (best tile, and the
+    tile `gemv.tiles` picks); then what a step saves (36 layers)."""
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
+    saved = sum(fused_layer(name, kind, quick, bw) for name, kind in FUSED.items())
+    print(f"a step at the picked tiles saves {saved * 1e3:.3f} ms ({len(FUSED)} layers x {LAYERS})")
+
+
+def fused_layer(name: str, kind: str, quick: bool, bw: float) -> float:
+    """Times one layer's fused variant against GEMV + separate kernel; -> seconds a step saves."""
+    from splitserve.kernels.fused import rmsnorm, silu_mul
+
+    n, k, per_step = SHAPES[name]
+    copies = max(2, -(-(400 << 20) // (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    res = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
+    # the factored norm o_proj/down_proj's epilogue writes: w * residual, and sums of squares per tile
+    normed = G.NormedRow(res, res * norm_w, res.float().pow(2).reshape(512, -1).sum(1), norm_w, 1e-6, False)
+    # x: normed: the mixer's (or MLP's) output, which the separate rmsnorm adds in; silu: [gate | up]
+    x = torch.randn(1, 2 * k if kind == "silu" else k, device="cuda", dtype=torch.bfloat16)
+
+    def separate(x, w):  # noqa: ANN001, ANN202
+        if kind == "normed":
+            return G.gemv(rmsnorm(x, norm_w, 1e-6, res), w)
+        return G.gemv(silu_mul(x) if kind == "silu" else x, w)
+
+    def variant(x, w, tile):  # noqa: ANN001, ANN202
+        if kind == "normed":
+            return G.gemv_normed(normed, w, tile=tile)
+        return G.gemv_into_residual(x, w, None, res, norm_w, 1e-6, silu=kind == "silu", tile=tile)
+
+    t_sep = timed(separate, weights, x)
+    picked = G.tiles(n, k, kind)
+    results = {}
+    for tile in [picked] if quick else FUSED_SWEEP:
+        try:
+            results[tile] = timed(lambda x, w, tile=tile: variant(x, w, tile), weights, x)
+        except Exception as exc:  # noqa: BLE001 - a tile shape this GPU cannot run
+            print(f"  {name} {tile}: {type(exc).__name__}", flush=True)
+    best = min(results, key=results.__getitem__)
+    share = n * k * 2 / results[best] / bw
+    print(f"  {name:13} {kind:8} GEMV + its kernel {t_sep * 1e6:6.2f} us; fused {results[best] * 1e6:6.2f} "
+          f"us ({share:4.0%} of copy) with {best}, picked {picked} "
+          f"{results.get(picked, float('nan')) * 1e6:6.2f} us", flush=True)  # fmt: skip
+    del weights
+    torch.cuda.empty_cache()
+    return per_step * (t_sep - results.get(picked, results[best]))
 
 
 if __name__ == "__main__":

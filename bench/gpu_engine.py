@@ -127,6 +127,27 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> 
 
 
 @torch.inference_mode()
+def batch1_without(
+    engine: LLMEngine, knob: str, prompts: list[list[int]], new_tokens: int
+) -> dict[str, float] | None:
+    """Batch-1 decode with `knob` off ("FUSE": kernels/gemv.py's fusions; "PDL": kernels/pdl.py's
+    programmatic dependent launch), decode graphs captured again without it and then with it: the A/B
+    of this run. None when it is off anyway or there are no graphs."""
+    from splitserve.kernels import gemv, pdl
+
+    module, name = (gemv, "FUSE") if knob == "FUSE" else (pdl, "ENABLED")
+    graphs = engine.runner.graphs
+    if graphs is None or not (gemv.ENABLED and getattr(module, name)):
+        return None
+    setattr(module, name, False)
+    graphs.capture()
+    try:
+        return run_engine(engine, prompts, new_tokens)
+    finally:
+        setattr(module, name, True)
+        graphs.capture()
+
+
 def hf_generate(hf: torch.nn.Module, prompts: list[list[int]], new: int, device: torch.device) -> float:
     ids = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
     sync(device)
@@ -238,12 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     r1_plain = run_engine(engine, one, args.decode_tokens)
     engine.async_scheduling = overlap
     r1 = run_engine(engine, prompts(1, args.prompt_len), args.decode_tokens)
+    r1_sep = batch1_without(engine, "FUSE", prompts(1, args.prompt_len), args.decode_tokens)
+    r1_nopdl = batch1_without(engine, "PDL", prompts(1, args.prompt_len), args.decode_tokens)
     ctx1 = args.prompt_len + args.decode_tokens / 2
     floor1 = bw / weight_bytes
     roof1 = bw / (weight_bytes + ctx1 * kv_per_token)
     results["batch1"] = {
         **r1,
         "not_overlapped_tok_s": r1_plain["decode_tok_s"],
+        "unfused_tok_s": r1_sep["decode_tok_s"] if r1_sep else None,
+        "no_pdl_tok_s": r1_nopdl["decode_tok_s"] if r1_nopdl else None,
         "weight_floor_tok_s": floor1,
         "share_of_weight_floor": r1["decode_tok_s"] / floor1,
         "roofline_tok_s": roof1,
@@ -338,6 +363,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{bb['decode_tok_s'] / bb['not_overlapped_tok_s']:.2f}x, end to end {bb['e2e_tok_s']:.0f} / "
         f"{bb['not_overlapped_e2e_tok_s']:.0f} = {bb['e2e_tok_s'] / bb['not_overlapped_e2e_tok_s']:.2f}x"
     )
+    if b1["unfused_tok_s"]:
+        print(
+            f"batch 1 with the norms, SiLU and residual adds in the GEMVs against the same steps as "
+            f"kernels of their own (SPLITSERVE_GEMV_FUSE=0), this run: {b1['decode_tok_s']:.0f} / "
+            f"{b1['unfused_tok_s']:.0f} tok/s = {b1['decode_tok_s'] / b1['unfused_tok_s']:.3f}x"
+        )
+    if b1["no_pdl_tok_s"]:
+        print(
+            f"batch 1 with programmatic dependent launch against without "
+            f"(SPLITSERVE_PDL=0), this run: {b1['decode_tok_s']:.0f} / {b1['no_pdl_tok_s']:.0f} "
+            f"tok/s = {b1['decode_tok_s'] / b1['no_pdl_tok_s']:.3f}x"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.pdl import begin
+from splitserve.kernels.pdl import on as pdl_on
+
 
 @triton.jit
 def _round(x, DTYPE: tl.constexpr):
@@ -32,7 +35,9 @@ def _round(x, DTYPE: tl.constexpr):
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps,
     HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    begin(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -76,8 +81,9 @@ def _qk_norm_rope_store_kernel(
     qkv_ptr, q_out_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
     stride_t, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_cos,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    HAS_NORM: tl.constexpr, DTYPE: tl.constexpr,
+    HAS_NORM: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    begin(PDL)
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1: query heads; H..H+KVH-1: key heads (and their value heads)
     half = tl.arange(0, D // 2)
@@ -210,7 +216,7 @@ def rmsnorm(
     _rmsnorm_kernel[(t,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
         HAS_RES=residual is not None, ZERO_CENTRED=zero_centred, BLOCK=triton.next_power_of_2(n),
-        DTYPE=_TL[x.dtype], num_warps=8,
+        DTYPE=_TL[x.dtype], num_warps=8, PDL=pdl_on(x.device), launch_pdl=pdl_on(x.device),
     )  # fmt: skip
     return out
 
@@ -243,7 +249,7 @@ def qk_norm_rope_store(
         qkv.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
         H=num_heads, KVH=num_kv_heads, D=d, BS=k_cache.shape[1], HAS_NORM=norm, DTYPE=_TL[qkv.dtype],
-        num_warps=1,
+        num_warps=1, PDL=pdl_on(qkv.device), launch_pdl=pdl_on(qkv.device),
     )  # fmt: skip
     return q
 

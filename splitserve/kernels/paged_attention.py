@@ -31,6 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.pdl import begin
+from splitserve.kernels.pdl import on as pdl_on
+
 _LOG2E = 1.4426950408889634
 
 
@@ -91,7 +94,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,7 +145,9 @@ def _decode_merge_kernel(
     D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     S_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -246,6 +253,7 @@ def paged_decode_attention(
         return out
     small = _interpreted()
     block_n = 16 if small else (64 if d <= 128 else 32)
+    pdl = pdl_on(q.device)
     if num_splits > 1:
         part = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
@@ -260,13 +268,13 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BS=bs, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(b, h)](
             part, lse, out, out.stride(0), out.stride(1),
             H=h, D=d, NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=2,
+            num_warps=2, PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out
 

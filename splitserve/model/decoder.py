@@ -66,7 +66,7 @@ class Attention(nn.Module):
             self.k_norm.weight if self.k_norm is not None else None,
             self.q_norm.eps if self.q_norm is not None else 0.0,
         )  # fmt: skip
-        return self.o_proj(ctx.attn.attend(self.layer, q, kv, ctx.meta))  # type: ignore[attr-defined]
+        return OutProj(ctx.attn.attend(self.layer, q, kv, ctx.meta), self.o_proj)  # type: ignore[attr-defined]
 
 
 class DecoderLayer(nn.Module):
@@ -115,10 +115,10 @@ class DecoderLM(nn.Module):
     def _forward_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        def mix(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        def mix(layer: nn.Module, h: torch.Tensor) -> OutProj:
             return layer.self_attn.forward_fused(positions, h, self.rope, ctx)
 
-        return fused_forward(self, input_ids, mix, zero_centred=False)
+        return fused_forward(self, input_ids, mix, zero_centred=False, lazy_norm=True)
 
     def build_rope(self, max_positions: int, device: torch.device) -> None:
         """(Re)compute the cos/sin tables on `device` after weights were materialized from `meta`."""
@@ -147,29 +147,60 @@ class DecoderLM(nn.Module):
         return _expected_keys(self)
 
 
+@dataclass(frozen=True)
+class OutProj:
+    """A token mixer's output before its output projection: `fused_forward` applies `proj`, at batch
+    1 with the residual add in the GEMV's epilogue."""
+
+    x: torch.Tensor  # [T, in_features]
+    proj: Linear
+
+
 def fused_forward(
     model: nn.Module,
     input_ids: torch.Tensor,
-    mix: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    mix: Callable[[nn.Module, torch.Tensor], torch.Tensor | OutProj],
     zero_centred: bool,
+    lazy_norm: bool = False,
 ) -> torch.Tensor:
     """A pre-norm decoder's forward with the fused Triton kernels (splitserve.kernels.fused): each
     residual add is fused into the next RMSNorm, the MLP's activation into one SiLU-and-multiply.
     `mix(layer, h)`: the layer's token mixer (attention, or Qwen3.5's DeltaNet) on its normed input.
     The model has `embed_tokens`, `layers` (with `input_layernorm`, `post_attention_layernorm`, `mlp`)
-    and `norm`; `zero_centred`: its norms store 1 + w (Qwen3.5)."""
+    and `norm`; `zero_centred`: its norms store 1 + w (Qwen3.5).
+
+    One token (batch-1 decode, GEMV on) fuses further, into kernels/gemv.py's GEMVs: the residual
+    adds into the GEMVs that produce them (down_proj, and the mixer's output projection when it
+    returns an `OutProj`), SiLU-and-multiply into down_proj, and each RMSNorm into the GEMV that reads
+    it (gate/up, and the mixer's projections when `lazy_norm`: its input may be a `NormedRow`). Three
+    kernels fewer per layer."""
+    from splitserve.kernels import gemv
     from splitserve.kernels.fused import rmsnorm, silu_mul
 
     eps = model.cfg.rms_norm_eps
     layers = model.layers
     residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place by each add
+    row = gemv.ENABLED and gemv.FUSE and gemv.use_gemv(residual, layers[0].mlp.down_proj.weight)
+
     h = rmsnorm(residual, layers[0].input_layernorm.weight, eps, zero_centred=zero_centred)
     for i, layer in enumerate(layers):
         a = mix(layer, h)
-        h = rmsnorm(a, layer.post_attention_layernorm.weight, eps, residual, zero_centred)
-        m = layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(h)))
+        post = layer.post_attention_layernorm.weight
+        if row and isinstance(a, OutProj):
+            h = gemv.gemv_into_residual(a.x, a.proj.weight, a.proj.bias, residual, post, eps, zero_centred)
+        else:
+            a = a.proj(a.x) if isinstance(a, OutProj) else a
+            h = rmsnorm(a, post, eps, residual, zero_centred)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-        h = rmsnorm(m, nxt.weight, eps, residual, zero_centred)
+        mlp = layer.mlp
+        if row:
+            down, gate_up = mlp.down_proj, mlp.gate_up_proj(h)
+            h = gemv.gemv_into_residual(
+                gate_up, down.weight, down.bias, residual, nxt.weight, eps, zero_centred, True
+            )
+            h = h if lazy_norm and i + 1 < len(layers) else h.materialize()
+        else:
+            h = rmsnorm(mlp.down_proj(silu_mul(mlp.gate_up_proj(h))), nxt.weight, eps, residual, zero_centred)
     return h
 
 

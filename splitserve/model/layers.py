@@ -9,12 +9,16 @@ against HF on the same weights.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from splitserve.model.config import RopeConfig
+
+if TYPE_CHECKING:
+    from splitserve.kernels.gemv import NormedRow
 
 
 class RMSNorm(nn.Module):
@@ -158,14 +162,22 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (x * cos) + (_rotate_half(x) * sin)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor | NormedRow, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """F.linear, with a one-row CUDA input of 16-bit weights (batch-1 decode) through kernels/gemv.py,
-    which reads the weight faster than cuBLAS's M = 1 kernels (`bench/gemv.py`)."""
-    if x.is_cuda and x.shape[0] == 1:
-        from splitserve.kernels import gemv
+    which reads the weight faster than cuBLAS's M = 1 kernels (`bench/gemv.py`). `x` may be a
+    `NormedRow` (the decoder's batch-1 fused forward): the GEMV normalizes it as it reads it."""
+    if isinstance(x, torch.Tensor) and not (x.is_cuda and x.shape[0] == 1):
+        return F.linear(x, weight, bias)
+    from splitserve.kernels import gemv
 
-        if gemv.ENABLED and gemv.use_gemv(x, weight):
-            return gemv.gemv(x, weight, bias)
+    if isinstance(x, gemv.NormedRow):
+        if gemv.ENABLED and gemv.use_gemv(x.residual, weight):
+            return gemv.gemv_normed(x, weight, bias)
+        x = x.materialize()
+    if gemv.ENABLED and gemv.use_gemv(x, weight):
+        return gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -104,6 +104,45 @@ def test_overlapped_steps_equal_plain_steps(tmp_path, dtype):
         assert overlapped == _run(path, "cuda", dtype, batch, async_scheduling=False)
 
 
+def test_batch1_fused_gemvs_equal_the_separate_kernels(tmp_path, monkeypatch):
+    """bf16 batch 1 with the norms, SiLU and residual adds inside the GEMVs (the default) gives the
+    tokens of the same GEMVs with those steps as kernels of their own (`SPLITSERVE_GEMV_FUSE=0`),
+    for the dense decoder and the hybrid (whose mixers take only the MLP's fusions)."""
+    from splitserve.kernels import gemv
+
+    calls = []
+    into = gemv.gemv_into_residual
+    monkeypatch.setattr(gemv, "gemv_into_residual", lambda *a, **k: calls.append(1) or into(*a, **k))
+    for arch in ("qwen3", "qwen3_5"):
+        model, path = _tiny_checkpoint(tmp_path / arch, arch)
+        prompts = _prompts(model.config.vocab_size)
+        for prompt in prompts[:3]:
+            monkeypatch.setattr(gemv, "FUSE", True)
+            fused = _run(path, "cuda", "bfloat16", [prompt], enforce_eager=True)
+            assert calls, "the fused batch-1 path was not taken"
+            calls.clear()
+            monkeypatch.setattr(gemv, "FUSE", False)
+            assert fused == _run(path, "cuda", "bfloat16", [prompt], enforce_eager=True)
+            assert not calls
+            monkeypatch.setattr(gemv, "FUSE", True)
+
+
+def test_kernels_launched_early_equal_plain_launches(tmp_path, monkeypatch):
+    """Programmatic dependent launch (kernels/pdl.py: each kernel starts before the one it depends on
+    has ended, and waits on the device for its writes) gives the tokens of plain launches, for one
+    sequence (GEMVs) and five (graphs of 8), through graphs and eager."""
+    from splitserve.kernels import pdl
+
+    model, path = _tiny_checkpoint(tmp_path, "qwen3")
+    prompts = _prompts(model.config.vocab_size)
+    for batch in ([prompts[0]], [prompts[1]], prompts):
+        for eager in (False, True):
+            monkeypatch.setattr(pdl, "ENABLED", True)
+            early = _run(path, "cuda", "bfloat16", batch, enforce_eager=eager)
+            monkeypatch.setattr(pdl, "ENABLED", False)
+            assert early == _run(path, "cuda", "bfloat16", batch, enforce_eager=eager)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_an_engine_on_the_second_gpu_equals_one_on_the_first(tmp_path):
     """cuda:1 while cuda:0 is the current device: Triton kernels (the batch-1 GEMV at load and in
