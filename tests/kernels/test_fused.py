@@ -199,3 +199,53 @@ def test_gated_rmsnorm() -> None:
     norm.weight.data = torch.randn(d)
     want = norm(x.reshape(-1, d), z.reshape(-1, d)).reshape(t, -1)
     torch.testing.assert_close(gated_rmsnorm(x, z, norm.weight, 1e-6), want)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_one_token_forward_with_the_gemv_fusions_equals_plain(arch: str, monkeypatch) -> None:
+    """One decode row (batch-1 decode) through the fused forward with kernels/gemv.py's fusions (the
+    residual adds in the o_proj and down_proj epilogues, the factored RMSNorms, SiLU in down_proj;
+    Qwen3.5's mixers take only the MLP's), here in fp32 with the GEMV let onto the CPU: the plain
+    forward's hidden state, KV cache and recurrent state."""
+    from tiny_configs import TINY_QWEN3_5
+
+    from splitserve.engine.state_pool import StatePool
+    from splitserve.kernels import gemv
+
+    monkeypatch.setattr(gemv, "use_gemv", lambda x, w: x.dim() == 2 and x.shape[0] == 1)
+    calls = []
+    into = gemv.gemv_into_residual
+    monkeypatch.setattr(gemv, "gemv_into_residual", lambda *a, **k: calls.append(1) or into(*a, **k))
+    config = TINY_QWEN3 if arch == "qwen3" else {**TINY_QWEN3_5, "architectures": ["Qwen3_5ForCausalLM"]}
+    loaded = random_model(config, "cpu", torch.float32, 64, std=0.1)
+    model, cfg = loaded.model, loaded.config
+    bs, gen = 4, torch.Generator().manual_seed(5)
+    kv = torch.randn((8, cfg.num_kv_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim), generator=gen)
+    states = StatePool(model.state_shapes(), 2, torch.device("cpu")).states  # none for Qwen3
+    for t in states.values():
+        t.copy_(torch.randn(t.shape, generator=gen) * 0.1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([2 * bs + 1]),  # position 9: block 2 of the table
+        num_decode_tokens=1,
+        decode_groups=(DecodeGroup(0, 1, torch.tensor([[0, 1, 2]]), torch.tensor([10]), num_splits=2),),
+        prefills=(),
+        seq_slots=torch.tensor([1]) if states else None,
+    )
+    ids, positions = torch.randint(0, cfg.vocab_size, (1,), generator=gen), torch.tensor([9])
+    scale = cfg.head_dim**-0.5
+    runs = []
+    with torch.inference_mode():
+        for attn in (TorchPagedAttention(scale), TritonPagedAttention(scale)):
+            if isinstance(attn, TritonPagedAttention):
+                assert model.enable_fused_kernels()
+            st, cache = {name: t.clone() for name, t in states.items()}, kv.clone()
+            runs.append((model(ids, positions, ForwardContext(attn, meta, cache, st)), cache, st))
+    for m in model.modules():
+        if hasattr(m, "fused"):
+            m.fused = False
+    assert len(calls) == (2 if arch == "qwen3" else 1) * cfg.num_layers  # o_proj and down_proj, or down_proj
+    (want, want_kv, want_st), (got, got_kv, got_st) = runs
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)
+    for name in want_st:
+        torch.testing.assert_close(got_st[name], want_st[name], rtol=1e-5, atol=1e-5)
