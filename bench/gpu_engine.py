@@ -126,7 +126,6 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> 
     }
 
 
-@torch.inference_mode()
 def batch1_without(
     engine: LLMEngine, knob: str, prompts: list[list[int]], new_tokens: int
 ) -> dict[str, float] | None:
@@ -148,6 +147,7 @@ def batch1_without(
         graphs.capture()
 
 
+@torch.inference_mode()
 def hf_generate(hf: torch.nn.Module, prompts: list[list[int]], new: int, device: torch.device) -> float:
     ids = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
     sync(device)

@@ -29,8 +29,9 @@ Batch-1 decode also runs the small steps between the projections inside them (mo
 * SiLU-and-multiply: down_proj reads silu(gate) * up from the gate/up output (same roundings).
 
 The sums of squares are partials in a fixed order, never atomics, so a step's result does not
-change from run to run. A prologue that normalized the input per element instead cost as much
-time as the kernel it saved (`bench/gemv.py --fused` on an H200).
+change from run to run. Not for fp16 models: w * residual is stored before the norm scales it down,
+and fp16's range may not hold it (bf16's does). A prologue that normalized the input per element
+instead cost as much time as the kernel it saved (`bench/gemv.py --fused` on an H200).
 """
 
 from __future__ import annotations
@@ -217,6 +218,8 @@ def gemv_into_residual(
     n = weight.shape[0]
     if residual.shape != (1, n) or not residual.is_contiguous() or norm_weight.shape != (n,):
         raise ValueError(f"residual must be a contiguous [1, {n}] and the norm's weight [{n}]")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual must be {x.dtype}, got {residual.dtype}")
     tile = tile or tiles(*weight.shape, "silu" if silu else "residual")
     partials = torch.empty(triton.cdiv(n, tile[0]), dtype=torch.float32, device=x.device)
     normed = NormedRow(residual, torch.empty_like(residual), partials, norm_weight, eps, zero_centred)

@@ -180,7 +180,9 @@ def fused_forward(
     eps = model.cfg.rms_norm_eps
     layers = model.layers
     residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place by each add
-    row = gemv.ENABLED and gemv.FUSE and gemv.use_gemv(residual, layers[0].mlp.down_proj.weight)
+    # NOTE: not fp16: the factored norm stores w * residual unnormalized, which fp16's range may not hold
+    row = residual.dtype != torch.float16 and gemv.ENABLED and gemv.FUSE
+    row = row and gemv.use_gemv(residual, layers[0].mlp.down_proj.weight)
 
     h = rmsnorm(residual, layers[0].input_layernorm.weight, eps, zero_centred=zero_centred)
     for i, layer in enumerate(layers):

@@ -105,3 +105,5 @@ def test_down_proj_reads_silu_of_gate_times_up_and_adds_into_the_residual(dtype:
     torch.testing.assert_close(row.partials.sum(), got.float().pow(2).sum(), rtol=1e-5, atol=1e-3)
     with pytest.raises(ValueError, match="residual must be"):
         gemv_into_residual(gate_up, w, None, res[:, :10], norm_w, 1e-6, silu=True)
+    with pytest.raises(ValueError, match="residual must be torch.float64"):
+        gemv_into_residual(gate_up.double(), w.double(), None, res, norm_w, 1e-6, silu=True)
