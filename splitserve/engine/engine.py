@@ -67,6 +67,11 @@ log = logging.getLogger(__name__)
 PLACEHOLDER = -1  # an output token of an overlapped step that is still on the device
 
 
+def _pending(req: Request) -> bool:
+    """`req`'s last output token is a placeholder: its overlapped step has not been read."""
+    return bool(req.output_token_ids) and req.output_token_ids[-1] == PLACEHOLDER
+
+
 @dataclass
 class _Inflight:
     """An overlapped step: its scheduled chunks, the requests it samples for, their tokens on the
@@ -370,9 +375,7 @@ class LLMEngine:
         if self._admits() or not running or self.pool.num_free < len(running):
             return False
         for req in running:
-            if not self._overlappable(req) or not req.output_token_ids:
-                return False
-            if req.output_token_ids[-1] != PLACEHOLDER:
+            if not self._overlappable(req) or not _pending(req):
                 return False  # not in the pending step (it joined otherwise)
             if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 return False
@@ -382,7 +385,7 @@ class LLMEngine:
         """The step after `inflight` failed before `inflight` was read: forget its tokens (placeholders
         out, its positions uncomputed again), so that the requests recompute them in a later step."""
         for req in inflight.reqs:
-            if not req.finished and req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+            if not req.finished and _pending(req):
                 req.output_token_ids.pop()
                 req.num_computed_tokens -= 1
 
@@ -392,7 +395,7 @@ class LLMEngine:
         meanwhile (stopped one step earlier, or aborted) drops its token."""
         reqs, tokens = [], []
         for req, token in zip(inflight.reqs, inflight.read(), strict=True):
-            if req.finished or not req.output_token_ids or req.output_token_ids[-1] != PLACEHOLDER:
+            if req.finished or not _pending(req):
                 continue
             req.output_token_ids.pop()
             reqs.append(req)

@@ -257,14 +257,19 @@ class DecodeGraphs:
         # rows of `inputs`: token ids, positions, KV slots, context lengths, state slots. A padded row:
         # token 0 at position 0, stored in the scratch block, a context of one token, the scratch slot
         self.pad_row = np.array([0, 0, scratch_block * bs, 1, scratch_slot or 0], dtype=np.int64)
-        self.inputs = torch.from_numpy(np.repeat(self.pad_row[:, None], self.max_batch, axis=1)).to(dev)
-        self.tables = torch.full(
-            (self.max_batch, self.max_blocks), scratch_block, dtype=torch.int64, device=dev
-        )
+        self.inputs = torch.empty((len(self.pad_row), self.max_batch), dtype=torch.int64, device=dev)
+        self.tables = torch.empty((self.max_batch, self.max_blocks), dtype=torch.int64, device=dev)
+        self._pad()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
         self.stream: torch.cuda.Stream | None = None  # made on our device when capturing
+
+    def _pad(self) -> None:
+        """Every row of the graphs' inputs a padded row, every table entry the scratch block."""
+        pad = torch.from_numpy(self.pad_row[:, None]).to(self.inputs.device)
+        self.inputs.copy_(pad.expand_as(self.inputs))
+        self.tables.fill_(self.scratch_block)
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         return 0 < len(chunks) <= self.max_batch and all(c.num_tokens == 1 for c in chunks)
@@ -301,12 +306,7 @@ class DecodeGraphs:
 
         t0 = time.perf_counter()
         self.stream = torch.cuda.Stream(self.runner.device)
-        # padded rows everywhere: a capture after serving (bench A/Bs) must not run its warm-up
-        # forwards on the last step's real slots and blocks
-        self.inputs.copy_(
-            torch.from_numpy(self.pad_row[:, None]).to(self.inputs.device).expand_as(self.inputs)
-        )
-        self.tables.fill_(self.scratch_block)
+        self._pad()  # a capture after serving (bench A/Bs) must not warm up on the last step's slots
         for b in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
             self._forward(b)  # warm-up: Triton compiles, lazy tables are built
             torch.cuda.synchronize(self.runner.device)

@@ -213,10 +213,11 @@ def rmsnorm(
     t, n = x.shape
     out = torch.empty_like(x)
     res = residual if residual is not None else x
+    pdl = pdl_on(x.device)
     _rmsnorm_kernel[(t,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
         HAS_RES=residual is not None, ZERO_CENTRED=zero_centred, BLOCK=triton.next_power_of_2(n),
-        DTYPE=_TL[x.dtype], num_warps=8, PDL=pdl_on(x.device), launch_pdl=pdl_on(x.device),
+        DTYPE=_TL[x.dtype], num_warps=8, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -243,13 +244,14 @@ def qk_norm_rope_store(
     if t == 0:
         return q
     norm = q_weight is not None and k_weight is not None
+    pdl = pdl_on(qkv.device)
     _qk_norm_rope_store_kernel[(t, num_heads + num_kv_heads)](
         qkv, q, k_cache, v_cache, slots, positions, cos, sin,
         q_weight if norm else qkv, k_weight if norm else qkv, eps,
         qkv.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
         H=num_heads, KVH=num_kv_heads, D=d, BS=k_cache.shape[1], HAS_NORM=norm, DTYPE=_TL[qkv.dtype],
-        num_warps=1, PDL=pdl_on(qkv.device), launch_pdl=pdl_on(qkv.device),
+        num_warps=1, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return q
 

@@ -49,10 +49,6 @@ from splitserve.kernels.pdl import on as pdl_on
 ENABLED = os.environ.get("SPLITSERVE_GEMV", "1") != "0"  # read when a layer runs (graphs: at capture)
 FUSE = os.environ.get("SPLITSERVE_GEMV_FUSE", "1") != "0"  # norms, SiLU, residual adds into the GEMVs
 GEMV_MAX_N = 1 << 20  # layers with more outputs keep cuBLAS
-BLOCK_N = 8  # the defaults (`bench/gemv.py --quick`); `tiles` picks per shape
-BLOCK_K = 512
-NUM_WARPS = 4
-NUM_STAGES = 4
 
 
 Tile = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import socket
 
+# Idle keep-alive connections stay open this long on our HTTP servers: far past the 5 s after which
+# httpx clients (the router's, the official openai client's) stop reusing one. With both at 5 s (the
+# uvicorn default), a client could send on a connection in the instant the server closes it and get
+# "connection reset by peer" for a request that never arrived.
+KEEP_ALIVE_S = 75
+
 
 def listen(host: str, port: int, backlog: int = 256) -> tuple[socket.socket, str]:
     """A bound, listening socket (port 0: the OS picks) and its URL. Connections queue from here on,
@@ -21,11 +27,4 @@ def listen(host: str, port: int, backlog: int = 256) -> tuple[socket.socket, str
     return sock, f"http://{shown}:{bound_port}"
 
 
-__all__ = ["listen"]
-
-
-# Idle keep-alive connections stay open this long on our HTTP servers: far past the 5 s after which
-# httpx clients (the router's, the official openai client's) stop reusing one. With both at 5 s (the
-# uvicorn default), a client could send on a connection in the instant the server closes it and get
-# "connection reset by peer" for a request that never arrived.
-KEEP_ALIVE_S = 75
+__all__ = ["KEEP_ALIVE_S", "listen"]
