@@ -133,6 +133,8 @@ def test_kernels_launched_early_equal_plain_launches(tmp_path, monkeypatch):
     sequence (GEMVs) and five (graphs of 8), through graphs and eager."""
     from splitserve.kernels import pdl
 
+    # the A/B means something only where PDL is really used: on by default from Hopper on
+    assert pdl.on(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     model, path = _tiny_checkpoint(tmp_path, "qwen3")
     prompts = _prompts(model.config.vocab_size)
     for batch in ([prompts[0]], [prompts[1]], prompts):
