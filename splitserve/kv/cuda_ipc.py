@@ -70,6 +70,7 @@ from splitserve.kv.errors import (
     BackendUnavailable,
     CorruptTransfer,
     PeerRefused,
+    TransferTimeout,
     TransportError,
     error_to_wire,
 )
@@ -197,6 +198,22 @@ def index_tensor(ids: Sequence[int] | np.ndarray, device: torch.device) -> torch
     if device.type == "cuda":  # pinned: a truly asynchronous copy (pageable would sync the stream)
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+SPIN_S = 200e-6  # a copy's wait polls without sleeping this long (a fetch's copy takes ~0.1-5 ms)
+
+
+def wait_event(event: Any, deadline: Deadline, what: str) -> None:
+    """Poll a CUDA event (anything with `query() -> bool`) until it has happened, or raise
+    TransferTimeout at `deadline`: unlike `synchronize()`, a copy that never ends cannot hang the
+    caller. Spins for SPIN_S, then sleeps in growing steps of at most 1 ms."""
+    spin_until = time.monotonic() + SPIN_S
+    pause = 0.0
+    while not event.query():
+        deadline.remaining(what)
+        if time.monotonic() >= spin_until:
+            pause = min(max(2 * pause, 20e-6), 1e-3)
+            time.sleep(pause)
 
 
 class _IdStage(threading.local):
@@ -527,10 +544,25 @@ class GpuSocketTransport(SocketTransport):
         if self.on_cuda:
             torch.cuda.current_stream(self.kv.device).synchronize()
 
-    def sync_stream_of_transfers(self) -> None:
-        """Wait for everything queued on our side stream (and, across devices, what it waits for)."""
-        if self._stream is not None:
+    def sync_stream_of_transfers(self, deadline: Deadline | None = None, what: str = "copy") -> None:
+        """Wait for everything queued on our side stream (and, across devices, what it waits for),
+        until `deadline` if one is given. Past it: TransferTimeout, once the engine's stream has been
+        made to wait for the side stream. The caller then gives the copy's blocks back to the pool,
+        and nothing the engine queues afterwards (a request reusing them) runs before the late copy
+        has finished writing them."""
+        if self._stream is None:
+            return
+        if deadline is None:
             self._stream.synchronize()
+            return
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        try:
+            wait_event(event, deadline, what)
+        except TransferTimeout:
+            torch.cuda.current_stream(self.kv.device).wait_event(event)
+            self.stats.count("copy_deadline_missed")
+            raise
 
     # -- backend hooks -----------------------------------------------------------------------------
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
@@ -834,7 +866,8 @@ class CudaIpcTransport(GpuSocketTransport):
         try:  # a pooled connection: its first use attaches; `alive` says the exporter still runs
             with self.pool.connection(handle.address, deadline) as chan:
                 peer = self._mapped(chan, handle, deadline)
-                done = peer is not None and self._read_one_sided(peer, handle, into) and chan.alive()
+                done = peer is not None and self._read_one_sided(peer, handle, into, deadline)
+                done = done and chan.alive()
         except TransportError as exc:
             self.stats.error(exc)
             raise
@@ -857,7 +890,7 @@ class CudaIpcTransport(GpuSocketTransport):
             return None  # no board, or another layout: the exporter's answer says what is wrong
         return peer
 
-    def _read_one_sided(self, peer: PeerKV, handle: KVHandle, into: np.ndarray) -> bool:
+    def _read_one_sided(self, peer: PeerKV, handle: KVHandle, into: np.ndarray, deadline: Deadline) -> bool:
         board, slot = peer.board, int(handle.lease_slot or 0)
         assert board is not None
         ids = handle_ids(handle)
@@ -866,7 +899,7 @@ class CudaIpcTransport(GpuSocketTransport):
         trace.mark("f.one_sided")
         how = self._copy(peer, ids, into)
         trace.mark("f.copy_queued")
-        self._wait_copies(handle.address)
+        self._wait_copies(handle.address, deadline)
         trace.mark("f.copied")
         if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
             self.stats.count("one_sided_lost")
@@ -886,9 +919,10 @@ class CudaIpcTransport(GpuSocketTransport):
         return ids, self._copy(mapped, ids, into)
 
     def settle(self, early: Any) -> None:
-        if early is not None and self.on_cuda:
-            with torch.cuda.device(self.kv.device):
-                self.sync_stream_of_transfers()
+        if early is not None and self.on_cuda:  # on the way out of a failed fetch: bounded, and a
+            # copy still running is fenced off from the engine's stream (see sync_stream_of_transfers)
+            with torch.cuda.device(self.kv.device), contextlib.suppress(TransferTimeout):
+                self.sync_stream_of_transfers(Deadline.after(self.options.connect_timeout_s), "early copy")
 
     def pull(
         self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
@@ -900,14 +934,17 @@ class CudaIpcTransport(GpuSocketTransport):
         if early is None or not np.array_equal(early[0], src_ids):  # not what we guessed: copy again
             self.settle(early)
             early = src_ids, self._copy(mapped, src_ids, into)
-        self._wait_copies(chan.address)
+        self._wait_copies(chan.address, deadline)
         self.gpu_counts[f"{mapped.mode}_{early[1]}"] += 1
 
-    def _wait_copies(self, address: str) -> None:
-        """Wait for the copies queued on our side stream; a CUDA error is the transfer's."""
+    def _wait_copies(self, address: str, deadline: Deadline) -> None:
+        """Wait for the copies queued on our side stream, until the fetch's deadline; a CUDA error
+        is the transfer's."""
         try:
             with torch.cuda.device(self.kv.device) if self.on_cuda else contextlib.nullcontext():
-                self.sync_stream_of_transfers()
+                self.sync_stream_of_transfers(deadline, f"cuda_ipc copy from {address}")
+        except TransferTimeout:
+            raise
         except RuntimeError as exc:
             raise TransportError(f"cuda_ipc copy from {address} failed: {exc}") from exc
 

@@ -220,6 +220,33 @@ def test_cuda_ipc_in_one_process_reads_the_tensor_directly():
         exp.close()
 
 
+def test_a_late_copy_times_out_and_is_fenced_off_from_the_engine_stream():
+    """A cuda_ipc copy still running at the fetch's deadline: TransferTimeout, not a hang, and the
+    engine's stream is made to wait for it (the blocks it writes go back to the pool, and nothing
+    queued later may touch them before it ends). The "copy" is a ~1 s sleep kernel on the side stream."""
+    from splitserve.kv.errors import TransferTimeout
+    from splitserve.kv.protocol import Deadline
+
+    spec = Spec()
+    dst = torch.zeros((spec.num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads,
+                       spec.head_dim), dtype=torch.bfloat16, device=FETCH_ON)  # fmt: skip
+    fet = make_transport("cuda_ipc", dst, spec.layout(), secret=SECRET, options=spec.options())
+    try:
+        with torch.cuda.device(dst.device):
+            torch.cuda.synchronize()
+            with fet.on_device():
+                torch.cuda._sleep(2_000_000_000)  # ~1 s of clock cycles
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout, match="late copy"):
+                fet.sync_stream_of_transfers(Deadline.after(0.05), "late copy")
+            assert time.monotonic() - t0 < 0.5
+            assert not torch.cuda.current_stream().query()  # the engine's stream waits for the copy
+            torch.cuda.synchronize()
+        assert fet.stats._counts["copy_deadline_missed"] == 1
+    finally:
+        fet.close()
+
+
 # -- through the engine: prefill on cuda:0, decode on cuda:1, one process -------------------------
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("backend", TRANSFERS)

@@ -377,3 +377,32 @@ def test_a_closed_board_shows_no_live_lease(tmp_path):
     assert view.live(slot, "abcdef0123456789abcdef01")
     board.close()  # e.g. a lease still pinned: its clear would come later, into nothing
     assert not view.live(slot, "abcdef0123456789abcdef01") and not view.one_sided()
+
+
+class _FakeEvent:
+    """A stand-in for torch.cuda.Event (no GPU here): `query()` is False `pending` times, then True
+    (None: never, a copy that hangs)."""
+
+    def __init__(self, pending: int | None) -> None:
+        self.pending = pending
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.pending is not None and self.queries > self.pending
+
+
+def test_a_copy_that_never_ends_times_out_at_the_deadline():
+    """cuda_ipc waits for its copies by polling an event against the fetch's deadline, not with a
+    stream synchronize that would hang with a hung copy."""
+    from splitserve.kv.cuda_ipc import wait_event
+    from splitserve.kv.errors import TransferTimeout
+    from splitserve.kv.protocol import Deadline
+
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeout, match="copy from peer"):
+        wait_event(_FakeEvent(None), Deadline.after(0.05), "copy from peer")
+    assert 0.05 <= time.monotonic() - t0 < 0.5
+    done = _FakeEvent(5)
+    wait_event(done, Deadline.after(5.0), "copy")  # returns as soon as the event has happened
+    assert done.queries == 6
