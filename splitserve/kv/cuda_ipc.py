@@ -218,7 +218,9 @@ def wait_event(event: Any, deadline: Deadline, what: str) -> None:
 class _IdStage(threading.local):
     """Block ids for the block-copy kernel, host to GPU without a pinned allocation per copy: each
     thread reuses one pinned host buffer and one device buffer per device. An event recorded after
-    the kernel that reads them guards reuse (waited for only if that copy is still running)."""
+    the kernel that reads them guards reuse: while that copy still runs (a copy that overran its
+    fetch's deadline, say), the next copy takes new buffers rather than wait for it. The caching
+    allocators keep the old ones from reuse until the work queued on them is done."""
 
     def __init__(self) -> None:
         self.bufs: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
@@ -226,12 +228,11 @@ class _IdStage(threading.local):
     def put(self, src: np.ndarray, dst: np.ndarray, device: torch.device) -> torch.Tensor:
         n = src.size
         host, dev, last = self.bufs.get(device, (None, None, None))
-        if host is None or dev is None or host.numel() < 2 * n:
+        busy = last is not None and not last.query()
+        if host is None or dev is None or host.numel() < 2 * n or busy:
             size = max(2 * n, 8192)
             host = torch.empty(size, dtype=torch.int64).pin_memory()
             dev = torch.empty(size, dtype=torch.int64, device=device)
-        elif last is not None:
-            last.synchronize()  # the last copy through these buffers is done with them
         words = host.numpy()
         words[:n], words[n : 2 * n] = src, dst
         out = dev[: 2 * n]

@@ -224,6 +224,7 @@ def test_a_late_copy_times_out_and_is_fenced_off_from_the_engine_stream():
     """A cuda_ipc copy still running at the fetch's deadline: TransferTimeout, not a hang, and the
     engine's stream is made to wait for it (the blocks it writes go back to the pool, and nothing
     queued later may touch them before it ends). The "copy" is a ~1 s sleep kernel on the side stream."""
+    from splitserve.kv.cuda_ipc import copy_blocks, kv_rows
     from splitserve.kv.errors import TransferTimeout
     from splitserve.kv.protocol import Deadline
 
@@ -241,7 +242,17 @@ def test_a_late_copy_times_out_and_is_fenced_off_from_the_engine_stream():
                 fet.sync_stream_of_transfers(Deadline.after(0.05), "late copy")
             assert time.monotonic() - t0 < 0.5
             assert not torch.cuda.current_stream().query()  # the engine's stream waits for the copy
+            # later copies queue behind it without waiting for it on the host (the block-copy
+            # kernel's id buffers are busy: new ones are taken), and land right once it ends
+            src = torch.randn_like(dst, dtype=torch.float32).to(dst.dtype)
+            rows_src, rows_dst = kv_rows(src), kv_rows(dst)
+            t0 = time.monotonic()
+            for s_ids, d_ids in (([3, 9, 4], [10, 2, 30]), ([7, 1, 60, 5], [11, 12, 40, 0])):
+                with fet.on_device():
+                    assert copy_blocks(rows_src, rows_dst, s_ids, d_ids) == "kernel"
+            assert time.monotonic() - t0 < 0.5
             torch.cuda.synchronize()
+            assert torch.equal(dst[[10, 2, 30, 11, 12, 40, 0]], src[[3, 9, 4, 7, 1, 60, 5]])
         assert fet.stats._counts["copy_deadline_missed"] == 1
     finally:
         fet.close()
