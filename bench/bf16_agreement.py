@@ -60,16 +60,18 @@ def ours(path: str, prompts: list[list[int]], new: int, together: bool, gemv: bo
     from splitserve.kernels import gemv as gemv_mod
 
     gemv_mod.ENABLED, was = gemv, gemv_mod.ENABLED
-    llm = LLM(model=path, device=DEVICE, dtype="bfloat16", kv_cache_bytes=256 * 2**20, progress=False)
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    batches = [prompts] if together else [[p] for p in prompts]
-    out = []
-    for batch in batches:
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        out += [o.outputs[0].token_ids for o in outs]
-    del llm
-    gemv_mod.ENABLED = was
-    return out
+    try:
+        llm = LLM(model=path, device=DEVICE, dtype="bfloat16", kv_cache_bytes=256 * 2**20, progress=False)
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        batches = [prompts] if together else [[p] for p in prompts]
+        out = []
+        for batch in batches:
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            out += [o.outputs[0].token_ids for o in outs]
+        del llm
+        return out
+    finally:
+        gemv_mod.ENABLED = was
 
 
 @torch.inference_mode()

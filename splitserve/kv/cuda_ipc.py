@@ -200,15 +200,15 @@ def index_tensor(ids: Sequence[int] | np.ndarray, device: torch.device) -> torch
     return t.to(device, non_blocking=True)
 
 
-SPIN_S = 0.02  # a copy's wait polls without sleeping this long (a fetch's copy takes ~0.1-10 ms)
-PAUSE_S = 1e-4  # then between polls
+SPIN_S = 2e-3  # a copy's wait polls without sleeping this long (a fetch's copy takes ~0.1-10 ms)
+PAUSE_S = 5e-5  # then between polls
 
 
 def wait_event(event: Any, deadline: Deadline, what: str) -> None:
     """Poll a CUDA event (anything with `query() -> bool`) until it has happened, or raise
     TransferTimeout at `deadline`: unlike `synchronize()`, a copy that never ends cannot hang the
-    caller. Polls back to back for SPIN_S (yielding the GIL; CUDA's own synchronize spins too),
-    so a copy's end is seen within microseconds, then every PAUSE_S."""
+    caller. Polls back to back for SPIN_S (yielding the GIL between polls; CUDA's own synchronize
+    spins too), so a short copy's end is seen within microseconds, then every PAUSE_S."""
     spin_until = time.monotonic() + SPIN_S
     while not event.query():
         deadline.remaining(what)
@@ -237,6 +237,7 @@ class _IdStage(threading.local):
         words[:n], words[n : 2 * n] = src, dst
         out = dev[: 2 * n]
         out.copy_(host[: 2 * n], non_blocking=True)
+        dev.record_stream(torch.cuda.current_stream(device))  # freed later: not reused before this
         self.bufs[device] = (host, dev, None)
         return out
 
@@ -544,25 +545,18 @@ class GpuSocketTransport(SocketTransport):
         if self.on_cuda:
             torch.cuda.current_stream(self.kv.device).synchronize()
 
-    def sync_stream_of_transfers(self, deadline: Deadline | None = None, what: str = "copy") -> None:
-        """Wait for everything queued on our side stream (and, across devices, what it waits for),
-        until `deadline` if one is given. Past it: TransferTimeout, once the engine's stream has been
-        made to wait for the side stream. The caller then gives the copy's blocks back to the pool,
-        and nothing the engine queues afterwards (a request reusing them) runs before the late copy
-        has finished writing them."""
-        if self._stream is None:
-            return
-        if deadline is None:
-            self._stream.synchronize()
-            return
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        try:
-            wait_event(event, deadline, what)
-        except TransferTimeout:
-            torch.cuda.current_stream(self.kv.device).wait_event(event)
-            self.stats.count("copy_deadline_missed")
-            raise
+    def fence(self, done: Any) -> bool:
+        """If the copy that `done` (its CUDA event) marks still runs, make the engine's stream wait
+        for it: the caller may then give the blocks it writes back to the pool, and nothing the
+        engine queues afterwards (a request reusing them) runs before the copy has written them.
+        -> whether a fence was needed. NOTE: "the engine's stream" is this thread's current stream
+        on our device: the engine replays its steps on the device's default stream, which is every
+        fetch thread's current stream too, and our side stream does not sync with it implicitly."""
+        if done is None or done.query():
+            return False
+        torch.cuda.current_stream(self.kv.device).wait_event(done)
+        self.stats.count("copies_fenced")
+        return True
 
     # -- backend hooks -----------------------------------------------------------------------------
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
@@ -897,9 +891,9 @@ class CudaIpcTransport(GpuSocketTransport):
         if ids.min() < 0 or ids.max() >= peer.rows.shape[0] or not board.live(slot, handle.lease_id):
             return False
         trace.mark("f.one_sided")
-        how = self._copy(peer, ids, into)
+        how, done = self._copy(peer, ids, into)
         trace.mark("f.copy_queued")
-        self._wait_copies(handle.address, deadline)
+        self._wait_copies(handle.address, deadline, done)
         trace.mark("f.copied")
         if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
             self.stats.count("one_sided_lost")
@@ -919,10 +913,8 @@ class CudaIpcTransport(GpuSocketTransport):
         return ids, self._copy(mapped, ids, into)
 
     def settle(self, early: Any) -> None:
-        if early is not None and self.on_cuda:  # on the way out of a failed fetch: bounded, and a
-            # copy still running is fenced off from the engine's stream (see sync_stream_of_transfers)
-            with torch.cuda.device(self.kv.device), contextlib.suppress(TransferTimeout):
-                self.sync_stream_of_transfers(Deadline.after(self.options.connect_timeout_s), "early copy")
+        if early is not None:  # on the way out of a failed fetch: no wait, a fence if still copying
+            self.fence(early[1][1])
 
     def pull(
         self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
@@ -932,29 +924,44 @@ class CudaIpcTransport(GpuSocketTransport):
         if src_ids.min() < 0 or src_ids.max() >= mapped.rows.shape[0]:
             raise TransportError(f"exporter named blocks outside its cache: {src_ids[:16].tolist()}")
         if early is None or not np.array_equal(early[0], src_ids):  # not what we guessed: copy again
-            self.settle(early)
+            # (behind the first copy on our side stream, so its bytes land last)
             early = src_ids, self._copy(mapped, src_ids, into)
-        self._wait_copies(chan.address, deadline)
-        self.gpu_counts[f"{mapped.mode}_{early[1]}"] += 1
+        how, done = early[1]
+        self._wait_copies(chan.address, deadline, done)
+        self.gpu_counts[f"{mapped.mode}_{how}"] += 1
 
-    def _wait_copies(self, address: str, deadline: Deadline) -> None:
-        """Wait for the copies queued on our side stream, until the fetch's deadline; a CUDA error
-        is the transfer's."""
+    def _wait_copies(self, address: str, deadline: Deadline, done: Any) -> None:
+        """Wait for this fetch's copies (`done`: the CUDA event after them; None: they were
+        synchronous) until the fetch's deadline, polling (`wait_event`), so a copy that never ends
+        cannot hang the fetch. Past the deadline: TransferTimeout, the copy fenced off from the
+        engine's stream first (`fence`). A CUDA error is the transfer's."""
+        if done is None:
+            return
         try:
-            with torch.cuda.device(self.kv.device) if self.on_cuda else contextlib.nullcontext():
-                self.sync_stream_of_transfers(deadline, f"cuda_ipc copy from {address}")
+            with torch.cuda.device(self.kv.device):
+                try:
+                    wait_event(done, deadline, f"cuda_ipc copy from {address}")
+                except TransferTimeout:
+                    self.fence(done)
+                    self.stats.count("copy_deadline_missed")
+                    raise
         except TransferTimeout:
             raise
         except RuntimeError as exc:
             raise TransportError(f"cuda_ipc copy from {address} failed: {exc}") from exc
 
-    def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> str:
+    def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> tuple[str, Any]:
+        """Queue the copy on our side stream; -> (how it was done, the CUDA event after it or None)."""
         try:
             with self.on_device():
                 trace.gpu_mark("f.copy_start", self.kv.device)
                 how = copy_blocks(mapped.rows, self.rows, src_ids, into)
                 trace.gpu_mark("f.copy_end", self.kv.device)
-                return how
+                if not self.on_cuda:
+                    return how, None
+                done = torch.cuda.Event()
+                done.record()
+                return how, done
         except RuntimeError as exc:  # a CUDA error
             raise TransportError(f"cuda_ipc copy failed: {exc}") from exc
 

@@ -222,8 +222,9 @@ def test_cuda_ipc_in_one_process_reads_the_tensor_directly():
 
 def test_a_late_copy_times_out_and_is_fenced_off_from_the_engine_stream():
     """A cuda_ipc copy still running at the fetch's deadline: TransferTimeout, not a hang, and the
-    engine's stream is made to wait for it (the blocks it writes go back to the pool, and nothing
-    queued later may touch them before it ends). The "copy" is a ~1 s sleep kernel on the side stream."""
+    engine's stream is made to wait for it, so that the engine reusing its blocks writes them after
+    the copy does; later copies queue without the host waiting for the late one. The late copy is a
+    one-block copy queued behind a ~1 s sleep kernel on the transport's side stream."""
     from splitserve.kv.cuda_ipc import copy_blocks, kv_rows
     from splitserve.kv.errors import TransferTimeout
     from splitserve.kv.protocol import Deadline
@@ -231,29 +232,35 @@ def test_a_late_copy_times_out_and_is_fenced_off_from_the_engine_stream():
     spec = Spec()
     dst = torch.zeros((spec.num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads,
                        spec.head_dim), dtype=torch.bfloat16, device=FETCH_ON)  # fmt: skip
+    src = torch.randn(dst.shape, device=dst.device).to(dst.dtype)
+    rows_src, rows_dst = kv_rows(src), kv_rows(dst)
     fet = make_transport("cuda_ipc", dst, spec.layout(), secret=SECRET, options=spec.options())
     try:
         with torch.cuda.device(dst.device):
+            with fet.on_device():  # warm-up: the block-copy kernel compiled before anything is timed
+                copy_blocks(rows_src, rows_dst, [1, 5], [80, 81])
             torch.cuda.synchronize()
             with fet.on_device():
                 torch.cuda._sleep(2_000_000_000)  # ~1 s of clock cycles
+                copy_blocks(rows_src, rows_dst, [3], [10])  # the late copy, into block 10
+                done = torch.cuda.Event()
+                done.record()
             t0 = time.monotonic()
-            with pytest.raises(TransferTimeout, match="late copy"):
-                fet.sync_stream_of_transfers(Deadline.after(0.05), "late copy")
+            with pytest.raises(TransferTimeout, match="cuda_ipc copy from late peer"):
+                fet._wait_copies("late peer", Deadline.after(0.05), done)
             assert time.monotonic() - t0 < 0.5
-            assert not torch.cuda.current_stream().query()  # the engine's stream waits for the copy
-            # later copies queue behind it without waiting for it on the host (the block-copy
-            # kernel's id buffers are busy: new ones are taken), and land right once it ends
-            src = torch.randn_like(dst, dtype=torch.float32).to(dst.dtype)
-            rows_src, rows_dst = kv_rows(src), kv_rows(dst)
+            dst[10].zero_()  # the engine reusing block 10, on its stream, after the fence
             t0 = time.monotonic()
-            for s_ids, d_ids in (([3, 9, 4], [10, 2, 30]), ([7, 1, 60, 5], [11, 12, 40, 0])):
+            for s_ids, d_ids in (([3, 9, 4], [20, 2, 30]), ([7, 1, 60, 5], [11, 12, 40, 0])):
                 with fet.on_device():
                     assert copy_blocks(rows_src, rows_dst, s_ids, d_ids) == "kernel"
-            assert time.monotonic() - t0 < 0.5
+            assert time.monotonic() - t0 < 0.5  # queued, not waited for on the host
             torch.cuda.synchronize()
-            assert torch.equal(dst[[10, 2, 30, 11, 12, 40, 0]], src[[3, 9, 4, 7, 1, 60, 5]])
-        assert fet.stats._counts["copy_deadline_missed"] == 1
+            assert not dst[10].any()  # the engine's write came after the late copy's
+            assert torch.equal(dst[[20, 2, 30, 11, 12, 40, 0]], src[[3, 9, 4, 7, 1, 60, 5]])
+        counts = fet.describe()
+        assert fet.stats._counts["copy_deadline_missed"] == 1, counts
+        assert fet.stats._counts["copies_fenced"] == 1, counts
     finally:
         fet.close()
 
