@@ -237,9 +237,12 @@ def test_a_late_copy_times_out_and_is_fenced_off_from_the_engine_stream():
     fet = make_transport("cuda_ipc", dst, spec.layout(), secret=SECRET, options=spec.options())
     try:
         with torch.cuda.device(dst.device):
-            with fet.on_device():  # warm-up: the block-copy kernel compiled before anything is timed
-                copy_blocks(rows_src, rows_dst, [1, 5], [80, 81])
+            later = (([3, 9, 4], [20, 2, 30]), ([7, 1, 60, 5], [11, 12, 40, 0]))
+            for s_ids, d_ids in later:  # warm-up: the first launch of a kernel variant loads its
+                with fet.on_device():  # module, which waits for the whole GPU
+                    copy_blocks(rows_src, rows_dst, s_ids, d_ids)
             torch.cuda.synchronize()
+            dst.zero_()
             with fet.on_device():
                 torch.cuda._sleep(2_000_000_000)  # ~1 s of clock cycles
                 copy_blocks(rows_src, rows_dst, [3], [10])  # the late copy, into block 10
@@ -251,7 +254,7 @@ def test_a_late_copy_times_out_and_is_fenced_off_from_the_engine_stream():
             assert time.monotonic() - t0 < 0.5
             dst[10].zero_()  # the engine reusing block 10, on its stream, after the fence
             t0 = time.monotonic()
-            for s_ids, d_ids in (([3, 9, 4], [20, 2, 30]), ([7, 1, 60, 5], [11, 12, 40, 0])):
+            for s_ids, d_ids in later:
                 with fet.on_device():
                     assert copy_blocks(rows_src, rows_dst, s_ids, d_ids) == "kernel"
             assert time.monotonic() - t0 < 0.5  # queued, not waited for on the host
