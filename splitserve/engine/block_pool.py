@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,18 +39,27 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        self._held: list[tuple[list[int], Any]] = []  # freed, but still written by a late copy
         self.hits = 0
         self.queries = 0
 
     @property
     def num_free(self) -> int:
+        self._reclaim()
         return len(self._free)
+
+    @property
+    def num_held(self) -> int:
+        """Blocks freed while a copy was still writing them (`free_after`), not yet back."""
+        self._reclaim()
+        return sum(len(ids) for ids, _ in self._held)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
     def allocate(self, n: int) -> list[int]:
+        self._reclaim()
         if n > len(self._free):
             raise NoFreeBlocks(f"need {n} blocks, {len(self._free)} free")
         out = []
@@ -67,6 +77,21 @@ class BlockPool:
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
                 self._free[block] = None
+
+    def free_after(self, block_ids: Sequence[int], done: Any) -> None:
+        """`free(block_ids)` once `done.query()` is true (the CUDA event after a copy that may still
+        write them: a KV fetch that failed or ran past its deadline): until then they stay out of
+        the free list, so no request is given blocks that a late copy could still overwrite."""
+        self._held.append((list(block_ids), done))
+
+    def _reclaim(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            for ids, done in held:
+                if done.query():
+                    self.free(ids)
+                else:
+                    self._held.append((ids, done))
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """The longest run of cached blocks matching `hashes` from the start (not yet referenced)."""

@@ -257,15 +257,17 @@ class KVConnector:
         req = ticket.request
         self._tickets.pop(req.request_id, None)
         spec = ticket.spec
+        # a copy may still be writing the blocks (TransportError.pending): they come back after it
+        late = getattr(ticket.error, "pending", None)
         if ticket.aborted:
-            self.engine.scheduler.kv.free(req)
+            self.engine.scheduler.kv.free(req, after=late)
             self._count("aborted_imports")
             req.status, req.finish_reason = Status.FINISHED, "abort"
             return _finished_output(req)
         if ticket.error is None:
             self._load_state(req, ticket.state)
             return self.engine.adopt(req, spec.first_token, spec.first_logprob, req.num_prompt_tokens)
-        self.engine.scheduler.kv.free(req)
+        self.engine.scheduler.kv.free(req, after=late)
         kind = type(ticket.error).__name__
         with self._lock:
             self.failures[kind] += 1

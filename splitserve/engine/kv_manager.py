@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from splitserve.engine.block_pool import ROOT_HASH, BlockPool, hash_block
 from splitserve.engine.request import Request
 from splitserve.engine.state_pool import StatePool
@@ -51,8 +53,13 @@ class KVManager:
             req.block_ids.extend(self.pool.allocate(need))
         return True
 
-    def free(self, req: Request) -> None:
-        self.pool.free(req.block_ids)
+    def free(self, req: Request, after: Any = None) -> None:
+        """Give back the request's blocks (once `after`, a CUDA event, has happened: see
+        `BlockPool.free_after`) and its state slot."""
+        if after is not None:
+            self.pool.free_after(req.block_ids, after)
+        else:
+            self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_cached_blocks = 0
         if req.state_slot is not None and self.states is not None:

@@ -545,18 +545,14 @@ class GpuSocketTransport(SocketTransport):
         if self.on_cuda:
             torch.cuda.current_stream(self.kv.device).synchronize()
 
-    def fence(self, done: Any) -> bool:
-        """If the copy that `done` (its CUDA event) marks still runs, make the engine's stream wait
-        for it: the caller may then give the blocks it writes back to the pool, and nothing the
-        engine queues afterwards (a request reusing them) runs before the copy has written them.
-        -> whether a fence was needed. NOTE: "the engine's stream" is this thread's current stream
-        on our device: the engine replays its steps on the device's default stream, which is every
-        fetch thread's current stream too, and our side stream does not sync with it implicitly."""
-        if done is None or done.query():
-            return False
-        torch.cuda.current_stream(self.kv.device).wait_event(done)
-        self.stats.count("copies_fenced")
-        return True
+    def hand_over(self, exc: BaseException, done: Any) -> None:
+        """A fetch fails while the copy that `done` (its CUDA event) marks may still write its
+        blocks: the exception says so (`exc.pending`, see TransportError), so that the caller keeps
+        the blocks from reuse until the copy has ended (`BlockPool.free_after`) while the engine goes
+        on. The latest copy's event wins: copies on our side stream end in order."""
+        if done is not None and getattr(exc, "pending", None) is None and not done.query():
+            exc.pending = done  # type: ignore[attr-defined]
+            self.stats.count("late_copies_handed_over")
 
     # -- backend hooks -----------------------------------------------------------------------------
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
@@ -576,8 +572,9 @@ class GpuSocketTransport(SocketTransport):
         -> what `pull` and `settle` get."""
         return None
 
-    def settle(self, early: Any) -> None:
-        """Fetcher: a fetch failed after `prefetch`: make sure nothing still writes our blocks."""
+    def settle(self, early: Any, exc: BaseException) -> None:
+        """Fetcher: a fetch failed with `exc` after `prefetch`: say on `exc` if a copy may still
+        write our blocks (`TransportError.pending`)."""
 
     def start_push(self, chan: AsyncChannel, block_ids: np.ndarray) -> Any:
         """Exporter, on the server loop: queue what can start before the answer goes out; -> what
@@ -716,8 +713,8 @@ class GpuSocketTransport(SocketTransport):
                     self.pull(chan, attached, meta, src_ids, into, deadline, early)
                     pulled = time.perf_counter()
                     trace.mark("f.pulled")
-                except BaseException:
-                    self.settle(early)
+                except BaseException as exc:
+                    self.settle(early, exc)
                     raise
                 deadline.remaining("copy out of the exporter's KV")  # past it the exporter may unpin
                 chan.send({"op": "done"}, deadline)
@@ -912,9 +909,9 @@ class CudaIpcTransport(GpuSocketTransport):
             return None  # let the exporter's answer say what is wrong
         return ids, self._copy(mapped, ids, into)
 
-    def settle(self, early: Any) -> None:
-        if early is not None:  # on the way out of a failed fetch: no wait, a fence if still copying
-            self.fence(early[1][1])
+    def settle(self, early: Any, exc: BaseException) -> None:
+        if early is not None:  # on the way out of a failed fetch: no wait
+            self.hand_over(exc, early[1][1])
 
     def pull(
         self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
@@ -933,17 +930,17 @@ class CudaIpcTransport(GpuSocketTransport):
     def _wait_copies(self, address: str, deadline: Deadline, done: Any) -> None:
         """Wait for this fetch's copies (`done`: the CUDA event after them; None: they were
         synchronous) until the fetch's deadline, polling (`wait_event`), so a copy that never ends
-        cannot hang the fetch. Past the deadline: TransferTimeout, the copy fenced off from the
-        engine's stream first (`fence`). A CUDA error is the transfer's."""
+        cannot hang the fetch. Past the deadline: TransferTimeout carrying the copy's event
+        (`pending`: the blocks stay out of use until it has happened). A CUDA error is the transfer's."""
         if done is None:
             return
         try:
             with torch.cuda.device(self.kv.device):
                 try:
                     wait_event(done, deadline, f"cuda_ipc copy from {address}")
-                except TransferTimeout:
-                    self.fence(done)
+                except TransferTimeout as exc:
                     self.stats.count("copy_deadline_missed")
+                    self.hand_over(exc, done)
                     raise
         except TransferTimeout:
             raise

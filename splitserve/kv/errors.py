@@ -10,9 +10,15 @@ from __future__ import annotations
 
 
 class TransportError(RuntimeError):
-    """A transfer failed: connection lost, protocol violation, peer gone."""
+    """A transfer failed: connection lost, protocol violation, peer gone.
+
+    `pending`: set when a GPU copy into the fetch's blocks may still be running (cuda_ipc: a copy
+    that ran past the deadline, or an early copy of a fetch that failed): a CUDA event, and the
+    blocks must not be given to anything else before `pending.query()` is true
+    (`BlockPool.free_after`). None otherwise."""
 
     code = "transport"
+    pending: object | None = None
 
 
 class TransferTimeout(TransportError):

@@ -218,3 +218,23 @@ def test_kv_manager_grows_one_block_at_a_time():
     assert kv.allocate(r, 1) and len(r.block_ids) == 2
     kv.free(r)
     assert pool.num_free == 4
+
+
+def test_blocks_freed_after_a_late_copy_come_back_only_once_it_has_ended():
+    class Copy:  # a stand-in for the CUDA event after a copy still writing the blocks (no GPU here)
+        ended = False
+
+        def query(self) -> bool:
+            return self.ended
+
+    pool = BlockPool(4)
+    a, b = pool.allocate(2), pool.allocate(2)
+    copy = Copy()
+    pool.free_after(a, copy)
+    assert pool.num_free == 0 and pool.num_held == 2
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(1)
+    pool.free(b)
+    assert sorted(pool.allocate(2)) == sorted(b)  # never the held ones
+    copy.ended = True
+    assert pool.num_held == 0 and pool.num_free == 2 and sorted(pool.allocate(2)) == sorted(a)

@@ -172,3 +172,48 @@ def test_bad_requests_hold_nothing(make):
     with pytest.raises(ValueError, match="another prompt"):
         d.add_request_with_kv(out.kv_transfer.handle, PROMPTS[0], 7, GREEDY, "z")
     assert _full(d) and not d.has_unfinished_requests()
+
+
+class _LateCopy:
+    """A stand-in for the CUDA event after a cuda_ipc copy that ran past its fetch's deadline (no GPU
+    here): `query()` is False until the test says the copy has ended."""
+
+    def __init__(self) -> None:
+        self.ended = False
+
+    def query(self) -> bool:
+        return self.ended
+
+
+def test_blocks_a_late_copy_may_still_write_stay_out_of_use_until_it_ends(make, monkeypatch):
+    """A fetch that fails while its copy may still be writing the blocks (TransportError.pending):
+    the request recomputes (policy) into other blocks, the engine goes on, and the blocks come back
+    to the pool only once the copy has ended."""
+    from splitserve.kv import TransferTimeout
+
+    (p, _), (d, dc) = make(), make(policy="recompute")
+    outs = _prefill(p, PROMPTS[:1])
+    late = _LateCopy()
+
+    def fetch(handle, into_block_ids, timeout_s=None):
+        exc = TransferTimeout("cuda_ipc copy from the exporter: deadline passed")
+        exc.pending = late
+        raise exc
+
+    monkeypatch.setattr(dc.transport, "fetch", fetch)
+    held, given = [], []
+    free_after, allocate = d.pool.free_after, d.pool.allocate
+    monkeypatch.setattr(d.pool, "free_after", lambda ids, done: held.extend(ids) or free_after(ids, done))
+
+    def allocating(n: int) -> list[int]:
+        out = allocate(n)
+        if held:  # while the late copy may still write the held blocks
+            given.extend(out)
+        return out
+
+    monkeypatch.setattr(d.pool, "allocate", allocating)
+    assert _import_all(d, PROMPTS[:1], outs) == _colocated(d, PROMPTS[:1])  # recomputed, right
+    assert held and given and d.pool.num_held == len(held) and not set(held) & set(given)
+    assert not _full(d) and dc.failures["TransferTimeout"] == 1 and dc.counts["recomputed"] == 1
+    late.ended = True
+    assert _full(d) and d.pool.num_held == 0
