@@ -429,6 +429,7 @@ class OpenAIServer:
                     blocks = s.get("blocks") or {}
                     if blocks.get("total"):
                         m.kv_usage.labels(*lab).set(1 - blocks["free"] / blocks["total"])
+                        m.kv_blocks_held.labels(*lab).set(blocks.get("held", 0))
                 kv = s.get("kv_transfer") or {}
                 if kv.get("backend"):
                     ok = kv["backend"] in self.manifest.transport.required()

@@ -155,6 +155,12 @@ class RouterMetrics:
             [*L, "worker", "role"],
             registry=r,
         )
+        self.kv_blocks_held = Gauge(
+            "splitserve:kv_blocks_held",
+            "KV blocks a worker keeps out of use because a GPU copy of a failed fetch may still write them",
+            [*L, "worker", "role"],
+            registry=r,
+        )
         self.worker_up = Gauge(
             "splitserve:worker_up", "1 while a worker is ready", [*L, "worker", "role"], registry=r
         )

@@ -272,7 +272,11 @@ class Worker:
                 "running": len(engine.scheduler.running),
                 "waiting": len(engine.scheduler.waiting),
                 "unfinished": engine.num_unfinished_requests,
-                "blocks": {"total": engine.pool.num_blocks, "free": engine.pool.num_free},
+                "blocks": {
+                    "total": engine.pool.num_blocks,
+                    "free": engine.pool.num_free,
+                    "held": engine.pool.num_held,  # freed, but a late KV copy may still write them
+                },
                 "state_slots": {"total": engine.states.num_slots, "free": engine.states.num_free},
                 "preemptions": engine.scheduler.num_preemptions,
                 "kv_transfer": self.connector.stats() if self.connector else None,

@@ -252,6 +252,7 @@ def test_metrics_endpoint(disagg):
         "splitserve:num_requests_running",
         "splitserve:num_requests_waiting",
         "splitserve:kv_cache_usage_perc",
+        "splitserve:kv_blocks_held",
     ):
         assert name in text, name
     assert 'splitserve:kv_transfer_seconds_count{backend="shm",model_name="smollm2-135m-instruct"}' in text
