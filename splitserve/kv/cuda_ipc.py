@@ -936,13 +936,10 @@ class CudaIpcTransport(GpuSocketTransport):
             return
         try:
             with torch.cuda.device(self.kv.device):
-                try:
-                    wait_event(done, deadline, f"cuda_ipc copy from {address}")
-                except TransferTimeout as exc:
-                    self.stats.count("copy_deadline_missed")
-                    self.hand_over(exc, done)
-                    raise
-        except TransferTimeout:
+                wait_event(done, deadline, f"cuda_ipc copy from {address}")
+        except TransferTimeout as exc:  # (a RuntimeError too: before the clause for CUDA's errors)
+            self.stats.count("copy_deadline_missed")
+            self.hand_over(exc, done)
             raise
         except RuntimeError as exc:
             raise TransportError(f"cuda_ipc copy from {address} failed: {exc}") from exc
