@@ -36,22 +36,14 @@ DEVICE = "cuda"
 
 
 def tiny_qwen3(path: Path, init: float, seed: int = 0) -> torch.nn.Module:
-    """The GPU test's tiny Qwen3 (3 layers, hidden 128, vocab 1,000), saved to `path`; -> HF's model."""
+    """The GPU test's tiny Qwen3 (`SMALL_QWEN3`: 3 layers, hidden 128, vocab 1,000), saved to `path`;
+    -> HF's model."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from splitserve.model.random_weights import SMALL_QWEN3
+
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=1000,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        initializer_range=init,
-        max_position_embeddings=1024,
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
+    model = Qwen3ForCausalLM(Qwen3Config(**SMALL_QWEN3, initializer_range=init)).eval()
     model.save_pretrained(path)
     return model
 

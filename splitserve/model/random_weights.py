@@ -75,6 +75,19 @@ TINY_QWEN3: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
+#: The GPU tests' small Qwen3 (tests/gpu, bench/bf16_agreement.py): HF `Qwen3Config` fields; the
+#: weights' scale (`initializer_range`) is each caller's.
+SMALL_QWEN3: dict[str, Any] = {
+    "vocab_size": 1000,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 1024,
+}
+
 #: Names accepted by `random_model_config` (and the benchmarks' `--model`).
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b-random": QWEN3_8B,

@@ -20,20 +20,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def _tiny_checkpoint(tmp_path, arch: str, init: float | None = None):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from splitserve.model.random_weights import SMALL_QWEN3
+
     torch.manual_seed(0)
     if arch == "qwen3":
-        cfg = Qwen3Config(
-            vocab_size=1000,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            initializer_range=0.15 if init is None else init,
-            max_position_embeddings=1024,
-        )
-        model = Qwen3ForCausalLM(cfg)
+        model = Qwen3ForCausalLM(Qwen3Config(**SMALL_QWEN3, initializer_range=0.15 if init is None else init))
     else:
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
