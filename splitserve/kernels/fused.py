@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.pdl import EARLY as pdl_early
 from splitserve.kernels.pdl import begin
 from splitserve.kernels.pdl import on as pdl_on
 
@@ -65,12 +66,18 @@ def _head_weight(is_q, qw_ptr, kw_ptr, offs):
 
 
 @triton.jit
-def _rotate(x1, x2, cos_ptr, sin_ptr, pos, stride_cos, half, DTYPE: tl.constexpr):
-    """Neox rotary of a head's halves x1, x2 at position `pos`, with torch's bf16 roundings:
-    rotate_half(x) = [-x2, x1]; out = round(round(x * cos) + round(rotate_half(x) * sin)), with cos/sin
-    rounded to the activation dtype first (the table's two halves are equal)."""
+def _cos_sin(cos_ptr, sin_ptr, pos, stride_cos, half, DTYPE: tl.constexpr):
+    """cos and sin at position `pos` for the rotary halves' lanes `half`, rounded to the activation
+    dtype (the table's two halves are equal)."""
     c = _round(tl.load(cos_ptr + pos * stride_cos + half), DTYPE)
     s = _round(tl.load(sin_ptr + pos * stride_cos + half), DTYPE)
+    return c, s
+
+
+@triton.jit
+def _rotate(x1, x2, c, s, DTYPE: tl.constexpr):
+    """Neox rotary of a head's halves x1, x2 by `_cos_sin`'s c, s, with torch's bf16 roundings:
+    rotate_half(x) = [-x2, x1]; out = round(round(x * cos) + round(rotate_half(x) * sin))."""
     o1 = _round(_round(x1 * c, DTYPE) + _round(-x2 * s, DTYPE), DTYPE)
     o2 = _round(_round(x2 * c, DTYPE) + _round(x1 * s, DTYPE), DTYPE)
     return o1, o2
@@ -81,29 +88,38 @@ def _qk_norm_rope_store_kernel(
     qkv_ptr, q_out_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
     stride_t, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_cos,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    HAS_NORM: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    begin(PDL)
+    if PDL:  # kernels/pdl.py; EARLY: what no kernel of the step writes is read before the wait
+        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1: query heads; H..H+KVH-1: key heads (and their value heads)
     half = tl.arange(0, D // 2)
     is_q = head < H
+    c, s = _cos_sin(cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_cos, half, DTYPE)
+    if HAS_NORM:
+        w1 = _head_weight(is_q, qw_ptr, kw_ptr, half)
+        w2 = _head_weight(is_q, qw_ptr, kw_ptr, D // 2 + half)
+    slot = tl.load(slots_ptr + t)
+    if PDL and EARLY:
+        tl.extra.cuda.gdc_wait()
     base = qkv_ptr + t * stride_t + head * D
     x1 = tl.load(base + half).to(tl.float32)
     x2 = tl.load(base + D // 2 + half).to(tl.float32)
     if HAS_NORM:
         var = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D
         r = tl.rsqrt(var + eps)
-        x1 = _round(_head_weight(is_q, qw_ptr, kw_ptr, half) * _round(x1 * r, DTYPE), DTYPE)
-        x2 = _round(_head_weight(is_q, qw_ptr, kw_ptr, D // 2 + half) * _round(x2 * r, DTYPE), DTYPE)
-    o1, o2 = _rotate(x1, x2, cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_cos, half, DTYPE)
+        x1 = _round(w1 * _round(x1 * r, DTYPE), DTYPE)
+        x2 = _round(w2 * _round(x2 * r, DTYPE), DTYPE)
+    o1, o2 = _rotate(x1, x2, c, s, DTYPE)
     if is_q:
         q = q_out_ptr + t * stride_qt + head * stride_qh
         tl.store(q + half, o1.to(DTYPE))
         tl.store(q + D // 2 + half, o2.to(DTYPE))
     else:
         j = head - H
-        slot = tl.load(slots_ptr + t)
         dst = (slot // BS) * stride_kb + (slot % BS) * stride_kt + j * stride_kh
         tl.store(k_ptr + dst + half, o1.to(DTYPE))
         tl.store(k_ptr + dst + D // 2 + half, o2.to(DTYPE))
@@ -182,7 +198,8 @@ def _gated_qk_norm_rope_store_kernel(
     x2 = tl.load(src + ROT // 2 + half).to(tl.float32)
     x1 = _round(x1 * r * (1.0 + _head_weight(is_q, qw_ptr, kw_ptr, half)), DTYPE)
     x2 = _round(x2 * r * (1.0 + _head_weight(is_q, qw_ptr, kw_ptr, ROT // 2 + half)), DTYPE)
-    o1, o2 = _rotate(x1, x2, cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_cos, half, DTYPE)
+    c, s = _cos_sin(cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_cos, half, DTYPE)
+    o1, o2 = _rotate(x1, x2, c, s, DTYPE)
     if is_q:
         dst = q_out_ptr + t * stride_qt + head * stride_qh
         tl.store(dst + d, y.to(DTYPE), mask=d >= ROT)
@@ -251,7 +268,7 @@ def qk_norm_rope_store(
         qkv.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
         H=num_heads, KVH=num_kv_heads, D=d, BS=k_cache.shape[1], HAS_NORM=norm, DTYPE=_TL[qkv.dtype],
-        num_warps=1, PDL=pdl, launch_pdl=pdl,
+        num_warps=1, PDL=pdl, EARLY=pdl_early, launch_pdl=pdl,
     )  # fmt: skip
     return q
 

@@ -31,10 +31,36 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.pdl import EARLY as pdl_early
 from splitserve.kernels.pdl import begin
 from splitserve.kernels.pdl import on as pdl_on
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _kv_rows(table_ptr, offs, valid, kvh, stride_kb, stride_kt, stride_kh, BS: tl.constexpr):
+    """Offsets into a layer's K (or V) cache of the tokens `offs` of one sequence's KV head `kvh`."""
+    block = tl.load(table_ptr + offs // BS, mask=valid, other=0).to(tl.int64)
+    return block * stride_kb + (offs % BS) * stride_kt + kvh * stride_kh
+
+
+@triton.jit
+def _softmax_step(q, k, m_i, l_i, offs, hi, pos, scale_log2, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax's step over keys `k` [BLOCK_N, D] at positions `offs` (those past `hi`
+    masked; CAUSAL: row i also masks keys past its position pos[i]) -> (m_new, l_new, p, alpha):
+    the new running max and sum, the tile's probabilities and the old accumulator's rescale."""
+    valid = offs < hi
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N], log2 units
+    if CAUSAL:
+        keep = (offs[None, :] <= pos[:, None]) & valid[None, :]
+    else:
+        keep = valid[None, :]
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
 
 
 @triton.jit
@@ -50,22 +76,12 @@ def _attend_block(
     offs = n0 + tl.arange(0, BLOCK_N)
     valid = offs < hi
     d = tl.arange(0, D)
-    block = tl.load(table_ptr + offs // BS, mask=valid, other=0).to(tl.int64)
-    rows = block * stride_kb + (offs % BS) * stride_kt + kvh * stride_kh
+    rows = _kv_rows(table_ptr, offs, valid, kvh, stride_kb, stride_kt, stride_kh, BS)
     k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N], log2 units
-    if CAUSAL:
-        keep = (offs[None, :] <= pos[:, None]) & valid[None, :]
-    else:
-        keep = valid[None, :]
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_i, l_i, p, alpha = _softmax_step(q, k, m_i, l_i, offs, hi, pos, scale_log2, CAUSAL, PRECISION)
     v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -95,8 +111,12 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
-    begin(PDL)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,17 +124,36 @@ def _decode_split_kernel(
     per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
-
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
+    table = tables_ptr + seq * stride_tb
+
+    # The split's first tile is read before the wait for the previous kernel (kernels/pdl.py): no
+    # kernel of this step writes the block tables, the context lengths or the keys and values of
+    # earlier tokens. The step's own token, at ctx - 1, is stored by the kernel just before this one
+    # (fused.py's qk_norm_rope_store): its row is read after the wait.
+    offs = start + tl.arange(0, BLOCK_N)
+    rows = _kv_rows(table, offs, offs < end, kvh, stride_kb, stride_kt, stride_kh, BS)
+    early = (offs < tl.minimum(end, ctx - 1))[:, None]
+    k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=early, other=0.0)
+    v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=early, other=0.0)
+    if PDL and EARLY:
+        tl.extra.cuda.gdc_wait()
+    last = ((offs == ctx - 1) & (offs < end))[:, None]
+    k = tl.where(last, tl.load(k_ptr + rows[:, None] + d[None, :], mask=last, other=0.0), k)
+    v = tl.where(last, tl.load(v_ptr + rows[:, None] + d[None, :], mask=last, other=0.0), v)
+
     head = kvh * G + g
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None])
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):  # (not causal: `g` stands in for the unused positions)
+    if start < end:  # (not causal: `g` stands in for the unused positions)
+        m_i, l_i, p, alpha = _softmax_step(q, k, m_i, l_i, offs, end, g, scale_log2, False, PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
-            q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr + seq * stride_tb, n0, end, g, kvh, scale_log2,
+            q, m_i, l_i, acc, k_ptr, v_ptr, table, n0, end, g, kvh, scale_log2,
             stride_kb, stride_kt, stride_kh, D, BS, BLOCK_N, False, PRECISION,
         )  # fmt: skip
 
@@ -268,7 +307,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BS=bs, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2, PDL=pdl, launch_pdl=pdl,
+        num_warps=4, num_stages=2, PDL=pdl, EARLY=pdl_early, launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(b, h)](

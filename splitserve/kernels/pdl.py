@@ -26,6 +26,9 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("SPLITSERVE_PDL", "1") != "0"
+# Reads before the wait of what no kernel of the step writes (weights, cos/sin tables, block tables,
+# earlier tokens' K/V); `SPLITSERVE_PDL_EARLY=0` waits first (read at import: an A/B switch)
+EARLY = os.environ.get("SPLITSERVE_PDL_EARLY", "1") != "0"
 
 
 def on(device: torch.device) -> bool:
@@ -49,4 +52,4 @@ def begin(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-__all__ = ["ENABLED", "begin", "on"]
+__all__ = ["EARLY", "ENABLED", "begin", "on"]
