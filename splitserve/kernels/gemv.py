@@ -106,11 +106,21 @@ def _gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k0 = 0
+    keep = rows < N
     if PDL:  # launched before the previous kernel ends (kernels/pdl.py): the next may launch now; read
         # the first weight tile (no kernel writes weights), then wait for the previous kernel's writes
         tl.extra.cuda.gdc_launch_dependents()
         w = tl.load(w_rows + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0)
+    if RESIDUAL:  # the next norm's weight (a weight too)
+        nw = tl.load(nw_ptr + rows, mask=keep, other=0.0).to(tl.float32)
+    if PDL:
         tl.extra.cuda.gdc_wait()
+    # the epilogue's 1 / rms, from the sums of squares an earlier kernel wrote: read now, so that its
+    # latency hides behind the walk over the weight instead of adding to the kernel's end
+    if SCALED:  # x is w * residual (the norm's weight times the residual)
+        parts = tl.load(pin_ptr + tl.arange(0, P_BLOCK), mask=tl.arange(0, P_BLOCK) < P, other=0.0)
+        inv_rms = tl.rsqrt(tl.sum(parts, 0) / K + eps)
+    if PDL:
         acc += w.to(tl.float32) * _input(x_ptr, cols, cols < K, K, SILU, False, DTYPE)[None, :]
         k0 = BLOCK_K
     for k in range(k0, K, BLOCK_K):
@@ -123,19 +133,16 @@ def _gemv_kernel(
             w = tl.load(w_rows + k + cols[None, :], mask=(rows[:, None] < N) & in_k[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    if SCALED:  # x was w * residual: the norm's 1 / rms, from the sums of squares its producer wrote
-        parts = tl.load(pin_ptr + tl.arange(0, P_BLOCK), mask=tl.arange(0, P_BLOCK) < P, other=0.0)
-        y *= tl.rsqrt(tl.sum(parts, 0) / K + eps)
+    if SCALED:
+        y *= inv_rms
     if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        y += tl.load(b_ptr + rows, mask=keep, other=0.0).to(tl.float32)
     y = y.to(DTYPE)
     if RESIDUAL:  # residual += y (rounded as the fused RMSNorm adds), and what the next norm needs
-        keep = rows < N
         r = (tl.load(res_ptr + rows, mask=keep, other=0.0).to(tl.float32) + y.to(tl.float32)).to(DTYPE)
         tl.store(res_ptr + rows, r, mask=keep)
         r = tl.where(keep, r.to(tl.float32), 0.0)
         tl.store(pout_ptr + pid, tl.sum(r * r, 0))
-        nw = tl.load(nw_ptr + rows, mask=keep, other=0.0).to(tl.float32)
         tl.store(v_ptr + rows, (r * (1.0 + nw) if ZERO_CENTRED else r * nw).to(DTYPE), mask=keep)
     else:
         tl.store(out_ptr + rows, y, mask=rows < N)

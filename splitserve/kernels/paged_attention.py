@@ -137,11 +137,16 @@ def _decode_split_kernel(
     early = (offs < tl.minimum(end, ctx - 1))[:, None]
     k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=early, other=0.0)
     v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=early, other=0.0)
+    new = ctx - 1  # the step's token
+    new_d = new + 0 * d  # [D]: a mask of the row's width (the interpreter takes no scalar & vector)
+    new_here = (new_d >= start) & (new_d < start + BLOCK_N) & (new_d < end)
+    new_block = tl.load(table + new // BS).to(tl.int64)  # (always in the table: new < ctx)
+    new_row = new_block * stride_kb + (new % BS) * stride_kt + kvh * stride_kh
     if PDL and EARLY:
         tl.extra.cuda.gdc_wait()
-    last = ((offs == ctx - 1) & (offs < end))[:, None]
-    k = tl.where(last, tl.load(k_ptr + rows[:, None] + d[None, :], mask=last, other=0.0), k)
-    v = tl.where(last, tl.load(v_ptr + rows[:, None] + d[None, :], mask=last, other=0.0), v)
+    at_new = (offs == new)[:, None]
+    k = tl.where(at_new, tl.load(k_ptr + new_row + d, mask=new_here, other=0.0)[None, :], k)
+    v = tl.where(at_new, tl.load(v_ptr + new_row + d, mask=new_here, other=0.0)[None, :], v)
 
     head = kvh * G + g
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None])
