@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA device with PDL (compute capability >= 9.0)",
 )
 
-SPIN_NS = 200_000  # the stand-in's wait before it writes: far longer than the dependent's launch
+SPIN_NS = 1_000_000  # the stand-in's wait before it writes: far longer than the dependent's launch
 
 
 def _late_writer():
@@ -65,7 +65,7 @@ def test_the_steps_own_token_is_read_after_the_wait(num_splits):
     writer = _late_writer()
 
     def row_offsets(position_of) -> torch.Tensor:
-        """Element offsets in a cache of the rows (each sequence's position `position_of(len)`, each KV head)."""
+        """Element offsets in a cache of the rows at each sequence's `position_of(len)`, each KV head."""
         offs = []
         for s, n in enumerate(lens):
             p = position_of(n)
@@ -82,8 +82,8 @@ def test_the_steps_own_token_is_read_after_the_wait(num_splits):
         src_k = torch.randn(n, d, device=dev, dtype=torch.bfloat16, generator=g)
         src_v = torch.randn(n, d, device=dev, dtype=torch.bfloat16, generator=g)
         flat_k, flat_v = k_cache.view(-1), v_cache.view(-1)
-        for i, r in enumerate(rows.tolist()):
-            flat_k[r : r + d] = 1e4  # garbage the attention must not see
+        for r in rows.tolist():  # garbage the attention must not see: a key of weight ~1 / len, a
+            flat_k[r : r + d] = 0.0  # value far out of range
             flat_v[r : r + d] = 1e4
         torch.cuda.synchronize()
         writer[(n,)](src_k, src_v, flat_k, flat_v, rows, D=d, SPIN=SPIN_NS, num_warps=1)
@@ -96,11 +96,13 @@ def test_the_steps_own_token_is_read_after_the_wait(num_splits):
         )
         return early, after
 
-    early, after = attend_behind_a_late_write(lambda n: n - 1)
-    assert after.isfinite().all() and after.abs().max() < 100
-    assert torch.equal(early, after)
+    attend_behind_a_late_write(lambda n: n - 1)  # loads both kernels' modules (a load waits for the GPU)
+    for _ in range(3):
+        early, after = attend_behind_a_late_write(lambda n: n - 1)
+        assert after.isfinite().all() and after.abs().max() < 100
+        assert torch.equal(early, after)
 
     # control: an earlier token written late is read early (as garbage) by the same launch, so the
     # early reads do run before the wait, and the check above could fail
-    early, after = attend_behind_a_late_write(lambda n: n - 2)
-    assert not torch.equal(early, after)
+    seen = [not torch.equal(*attend_behind_a_late_write(lambda n: n - 2)) for _ in range(3)]
+    assert any(seen)
