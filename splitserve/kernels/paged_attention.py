@@ -36,9 +36,6 @@ from splitserve.kernels.pdl import begin
 from splitserve.kernels.pdl import on as pdl_on
 
 _LOG2E = 1.4426950408889634
-# The split that ends last merges the splits (a ticket per sequence and KV head) instead of a merge
-# kernel; SPLITSERVE_ATTN_TICKET=0: the merge kernel (read at import: an A/B switch)
-TICKET = os.environ.get("SPLITSERVE_ATTN_TICKET", "1") != "0"
 
 
 @triton.jit
@@ -97,7 +94,6 @@ def _decode_split_kernel(
     out_ptr,
     part_ptr,
     lse_ptr,
-    count_ptr,
     scale_log2,
     stride_qb,
     stride_qh,
@@ -116,8 +112,6 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
-    TICKET: tl.constexpr,
-    S_PAD: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -182,37 +176,6 @@ def _decode_split_kernel(
         row = (seq * num_heads + head) * NUM_SPLITS + split
         tl.store(part_ptr + row[:, None] * D + d[None, :], acc, mask=out_mask)
         tl.store(lse_ptr + row, lse, mask=g < G)
-        if TICKET:  # the split that ends last merges its KV head's G query heads (no merge kernel)
-            tl.debug_barrier()  # every thread's partials are written before the ticket is taken
-            count = count_ptr + seq * tl.num_programs(1) + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                tl.store(count, 0)  # for the next launch (the next layer, the next replay)
-                for i in tl.static_range(G):
-                    out = _merge_head(part_ptr, lse_ptr, out_ptr, seq, kvh * G + i, num_heads, D,
-                                      NUM_SPLITS, S_PAD, True)  # fmt: skip
-                    tl.store(out_ptr + seq * stride_ob + (kvh * G + i) * stride_oh + d,
-                             out.to(out_ptr.dtype.element_ty))  # fmt: skip
-
-
-@triton.jit
-def _merge_head(part_ptr, lse_ptr, out_ptr, seq, head, H, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                S_PAD: tl.constexpr, L2_ONLY: tl.constexpr):  # fmt: skip
-    """Out[seq, head] from its splits' partials and log-sum-exps (L2_ONLY: read past the L1 cache,
-    for partials other programs of the same launch wrote)."""
-    s = tl.arange(0, S_PAD)
-    d = tl.arange(0, D)
-    row = (seq * H + head) * NUM_SPLITS + s
-    if L2_ONLY:
-        lse = tl.load(lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(part_ptr + row[:, None] * D + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-    else:
-        lse = tl.load(lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"))
-        parts = tl.load(part_ptr + row[:, None] * D + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    return out
 
 
 @triton.jit
@@ -231,8 +194,14 @@ def _decode_merge_kernel(
     begin(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    out = _merge_head(part_ptr, lse_ptr, out_ptr, seq, head, H, D, NUM_SPLITS, S_PAD, False)
+    s = tl.arange(0, S_PAD)
     d = tl.arange(0, D)
+    row = (seq * H + head) * NUM_SPLITS + s
+    lse = tl.load(lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
+    parts = tl.load(part_ptr + row[:, None] * D + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -308,13 +277,6 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return max(1, min(16, want, max(1, max_context // 128)))
 
 
-def new_counters(device: torch.device, n: int = 1 << 14) -> torch.Tensor:
-    """Zeroed counters for `paged_decode_attention`'s last-split merge, for up to n (sequence, KV
-    head) pairs per launch. One set per stream of launches: launches that may run at the same time
-    need their own."""
-    return torch.zeros(n, dtype=torch.int32, device=device)
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] (a strided view)
@@ -324,11 +286,8 @@ def paged_decode_attention(
     scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(q K^T * scale) V per sequence over its first context_lens[b] cached tokens -> [B, H, D].
-    `counters`: zeroed int32, at least B * KVH, left zeroed: with them (and `TICKET`) the split that
-    ends last merges the splits, with no merge kernel (`new_counters`)."""
+    """softmax(q K^T * scale) V per sequence over its first context_lens[b] cached tokens -> [B, H, D]."""
     b, h, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     g = h // kvh
@@ -344,10 +303,8 @@ def paged_decode_attention(
         lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # unused
-    ticket = TICKET and num_splits > 1 and counters is not None and counters.numel() >= b * kvh
-    s_pad = max(2, triton.next_power_of_2(num_splits))
     _decode_split_kernel[(b, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part, lse, counters if ticket else lse,
+        q, k_cache, v_cache, block_tables, context_lens, out, part, lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -355,12 +312,12 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BS=bs, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2, PDL=pdl, EARLY=pdl_early, TICKET=ticket, S_PAD=s_pad, launch_pdl=pdl,
+        num_warps=4, num_stages=2, PDL=pdl, EARLY=pdl_early, launch_pdl=pdl,
     )  # fmt: skip
-    if num_splits > 1 and not ticket:
+    if num_splits > 1:
         _decode_merge_kernel[(b, h)](
             part, lse, out, out.stride(0), out.stride(1),
-            H=h, D=d, NUM_SPLITS=num_splits, S_PAD=s_pad,
+            H=h, D=d, NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)),
             num_warps=2, PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out

@@ -176,7 +176,6 @@ class TritonPagedAttention:
 
         self.scale = scale
         self._kernels = paged_attention
-        self._counters: torch.Tensor | None = None  # the decode merge's tickets (one engine: one stream)
 
     def forward(
         self,
@@ -195,12 +194,10 @@ class TritonPagedAttention:
         k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]
         q = q.contiguous()
         out = torch.empty_like(q)
-        if meta.decode_groups and (self._counters is None or self._counters.device != q.device):
-            self._counters = self._kernels.new_counters(q.device)  # (first on a warm-up pass, not in a graph)
         for g in meta.decode_groups:
             self._kernels.paged_decode_attention(
                 q[g.start : g.end], k_cache, v_cache, g.block_tables, g.context_lens, self.scale,
-                g.num_splits, out=out[g.start : g.end], counters=self._counters,
+                g.num_splits, out=out[g.start : g.end],
             )  # fmt: skip
         batch = meta.prefill_batch
         if batch is not None:
