@@ -5,8 +5,12 @@ to drain and for its own launch before it reads a byte. Launched with PDL (compu
 and later; captured into CUDA graphs as programmatic edges), a kernel's programs are placed on the
 SMs as soon as every program of the previous kernel has signalled `griddepcontrol.launch_dependents`
 (ours do at their start), and each waits on the device (`griddepcontrol.wait`) until the previous
-kernel has finished and its writes are visible. Work that reads nothing an earlier kernel writes may
-come before the wait: kernels/gemv.py reads its first weight tile there.
+kernel has finished and its writes are visible. Work that reads nothing a kernel of the step writes
+may come before the wait (`EARLY`): kernels/gemv.py reads its first weight tile there,
+kernels/paged_attention.py's decode its first tile of earlier tokens' K/V (the step's own token,
+which the kernel before it stores, after the wait), kernels/fused.py's q/k kernel its cos/sin and
+norm weights. The step's inputs (positions, slots, block tables, context lengths) are copied in
+before its first kernel, so they are safe too.
 
 NOTE: the wait must run in every program of every kernel launched with PDL, before it reads or writes
 anything an earlier kernel touches. A kernel that ends without waiting could end before its own
