@@ -130,8 +130,8 @@ def _decode_split_kernel(
 
     # The split's first tile is read before the wait for the previous kernel (kernels/pdl.py): no
     # kernel of this step writes the block tables, the context lengths or the keys and values of
-    # earlier tokens. The step's own token, at ctx - 1, is stored by the kernel just before this one
-    # (fused.py's qk_norm_rope_store): its row is read after the wait.
+    # earlier tokens. The step's own token, at ctx - 1, is stored by an earlier kernel of the step
+    # (fused.py's qk_norm_rope_store, or the plain path's store): its row is read after the wait.
     offs = start + tl.arange(0, BLOCK_N)
     rows = _kv_rows(table, offs, offs < end, kvh, stride_kb, stride_kt, stride_kh, BS)
     early = (offs < tl.minimum(end, ctx - 1))[:, None]

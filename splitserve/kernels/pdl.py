@@ -30,8 +30,9 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("SPLITSERVE_PDL", "1") != "0"
-# Reads before the wait of what no kernel of the step writes (weights, cos/sin tables, block tables,
-# earlier tokens' K/V); `SPLITSERVE_PDL_EARLY=0` waits first (read at import: an A/B switch)
+# Reads before the wait of what no kernel of the step writes beyond a GEMV's first weight tile (norm
+# weights, cos/sin tables, block tables, earlier tokens' K/V); `SPLITSERVE_PDL_EARLY=0` reads them
+# after the wait (read at import: an A/B switch)
 EARLY = os.environ.get("SPLITSERVE_PDL_EARLY", "1") != "0"
 
 

@@ -47,46 +47,51 @@ def _late_writer():
     return late_writer
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
+# (context length, which token the stand-in writes late: 1 = the step's own at ctx - 1, 2 = the one
+# before, the control); with 1, 2 and 4 splits ctx - 1 falls in a split's first tile and, for 200 (1
+# split) and 250 (2 splits), in a later one; the controls' ctx - 2 is in a split's first tile
+SEQS = [(40, 1), (64, 1), (200, 1), (70, 1), (129, 1), (33, 1), (250, 1), (90, 2), (50, 2)]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
 def test_the_steps_own_token_is_read_after_the_wait(num_splits):
+    """In one launch behind the late writer: every sequence whose own token was written late gets the
+    result of the same attention run afterwards, and the controls do not (their earlier token was read
+    early, as garbage), which shows that this launch did run ahead of the wait."""
     from splitserve.kernels import paged_attention, pdl
 
-    assert pdl.on(torch.device("cuda")) and pdl.EARLY
+    assert pdl.on(torch.device("cuda")) and paged_attention.pdl_early
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    b, kvh, heads, d, bs, num_blocks = 3, 2, 8, 128, 16, 64
-    lens = [70, 129, 33] if num_splits > 1 else [40, 64, 200]  # ctx - 1 in a first tile, and in a later one
-    k_cache = torch.randn(num_blocks, bs, kvh, d, device=dev, dtype=torch.bfloat16, generator=g)
-    v_cache = torch.randn(num_blocks, bs, kvh, d, device=dev, dtype=torch.bfloat16, generator=g)
-    perm = torch.randperm(num_blocks, device=dev, generator=g)
-    tables = perm[: b * 16].view(b, 16).to(torch.int32)
+    kvh, heads, d, bs = 2, 8, 128, 16
+    lens = [n for n, _ in SEQS]
+    b, width = len(lens), -(-max(lens) // bs)
+    k_cache = torch.randn(b * width + 4, bs, kvh, d, device=dev, dtype=torch.bfloat16, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(k_cache.shape[0], device=dev, generator=g)
+    tables = perm[: b * width].view(b, width).to(torch.int32)
     context_lens = torch.tensor(lens, device=dev, dtype=torch.int32)
     q = torch.randn(b, heads, d, device=dev, dtype=torch.bfloat16, generator=g)
     writer = _late_writer()
+    flat_k, flat_v = k_cache.view(-1), v_cache.view(-1)
+    offs = []  # element offsets of the rows written late: each sequence's late token, each KV head
+    for s, (n, back) in enumerate(SEQS):
+        p = n - back
+        block = int(tables[s, p // bs])
+        offs += [k_cache.stride(0) * block + k_cache.stride(1) * (p % bs) + k_cache.stride(2) * h
+                 for h in range(kvh)]  # fmt: skip
+    rows = torch.tensor(offs, device=dev, dtype=torch.int64)
+    own = torch.tensor([back == 1 for _, back in SEQS], device=dev)
 
-    def row_offsets(position_of) -> torch.Tensor:
-        """Element offsets in a cache of the rows at each sequence's `position_of(len)`, each KV head."""
-        offs = []
-        for s, n in enumerate(lens):
-            p = position_of(n)
-            block = int(tables[s, p // bs])
-            offs += [k_cache.stride(0) * block + k_cache.stride(1) * (p % bs) + k_cache.stride(2) * h
-                     for h in range(kvh)]  # fmt: skip
-        return torch.tensor(offs, device=dev, dtype=torch.int64)
-
-    def attend_behind_a_late_write(position_of) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows at `position_of(len)` hold garbage until the stand-in writes them late; -> the
-        attention launched right behind the stand-in, and the same attention run after it."""
-        rows = row_offsets(position_of)
-        n = rows.numel()
-        src_k = torch.randn(n, d, device=dev, dtype=torch.bfloat16, generator=g)
-        src_v = torch.randn(n, d, device=dev, dtype=torch.bfloat16, generator=g)
-        flat_k, flat_v = k_cache.view(-1), v_cache.view(-1)
-        for r in rows.tolist():  # garbage the attention must not see: a key of weight ~1 / len, a
-            flat_k[r : r + d] = 0.0  # value far out of range
+    def attend_behind_a_late_write() -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the attention launched right behind the stand-in, and the same attention run after it."""
+        src_k = torch.randn(len(offs), d, device=dev, dtype=torch.bfloat16, generator=g)
+        src_v = torch.randn(len(offs), d, device=dev, dtype=torch.bfloat16, generator=g)
+        for r in offs:  # garbage the attention must not see: a key of weight ~1 / len, a value far
+            flat_k[r : r + d] = 0.0  # out of range
             flat_v[r : r + d] = 1e4
         torch.cuda.synchronize()
-        writer[(n,)](src_k, src_v, flat_k, flat_v, rows, D=d, SPIN=SPIN_NS, num_warps=1)
+        writer[(len(offs),)](src_k, src_v, flat_k, flat_v, rows, D=d, SPIN=SPIN_NS, num_warps=1)
         early = paged_attention.paged_decode_attention(
             q, k_cache, v_cache, tables, context_lens, 0.088, num_splits=num_splits
         )
@@ -96,13 +101,10 @@ def test_the_steps_own_token_is_read_after_the_wait(num_splits):
         )
         return early, after
 
-    attend_behind_a_late_write(lambda n: n - 1)  # loads both kernels' modules (a load waits for the GPU)
+    attend_behind_a_late_write()  # loads both kernels' modules (a load waits for the GPU)
     for _ in range(3):
-        early, after = attend_behind_a_late_write(lambda n: n - 1)
+        early, after = attend_behind_a_late_write()
         assert after.isfinite().all() and after.abs().max() < 100
-        assert torch.equal(early, after)
-
-    # control: an earlier token written late is read early (as garbage) by the same launch, so the
-    # early reads do run before the wait, and the check above could fail
-    seen = [not torch.equal(*attend_behind_a_late_write(lambda n: n - 2)) for _ in range(3)]
-    assert any(seen)
+        same = (early == after).flatten(1).all(1)
+        assert same[own].all(), f"the step's own token was read before the wait: {same.tolist()}"
+        assert not same[~own].any(), f"the launch did not run ahead of the wait: {same.tolist()}"
