@@ -49,8 +49,9 @@ def _late_writer():
 
 # (context length, which token the stand-in writes late: 1 = the step's own at ctx - 1, 2 = the one
 # before, the control); with 1, 2 and 4 splits ctx - 1 falls in a split's first tile and, for 200 (1
-# split) and 250 (2 splits), in a later one; the controls' ctx - 2 is in a split's first tile
-SEQS = [(40, 1), (64, 1), (200, 1), (70, 1), (129, 1), (33, 1), (250, 1), (90, 2), (50, 2)]
+# split) and 250 (2 splits), in a later one; the controls' ctx - 2 is in the first tile of split 0
+# (tiles of 64 tokens), whatever the splits
+SEQS = [(40, 1), (64, 1), (200, 1), (70, 1), (129, 1), (33, 1), (250, 1), (62, 2), (50, 2)]
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
