@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.pdl import EARLY as pdl_early
-from splitserve.kernels.pdl import begin
+from splitserve.kernels.pdl import begin, begin_early, end_early
 from splitserve.kernels.pdl import on as pdl_on
 
 
@@ -90,10 +90,7 @@ def _qk_norm_rope_store_kernel(
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     HAS_NORM: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # kernels/pdl.py; EARLY: what no kernel of the step writes is read before the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        if not EARLY:
-            tl.extra.cuda.gdc_wait()
+    begin_early(PDL, EARLY)  # kernels/pdl.py: what no kernel of the step writes is read before the wait
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1: query heads; H..H+KVH-1: key heads (and their value heads)
     half = tl.arange(0, D // 2)
@@ -103,8 +100,7 @@ def _qk_norm_rope_store_kernel(
         w1 = _head_weight(is_q, qw_ptr, kw_ptr, half)
         w2 = _head_weight(is_q, qw_ptr, kw_ptr, D // 2 + half)
     slot = tl.load(slots_ptr + t)
-    if PDL and EARLY:
-        tl.extra.cuda.gdc_wait()
+    end_early(PDL, EARLY)
     base = qkv_ptr + t * stride_t + head * D
     x1 = tl.load(base + half).to(tl.float32)
     x2 = tl.load(base + D // 2 + half).to(tl.float32)

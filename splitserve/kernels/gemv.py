@@ -44,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels.pdl import EARLY as pdl_early
 from splitserve.kernels.pdl import on as pdl_on
 
 ENABLED = os.environ.get("SPLITSERVE_GEMV", "1") != "0"  # read when a layer runs (graphs: at capture)
@@ -99,7 +98,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_w, pin_ptr, P, eps, res_ptr, nw_ptr, v_ptr, pout_ptr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
     ZERO_CENTRED: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    EVEN: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,12 +111,10 @@ def _gemv_kernel(
         # the first weight tile (no kernel writes weights), then wait for the previous kernel's writes
         tl.extra.cuda.gdc_launch_dependents()
         w = tl.load(w_rows + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0)
-    if RESIDUAL and EARLY:  # the next norm's weight (a weight too)
+    if RESIDUAL:  # the next norm's weight (a weight too: before the wait)
         nw = tl.load(nw_ptr + rows, mask=keep, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if RESIDUAL and not EARLY:
-        nw = tl.load(nw_ptr + rows, mask=keep, other=0.0).to(tl.float32)
     # the epilogue's 1 / rms, from the sums of squares an earlier kernel wrote: read now, so that its
     # latency hides behind the walk over the weight instead of adding to the kernel's end
     if SCALED:  # x is w * residual (the norm's weight times the residual)
@@ -271,7 +268,7 @@ def _launch(
             ZERO_CENTRED=into is not None and into.zero_centred,
             P_BLOCK=triton.next_power_of_2(pin.numel()) if normed is not None else 1,
             BLOCK_N=bn, BLOCK_K=bk, EVEN=k % bk == 0 and n % bn == 0, DTYPE=_TL[x.dtype],
-            PDL=pdl, EARLY=pdl_early, num_warps=warps, num_stages=stages, launch_pdl=pdl,
+            PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
         )  # fmt: skip
 
 

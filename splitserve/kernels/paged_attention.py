@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.pdl import EARLY as pdl_early
-from splitserve.kernels.pdl import begin
+from splitserve.kernels.pdl import begin, begin_early, end_early
 from splitserve.kernels.pdl import on as pdl_on
 
 _LOG2E = 1.4426950408889634
@@ -113,10 +113,7 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        if not EARLY:
-            tl.extra.cuda.gdc_wait()
+    begin_early(PDL, EARLY)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -142,8 +139,7 @@ def _decode_split_kernel(
     new_here = (new_d >= start) & (new_d < start + BLOCK_N) & (new_d < end)
     new_block = tl.load(table + new // BS).to(tl.int64)  # (always in the table: new < ctx)
     new_row = new_block * stride_kb + (new % BS) * stride_kt + kvh * stride_kh
-    if PDL and EARLY:
-        tl.extra.cuda.gdc_wait()
+    end_early(PDL, EARLY)
     at_new = (offs == new)[:, None]
     k = tl.where(at_new, tl.load(k_ptr + new_row + d, mask=new_here, other=0.0)[None, :], k)
     v = tl.where(at_new, tl.load(v_ptr + new_row + d, mask=new_here, other=0.0)[None, :], v)

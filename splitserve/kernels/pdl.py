@@ -6,11 +6,12 @@ and later; captured into CUDA graphs as programmatic edges), a kernel's programs
 SMs as soon as every program of the previous kernel has signalled `griddepcontrol.launch_dependents`
 (ours do at their start), and each waits on the device (`griddepcontrol.wait`) until the previous
 kernel has finished and its writes are visible. Work that reads nothing a kernel of the step writes
-may come before the wait (`EARLY`): kernels/gemv.py reads its first weight tile there,
-kernels/paged_attention.py's decode its first tile of earlier tokens' K/V (the step's own token,
-which the kernel before it stores, after the wait), kernels/fused.py's q/k kernel its cos/sin and
-norm weights. The step's inputs (positions, slots, block tables, context lengths) are copied in
-before its first kernel, so they are safe too.
+may come before the wait: kernels/gemv.py reads its first weight tile and the next norm's weight
+there; with `EARLY` (`begin_early` / `end_early`), kernels/paged_attention.py's decode reads its
+first tile of earlier tokens' K/V (the step's own token, which an earlier kernel of the step
+stores, after the wait) and kernels/fused.py's q/k kernel its cos/sin and norm weights. The step's
+inputs (positions, slots, block tables, context lengths) are copied in before its first kernel, so
+they are safe too.
 
 NOTE: the wait must run in every program of every kernel launched with PDL, before it reads or writes
 anything an earlier kernel touches. A kernel that ends without waiting could end before its own
@@ -30,9 +31,9 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("SPLITSERVE_PDL", "1") != "0"
-# Reads before the wait of what no kernel of the step writes beyond a GEMV's first weight tile (norm
-# weights, cos/sin tables, block tables, earlier tokens' K/V); `SPLITSERVE_PDL_EARLY=0` reads them
-# after the wait (read at import: an A/B switch)
+# Reads before the wait of what no kernel of the step writes, beyond a GEMV's weights (norm weights
+# and cos/sin of the q/k kernel, block tables and earlier tokens' K/V of decode attention);
+# `SPLITSERVE_PDL_EARLY=0` reads them after the wait (read at import: an A/B switch)
 EARLY = os.environ.get("SPLITSERVE_PDL_EARLY", "1") != "0"
 
 
@@ -57,4 +58,21 @@ def begin(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-__all__ = ["EARLY", "ENABLED", "begin", "on"]
+@triton.jit
+def begin_early(PDL: tl.constexpr, EARLY: tl.constexpr):
+    """At the top of a kernel that reads early: let the next kernel launch; wait here only if not
+    EARLY (then the early reads come after the wait), else at `end_early`."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def end_early(PDL: tl.constexpr, EARLY: tl.constexpr):
+    """After the early reads: the wait `begin_early` left out."""
+    if PDL and EARLY:
+        tl.extra.cuda.gdc_wait()
+
+
+__all__ = ["EARLY", "ENABLED", "begin", "begin_early", "end_early", "on"]
