@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from splitserve import LLM, SamplingParams  # noqa: E402
+from splitserve.model.agreement import hf_self_agreement, top1_counts  # noqa: E402
 
 DEVICE = "cuda"
 
@@ -77,26 +78,18 @@ def teacher_forced(
         l16 = hf16(ids).logits[0, rows]
         top32 = hf32(ids).logits[0, rows].argmax(-1)
         mine = torch.tensor(out, device=DEVICE)
-        n["strict"] += int((l16.argmax(-1) == mine).sum())
-        n["tied"] += int((l16.gather(1, mine[:, None])[:, 0] == l16.max(-1).values).sum())
+        strict, tied = top1_counts(l16, mine)
+        n["strict"] += strict
+        n["tied"] += tied
         n["vs_fp32"] += int((top32 == mine).sum())
         n["hf_bf16_vs_fp32"] += int((l16.argmax(-1) == top32).sum())
         n["steps"] += len(out)
     return n
 
 
-@torch.inference_mode()
 def hf_self(hf16: torch.nn.Module, prompts: list[list[int]], new: int) -> dict[str, int]:
-    n = dict.fromkeys(("strict", "tied", "steps"), 0)
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=DEVICE)
-        full = hf16.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-        gen = full[0, len(prompt) :]
-        logits = hf16(full).logits[0, len(prompt) - 1 : -1]
-        n["strict"] += int((logits.argmax(-1) == gen).sum())
-        n["tied"] += int((logits.gather(1, gen[:, None])[:, 0] == logits.max(-1).values).sum())
-        n["steps"] += len(gen)
-    return n
+    strict, tied, steps = hf_self_agreement(hf16, prompts, new, DEVICE)
+    return {"strict": strict, "tied": tied, "steps": steps}
 
 
 def main() -> int:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.model.agreement import hf_self_agreement, top1_counts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -168,32 +169,11 @@ def test_cuda_bf16_top1_agrees_with_hf_bf16(tmp_path):
             same += int((top1 == torch.tensor(out, device="cuda")).sum())
             hf_same += int((top1 == fp32(ids).logits[0, rows].argmax(-1)).sum())
             total += len(out)
-    self_strict, self_tied, self_total = _hf_self_agreement(hf, prompts, 48)
+    self_strict, self_tied, self_total = hf_self_agreement(hf, prompts, 48, "cuda")
     print(f"top-1 agreement with HF bf16: splitserve {same}/{total}; HF bf16 with HF fp32 {hf_same}/{total}; "
           f"HF bf16 generate vs its own forward {self_strict}/{self_total} ({self_tied} tied)")  # fmt: skip
     assert same / total >= 0.97
     assert same >= hf_same - max(2, total // 100)
-
-
-def _hf_self_agreement(
-    hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int
-) -> tuple[int, int, int]:
-    """HF bf16 against itself: its own greedy `generate` (one token a step, its KV cache), teacher-forced
-    through its own forward over the whole sequence (the check the tests put our engine through).
-    -> (steps where the forward's top-1 is the generated token, the same counting exact ties, steps).
-    The two differ only in the shapes of the same bf16 products, so this is the agreement the
-    reference itself reaches: the ceiling for anyone's."""
-    strict = tied = total = 0
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device="cuda")
-            full = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            gen = full[0, len(prompt) :]
-            logits = hf(full).logits[0, len(prompt) - 1 : -1]
-            strict += int((logits.argmax(-1) == gen).sum())
-            tied += int((logits.gather(1, gen[:, None])[:, 0] == logits.max(-1).values).sum())
-            total += len(gen)
-    return strict, tied, total
 
 
 REAL_PROMPTS = [
@@ -266,15 +246,16 @@ def test_cuda_bf16_top1_real_model_agrees_with_hf_bf16():
             ids = torch.tensor([prompt + out], device="cuda")
             logits = hf(ids).logits[0, len(prompt) - 1 : -1]  # bf16 values (HF upcasts a bf16 matmul)
             mine = torch.tensor(out, device="cuda")
+            strict, tied = top1_counts(logits, mine)
+            counts["strict"] += strict
+            counts["tied"] += tied
             ours_logit = logits.gather(1, mine[:, None])[:, 0]
             top = logits.max(-1).values
-            counts["strict"] += int((logits.argmax(-1) == mine).sum())
-            counts["tied"] += int((ours_logit == top).sum())
             counts["hf_bf16_vs_fp32"] += int((logits.argmax(-1) == lf32.argmax(-1)).sum())
             counts["ours_vs_fp32"] += int((lf32.argmax(-1) == mine).sum())
             counts["total"] += len(out)
             gaps += (top - ours_logit)[ours_logit != top].float().tolist()
-        self_strict, self_tied, self_total = _hf_self_agreement(hf, prompts, 128)
+        self_strict, self_tied, self_total = hf_self_agreement(hf, prompts, 128, "cuda")
     total = counts["total"]
     print(f"SmolLM2 bf16: HF's greedy generate teacher-forced through HF's own forward: strict "
           f"{self_strict}/{self_total} = {self_strict / self_total:.2%}, tied {self_tied}/{self_total} = "
