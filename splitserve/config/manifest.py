@@ -4,7 +4,9 @@
     engine:    {block_size, max_num_seqs, max_num_batched_tokens, kv_cache_mb, memory_utilization,
                 enforce_eager, async_scheduling, threads, seed, weight_cache_*}
     mode:      colocated | disaggregated          (one key switches the same manifest between them)
-    prefill / decode / colocated:  pools {replicas, devices, placement}
+    prefill / decode / colocated:  pools {replicas, devices, placement, engine}; a pool's `engine` overrides
+                fields of the top-level one for that role only (`Manifest.engine_for(role)`), all but
+                the KV layout's (block_size), which prefill and decode workers must share
     transport: {backend, required_backends, fallback, lease_s, fetch_timeout_s, policy, checksum,
                 secret_env, secret}
     router:    {policy, timeouts per stage, retries}
@@ -27,7 +29,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -80,6 +91,55 @@ class EngineSection(_Section):
         return self
 
 
+# Engine fields that fix the KV cache's layout (kv/layout.py): a prefill and a decode worker must agree
+# on them or the transfer refuses the connection, so a pool's `engine` may not override them.
+LAYOUT_FIELDS = ("block_size",)
+_BUDGET_FIELDS = ("kv_cache_mb", "memory_utilization")  # one choice: a pool that gives one drops the other
+
+
+class _EngineOverrideBase(_Section):
+    """A pool's `engine`: some fields of EngineSection, each checked as there; only the fields given
+    count (and are dumped), so an explicit null overrides too (e.g. `kv_cache_mb: null`)."""
+
+    @field_validator(*LAYOUT_FIELDS, check_fields=False)
+    @classmethod
+    def _not_layout(cls, v: Any, info: Any) -> Any:
+        raise ValueError(
+            f"{info.field_name} cannot differ between roles: prefill and decode workers share the KV "
+            f"layout; set it in the top-level engine section"
+        )
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> _EngineOverrideBase:
+        if all(f in self.model_fields_set and getattr(self, f) is not None for f in _BUDGET_FIELDS):
+            raise ValueError("give kv_cache_mb or memory_utilization, not both")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _given_only(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+    def given(self) -> dict[str, Any]:
+        """The fields this pool overrides, with their values."""
+        return {k: getattr(self, k) for k in self.model_fields_set}
+
+
+def _constrained(annotation: Any, metadata: list) -> Any:
+    return Annotated[(annotation, *metadata)] if metadata else annotation
+
+
+# EngineSection's fields (types and bounds), none required; generated so the two cannot drift apart.
+EngineOverride = create_model(
+    "EngineOverride",
+    __base__=_EngineOverrideBase,
+    __module__=__name__,
+    **{
+        name: (_constrained(info.annotation, info.metadata), Field(default=None))
+        for name, info in EngineSection.model_fields.items()
+    },
+)
+
+
 class PlacementSection(_Section):
     """Ray: where a pool's replicas may run (Ray resources a node must offer) and what each takes."""
 
@@ -97,6 +157,13 @@ class PoolSection(_Section):
     # ray: autoscaling bounds (both set: Serve autoscales the pool between them)
     min_replicas: int | None = Field(default=None, ge=0)
     max_replicas: int | None = Field(default=None, ge=1)
+    # this role's overrides of the top-level engine section (fields not given inherit)
+    engine: EngineOverride = Field(default_factory=EngineOverride)  # type: ignore[valid-type]
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _no_overrides(cls, v: Any) -> Any:
+        return {} if v is None else v  # `engine:` with every line commented out
 
 
 class TransportSection(_Section):
@@ -199,6 +266,9 @@ class PricesSection(_Section):
     usd_per_hour: dict[str, float] = Field(default_factory=lambda: {"cpu": 0.05, "cuda": 4.0})
 
 
+ROLES = ("prefill", "decode", "colocated")  # the pool sections, one per worker role
+
+
 class Manifest(_Section):
     name: str = "splitserve"
     model: ModelSection = Field(default_factory=ModelSection)
@@ -228,7 +298,26 @@ class Manifest(_Section):
         for name in pools:
             if getattr(self, name).replicas < 1:
                 raise ValueError(f"{self.mode} mode needs {name}.replicas >= 1")
+        for name in ROLES:
+            try:
+                self.engine_for(name)
+            except ValidationError as exc:
+                reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+                raise ValueError(f"{name}.engine over the top-level engine section: {reasons}") from None
         return self
+
+    def engine_for(self, role: str) -> EngineSection:
+        """The engine section of `role`'s workers: the top-level one with the pool's `engine` fields
+        over it (giving kv_cache_mb or memory_utilization replaces both: the budget is one choice)."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
+        given = getattr(self, role).engine.given()
+        if not given:
+            return self.engine
+        base = self.engine.model_dump()
+        if any(f in given for f in _BUDGET_FIELDS):
+            base |= dict.fromkeys(_BUDGET_FIELDS)
+        return EngineSection.model_validate(base | given)
 
     def pools(self) -> dict[str, PoolSection]:
         """role -> pool, for the roles this mode runs."""

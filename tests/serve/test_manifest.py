@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitserve.config import ManifestError, load_manifest, parse_manifest
+from splitserve.config import ManifestError, dump_manifest, load_manifest, parse_manifest
 from splitserve.runtime.local import worker_argv
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -153,3 +153,111 @@ def test_cli_flags_override_the_manifest():
         text=True,
     )
     assert bad.returncode == 2 and "server.port" in bad.stderr
+
+
+POOL_ENGINE = """\
+engine:
+  max_num_seqs: 64
+  kv_cache_mb: 256
+  seed: 7
+decode:
+  engine:
+    max_num_seqs: 256
+    memory_utilization: 0.5
+"""
+
+
+def test_pool_engine_inherits_what_it_does_not_override():
+    m = parse_manifest(POOL_ENGINE)
+    assert m.engine_for("prefill") == m.engine  # no override: the top-level section
+    assert m.engine_for("colocated") == m.engine
+    decode = m.engine_for("decode")
+    assert (decode.max_num_seqs, decode.seed, decode.block_size) == (256, 7, 16)
+    # the budget is one choice: a pool that gives memory_utilization drops the inherited kv_cache_mb
+    assert (decode.kv_cache_mb, decode.memory_utilization) == (None, 0.5)
+    assert m.engine.max_num_seqs == 64  # the top level itself is unchanged
+    with pytest.raises(ValueError, match="unknown role"):
+        m.engine_for("router")
+
+
+def test_pool_engine_survives_a_dump():
+    m = parse_manifest(POOL_ENGINE)
+    dumped = yaml.safe_load(dump_manifest(m))
+    assert dumped["decode"]["engine"] == {"max_num_seqs": 256, "memory_utilization": 0.5}  # given only
+    assert dumped["prefill"]["engine"] == {}
+    assert parse_manifest(dump_manifest(m)) == m
+
+
+def test_documented_pool_engine_example_loads():
+    """Uncommenting the example's decode `engine:` block gives a manifest that loads."""
+    lines = (EXAMPLES / "disaggregated.yaml").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  # engine:"))
+    for i in (at, at + 1):
+        lines[i] = lines[i].replace("  # ", "  ", 1)
+    m = parse_manifest("\n".join(lines))
+    assert m.engine_for("decode").max_num_seqs == 256 and m.engine_for("prefill").max_num_seqs == 64
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode", "colocated"])
+def test_pool_engine_may_not_change_the_kv_layout(pool):
+    text = f"engine: {{block_size: 16}}\n{pool}:\n  replicas: 1\n  engine:\n    block_size: 32\n"
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text, "layout.yaml")
+    (problem,) = info.value.problems
+    assert problem.startswith(f"{pool}.engine.block_size (line 5): block_size cannot differ between roles")
+    assert "KV layout" in problem and "top-level engine section" in problem
+
+
+def test_pool_engine_errors_name_path_and_line():
+    text = """\
+mode: disaggregated
+decode:
+  replicas: 2
+  engine:
+    max_num_seq: 256
+prefill:
+  engine: {max_num_seqs: 0}
+colocated:
+  engine: {kv_cache_mb: 64, memory_utilization: 0.5}
+"""
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text, "pools.yaml")
+    problems = info.value.problems
+    assert any(
+        "decode.engine.max_num_seq (line 5): unknown field; did you mean 'max_num_seqs'?" in p
+        for p in problems
+    )
+    assert any(
+        p.startswith("prefill.engine.max_num_seqs (line 7)") and "greater than or equal to 1" in p
+        for p in problems
+    )
+    assert any(p.startswith("colocated.engine (line 9)") and "not both" in p for p in problems)
+
+
+def test_set_overrides_reach_a_pool_engine():
+    """`--set prefill.engine.max_num_seqs=64` (bench) is an override of the dotted path."""
+    m = parse_manifest(
+        "decode:\n  engine:\n", overrides={"prefill.engine.max_num_seqs": 64, "decode.engine.seed": 3}
+    )
+    assert m.engine_for("prefill").max_num_seqs == 64 and m.engine_for("decode").seed == 3
+    assert m.engine_for("decode").max_num_seqs == m.engine.max_num_seqs == 128
+    with pytest.raises(
+        ManifestError, match=r"decode\.engine\.max_num_seq \(line 1\): unknown field; did you mean"
+    ):
+        parse_manifest("decode: {replicas: 1}", overrides={"decode.engine.max_num_seq": 64})
+    with pytest.raises(ManifestError, match=r"prefill\.engine\.block_size: block_size cannot differ"):
+        parse_manifest("", overrides={"prefill.engine.block_size": 32})
+
+
+def test_worker_command_lines_carry_their_pool_engine():
+    from splitserve.runtime.common import worker_config
+
+    m = parse_manifest(POOL_ENGINE)
+    decode = " ".join(worker_argv(m, "decode", 0, "X"))
+    prefill = " ".join(worker_argv(m, "prefill", 0, "X"))
+    assert "--max-num-seqs 256" in decode and "--gpu-memory-utilization 0.5" in decode
+    assert "--kv-cache-mb" not in decode
+    assert "--max-num-seqs 64" in prefill and "--kv-cache-mb 256" in prefill
+    assert "--gpu-memory-utilization" not in prefill
+    assert worker_config(m, "decode", 0, "s", "127.0.0.1").max_num_seqs == 256
+    assert worker_config(m, "prefill", 0, "s", "127.0.0.1").max_num_seqs == 64
