@@ -133,6 +133,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="let answers stop at EOS (default: exactly output-len tokens)",
     )
     c.add_argument("--max-concurrency", type=int, default=None)
+    c.add_argument(
+        "--client-procs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="load client processes, each with its share of the requests (default: one per 64 requests "
+        "that can be in flight, at most one per core; 1: all in this process)",
+    )
     c.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     c.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each target")
     c.add_argument(
@@ -174,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         timeout_s=args.timeout_s,
         max_concurrency=args.max_concurrency,
+        client_procs=args.client_procs,
         progress=not args.no_progress,
         out_dir=out,
         verify=not args.skip_verify,
@@ -216,6 +225,8 @@ def _workload(args: argparse.Namespace, targets: list[Target]) -> tuple[Workload
     t_lo, t_hi = (int(x) for x in _pair(args.turns, "--turns"))
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be at least 1")
+    if args.client_procs is not None and args.client_procs < 1:
+        raise ValueError("--client-procs must be at least 1")
     spec = WorkloadSpec(
         kind=args.workload,
         num_prompts=args.num_prompts,
@@ -283,6 +294,7 @@ def _report(args: argparse.Namespace, spec: WorkloadSpec, slo: SLO, runs: list) 
             "ignore_eos": args.ignore_eos,
             "temperature": args.temperature,
             "warmup": args.warmup,
+            "client_procs": args.client_procs,
             "interleave": args.interleave,
             "max_interference_cores": args.max_interference_cores,
         },

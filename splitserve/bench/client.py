@@ -17,12 +17,20 @@ A request fails, by kind: `http_<status>`, `timeout`, `connect`, `stream_error` 
 
 Open loop: each request (each agent session's first turn) is sent at its arrival offset whatever is
 still in flight; a session's later turns follow their previous turn after its think time.
+
+Per chunk the client does as little as it can, so that one client process keeps up with thousands of
+tokens/s: the body is read as raw bytes and split into lines by hand (no text decoding, no line decoder),
+every line read in one network read gets that read's arrival time, and a token chunk is recognised by a
+byte search (`_quick`), not a JSON parse; only a chunk that may carry usage or an error, or that the search
+cannot be sure of, is parsed in full. `ClientOptions.procs` > 1 spreads a trace over processes
+(splitserve.bench.procs), each driving its share on its own event loop against one shared start time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +76,7 @@ class ClientOptions:
     timeout_s: float = 600.0
     max_concurrency: int | None = None
     extra_body: dict | None = None  # more fields for every request body (as vLLM's --extra-body)
+    procs: int | None = 1  # client processes (splitserve.bench.procs); None: enough for the load
 
 
 def _payload(req: BenchRequest, opts: ClientOptions) -> dict:
@@ -91,14 +100,38 @@ def _has_token(choices: list) -> bool:
     return bool(choices)  # as vLLM: a choice counts even with empty text (e.g. a held-back byte)
 
 
+# What a `data:` line holds, as far as the metrics care.
+_EMPTY, _TOKEN, _DONE, _PARSE = 0, 1, 2, 3
+# In JSON text every quote inside a string is escaped, so `"key"` followed by a colon is a key (of this
+# object or a nested one); a token's text can never forge one. Nested keys that are token strings
+# (logprobs' top_logprobs) can, so each pattern also wants the value's first character.
+_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*(\S)')
+_USAGE = re.compile(rb'"usage"\s*:\s*(\S)')
+
+
+def _quick(data: bytes) -> int:
+    """A chunk's kind without parsing it: _TOKEN (a choice, nothing else the client reads), _EMPTY (no
+    choice, no usage), _DONE, or _PARSE (an error or usage may be in it, or the search is unsure)."""
+    if data == b"[DONE]":
+        return _DONE
+    if b'"error"' in data:
+        return _PARSE
+    u = _USAGE.search(data)
+    if u is not None and u.group(1) != b"n":  # usage other than null
+        return _PARSE
+    c = _CHOICES.search(data)
+    if c is None:
+        return _PARSE
+    return _EMPTY if c.group(1) == b"]" else _TOKEN
+
+
 async def send_one(
     client: httpx.AsyncClient, req: BenchRequest, opts: ClientOptions, run_start: float
 ) -> RequestResult:
     res = RequestResult(req.index, req.kind, req.prompt_len, req.output_len, req.session)
     st = time.perf_counter()
     res.start_s = st - run_start
-    last = st
-    got_first = done = False
+    rd = _Reader(res, st)
     try:
         async with client.stream("POST", opts.endpoint, json=_payload(req, opts)) as resp:
             if resp.status_code != 200:
@@ -106,32 +139,19 @@ async def send_one(
                 res.error_kind, res.error = f"http_{resp.status_code}", body
                 return res
             _read_headers(res, resp.headers)
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                chunk = line[5:].strip()
-                if done:
+            tail = b""
+            async for raw in resp.aiter_bytes():
+                if rd.done:
                     continue  # read on to the end of the body: the connection is then reused
-                if chunk == "[DONE]":
-                    done = True
+                if b"\n" not in raw:
+                    tail += raw
                     continue
-                data = json.loads(chunk)
-                if "error" in data:
-                    err = data["error"]
-                    res.error_kind = "stream_error"
-                    res.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
-                    return res
-                if _has_token(data.get("choices") or []):
-                    now = time.perf_counter()
-                    if not got_first:
-                        got_first, res.ttft_s = True, now - st
-                    else:
-                        res.itl_s.append(now - last)
-                    last = now
-                elif usage := data.get("usage"):
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
-                    if usage.get("prompt_tokens"):
-                        res.prompt_len = int(usage["prompt_tokens"])
+                lines = (tail + raw).split(b"\n") if tail else raw.split(b"\n")
+                tail = lines.pop()
+                if rd.feed(lines, time.perf_counter()):
+                    return res  # an error event
+            if tail and not rd.done and rd.feed([tail], time.perf_counter()):
+                return res  # the last line had no newline (aiter_lines reads it too)
     except httpx.TimeoutException as exc:
         res.error_kind, res.error = "timeout", repr(exc)
         return res
@@ -141,13 +161,64 @@ async def send_one(
     except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
         res.error_kind, res.error = "protocol", repr(exc)[:300]
         return res
-    if not got_first or not done:
+    if not rd.got_first or not rd.done:
         res.error_kind = "incomplete"
-        res.error = "no chunk with a choice" if not got_first else "the stream ended without [DONE]"
+        res.error = "no chunk with a choice" if not rd.got_first else "the stream ended without [DONE]"
         return res
     res.success = True
-    res.latency_s = last - st
+    res.latency_s = rd.last - st
     return res
+
+
+class _Reader:
+    """One response's SSE lines as they come: every line of one network read arrives at that read's
+    time; TTFT and ITL are taken from the chunks with a choice, as vLLM's client does."""
+
+    __slots__ = ("res", "st", "last", "got_first", "done")
+
+    def __init__(self, res: RequestResult, st: float) -> None:
+        self.res, self.st, self.last = res, st, st
+        self.got_first = self.done = False
+
+    def feed(self, lines: list[bytes], now: float) -> bool:
+        """Read complete lines; True for an error event (recorded in the result)."""
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            kind = _quick(data)
+            if kind == _PARSE:
+                kind = _parse(self.res, data)
+                if kind < 0:
+                    return True
+            if kind == _TOKEN:
+                if not self.got_first:
+                    self.got_first, self.res.ttft_s = True, now - self.st
+                else:
+                    self.res.itl_s.append(now - self.last)
+                self.last = now
+            elif kind == _DONE:
+                self.done = True
+                break
+        return False
+
+
+def _parse(res: RequestResult, data: bytes) -> int:
+    """The full parse of a chunk (_quick could not tell): _TOKEN or _EMPTY, with usage read into `res`;
+    -1 for an error event (recorded in `res`)."""
+    obj = json.loads(data)
+    if "error" in obj:
+        err = obj["error"]
+        res.error_kind = "stream_error"
+        res.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+        return -1
+    if _has_token(obj.get("choices") or []):
+        return _TOKEN
+    if usage := obj.get("usage"):
+        res.output_tokens = int(usage.get("completion_tokens") or 0)
+        if usage.get("prompt_tokens"):
+            res.prompt_len = int(usage["prompt_tokens"])
+    return _EMPTY
 
 
 def _read_headers(res: RequestResult, headers: httpx.Headers) -> None:
@@ -161,7 +232,7 @@ def _read_headers(res: RequestResult, headers: httpx.Headers) -> None:
     res.kv_backend = headers.get("x-splitserve-kv-backend")
 
 
-def _chains(trace: list[BenchRequest]) -> list[list[BenchRequest]]:
+def chains(trace: list[BenchRequest]) -> list[list[BenchRequest]]:
     """Independent requests alone; a session's turns in order."""
     chains: list[list[BenchRequest]] = []
     sessions: dict[int, list[BenchRequest]] = {}
@@ -182,9 +253,35 @@ async def run_trace(
     opts: ClientOptions,
     on_done: Callable[[RequestResult], None] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    stats: dict | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send `trace` (arrival offsets set) and wait for every answer. Returns the results in trace
-    order and the run's duration: first send scheduled to last answer, as vLLM's benchmark_duration."""
+    order and the run's duration: first send scheduled to last answer, as vLLM's benchmark_duration.
+    With `opts.procs` > 1 (None: as many as the load needs) the trace is spread over client processes
+    (splitserve.bench.procs); a `transport` (a mock) works in this process only. `stats`, if given,
+    gets `procs` (how many ran) and `child_cpu_s` (their CPU seconds: this process's are not in it)."""
+    from splitserve.bench.procs import client_procs, run_procs
+
+    n = 1 if transport is not None and opts.procs is None else client_procs(trace, opts)
+    if stats is not None:
+        stats.update(procs=n, child_cpu_s=0.0)
+    if n == 1:
+        return await drive(base_url, trace, opts, on_done, transport)
+    if transport is not None:
+        raise ValueError("a transport works in one client process only (procs=1)")
+    return await run_procs(base_url, trace, opts, n, on_done, stats)
+
+
+async def drive(
+    base_url: str,
+    trace: list[BenchRequest],
+    opts: ClientOptions,
+    on_done: Callable[[RequestResult], None] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    start_at: Callable[[], float] | None = None,
+) -> tuple[list[RequestResult], float]:
+    """run_trace in this process, on this event loop. `start_at`, called once the HTTP client is set
+    up, gives the run's start as a perf_counter() reading (default: now); arrivals are offsets from it."""
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(opts.timeout_s, connect=30.0)
@@ -193,7 +290,7 @@ async def run_trace(
     async with httpx.AsyncClient(
         base_url=base_url, headers=headers, limits=limits, timeout=timeout, transport=transport
     ) as client:
-        start = time.perf_counter()
+        start = start_at() if start_at is not None else time.perf_counter()
 
         async def one(req: BenchRequest) -> None:
             if sem is None:
@@ -214,7 +311,7 @@ async def run_trace(
                     await asyncio.sleep(req.think_s)
                 await one(req)
 
-        await asyncio.gather(*(chain(c) for c in _chains(trace)))
+        await asyncio.gather(*(chain(c) for c in chains(trace)))
         duration = time.perf_counter() - start
     return [results[r.index] for r in trace], duration
 
@@ -228,4 +325,4 @@ async def served_model(base_url: str, api_key: str | None = None) -> str:
         return resp.json()["data"][0]["id"]
 
 
-__all__ = ["ClientOptions", "RequestResult", "run_trace", "send_one", "served_model"]
+__all__ = ["ClientOptions", "RequestResult", "chains", "drive", "run_trace", "send_one", "served_model"]

@@ -15,7 +15,7 @@ import math
 import os
 import secrets
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -53,6 +53,7 @@ class RunOptions:
     ignore_eos: bool = True
     timeout_s: float = 600.0
     max_concurrency: int | None = None
+    client_procs: int | None = None  # load client processes (None: enough for the load)
     progress: bool = True
     out_dir: Path | None = None  # per-request records go here
     verify: bool = False  # run the `splitserve verify` gate on each target first (fail closed)
@@ -218,6 +219,7 @@ async def _prepare(run: TargetRun, url: str, opts: RunOptions) -> ClientOptions:
         ignore_eos=opts.ignore_eos,
         timeout_s=opts.timeout_s,
         max_concurrency=opts.max_concurrency,
+        procs=opts.client_procs,
     )
     if opts.warmup:
         await _warm_up(url, copts, opts.warmup)
@@ -264,8 +266,9 @@ async def _bench_rate(
 
     before = await fetch_metrics(url, opts.api_key)
     util = UtilSampler(pid).start()
-    results, duration = await run_trace(url, reqs, copts, done)
-    usage = util.stop()
+    stats: dict = {}
+    results, duration = await run_trace(url, reqs, copts, done, stats=stats)
+    usage = util.stop(stats.get("child_cpu_s", 0.0)) | {"client_procs": stats.get("procs", 1)}
     after = await fetch_metrics(url, opts.api_key)
     bar.close()
     metrics = summarize(results, duration, opts.slo)
@@ -293,7 +296,7 @@ def _offered(reqs: list[BenchRequest]) -> float:
 async def _warm_up(url: str, copts: ClientOptions, n: int) -> None:
     """A few short requests, not measured (the first request pays for lazy set-up)."""
     warm = [BenchRequest(i, tuple(range(1000, 1016)), 16, 4) for i in range(n)]
-    results, _ = await run_trace(url, warm, copts)
+    results, _ = await run_trace(url, warm, replace(copts, procs=1))
     bad = [r for r in results if not r.success]
     if len(bad) == len(results):
         raise RuntimeError(f"the endpoint answered no warm-up request: {bad[0].error_kind} {bad[0].error}")

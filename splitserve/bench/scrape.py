@@ -150,7 +150,9 @@ class UtilSampler:
             self._thread.start()
         return self
 
-    def stop(self) -> dict:
+    def stop(self, extra_client_cpu_s: float = 0.0) -> dict:
+        """The figures since start(); `extra_client_cpu_s`: CPU seconds of client processes other than
+        this one (splitserve.bench.procs), counted as the client's, not as other processes'."""
         wall = max(time.perf_counter() - self._t0, 1e-9)
         self._stop.set()
         if self._thread:
@@ -161,7 +163,8 @@ class UtilSampler:
             "host_cores": cores,
             "cpu_host_pct": math.nan,  # all cores busy = 100
             "cpu_deployment_cores": math.nan,  # the started deployment's processes
-            "cpu_client_cores": (time.process_time() - self._self0) / wall,  # this load client
+            # the load client: this process and its other processes
+            "cpu_client_cores": (time.process_time() - self._self0 + extra_client_cpu_s) / wall,
             "cpu_other_cores": math.nan,  # everything else on the host: interference
             "gpu_util_pct": None,
         }

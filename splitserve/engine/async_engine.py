@@ -11,7 +11,7 @@ Life of a request:
 
 Other work that must run on the engine thread (a KV import's block reservation, stats) goes through
 `run_in_engine(fn)`; `stream(request_id, submit)` streams a request that `submit` puts into the engine
-by other means than `add_request` (a KV import, disagg_async.py).
+by other means than `add_request` (e.g. a KV import through `KVConnector`).
 
 torch releases the GIL inside its kernels, so the event loop stays responsive while a step runs.
 """

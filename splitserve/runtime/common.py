@@ -18,9 +18,10 @@ def pool_device(manifest: Manifest, role: str, index: int) -> str:
 
 
 def worker_argv(manifest: Manifest, role: str, index: int, secret_env: str) -> list[str]:
-    """The command line of one worker, from the manifest. Every role gets the deployment's secret (in
-    the environment variable `secret_env`): it keys the KV handshake and the worker API's token."""
-    m, e, t = manifest.model, manifest.engine, manifest.transport
+    """The command line of one worker, from the manifest (its engine flags from `engine_for(role)`).
+    Every role gets the deployment's secret (in the environment variable `secret_env`): it keys the KV
+    handshake and the worker API's token."""
+    m, e, t = manifest.model, manifest.engine_for(role), manifest.transport
     flags: dict[str, object] = {
         "--role": role, "--model": m.source, "--tokenizer": m.tokenizer, "--host": "127.0.0.1", "--port": 0,
         "--device": pool_device(manifest, role, index), "--dtype": m.dtype, "--block-size": e.block_size,
@@ -51,7 +52,7 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
     """The same worker as `worker_argv` describes, as a config (runtime.worker_args do not apply)."""
     from splitserve.serve.worker import WorkerConfig
 
-    m, e, t = manifest.model, manifest.engine, manifest.transport
+    m, e, t = manifest.model, manifest.engine_for(role), manifest.transport
     device = pool_device(manifest, role, index)
     return WorkerConfig(
         role=role,
@@ -80,6 +81,7 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
         weight_cache_verify=e.weight_cache_verify,
         enforce_eager=e.enforce_eager,
         async_scheduling=e.async_scheduling,
+        threads=e.threads,
     )
 
 

@@ -79,13 +79,10 @@ class WorkerReplica:
     """A Serve replica of a prefill, decode or colocated pool: one engine and its worker HTTP API."""
 
     def __init__(self, manifest_json: str, role: str, registry: str, namespace: str) -> None:
-        import torch
-
         from splitserve.serve.worker import Worker
         from splitserve.serve.worker_app import serve as serve_http
 
         manifest = Manifest.model_validate_json(manifest_json)
-        torch.set_num_threads(manifest.engine.threads)
         secret = os.environ.get(manifest.transport.secret_env)
         host = ray.util.get_node_ip_address()
         ctx = serve.get_replica_context()
@@ -123,8 +120,8 @@ class WorkerReplica:
     def check_health(self) -> None:
         if not self.http.is_alive():
             raise RuntimeError("the worker's HTTP server stopped")
-        if not self.worker.llm._thread.is_alive():  # noqa: SLF001
-            raise RuntimeError("the engine thread died")
+        if not self.worker.alive():
+            raise RuntimeError("the worker's engine core died")
 
     def info(self) -> dict:
         return self.entry

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -143,6 +144,9 @@ class OpenAIServer:
         self.metrics = RouterMetrics(info.served_name)
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        # the per-token metrics, bound to their labels once (a .labels() lookup per token adds up)
+        self.itl = self.metrics.itl.labels(info.served_name)
+        self.generated = self.metrics.generation_tokens.labels(info.served_name)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id) if self.tokenizer is not None else str(token_id)
@@ -531,11 +535,12 @@ class _Run:
                 self.ttft, self.first_metrics = ttft, piece.metrics
         elif piece.token_ids:
             gap = (now - c.last_time) / len(piece.token_ids)
+            observe = self.s.itl.observe
             for _ in piece.token_ids:
-                m.itl.labels(name).observe(gap)
+                observe(gap)
         c.last_time = now
         c.tokens += len(piece.token_ids)
-        m.generation_tokens.labels(name).inc(len(piece.token_ids))
+        self.s.generated.inc(len(piece.token_ids))
         if piece.finished:
             c.finish_reason = piece.finish_reason
             m.requests.labels(name, piece.finish_reason or "unknown").inc()
@@ -722,8 +727,11 @@ class _Stream(StreamingResponse):
             await self._cleanup()
 
 
+_encode = msgspec.json.Encoder().encode
+
+
 def _sse(body: dict) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _encode(body) + b"\n\n"
 
 
 _TYPE_TAGS = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[")  # a union member's tag in a loc

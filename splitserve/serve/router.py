@@ -26,10 +26,21 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import httpx
+import aiohttp
+import msgspec
+from pydantic import BaseModel
 
 from splitserve.config.manifest import RouterSection
 from splitserve.serve.openai_protocol import APIError
+from splitserve.serve.schemas import (
+    LINE_DECODER,
+    AbortRequest,
+    DecodeRequest,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResponse,
+    ReleaseRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,16 +125,29 @@ class Dispatcher:
         self.config = config
         self.mode = mode
         self.picker = Picker(config, block_size)
-        t = config.timeouts
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
-        timeout = httpx.Timeout(t.request_s, connect=t.connect_s)
-        self.http = httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers or {})
+        self.headers = headers or {}
+        self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """aiohttp (its C HTTP parser) for the workers' streams: one line per engine step per request
+        goes through here, so its cost per chunk is the router's cost per token."""
+        if self._session is None or self._session.closed:
+            t = self.config.timeouts
+            self._session = aiohttp.ClientSession(
+                headers={**self.headers, "Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=t.request_s, sock_connect=t.connect_s),
+                connector=aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=30),
+                json_serialize=lambda obj: msgspec.json.encode(obj).decode(),
+            )
+        return self._session
 
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(self._background, timeout=5)
-        await self.http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     def _later(self, coro: Any) -> None:
         """Fire and forget (an abort or a release), surviving the caller's cancellation."""
@@ -131,9 +155,11 @@ class Dispatcher:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _post_quietly(self, worker: Endpoint, path: str, body: dict) -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            await self.http.post(f"{worker.url}{path}", json=body, timeout=self.config.timeouts.connect_s)
+    async def _post_quietly(self, worker: Endpoint, path: str, body: BaseModel) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.timeouts.connect_s)
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self.http.post(f"{worker.url}{path}", data=_json(body), timeout=timeout) as r:
+                await r.read()
 
     # ---- one choice -----------------------------------------------------------------------------
 
@@ -142,7 +168,7 @@ class Dispatcher:
     ) -> AsyncIterator[Piece]:
         if self.mode == "colocated":
             worker = self.picker.pick(self.workers.ready("colocated"), "colocated", prompt_ids)
-            body = {"prompt_token_ids": prompt_ids, "sampling_params": params, "request_id": request_id}
+            body = GenerateRequest(prompt_token_ids=prompt_ids, sampling_params=params, request_id=request_id)
             async for piece in self._stream(
                 worker, "/generate", body, index, request_id, self.config.timeouts.prefill_s
             ):
@@ -156,13 +182,15 @@ class Dispatcher:
     ) -> AsyncIterator[Piece]:
         t = self.config.timeouts
         pf = self.picker.pick(self.workers.ready("prefill"), "prefill", prompt_ids)
-        body = {"prompt_token_ids": prompt_ids, "sampling_params": params, "request_id": rid}
+        body = PrefillRequest(prompt_token_ids=prompt_ids, sampling_params=params, request_id=rid)
         start = time.perf_counter()
         pf.inflight += 1
         try:
-            resp = await asyncio.wait_for(self.http.post(f"{pf.url}/prefill", json=body), t.prefill_s)
+            async with asyncio.timeout(t.prefill_s):
+                async with self.http.post(f"{pf.url}/prefill", data=_json(body)) as resp:
+                    status, content = resp.status, await resp.read()
         except TimeoutError:
-            self._later(self._post_quietly(pf, "/abort", {"request_id": rid}))
+            self._later(self._post_quietly(pf, "/abort", AbortRequest(request_id=rid)))
             raise APIError(
                 504,
                 f"the prefill stage ran past its deadline ({t.prefill_s:g}s) on {pf.name}",
@@ -170,57 +198,44 @@ class Dispatcher:
                 code="prefill_timeout",
             ) from None
         except asyncio.CancelledError:
-            self._later(self._post_quietly(pf, "/abort", {"request_id": rid}))
+            self._later(self._post_quietly(pf, "/abort", AbortRequest(request_id=rid)))
             raise
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise _worker_failed(pf, "prefill", exc) from None
         finally:
             pf.inflight -= 1
-        if resp.status_code != 200:
-            raise _worker_error(pf, resp.status_code, resp.content)
-        pre = resp.json()
+        if status != 200:
+            raise _worker_error(pf, status, content)
+        pre = PrefillResponse.model_validate_json(content)
         prefill_wall = time.perf_counter() - start
-        metrics = {**pre.get("metrics", {}), "prefill_wall_s": prefill_wall, "prefill_worker": pf.name}
-        if pre["kv"] is None:  # the first token ended it
-            yield Piece(
-                index,
-                [pre["first_token"]],
-                pre["text"],
-                _one(pre.get("logprob")),
-                pre["finish_reason"],
-                True,
-                metrics,
-            )
+        metrics = {**pre.metrics, "prefill_wall_s": prefill_wall, "prefill_worker": pf.name}
+        if pre.kv is None:  # the first token ended it
+            lps = None if pre.logprob is None else [pre.logprob]
+            yield Piece(index, [pre.first_token], pre.text, lps, pre.finish_reason, True, metrics)
             return
-        kv = pre["kv"]
+        kv = pre.kv
         try:
             dc = self.picker.pick(self.workers.ready("decode"), "decode", prompt_ids)
         except APIError:
-            self._later(self._post_quietly(pf, "/kv/release", {"kv": kv}))
+            self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv=kv)))
             raise
-        body = {
-            "prompt_token_ids": prompt_ids,
-            "first_token": pre["first_token"],
-            "first_logprob": pre.get("logprob"),
-            "kv": kv,
-            "sampling_params": params,
-            "request_id": rid,
-            "timeout_s": t.kv_transfer_s,
-            "stream": True,
-        }
+        dbody = DecodeRequest(
+            prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob, kv=kv,
+            sampling_params=params, request_id=rid, timeout_s=t.kv_transfer_s, stream=True,
+        )  # fmt: skip
         claimed = False
         try:
-            async for piece in self._stream(dc, "/decode", body, index, rid, t.kv_transfer_s + t.connect_s):
+            async for piece in self._stream(dc, "/decode", dbody, index, rid, t.kv_transfer_s + t.connect_s):
                 if not claimed:
                     claimed = True
                     piece.metrics = {**metrics, **piece.metrics}
                 yield piece
         finally:
             if not claimed:  # the decode worker never took the KV: give it back now, not at lease end
-                self._later(self._post_quietly(pf, "/kv/release", {"kv": kv}))
+                self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv=kv)))
 
     async def _stream(
-        self, worker: Endpoint, path: str, body: dict, index: int, rid: str, first_timeout_s: float
+        self, worker: Endpoint, path: str, body: BaseModel, index: int, rid: str, first_timeout_s: float
     ) -> AsyncIterator[Piece]:
         """POST an NDJSON-streaming endpoint; each line -> a Piece. Deadlines: `first_timeout_s` for
         the first line, `inter_token_s` between lines."""
@@ -228,17 +243,17 @@ class Dispatcher:
         stage = "kv transfer" if path == "/decode" else "prefill"
         worker.inflight += 1
         done = False
+        decode = LINE_DECODER.decode
         try:
-            async with self.http.stream("POST", f"{worker.url}{path}", json=body) as resp:
-                if resp.status_code != 200:
-                    raise _worker_error(worker, resp.status_code, await resp.aread())
-                lines = resp.aiter_lines()
+            async with self.http.post(f"{worker.url}{path}", data=_json(body)) as resp:
+                if resp.status != 200:
+                    raise _worker_error(worker, resp.status, await resp.read())
                 timeout, first = first_timeout_s, True
+                lines = _lines(resp.content)
                 while True:
                     try:
-                        raw = await asyncio.wait_for(anext(lines), timeout)
-                    except StopAsyncIteration:
-                        break
+                        async with asyncio.timeout(timeout):
+                            raw = await anext(lines, b"")
                     except TimeoutError:
                         what = f"the {stage} stage" if first else "the next token"
                         raise APIError(
@@ -248,18 +263,11 @@ class Dispatcher:
                             code="worker_timeout",
                         ) from None
                     if not raw:
-                        continue
-                    line = json.loads(raw)
+                        break  # end of the body
+                    line = decode(raw)
                     timeout, first = t.inter_token_s, False
-                    piece = Piece(
-                        index,
-                        line["token_ids"],
-                        line["text"],
-                        line.get("logprobs"),
-                        line.get("finish_reason"),
-                        line["finished"],
-                        line.get("metrics") or {},
-                    )
+                    piece = Piece(index, line.token_ids, line.text, line.logprobs, line.finish_reason,
+                                  line.finished, line.metrics or {})  # fmt: skip
                     if piece.finished:
                         done = True
                         if piece.finish_reason in (None, "abort", "error"):
@@ -279,12 +287,34 @@ class Dispatcher:
                 type="server_error",
                 code="worker_failed",
             )
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, msgspec.DecodeError) as exc:
             raise _worker_failed(worker, stage, exc) from None
         finally:
             worker.inflight -= 1
             if not done:  # cancelled, timed out or failed: make sure the worker lets go of it
-                self._later(self._post_quietly(worker, "/abort", {"request_id": rid}))
+                self._later(self._post_quietly(worker, "/abort", AbortRequest(request_id=rid)))
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The body's lines, however long (aiohttp's readline stops at 64 KiB), empty ones skipped."""
+    buf = b""
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            if buf.strip():
+                yield buf
+            return
+        buf += chunk
+        if b"\n" not in chunk:
+            continue
+        *full, buf = buf.split(b"\n")
+        for line in full:
+            if line:
+                yield line
+
+
+def _json(body: BaseModel) -> bytes:
+    return body.model_dump_json().encode()
 
 
 def _one(lp: dict | None) -> list[dict] | None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import RequestOutput, TokenLogprob
+from splitserve.engine.request import TokenLogprob
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)} - {"extra"}
 
@@ -38,15 +39,6 @@ def logprob_from_dict(data: dict[str, Any]) -> TokenLogprob:
         return TokenLogprob(int(data["token_id"]), float(data["logprob"]), int(data["rank"]), top)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed logprob {data!r}: {exc}") from exc
-
-
-def request_timings(out: RequestOutput) -> dict[str, float]:
-    """queue_s (arrival -> first scheduled) and prefill_s (first scheduled -> first token) of an output."""
-    m = out.metrics
-    arrival, scheduled, first = m.get("arrival_time"), m.get("scheduled_time"), m.get("first_token_time")
-    if arrival is None or scheduled is None or first is None:
-        return {}
-    return {"queue_s": max(0.0, scheduled - arrival), "prefill_s": max(0.0, first - scheduled)}
 
 
 class _Body(BaseModel):
@@ -138,8 +130,9 @@ class FaultsRequest(_Body):
     seed: int = 0
 
 
-class StreamLine(_Body):
-    """One NDJSON line of /generate and /decode: the tokens new since the previous line."""
+class StreamLine(msgspec.Struct, omit_defaults=False):
+    """One NDJSON line of /generate and /decode: the tokens new since the previous line. Encoded by the
+    worker and decoded by the router with msgspec (`LINE_DECODER`): the one definition both sides use."""
 
     request_id: str
     offset: int  # index of token_ids[0] in the completion (a /decode stream starts with the first token)
@@ -152,31 +145,5 @@ class StreamLine(_Body):
     metrics: dict[str, Any] | None = None
 
 
-class LineMaker:
-    """Turns the engine's cumulative outputs into delta lines; `metrics` rides on the first line."""
-
-    def __init__(self, metrics: dict[str, Any] | None = None, timings: bool = True) -> None:
-        self.tokens = 0
-        self.chars = 0
-        self.metrics = metrics  # may be filled in after construction, before the first line
-        self.timings = timings  # queue_s / prefill_s of this engine (not on /decode: prefill was elsewhere)
-
-    def __call__(self, out: RequestOutput) -> StreamLine:
-        comp = out.outputs[0]
-        first = self.tokens == 0 and self.chars == 0
-        metrics = None
-        if first:
-            metrics = {**(request_timings(out) if self.timings else {}), **(self.metrics or {})}
-        lps = comp.logprobs
-        line = StreamLine(
-            request_id=out.request_id,
-            offset=self.tokens,
-            token_ids=comp.token_ids[self.tokens :],
-            text=comp.text[self.chars :],
-            finished=out.finished,
-            finish_reason=comp.finish_reason,
-            logprobs=None if lps is None else [logprob_to_dict(x) for x in lps[self.tokens :]],
-            metrics=metrics,
-        )
-        self.tokens, self.chars = len(comp.token_ids), len(comp.text)
-        return line
+LINE_ENCODER = msgspec.json.Encoder()
+LINE_DECODER = msgspec.json.Decoder(StreamLine)

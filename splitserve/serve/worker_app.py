@@ -1,6 +1,7 @@
 """HTTP for the worker service: FastAPI routes over `Worker`, errors as JSON, NDJSON streams, uvicorn.
 
-Errors are `{"error": {"type", "message", ...}}` with a status that says what to do about them:
+Errors are `{"error": {"type", "message", ...}}` with a status that says what to do about them (the
+engine core picks it, core.py's `error_info`):
 400 a bad request or an endpoint this role does not serve; 403 the KV peer could not prove the shared
 secret; 409 the KV peer's layout differs (the list of differences is in `mismatches`); 503 no room
 in time or the engine is gone; 504 the KV fetch ran past its deadline; 502 any other transfer failure.
@@ -10,21 +11,25 @@ A /decode or /generate stream answers its status before the first line: a failed
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from splitserve.engine.async_engine import EngineDeadError
-from splitserve.engine.disagg import KVTransferFailed, NoRoom
-from splitserve.kv import AuthError, PeerRefused, TransferTimeout, TransportError
+from splitserve.serve.core_client import CoreDead
+from splitserve.serve.core_protocol import CoreError
 from splitserve.serve.listen import KEEP_ALIVE_S, listen
 from splitserve.serve.schemas import (
+    LINE_ENCODER,
     AbortRequest,
     DecodeRequest,
     FaultsRequest,
@@ -49,36 +54,19 @@ def _error(status: int, error_type: str, message: str, **extra: object) -> JSONR
     return JSONResponse({"error": {"type": error_type, "message": message, **extra}}, status_code=status)
 
 
-def _transfer_status(exc: BaseException) -> int:
-    for cls, status in ((AuthError, 403), (PeerRefused, 409), (TransferTimeout, 504), (NoRoom, 503)):
-        if isinstance(exc, cls):
-            return status
-    return 502
-
-
 def _install_errors(app: FastAPI) -> None:
-    @app.exception_handler(KVTransferFailed)
-    async def transfer_failed(_: Request, exc: KVTransferFailed) -> JSONResponse:
-        mismatches = getattr(exc.cause, "mismatches", None)
-        return _error(_transfer_status(exc.cause), "kv_transfer_failed", str(exc), kind=exc.kind,
-                      request_id=exc.request_id, mismatches=mismatches)  # fmt: skip
+    @app.exception_handler(CoreError)
+    async def core_error(_: Request, exc: CoreError) -> JSONResponse:
+        info = exc.info
+        return _error(info.status, info.type, info.message, **info.extra)
 
-    @app.exception_handler(TransportError)
-    async def transport_error(_: Request, exc: TransportError) -> JSONResponse:
-        return _error(_transfer_status(exc), "kv_transport", str(exc), kind=type(exc).__name__,
-                      mismatches=getattr(exc, "mismatches", None))  # fmt: skip
-
-    @app.exception_handler(NoRoom)
-    async def no_room(_: Request, exc: NoRoom) -> JSONResponse:
-        return _error(503, "no_room", str(exc))
+    @app.exception_handler(CoreDead)
+    async def core_dead(_: Request, exc: CoreDead) -> JSONResponse:
+        return _error(503, "engine_dead", str(exc))
 
     @app.exception_handler(ValueError)
     async def bad_request(_: Request, exc: ValueError) -> JSONResponse:
         return _error(400, "invalid_request", str(exc))
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error(503, "engine_dead", str(exc))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
@@ -86,7 +74,7 @@ def _install_errors(app: FastAPI) -> None:
         return _error(500, "internal", f"{type(exc).__name__}: {exc}")
 
 
-async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingResponse | JSONResponse:
+async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingResponse | Response:
     """Run the stream up to its first line before answering, so that errors get a status."""
     first = await anext(lines, None)
     if not stream:
@@ -95,16 +83,18 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
         if not got:
             return _error(500, "internal", "the engine produced no output")
         tokens = [t for line in got for t in line.token_ids]
-        last = got[-1]
-        body = {**last.model_dump(), "offset": 0, "token_ids": tokens, "text": "".join(x.text for x in got)}
-        return JSONResponse(body)
+        lps = None if got[-1].logprobs is None else [x for line in got for x in line.logprobs or []]
+        body = msgspec.structs.replace(got[-1], offset=0, token_ids=tokens, logprobs=lps,
+                                       text="".join(x.text for x in got), metrics=got[0].metrics)  # fmt: skip
+        return Response(LINE_ENCODER.encode(body), media_type="application/json")
 
     async def body() -> AsyncIterator[bytes]:
+        encode = LINE_ENCODER.encode
         try:
             if first is not None:
-                yield first.model_dump_json().encode() + b"\n"
+                yield encode(first) + b"\n"
             async for line in lines:
-                yield line.model_dump_json().encode() + b"\n"
+                yield encode(line) + b"\n"
         finally:
             with contextlib.suppress(Exception):
                 await lines.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request
@@ -112,22 +102,41 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
     return StreamingResponse(body(), media_type=NDJSON)
 
 
-def _require_token(app: FastAPI, token: str) -> None:
-    """Every endpoint but GET /health answers 401 without `Authorization: Bearer <token>`."""
-    expected = f"Bearer {token}".encode()
+_UNAUTHORIZED = b'{"error":{"type":"unauthorized","message":"this worker wants the worker token"}}'
 
-    @app.middleware("http")
-    async def check(request: Request, call_next: Callable) -> Any:
-        if request.url.path != "/health":
-            got = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
-                return _error(401, "unauthorized", "this worker wants the deployment's worker token")
-        return await call_next(request)
+
+class _RequireToken:
+    """Every endpoint but GET /health answers 401 without `Authorization: Bearer <token>`. A plain
+    ASGI middleware: starlette's BaseHTTPMiddleware would put a memory stream under every chunk."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(got, self.expected):
+                body = _UNAUTHORIZED
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def _exit_soon(why: str) -> None:
+    """The engine core died: requests in flight have failed; let their answers go out, then exit so
+    that the runtime restarts this worker (its core cannot be replaced under the same KV address)."""
+    print(f"splitserve worker: {why}; exiting", file=sys.stderr, flush=True)
+    asyncio.get_running_loop().call_later(0.5, os._exit, 3)
 
 
 def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.attach(asyncio.get_running_loop())
+        worker.client.on_death = _exit_soon
         if on_ready is not None:
             on_ready()
         yield
@@ -136,18 +145,18 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
     app = FastAPI(title=f"splitserve {worker.config.role} worker", lifespan=lifespan)
     _install_errors(app)
     if worker.config.http_auth:
-        _require_token(app, worker_token(worker.config.kv_secret or ""))
+        app.add_middleware(_RequireToken, token=worker_token(worker.config.kv_secret or ""))
 
     @app.post("/prefill", response_model=PrefillResponse)
     async def prefill(req: PrefillRequest) -> PrefillResponse:
         return await worker.prefill(req)
 
     @app.post("/decode", response_model=None)
-    async def decode(req: DecodeRequest) -> StreamingResponse | JSONResponse:
+    async def decode(req: DecodeRequest) -> StreamingResponse | Response:
         return await _ndjson(worker.decode(req), req.stream)
 
     @app.post("/generate", response_model=None)
-    async def generate(req: GenerateRequest) -> StreamingResponse | JSONResponse:
+    async def generate(req: GenerateRequest) -> StreamingResponse | Response:
         return await _ndjson(worker.generate(req), req.stream)
 
     @app.post("/abort")
@@ -169,7 +178,7 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
 
     @app.post("/kv/release")
     async def release(req: ReleaseRequest) -> dict:
-        return worker.release(req.kv)
+        return await worker.release(req.kv)
 
     @app.post("/kv/probe/export")
     async def probe_export(req: ProbeExportRequest) -> dict:
@@ -181,7 +190,7 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
 
     @app.post("/debug/faults")
     async def faults(req: FaultsRequest) -> dict:
-        return worker.set_faults(req)
+        return await worker.set_faults(req)
 
     return app
 

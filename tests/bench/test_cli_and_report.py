@@ -92,6 +92,7 @@ def test_report_files(tmp_path):
         (["--turns", "5:2"], "--turns"),
         (["--usd-per-hour", "cpu"], "KEY=VALUE"),
         (["--workload", "replay"], "--trace"),
+        (["--client-procs", "0"], "--client-procs"),
     ],
 )
 def test_bad_arguments_exit_2(tmp_path, capsys, extra, word):

@@ -100,9 +100,12 @@ def _wait_role_busy(dep, role: str, timeout_s: float = 30.0) -> None:
 VICTIMS = {"decode-0": (LONG["prompt"], 150), "prefill-0": ("Tell me a story. " * 300, 8)}
 
 
-@pytest.mark.parametrize("victim", list(VICTIMS))
-def test_sigkill_a_worker_under_load(fragile, victim):
+@pytest.mark.parametrize("victim,process", [(v, p) for v in VICTIMS for p in ("front end", "engine core")])
+def test_sigkill_a_worker_under_load(fragile, victim, process):
+    """Either process of a worker dies (its front end, or the engine core behind it): the requests on
+    it fail within their deadline, the worker is restarted whole, nothing leaks."""
     before = {w["name"]: w for w in fragile.admin()["workers"]}
+    pid = before[victim]["pid"] if process == "front end" else before[victim]["info"]["core_pid"]
     prompt, max_tokens = VICTIMS[victim]
     killed_at = 0.0
 
@@ -113,7 +116,7 @@ def test_sigkill_a_worker_under_load(fragile, victim):
         await asyncio.to_thread(_wait_role_busy, fragile, victim.split("-")[0])
         if victim.startswith("decode"):
             await asyncio.sleep(1.0)  # tokens are streaming
-        os.kill(before[victim]["pid"], signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         return await asyncio.gather(*jobs)
 
@@ -137,7 +140,8 @@ def test_sigkill_a_worker_under_load(fragile, victim):
     info = {x["name"]: x for x in fragile.admin()["workers"]}[victim]["info"]
     load = info["load"]
     print(
-        f"{victim} killed; back ready in {back_in:.1f}s (spawn to ready {w['startup_s']:.1f}s, from the "
+        f"{victim}'s {process} killed; back ready in {back_in:.1f}s (spawn to ready "
+        f"{w['startup_s']:.1f}s, from the "
         f"standby process: {info['from_standby']}; weights {load['method']}, "
         f"cache {load['cache']['status']}, "
         f"{load['total_seconds']:.2f}s)"

@@ -1,0 +1,276 @@
+"""The endpoint against the engine: the same requests through `splitserve serve` and through
+`splitserve.LLM` offline, in one run, with the ratio.
+
+    python bench/serve_gpu.py                                   # CPU: random:tiny, 32 x (128 in, 64 out)
+    python bench/serve_gpu.py --model random:qwen3-8b --requests 128 --prompt-len 512 --max-tokens 128
+    python bench/serve_gpu.py --requests 1 --max-tokens 256     # batch 1: TPOT against the engine's
+
+Random weights at the model's real shape (no download). Every request is greedy with `ignore_eos`, so
+each makes exactly `--max-tokens` tokens; prompts are seeded random token ids, distinct per request.
+The offline figure: all requests added at once to an `LLM`, output tokens / wall. Both paths first
+run the same workload on other prompts, untimed (kernels compile on first use of a shape).
+The endpoint's: `--requests` parallel `curl -N` processes (a C client) posting streamed
+/v1/completions at once; output tokens counted from the streams; wall from the first launch to the
+last exit (each curl is started beforehand and waits for its body on stdin, so the clock does not
+time process creation). The clients' own CPU time is printed beside the wall time so that a
+saturated client shows.
+`bench/client_check.py` checks `splitserve bench`'s own client against curl on a running server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    hi = min(vocab, 32000) - 1
+    return [[rng.randint(3, hi) for _ in range(length)] for _ in range(n)]
+
+
+def offline(
+    model: str, prompts: list[list[int]], warm: list[list[int]], max_tokens: int, knobs: dict
+) -> dict:
+    """All requests added at once to an LLMEngine (as LLM.generate does), stepped to the end; each
+    request's TPOT from the times of the steps that gave its first and last tokens. `warm`: the same
+    workload with other prompts, run first untimed (kernels compile on their first shapes; other
+    prompts, so that the prefix cache does not skip the timed run's prefill)."""
+    import torch
+
+    from splitserve import LLM, SamplingParams
+
+    llm = LLM(model, progress=False, **knobs)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(warm, params, use_tqdm=False)
+    engine = llm.engine
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"bench-{i}")
+    first: dict[str, float] = {}
+    tpots, tokens = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                n = len(out.outputs[0].token_ids)
+                tokens += n
+                if n > 1:
+                    tpots.append((now - first[out.request_id]) / (n - 1))
+    wall = time.perf_counter() - t0
+    del llm, engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    tpot = 1e3 * sum(tpots) / len(tpots) if tpots else None
+    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "tpot_ms": tpot}
+
+
+def endpoint_tpot(url: str, model: str, prompt: list[int], max_tokens: int) -> float:
+    """One streamed request (a Python client keeps up with one stream): TPOT in ms, first chunk with
+    text to the last, per token (usage gives the count)."""
+    import httpx
+
+    body = json.loads(_curl_body(model, prompt, max_tokens))
+    times, tokens = [], 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                times.append(time.perf_counter())
+    return 1e3 * (times[-1] - times[0]) / max(1, tokens - 1)
+
+
+def _curl_body(model: str, prompt: list[int], max_tokens: int) -> str:
+    return json.dumps({
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        "ignore_eos": True, "stream_options": {"include_usage": True},
+    })  # fmt: skip
+
+
+def _count_stream(raw: bytes) -> tuple[int, list[float]]:
+    """Completion tokens of one SSE stream (its usage chunk), and nothing else."""
+    tokens = 0
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+    return tokens, []
+
+
+def endpoint_curl(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    if shutil.which("curl") is None:
+        raise SystemExit("curl is not installed (apt-get install curl)")
+    tmp = Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
+    bodies = []
+    for i, p in enumerate(prompts):
+        f = tmp / f"body{i}.json"
+        f.write_text(_curl_body(model, p, max_tokens))
+        bodies.append(f)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # Every curl is started first, waiting for its body on stdin, so that the clock does not time
+    # process creation: it starts when the bodies are handed over, all at once.
+    procs = [
+        subprocess.Popen(
+            [
+                "curl",
+                "-sS",
+                "-N",
+                "--fail-with-body",
+                "-H",
+                "Content-Type: application/json",
+                "--data-binary",
+                "@-",
+                f"{url}/v1/completions",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
+        for _ in bodies
+    ]
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    for p, b in zip(procs, bodies, strict=True):
+        assert p.stdin is not None
+        p.stdin.write(b.read_bytes())
+        p.stdin.close()
+    outs = []
+    for p in procs:
+        assert p.stdout is not None
+        outs.append(p.stdout.read())
+        p.wait()
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    shutil.rmtree(tmp, ignore_errors=True)
+    bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"{len(bad)} curl requests failed, e.g. {outs[bad[0]][:300]!r}")
+    tokens = sum(_count_stream(o)[0] for o in outs)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "client_cpu_s": cpu}
+
+
+def endpoint(
+    args: argparse.Namespace, mode: str, prompts: list[list[int]], warm: list[list[int]], manifest_knobs: dict
+) -> dict:
+    from splitserve.config import load_manifest
+    from splitserve.runtime.process import start_serve
+
+    manifest = load_manifest(args.manifest, {**manifest_knobs, "mode": mode})
+    with start_serve(manifest, echo=args.echo) as sp:
+        model = sp.ready["model"]
+        endpoint_curl(sp.url, model, warm, args.max_tokens)  # warm-up, as the engine's
+        runs = []
+        if len(prompts) == 1:
+            endpoint_tpot(sp.url, model, prompts[0], 8)  # warm-up
+            tpot = endpoint_tpot(sp.url, model, prompts[0], args.max_tokens)
+            runs.append({"client": "python", "tpot_ms": tpot})
+        for client in args.client:
+            runs.append({"client": client, **endpoint_curl(sp.url, model, prompts, args.max_tokens)})
+        if args.top:
+            os.system("top -b -n 1 | head -20")  # noqa: S605 - a look at who is busy, on request
+        return {"mode": mode, "runs": runs}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="default: random:tiny on CPU, random:qwen3-8b on CUDA")
+    ap.add_argument("--manifest", default=None, help="a manifest to start from (its model is replaced)")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--modes", nargs="+", default=["colocated", "disaggregated"])
+    ap.add_argument("--client", nargs="+", default=["curl"], choices=("curl",))
+    ap.add_argument("--kv-backend", default=None, help="disaggregated: tcp | shm | cuda_ipc | nccl")
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--tokenizer", default=None, help="an HF tokenizer directory (default: the model's)")
+    ap.add_argument("--kv-cache-mb", type=int, default=None,
+                    help="KV budget of every engine (default: 1024 on CPU, 16384 on CUDA, so that two "
+                         "workers share one GPU)")  # fmt: skip
+    ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default: all cores)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top", action="store_true", help="print `top` after each endpoint run")
+    ap.add_argument("--echo", action="store_true", help="echo the server's log")
+    ap.add_argument("--out", default="bench/results/serve_gpu.json")
+    args = ap.parse_args()
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    model = args.model or ("random:qwen3-8b" if cuda else "random:tiny")
+    threads = args.threads or (1 if cuda else os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    max_len = args.prompt_len + args.max_tokens + 16
+    seqs = args.max_num_seqs or max(args.requests, 1)
+    budget = args.max_num_batched_tokens or max(2048, seqs)
+    engine_knobs = {"max_model_len": max_len, "max_num_seqs": seqs, "max_num_batched_tokens": budget}
+    kv_mb = args.kv_cache_mb or (16384 if cuda else 1024)
+    engine_knobs["kv_cache_bytes"] = kv_mb << 20
+    if args.tokenizer:
+        engine_knobs["tokenizer"] = args.tokenizer
+    vocab = 512 if "tiny" in model else 32000
+    prompts = _prompts(args.requests, args.prompt_len, vocab, args.seed)
+    warm = _prompts(args.requests, args.prompt_len, vocab, args.seed + 1)
+    print(f"model {model} on {'cuda' if cuda else 'cpu'} ({threads} threads); {args.requests} requests of "
+          f"{args.prompt_len} prompt tokens, {args.max_tokens} new tokens, greedy, ignore_eos")  # fmt: skip
+    base = offline(model, prompts, warm, args.max_tokens, engine_knobs)
+    print(f"engine offline: {base['tok_s']:,.0f} output tok/s ({base['tokens']} tokens in "
+          f"{base['wall_s']:.2f} s), mean TPOT {base['tpot_ms'] or 0:.2f} ms")  # fmt: skip
+    knobs = {
+        "model.source": model, "model.max_model_len": max_len, "engine.max_num_seqs": seqs,
+        "engine.max_num_batched_tokens": budget, "engine.threads": threads, "server.port": 0,
+        "server.max_concurrent_requests": max(256, 2 * args.requests),
+        "server.max_queued_requests": max(256, 2 * args.requests),
+    }  # fmt: skip
+    knobs["engine.kv_cache_mb"] = kv_mb
+    if args.tokenizer:
+        knobs["model.tokenizer"] = args.tokenizer
+    if args.kv_backend:
+        knobs["transport.backend"] = args.kv_backend
+    rows = []
+    for mode in args.modes:
+        res = endpoint(args, mode, prompts, warm, knobs)
+        for run in res["runs"]:
+            if "tpot_ms" in run:
+                ratio = run["tpot_ms"] / base["tpot_ms"]
+                rows.append({"mode": mode, **run, "ratio": ratio})
+                tp = run["tpot_ms"]
+                print(f"{mode:<14} {run['client']:<6} TPOT {tp:.2f} ms  {ratio:5.3f}x the engine's")
+                continue
+            ratio = run["tok_s"] / base["tok_s"]
+            rows.append({"mode": mode, **run, "ratio": ratio})
+            print(f"{mode:<14} {run['client']:<6} {run['tok_s']:>10,.0f} output tok/s  {ratio:5.2f}x engine  "
+                  f"({run['tokens']} tokens in {run['wall_s']:.2f} s; clients' CPU "
+                  f"{run['client_cpu_s']:.2f} s)")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": model, "engine": base, "rows": rows, "args": vars(args)}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""The engine-core process of a worker: owns the device, the engine and the KV transport, and runs a
+tight loop; its front end (worker.py) holds HTTP, tokenization, detokenization and streams.
+
+    python -m splitserve.serve.core     # started by the front end; reads its spec as one JSON line
+
+The loop (`EngineCore.run`), one turn per engine step:
+  1. drain the command socket without blocking (block up to 100 ms only when there is no work):
+     `Add` queues a request (a refusal goes back as `Refused`), `Import` starts a KV import,
+     `Abort` stops a request, `Call` runs a worker operation (core_ops.py);
+  2. advance the KV imports (decode role), each a small state machine polled without blocking:
+     waiting for room -> fetching on a thread (its end wakes the loop) -> joined to the batch, or
+     refused per its policy;
+  3. `engine.step()`, then one `Batch` to the front end with every request's new token ids and the
+     events of this turn. Nothing here waits on HTTP, JSON or text.
+If a step raises, every in-flight request is refused with the error and the engine goes on. The core
+dies with its front end (PR_SET_PDEATHSIG); the front end notices the core's death (worker.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from splitserve.serve import core_protocol as wire
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_MS = 100  # the longest the loop sleeps with nothing to do (lease ends are seen this late)
+
+
+def error_info(exc: BaseException) -> wire.ErrorInfo:
+    """An exception of the engine or the transport -> the status and body the worker answers with."""
+    from splitserve.engine.disagg import KVTransferFailed, NoRoom
+    from splitserve.kv import AuthError, PeerRefused, TransferTimeout, TransportError
+
+    def transfer_status(e: BaseException) -> int:
+        for cls, status in ((AuthError, 403), (PeerRefused, 409), (TransferTimeout, 504), (NoRoom, 503)):
+            if isinstance(e, cls):
+                return status
+        return 502
+
+    if isinstance(exc, KVTransferFailed):
+        extra = {"kind": exc.kind, "request_id": exc.request_id,
+                 "mismatches": getattr(exc.cause, "mismatches", None)}  # fmt: skip
+        return wire.ErrorInfo(transfer_status(exc.cause), "kv_transfer_failed", str(exc), extra)
+    if isinstance(exc, TransportError):
+        extra = {"kind": type(exc).__name__, "mismatches": getattr(exc, "mismatches", None)}
+        return wire.ErrorInfo(transfer_status(exc), "kv_transport", str(exc), extra)
+    if isinstance(exc, NoRoom):
+        return wire.ErrorInfo(503, "no_room", str(exc))
+    if isinstance(exc, ValueError):
+        return wire.ErrorInfo(400, "invalid_request", str(exc))
+    return wire.ErrorInfo(500, "internal", f"{type(exc).__name__}: {exc}")
+
+
+@dataclass
+class _Import:
+    ticket: Any  # disagg.ImportTicket
+    start: float
+    reserved_at: float | None = None
+    fetch: Future | None = None
+
+
+class EngineCore:
+    def __init__(self, config: Any, commands: zmq.Socket, batches: zmq.Socket) -> None:
+        from splitserve.engine.disagg import KVConnector
+        from splitserve.engine.engine import LLMEngine
+
+        self.config = config
+        self.commands, self.batches = commands, batches
+        self.engine = engine = LLMEngine(config.engine_config())
+        capacity = engine.pool.num_blocks * engine.block_size
+        if capacity < engine.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({engine.pool.num_blocks} blocks of "
+                f"{engine.block_size}), fewer than max_model_len ({engine.max_model_len}): a long request "
+                "could never run. Give the worker more KV cache (--kv-cache-mb / engine.kv_cache_mb) or "
+                "lower max_model_len"
+            )
+        self.connector: KVConnector | None = None
+        self.kv_address: str | None = None
+        if config.role != "colocated":
+            self.connector = KVConnector.open(
+                engine, config.kv_backend, secret=config.kv_secret,
+                options=config.transport_options(), policy=config.kv_policy, fallback=config.kv_fallback,
+            )  # fmt: skip
+            if config.role == "prefill":
+                self.kv_address = self.connector.transport.listen()  # type: ignore[union-attr]
+            if config.kv_throttle_gbps:
+                from splitserve.kv.throttle import ThrottledTransport
+
+                log.warning("kv fetches throttled to %.3f GB/s (a test hook)", config.kv_throttle_gbps)
+                self.connector.transport = ThrottledTransport(
+                    self.connector.transport, config.kv_throttle_gbps
+                )
+        from splitserve.serve.core_ops import CoreOps
+
+        self.ops = CoreOps(self)
+        self.sent: dict[str, int] = {}  # tokens sent per request in flight
+        self.imports: dict[str, _Import] = {}
+        self.events: list[wire.Event] = []
+        self.early: list[wire.Delta] = []  # deltas made outside a step, sent with this turn's batch
+        self.fetch_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-fetch")
+        self.call_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="core-call")
+        self._on_loop: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.poller = zmq.Poller()
+        self.poller.register(commands, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self.stopping = False
+
+    # ---- what other threads use ------------------------------------------------------------------
+
+    def wake(self, *_: object) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the loop is awake anyway
+
+    def on_loop(self, fn: Any, timeout_s: float = 60.0) -> Any:
+        """From a call thread: run `fn` on the engine's thread between steps; -> its result."""
+        fut: Future = Future()
+        self._on_loop.put((fn, fut))
+        self.wake()
+        return fut.result(timeout_s)
+
+    def on_loop_nowait(self, fn: Any) -> None:
+        """From any thread: run `fn` on the engine's thread between steps; its result is dropped."""
+        self._on_loop.put((fn, Future()))
+        self.wake()
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def info(self) -> dict:
+        return self.ops.health()
+
+    def run(self) -> None:
+        self.batches.send(wire.batch_encoder.encode(wire.Batch(events=[wire.Ready(self.info())])))
+        while not self.stopping:
+            busy = self.engine.has_unfinished_requests()
+            self._drain(0 if busy else IDLE_WAIT_MS)
+            self._run_on_loop()
+            if self.imports:
+                self._advance_imports()
+            deltas, self.early = self.early, []
+            if self.engine.has_unfinished_requests():
+                deltas += self._step()
+            else:
+                self.engine.free_released_kv()  # exports whose lease ended while idle
+            if deltas or self.events:
+                batch = wire.Batch(deltas, self.events)
+                self.events = []
+                self.batches.send(wire.batch_encoder.encode(batch), copy=False)
+        self.close()
+
+    def _drain(self, timeout_ms: int) -> None:
+        ready = dict(self.poller.poll(timeout_ms))
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self.commands not in ready:
+            return
+        while True:
+            try:
+                raw = self.commands.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._apply(wire.command_decoder.decode(raw.buffer))
+
+    def _apply(self, cmd: wire.Command) -> None:
+        if isinstance(cmd, wire.Add):
+            self._add(cmd)
+        elif isinstance(cmd, wire.Import):
+            self._start_import(cmd)
+        elif isinstance(cmd, wire.Abort):
+            self._abort(cmd.request_id)
+        elif isinstance(cmd, wire.Call):
+            self.ops.call(cmd)
+        elif isinstance(cmd, wire.Shutdown):
+            self.stopping = True
+
+    def _run_on_loop(self) -> None:
+        while True:
+            try:
+                fn, fut = self._on_loop.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+                fut.set_exception(exc)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def _add(self, cmd: wire.Add) -> None:
+        try:
+            params = core_params(cmd.params)
+            self.engine.add_request(
+                cmd.prompt_token_ids, params, cmd.request_id, kv_transfer="export" if cmd.export else None
+            )
+        except Exception as exc:  # noqa: BLE001 - the refusal goes back to the caller
+            self.events.append(wire.Refused(cmd.request_id, error_info(exc)))
+            return
+        self.sent[cmd.request_id] = 0
+        self.events.append(wire.Accepted(cmd.request_id))
+
+    def _abort(self, rid: str) -> None:
+        imp = self.imports.get(rid)
+        if imp is not None:
+            imp.ticket.aborted = True  # freed once its fetch (if any) stops writing into the blocks
+            return
+        self.engine.abort(rid)
+        if self.sent.pop(rid, None) is not None:  # tell its stream (the front end may still read it)
+            self.early.append(wire.Delta(rid, [], True, "abort"))
+
+    def _step(self) -> list[wire.Delta]:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - reported to every request in flight
+            log.exception("engine step failed; failing in-flight requests")
+            info = error_info(exc)
+            for rid in list(self.sent):
+                self.engine.abort(rid)
+                self.events.append(wire.Refused(rid, info))
+            self.sent.clear()
+            return []
+        return [d for out in outputs if (d := self._delta(out)) is not None]
+
+    def _delta(self, out: Any) -> wire.Delta | None:
+        rid = out.request_id
+        sent = self.sent.get(rid)
+        if sent is None:
+            return None  # aborted meanwhile
+        comp = out.outputs[0]
+        new = comp.token_ids[sent:]
+        lps = None
+        if comp.logprobs is not None:
+            lps = [[x.token_id, x.logprob, x.rank, x.top] for x in comp.logprobs[sent:]]
+        metrics = None
+        if sent == 0:
+            m = out.metrics
+            arrival, sched, first = m.get("arrival_time"), m.get("scheduled_time"), m.get("first_token_time")
+            if arrival is not None and sched is not None and first is not None:
+                metrics = {"queue_s": max(0.0, sched - arrival), "prefill_s": max(0.0, first - sched)}
+        kv = out.kv_transfer.to_dict() if out.kv_transfer is not None else None
+        if out.finished:
+            del self.sent[rid]
+        else:
+            self.sent[rid] = len(comp.token_ids)
+        return wire.Delta(rid, new, out.finished, comp.finish_reason, comp.stop_reason, lps, kv, metrics,
+                          out.num_cached_tokens)  # fmt: skip
+
+    # ---- KV imports (decode role) ---------------------------------------------------------------
+
+    def _start_import(self, cmd: wire.Import) -> None:
+        from splitserve.engine.disagg import ImportSpec, KVExport
+        from splitserve.engine.request import TokenLogprob
+
+        try:
+            if self.connector is None or self.config.role != "decode":
+                raise ValueError(f"this is a {self.config.role} worker: only a decode worker imports KV")
+            export = KVExport.from_dict(cmd.kv)
+            lp = cmd.first_logprob
+            first_lp = None
+            if lp is not None:
+                first_lp = TokenLogprob(
+                    int(lp[0]), float(lp[1]), int(lp[2]), tuple((int(t), float(v)) for t, v in lp[3])
+                )
+            spec = ImportSpec(
+                handle=export.handle, prompt_token_ids=cmd.prompt_token_ids, first_token=cmd.first_token,
+                params=core_params(cmd.params), request_id=cmd.request_id,
+                generator_state=export.generator_state,
+                first_logprob=first_lp,
+                policy=cmd.policy, timeout_s=cmd.timeout_s,
+            )  # fmt: skip
+            ticket = self.connector.prepare(spec)
+        except Exception as exc:  # noqa: BLE001
+            self.events.append(wire.Refused(cmd.request_id, error_info(exc)))
+            return
+        self.imports[cmd.request_id] = _Import(ticket, time.perf_counter())
+
+    def _advance_imports(self) -> None:
+        conn = self.connector
+        assert conn is not None
+        for rid, imp in list(self.imports.items()):
+            t = imp.ticket
+            if imp.fetch is None:
+                if t.waits_for_room and not conn.try_reserve(t):
+                    continue  # no room yet: running requests keep stepping; tried again next turn
+                imp.reserved_at = time.perf_counter()
+                imp.fetch = self.fetch_pool.submit(conn.fetch, t)
+                imp.fetch.add_done_callback(self.wake)
+                continue
+            if not imp.fetch.done():
+                continue
+            del self.imports[rid]
+            self._complete_import(rid, imp)
+
+    def _complete_import(self, rid: str, imp: _Import) -> None:
+        t, conn = imp.ticket, self.connector
+        assert conn is not None
+        info = {
+            "kv_wait_s": (imp.reserved_at or imp.start) - imp.start,
+            "kv_fetch_s": time.perf_counter() - (imp.reserved_at or imp.start),
+            "kv_bytes": t.fetched_bytes, "kv_backend": conn.backend_name,
+            "kv_error": None if t.error is None else type(t.error).__name__,
+        }  # fmt: skip
+        try:
+            first = conn.complete(t)
+        except Exception as exc:  # noqa: BLE001 - policy "fail" (or a refused peer)
+            self.events.append(wire.Refused(rid, error_info(exc)))
+            return
+        self.events.append(wire.Accepted(rid, info))
+        self.sent[rid] = 0
+        if first is not None:  # already finished (aborted, or its first token ends it): sent now
+            d = self._delta(first)
+            if d is not None:
+                self.early.append(d)
+
+    def close(self) -> None:
+        self.fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self.call_pool.shutdown(wait=False, cancel_futures=True)
+        if self.connector is not None:
+            self.connector.close()
+
+
+def core_params(data: dict[str, Any]) -> Any:
+    """SamplingParams for the engine core: no text (the front end detokenizes and cuts stop strings)."""
+    from splitserve.engine.params import SamplingParams
+
+    data = {k: v for k, v in data.items() if k not in ("stop", "include_stop_str_in_output")}
+    return SamplingParams(**{**data, "detokenize": False})
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        raise SystemExit(0)
+
+
+def main() -> int:
+    """Import what the engine needs first (so a spare core waits warm), then read the spec line."""
+    _die_with_parent()
+    import torch
+
+    from splitserve.engine import engine as _engine  # noqa: F401 - the import is the point
+    from splitserve.model import loader as _loader  # noqa: F401
+
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    line = sys.stdin.readline()
+    if not line:
+        return 0  # the front end went away before handing us a spec
+    spec = json.loads(line)
+    logging.basicConfig(level=spec.get("log_level", "WARNING"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
+    from splitserve.kv import TransportError
+    from splitserve.model.errors import ModelLoadError
+    from splitserve.serve.worker_config import WorkerConfig
+
+    ctx = zmq.Context(io_threads=1)
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(spec["commands"])
+    batches = ctx.socket(zmq.PUSH)
+    batches.setsockopt(zmq.SNDHWM, 0)
+    batches.connect(spec["batches"])
+    try:
+        core = EngineCore(WorkerConfig.from_json(spec["config"]), commands, batches)
+    except (ValueError, OSError, ModelLoadError, TransportError) as exc:
+        print(f"splitserve worker: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    core.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
