@@ -143,6 +143,8 @@ def endpoint_curl(url: str, model: str, prompts: list[list[int]], max_tokens: in
                 "Content-Type: application/json",
                 "--data-binary",
                 "@-",
+                "-w",
+                "\nTIMES %{time_starttransfer} %{time_total}\n",
                 f"{url}/v1/completions",
             ],
             stdin=subprocess.PIPE,
@@ -168,6 +170,12 @@ def endpoint_curl(url: str, model: str, prompts: list[list[int]], max_tokens: in
     if bad:
         raise RuntimeError(f"{len(bad)} curl requests failed, e.g. {outs[bad[0]][:300]!r}")
     tokens = sum(_count_stream(o)[0] for o in outs)
+    times = [line.split()[1:] for o in outs for line in o.split(b"\n") if line.startswith(b"TIMES ")]
+    ttfb = sorted(float(t[0]) for t in times)  # curl's time to the first byte of the answer
+    if ttfb:
+        print(
+            f"  time to first byte: min {ttfb[0]:.3f} s, median {ttfb[len(ttfb) // 2]:.3f} s, max {ttfb[-1]:.3f} s"
+        )
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "client_cpu_s": cpu}
 

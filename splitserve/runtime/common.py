@@ -18,38 +18,20 @@ def pool_device(manifest: Manifest, role: str, index: int) -> str:
 
 
 def worker_argv(manifest: Manifest, role: str, index: int, secret_env: str) -> list[str]:
-    """The command line of one worker, from the manifest (its engine flags from `engine_for(role)`).
-    Every role gets the deployment's secret (in the environment variable `secret_env`): it keys the KV
-    handshake and the worker API's token."""
-    m, e, t = manifest.model, manifest.engine_for(role), manifest.transport
-    flags: dict[str, object] = {
-        "--role": role, "--model": m.source, "--tokenizer": m.tokenizer, "--host": "127.0.0.1", "--port": 0,
-        "--device": pool_device(manifest, role, index), "--dtype": m.dtype, "--block-size": e.block_size,
-        "--max-num-seqs": e.max_num_seqs, "--max-num-batched-tokens": e.max_num_batched_tokens,
-        "--seed": e.seed, "--threads": e.threads, "--max-model-len": m.max_model_len,
-        "--kv-cache-mb": e.kv_cache_mb, "--gpu-memory-utilization": e.memory_utilization,
-        "--kv-secret-env": secret_env,
-        "--weight-cache-dir": e.weight_cache_dir or "off", "--weight-cache-max-gb": e.weight_cache_max_gb,
-    }  # fmt: skip
-    if role != "colocated":
-        flags |= {"--kv-backend": t.backend, "--kv-fallback": ",".join(t.fallback), "--kv-lease-s": t.lease_s,
-                  "--kv-fetch-timeout-s": t.fetch_timeout_s, "--kv-policy": t.policy,
-                  "--kv-checksum": t.checksum}  # fmt: skip
-    argv = [sys.executable, "-m", "splitserve.serve.worker", "--http-auth"]
-    if not e.weight_cache_verify:
-        argv.append("--no-weight-cache-verify")
-    if e.enforce_eager:
-        argv.append("--enforce-eager")
-    if e.async_scheduling is not None:
-        argv += ["--async-scheduling", "on" if e.async_scheduling else "off"]
-    for flag, value in flags.items():
-        if value is not None:
-            argv += [flag, str(value)]
+    """The command line of one worker: its `worker_config` as JSON (`--spec`, no secret), then
+    `runtime.worker_args` (flags given beside the spec override its fields). Every role gets the
+    deployment's secret in the environment variable `secret_env`: it keys the KV handshake and the
+    worker API's token."""
+    spec = worker_config(manifest, role, index, "-", "127.0.0.1").to_json(include_secret=False)
+    argv = [sys.executable, "-m", "splitserve.serve.worker", "--spec", spec, "--kv-secret-env", secret_env,
+            "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
     return argv + list(manifest.runtime.worker_args)
 
 
 def worker_config(manifest: Manifest, role: str, index: int, secret: str | None, host: str) -> WorkerConfig:
-    """The same worker as `worker_argv` describes, as a config (runtime.worker_args do not apply)."""
+    """One worker's config from the manifest (its engine from `engine_for(role)`): what the local
+    runtime hands a worker process as `--spec` and the Ray runtime builds its replica's worker from.
+    `secret`: the deployment's (None: no worker API auth)."""
     from splitserve.serve.worker import WorkerConfig
 
     m, e, t = manifest.model, manifest.engine_for(role), manifest.transport

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -246,41 +247,50 @@ class Worker:
 # ---- command line --------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m splitserve.serve.worker", description=__doc__.split("\n")[0])
-    p.add_argument("--role", choices=ROLES, default="colocated")
-    p.add_argument("--model", default=None,
+def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
+    """`suppress`: no defaults, so that parsing tells which flags were given."""
+
+    def d(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    p = argparse.ArgumentParser(prog="python -m splitserve.serve.worker", description=__doc__.split("\n")[0],
+                                argument_default=argparse.SUPPRESS if suppress else None)  # fmt: skip
+    p.add_argument("--spec", default=d(None),
+                   help="the worker's config as JSON (a runtime's WorkerConfig, no secret); flags given "
+                        "beside it override its fields")  # fmt: skip
+    p.add_argument("--role", choices=ROLES, default=d("colocated"))
+    p.add_argument("--model", default=d(None),
                    help="HF directory, GGUF file or random:SHAPE (default: SmolLM2-135M)")  # fmt: skip
-    p.add_argument("--tokenizer", default=None, help="HF directory or GGUF file (default: the model's)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP (and tcp KV) address to bind")
-    p.add_argument("--port", type=int, default=0, help="HTTP port; 0: the OS picks (printed)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache budget (default: the engine's)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weight-cache-dir", default="auto", help='"auto", a path, or "off"')
-    p.add_argument("--weight-cache-max-gb", type=float, default=64.0)
+    p.add_argument("--tokenizer", default=d(None), help="HF directory or GGUF file (default: the model's)")
+    p.add_argument("--host", default=d("127.0.0.1"), help="HTTP (and tcp KV) address to bind")
+    p.add_argument("--port", type=int, default=d(0), help="HTTP port; 0: the OS picks (printed)")
+    p.add_argument("--device", default=d("auto"))
+    p.add_argument("--dtype", default=d("auto"))
+    p.add_argument("--block-size", type=int, default=d(16))
+    p.add_argument("--max-model-len", type=int, default=d(None))
+    p.add_argument("--max-num-seqs", type=int, default=d(128))
+    p.add_argument("--max-num-batched-tokens", type=int, default=d(2048))
+    p.add_argument("--kv-cache-mb", type=int, default=d(None), help="KV cache budget (default: the engine's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d(None))
+    p.add_argument("--seed", type=int, default=d(0))
+    p.add_argument("--weight-cache-dir", default=d("auto"), help='"auto", a path, or "off"')
+    p.add_argument("--weight-cache-max-gb", type=float, default=d(64.0))
     p.add_argument("--no-weight-cache-verify", action="store_true", help="skip the per-chunk CRC32 on load")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
-    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default=d("auto"),
                    help="overlap the host's and the GPU's work in decode (auto: on for CUDA)")  # fmt: skip
-    p.add_argument("--kv-backend", default="tcp",
+    p.add_argument("--kv-backend", default=d("tcp"),
                    help="tcp | shm | cuda_ipc (GPU KV, one host) | nccl (GPU KV); nixl: not yet")  # fmt: skip
-    p.add_argument("--kv-fallback", default="",
+    p.add_argument("--kv-fallback", default=d(""),
                    help="comma-separated backends allowed if --kv-backend cannot run (logged)")  # fmt: skip
-    p.add_argument("--kv-secret-env", default="SPLITSERVE_KV_SECRET",
+    p.add_argument("--kv-secret-env", default=d("SPLITSERVE_KV_SECRET"),
                    help="name of the environment variable holding the shared KV secret")  # fmt: skip
-    p.add_argument("--kv-lease-s", type=float, default=30.0, help="free an unclaimed export after this")
-    p.add_argument("--kv-fetch-timeout-s", type=float, default=30.0, help="default deadline of an import")
-    p.add_argument("--kv-policy", choices=("fail", "recompute"), default="fail")
-    p.add_argument("--kv-checksum", choices=("crc32", "blake2b"), default=None)
-    p.add_argument("--threads", type=int, default=1, help="the engine core's torch intra-op threads")
-    p.add_argument("--stream-interval", type=int, default=1,
+    p.add_argument("--kv-lease-s", type=float, default=d(30.0), help="free an unclaimed export after this")
+    p.add_argument("--kv-fetch-timeout-s", type=float, default=d(30.0), help="default deadline of an import")
+    p.add_argument("--kv-policy", choices=("fail", "recompute"), default=d("fail"))
+    p.add_argument("--kv-checksum", choices=("crc32", "blake2b"), default=d(None))
+    p.add_argument("--threads", type=int, default=d(1), help="the engine core's torch intra-op threads")
+    p.add_argument("--stream-interval", type=int, default=d(1),
                    help="tokens per stream line at least (fewer only at the end)")  # fmt: skip
     p.add_argument("--enable-fault-injection", action="store_true", help="tests: POST /debug/faults")
     p.add_argument(
@@ -289,18 +299,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="require a bearer token derived from the KV secret on every endpoint but /health",
     )
     p.add_argument(
-        "--kv-throttle-gbps", type=float, default=None, help="test hook: hold fetches to this GB/s"
+        "--kv-throttle-gbps", type=float, default=d(None), help="test hook: hold fetches to this GB/s"
     )
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+# command-line dests that are not a WorkerConfig field of the same name
+_FLAG_FIELDS = {"no_weight_cache_verify": "weight_cache_verify", "enable_fault_injection": "fault_injection",
+                "host": "kv_host"}  # fmt: skip
+_NOT_FIELDS = {"spec", "port", "kv_secret_env", "verbose"}
+
+
+def config_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> WorkerConfig:
+    """The worker's config: `--spec` (a runtime's WorkerConfig as JSON) with the flags given in `argv`
+    over it, or the flags alone."""
     secret = os.environ.get(args.kv_secret_env) or None
-    if (args.role != "colocated" or args.http_auth) and not secret:
-        why = "--http-auth" if args.role == "colocated" else f"the {args.role} role"
+    role, http_auth = args.role, args.http_auth
+    if args.spec:
+        try:
+            spec = json.loads(args.spec)
+            role, http_auth = spec["role"], spec["http_auth"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--spec is not a worker spec: {exc}") from None
+    if (role != "colocated" or http_auth) and not secret:
+        why = "--http-auth" if role == "colocated" else f"the {role} role"
         raise ValueError(f"{why} needs the deployment's shared secret in ${args.kv_secret_env}")
-    return WorkerConfig(
+    flags = _fields_from_flags(args, secret)
+    if not args.spec:
+        return WorkerConfig(**flags)
+    given = vars(build_parser(suppress=True).parse_args(list(argv or [])))
+    fields = {_FLAG_FIELDS.get(d, d) for d in given if d not in _NOT_FIELDS}
+    base = WorkerConfig.from_json(args.spec, kv_secret=secret)
+    return dataclasses.replace(base, **{f: flags[f] for f in fields})
+
+
+def _fields_from_flags(args: argparse.Namespace, secret: str | None) -> dict:
+    return dict(
         role=args.role, model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
         block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb, seed=args.seed,
@@ -357,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from splitserve.serve.worker_app import serve
 
     try:
-        worker = Worker(config_from_args(args), client)
+        worker = Worker(config_from_args(args, argv), client)
     except (ValueError, OSError, ModelLoadError, TransportError, CoreDead) as exc:
         client.close(1)
         if not isinstance(exc, CoreDead):  # the core said why itself, on our stderr

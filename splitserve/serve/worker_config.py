@@ -89,13 +89,22 @@ class WorkerConfig:
             checksum=self.kv_checksum,
         )
 
-    def to_json(self) -> str:
-        """Everything, the secret included: for the engine core's stdin, never for a log."""
-        return json.dumps(dataclasses.asdict(self))
+    def to_json(self, include_secret: bool = True) -> str:
+        """With the secret: for the engine core's stdin, never for a log. Without it: the worker spec a
+        runtime puts on a command line (the secret travels in an environment variable)."""
+        data = dataclasses.asdict(self)
+        if not include_secret:
+            data["kv_secret"] = None
+        return json.dumps(data)
 
     @classmethod
-    def from_json(cls, text: str) -> WorkerConfig:
+    def from_json(cls, text: str, kv_secret: str | None = None) -> WorkerConfig:
+        """`kv_secret`: set when the JSON was written without it."""
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("a worker spec is a JSON object")
+        if kv_secret is not None:
+            data["kv_secret"] = kv_secret
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:

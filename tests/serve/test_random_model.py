@@ -3,6 +3,8 @@ benchmarks' deployments use it at Qwen3-8B's shape; here the tiny shape on the C
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import manifest_yaml, start_deployment
 
@@ -30,8 +32,8 @@ def test_manifest_passes_the_tokenizer_to_every_worker():
     m = parse_manifest("model: {source: 'random:tiny', tokenizer: /tok/dir}\nmode: disaggregated\n")
     for role in ("prefill", "decode"):
         argv = worker_argv(m, role, 0, "SPLITSERVE_KV_SECRET")
-        assert argv[argv.index("--model") + 1] == "random:tiny"
-        assert argv[argv.index("--tokenizer") + 1] == "/tok/dir"
+        spec = json.loads(argv[argv.index("--spec") + 1])
+        assert (spec["model"], spec["tokenizer"]) == ("random:tiny", "/tok/dir")
 
 
 def test_random_model_served_disaggregated_equals_the_engine():
