@@ -31,18 +31,28 @@ def _finish(req: Request, reason: str, stop_reason: int | str | None) -> str:
     return reason
 
 
-def _cut_stop_string(req: Request, new_chars: int) -> bool:
-    text = req.text
-    # Only a match that overlaps the characters the last token added can be new.
-    start = max(0, len(text) - new_chars - max(len(s) for s in req.params.stop) + 1)
+def find_stop_string(text: str, stop: tuple[str, ...], new_chars: int) -> tuple[int, str] | None:
+    """The earliest stop string in `text` that overlaps its last `new_chars` characters (only such a
+    match can be new), as (where it starts, which); None if there is none. The engine and the worker
+    front end (serve/text_stream.py) both cut with this."""
+    start = max(0, len(text) - new_chars - max(len(s) for s in stop) + 1)
     best: tuple[int, str] | None = None
-    for s in req.params.stop:
+    for s in stop:
         i = text.find(s, start)
         if i != -1 and (best is None or i < best[0]):
             best = (i, s)
+    return best
+
+
+def cut_text(text: str, found: tuple[int, str], include: bool) -> str:
+    i, s = found
+    return text[: i + len(s)] if include else text[:i]
+
+
+def _cut_stop_string(req: Request, new_chars: int) -> bool:
+    best = find_stop_string(req.text, req.params.stop, new_chars)
     if best is None:
         return False
-    i, s = best
-    req.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
-    _finish(req, "stop", s)
+    req.text = cut_text(req.text, best, req.params.include_stop_str_in_output)
+    _finish(req, "stop", best[1])
     return True

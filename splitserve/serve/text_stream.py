@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.engine.params import SamplingParams
+from splitserve.engine.stop import cut_text, find_stop_string
 from splitserve.serve.core_protocol import Delta
 from splitserve.serve.schemas import StreamLine
 
@@ -91,18 +92,11 @@ class TextStream:
             self._finish(reason, final.stop_reason)  # type: ignore[union-attr]
 
     def _cut(self, new_chars: int) -> bool:
-        text = self.text
-        start = max(0, len(text) - new_chars - self.longest + 1)
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = text.find(s, start)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
+        best = find_stop_string(self.text, self.stop, new_chars)
         if best is None:
             return False
-        i, s = best
-        self.text = text[: i + len(s)] if self.params.include_stop_str_in_output else text[:i]
-        self._finish("stop", s)
+        self.text = cut_text(self.text, best, self.params.include_stop_str_in_output)
+        self._finish("stop", best[1])
         return True
 
     def _finish(self, reason: str, stop_reason: int | str | None) -> None:
