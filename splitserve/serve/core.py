@@ -181,7 +181,10 @@ class EngineCore:
                 raw = self.commands.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._apply(wire.command_decoder.decode(raw.buffer))
+            try:
+                self._apply(wire.command_decoder.decode(raw.buffer))
+            except Exception:  # noqa: BLE001 - one bad command must not stop the engine
+                log.exception("engine core: a command failed")
 
     def _apply(self, cmd: wire.Command) -> None:
         if isinstance(cmd, wire.Add):

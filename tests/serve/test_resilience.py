@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -160,9 +161,48 @@ def test_sigkill_a_worker_under_load(fragile, victim, process):
     assert "splitserve:worker_up" in metrics
 
 
+def _worker_pids(dep) -> list[int]:
+    """Every process of every worker: front ends and their engine cores."""
+    workers = dep.admin()["workers"]
+    return [w["pid"] for w in workers] + [w["info"]["core_pid"] for w in workers]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie is gone too (nobody may reap it until its parent exits)
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return True
+
+
+def test_sigkill_of_the_router_under_load_leaves_no_process():
+    """The router (`splitserve serve`) dies under load: its clients see the connection end at once, and
+    every worker process, front end and engine core, goes within seconds (PR_SET_PDEATHSIG)."""
+    dep = start_deployment(manifest_yaml(mode="disaggregated"))
+    pids = _worker_pids(dep)
+
+    async def main() -> list[tuple[str, float]]:
+        client = dep.async_client(timeout=60)
+        jobs = [asyncio.create_task(_stream_until_end(client, LONG["prompt"], 150)) for _ in range(4)]
+        await asyncio.to_thread(_wait_busy, dep)
+        dep.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        return [(outcome, end - killed) for outcome, end in await asyncio.gather(*jobs)]
+
+    results = asyncio.run(main())
+    assert all(outcome != "ok" and after < 5 for outcome, after in results), results
+    deadline = time.monotonic() + 20
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if not _gone(p)]
+        time.sleep(0.2)
+
+
 def test_sigterm_drains_and_stops_workers():
     dep = start_deployment(manifest_yaml(mode="colocated"))
-    pids = [w["pid"] for w in dep.admin()["workers"]]
+    pids = _worker_pids(dep)
 
     async def one() -> str:
         client = dep.async_client(timeout=60)
@@ -180,6 +220,5 @@ def test_sigterm_drains_and_stops_workers():
 
     reason, code = asyncio.run(main())
     assert reason == "length" and code == 0
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    for pid in pids:  # front ends and engine cores alike
+        assert _gone(pid), pid
