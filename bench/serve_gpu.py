@@ -174,7 +174,8 @@ def endpoint_curl(url: str, model: str, prompts: list[list[int]], max_tokens: in
     ttfb = sorted(float(t[0]) for t in times)  # curl's time to the first byte of the answer
     if ttfb:
         print(
-            f"  time to first byte: min {ttfb[0]:.3f} s, median {ttfb[len(ttfb) // 2]:.3f} s, max {ttfb[-1]:.3f} s"
+            f"  time to first byte: min {ttfb[0]:.3f} s, median {ttfb[len(ttfb) // 2]:.3f} s, "
+            f"max {ttfb[-1]:.3f} s"
         )
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "client_cpu_s": cpu}
