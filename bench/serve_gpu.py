@@ -42,7 +42,12 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def offline(
-    model: str, prompts: list[list[int]], warm: list[list[int]], max_tokens: int, knobs: dict
+    model: str,
+    prompts: list[list[int]],
+    warm: list[list[int]],
+    max_tokens: int,
+    knobs: dict,
+    warmups: int = 1,
 ) -> dict:
     """All requests added at once to an LLMEngine (as LLM.generate does), stepped to the end; each
     request's TPOT from the times of the steps that gave its first and last tokens. `warm`: the same
@@ -54,7 +59,8 @@ def offline(
 
     llm = LLM(model, progress=False, **knobs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(warm, params, use_tqdm=False)
+    for _ in range(warmups):
+        llm.generate(warm, params, use_tqdm=False)
     engine = llm.engine
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -190,7 +196,8 @@ def endpoint(
     manifest = load_manifest(args.manifest, {**manifest_knobs, "mode": mode})
     with start_serve(manifest, echo=args.echo) as sp:
         model = sp.ready["model"]
-        endpoint_curl(sp.url, model, warm, args.max_tokens)  # warm-up, as the engine's
+        for _ in range(args.warmups):
+            endpoint_curl(sp.url, model, warm, args.max_tokens)  # warm-up, as the engine's
         runs = []
         if len(prompts) == 1:
             endpoint_tpot(sp.url, model, prompts[0], 8)  # warm-up
@@ -221,6 +228,7 @@ def main() -> int:
                          "workers share one GPU)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmups", type=int, default=1, help="untimed passes of the workload first, each path")
     ap.add_argument("--top", action="store_true", help="print `top` after each endpoint run")
     ap.add_argument("--echo", action="store_true", help="echo the server's log")
     ap.add_argument("--out", default="bench/results/serve_gpu.json")
@@ -245,7 +253,7 @@ def main() -> int:
     warm = _prompts(args.requests, args.prompt_len, vocab, args.seed + 1)
     print(f"model {model} on {'cuda' if cuda else 'cpu'} ({threads} threads); {args.requests} requests of "
           f"{args.prompt_len} prompt tokens, {args.max_tokens} new tokens, greedy, ignore_eos")  # fmt: skip
-    base = offline(model, prompts, warm, args.max_tokens, engine_knobs)
+    base = offline(model, prompts, warm, args.max_tokens, engine_knobs, args.warmups)
     print(f"engine offline: {base['tok_s']:,.0f} output tok/s ({base['tokens']} tokens in "
           f"{base['wall_s']:.2f} s), mean TPOT {base['tpot_ms'] or 0:.2f} ms")  # fmt: skip
     knobs = {
