@@ -36,6 +36,26 @@ from splitserve.serve import core_protocol as wire
 log = logging.getLogger(__name__)
 
 
+_PREFIX = "splitserve-core-"
+
+
+def _sweep_stale() -> None:
+    """Remove the socket folders of front ends that died without cleaning up (SIGKILL)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(_PREFIX):
+            continue
+        pid = name[len(_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except PermissionError:
+            pass  # another user's live process
+
+
 class CoreDead(RuntimeError):
     """The engine-core process is gone."""
 
@@ -110,7 +130,9 @@ class CoreClient:
 
     @classmethod
     def spawn(cls) -> CoreClient:
-        sockdir = tempfile.mkdtemp(prefix="splitserve-core-")  # 0700: only this user can connect
+        _sweep_stale()
+        # 0700: only this user can connect; named by our pid, so that a later start can sweep it up
+        sockdir = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
         proc = subprocess.Popen(
             [sys.executable, "-m", "splitserve.serve.core"], stdin=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -376,6 +377,8 @@ def standby() -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # SIGTERM before serving (a standby told to go): unwind, so that the core and its sockets go too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     client = CoreClient.spawn()  # the core imports torch and the engine meanwhile
     try:
         if argv == [STANDBY]:
@@ -393,6 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         worker = Worker(config_from_args(args, argv), client)
+    except SystemExit:  # SIGTERM while loading
+        client.close(1)
+        raise
     except (ValueError, OSError, ModelLoadError, TransportError, CoreDead) as exc:
         client.close(1)
         if not isinstance(exc, CoreDead):  # the core said why itself, on our stderr

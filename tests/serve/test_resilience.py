@@ -192,7 +192,10 @@ def test_sigkill_of_the_router_under_load_leaves_no_process():
         killed = time.monotonic()
         return [(outcome, end - killed) for outcome, end in await asyncio.gather(*jobs)]
 
-    results = asyncio.run(main())
+    try:
+        results = asyncio.run(main())
+    finally:
+        dep.stop()  # the router is killed (or, if the test broke first, it is stopped here)
     assert all(outcome != "ok" and after < 5 for outcome, after in results), results
     deadline = time.monotonic() + 20
     while not all(_gone(p) for p in pids):
