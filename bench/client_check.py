@@ -8,9 +8,9 @@ parallel `curl -N` processes (a C client), against one running server, with the 
 N requests, all sent at once: POST /v1/completions, streamed with `stream_options.include_usage`, a
 prompt of seeded random token ids (distinct per request), greedy, `ignore_eos`, a fixed `max_tokens`, so
 every request makes exactly max_tokens tokens whichever client sends it. curl: one `curl -sS -N` process
-per request, its stream written to a file (a pipe left unread would hold the server back), wall time
-from the first launch to the last exit (process launches included: on a short run curl reads a little
-low), tokens from each stream's usage chunk. The bench client:
+per request (splitserve/bench/curl_load.py: each started first and handed its body at once, so the
+clock does not time process creation; its stream written to a file), wall time to the last exit,
+tokens from each stream's usage chunk. The bench client:
 `run_trace` on the same kind of trace, its duration (the shared start to the last answer), tokens from
 usage. Each pass gets fresh prompts (a prefix cache would otherwise favour whichever ran second) unless
 --same-prompts; with --repeats the order alternates (curl first, then the bench client first, ...).
@@ -23,16 +23,13 @@ import argparse
 import asyncio
 import json
 import random
-import resource
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from splitserve.bench import curl_load  # noqa: E402
 from splitserve.bench.client import ClientOptions, run_trace  # noqa: E402
 from splitserve.bench.workload import BenchRequest  # noqa: E402
 
@@ -42,74 +39,11 @@ def prompts(n: int, length: int, vocab: tuple[int, int], seed: int) -> list[list
     return [[rng.randrange(vocab[0], vocab[1]) for _ in range(length)] for _ in range(n)]
 
 
-def body(model: str, prompt: list[int], max_tokens: int) -> dict:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-    }
-
-
-def count_stream(raw: bytes) -> int:
-    """Completion tokens of one SSE stream: its usage chunk's, else the chunks with a choice."""
-    usage = chunks = 0
-    for line in raw.split(b"\n"):
-        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-            continue
-        chunk = json.loads(line[5:])
-        if "error" in chunk:
-            raise RuntimeError(f"stream error: {chunk['error']}")
-        chunks += bool(chunk.get("choices"))
-        if chunk.get("usage"):
-            usage = int(chunk["usage"].get("completion_tokens") or 0)
-    return usage or chunks
-
-
 def run_curl(url: str, model: str, ps: list[list[int]], max_tokens: int) -> dict:
-    """One `curl -N` process per request, all launched at once."""
-    if shutil.which("curl") is None:
-        raise SystemExit("curl is not installed")
-    with tempfile.TemporaryDirectory(prefix="splitserve-client-check-") as tmp:
-        files = []
-        for i, p in enumerate(ps):
-            f = Path(tmp) / f"body{i}.json"
-            f.write_text(json.dumps(body(model, p, max_tokens)))
-            files.append((f, Path(tmp) / f"out{i}.sse"))
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        t0 = time.perf_counter()
-        procs = []
-        for b, o in files:
-            with open(o, "wb") as out:
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            "curl",
-                            "-sS",
-                            "-N",
-                            "--fail-with-body",
-                            "-H",
-                            "Content-Type: application/json",
-                            "--data-binary",
-                            f"@{b}",
-                            f"{url}/v1/completions",
-                        ],
-                        stdout=out,
-                    )  # fmt: skip
-                )
-        codes = [p.wait() for p in procs]
-        wall = time.perf_counter() - t0
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        outs = [o.read_bytes() for _, o in files]
-    bad = [i for i, c in enumerate(codes) if c != 0]
-    if bad:
-        raise RuntimeError(f"{len(bad)} curl requests failed, e.g. {outs[bad[0]][:300]!r}")
-    tokens = sum(count_stream(o) for o in outs)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"client": "curl", "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "client_cpu_s": cpu}
+    """One `curl -N` process per request (splitserve.bench.curl_load), all started first."""
+    run = curl_load.run_curl(url, [curl_load.completion_body(model, p, max_tokens) for p in ps])
+    run.pop("ttfb_s")
+    return {"client": "curl", **run}
 
 
 def run_bench(url: str, model: str, ps: list[list[int]], max_tokens: int, procs: int | None) -> dict:

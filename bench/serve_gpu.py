@@ -24,15 +24,13 @@ import gc
 import json
 import os
 import random
-import resource
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from splitserve.bench.curl_load import completion_body, run_curl  # noqa: E402
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -92,7 +90,7 @@ def endpoint_tpot(url: str, model: str, prompt: list[int], max_tokens: int) -> f
     text to the last, per token (usage gives the count)."""
     import httpx
 
-    body = json.loads(_curl_body(model, prompt, max_tokens))
+    body = completion_body(model, prompt, max_tokens)
     times, tokens = [], 0
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
@@ -106,85 +104,12 @@ def endpoint_tpot(url: str, model: str, prompt: list[int], max_tokens: int) -> f
     return 1e3 * (times[-1] - times[0]) / max(1, tokens - 1)
 
 
-def _curl_body(model: str, prompt: list[int], max_tokens: int) -> str:
-    return json.dumps({
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-        "ignore_eos": True, "stream_options": {"include_usage": True},
-    })  # fmt: skip
-
-
-def _count_stream(raw: bytes) -> tuple[int, list[float]]:
-    """Completion tokens of one SSE stream (its usage chunk), and nothing else."""
-    tokens = 0
-    for line in raw.split(b"\n"):
-        if line.startswith(b"data: {"):
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-    return tokens, []
-
-
 def endpoint_curl(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    if shutil.which("curl") is None:
-        raise SystemExit("curl is not installed (apt-get install curl)")
-    tmp = Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
-    bodies = []
-    for i, p in enumerate(prompts):
-        f = tmp / f"body{i}.json"
-        f.write_text(_curl_body(model, p, max_tokens))
-        bodies.append(f)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    # Every curl is started first, waiting for its body on stdin, so that the clock does not time
-    # process creation: it starts when the bodies are handed over, all at once.
-    procs = [
-        subprocess.Popen(
-            [
-                "curl",
-                "-sS",
-                "-N",
-                "--fail-with-body",
-                "-H",
-                "Content-Type: application/json",
-                "--data-binary",
-                "@-",
-                "-w",
-                "\nTIMES %{time_starttransfer} %{time_total}\n",
-                f"{url}/v1/completions",
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )  # fmt: skip
-        for _ in bodies
-    ]
-    time.sleep(0.2)
-    t0 = time.perf_counter()
-    for p, b in zip(procs, bodies, strict=True):
-        assert p.stdin is not None
-        p.stdin.write(b.read_bytes())
-        p.stdin.close()
-    outs = []
-    for p in procs:
-        assert p.stdout is not None
-        outs.append(p.stdout.read())
-        p.wait()
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    shutil.rmtree(tmp, ignore_errors=True)
-    bad = [i for i, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        raise RuntimeError(f"{len(bad)} curl requests failed, e.g. {outs[bad[0]][:300]!r}")
-    tokens = sum(_count_stream(o)[0] for o in outs)
-    times = [line.split()[1:] for o in outs for line in o.split(b"\n") if line.startswith(b"TIMES ")]
-    ttfb = sorted(float(t[0]) for t in times)  # curl's time to the first byte of the answer
-    if ttfb:
-        print(
-            f"  time to first byte: min {ttfb[0]:.3f} s, median {ttfb[len(ttfb) // 2]:.3f} s, "
-            f"max {ttfb[-1]:.3f} s"
-        )
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "client_cpu_s": cpu}
+    run = run_curl(url, [completion_body(model, p, max_tokens) for p in prompts])
+    ttfb = run.pop("ttfb_s")
+    mid = ttfb[len(ttfb) // 2]
+    print(f"  time to first byte: min {ttfb[0]:.3f} s, median {mid:.3f} s, max {ttfb[-1]:.3f} s")
+    return run
 
 
 def endpoint(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.bench import procs
+from splitserve.bench import curl_load, procs
 from splitserve.bench.client import _PARSE, ClientOptions, RequestResult, _parse, _quick, chains, run_trace
 from splitserve.bench.metrics import SLO, summarize
 from splitserve.bench.scrape import UtilSampler
@@ -226,7 +226,7 @@ def test_client_check_help_and_a_run_against_the_test_server(capsys):
     with pytest.raises(SystemExit) as exit_:
         cc.main(["--help"])
     assert exit_.value.code == 0 and "curl" in capsys.readouterr().out
-    assert cc.count_stream(b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[],"usage":'
+    assert curl_load.count_stream(b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[],"usage":'
                            b'{"completion_tokens":3}}\n\ndata: [DONE]\n\n') == 3  # fmt: skip
     if shutil.which("curl") is None:
         pytest.skip("no curl")
