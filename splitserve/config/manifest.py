@@ -40,6 +40,8 @@ from pydantic import (
     model_validator,
 )
 
+from splitserve.engine.config import EngineConfig
+
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
@@ -67,22 +69,27 @@ class ModelSection(_Section):
         return name.removesuffix(".gguf") or self.source
 
 
+_ENGINE = EngineConfig()
+
+
 class EngineSection(_Section):
-    block_size: int = Field(default=16, ge=1, le=256)
-    max_num_seqs: int = Field(default=128, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=16)
+    """The engine's knobs as the manifest names them; their defaults are EngineConfig's (declared once)."""
+
+    block_size: int = Field(default=_ENGINE.block_size, ge=1, le=256)
+    max_num_seqs: int = Field(default=_ENGINE.max_num_seqs, ge=1)
+    max_num_batched_tokens: int = Field(default=_ENGINE.max_num_batched_tokens, ge=16)
     kv_cache_mb: int | None = Field(default=None, ge=1)  # KV cache budget per worker
     memory_utilization: float | None = Field(default=None, gt=0, le=1)  # GPU: fraction for weights + KV
-    enforce_eager: bool = False  # GPU: no CUDA graphs
-    async_scheduling: bool | None = None  # overlapped decode steps (engine.py); null: on for GPUs
+    enforce_eager: bool = _ENGINE.enforce_eager  # GPU: no CUDA graphs
+    async_scheduling: bool | None = _ENGINE.async_scheduling  # overlapped decode steps; null: on for GPUs
     threads: int = Field(default=1, ge=1)  # CPU: torch intra-op threads per worker
-    seed: int = 0
+    seed: int = _ENGINE.seed
     # Host-side cache of converted weights, shared by the workers of a host and kept across restarts:
     # "auto" = $SPLITSERVE_CACHE_DIR/weights or ~/.cache/splitserve/weights; a path (/dev/shm/... keeps
     # it in memory); null turns it off.
-    weight_cache_dir: str | None = "auto"
-    weight_cache_max_gb: float | None = Field(default=64.0, gt=0)
-    weight_cache_verify: bool = True  # a CRC32 of every 32 MiB chunk on load
+    weight_cache_dir: str | None = _ENGINE.weight_cache_dir
+    weight_cache_max_gb: float | None = Field(default=_ENGINE.weight_cache_max_gb, gt=0)
+    weight_cache_verify: bool = _ENGINE.weight_cache_verify  # a CRC32 of every 32 MiB chunk on load
 
     @model_validator(mode="after")
     def _one_budget(self) -> EngineSection:

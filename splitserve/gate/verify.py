@@ -31,6 +31,13 @@ import httpx
 
 from splitserve.config.manifest import Manifest
 from splitserve.serve.probe import ProbeError, blocks_for, probe_pair
+from splitserve.serve.schemas import (
+    LINE_DECODER,
+    DecodeRequest,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResponse,
+)
 from splitserve.serve.worker_auth import worker_headers
 
 
@@ -210,32 +217,29 @@ async def _round_trip(
     http: httpx.AsyncClient, p: dict, d: dict, v: dict, scope: str, report: Report, timeout_s: float
 ) -> None:
     params = {"temperature": 0, "max_tokens": v["max_tokens"], "ignore_eos": True}
-    ref = await http.post(
-        f"{p['url']}/generate", json={"prompt": v["prompt"], "sampling_params": params, "stream": False}
-    )
+    whole = GenerateRequest(prompt=v["prompt"], sampling_params=params, stream=False)
+    ref = await http.post(f"{p['url']}/generate", json=whole.model_dump())
     if ref.status_code != 200:
         report.add("round trip", scope, False, f"the colocated reference failed: {_err(ref)}")
         return
-    expected = ref.json()
+    expected = LINE_DECODER.decode(ref.content)
     start = time.perf_counter()
-    pre = await http.post(f"{p['url']}/prefill", json={"prompt": v["prompt"], "sampling_params": params})
+    ask = PrefillRequest(prompt=v["prompt"], sampling_params=params)
+    pre = await http.post(f"{p['url']}/prefill", json=ask.model_dump())
     if pre.status_code != 200:
         report.add("round trip", scope, False, f"prefill failed: {_err(pre)}")
         return
-    pj = pre.json()
-    if pj["kv"] is None:
+    pj = PrefillResponse.model_validate_json(pre.content)
+    if pj.kv is None:
         report.add("round trip", scope, False, "the prompt finished at its first token: nothing to move")
         return
-    body = {
-        "prompt_token_ids": pj["prompt_token_ids"],
-        "first_token": pj["first_token"],
-        "kv": pj["kv"],
-        "sampling_params": params,
-        "stream": True,
-        "timeout_s": timeout_s,
-    }
-    tokens, text, ttft, metrics = [], "", None, {}
-    async with http.stream("POST", f"{d['url']}/decode", json=body) as resp:
+    body = DecodeRequest(
+        prompt_token_ids=pj.prompt_token_ids, first_token=pj.first_token, kv=pj.kv,
+        sampling_params=params, stream=True, timeout_s=timeout_s,
+    )  # fmt: skip
+    tokens: list[int] = []
+    text, ttft, metrics = "", None, {}
+    async with http.stream("POST", f"{d['url']}/decode", json=body.model_dump()) as resp:
         if resp.status_code != 200:
             report.add(
                 "round trip",
@@ -247,16 +251,16 @@ async def _round_trip(
         async for raw in resp.aiter_lines():
             if not raw:
                 continue
-            line = json.loads(raw)
+            line = LINE_DECODER.decode(raw)
             if ttft is None:
-                ttft, metrics = time.perf_counter() - start, line.get("metrics") or {}
-            tokens += line["token_ids"]
-            text += line["text"]
-    same = tokens == expected["token_ids"] and text == expected["text"]
+                ttft, metrics = time.perf_counter() - start, line.metrics or {}
+            tokens += line.token_ids
+            text += line.text
+    same = tokens == expected.token_ids and text == expected.text
     detail = (
         f"{len(tokens)} tokens equal colocated"
         if same
-        else f"DIFFERS: {text!r} vs colocated {expected['text']!r}"
+        else f"DIFFERS: {text!r} vs colocated {expected.text!r}"
     )
     report.add("round trip", scope, same, detail, text)
     kv_s = float(metrics.get("kv_fetch_s") or 0.0) + float(metrics.get("kv_wait_s") or 0.0)

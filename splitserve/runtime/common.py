@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from splitserve.config.manifest import Manifest
 
 if TYPE_CHECKING:
-    from splitserve.serve.worker import WorkerConfig
+    from splitserve.serve.worker_config import WorkerConfig
 
 
 def pool_device(manifest: Manifest, role: str, index: int) -> str:
@@ -32,23 +32,32 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
     """One worker's config from the manifest (its engine from `engine_for(role)`): what the local
     runtime hands a worker process as `--spec` and the Ray runtime builds its replica's worker from.
     `secret`: the deployment's (None: no worker API auth)."""
-    from splitserve.serve.worker import WorkerConfig
+    from splitserve.engine.config import EngineConfig
+    from splitserve.serve.worker_config import WorkerConfig
 
     m, e, t = manifest.model, manifest.engine_for(role), manifest.transport
-    device = pool_device(manifest, role, index)
-    return WorkerConfig(
-        role=role,
+    engine = EngineConfig(
         model=None if m.source == "default" else m.source,
         tokenizer=m.tokenizer,
-        device=device,
+        device=pool_device(manifest, role, index),
         dtype=m.dtype,
         block_size=e.block_size,
         max_model_len=m.max_model_len,
         max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
-        kv_cache_mb=e.kv_cache_mb,
-        gpu_memory_utilization=e.memory_utilization,
+        kv_cache_bytes=None if e.kv_cache_mb is None else e.kv_cache_mb << 20,
+        **({} if e.memory_utilization is None else {"gpu_memory_utilization": e.memory_utilization}),
         seed=e.seed,
+        weight_cache_dir=e.weight_cache_dir,
+        weight_cache_max_gb=e.weight_cache_max_gb,
+        weight_cache_verify=e.weight_cache_verify,
+        enforce_eager=e.enforce_eager,
+        async_scheduling=e.async_scheduling,
+        progress=False,
+    )
+    return WorkerConfig(
+        role=role,
+        engine=engine,
         kv_backend=t.backend,
         kv_fallback=tuple(t.fallback),
         kv_secret=secret,
@@ -58,11 +67,6 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
         kv_fetch_timeout_s=t.fetch_timeout_s,
         kv_policy=t.policy,
         kv_checksum=t.checksum,
-        weight_cache_dir=e.weight_cache_dir,
-        weight_cache_max_gb=e.weight_cache_max_gb,
-        weight_cache_verify=e.weight_cache_verify,
-        enforce_eager=e.enforce_eager,
-        async_scheduling=e.async_scheduling,
         threads=e.threads,
     )
 

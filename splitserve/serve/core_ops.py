@@ -72,7 +72,7 @@ class CoreOps:
             "status": "ok",
             "role": self.config.role,
             "model": engine.model_path,
-            "tokenizer": self.config.tokenizer,
+            "tokenizer": self.config.engine.tokenizer,
             "core_pid": os.getpid(),
             "kv_backend": desc.get("backend"),
             "kv_address": self.core.kv_address,
@@ -103,6 +103,7 @@ class CoreOps:
             },
             "state_slots": {"total": engine.states.num_slots, "free": engine.states.num_free},
             "preemptions": engine.scheduler.num_preemptions,
+            "steps": {"forward": engine.forward_steps, "overlapped": engine.overlapped_steps},
             "kv_transfer": conn.stats() if conn else None,
         }
 

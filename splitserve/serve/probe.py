@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from splitserve.config.manifest import Manifest
+from splitserve.serve.schemas import ProbeExportRequest, ProbeExportResponse, ProbeRequest, ReleaseRequest
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +31,16 @@ class ProbeError(RuntimeError):
 async def probe_pair(
     http: httpx.AsyncClient, prefill_url: str, decode_url: str, num_blocks: int, timeout_s: float = 30.0
 ) -> dict[str, Any]:
-    r = await http.post(f"{prefill_url}/kv/probe/export", json={"num_blocks": num_blocks}, timeout=timeout_s)
+    ask = ProbeExportRequest(num_blocks=num_blocks).model_dump()
+    r = await http.post(f"{prefill_url}/kv/probe/export", json=ask, timeout=timeout_s)
     if r.status_code != 200:
         raise ProbeError(f"probe export on {prefill_url} failed ({r.status_code}): {_message(r)}")
-    kv = r.json()["kv"]
-    body = {"kv": kv, "timeout_s": timeout_s}
+    kv = ProbeExportResponse.model_validate_json(r.content).kv
+    body = ProbeRequest(kv=kv, timeout_s=timeout_s).model_dump()
     r = await http.post(f"{decode_url}/kv/probe", json=body, timeout=timeout_s + 5)
     if r.status_code != 200:
         with contextlib.suppress(httpx.HTTPError):
-            await http.post(f"{prefill_url}/kv/release", json={"kv": kv}, timeout=5)
+            await http.post(f"{prefill_url}/kv/release", json=ReleaseRequest(kv=kv).model_dump(), timeout=5)
         raise ProbeError(f"probe fetch on {decode_url} failed ({r.status_code}): {_message(r)}")
     return r.json()
 

@@ -1,7 +1,7 @@
 """The worker service's HTTP bodies (pydantic at the edge), and sampling params from JSON.
 
-A KV handle travels as `kv = {"handle": KVHandle.to_dict(), "generator_state": base64 | null}` (see
-`splitserve.engine.disagg.KVExport`): plain JSON, never pickled.
+A KV handle travels as `KVExportBody` (`{"handle": KVHandleBody, "generator_state": base64 | null}`, the
+wire form of `splitserve.engine.disagg.KVExport`): plain JSON, typed on both sides, never pickled.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import TokenLogprob
+from splitserve.kv.handle import KVHandle
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)} - {"extra"}
 
@@ -45,6 +46,35 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class KVHandleBody(_Body):
+    """The wire form of `kv.KVHandle`, field for field (a test keeps the two in step)."""
+
+    backend: str
+    address: str
+    request_id: str
+    lease_id: str
+    block_ids: list[int]
+    num_tokens: int = Field(ge=0)
+    layout_fingerprint: str
+    lease_expires_at: float
+    checksum: str | None = None
+    lease_slot: int | None = None
+
+    @classmethod
+    def of(cls, handle: KVHandle) -> KVHandleBody:
+        return cls.model_validate(handle.to_dict())
+
+    def to_handle(self) -> KVHandle:
+        return KVHandle.from_dict(self.model_dump())
+
+
+class KVExportBody(_Body):
+    """What /prefill hands on and /decode, /kv/release, /kv/probe take: the handle and the sampler state."""
+
+    handle: KVHandleBody
+    generator_state: str | None = None  # base64 of torch.Generator.get_state() (seeded requests)
+
+
 class PrefillRequest(_Body):
     prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
     prompt: str | None = None  # tokenized by the worker (the answer carries the ids)
@@ -63,7 +93,7 @@ class PrefillResponse(_Body):
     text: str
     # Set when the first token already ends the request (EOS, stop, max_tokens=1): kv is then null.
     finish_reason: str | None
-    kv: dict[str, Any] | None  # KVExport.to_dict(): what /decode needs besides the prompt
+    kv: KVExportBody | None  # what /decode needs besides the prompt
     seconds: float
     logprob: dict[str, Any] | None = None  # the first token's (logprob_to_dict), when asked for
     prompt_token_ids: list[int] = Field(default_factory=list)
@@ -74,7 +104,7 @@ class DecodeRequest(_Body):
     prompt_token_ids: list[int] = Field(min_length=1)
     first_token: int
     first_logprob: dict[str, Any] | None = None  # as /prefill returned it
-    kv: dict[str, Any]
+    kv: KVExportBody
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     request_id: str | None = None  # default: the handle's (the prefill worker's id)
     kv_policy: Literal["fail", "recompute"] | None = None  # default: the worker's --kv-policy
@@ -102,7 +132,7 @@ class AbortRequest(_Body):
 class ReleaseRequest(_Body):
     """Give back an export's blocks now (e.g. its decode peer was refused and cannot release it)."""
 
-    kv: dict[str, Any]  # as /prefill returned it
+    kv: KVExportBody  # as /prefill returned it
 
 
 class PeerRequest(_Body):
@@ -114,8 +144,12 @@ class ProbeExportRequest(_Body):
     num_blocks: int = Field(default=64, ge=1)
 
 
+class ProbeExportResponse(_Body):
+    kv: KVExportBody  # N free blocks of the prefill worker, leased as an export
+
+
 class ProbeRequest(_Body):
-    kv: dict[str, Any]  # as /kv/probe/export returned it
+    kv: KVExportBody  # as /kv/probe/export returned it
     timeout_s: float = Field(default=30.0, gt=0)
 
 

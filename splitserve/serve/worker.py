@@ -27,9 +27,7 @@ POST /kv/release (prefill: end an export's lease now), POST /debug/faults (--ena
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import itertools
 import json
 import logging
@@ -50,6 +48,7 @@ from splitserve.serve.schemas import (
     DecodeRequest,
     FaultsRequest,
     GenerateRequest,
+    KVExportBody,
     PrefillRequest,
     PrefillResponse,
     StreamLine,
@@ -58,6 +57,7 @@ from splitserve.serve.schemas import (
 )
 from splitserve.serve.text_stream import TextStream
 from splitserve.serve.worker_auth import worker_headers, worker_token  # noqa: F401 - re-exported
+from splitserve.serve.worker_cli import build_parser, config_from_args
 from splitserve.serve.worker_config import ROLES, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class Worker:
         self.client.begin(config, log_level=level)
         try:
             # while the core loads the weights
-            self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+            self.tokenizer = load_tokenizer(config.engine.model, config.engine.tokenizer)
         except Exception:
             self.client.close()
             raise
@@ -153,13 +153,13 @@ class Worker:
         """Lines from the first token on; a failed import (CoreError) comes before the first line."""
         self._need("decode")
         params = self._params(req.sampling_params)
-        rid = req.request_id or str(req.kv.get("handle", {}).get("request_id") or self._new_id("dc"))
+        rid = req.request_id or req.kv.handle.request_id or self._new_id("dc")
         lp = None
         if req.first_logprob is not None:
             x = logprob_from_dict(req.first_logprob)
             lp = [x.token_id, x.logprob, x.rank, [list(t) for t in x.top]]
-        cmd = wire.Import(rid, list(req.prompt_token_ids), req.first_token, req.kv, req.sampling_params,
-                          lp, req.kv_policy, req.timeout_s)  # fmt: skip
+        cmd = wire.Import(rid, list(req.prompt_token_ids), req.first_token, req.kv.model_dump(),
+                          req.sampling_params, lp, req.kv_policy, req.timeout_s)  # fmt: skip
         stream = self.client.import_kv(cmd)
         async for line in self._lines(rid, stream, TextStream(rid, params, self.tokenizer), timings=False):
             yield line
@@ -226,17 +226,17 @@ class Worker:
             "check_peer", wait_s=timeout_s + 5, address=address, timeout_s=timeout_s
         )
 
-    async def release(self, kv: dict) -> dict:
+    async def release(self, kv: KVExportBody) -> dict:
         self._need("prefill")
-        return await self.client.call("release", kv=kv)
+        return await self.client.call("release", kv=kv.model_dump())
 
     async def probe_export(self, num_blocks: int) -> dict:
         self._need("prefill")
         return await self.client.call("probe_export", num_blocks=num_blocks)
 
-    async def probe(self, kv: dict, timeout_s: float) -> dict:
+    async def probe(self, kv: KVExportBody, timeout_s: float) -> dict:
         self._need("decode")
-        return await self.client.call("probe", wait_s=timeout_s + 5, kv=kv, timeout_s=timeout_s)
+        return await self.client.call("probe", wait_s=timeout_s + 5, kv=kv.model_dump(), timeout_s=timeout_s)
 
     async def set_faults(self, knobs: FaultsRequest) -> dict:
         return await self.client.call("set_faults", **knobs.model_dump())
@@ -246,112 +246,6 @@ class Worker:
 
 
 # ---- command line --------------------------------------------------------------------------------
-
-
-def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
-    """`suppress`: no defaults, so that parsing tells which flags were given."""
-
-    def d(value: object) -> object:
-        return argparse.SUPPRESS if suppress else value
-
-    p = argparse.ArgumentParser(prog="python -m splitserve.serve.worker", description=__doc__.split("\n")[0],
-                                argument_default=argparse.SUPPRESS if suppress else None)  # fmt: skip
-    p.add_argument("--spec", default=d(None),
-                   help="the worker's config as JSON (a runtime's WorkerConfig, no secret); flags given "
-                        "beside it override its fields")  # fmt: skip
-    p.add_argument("--role", choices=ROLES, default=d("colocated"))
-    p.add_argument("--model", default=d(None),
-                   help="HF directory, GGUF file or random:SHAPE (default: SmolLM2-135M)")  # fmt: skip
-    p.add_argument("--tokenizer", default=d(None), help="HF directory or GGUF file (default: the model's)")
-    p.add_argument("--host", default=d("127.0.0.1"), help="HTTP (and tcp KV) address to bind")
-    p.add_argument("--port", type=int, default=d(0), help="HTTP port; 0: the OS picks (printed)")
-    p.add_argument("--device", default=d("auto"))
-    p.add_argument("--dtype", default=d("auto"))
-    p.add_argument("--block-size", type=int, default=d(16))
-    p.add_argument("--max-model-len", type=int, default=d(None))
-    p.add_argument("--max-num-seqs", type=int, default=d(128))
-    p.add_argument("--max-num-batched-tokens", type=int, default=d(2048))
-    p.add_argument("--kv-cache-mb", type=int, default=d(None), help="KV cache budget (default: the engine's)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=d(None))
-    p.add_argument("--seed", type=int, default=d(0))
-    p.add_argument("--weight-cache-dir", default=d("auto"), help='"auto", a path, or "off"')
-    p.add_argument("--weight-cache-max-gb", type=float, default=d(64.0))
-    p.add_argument("--no-weight-cache-verify", action="store_true", help="skip the per-chunk CRC32 on load")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
-    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default=d("auto"),
-                   help="overlap the host's and the GPU's work in decode (auto: on for CUDA)")  # fmt: skip
-    p.add_argument("--kv-backend", default=d("tcp"),
-                   help="tcp | shm | cuda_ipc (GPU KV, one host) | nccl (GPU KV); nixl: not yet")  # fmt: skip
-    p.add_argument("--kv-fallback", default=d(""),
-                   help="comma-separated backends allowed if --kv-backend cannot run (logged)")  # fmt: skip
-    p.add_argument("--kv-secret-env", default=d("SPLITSERVE_KV_SECRET"),
-                   help="name of the environment variable holding the shared KV secret")  # fmt: skip
-    p.add_argument("--kv-lease-s", type=float, default=d(30.0), help="free an unclaimed export after this")
-    p.add_argument("--kv-fetch-timeout-s", type=float, default=d(30.0), help="default deadline of an import")
-    p.add_argument("--kv-policy", choices=("fail", "recompute"), default=d("fail"))
-    p.add_argument("--kv-checksum", choices=("crc32", "blake2b"), default=d(None))
-    p.add_argument("--threads", type=int, default=d(1), help="the engine core's torch intra-op threads")
-    p.add_argument("--stream-interval", type=int, default=d(1),
-                   help="tokens per stream line at least (fewer only at the end)")  # fmt: skip
-    p.add_argument("--enable-fault-injection", action="store_true", help="tests: POST /debug/faults")
-    p.add_argument(
-        "--http-auth",
-        action="store_true",
-        help="require a bearer token derived from the KV secret on every endpoint but /health",
-    )
-    p.add_argument(
-        "--kv-throttle-gbps", type=float, default=d(None), help="test hook: hold fetches to this GB/s"
-    )
-    p.add_argument("-v", "--verbose", action="store_true")
-    return p
-
-
-# command-line dests that are not a WorkerConfig field of the same name
-_FLAG_FIELDS = {"no_weight_cache_verify": "weight_cache_verify", "enable_fault_injection": "fault_injection",
-                "host": "kv_host"}  # fmt: skip
-_NOT_FIELDS = {"spec", "port", "kv_secret_env", "verbose"}
-
-
-def config_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> WorkerConfig:
-    """The worker's config: `--spec` (a runtime's WorkerConfig as JSON) with the flags given in `argv`
-    over it, or the flags alone."""
-    secret = os.environ.get(args.kv_secret_env) or None
-    role, http_auth = args.role, args.http_auth
-    if args.spec:
-        try:
-            spec = json.loads(args.spec)
-            role, http_auth = spec["role"], spec["http_auth"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--spec is not a worker spec: {exc}") from None
-    if (role != "colocated" or http_auth) and not secret:
-        why = "--http-auth" if role == "colocated" else f"the {role} role"
-        raise ValueError(f"{why} needs the deployment's shared secret in ${args.kv_secret_env}")
-    flags = _fields_from_flags(args, secret)
-    if not args.spec:
-        return WorkerConfig(**flags)
-    given = vars(build_parser(suppress=True).parse_args(list(argv or [])))
-    fields = {_FLAG_FIELDS.get(d, d) for d in given if d not in _NOT_FIELDS}
-    base = WorkerConfig.from_json(args.spec, kv_secret=secret)
-    return dataclasses.replace(base, **{f: flags[f] for f in fields})
-
-
-def _fields_from_flags(args: argparse.Namespace, secret: str | None) -> dict:
-    return dict(
-        role=args.role, model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
-        block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_mb=args.kv_cache_mb, seed=args.seed,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        weight_cache_dir=None if args.weight_cache_dir == "off" else args.weight_cache_dir,
-        weight_cache_max_gb=args.weight_cache_max_gb, weight_cache_verify=not args.no_weight_cache_verify,
-        enforce_eager=args.enforce_eager,
-        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        kv_backend=args.kv_backend, kv_fallback=tuple(b for b in args.kv_fallback.split(",") if b),
-        kv_secret=secret, kv_host=args.host, kv_lease_s=args.kv_lease_s,
-        kv_fetch_timeout_s=args.kv_fetch_timeout_s, kv_policy=args.kv_policy,
-        kv_checksum=args.kv_checksum, fault_injection=args.enable_fault_injection,
-        kv_throttle_gbps=args.kv_throttle_gbps, http_auth=args.http_auth, threads=args.threads,
-        stream_interval=args.stream_interval,
-    )  # fmt: skip
 
 
 STANDBY = "--standby"
@@ -395,7 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from splitserve.serve.worker_app import serve
 
     try:
-        worker = Worker(config_from_args(args, argv), client)
+        config = config_from_args(args)
+        worker = Worker(config, client)
     except SystemExit:  # SIGTERM while loading
         client.close(1)
         raise
@@ -409,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         info = {"event": "ready", "url": url, **worker.health()}
         print(json.dumps(info), flush=True)
 
-    serve(worker, args.host, args.port, ready)
+    serve(worker, config.kv_host, args.port, ready)
     return 0
 
 

@@ -38,6 +38,7 @@ from splitserve.serve.schemas import (
     PrefillRequest,
     PrefillResponse,
     ProbeExportRequest,
+    ProbeExportResponse,
     ProbeRequest,
     ReleaseRequest,
     StreamLine,
@@ -180,9 +181,9 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
     async def release(req: ReleaseRequest) -> dict:
         return await worker.release(req.kv)
 
-    @app.post("/kv/probe/export")
-    async def probe_export(req: ProbeExportRequest) -> dict:
-        return await worker.probe_export(req.num_blocks)
+    @app.post("/kv/probe/export", response_model=ProbeExportResponse)
+    async def probe_export(req: ProbeExportRequest) -> ProbeExportResponse:
+        return ProbeExportResponse.model_validate(await worker.probe_export(req.num_blocks))
 
     @app.post("/kv/probe")
     async def probe(req: ProbeRequest) -> dict:

@@ -15,27 +15,15 @@ ROLES = ("prefill", "decode", "colocated")
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """A worker: its role, its engine (an `EngineConfig`, where every engine knob is declared once) and
+    what the worker adds around the engine (the KV transport, the HTTP API, threads, streaming)."""
+
     role: str = "colocated"
-    model: str | None = None
-    tokenizer: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    kv_cache_mb: int | None = None  # None: the engine's default budget
-    gpu_memory_utilization: float | None = None  # CUDA: fraction for weights + KV (None: the engine's)
-    seed: int = 0
-    weight_cache_dir: str | None = "auto"
-    weight_cache_max_gb: float | None = 64.0
-    weight_cache_verify: bool = True
-    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
-    async_scheduling: bool | None = None  # overlapped decode steps; None: on for CUDA
+    engine: EngineConfig = EngineConfig(progress=False)
     kv_backend: str = "tcp"
     kv_fallback: tuple[str, ...] = ()  # backends allowed if kv_backend cannot run (logged, counted)
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
-    kv_host: str = "127.0.0.1"
+    kv_host: str = "127.0.0.1"  # the HTTP and tcp KV address
     kv_lease_s: float = 30.0
     kv_fetch_timeout_s: float = 30.0
     kv_policy: str = "fail"
@@ -53,33 +41,13 @@ class WorkerConfig:
             raise ValueError("threads and stream_interval must be at least 1")
         if self.http_auth and not self.kv_secret:
             raise ValueError("http_auth needs the deployment's secret (kv_secret) to derive its token")
+        object.__setattr__(self, "kv_fallback", tuple(self.kv_fallback))
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            tokenizer=self.tokenizer,
-            device=self.device,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            kv_cache_bytes=None if self.kv_cache_mb is None else self.kv_cache_mb << 20,
-            **(
-                {}
-                if self.gpu_memory_utilization is None
-                else {"gpu_memory_utilization": self.gpu_memory_utilization}
-            ),
-            seed=self.seed,
-            progress=False,
-            weight_cache_dir=self.weight_cache_dir,
-            weight_cache_max_gb=self.weight_cache_max_gb,
-            weight_cache_verify=self.weight_cache_verify,
-            enforce_eager=self.enforce_eager,
-            async_scheduling=self.async_scheduling,
-            # the exporter's cache in a memfd: shm fetchers copy straight out of it (kv/shm_direct.py)
-            kv_shared_memory=self.role == "prefill" and "shm" in (self.kv_backend, *self.kv_fallback),
-        )
+        """The engine as the core builds it: no progress bars; a prefill worker's cache in a memfd
+        when shm may carry its KV (shm fetchers copy straight out of it, kv/shm_direct.py)."""
+        shared = self.role == "prefill" and "shm" in (self.kv_backend, *self.kv_fallback)
+        return dataclasses.replace(self.engine, progress=False, kv_shared_memory=shared)
 
     def transport_options(self) -> TransportOptions:
         return TransportOptions(
@@ -101,13 +69,17 @@ class WorkerConfig:
     def from_json(cls, text: str, kv_secret: str | None = None) -> WorkerConfig:
         """`kv_secret`: set when the JSON was written without it."""
         data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError("a worker spec is a JSON object")
+        if not isinstance(data, dict) or not isinstance(data.get("engine", {}), dict):
+            raise ValueError("a worker spec is a JSON object (its engine one too)")
         if kv_secret is not None:
             data["kv_secret"] = kv_secret
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown worker config fields {sorted(unknown)}")
-        data["kv_fallback"] = tuple(data.get("kv_fallback") or ())
-        return cls(**data)
+        _known(cls, data, "worker config")
+        engine = data.pop("engine", {})
+        _known(EngineConfig, engine, "engine config")
+        return cls(**data, engine=EngineConfig(**engine))
+
+
+def _known(cls: type, data: dict, what: str) -> None:
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {what} fields {sorted(unknown)}")

@@ -83,11 +83,11 @@ def _worker(argv: list[str], env: str = "S"):
     """The WorkerConfig a worker process builds from `argv` (as worker.main does)."""
     import os
 
-    from splitserve.serve.worker import build_parser, config_from_args
+    from splitserve.serve.worker_cli import build_parser, config_from_args
 
     os.environ[env] = "a-secret"
     try:
-        return config_from_args(build_parser().parse_args(argv[3:]), argv[3:])
+        return config_from_args(build_parser().parse_args(argv[3:]))
     finally:
         del os.environ[env]
 
@@ -101,21 +101,21 @@ def test_worker_command_lines_follow_the_manifest():
     assert argv[argv.index("--kv-secret-env") + 1] == "SECRET_ENV"
     assert "a-secret" not in " ".join(argv) and '"kv_secret": null' in argv[argv.index("--spec") + 1]
     w = _worker(argv, "SECRET_ENV")
-    assert (w.role, w.device, w.kv_backend, w.kv_fallback) == ("prefill", "cuda:1", "tcp", ("shm",))
-    assert (w.kv_policy, w.kv_checksum, w.kv_cache_mb, w.kv_secret) == ("recompute", "crc32", 99, "a-secret")
+    assert (w.role, w.engine.device, w.kv_backend, w.kv_fallback) == ("prefill", "cuda:1", "tcp", ("shm",))
+    assert (w.kv_policy, w.kv_checksum, w.kv_secret) == ("recompute", "crc32", "a-secret")
     assert w.http_auth and w.engine_config().kv_cache_bytes == 99 << 20
 
 
 def test_worker_args_override_the_spec():
     m = parse_manifest("runtime: {worker_args: ['--kv-throttle-gbps', '0.5', '--max-num-seqs', '7']}")
     w = _worker(worker_argv(m, "decode", 0, "S"))
-    assert (w.kv_throttle_gbps, w.max_num_seqs, w.role, w.block_size) == (0.5, 7, "decode", 16)
-    local = _worker(worker_argv(m, "decode", 0, "S"))
+    assert (w.kv_throttle_gbps, w.engine.max_num_seqs, w.role, w.engine.block_size) == (0.5, 7, "decode", 16)
     from splitserve.runtime.common import worker_config
 
+    m = parse_manifest("engine: {threads: 2, max_num_batched_tokens: 512}")
+    local = _worker(worker_argv(m, "decode", 0, "S"))
     ray = worker_config(m, "decode", 0, "a-secret", "127.0.0.1")
-    for f in ("threads", "max_num_batched_tokens", "kv_lease_s", "weight_cache_dir", "async_scheduling"):
-        assert getattr(local, f) == getattr(ray, f), f  # local and Ray workers agree on every knob
+    assert local == ray  # local and Ray workers agree on every knob, the engine's included
 
 
 @pytest.mark.parametrize(
@@ -129,12 +129,12 @@ def test_worker_args_override_the_spec():
 def test_engine_knobs_reach_the_worker_engine(knobs, eager, overlap, monkeypatch):
     """engine.enforce_eager and engine.async_scheduling travel manifest -> worker argv -> EngineConfig."""
     from splitserve.runtime.common import worker_config
-    from splitserve.serve.worker import build_parser, config_from_args
+    from splitserve.serve.worker_cli import build_parser, config_from_args
 
     m = parse_manifest(f"mode: colocated\nengine: {knobs}")
     argv = worker_argv(m, "colocated", 0, "S")
     monkeypatch.setenv("S", "a-secret")
-    engine = config_from_args(build_parser().parse_args(argv[3:]), argv[3:]).engine_config()
+    engine = config_from_args(build_parser().parse_args(argv[3:])).engine_config()
     assert (engine.enforce_eager, engine.async_scheduling) == (eager, overlap)
     direct = worker_config(m, "colocated", 0, "a-secret", "127.0.0.1").engine_config()
     assert (direct.enforce_eager, direct.async_scheduling) == (eager, overlap)
@@ -273,7 +273,8 @@ def test_worker_command_lines_carry_their_pool_engine():
     m = parse_manifest(POOL_ENGINE)
     decode = _worker(worker_argv(m, "decode", 0, "X"), "X")
     prefill = _worker(worker_argv(m, "prefill", 0, "X"), "X")
-    assert (decode.max_num_seqs, decode.gpu_memory_utilization, decode.kv_cache_mb) == (256, 0.5, None)
-    assert (prefill.max_num_seqs, prefill.gpu_memory_utilization, prefill.kv_cache_mb) == (64, None, 256)
-    assert worker_config(m, "decode", 0, "s", "127.0.0.1").max_num_seqs == 256
-    assert worker_config(m, "prefill", 0, "s", "127.0.0.1").max_num_seqs == 64
+    d, p = decode.engine, prefill.engine
+    assert (d.max_num_seqs, d.gpu_memory_utilization, d.kv_cache_bytes) == (256, 0.5, None)
+    assert (p.max_num_seqs, p.kv_cache_bytes) == (64, 256 << 20)  # bytes win over the (default) fraction
+    assert worker_config(m, "decode", 0, "s", "127.0.0.1").engine.max_num_seqs == 256
+    assert worker_config(m, "prefill", 0, "s", "127.0.0.1").engine.max_num_seqs == 64

@@ -33,7 +33,7 @@ def test_manifest_passes_the_tokenizer_to_every_worker():
     for role in ("prefill", "decode"):
         argv = worker_argv(m, role, 0, "SPLITSERVE_KV_SECRET")
         spec = json.loads(argv[argv.index("--spec") + 1])
-        assert (spec["model"], spec["tokenizer"]) == ("random:tiny", "/tok/dir")
+        assert (spec["engine"]["model"], spec["engine"]["tokenizer"]) == ("random:tiny", "/tok/dir")
 
 
 def test_random_model_served_disaggregated_equals_the_engine():
