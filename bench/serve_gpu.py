@@ -62,6 +62,7 @@ def offline(
     engine = llm.engine
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
+    steps0 = (engine.forward_steps, engine.overlapped_steps)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"bench-{i}")
@@ -77,6 +78,8 @@ def offline(
                 if n > 1:
                     tpots.append((now - first[out.request_id]) / (n - 1))
     wall = time.perf_counter() - t0
+    steps = {"forward": engine.forward_steps - steps0[0], "overlapped": engine.overlapped_steps - steps0[1]}
+    print(f"  engine offline: {steps['forward']} steps ({steps['overlapped']} overlapped)")
     del llm, engine
     gc.collect()
     if torch.cuda.is_available():
@@ -104,12 +107,35 @@ def endpoint_tpot(url: str, model: str, prompt: list[int], max_tokens: int) -> f
     return 1e3 * (times[-1] - times[0]) / max(1, tokens - 1)
 
 
-def endpoint_curl(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
+def endpoint_curl(
+    url: str, model: str, prompts: list[list[int]], max_tokens: int, timed: bool = True
+) -> dict:
+    before = worker_steps(url) if timed else {}
     run = run_curl(url, [completion_body(model, p, max_tokens) for p in prompts])
     ttfb = run.pop("ttfb_s")
     mid = ttfb[len(ttfb) // 2]
-    print(f"  time to first byte: min {ttfb[0]:.3f} s, median {mid:.3f} s, max {ttfb[-1]:.3f} s")
+    tag = "" if timed else " (warm-up)"
+    print(f"  time to first byte{tag}: min {ttfb[0]:.3f} s, median {mid:.3f} s, max {ttfb[-1]:.3f} s")
+    if timed:
+        after = worker_steps(url)
+        for name, (fwd, ovl) in after.items():
+            f0, o0 = before.get(name, (0, 0))
+            print(f"  {name}: {fwd - f0} steps ({ovl - o0} overlapped)")
     return run
+
+
+def worker_steps(url: str) -> dict[str, tuple[int, int]]:
+    """Each worker's engine step counters (its /stats), through the deployment's worker token."""
+    import httpx
+
+    from splitserve.serve.worker_auth import worker_headers
+
+    headers = worker_headers(os.environ["SPLITSERVE_KV_SECRET"])
+    out = {}
+    for w in httpx.get(f"{url}/admin/deployment", timeout=10).json()["workers"]:
+        steps = httpx.get(f"{w['url']}/stats", headers=headers, timeout=10).json().get("steps") or {}
+        out[w["name"]] = (steps.get("forward", 0), steps.get("overlapped", 0))
+    return out
 
 
 def endpoint(
@@ -122,7 +148,7 @@ def endpoint(
     with start_serve(manifest, echo=args.echo) as sp:
         model = sp.ready["model"]
         for _ in range(args.warmups):
-            endpoint_curl(sp.url, model, warm, args.max_tokens)  # warm-up, as the engine's
+            endpoint_curl(sp.url, model, warm, args.max_tokens, timed=False)  # warm-up, as the engine's
         runs = []
         if len(prompts) == 1:
             endpoint_tpot(sp.url, model, prompts[0], 8)  # warm-up
@@ -158,6 +184,7 @@ def main() -> int:
     ap.add_argument("--echo", action="store_true", help="echo the server's log")
     ap.add_argument("--out", default="bench/results/serve_gpu.json")
     args = ap.parse_args()
+    os.environ.setdefault("SPLITSERVE_KV_SECRET", os.urandom(16).hex())  # the deployment's (worker /stats)
 
     import torch
 

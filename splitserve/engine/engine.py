@@ -185,6 +185,7 @@ class LLMEngine:
         self.async_scheduling = self.device.type == "cuda" if overlap is None else overlap
         self._inflight: _Inflight | None = None  # an overlapped step whose tokens are not read yet
         self.overlapped_steps = 0
+        self.forward_steps = 0  # steps that ran the model (overlapped or not)
         self._ids = itertools.count()
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s",
@@ -315,6 +316,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return ready
+        self.forward_steps += 1
         if inflight is None and not self._may_overlap(sched):
             logits, sample_chunks = self.runner.execute(sched.chunks)
             reqs = [c.request for c in sample_chunks]
