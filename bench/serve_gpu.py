@@ -41,16 +41,17 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def offline(
     model: str,
-    prompts: list[list[int]],
+    sets: list[list[list[int]]],
     warm: list[list[int]],
     max_tokens: int,
     knobs: dict,
     warmups: int = 1,
 ) -> dict:
-    """All requests added at once to an LLMEngine (as LLM.generate does), stepped to the end; each
-    request's TPOT from the times of the steps that gave its first and last tokens. `warm`: the same
-    workload with other prompts, run first untimed (kernels compile on their first shapes; other
-    prompts, so that the prefix cache does not skip the timed run's prefill)."""
+    """All requests of a set added at once to an LLMEngine (as LLM.generate does), stepped to the end;
+    each request's TPOT from the times of the steps that gave its first and last tokens; one timed pass
+    per set, -> the median pass (by tok/s) with every pass's tok/s. `warm`: the same workload with other
+    prompts, run first untimed (kernels compile on their first shapes; other prompts, so that the
+    prefix cache does not skip a timed pass's prefill)."""
     import torch
 
     from splitserve import LLM, SamplingParams
@@ -59,13 +60,23 @@ def offline(
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(warmups):
         llm.generate(warm, params, use_tqdm=False)
-    engine = llm.engine
+    passes = [_offline_pass(llm.engine, prompts, params) for prompts in sets]
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return _median(passes)
+
+
+def _offline_pass(engine, prompts: list[list[int]], params) -> dict:  # noqa: ANN001
+    import torch
+
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-    steps0 = (engine.forward_steps, engine.overlapped_steps)
+    steps0 = (engine.forward_steps, engine.overlapped_steps, engine.step_seconds)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(p, params, request_id=f"bench-{i}")
+        engine.add_request(p, params, request_id=f"bench-{t0}-{i}")
     first: dict[str, float] = {}
     tpots, tokens = [], 0
     while engine.has_unfinished_requests():
@@ -78,14 +89,18 @@ def offline(
                 if n > 1:
                     tpots.append((now - first[out.request_id]) / (n - 1))
     wall = time.perf_counter() - t0
-    steps = {"forward": engine.forward_steps - steps0[0], "overlapped": engine.overlapped_steps - steps0[1]}
-    print(f"  engine offline: {steps['forward']} steps ({steps['overlapped']} overlapped)")
-    del llm, engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    fwd, ovl, in_step = (engine.forward_steps - steps0[0], engine.overlapped_steps - steps0[1],
+                         engine.step_seconds - steps0[2])  # fmt: skip
+    print(f"  engine offline: {tokens / wall:,.0f} tok/s; {fwd} steps ({ovl} overlapped); "
+          f"{in_step:.3f} s in step() of {wall:.3f} s")  # fmt: skip
     tpot = 1e3 * sum(tpots) / len(tpots) if tpots else None
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "tpot_ms": tpot}
+
+
+def _median(passes: list[dict]) -> dict:
+    """The median pass by tok/s (the lower middle one of an even count), with every pass's tok/s."""
+    ranked = sorted(passes, key=lambda r: r["tok_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "passes_tok_s": [round(r["tok_s"], 1) for r in passes]}
 
 
 def endpoint_tpot(url: str, model: str, prompt: list[int], max_tokens: int) -> float:
@@ -118,13 +133,17 @@ def endpoint_curl(
     print(f"  time to first byte{tag}: min {ttfb[0]:.3f} s, median {mid:.3f} s, max {ttfb[-1]:.3f} s")
     if timed:
         after = worker_steps(url)
-        for name, (fwd, ovl) in after.items():
-            f0, o0 = before.get(name, (0, 0))
-            print(f"  {name}: {fwd - f0} steps ({ovl - o0} overlapped)")
+        for name, now in after.items():
+            was = before.get(name, {})
+            d = {k: v - was.get(k, 0) for k, v in now.items()}
+            print(
+                f"  {name}: {d.get('forward', 0)} steps ({d.get('overlapped', 0)} overlapped); "
+                f"{d.get('step_s', 0):.3f} s in step() of {d.get('loop_s', 0):.3f} s of busy loop turns"
+            )
     return run
 
 
-def worker_steps(url: str) -> dict[str, tuple[int, int]]:
+def worker_steps(url: str) -> dict[str, dict[str, float]]:
     """Each worker's engine step counters (its /stats), through the deployment's worker token."""
     import httpx
 
@@ -134,12 +153,16 @@ def worker_steps(url: str) -> dict[str, tuple[int, int]]:
     out = {}
     for w in httpx.get(f"{url}/admin/deployment", timeout=10).json()["workers"]:
         steps = httpx.get(f"{w['url']}/stats", headers=headers, timeout=10).json().get("steps") or {}
-        out[w["name"]] = (steps.get("forward", 0), steps.get("overlapped", 0))
+        out[w["name"]] = steps
     return out
 
 
 def endpoint(
-    args: argparse.Namespace, mode: str, prompts: list[list[int]], warm: list[list[int]], manifest_knobs: dict
+    args: argparse.Namespace,
+    mode: str,
+    sets: list[list[list[int]]],
+    warm: list[list[int]],
+    manifest_knobs: dict,
 ) -> dict:
     from splitserve.config import load_manifest
     from splitserve.runtime.process import start_serve
@@ -150,12 +173,13 @@ def endpoint(
         for _ in range(args.warmups):
             endpoint_curl(sp.url, model, warm, args.max_tokens, timed=False)  # warm-up, as the engine's
         runs = []
-        if len(prompts) == 1:
-            endpoint_tpot(sp.url, model, prompts[0], 8)  # warm-up
-            tpot = endpoint_tpot(sp.url, model, prompts[0], args.max_tokens)
+        if len(sets[0]) == 1:
+            endpoint_tpot(sp.url, model, sets[0][0], 8)  # warm-up
+            tpot = endpoint_tpot(sp.url, model, sets[0][0], args.max_tokens)
             runs.append({"client": "python", "tpot_ms": tpot})
         for client in args.client:
-            runs.append({"client": client, **endpoint_curl(sp.url, model, prompts, args.max_tokens)})
+            passes = [endpoint_curl(sp.url, model, prompts, args.max_tokens) for prompts in sets]
+            runs.append({"client": client, **_median(passes)})
         if args.top:
             os.system("top -b -n 1 | head -20")  # noqa: S605 - a look at who is busy, on request
         return {"mode": mode, "runs": runs}
@@ -180,6 +204,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmups", type=int, default=1, help="untimed passes of the workload first, each path")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed passes, each on its own prompts (the same sets for both paths); the median "
+                         "pass of each path is compared")  # fmt: skip
     ap.add_argument("--top", action="store_true", help="print `top` after each endpoint run")
     ap.add_argument("--echo", action="store_true", help="echo the server's log")
     ap.add_argument("--out", default="bench/results/serve_gpu.json")
@@ -201,13 +228,17 @@ def main() -> int:
     if args.tokenizer:
         engine_knobs["tokenizer"] = args.tokenizer
     vocab = 512 if "tiny" in model else 32000
-    prompts = _prompts(args.requests, args.prompt_len, vocab, args.seed)
+    # timed passes: set 0 from --seed, the others from seeds far from the warm-up's (seed + 1)
+    sets = [
+        _prompts(args.requests, args.prompt_len, vocab, args.seed + (1000 * r)) for r in range(args.repeats)
+    ]
     warm = _prompts(args.requests, args.prompt_len, vocab, args.seed + 1)
     print(f"model {model} on {'cuda' if cuda else 'cpu'} ({threads} threads); {args.requests} requests of "
           f"{args.prompt_len} prompt tokens, {args.max_tokens} new tokens, greedy, ignore_eos")  # fmt: skip
-    base = offline(model, prompts, warm, args.max_tokens, engine_knobs, args.warmups)
+    base = offline(model, sets, warm, args.max_tokens, engine_knobs, args.warmups)
     print(f"engine offline: {base['tok_s']:,.0f} output tok/s ({base['tokens']} tokens in "
-          f"{base['wall_s']:.2f} s), mean TPOT {base['tpot_ms'] or 0:.2f} ms")  # fmt: skip
+          f"{base['wall_s']:.2f} s), mean TPOT {base['tpot_ms'] or 0:.2f} ms; median of passes "
+          f"{base['passes_tok_s']}")  # fmt: skip
     knobs = {
         "model.source": model, "model.max_model_len": max_len, "engine.max_num_seqs": seqs,
         "engine.max_num_batched_tokens": budget, "engine.threads": threads, "server.port": 0,
@@ -221,7 +252,7 @@ def main() -> int:
         knobs["transport.backend"] = args.kv_backend
     rows = []
     for mode in args.modes:
-        res = endpoint(args, mode, prompts, warm, knobs)
+        res = endpoint(args, mode, sets, warm, knobs)
         for run in res["runs"]:
             if "tpot_ms" in run:
                 ratio = run["tpot_ms"] / base["tpot_ms"]
@@ -233,7 +264,7 @@ def main() -> int:
             rows.append({"mode": mode, **run, "ratio": ratio})
             print(f"{mode:<14} {run['client']:<6} {run['tok_s']:>10,.0f} output tok/s  {ratio:5.2f}x engine  "
                   f"({run['tokens']} tokens in {run['wall_s']:.2f} s; clients' CPU "
-                  f"{run['client_cpu_s']:.2f} s)")  # fmt: skip
+                  f"{run['client_cpu_s']:.2f} s; median of passes {run['passes_tok_s']})")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": model, "engine": base, "rows": rows, "args": vars(args)}, indent=1))

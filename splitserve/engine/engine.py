@@ -186,6 +186,7 @@ class LLMEngine:
         self._inflight: _Inflight | None = None  # an overlapped step whose tokens are not read yet
         self.overlapped_steps = 0
         self.forward_steps = 0  # steps that ran the model (overlapped or not)
+        self.step_seconds = 0.0  # host wall time inside step() (whatever it waited for)
         self._ids = itertools.count()
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s",
@@ -307,6 +308,13 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         self.free_released_kv()
         ready, self._ready = self._ready, []
         inflight = self._inflight

@@ -111,6 +111,7 @@ class EngineCore:
         self.imports: dict[str, _Import] = {}
         self.events: list[wire.Event] = []
         self.early: list[wire.Delta] = []  # deltas made outside a step, sent with this turn's batch
+        self.busy_seconds = 0.0  # wall time of loop turns that had work (engine.step_seconds of it)
         self.fetch_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-fetch")
         self.call_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="core-call")
         self._on_loop: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
@@ -151,7 +152,10 @@ class EngineCore:
         self.batches.send(wire.batch_encoder.encode(wire.Batch(events=[wire.Ready(self.info())])))
         while not self.stopping:
             busy = self.engine.has_unfinished_requests()
+            t0 = time.perf_counter()
             self._drain(0 if busy else IDLE_WAIT_MS)
+            if not busy:  # the turn's work starts when the idle wait ends
+                t0, busy = time.perf_counter(), self.engine.has_unfinished_requests() or bool(self.imports)
             self._run_on_loop()
             if self.imports:
                 self._advance_imports()
@@ -164,6 +168,8 @@ class EngineCore:
                 batch = wire.Batch(deltas, self.events)
                 self.events = []
                 self.batches.send(wire.batch_encoder.encode(batch), copy=False)
+            if busy:
+                self.busy_seconds += time.perf_counter() - t0  # loop turns with work (stats: loop_s)
         self.close()
 
     def _drain(self, timeout_ms: int) -> None:

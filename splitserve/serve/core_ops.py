@@ -103,7 +103,12 @@ class CoreOps:
             },
             "state_slots": {"total": engine.states.num_slots, "free": engine.states.num_free},
             "preemptions": engine.scheduler.num_preemptions,
-            "steps": {"forward": engine.forward_steps, "overlapped": engine.overlapped_steps},
+            "steps": {
+                "forward": engine.forward_steps,
+                "overlapped": engine.overlapped_steps,
+                "step_s": engine.step_seconds,
+                "loop_s": self.core.busy_seconds,
+            },  # fmt: skip
             "kv_transfer": conn.stats() if conn else None,
         }
 
