@@ -109,6 +109,9 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
                                 timeout_graceful_shutdown=int(manifest.runtime.drain_timeout_s),
                                 timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
         server = _Server(config)
+        from splitserve.serve.heap import freeze_heap
+
+        freeze_heap("router")
         pools = ", ".join(f"{w.name} {w.url}" for w in runtime.workers)
         print(f"splitserve: serving {info.served_name} at {url}/v1 ({manifest.mode}; {pools})", flush=True)
         print(json.dumps({"event": "ready", "url": url, "model": info.served_name, "mode": manifest.mode,

@@ -91,6 +91,9 @@ class WorkerReplica:
         ready, url = threading.Event(), []
 
         def on_ready(u: str) -> None:
+            from splitserve.serve.heap import freeze_heap
+
+            freeze_heap(f"{role} replica front end")
             url.append(u)
             ready.set()
 

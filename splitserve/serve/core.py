@@ -149,6 +149,9 @@ class EngineCore:
         return self.ops.health()
 
     def run(self) -> None:
+        from splitserve.serve.heap import freeze_heap
+
+        freeze_heap("engine core")  # loaded and warmed up: what lives now lives for good
         self.batches.send(wire.batch_encoder.encode(wire.Batch(events=[wire.Ready(self.info())])))
         while not self.stopping:
             busy = self.engine.has_unfinished_requests()

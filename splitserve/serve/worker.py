@@ -301,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     def ready(url: str) -> None:
+        from splitserve.serve.heap import freeze_heap
+
+        freeze_heap("worker front end")
         info = {"event": "ready", "url": url, **worker.health()}
         print(json.dumps(info), flush=True)
 
