@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 _EPS = 1e-5
+_INT32 = 2**31 - 1  # counts and ids: what the sampler's tensors and the scheduler take
+_SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed
+
+
+def _int_in(value: object, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,29 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Every value checked here, at admission, so that nothing a request carries can fail a step
+        (which runs other requests beside it): ranges, finite floats, integers the tensors can hold."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value > _INT32
+            ):
+                raise ValueError(f"{name} must be an integer of at most {_INT32}, got {value!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _SEED_MAX
+        ):
+            raise ValueError(f"seed must be an integer in [0, {_SEED_MAX}], got {self.seed!r}")
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT32 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be token ids (integers in [0, 2^31))")
+        if not all(isinstance(x, str) for x in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
         checks = [
             (self.n >= 1, "n must be at least 1"),
             (self.temperature >= 0, "temperature must be non-negative"),
