@@ -77,6 +77,7 @@ class NixlTransport(SocketTransport):
         self.region = self.mover.register(kv)
         self.nixl_counts: Counter[str] = Counter()
         self.stats.backend = f"nixl/{self.mover.backend}"
+        self.stats.requested = f"nixl/{wanted[0]}"
         if self.mover.failed:
             asked = f"nixl/{wanted[0]}"
             reasons = [f"{b}: {why}" for b, why in self.mover.failed.items()]

@@ -281,7 +281,9 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default=d("auto"),
                    help="overlap the host's and the GPU's work in decode (auto: on for CUDA)")  # fmt: skip
     p.add_argument("--kv-backend", default=d("tcp"),
-                   help="tcp | shm | cuda_ipc (GPU KV, one host) | nccl (GPU KV); nixl: not yet")  # fmt: skip
+                   help="tcp | shm | cuda_ipc (GPU KV, one host) | nccl (GPU KV) | nixl")  # fmt: skip
+    p.add_argument("--kv-nixl-backends", default=d("UCX"),
+                   help="nixl: NIXL backends, comma-separated; the first that starts wins")  # fmt: skip
     p.add_argument("--kv-fallback", default=d(""),
                    help="comma-separated backends allowed if --kv-backend cannot run (logged)")  # fmt: skip
     p.add_argument("--kv-secret-env", default=d("SPLITSERVE_KV_SECRET"),
@@ -346,6 +348,7 @@ def _fields_from_flags(args: argparse.Namespace, secret: str | None) -> dict:
         enforce_eager=args.enforce_eager,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         kv_backend=args.kv_backend, kv_fallback=tuple(b for b in args.kv_fallback.split(",") if b),
+        kv_nixl_backends=tuple(b for b in args.kv_nixl_backends.split(",") if b),
         kv_secret=secret, kv_host=args.host, kv_lease_s=args.kv_lease_s,
         kv_fetch_timeout_s=args.kv_fetch_timeout_s, kv_policy=args.kv_policy,
         kv_checksum=args.kv_checksum, fault_injection=args.enable_fault_injection,

@@ -34,6 +34,7 @@ class WorkerConfig:
     async_scheduling: bool | None = None  # overlapped decode steps; None: on for CUDA
     kv_backend: str = "tcp"
     kv_fallback: tuple[str, ...] = ()  # backends allowed if kv_backend cannot run (logged, counted)
+    kv_nixl_backends: tuple[str, ...] = ("UCX",)  # nixl: NIXL backends, first that instantiates wins
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
     kv_host: str = "127.0.0.1"
     kv_lease_s: float = 30.0
@@ -87,6 +88,7 @@ class WorkerConfig:
             lease_s=self.kv_lease_s,
             fetch_timeout_s=self.kv_fetch_timeout_s,
             checksum=self.kv_checksum,
+            nixl_backends=tuple(self.kv_nixl_backends),
         )
 
     def to_json(self, include_secret: bool = True) -> str:
@@ -110,4 +112,5 @@ class WorkerConfig:
         if unknown:
             raise ValueError(f"unknown worker config fields {sorted(unknown)}")
         data["kv_fallback"] = tuple(data.get("kv_fallback") or ())
+        data["kv_nixl_backends"] = tuple(data.get("kv_nixl_backends") or ("UCX",))
         return cls(**data)
