@@ -58,6 +58,9 @@ def load_nixl() -> tuple[ModuleType, str]:
             mod = importlib.import_module(name)
             if not hasattr(mod, "nixl_agent"):
                 mod = importlib.import_module(f"{name}._api")
+            quiet = logging.getLogger("nixl")  # NIXL logs INFO to stdout; ours go to logging's handlers
+            quiet.handlers.clear()
+            quiet.propagate = True
             return mod, name
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
