@@ -11,9 +11,12 @@ For each payload size (1 MiB, x4 steps, up to --max-mb):
   shm   fetch over shared memory, against one plain memcpy (numpy copyto) of the same bytes here;
         twice: "shm staged" (the exporter's KV is ordinary memory: two copies through slots) and
         "shm direct" (its KV was allocated with allocate_shared_kv: the fetcher copies out of it).
+  nixl  fetch over NIXL (UCX here; `--nixl-backends`): one READ per fetch of one descriptor per run
+        of blocks consecutive on both sides (random ids: one per block, the worst case), against the
+        same raw loopback socket as tcp. Skipped, and said so, where NIXL is not installed.
 Each figure is the median of several repetitions after one warm-up; the ratio is to the baseline.
 Latency: median round trip of a 1-block fetch, against the raw socket / memcpy of the same bytes.
-Goals: tcp >= 70% of the raw socket, shm >= 50% of memcpy, judged on payloads >= 64 MiB (a 512-token
+Goals: tcp and nixl >= 70% of the raw socket, shm >= 50% of memcpy, judged on payloads >= 64 MiB (a 512-token
 prompt of an 8B model); below that a fetch's fixed round trips (~0.3-0.5 ms here) dominate, and the
 memcpy baseline runs from cache.
 
@@ -42,12 +45,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-from splitserve.kv import KVHandle, KVLayout, TransportOptions, make_transport  # noqa: E402
+from splitserve.kv import BackendUnavailable, KVHandle, KVLayout, TransportOptions, make_transport  # noqa: E402
+from splitserve.kv.nixl_agent import load_nixl  # noqa: E402
 from splitserve.kv.payload import tensor_bytes  # noqa: E402
 from splitserve.kv.shm import allocate_shared_kv  # noqa: E402
 
-TRANSPORTS = {"tcp": "raw_socket", "shm staged": "memcpy", "shm direct": "memcpy"}  # -> baseline
-GOALS = {"tcp": 0.70, "shm staged": 0.50, "shm direct": 0.50}
+TRANSPORTS = {"tcp": "raw_socket", "shm staged": "memcpy", "shm direct": "memcpy", "nixl": "raw_socket"}
+GOALS = {"tcp": 0.70, "shm staged": 0.50, "shm direct": 0.50, "nixl": 0.70}
 BULK_BYTES = 64 << 20  # goals are judged on payloads at least this large (bandwidth, not round trips)
 
 
@@ -61,6 +65,7 @@ class Setup:
     num_blocks: int
     checksum: str | None
     secret: str
+    nixl_backends: tuple[str, ...] | None = None  # None: no nixl rows
 
     def layout(self) -> KVLayout:
         return KVLayout(
@@ -73,7 +78,16 @@ class Setup:
         return allocate_shared_kv(shape, dtype) if shared else torch.empty(shape, dtype=dtype)
 
     def options(self) -> TransportOptions:
-        return TransportOptions(checksum=self.checksum, lease_s=3600, fetch_timeout_s=300)
+        return TransportOptions(
+            checksum=self.checksum,
+            lease_s=3600,
+            fetch_timeout_s=300,
+            nixl_backends=self.nixl_backends or ("UCX",),
+        )
+
+    def transports(self) -> dict[str, str]:
+        """Row name -> its baseline, for the transports this run measures."""
+        return {k: v for k, v in TRANSPORTS.items() if k != "nixl" or self.nixl_backends}
 
 
 # -- the exporter process -------------------------------------------------------------------------
@@ -86,6 +100,8 @@ def exporter_main(conn, setup_dict: dict) -> None:
         chunk[:] = rng.integers(0, 256, chunk.nbytes, dtype=np.uint8)
     private.copy_(shared)
     caches = {"tcp": ("tcp", shared), "shm staged": ("shm", private), "shm direct": ("shm", shared)}
+    if setup.nixl_backends:
+        caches["nixl"] = ("nixl", shared)
     transports = {
         name: make_transport(backend, kv, setup.layout(), secret=setup.secret, options=setup.options())
         for name, (backend, kv) in caches.items()
@@ -208,9 +224,9 @@ def run(args: argparse.Namespace) -> dict:
     dst.fill(0)  # touch the pages, as in a running engine
     by_backend = {
         b: make_transport(b, kv, setup.layout(), secret=setup.secret, options=setup.options())
-        for b in ("tcp", "shm")
+        for b in ("tcp", "shm", *(("nixl",) if setup.nixl_backends else ()))
     }
-    fetchers = {name: by_backend[name.split()[0]] for name in TRANSPORTS}
+    fetchers = {name: by_backend[name.split()[0]] for name in setup.transports()}
     rng = np.random.default_rng(2)
     rows, progress = [], make_progress(len(sizes) + 1)
     try:
@@ -244,8 +260,15 @@ def make_setup(args: argparse.Namespace) -> Setup:
     largest = size_ladder(args.max_mb)[-1] << 20
     num_blocks = largest // block + 8
     secret = os.environ.get("SPLITSERVE_KV_SECRET") or os.urandom(16).hex()
+    nixl = tuple(b for b in args.nixl_backends.split(",") if b) or None
+    if nixl:
+        try:
+            load_nixl()
+        except BackendUnavailable as exc:
+            print(f"no nixl rows: {exc}", file=sys.stderr)
+            nixl = None
     return Setup(args.layers, args.block_size, args.kv_heads, args.head_dim, args.dtype, num_blocks,
-                 args.checksum, secret)  # fmt: skip
+                 args.checksum, secret, nixl)  # fmt: skip
 
 
 def size_ladder(max_mb: int) -> list[int]:
@@ -272,19 +295,20 @@ class _NoProgress:
 
 
 def report(result: dict) -> str:
-    columns = [*TRANSPORTS, "raw_socket", "memcpy"]
-    head = " ".join(f"{c:>10}" for c in columns) + " | " + " ".join(f"{c + ' %':>12}" for c in TRANSPORTS)
+    transports = Setup(**result["setup"]).transports()
+    columns = [*transports, "raw_socket", "memcpy"]
+    head = " ".join(f"{c:>10}" for c in columns) + " | " + " ".join(f"{c + ' %':>12}" for c in transports)
     lines = [f"{'payload':>10} {'blocks':>6} | {head}   (GB/s; % of its baseline)"]
     for r in result["rows"]:
         figures = " ".join(f"{r[c]:10.2f}" for c in columns)
-        ratios = " ".join(f"{r[t] / r[base]:12.0%}" for t, base in TRANSPORTS.items())
+        ratios = " ".join(f"{r[t] / r[base]:12.0%}" for t, base in transports.items())
         lines.append(f"{_size(r['bytes']):>10} {r['blocks']:>6} | {figures} | {ratios}")
     lat = result["latency"]
     lines.append(
         f"latency of a 1-block fetch ({_size(lat['block_bytes'])}, median of 50): "
         + ", ".join(f"{c} {lat[c]:.3f} ms" for c in columns)
     )
-    for name, base in TRANSPORTS.items():
+    for name, base in transports.items():
         bulk = [r[name] / r[base] for r in result["rows"] if r["bytes"] >= BULK_BYTES]
         if bulk:
             verdict = "PASS" if min(bulk) >= GOALS[name] else "FAIL"
@@ -296,6 +320,7 @@ def report(result: dict) -> str:
         lines.append(
             f"describe[{backend}]: backend={info['backend']} fetches={info['counts'].get('fetches')} "
             f"recent={info['fetch_gbps_recent']} GB/s checksum={result['setup']['checksum']}"
+            + (f" nixl={info['nixl']}" if "nixl" in info else "")
         )
     return "\n".join(lines)
 
@@ -314,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--nixl-backends", default="UCX", help='NIXL backends for the nixl rows ("" for none)')
     p.add_argument("--json", help="also write the raw results here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

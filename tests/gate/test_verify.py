@@ -5,6 +5,8 @@ Real deployments of the default model (router + worker processes)."""
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import torch
 import yaml
 
 from splitserve.config import load_manifest
@@ -59,31 +62,33 @@ def test_a_correct_deployment_passes(tmp_path):
     assert {c["value"] for c in backend} == {"shm"}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl can run here")
 def test_a_fallback_that_happened_fails(tmp_path):
-    """Asked for nixl (not installed here), allowed to fall back to tcp: it serves, and the gate fails."""
-    path = _manifest(tmp_path, transport={"backend": "nixl", "fallback": ["tcp"]})
+    """Asked for nccl (no CUDA here), allowed to fall back to tcp: it serves, and the gate fails."""
+    path = _manifest(tmp_path, transport={"backend": "nccl", "fallback": ["tcp"]})
     code, out, report = _verify_cli(path, "--json", str(tmp_path / "r.json"))
     assert code == 1, out
     bad = [c for c in report["checks"] if not c["ok"]]
     assert {c["name"] for c in bad} == {"kv backend"}, bad
     assert all(
-        "runs tcp (asked nixl; required nixl)" in c["detail"] and "FELL BACK" in c["detail"] for c in bad
+        "runs tcp (asked nccl); required nccl" in c["detail"] and "FELL BACK" in c["detail"] for c in bad
     )
-    assert "nixl" in bad[0]["detail"] and "not installed" in bad[0]["detail"]
+    assert "nccl" in bad[0]["detail"] and "CUDA" in bad[0]["detail"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl can run here")
 def test_an_unavailable_backend_without_fallback_never_serves(tmp_path):
-    path = _manifest(tmp_path, transport={"backend": "nixl"})
+    path = _manifest(tmp_path, transport={"backend": "nccl"})
     code, out, report = _verify_cli(path, "--json", str(tmp_path / "r.json"))
     assert code == 1 and not report["ok"]
-    assert "did not start" in report["error"] and "nixl" in report["error"], report["error"]
+    assert "did not start" in report["error"] and "nccl" in report["error"], report["error"]
 
 
 def test_required_backend_differs_from_the_one_running(tmp_path):
     """A tcp deployment gated on shm (say, a manifest meant for one host run across two) fails."""
     path = _manifest(tmp_path, transport={"backend": "tcp", "required_backends": ["shm"]})
     code, out, _ = _verify_cli(path)
-    assert code == 1 and "runs tcp (asked tcp; required shm)" in out, out
+    assert code == 1 and "runs tcp (asked tcp); required shm" in out, out
 
 
 def test_a_throttled_transport_fails_the_gate_and_fires_the_alert_metric(tmp_path):
@@ -111,3 +116,54 @@ def test_a_throttled_transport_fails_the_gate_and_fires_the_alert_metric(tmp_pat
             assert time.monotonic() < deadline, text
             time.sleep(0.5)
         assert "splitserve:kv_min_gbps" in text and "splitserve:kv_probe_gbps{" in text
+
+
+# -- nixl: the reference deployment's trap ---------------------------------------------------------
+NIXL_HERE = any(importlib.util.find_spec(n) for n in ("nixl", "nixl_cu12", "nixl_cu13"))
+needs_nixl_without_libfabric = pytest.mark.skipif(
+    not NIXL_HERE or ctypes.util.find_library("fabric") is not None,
+    reason="needs NIXL (pip install --no-deps nixl-cu12==1.5.1) on a host without libfabric",
+)
+
+
+@needs_nixl_without_libfabric
+def test_nixl_asking_libfabric_alone_never_starts_and_says_why(tmp_path):
+    path = _manifest(tmp_path, transport={"backend": "nixl", "nixl_backends": ["LIBFABRIC"]})
+    code, out, report = _verify_cli(path, "--json", str(tmp_path / "r.json"))
+    assert code == 1 and not report["ok"]
+    error = report["error"]
+    assert "did not start" in error and "LIBFABRIC" in error and "NIXL_ERR_NOT_FOUND" in error, error
+
+
+@needs_nixl_without_libfabric
+def test_nixl_libfabric_falling_back_to_ucx_serves_and_fails_the_gate(tmp_path):
+    """[LIBFABRIC, UCX]: it serves over UCX (the round trip equals colocated), says so in /stats, the
+    TTFT headers and /metrics, and fails `verify` until the manifest accepts nixl/UCX."""
+    transport = {"backend": "nixl", "nixl_backends": ["LIBFABRIC", "UCX"], "checksum": "crc32"}
+    manifest = load_manifest(_manifest(tmp_path, transport=transport))
+    with start_serve(manifest) as sp:
+        report = asyncio.run(verify_url(sp.url))
+        bad = [c for c in report.checks if not c.ok]
+        assert {c.name for c in bad} == {"kv backend"}, report.table()
+        assert all("runs nixl/UCX (asked nixl/LIBFABRIC)" in c.detail for c in bad), report.table()
+        assert all("NIXL_ERR_NOT_FOUND" in c.detail for c in bad), report.table()
+        trip = [c for c in report.checks if c.name == "round trip"]
+        assert trip and all(c.ok for c in trip), report.table()
+        share = [c for c in report.checks if c.name == "transfer share"]
+        assert all("over nixl/UCX" in c.detail for c in share), report.table()
+        r = httpx.post(
+            f"{sp.url}/v1/completions",
+            json={"model": manifest.model.resolved_served_name(), "prompt": "Hello there", "max_tokens": 4},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.headers.get("x-splitserve-kv-backend") == "nixl/UCX", r.headers
+        text = httpx.get(f"{sp.url}/metrics", timeout=10).text
+        fallbacks = [
+            line for line in text.splitlines() if line.startswith("splitserve:kv_transport_fallbacks{")
+        ]
+        assert fallbacks and all(line.endswith(" 1.0") for line in fallbacks), fallbacks
+        assert 'backend="nixl/UCX"' in text and 'requested="nixl/LIBFABRIC"' in text
+    accepted = load_manifest(_manifest(tmp_path, transport={**transport, "required_backends": ["nixl/UCX"]}))
+    assert accepted.transport.required() == ["nixl/UCX"] and manifest.transport.required() == [
+        "nixl/LIBFABRIC"
+    ]

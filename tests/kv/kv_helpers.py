@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import ctypes.util
+import importlib.util
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from splitserve.kv import KVLayout
 from splitserve.kv.shm import SEGMENT_PREFIX, allocate_shared_kv
 
 SECRET = "test-secret"
+HAVE_NIXL = any(importlib.util.find_spec(n) for n in ("nixl", "nixl_cu12", "nixl_cu13"))
+needs_nixl = pytest.mark.skipif(
+    not HAVE_NIXL, reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1, then numpy)"
+)
+NIXL = pytest.param("nixl", marks=needs_nixl)  # a `backend` parameter: nixl over UCX, CPU memory
+HAVE_LIBFABRIC = ctypes.util.find_library("fabric") is not None
 SHM = Path("/dev/shm")
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from kv_helpers import SECRET, layout_of, our_segments, small_kv
+from kv_helpers import HAVE_LIBFABRIC, HAVE_NIXL, NIXL, SECRET, layout_of, needs_nixl, our_segments, small_kv
 
 from splitserve.kv import (
     AuthError,
@@ -30,8 +30,9 @@ from splitserve.kv import (
     make_transport,
 )
 from splitserve.kv.protocol import PREFIX, decode_header, decode_prefix, encode_frame
+from splitserve.kv.transport import TransportOptions
 
-BACKENDS = ["tcp", "shm", "shm-direct"]
+BACKENDS = ["tcp", "shm", "shm-direct", NIXL]
 MARGIN_S = 0.5
 
 
@@ -246,7 +247,11 @@ def test_unreachable_exporter(make):
 # -- backends -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "backend, missing",
-    [("nixl", "not installed"), ("cuda_ipc", "CUDA"), ("nccl", "CUDA")],
+    [
+        pytest.param("nixl", "not installed", marks=pytest.mark.skipif(HAVE_NIXL, reason="NIXL is here")),
+        ("cuda_ipc", "CUDA"),
+        ("nccl", "CUDA"),
+    ],
 )
 def test_unavailable_backend_is_a_clear_start_up_error(backend, missing):
     kv = small_kv()
@@ -260,13 +265,14 @@ def test_unknown_backend(make):
         make("carrier-pigeon")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl can run here")
 def test_explicit_fallback_is_logged_and_counted(make, caplog):
     with caplog.at_level(logging.WARNING, logger="splitserve.kv.transport"):
         kv = small_kv()
-        t = make_transport("nixl", kv, layout_of(kv), secret=SECRET, fallback=["cuda_ipc", "tcp"])
+        t = make_transport("nccl", kv, layout_of(kv), secret=SECRET, fallback=["cuda_ipc", "tcp"])
     try:
         info = t.describe()
-        assert info["backend"] == "tcp" and info["requested"] == "nixl"
+        assert info["backend"] == "tcp" and info["requested"] == "nccl"
         assert info["counts"]["fallbacks"] == 1 and len(info["fallback_reasons"]) == 2
         assert any("falling back to 'tcp'" in r.message for r in caplog.records)
     finally:
@@ -281,3 +287,34 @@ def test_direct_mode_is_used_for_shared_kv_and_reports_it(make):
     assert torch.equal(fetcher.kv[[9, 8, 7, 6]], small_kv()[[2, 3, 4, 5]])
     assert exporter.describe()["shm_mode"] == "direct" and fetcher.describe()["shm_mode"] == "staged"
     assert fetcher.describe()["counts"]["checksums_verified"] == 1
+
+
+# -- nixl: the reference deployment's trap (LIBFABRIC asked, UCX is what runs here) -----------------
+@needs_nixl
+@pytest.mark.skipif(HAVE_LIBFABRIC, reason="libfabric is installed here: LIBFABRIC may instantiate")
+def test_nixl_libfabric_alone_refuses_to_start_with_nixls_own_error():
+    kv = small_kv()
+    options = TransportOptions(nixl_backends=("LIBFABRIC",))
+    with pytest.raises(BackendUnavailable) as info:
+        make_transport("nixl", kv, layout_of(kv), secret=SECRET, options=options)
+    why = str(info.value)
+    assert "NIXL_ERR_NOT_FOUND" in why and "unsupported backend 'LIBFABRIC'" in why, why
+    assert "libfabric.so.1" in why, why  # and why NIXL could not: its plugin's library is missing
+
+
+@needs_nixl
+@pytest.mark.skipif(HAVE_LIBFABRIC, reason="libfabric is installed here: LIBFABRIC may instantiate")
+def test_nixl_declared_fallback_serves_logs_loudly_and_is_counted(make, caplog):
+    with caplog.at_level(logging.ERROR, logger="splitserve.kv.nixl"):
+        exporter = make("nixl", nixl_backends=("LIBFABRIC", "UCX"), checksum="crc32")
+    info = exporter.describe()
+    assert info["backend"] == "nixl/UCX" and info["requested"] == "nixl/LIBFABRIC", info
+    assert info["counts"]["fallbacks"] == 1 and "NIXL_ERR_NOT_FOUND" in info["fallback_reasons"][0]
+    assert any("KV TRANSPORT FALLBACK" in r.message for r in caplog.records)
+    handle = export_some(exporter)
+    fetcher = make("nixl", kv=torch.zeros_like(exporter.kv))
+    fetcher.fetch(handle, [0, 1, 2, 3], timeout_s=5)
+    assert torch.equal(fetcher.kv[[0, 1, 2, 3]], exporter.kv[[2, 3, 4, 5]])
+    got = fetcher.describe()
+    assert got["backend"] == "nixl/UCX" and got["nixl"]["reads_UCX"] == 1
+    assert got["nixl"]["descriptors_last"] == 1  # ids 2..5 -> 0..3: one run on both sides, one descriptor

@@ -14,12 +14,16 @@ import textwrap
 
 import pytest
 import torch
-from kv_helpers import our_segments, wait_for
+from kv_helpers import HAVE_NIXL, NIXL, our_segments, wait_for
 from kv_peer import ExporterProcess, PeerSpec, make_kv, make_state
 
 from splitserve.kv import TransportOptions, make_transport
 
-SPEC = PeerSpec(num_blocks=160, options={"shm_chunk_mb": 1, "checksum": "crc32"})
+SPEC = PeerSpec(
+    num_blocks=160,
+    options={"shm_chunk_mb": 1, "checksum": "crc32"},
+    backends=("tcp", "shm", "shm-direct", *(("nixl",) if HAVE_NIXL else ())),
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,7 @@ def fetcher():
         t.close()
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm", "shm-direct"])
+@pytest.mark.parametrize("backend", ["tcp", "shm", "shm-direct", NIXL])
 def test_round_trip_between_processes(exporter, fetcher, backend):
     src_ids, dst_ids = [3, 7, 8, 9, 20], [0, 111, 112, 2, 150]
     freed_before = exporter.freed().count(src_ids)  # the exporter's tcp and shm share one on_free
@@ -63,7 +67,7 @@ def test_round_trip_between_processes(exporter, fetcher, backend):
     for name, tensor in make_state(SPEC, f"req-{backend}").items():
         assert torch.equal(state[name], tensor), name
     info = t.describe()
-    assert info["backend"] == handle.backend and info["peer"] == handle.address
+    assert info["backend"] in (handle.backend, "nixl/UCX") and info["peer"] == handle.address
     assert info["counts"]["fetches"] == 1 and info["fetch_gbps_last"] > 0
     assert info["counts"]["checksums_verified"] == 1
 
@@ -73,7 +77,7 @@ def test_round_trip_between_processes(exporter, fetcher, backend):
     assert exporter.freed().count(src_ids) == freed_before + 1
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm", "shm-direct"])
+@pytest.mark.parametrize("backend", ["tcp", "shm", "shm-direct", NIXL])
 def test_large_payload_many_chunks_and_reused_connection(exporter, fetcher, backend):
     gen = torch.Generator().manual_seed(7)
     src = torch.randperm(SPEC.num_blocks, generator=gen)[:150].tolist()  # ~2.3 MiB: 3 shm chunks

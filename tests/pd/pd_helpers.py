@@ -4,6 +4,7 @@ tiny Qwen3.5 checkpoint, and the disaggregated round trip prefill -> decode."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import select
@@ -18,12 +19,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 from tiny_configs import TINY_QWEN3_5
 
 SECRET_ENV = "SPLITSERVE_PD_TEST_SECRET"
 SECRET = "pd-test-secret"
 
 TINY_ARGS = ("--max-model-len", "256", "--kv-cache-mb", "4", "--max-num-seqs", "8")
+
+HAVE_NIXL = any(importlib.util.find_spec(n) for n in ("nixl", "nixl_cu12", "nixl_cu13"))
+# a `backend` parameter: nixl over UCX, CPU memory (skipped, with the install line, without NIXL)
+NIXL = pytest.param(
+    "nixl",
+    marks=pytest.mark.skipif(
+        not HAVE_NIXL, reason="NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1, then numpy)"
+    ),
+)
+
+
+def running(backend: str) -> str:
+    """What a worker reports running for `backend`: nixl names the NIXL backend it instantiated."""
+    return "nixl/UCX" if backend == "nixl" else backend
 
 
 def save_tiny_qwen3_5(path: Path, seed: int = 1) -> Path:

@@ -1,11 +1,19 @@
-"""SmolLM2, prefill and decode in separate OS processes over tcp and shm: the disaggregated output
+"""SmolLM2, prefill and decode in separate OS processes over tcp, shm and nixl: the disaggregated output
 equals the colocated one token for token (greedy and seeded sampling), requests joining a decode
 batch concurrently; afterwards both block pools are full and the transfers are counted."""
 
 from __future__ import annotations
 
 import pytest
-from pd_helpers import WorkerProcess, assert_pools_full, disaggregated, in_parallel, start_workers
+from pd_helpers import (
+    NIXL,
+    WorkerProcess,
+    assert_pools_full,
+    disaggregated,
+    in_parallel,
+    running,
+    start_workers,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +22,7 @@ GREEDY = {"temperature": 0, "max_tokens": 24}
 SEEDED = [{"temperature": 0.8, "top_p": 0.95, "seed": 100 + i, "max_tokens": 24} for i in range(4)]
 
 
-@pytest.fixture(scope="module", params=["tcp", "shm"])
+@pytest.fixture(scope="module", params=["tcp", "shm", NIXL])
 def pair(request):
     backend = request.param
     p = WorkerProcess("prefill", *SMOL_ARGS, backend=backend)
@@ -33,7 +41,7 @@ def test_greedy_equals_colocated(pair, smol_chat_prompts):
     assert all(len(t) > 1 for t in disagg)
     assert_pools_full(p, d)
     kv = d.stats()["kv_transfer"]
-    assert kv["backend"] == kv["transport"]["requested"] == backend
+    assert kv["backend"] == kv["transport"]["requested"] == running(backend)
     assert kv["counts"]["fetches"] >= len(smol_chat_prompts) and kv["counts"]["fetched_bytes"] > 0
     assert not kv["failures"]
     if backend == "shm":  # the prefill worker's cache is a memfd: fetchers copy straight out of it

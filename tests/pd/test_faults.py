@@ -16,6 +16,7 @@ import time
 
 import pytest
 from pd_helpers import (
+    NIXL,
     TINY_ARGS,
     WorkerProcess,
     assert_pools_full,
@@ -69,7 +70,7 @@ def _both_policies(p, d, reference, kind: str, status: int, timeout_s: float = D
     assert d.stats()["kv_transfer"]["failures"][kind] == before + 2
 
 
-@pytest.mark.parametrize("pair", ["tcp"], indirect=True)
+@pytest.mark.parametrize("pair", ["tcp", NIXL], indirect=True)
 def test_dropped_fetch_times_out(pair):
     p, d, reference = pair
     with faults(p, drop=1.0):
@@ -77,7 +78,7 @@ def test_dropped_fetch_times_out(pair):
     assert_pools_full(p, d)
 
 
-@pytest.mark.parametrize("pair", ["tcp"], indirect=True)
+@pytest.mark.parametrize("pair", ["tcp", NIXL], indirect=True)
 def test_delay_past_deadline(pair):
     p, d, reference = pair
     with faults(p, delay=1.0, delay_s=DEADLINE_S + 1.5):
@@ -85,7 +86,7 @@ def test_delay_past_deadline(pair):
     assert_pools_full(p, d)  # the stalled exporter lets go once its late answer fails
 
 
-@pytest.mark.parametrize("pair", ["tcp", "shm"], indirect=True)
+@pytest.mark.parametrize("pair", ["tcp", "shm", NIXL], indirect=True)
 def test_corruption_caught_by_checksum(pair):
     p, d, reference = pair
     with faults(p, corrupt=1.0):
@@ -93,7 +94,7 @@ def test_corruption_caught_by_checksum(pair):
     assert_pools_full(p, d)
 
 
-@pytest.mark.parametrize("pair", ["tcp", "shm"], indirect=True)
+@pytest.mark.parametrize("pair", ["tcp", "shm", NIXL], indirect=True)
 def test_peer_hangs_up_mid_transfer(pair):
     p, d, reference = pair
     with faults(p, kill=1.0):
@@ -134,11 +135,12 @@ def test_abort_while_fetching(pair):
     assert_pools_full(p, d)
 
 
-def test_prefill_process_killed_mid_transfer(tiny_qwen):
+@pytest.mark.parametrize("backend", ["tcp", NIXL])
+def test_prefill_process_killed_mid_transfer(tiny_qwen, backend):
     """SIGKILL the prefill worker while it serves two fetches: both decodes end at once, not at their
     deadline; "fail" reports the lost peer, "recompute" answers correctly; decode's pool is full."""
-    p = WorkerProcess("prefill", "--model", str(tiny_qwen), *TINY_ARGS, *FAULT_ARGS)
-    d = WorkerProcess("decode", "--model", str(tiny_qwen), *TINY_ARGS)
+    p = WorkerProcess("prefill", "--model", str(tiny_qwen), *TINY_ARGS, *FAULT_ARGS, backend=backend)
+    d = WorkerProcess("decode", "--model", str(tiny_qwen), *TINY_ARGS, backend=backend)
     start_workers(p, d)
     try:
         reference = d.generate(PROMPT, GREEDY)
