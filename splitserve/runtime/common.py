@@ -62,6 +62,7 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
         weight_cache_max_gb=e.weight_cache_max_gb,
         weight_cache_verify=e.weight_cache_verify,
         enforce_eager=e.enforce_eager,
+        enable_prefix_caching=e.enable_prefix_caching,
         async_scheduling=e.async_scheduling,
         threads=e.threads,
     )

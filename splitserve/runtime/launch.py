@@ -90,7 +90,8 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         first = runtime.workers[0].info
         tokenizer = await asyncio.to_thread(load_tokenizer, first["model"], first.get("tokenizer"))
         info = ModelInfo(manifest.model.resolved_served_name(), int(first["max_model_len"]),
-                         int(first["vocab_size"]), first["model"])  # fmt: skip
+                         int(first["vocab_size"]), first["model"],
+                         aliases=tuple(manifest.model.served_names()[1:]))  # fmt: skip
         api = OpenAIServer(
             manifest, runtime, tokenizer, info, runtime.describe, lambda: _worker_stats(runtime),
             runtime.worker_headers,

@@ -264,6 +264,7 @@ class Router:
             int(first["max_model_len"]),
             int(first["vocab_size"]),
             first["model"],
+            aliases=tuple(m.model.served_names()[1:]),
         )
         server = OpenAIServer(
             m, self.workers, tokenizer, info, self.workers.describe, self.workers.stats, self.headers

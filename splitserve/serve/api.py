@@ -46,6 +46,7 @@ class ModelInfo:
     vocab_size: int
     root: str  # the checkpoint path
     created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()  # more names a request may give (--served-model-name A B)
 
 
 class Admission:
@@ -198,7 +199,7 @@ class OpenAIServer:
         return body
 
     def check_model(self, name: str) -> None:
-        if name != self.info.served_name:
+        if name != self.info.served_name and name not in self.info.aliases:
             raise APIError(
                 404,
                 f"The model `{name}` does not exist; this server serves `{self.info.served_name}`",

@@ -31,6 +31,7 @@ class WorkerConfig:
     weight_cache_max_gb: float | None = 64.0
     weight_cache_verify: bool = True
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    enable_prefix_caching: bool = True
     async_scheduling: bool | None = None  # overlapped decode steps; None: on for CUDA
     kv_backend: str = "tcp"
     kv_fallback: tuple[str, ...] = ()  # backends allowed if kv_backend cannot run (logged, counted)
@@ -76,6 +77,7 @@ class WorkerConfig:
             weight_cache_max_gb=self.weight_cache_max_gb,
             weight_cache_verify=self.weight_cache_verify,
             enforce_eager=self.enforce_eager,
+            enable_prefix_caching=self.enable_prefix_caching,
             async_scheduling=self.async_scheduling,
             # the exporter's cache in a memfd: shm fetchers copy straight out of it (kv/shm_direct.py)
             kv_shared_memory=self.role == "prefill" and "shm" in (self.kv_backend, *self.kv_fallback),
