@@ -110,7 +110,8 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any
     if "model.source" in o:
         given = o["model.source"]
         o["model.source"] = resolve_model_source(given)
-        if args.served_model_name is None and manifest is None:
+        named = given in ("default", "smollm2-135m-instruct") or given.startswith("random:")
+        if args.served_model_name is None and manifest is None and not named:
             # as vllm serve: the model argument is the served name; the name derived from it an alias
             derived = ModelSection(source=o["model.source"]).resolved_served_name()
             o["model.served_name"] = [given] if derived == given else [given, derived]

@@ -20,6 +20,7 @@ import time
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FORMAT_ENV, LEVEL_ENV = "SPLITSERVE_LOG_FORMAT", "SPLITSERVE_LOG_LEVEL"
+_CHATTY = ("httpx", "httpcore")
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
@@ -56,6 +57,8 @@ def setup_logging(level: str | int | None = None, fmt: str | None = None) -> Non
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(name)
+    for chatty in _CHATTY:  # a line per health check and scrape otherwise
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))
 
 
 __all__ = ["FORMAT_ENV", "LEVEL_ENV", "JsonFormatter", "TEXT_FORMAT", "setup_logging"]

@@ -39,6 +39,7 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
     return WorkerConfig(
         role=role,
         model=None if m.source == "default" else m.source,
+        served_name=m.resolved_served_name(),
         tokenizer=m.tokenizer,
         device=device,
         dtype=m.dtype,

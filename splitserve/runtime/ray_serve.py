@@ -249,6 +249,7 @@ class Router:
         global _SERVER
         from splitserve.model.tokenizer import load_tokenizer
         from splitserve.serve.probe import KVProber
+        from splitserve.serve.stats_log import StatsLogger
 
         m = self.manifest
         deadline = time.monotonic() + m.runtime.startup_timeout_s
@@ -271,6 +272,8 @@ class Router:
         )
         self.prober = KVProber(m, self.workers.ready, server.on_probe, self.headers)
         self.prober.start()
+        self.stats_line = StatsLogger(server, m.server.log_stats_interval_s)
+        self.stats_line.start()
         _SERVER = server
         asyncio.get_running_loop().create_task(self.workers.loop())
 

@@ -17,6 +17,7 @@ ROLES = ("prefill", "decode", "colocated")
 class WorkerConfig:
     role: str = "colocated"
     model: str | None = None
+    served_name: str | None = None  # the API's model name (the label of the worker's own /metrics)
     tokenizer: str | None = None
     device: str = "auto"
     dtype: str = "auto"
