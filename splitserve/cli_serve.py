@@ -109,7 +109,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any
         o["model.source"] = target
     if "model.source" in o:
         given = o["model.source"]
-        o["model.source"] = resolve_model_source(given)
+        o["model.source"] = resolve_model_source(given, fetch=not args.print_manifest)
         named = given in ("default", "smollm2-135m-instruct") or given.startswith("random:")
         if args.served_model_name is None and manifest is None and not named:
             # as vllm serve: the model argument is the served name; the name derived from it an alias
@@ -122,15 +122,18 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any
     return manifest, o
 
 
-def resolve_model_source(source: str) -> str:
+def resolve_model_source(source: str, fetch: bool = True) -> str:
     """A model argument as the manifest's `model.source`: paths and named sources as given, a Hub id
-    fetched (the default model's id is the embedded GGUF)."""
+    fetched (the default model's id is the embedded GGUF). `fetch` False (--print-manifest): no
+    download and no check that a path exists."""
     if source in ("default", "smollm2-135m-instruct") or source.startswith("random:"):
         return source
     if Path(source).expanduser().exists():
         return str(Path(source).expanduser().resolve())
     if source.lower() in DEFAULT_HUB_IDS:
         return "default"
+    if not fetch:
+        return source
     parts = source.split("/")
     if len(parts) != 2 or not all(parts) or source.startswith((".", "/", "~")):
         raise ValueError(f"{source}: no such model file or directory (and not a Hugging Face repo id)")
