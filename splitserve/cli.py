@@ -21,6 +21,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.params import SamplingParams
 from splitserve.logs import setup_logging
 from splitserve.model.errors import ModelLoadError
+from splitserve.runtime.kuberay import KubeRayOptions
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -57,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     render = sub.add_parser("render", help="render a manifest for another platform (kuberay: a RayService)")
     render.add_argument("target", choices=["kuberay"])
     render.add_argument("manifest", nargs="?", default=None)
-    render.add_argument(
-        "--image", default="rayproject/ray:2.60.0-py311", help="with splitserve[ray] installed"
-    )
+    render.add_argument("--image", default=KubeRayOptions.image,
+                        help="splitserve on Ray: docker build -f deploy/docker/Dockerfile")  # fmt: skip
+    render.add_argument("--model-pvc", default=KubeRayOptions.model_pvc,
+                        help="the PersistentVolumeClaim holding model.source ('' for none)")  # fmt: skip
+    render.add_argument("--shm-size", default=KubeRayOptions.shm_size, help="memory-backed /dev/shm per pod")
     render.add_argument("--namespace", default=None)
     render.add_argument("--secret-name", default="splitserve-kv", help="the Secret holding key kv-secret")
     render.add_argument("--zone", default=None, help="topology.kubernetes.io/zone for every pod")
@@ -122,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from splitserve.config import load_manifest
-    from splitserve.runtime.kuberay import KubeRayOptions, render_yaml
+    from splitserve.runtime.kuberay import render_yaml
 
     opts = KubeRayOptions(
         image=args.image,
@@ -131,6 +134,8 @@ def _render(args: argparse.Namespace) -> int:
         zone=args.zone,
         instance_type=args.instance_type,
         efa_per_pod=args.efa_per_pod,
+        model_pvc=args.model_pvc or None,
+        shm_size=args.shm_size,
     )
     print(render_yaml(load_manifest(args.manifest), opts), end="")
     return 0
