@@ -282,7 +282,8 @@ def report(b: Bench, fors: dict[str, float], dash: list, scale: float, code: int
     for title, expr, result in dash:
         ok &= bool(result)
         first = f"{float(result[0]['value'][1]):.4g}" if result else "-"
-        print(f"{'PASS' if result else 'FAIL'} {len(result):3d} series (first {first:>9})  {title}: {expr[:80]}")
+        verdict = "PASS" if result else "FAIL"
+        print(f"{verdict} {len(result):3d} series (first {first:>9})  {title}: {expr[:80]}")
     print(f"\nsplitserve serve exited {code}; {'every row passes' if ok else 'SOME ROWS FAIL'}")
     return ok
 

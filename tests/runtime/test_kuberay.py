@@ -59,10 +59,17 @@ def _render(**opts) -> dict:
     return render_rayservice(manifest, KubeRayOptions(**opts))
 
 
-def _validate(doc: dict) -> None:
+@functools.cache
+def _crd_validator() -> jsonschema.Draft4Validator:
+    """The CRD's schema checked once (jsonschema.validate would check the 1 MB schema on every call)."""
     schema = _crd_schema()
-    jsonschema.validate(doc, schema)
-    assert not _unknown_fields(doc, schema)
+    jsonschema.Draft4Validator.check_schema(schema)
+    return jsonschema.Draft4Validator(schema)
+
+
+def _validate(doc: dict) -> None:
+    _crd_validator().validate(doc)
+    assert not _unknown_fields(doc, _crd_schema())
 
 
 def test_the_crd_check_catches_a_typo_and_a_wrong_type():
@@ -75,7 +82,7 @@ def test_the_crd_check_catches_a_typo_and_a_wrong_type():
     doc = render_rayservice(parse_manifest("transport: {backend: tcp}"))
     doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(doc, _crd_schema())
+        _crd_validator().validate(doc)
 
 
 RESTRICTED_CONTAINER = {
