@@ -24,7 +24,6 @@ naming each bad field by its YAML path and line, with what to write instead.
 
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -41,6 +40,8 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from splitserve.config.manifest_errors import ManifestError, describe
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -372,15 +373,6 @@ class Manifest(_Section):
         return {"colocated": self.colocated}
 
 
-class ManifestError(ValueError):
-    """A manifest that does not validate; the message lists every problem with its YAML path."""
-
-    def __init__(self, source: str, problems: list[str]) -> None:
-        self.source = source
-        self.problems = problems
-        super().__init__(f"invalid manifest {source}:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
 def load_manifest(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> Manifest:
     """Read and validate a manifest (None: all defaults), then apply `overrides` ({"server.port": 0}).
     Raises ManifestError (or OSError for an unreadable file)."""
@@ -406,7 +398,7 @@ def parse_manifest(text: str, source: str = "<string>", overrides: dict[str, Any
     try:
         return Manifest.model_validate(data)
     except ValidationError as exc:
-        raise ManifestError(source, [_describe(err, root) for err in exc.errors()]) from None
+        raise ManifestError(source, [describe(err, root, Manifest) for err in exc.errors()]) from None
 
 
 def _set_path(data: dict, keys: list[str], value: Any) -> None:
@@ -416,51 +408,6 @@ def _set_path(data: dict, keys: list[str], value: Any) -> None:
             nxt = data[key] = {}
         data = nxt
     data[keys[-1]] = value
-
-
-def _describe(err: Any, root: yaml.Node | None) -> str:
-    loc = [str(p) for p in err["loc"]]
-    path = ".".join(loc) or "(top level)"
-    where = _line(root, err["loc"])
-    at = f" (line {where})" if where else ""
-    kind, msg = err["type"], err["msg"]
-    if kind == "extra_forbidden":
-        known = _known_fields(err["loc"][:-1])
-        close = difflib.get_close_matches(loc[-1], known, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"known fields here: {', '.join(sorted(known))}"
-        return f"{path}{at}: unknown field; {hint}"
-    if kind == "literal_error":
-        return f"{path}{at}: {msg.replace('Input should be', 'must be')} (got {err.get('input')!r})"
-    msg = msg.removeprefix("Value error, ")
-    return f"{path}{at}: {msg} (got {err.get('input')!r})"
-
-
-def _known_fields(loc: tuple) -> list[str]:
-    model: type[BaseModel] = Manifest
-    for key in loc:
-        field = model.model_fields.get(str(key))
-        ann = getattr(field, "annotation", None) if field else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
-        model = ann
-    return list(model.model_fields)
-
-
-def _line(root: yaml.Node | None, loc: tuple) -> int | None:
-    """The 1-based line of the deepest node of `loc` found in the YAML (None if it is not there)."""
-    node, line = root, None
-    for key in loc:
-        if isinstance(node, yaml.MappingNode):
-            nxt = next((v for k, v in node.value if getattr(k, "value", None) == str(key)), None)
-            if nxt is None:
-                return line
-            node = nxt
-        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-            node = node.value[key]
-        else:
-            break
-        line = node.start_mark.line + 1
-    return line
 
 
 def dump_manifest(manifest: Manifest) -> str:
