@@ -9,7 +9,8 @@ with deploy/prometheus/alerts.yaml as its rule file, evaluated every second. Eve
   startup    transport nixl (not installed here) with fallback [tcp]: the worker falls back
              (KVFallbackTaken; KVBackendNotRequired, `for: 1m`); the KV transfer throttled to
              --throttle-gbps, below verify.min_gbps (KVBandwidthLow, `for: 2m`) and slow enough to
-             be most of TTFT under the steady load that runs throughout (KVShareOfTTFTHigh, `for: 10m`)
+             be most of TTFT under the steady load that runs throughout, one request at a time with
+             a prompt of five KV blocks (KVShareOfTTFTHigh, `for: 10m`)
   kv-fault   the prefill worker hangs up every KV fetch (fault injection) for a few seconds: requests
              fail (KVTransferFailures) and so do the run-time probes (KVProbeFailing)
   restart    decode-1 is SIGKILLed and restarts (WorkerRestarted); killed again it has used its one
@@ -58,6 +59,7 @@ RULES = ROOT / "deploy" / "prometheus" / "alerts.yaml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "splitserve-dashboard.json"
 SECRET = os.environ.setdefault("SPLITSERVE_KV_SECRET", "splitserve-bench-secret-0123456789abcdef")
 KEY = "sk-bench"
+LOAD_PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods. " * 3
 # the first failed probe comes up to one probe interval (1 s) plus one throttled probe (one 8-token block,
 # 368 KiB: 1.2 s at 0.0003 GB/s) after the fault
 PROBE_S = 2.5
@@ -155,9 +157,9 @@ class Bench:
         self.statuses[code] = self.statuses.get(code, 0) + 1
         return code
 
-    def load(self) -> None:  # one request at a time, all along
+    def load(self) -> None:  # one request at a time, all along: a prompt of 5 KV blocks to move
         while not self.stop.is_set():
-            self.request()
+            self.request(LOAD_PROMPT)
 
     def watch(self) -> None:  # when each alert starts firing (again)
         before: set[str] = set()
@@ -180,7 +182,7 @@ class Bench:
         TTFT, once the first requests have finished."""
         t0 = self.events[event]
         if event == "startup" and alert in self.active:
-            t0 = max(t0, self.active[alert])
+            t0 = self.active[alert]
         return next((t - t0 for t in self.fired.get(alert, []) if t >= t0), None)
 
     def query(self, expr: str) -> list:
