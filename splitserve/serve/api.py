@@ -343,11 +343,12 @@ class OpenAIServer:
     # ---- routes ---------------------------------------------------------------------------------
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        names = (self.info.served_name, *self.info.aliases)  # every served name, as vLLM lists them
+        return {"object": "list", "data": [self.model_card(n) for n in names]}
 
-    def model_card(self) -> dict:
+    def model_card(self, name: str | None = None) -> dict:
         return {
-            "id": self.info.served_name,
+            "id": name or self.info.served_name,
             "object": "model",
             "created": self.info.created,
             "owned_by": "splitserve",
@@ -797,7 +798,7 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     async def model(model_id: str, request: Request) -> dict:
         get().check_auth(request)
         get().check_model(model_id)
-        return get().model_card()
+        return get().model_card(model_id)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
