@@ -46,6 +46,7 @@ def test_worker_metrics_are_what_an_inference_gateway_scrapes():
     assert got["vllm:num_requests_waiting"].value == 2 and got["vllm:num_requests_running"].value == 3
     assert got["vllm:kv_cache_usage_perc"].value == 0.25 == got["vllm:gpu_cache_usage_perc"].value
     assert got["vllm:num_preemptions_total"].value == 4
-    assert got["vllm:prefix_cache_queries_total"].value == 90 and got["vllm:prefix_cache_hits_total"].value == 30
+    assert got["vllm:prefix_cache_queries_total"].value == 90
+    assert got["vllm:prefix_cache_hits_total"].value == 30
     assert got["vllm:num_requests_waiting"].labels == {"model_name": "smol", "role": "decode"}
     assert got["vllm:cache_config_info"].labels["block_size"] == "16"
