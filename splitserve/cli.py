@@ -2,6 +2,7 @@
 
 splitserve serve                                       # the default model, disaggregated, on :8000
 splitserve serve examples/colocated.yaml --port 8080   # a manifest; flags override its fields
+splitserve serve HuggingFaceTB/SmolLM2-135M-Instruct --max-num-seqs 64   # a model, as `vllm serve`
 splitserve chat "What is the capital of France?"      # the embedded default model
 splitserve generate --model /path/to/hf-dir "Once upon a time"
 splitserve models                                      # what the default model is
@@ -14,9 +15,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import splitserve
+from splitserve.cli_serve import add_serve_parser, serve_overrides
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.params import SamplingParams
+from splitserve.logs import setup_logging
 from splitserve.model.errors import ModelLoadError
+from splitserve.runtime.kuberay import KubeRayOptions
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -35,6 +40,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=f"splitserve {splitserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete a raw prompt")
     _engine_args(gen)
@@ -45,24 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="an optional system message")
     models = sub.add_parser("models", help="show a model's architecture and where it was found")
     models.add_argument("--model", default=None)
-    serve = sub.add_parser("serve", help="serve a manifest (default: the default model, disaggregated)")
-    serve.add_argument("manifest", nargs="?", default=None, help="a YAML manifest (default: all defaults)")
-    for flag, dest, kind, hint in _SERVE_FLAGS:
-        serve.add_argument(flag, dest=dest, type=kind, default=None, help=f"overrides {hint}")
-    serve.add_argument(
-        "--api-key", action="append", default=None, help="overrides server.api_keys (repeatable)"
-    )
-    serve.add_argument("--print-manifest", action="store_true", help="print the resolved manifest and exit")
-    serve.add_argument("--no-progress", action="store_true", help="no progress bar while workers load")
+    add_serve_parser(sub)
     from splitserve.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     render = sub.add_parser("render", help="render a manifest for another platform (kuberay: a RayService)")
     render.add_argument("target", choices=["kuberay"])
     render.add_argument("manifest", nargs="?", default=None)
-    render.add_argument(
-        "--image", default="rayproject/ray:2.60.0-py311", help="with splitserve[ray] installed"
-    )
+    render.add_argument("--image", default=KubeRayOptions.image,
+                        help="splitserve on Ray: docker build -f deploy/docker/Dockerfile")  # fmt: skip
+    render.add_argument("--model-pvc", default=KubeRayOptions.model_pvc,
+                        help="the PersistentVolumeClaim holding model.source ('' for none)")  # fmt: skip
+    render.add_argument("--shm-size", default=KubeRayOptions.shm_size, help="memory-backed /dev/shm per pod")
     render.add_argument("--namespace", default=None)
     render.add_argument("--secret-name", default="splitserve-kv", help="the Secret holding key kv-secret")
     render.add_argument("--zone", default=None, help="topology.kubernetes.io/zone for every pod")
@@ -78,30 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# flag, manifest field, type; `vllm serve`-style overrides of the manifest
-_SERVE_FLAGS = [
-    ("--host", "server.host", str, "server.host"),
-    ("--port", "server.port", int, "server.port"),
-    ("--mode", "mode", str, "mode (colocated | disaggregated)"),
-    ("--model", "model.source", str, "model.source"),
-    ("--served-model-name", "model.served_name", str, "model.served_name"),
-    ("--dtype", "model.dtype", str, "model.dtype"),
-    ("--device", "model.device", str, "model.device"),
-    ("--max-model-len", "model.max_model_len", int, "model.max_model_len"),
-    ("--kv-backend", "transport.backend", str, "transport.backend"),
-    ("--kv-cache-mb", "engine.kv_cache_mb", int, "engine.kv_cache_mb"),
-    ("--max-num-seqs", "engine.max_num_seqs", int, "engine.max_num_seqs"),
-    ("--prefill-replicas", "prefill.replicas", int, "prefill.replicas"),
-    ("--decode-replicas", "decode.replicas", int, "decode.replicas"),
-    ("--colocated-replicas", "colocated.replicas", int, "colocated.replicas"),
-    ("--router-policy", "router.policy", str, "router.policy"),
-]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
+        if args.command == "serve":  # as vllm serve: INFO (the access log, the stats line) unless told
+            setup_logging(args.log_level or ("DEBUG" if args.verbose else "INFO"), args.log_format)
+        else:
+            setup_logging(logging.INFO if args.verbose else logging.WARNING)
         if args.command == "models":
             return _models(args)
         if args.command == "serve":
@@ -126,12 +109,8 @@ def _serve(args: argparse.Namespace) -> int:
     from splitserve.config import dump_manifest, load_manifest
     from splitserve.runtime.launch import run_manifest
 
-    overrides = {
-        field: getattr(args, field) for _, field, _, _ in _SERVE_FLAGS if getattr(args, field) is not None
-    }
-    if args.api_key:
-        overrides["server.api_keys"] = args.api_key
-    manifest = load_manifest(args.manifest, overrides)
+    path, overrides = serve_overrides(args)
+    manifest = load_manifest(path, overrides)
     if args.print_manifest:
         print(dump_manifest(manifest), end="")
         return 0
@@ -146,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from splitserve.config import load_manifest
-    from splitserve.runtime.kuberay import KubeRayOptions, render_yaml
+    from splitserve.runtime.kuberay import render_yaml
 
     opts = KubeRayOptions(
         image=args.image,
@@ -155,6 +134,8 @@ def _render(args: argparse.Namespace) -> int:
         zone=args.zone,
         instance_type=args.instance_type,
         efa_per_pod=args.efa_per_pod,
+        model_pvc=args.model_pvc or None,
+        shm_size=args.shm_size,
     )
     print(render_yaml(load_manifest(args.manifest), opts), end="")
     return 0

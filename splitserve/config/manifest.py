@@ -1,8 +1,9 @@
 """The deployment manifest: one YAML file that says what to serve, how, and where.
 
-    model:     {source, served_name, dtype, device, max_model_len}
+    model:     {source, tokenizer, served_name, dtype, device, max_model_len, tensor_parallel_size}
     engine:    {block_size, max_num_seqs, max_num_batched_tokens, kv_cache_mb, memory_utilization,
-                enforce_eager, async_scheduling, threads, seed, weight_cache_*}
+                enable_prefix_caching, enforce_eager, async_scheduling, threads, seed, weight_cache_*}
+    (vLLM's names are accepted beside ours: model.served_model_name, engine.gpu_memory_utilization)
     mode:      colocated | disaggregated          (one key switches the same manifest between them)
     prefill / decode / colocated:  pools {replicas, devices, placement, engine}; a pool's `engine` overrides
                 fields of the top-level one for that role only (`Manifest.engine_for(role)`), all but
@@ -11,7 +12,7 @@
                 checksum, secret_env, secret}
     router:    {policy, timeouts per stage, retries}
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
-                max_queued_requests, queue_timeout_s}
+                max_queued_requests, access_log, log_stats_interval_s}
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
     verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)
     slos, prices: read by `splitserve bench` (goodput and cost per accepted response)
@@ -23,13 +24,13 @@ naming each bad field by its YAML path and line, with what to write instead.
 
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -40,6 +41,7 @@ from pydantic import (
     model_validator,
 )
 
+from splitserve.config.manifest_errors import ManifestError, describe
 from splitserve.engine.config import EngineConfig
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
@@ -59,12 +61,42 @@ class ModelSection(_Section):
     # a named shape, e.g. random:qwen3-8b, for benchmarks; its tokenizer defaults to the default model's)
     source: str = "default"
     tokenizer: str | None = None  # an HF directory or .gguf whose tokenizer to use (default: the source's)
-    served_name: str | None = None  # the id in /v1/models; default: derived from the source
+    # the id in /v1/models (default: derived from the source); a list: the first answers, the others
+    # are aliases a request may name (as vLLM's --served-model-name A B)
+    served_name: str | list[str] | None = Field(
+        default=None, validation_alias=AliasChoices("served_name", "served_model_name")
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto | cpu | cuda (each pool's `devices` pins replicas to cuda:N)
     max_model_len: int | None = Field(default=None, ge=16)
+    tensor_parallel_size: int = 1  # vLLM's name; only 1 until tensor parallelism exists
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _no_tp(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(
+                "tensor parallelism is not implemented yet: one GPU per worker; scale with more "
+                "replicas (prefill.replicas / decode.replicas) instead"
+            )
+        return v
+
+    @field_validator("served_name")
+    @classmethod
+    def _names(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and (not v or not all(v)):
+            raise ValueError("give at least one non-empty name")
+        return v
+
+    def served_names(self) -> list[str]:
+        """The served name first, then its aliases."""
+        if isinstance(self.served_name, list):
+            return list(self.served_name)
+        return [self.resolved_served_name()]
 
     def resolved_served_name(self) -> str:
+        if isinstance(self.served_name, list):
+            return self.served_name[0]
         if self.served_name:
             return self.served_name
         if self.source in ("default", "smollm2-135m-instruct"):
@@ -83,7 +115,11 @@ class EngineSection(_Section):
     max_num_seqs: int = Field(default=_ENGINE.max_num_seqs, ge=1)
     max_num_batched_tokens: int = Field(default=_ENGINE.max_num_batched_tokens, ge=16)
     kv_cache_mb: int | None = Field(default=None, ge=1)  # KV cache budget per worker
-    memory_utilization: float | None = Field(default=None, gt=0, le=1)  # GPU: fraction for weights + KV
+    memory_utilization: float | None = Field(  # GPU: fraction for weights + KV
+        default=None, gt=0, le=1,
+        validation_alias=AliasChoices("memory_utilization", "gpu_memory_utilization"),
+    )  # fmt: skip
+    enable_prefix_caching: bool = _ENGINE.enable_prefix_caching  # reuse KV blocks of identical prefixes
     enforce_eager: bool = _ENGINE.enforce_eager  # GPU: no CUDA graphs
     async_scheduling: bool | None = _ENGINE.async_scheduling  # overlapped decode steps; null: on for GPUs
     threads: int = Field(default=1, ge=1)  # CPU: torch intra-op threads per worker
@@ -145,7 +181,10 @@ EngineOverride = create_model(
     __base__=_EngineOverrideBase,
     __module__=__name__,
     **{
-        name: (_constrained(info.annotation, info.metadata), Field(default=None))
+        name: (
+            _constrained(info.annotation, info.metadata),
+            Field(default=None, validation_alias=info.validation_alias),
+        )
         for name, info in EngineSection.model_fields.items()
     },
 )
@@ -233,11 +272,18 @@ class ServerSection(_Section):
     max_concurrent_requests: int = Field(default=256, ge=1)  # in flight to the workers
     max_queued_requests: int = Field(default=1024, ge=0)  # waiting beyond that; more: 429
     max_n: int = Field(default=16, ge=1)
+    access_log: bool = True  # one INFO line per request (id, route, status, tokens, latency)
+    log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
 
     def keys(self) -> list[str]:
+        """api_keys, then api_keys_env's; with neither given, the key in SPLITSERVE_API_KEY (or vLLM's
+        VLLM_API_KEY), as `vllm serve` reads its key when --api-key is not given."""
         keys = list(self.api_keys)
         if self.api_keys_env:
             keys += [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()]
+        elif not keys:
+            key = os.environ.get("SPLITSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
+            keys += [key.strip()] if key and key.strip() else []
         return keys
 
 
@@ -342,15 +388,6 @@ class Manifest(_Section):
         return {"colocated": self.colocated}
 
 
-class ManifestError(ValueError):
-    """A manifest that does not validate; the message lists every problem with its YAML path."""
-
-    def __init__(self, source: str, problems: list[str]) -> None:
-        self.source = source
-        self.problems = problems
-        super().__init__(f"invalid manifest {source}:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
 def load_manifest(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> Manifest:
     """Read and validate a manifest (None: all defaults), then apply `overrides` ({"server.port": 0}).
     Raises ManifestError (or OSError for an unreadable file)."""
@@ -376,7 +413,7 @@ def parse_manifest(text: str, source: str = "<string>", overrides: dict[str, Any
     try:
         return Manifest.model_validate(data)
     except ValidationError as exc:
-        raise ManifestError(source, [_describe(err, root) for err in exc.errors()]) from None
+        raise ManifestError(source, [describe(err, root, Manifest) for err in exc.errors()]) from None
 
 
 def _set_path(data: dict, keys: list[str], value: Any) -> None:
@@ -386,51 +423,6 @@ def _set_path(data: dict, keys: list[str], value: Any) -> None:
             nxt = data[key] = {}
         data = nxt
     data[keys[-1]] = value
-
-
-def _describe(err: Any, root: yaml.Node | None) -> str:
-    loc = [str(p) for p in err["loc"]]
-    path = ".".join(loc) or "(top level)"
-    where = _line(root, err["loc"])
-    at = f" (line {where})" if where else ""
-    kind, msg = err["type"], err["msg"]
-    if kind == "extra_forbidden":
-        known = _known_fields(err["loc"][:-1])
-        close = difflib.get_close_matches(loc[-1], known, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"known fields here: {', '.join(sorted(known))}"
-        return f"{path}{at}: unknown field; {hint}"
-    if kind == "literal_error":
-        return f"{path}{at}: {msg.replace('Input should be', 'must be')} (got {err.get('input')!r})"
-    msg = msg.removeprefix("Value error, ")
-    return f"{path}{at}: {msg} (got {err.get('input')!r})"
-
-
-def _known_fields(loc: tuple) -> list[str]:
-    model: type[BaseModel] = Manifest
-    for key in loc:
-        field = model.model_fields.get(str(key))
-        ann = getattr(field, "annotation", None) if field else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
-        model = ann
-    return list(model.model_fields)
-
-
-def _line(root: yaml.Node | None, loc: tuple) -> int | None:
-    """The 1-based line of the deepest node of `loc` found in the YAML (None if it is not there)."""
-    node, line = root, None
-    for key in loc:
-        if isinstance(node, yaml.MappingNode):
-            nxt = next((v for k, v in node.value if getattr(k, "value", None) == str(key)), None)
-            if nxt is None:
-                return line
-            node = nxt
-        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-            node = node.value[key]
-        else:
-            break
-        line = node.start_mark.line + 1
-    return line
 
 
 def dump_manifest(manifest: Manifest) -> str:

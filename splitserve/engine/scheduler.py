@@ -47,6 +47,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # prompt tokens looked up in the prefix cache at first admission, and those it served (vLLM's
+        # prefix_cache_queries / prefix_cache_hits)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -95,6 +99,9 @@ class Scheduler:
                 break
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
+                if self.kv.pool.enable_prefix_caching and req.num_computed_tokens == 0:
+                    self.prefix_queries += req.num_tokens
+                    self.prefix_hits += cached
             req.num_computed_tokens += cached
             req.status = Status.RUNNING
             if req.scheduled_time is None:

@@ -9,17 +9,27 @@ What it renders (apiVersion ray.io/v1, kind RayService):
                      from the pool, the pool's custom resources as the group's Ray resources (so the
                      Serve replicas of that pool land only there), GPU and optional EFA requests, a node
                      selector for one availability zone and an optional instance type
-Every container: the KV secret from a Kubernetes Secret (`secretKeyRef`), never inline;
-`allowPrivilegeEscalation: false`, all capabilities dropped, `privileged` never set. Only an RDMA
-transport (nixl over EFA) adds a capability, IPC_LOCK (it pins memory for RDMA registration), and the
-rendered notes say so. Same-host transports (shm, cuda_ipc) cannot span pods and are refused for a
-disaggregated deployment.
+Every pod passes the Kubernetes Pod Security Standard `restricted` (tests/runtime/pss.py checks it):
+`runAsNonRoot` as the Ray image's user (uid 1000, gid 100), `seccompProfile: RuntimeDefault`,
+`allowPrivilegeEscalation: false`, every capability dropped, `privileged` never set, only `restricted`
+volume types (a PersistentVolumeClaim, emptyDir). The one exception is an RDMA transport (nixl over
+EFA): it adds IPC_LOCK (RDMA registration pins memory, beyond the default RLIMIT_MEMLOCK), which no
+Pod Security level allows, so those GPU pods need a namespace labelled `privileged` for
+pod-security.kubernetes.io/enforce (or an exemption); the rendered notes say so. tcp and nccl need
+nothing. The KV secret comes from a Kubernetes Secret (`secretKeyRef`), never inline.
+
+Volumes: the model (`model.source`, an absolute path) from a PersistentVolumeClaim mounted read-only at
+its parent directory (`--model-pvc`, default `splitserve-models`), and /dev/shm as a memory-backed
+emptyDir (`--shm-size`): containers get a 64 MiB /dev/shm otherwise, too small for torch's and NCCL's
+shared memory. The image is splitserve on the Ray image: deploy/docker/Dockerfile (README, Kubernetes).
+Same-host transports (shm, cuda_ipc) cannot span pods and are refused for a disaggregated deployment.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 import yaml
@@ -27,13 +37,17 @@ import yaml
 from splitserve.config.manifest import Manifest
 
 ROUTER_RESOURCE = "splitserve_router"
+RAY_UID, RAY_GID = 1000, 100  # the `ray` user of the rayproject/ray images (deploy/docker/Dockerfile)
+IPC_LOCK_NOTE = (
+    "IPC_LOCK added to the GPU pods: nixl registers (pins) memory for RDMA; no Pod Security level allows "
+    "an added capability, so their namespace needs pod-security.kubernetes.io/enforce=privileged (or an "
+    "exemption); nothing else is added, nothing runs privileged or as root"
+)
 
 
 @dataclass
 class KubeRayOptions:
-    image: str = (
-        "rayproject/ray:2.60.0-py311"  # must have splitserve installed (pip install 'splitserve[ray]')
-    )
+    image: str = "splitserve:0.1.0-ray2.60.0"  # built from deploy/docker/Dockerfile (splitserve[ray] on Ray)
     namespace: str | None = None
     secret_name: str = "splitserve-kv"  # a Kubernetes Secret with key `kv-secret`
     zone: str | None = None  # topology.kubernetes.io/zone for every pod
@@ -43,6 +57,8 @@ class KubeRayOptions:
     head_memory: str = "8Gi"
     worker_cpu: str = "8"
     worker_memory: str = "64Gi"
+    model_pvc: str | None = "splitserve-models"  # a PersistentVolumeClaim holding model.source
+    shm_size: str = "16Gi"  # the memory-backed /dev/shm of every pod
     notes: list[str] = field(default_factory=list)
 
 
@@ -51,14 +67,56 @@ def _quantity(x: float) -> str:
 
 
 def _security(manifest: Manifest, opts: KubeRayOptions, moves_kv: bool) -> dict:
-    ctx: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    ctx: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     rdma = manifest.transport.backend == "nixl" or "nixl" in manifest.transport.fallback
     if moves_kv and rdma and manifest.mode == "disaggregated":
         ctx["capabilities"]["add"] = ["IPC_LOCK"]
-        note = "IPC_LOCK added: nixl registers (pins) memory for RDMA; no other capability, never privileged"
-        if note not in opts.notes:
-            opts.notes.append(note)
+        if IPC_LOCK_NOTE not in opts.notes:
+            opts.notes.append(IPC_LOCK_NOTE)
     return ctx
+
+
+def _pod_security() -> dict:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RAY_UID,
+        "runAsGroup": RAY_GID,
+        "fsGroup": RAY_GID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _model_mount(manifest: Manifest) -> str | None:
+    """Where the model's volume goes: the parent of an absolute `model.source` (None: nothing to mount,
+    e.g. the embedded default model or random weights)."""
+    source = manifest.model.source
+    if not source.startswith("/"):
+        return None
+    parent = str(PurePosixPath(source).parent)
+    return parent if parent != "/" else source
+
+
+def _volumes(manifest: Manifest, opts: KubeRayOptions) -> tuple[list[dict], list[dict]]:
+    """-> (the pod's volumes, the container's mounts)."""
+    volumes: list[dict] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}}]
+    mounts: list[dict] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    where = _model_mount(manifest)
+    if where and opts.model_pvc:
+        claim = {"claimName": opts.model_pvc, "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model", "mountPath": where, "readOnly": True})
+    return volumes, mounts
+
+
+def _pod(container: dict, manifest: Manifest, opts: KubeRayOptions) -> dict:
+    volumes, mounts = _volumes(manifest, opts)
+    container["volumeMounts"] = mounts
+    return {"securityContext": _pod_security(), "containers": [container], "volumes": volumes}
 
 
 def _container(
@@ -133,9 +191,8 @@ def render_rayservice(manifest: Manifest, opts: KubeRayOptions | None = None) ->
         {"containerPort": 8265, "name": "dashboard"},
         {"containerPort": 8000, "name": "serve"},
     ]
-    head_pod: dict[str, Any] = {
-        "containers": [_container("ray-head", manifest, opts, opts.head_cpu, opts.head_memory, 0, head_ports)]
-    }
+    head_pod = _pod(_container("ray-head", manifest, opts, opts.head_cpu, opts.head_memory, 0, head_ports),
+                    manifest, opts)  # fmt: skip
     if sel := _selector(opts, gpu=False):
         head_pod["nodeSelector"] = sel
     groups = []
@@ -154,11 +211,8 @@ def render_rayservice(manifest: Manifest, opts: KubeRayOptions | None = None) ->
         params = {"num-gpus": _quantity(gpus)} if gpus else {}
         if resources:  # `ray start --resources`, quoted as KubeRay passes it through a shell
             params["resources"] = f"'{json.dumps(resources)}'"
-        pod: dict[str, Any] = {
-            "containers": [
-                _container("ray-worker", manifest, opts, opts.worker_cpu, opts.worker_memory, gpus)
-            ]
-        }
+        pod = _pod(_container("ray-worker", manifest, opts, opts.worker_cpu, opts.worker_memory, gpus),
+                   manifest, opts)  # fmt: skip
         if sel := _selector(opts, gpu=bool(gpus)):
             pod["nodeSelector"] = sel
         if gpus:
@@ -219,6 +273,9 @@ def render_yaml(manifest: Manifest, opts: KubeRayOptions | None = None) -> str:
         f"# Create the KV secret first: kubectl create secret generic {opts.secret_name} "
         "--from-literal=kv-secret=$(openssl rand -hex 32)",
     ]
+    head.append(f"# image: {opts.image} (docker build -f deploy/docker/Dockerfile -t {opts.image} .)")
+    if _model_mount(manifest) and opts.model_pvc:
+        head.append(f"# model: PersistentVolumeClaim {opts.model_pvc} mounted at {_model_mount(manifest)}")
     head += [f"# note: {n}" for n in opts.notes]
     return "\n".join(head) + "\n" + yaml.dump(doc, Dumper=_BlockDumper, sort_keys=False)
 

@@ -25,6 +25,7 @@ from splitserve.runtime.local import LocalRuntime
 from splitserve.serve.api import ModelInfo, OpenAIServer, build_api
 from splitserve.serve.listen import KEEP_ALIVE_S, listen
 from splitserve.serve.probe import KVProber
+from splitserve.serve.stats_log import StatsLogger
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +91,22 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         first = runtime.workers[0].info
         tokenizer = await asyncio.to_thread(load_tokenizer, first["model"], first.get("tokenizer"))
         info = ModelInfo(manifest.model.resolved_served_name(), int(first["max_model_len"]),
-                         int(first["vocab_size"]), first["model"])  # fmt: skip
+                         int(first["vocab_size"]), first["model"],
+                         aliases=tuple(manifest.model.served_names()[1:]))  # fmt: skip
         api = OpenAIServer(
             manifest, runtime, tokenizer, info, runtime.describe, lambda: _worker_stats(runtime),
             runtime.worker_headers,
         )  # fmt: skip
         prober = KVProber(manifest, runtime.ready, api.on_probe, runtime.worker_headers)
+        stats_line = StatsLogger(api, manifest.server.log_stats_interval_s)
 
         @contextlib.asynccontextmanager
         async def lifespan(_app: object) -> AsyncIterator[None]:
             prober.start()
+            stats_line.start()
             yield
             api.admission.closed = True
+            await stats_line.stop()
             await prober.stop()
             await api.dispatcher.close()
 

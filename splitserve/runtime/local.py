@@ -220,7 +220,7 @@ class LocalRuntime:
             if w is not None:
                 w.stderr_tail.append(line)
             if line:
-                print(f"[{w.name if w else 'standby'}] {line}", file=sys.stderr, flush=True)
+                print(worker_line(w.name if w else "standby", line), file=sys.stderr, flush=True)
 
     async def _make_standby(self) -> None:
         """Start a spare worker process that has done its imports and waits for a command line."""
@@ -353,4 +353,17 @@ class LocalRuntime:
         return [w.describe() for w in self.workers]
 
 
-__all__ = ["LocalRuntime", "StartupError", "WorkerProcess", "worker_argv"]
+def worker_line(name: str, line: str) -> str:
+    """A worker's log line as this process prints it: `[name] line`, or, when the line is a JSON object
+    (--log-format json), the object with `"worker": name` added, so that every line stays JSON."""
+    if line.startswith("{"):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict):
+            return json.dumps({**obj, "worker": name})
+    return f"[{name}] {line}"
+
+
+__all__ = ["LocalRuntime", "StartupError", "WorkerProcess", "worker_argv", "worker_line"]

@@ -43,19 +43,29 @@ class ServeProcess:
         self.stop()
 
 
-def start_serve(manifest: Manifest, timeout_s: float = 600.0, echo: bool = False) -> ServeProcess:
+def start_serve(
+    manifest: Manifest | None,
+    timeout_s: float = 600.0,
+    echo: bool = False,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> ServeProcess:
     """Write `manifest` to a temp file, run `splitserve serve` on it (its port: as given, 0 = any) and
-    return once it prints its ready event. Raises RuntimeError with its output if it does not start."""
-    data = manifest.model_dump(mode="json")
-    path = Path(tempfile.mkdtemp(prefix="splitserve-")) / "manifest.yaml"
-    path.write_text(yaml.safe_dump(data))
-    cmd = [sys.executable, "-m", "splitserve.cli", "serve", str(path), "--no-progress"]
+    return once it prints its ready event. Raises RuntimeError with its output if it does not start.
+    `args`: more command-line arguments (with no manifest: all of them, e.g. a model and vLLM's flags);
+    `env`: more environment variables."""
+    cmd = [sys.executable, "-m", "splitserve.cli", "serve"]
+    if manifest is not None:
+        path = Path(tempfile.mkdtemp(prefix="splitserve-")) / "manifest.yaml"
+        path.write_text(yaml.safe_dump(manifest.model_dump(mode="json")))
+        cmd.append(str(path))
+    cmd += [*(args or []), "--no-progress"]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     sp = ServeProcess(proc)
     got = threading.Event()

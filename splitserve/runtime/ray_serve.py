@@ -252,6 +252,7 @@ class Router:
         global _SERVER
         from splitserve.model.tokenizer import load_tokenizer
         from splitserve.serve.probe import KVProber
+        from splitserve.serve.stats_log import StatsLogger
 
         m = self.manifest
         deadline = time.monotonic() + m.runtime.startup_timeout_s
@@ -267,12 +268,15 @@ class Router:
             int(first["max_model_len"]),
             int(first["vocab_size"]),
             first["model"],
+            aliases=tuple(m.model.served_names()[1:]),
         )
         server = OpenAIServer(
             m, self.workers, tokenizer, info, self.workers.describe, self.workers.stats, self.headers
         )
         self.prober = KVProber(m, self.workers.ready, server.on_probe, self.headers)
         self.prober.start()
+        self.stats_line = StatsLogger(server, m.server.log_stats_interval_s)
+        self.stats_line.start()
         _SERVER = server
         asyncio.get_running_loop().create_task(self.workers.loop())
 

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.config.manifest import Manifest
+from splitserve.serve.access_log import AccessLog
 from splitserve.serve.metrics import RouterMetrics, ttft_breakdown
 from splitserve.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from splitserve.serve.router import Dispatcher, Piece, WorkerSet
@@ -46,6 +47,7 @@ class ModelInfo:
     vocab_size: int
     root: str  # the checkpoint path
     created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()  # more names a request may give (--served-model-name A B)
 
 
 class Admission:
@@ -143,6 +145,7 @@ class OpenAIServer:
         )
         self.metrics = RouterMetrics(info.served_name)
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
+        self.metrics.prime(manifest.transport.backend)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         # the per-token metrics, bound to their labels once (a .labels() lookup per token adds up)
         self.itl = self.metrics.itl.labels(info.served_name)
@@ -198,7 +201,7 @@ class OpenAIServer:
         return body
 
     def check_model(self, name: str) -> None:
-        if name != self.info.served_name:
+        if name != self.info.served_name and name not in self.info.aliases:
             raise APIError(
                 404,
                 f"The model `{name}` does not exist; this server serves `{self.info.served_name}`",
@@ -307,13 +310,9 @@ class OpenAIServer:
     ) -> Response:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         name = self.info.served_name
-        try:
-            waited = await self.admission.acquire()
-        except APIError as exc:
-            self.metrics.errors.labels(name, str(exc.status)).inc()
-            raise
+        waited = await self.admission.acquire()  # errors are counted by status in access_log.py
         self.metrics.router_queue.labels(name).observe(waited)
-        run = _Run(self, kind, req, prompts, params, rid, start)
+        run = request.state.splitserve_run = _Run(self, kind, req, prompts, params, rid, start)
         released = False
 
         async def cleanup() -> None:  # idempotent: cancel what still runs, give the slot back
@@ -333,7 +332,6 @@ class OpenAIServer:
             body = await _unless_disconnected(request, run.collect(first))
             return JSONResponse(body, headers=run.headers())
         except APIError as exc:
-            self.metrics.errors.labels(name, str(exc.status)).inc()
             if exc.code in ("kv_transfer_failed", "kv_transfer_timeout", "kv_transport"):
                 # NOTE: labelled with the manifest's backend: the error does not say which one failed
                 self.metrics.kv_failures.labels(name, self.manifest.transport.backend, exc.code).inc()
@@ -345,11 +343,12 @@ class OpenAIServer:
     # ---- routes ---------------------------------------------------------------------------------
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        names = (self.info.served_name, *self.info.aliases)  # every served name, as vLLM lists them
+        return {"object": "list", "data": [self.model_card(n) for n in names]}
 
-    def model_card(self) -> dict:
+    def model_card(self, name: str | None = None) -> dict:
         return {
-            "id": self.info.served_name,
+            "id": name or self.info.served_name,
             "object": "model",
             "created": self.info.created,
             "owned_by": "splitserve",
@@ -362,7 +361,8 @@ class OpenAIServer:
         pools = {role: len(self.workers.ready(role)) for role in self.manifest.pools()}
         ok = all(n > 0 for n in pools.values()) and not self.admission.closed
         public = ("name", "role", "state", "restarts", "startup_s", "kv_backend")
-        workers = [{k: w.get(k) for k in public} for w in self.describe_workers()]
+        workers = [{**{k: w.get(k) for k in public}, "engine": (w.get("info") or {}).get("engine")}
+                   for w in self.describe_workers()]  # fmt: skip
         body = {
             "status": "ok" if ok else "degraded",
             "mode": self.manifest.mode,
@@ -423,24 +423,9 @@ class OpenAIServer:
             if w.get("startup_s") is not None:
                 m.startup_seconds.labels(*lab).set(w["startup_s"])
         m.router_waiting.labels(name).set(self.admission.waiting)
+        m.prime_workers(self.describe_workers())
         if self.worker_stats is not None:
-            for s in await self.worker_stats():
-                lab = (name, s["worker"], s["role"])
-                m.worker_up.labels(*lab).set(1 if s.get("up") else 0)
-                if "running" in s:
-                    m.running.labels(*lab).set(s["running"])
-                    m.waiting.labels(*lab).set(s["waiting"])
-                    blocks = s.get("blocks") or {}
-                    if blocks.get("total"):
-                        m.kv_usage.labels(*lab).set(1 - blocks["free"] / blocks["total"])
-                        m.kv_blocks_held.labels(*lab).set(blocks.get("held", 0))
-                kv = s.get("kv_transfer") or {}
-                if kv.get("backend"):
-                    ok = kv["backend"] in self.manifest.transport.required()
-                    m.kv_backend_ok.labels(*lab).set(1 if ok else 0)
-                    tr = kv.get("transport", {})
-                    m.kv_backend.labels(*lab, kv["backend"], tr.get("requested") or kv["backend"]).set(1)
-                    m.kv_fallbacks.labels(*lab).set((tr.get("counts") or {}).get("fallbacks", 0))
+            m.from_worker_stats(await self.worker_stats(), self.manifest.transport.required())
         return m.render()
 
 
@@ -563,7 +548,7 @@ class _Run:
 
     def _finish_metrics(self) -> None:
         m, name = self.s.metrics, self.s.info.served_name
-        m.e2e.labels(name).observe(time.perf_counter() - self.start)
+        m.observe_done(time.perf_counter() - self.start, self.ttft, max(c.tokens for c in self.choices))
         m.prompt_tokens.labels(name).inc(self.prompt_tokens)
 
     # ---- non-streaming --------------------------------------------------------------------------
@@ -785,6 +770,7 @@ def build_api(server: OpenAIServer, lifespan: Any = None) -> FastAPI:
 def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     """The API's routes and error handlers on `app`, over the server `get()` returns (the Ray ingress
     builds its app at import time and its server later, in the replica)."""
+    app.add_middleware(AccessLog, get=get)  # the access log line, and errors counted by status
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -812,7 +798,7 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     async def model(model_id: str, request: Request) -> dict:
         get().check_auth(request)
         get().check_model(model_id)
-        return get().model_card()
+        return get().model_card(model_id)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:

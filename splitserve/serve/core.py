@@ -383,8 +383,9 @@ def main() -> int:
     if not line:
         return 0  # the front end went away before handing us a spec
     spec = json.loads(line)
-    logging.basicConfig(level=spec.get("log_level", "WARNING"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    from splitserve.logs import setup_logging
+
+    setup_logging(spec.get("log_level", "WARNING"))  # text or JSON, as the front end ($SPLITSERVE_LOG_FORMAT)
     torch.set_num_threads(max(1, int(spec.get("threads", 1))))
     from splitserve.kv import TransportError
     from splitserve.model.errors import ModelLoadError

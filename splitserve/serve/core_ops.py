@@ -85,10 +85,12 @@ class CoreOps:
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "load": engine.loaded.load_stats,  # weights: method, cache status, seconds per stage
+            "engine": engine_settings(engine),
         }
 
     def op_stats(self) -> dict:
         engine, conn = self.engine, self.core.connector
+        sched = engine.scheduler
         engine.free_released_kv()
         return {
             "role": self.config.role,
@@ -109,6 +111,7 @@ class CoreOps:
                 "step_s": engine.step_seconds,
                 "loop_s": self.core.busy_seconds,
             },  # fmt: skip
+            "prefix_cache": {"queries": sched.prefix_queries, "hits": sched.prefix_hits},
             "kv_transfer": conn.stats() if conn else None,
         }
 
@@ -204,3 +207,19 @@ class CoreOps:
             "backend": conn.backend_name,
             "peer": handle.address,
         }
+
+
+def engine_settings(engine: Any) -> dict:
+    """The knobs the engine actually runs with (prefix caching as in effect: off for recurrent models)."""
+    c = engine.config
+    return {
+        "block_size": c.block_size,
+        "max_num_seqs": c.max_num_seqs,
+        "max_num_batched_tokens": c.max_num_batched_tokens,
+        "gpu_memory_utilization": c.gpu_memory_utilization,
+        "kv_cache_bytes": c.kv_cache_bytes,
+        "enable_prefix_caching": engine.pool.enable_prefix_caching,
+        "enforce_eager": c.enforce_eager,
+        "seed": c.seed,
+        "tokenizer": c.tokenizer,
+    }

@@ -1,9 +1,15 @@
 """Prometheus metrics of the router, named in vLLM's style (`splitserve:` prefix), on GET /metrics.
 
 Per request: TTFT and its breakdown (queue on the prefill worker, prefill, KV transfer, first decode),
-inter-token latency, end-to-end latency, KV-transfer seconds and bytes labelled by the backend that
-actually moved them, requests by outcome. Per worker (read from the workers' /stats at scrape time):
-running and waiting requests, KV-cache usage, up/restarts.
+inter-token latency, time per output token and decode time, end-to-end latency, KV-transfer seconds and
+bytes labelled by the backend that actually moved them, requests by outcome, answers by error status
+(every 4xx and 5xx, counted by the access-log middleware). Per worker (read from the workers' /stats at
+scrape time): running and waiting requests, KV-cache usage, preemptions, prefix-cache queries and hits,
+up/restarts.
+
+NOTE: every labelled counter is created at 0 for the labels it will carry (`prime`, and `prime_workers`
+at each scrape for the workers and pairs known then), so that `increase()` in an alert sees the step
+from 0 to 1 of the first event: a series born at 1 has no earlier sample to increase from.
 """
 
 from __future__ import annotations
@@ -53,12 +59,17 @@ _ITL = (
     2.5,
 )
 _BYTES = tuple(float(1 << k) for k in range(10, 34, 2))
+# the statuses the API answers with (openai_protocol.APIError's and starlette's)
+ERROR_STATUSES = ("400", "401", "404", "405", "413", "422", "429", "499", "500", "502", "503", "504")
+KV_FAILURE_KINDS = ("kv_transfer_failed", "kv_transfer_timeout", "kv_transport")
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 class RouterMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
         self.model = model_name
+        self._totals: dict[tuple[str, ...], int] = {}  # a worker counter's last total (`_advance`)
         L = ["model_name"]  # noqa: N806
         self.ttft = Histogram(
             "splitserve:time_to_first_token_seconds",
@@ -133,6 +144,35 @@ class RouterMetrics:
             "splitserve:request_errors",
             "Requests answered with an error, by status",
             [*L, "status"],
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "splitserve:request_time_per_output_token_seconds",
+            "Per request: (end-to-end - TTFT) / (output tokens - 1)",
+            L,
+            buckets=_ITL,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "splitserve:request_decode_time_seconds",
+            "Per request: end-to-end minus TTFT, the decode phase",
+            L,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "splitserve:num_preemptions", "Requests a worker preempted", [*L, "worker", "role"], registry=r
+        )
+        self.prefix_queries = Counter(
+            "splitserve:prefix_cache_queries",
+            "Prompt tokens looked up in a worker's prefix cache",
+            [*L, "worker", "role"],
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "splitserve:prefix_cache_hits",
+            "Prompt tokens a worker's prefix cache served",
+            [*L, "worker", "role"],
             registry=r,
         )
         self.prompt_tokens = Counter("splitserve:prompt_tokens", "Prompt tokens processed", L, registry=r)
@@ -257,6 +297,72 @@ class RouterMetrics:
             self.kv_transfers.labels(lab, backend, "recomputed" if m.get("kv_error") else "ok").inc()
         known = sum(x for x in (queue, prefill, kv, m.get("kv_wait_s")) if x is not None)
         self.first_decode.labels(lab).observe(max(0.0, ttft - known))
+
+    def observe_done(self, e2e: float, ttft: float | None, output_tokens: int) -> None:
+        """A request finished: its decode time and time per output token (TPOT)."""
+        self.e2e.labels(self.model).observe(e2e)
+        if ttft is None:
+            return
+        decode = max(0.0, e2e - ttft)
+        self.decode_time.labels(self.model).observe(decode)
+        if output_tokens > 1:
+            self.tpot.labels(self.model).observe(decode / (output_tokens - 1))
+
+    def prime(self, backend: str) -> None:
+        """The label sets known from the start, at 0 (see the module's NOTE)."""
+        lab = self.model
+        for status in ERROR_STATUSES:
+            self.errors.labels(lab, status)
+        for reason in FINISH_REASONS:
+            self.requests.labels(lab, reason)
+        for kind in KV_FAILURE_KINDS:
+            self.kv_failures.labels(lab, backend, kind)
+        for outcome in ("ok", "recomputed"):
+            self.kv_transfers.labels(lab, backend, outcome)
+        self.kv_bytes.labels(lab, backend)
+        for c in (self.prompt_tokens, self.generation_tokens):
+            c.labels(lab)
+
+    def prime_workers(self, workers: list[dict]) -> None:
+        """Per-worker and per-pair counters at 0 for the workers known now (name and role each)."""
+        lab = self.model
+        for w in workers:
+            for c in (self.worker_restarts, self.preemptions, self.prefix_queries, self.prefix_hits):
+                c.labels(lab, w["name"], w["role"])
+        for p in (w for w in workers if w["role"] == "prefill"):
+            for d in (w for w in workers if w["role"] == "decode"):
+                self.kv_probe_failures.labels(lab, p["name"], d["name"])
+
+    def from_worker_stats(self, stats: list[dict], required: list[str]) -> None:
+        """Gauges (and counters, by their increase since the last scrape) from each worker's /stats."""
+        for s in stats:
+            lab = (self.model, s["worker"], s["role"])
+            self.worker_up.labels(*lab).set(1 if s.get("up") else 0)
+            if "running" in s:
+                self.running.labels(*lab).set(s["running"])
+                self.waiting.labels(*lab).set(s["waiting"])
+                blocks = s.get("blocks") or {}
+                if blocks.get("total"):
+                    self.kv_usage.labels(*lab).set(1 - blocks["free"] / blocks["total"])
+                    self.kv_blocks_held.labels(*lab).set(blocks.get("held", 0))
+                prefix = s.get("prefix_cache") or {}
+                self._advance(self.preemptions, lab, s.get("preemptions", 0))
+                self._advance(self.prefix_queries, lab, prefix.get("queries", 0))
+                self._advance(self.prefix_hits, lab, prefix.get("hits", 0))
+            kv = s.get("kv_transfer") or {}
+            if kv.get("backend"):
+                self.kv_backend_ok.labels(*lab).set(1 if kv["backend"] in required else 0)
+                tr = kv.get("transport", {})
+                self.kv_backend.labels(*lab, kv["backend"], tr.get("requested") or kv["backend"]).set(1)
+                self.kv_fallbacks.labels(*lab).set((tr.get("counts") or {}).get("fallbacks", 0))
+
+    def _advance(self, counter: Counter, lab: tuple[str, ...], total: int) -> None:
+        """A worker's running total into a counter: the increase since the last scrape (a restarted
+        worker starts again from 0, so then the whole total is new)."""
+        key = (counter._name, *lab)
+        last = self._totals.get(key, 0)
+        counter.labels(*lab).inc(total - last if total >= last else total)
+        self._totals[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

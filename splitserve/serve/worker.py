@@ -281,11 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit:
         client.close(1)
         raise
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from splitserve.logs import setup_logging
+
+    setup_logging(logging.INFO if args.verbose else logging.WARNING)  # as the router: text or JSON
     from splitserve.serve.worker_app import serve
 
     try:

@@ -45,6 +45,7 @@ from splitserve.serve.schemas import (
 )
 from splitserve.serve.worker import Worker
 from splitserve.serve.worker_auth import worker_token
+from splitserve.serve.worker_metrics import render_worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -103,19 +104,21 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
     return StreamingResponse(body(), media_type=NDJSON)
 
 
+_OPEN = ("/health", "/metrics")  # no token wanted
 _UNAUTHORIZED = b'{"error":{"type":"unauthorized","message":"this worker wants the worker token"}}'
 
 
 class _RequireToken:
-    """Every endpoint but GET /health answers 401 without `Authorization: Bearer <token>`. A plain
-    ASGI middleware: starlette's BaseHTTPMiddleware would put a memory stream under every chunk."""
+    """Every endpoint but GET /health and GET /metrics (vLLM's names, for inference gateways) answers
+    401 without `Authorization: Bearer <token>`. A plain ASGI middleware: starlette's
+    BaseHTTPMiddleware would put a memory stream under every chunk."""
 
     def __init__(self, app: Any, token: str) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in _OPEN:
             got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(got, self.expected):
                 body = _UNAUTHORIZED
@@ -172,6 +175,13 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
     @app.get("/stats")
     async def stats() -> dict:
         return await worker.stats()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        c = worker.config
+        name = c.served_name or str(worker.info.get("model", "model")).rstrip("/").rsplit("/", 1)[-1]
+        body = render_worker_metrics(await worker.stats(), name, c.engine.block_size)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/kv/connect")
     async def connect(req: PeerRequest) -> dict:

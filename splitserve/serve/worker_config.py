@@ -20,6 +20,7 @@ class WorkerConfig:
 
     role: str = "colocated"
     engine: EngineConfig = EngineConfig(progress=False)
+    served_name: str | None = None  # the API's model name (the label of the worker's own /metrics)
     kv_backend: str = "tcp"
     kv_fallback: tuple[str, ...] = ()  # backends allowed if kv_backend cannot run (logged, counted)
     kv_nixl_backends: tuple[str, ...] = ("UCX",)  # nixl: NIXL backends, first that instantiates wins

@@ -1,11 +1,17 @@
 """The shipped alert rules and dashboard: well-formed, valid PromQL, and only metrics the router exports.
-(`promtool` cannot be installed here, so the rules are checked with a PromQL parser and a schema of the
-rule-file format instead.)"""
+With `promtool` installed (Debian's `prometheus` package; .ci/run installs it), the rules are also
+checked by Prometheus itself (`promtool check rules`) and its rule engine runs their unit tests
+(`promtool test rules deploy/prometheus/alerts_test.yaml`: each alert fires on the first event of its
+kind). Without it, a PromQL parser and a schema of the rule-file format check them. The router's
+counters are there at 0 before their first event (what those unit tests assume).
+bench/prometheus_alerts.py runs a real Prometheus against a real deployment."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +21,8 @@ from splitserve.serve.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yaml"
+RULE_TESTS = ROOT / "deploy" / "prometheus" / "alerts_test.yaml"
+PROMTOOL = shutil.which("promtool")
 DASHBOARD = ROOT / "deploy" / "grafana" / "splitserve-dashboard.json"
 NAME = re.compile(r"splitserve:[a-zA-Z_]+")
 
@@ -88,3 +96,55 @@ def test_dashboard_loads_and_queries_exported_metrics():
         assert panel["targets"]
         for target in panel["targets"]:
             _check_promql(target["expr"].replace("$model", ".*"))
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+def test_promtool_checks_the_rules_and_runs_their_unit_tests():
+    for args in (["check", "rules", str(RULES)], ["test", "rules", str(RULE_TESTS)]):
+        out = subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "SUCCESS" in out.stdout
+
+
+def test_every_alerted_counter_is_there_at_zero_before_its_first_event():
+    """`increase()` needs a sample before the first event: the router creates each labelled counter at
+    0 for the labels it will carry (alerts_test.yaml's last test shows the alert missing it otherwise)."""
+    m = RouterMetrics("m")
+    m.prime("tcp")
+    m.prime_workers([{"name": "prefill-0", "role": "prefill"}, {"name": "decode-0", "role": "decode"}])
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for metric in m.registry.collect()
+        for s in metric.samples
+    }
+    want = [
+        ("splitserve:worker_restarts_total", {"worker": "decode-0", "role": "decode"}),
+        ("splitserve:worker_restarts_total", {"worker": "prefill-0", "role": "prefill"}),
+        ("splitserve:kv_probe_failures_total", {"prefill": "prefill-0", "decode": "decode-0"}),
+        ("splitserve:kv_transfer_failures_total", {"backend": "tcp", "kind": "kv_transfer_failed"}),
+        ("splitserve:kv_transfer_failures_total", {"backend": "tcp", "kind": "kv_transfer_timeout"}),
+        ("splitserve:request_errors_total", {"status": "429"}),
+        ("splitserve:request_errors_total", {"status": "400"}),
+        ("splitserve:request_errors_total", {"status": "401"}),
+        ("splitserve:num_preemptions_total", {"worker": "decode-0", "role": "decode"}),
+        ("splitserve:prefix_cache_hits_total", {"worker": "decode-0", "role": "decode"}),
+    ]
+    for name, labels in want:
+        key = (name, tuple(sorted({"model_name": "m", **labels}.items())))
+        assert samples.get(key) == 0.0, (name, labels)
+
+
+def test_worker_counters_follow_the_workers_totals_across_a_restart():
+    m = RouterMetrics("m")
+    row = {"worker": "decode-0", "role": "decode", "up": True, "running": 0, "waiting": 0,
+           "blocks": {"total": 10, "free": 10}, "preemptions": 3,
+           "prefix_cache": {"queries": 40, "hits": 16}}  # fmt: skip
+    m.from_worker_stats([row], ["tcp"])
+    m.from_worker_stats([{**row, "preemptions": 5}], ["tcp"])
+    restarted = {**row, "preemptions": 1, "prefix_cache": {"queries": 8, "hits": 0}}
+    m.from_worker_stats([restarted], ["tcp"])
+    value = m.registry.get_sample_value
+    lab = {"model_name": "m", "worker": "decode-0", "role": "decode"}
+    assert value("splitserve:num_preemptions_total", lab) == 6
+    assert value("splitserve:prefix_cache_queries_total", lab) == 48
+    assert value("splitserve:prefix_cache_hits_total", lab) == 16
