@@ -109,7 +109,16 @@ def run_shape(setup: Setup, sizes_blocks: list[int], reps: int) -> list[dict]:
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=exporter_main, args=(child, asdict(setup)), daemon=True)
     proc.start()
-    status, exporter_nixl = conn.recv()
+    child.close()  # ours: so that the exporter's death reads as EOF, not as a wait forever
+    died = "the exporter process died (exit code {}) before it was ready"
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise SystemExit(died.format(proc.exitcode))
+    try:
+        status, exporter_nixl = conn.recv()
+    except EOFError:
+        proc.join(5)
+        raise SystemExit(died.format(proc.exitcode)) from None
     assert status == "ready"
     kv = setup.kv()
     kv.zero_()
