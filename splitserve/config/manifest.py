@@ -275,6 +275,13 @@ class ServerSection(_Section):
     access_log: bool = True  # one INFO line per request (id, route, status, tokens, latency)
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
 
+    @field_validator("api_keys")
+    @classmethod
+    def _no_empty_key(cls, keys: list[str]) -> list[str]:
+        if any(not k.strip() for k in keys):
+            raise ValueError("an API key must not be empty (it would let an empty bearer token in)")
+        return [k.strip() for k in keys]
+
     def keys(self) -> list[str]:
         """api_keys, then api_keys_env's; with neither given, the key in SPLITSERVE_API_KEY (or vLLM's
         VLLM_API_KEY), as `vllm serve` reads its key when --api-key is not given."""

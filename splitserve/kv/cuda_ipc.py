@@ -51,7 +51,6 @@ import os
 import secrets
 import shutil
 import socket
-import tempfile
 import threading
 import time
 import weakref
@@ -83,6 +82,7 @@ from splitserve.kv.protocol import Deadline, checksum, checksum_algo, expect
 from splitserve.kv.server import AsyncChannel, Endpoint
 from splitserve.kv.socket_transport import Export, SocketTransport
 from splitserve.kv.transport import TransportOptions
+from splitserve.tempdirs import owned_tempdir
 
 log = logging.getLogger(__name__)
 
@@ -788,7 +788,7 @@ class CudaIpcTransport(GpuSocketTransport):
         if self.options.socket_dir:
             directory = self.options.socket_dir
         else:
-            directory = self._own_dir = tempfile.mkdtemp(prefix="splitserve-kv-")
+            directory = self._own_dir = owned_tempdir("splitserve-kv-")  # swept if we are SIGKILLed
         path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
         return Endpoint("unix", path=path)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import tempfile
 
 from splitserve.kv.client import SyncChannel
 from splitserve.kv.errors import TransportError
@@ -28,6 +27,7 @@ from splitserve.kv.server import AsyncChannel, Endpoint
 from splitserve.kv.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
 from splitserve.kv.shm_staged import SEGMENT_PREFIX, recv_staged, send_staged
 from splitserve.kv.socket_transport import Export, SocketTransport
+from splitserve.tempdirs import owned_tempdir
 
 __all__ = ["SEGMENT_PREFIX", "ShmTransport", "allocate_shared_kv"]
 
@@ -44,7 +44,7 @@ class ShmTransport(SocketTransport):
         if self.options.socket_dir:
             directory = self.options.socket_dir
         else:
-            directory = self._own_dir = tempfile.mkdtemp(prefix="splitserve-kv-")
+            directory = self._own_dir = owned_tempdir("splitserve-kv-")  # swept if we are SIGKILLed
         path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
         return Endpoint("unix", path=path)
 

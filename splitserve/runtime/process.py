@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ class ServeProcess:
     url: str = ""  # http://host:port
     ready: dict = field(default_factory=dict)  # the ready event: workers, mode, model
     log: deque[str] = field(default_factory=lambda: deque(maxlen=500))
+    tmpdir: Path | None = None  # the manifest's folder, removed when the deployment stops
 
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -34,6 +36,9 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)  # issue 26 F13: no manifest folder left behind
+            self.tmpdir = None
         return self.proc.returncode
 
     def __enter__(self) -> ServeProcess:
@@ -55,8 +60,10 @@ def start_serve(
     `args`: more command-line arguments (with no manifest: all of them, e.g. a model and vLLM's flags);
     `env`: more environment variables."""
     cmd = [sys.executable, "-m", "splitserve.cli", "serve"]
+    tmpdir = None
     if manifest is not None:
-        path = Path(tempfile.mkdtemp(prefix="splitserve-")) / "manifest.yaml"
+        tmpdir = Path(tempfile.mkdtemp(prefix="splitserve-"))
+        path = tmpdir / "manifest.yaml"
         path.write_text(yaml.safe_dump(manifest.model_dump(mode="json")))
         cmd.append(str(path))
     cmd += [*(args or []), "--no-progress"]
@@ -67,7 +74,7 @@ def start_serve(
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
-    sp = ServeProcess(proc)
+    sp = ServeProcess(proc, tmpdir=tmpdir)
     got = threading.Event()
 
     def pump(stream: object, is_err: bool) -> None:

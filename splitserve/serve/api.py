@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import re
 import time
@@ -33,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.config.manifest import Manifest
 from splitserve.serve.access_log import AccessLog
+from splitserve.serve.json_edge import parse_json
 from splitserve.serve.metrics import RouterMetrics, ttft_breakdown
 from splitserve.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from splitserve.serve.router import Dispatcher, Piece, WorkerSet
@@ -161,10 +161,10 @@ class OpenAIServer:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        ok = False
+        ok, token = False, token.strip().encode()
         for key in self.keys:  # every key compared, in constant time each
-            ok |= hmac.compare_digest(token.strip().encode(), key)
-        if scheme.lower() != "bearer" or not ok:
+            ok |= hmac.compare_digest(token, key)
+        if scheme.lower() != "bearer" or not token or not ok:  # an empty token never passes
             raise APIError(
                 401,
                 "invalid or missing API key (send 'Authorization: Bearer <key>')",
@@ -193,8 +193,8 @@ class OpenAIServer:
         except UnicodeDecodeError as exc:
             raise APIError(400, f"the request body is not valid UTF-8: {exc}", code="invalid_utf8") from None
         try:
-            body = json.loads(text)
-        except json.JSONDecodeError as exc:
+            body = parse_json(text)
+        except ValueError as exc:  # json.JSONDecodeError is one
             raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")

@@ -23,7 +23,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -32,28 +31,12 @@ from typing import Any
 import zmq
 
 from splitserve.serve import core_protocol as wire
+from splitserve.tempdirs import owned_tempdir
 
 log = logging.getLogger(__name__)
 
 
 _PREFIX = "splitserve-core-"
-
-
-def _sweep_stale() -> None:
-    """Remove the socket folders of front ends that died without cleaning up (SIGKILL)."""
-    root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        if not name.startswith(_PREFIX):
-            continue
-        pid = name[len(_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        except PermissionError:
-            pass  # another user's live process
 
 
 class CoreDead(RuntimeError):
@@ -130,9 +113,8 @@ class CoreClient:
 
     @classmethod
     def spawn(cls) -> CoreClient:
-        _sweep_stale()
         # 0700: only this user can connect; named by our pid, so that a later start can sweep it up
-        sockdir = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+        sockdir = owned_tempdir(_PREFIX)
         # NOTE: the core's stdout is our stderr: a worker's stdout carries its ready line alone, and
         # libraries in the core (NIXL's logger, UCX) print to stdout
         proc = subprocess.Popen(

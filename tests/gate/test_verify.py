@@ -101,6 +101,8 @@ def test_a_throttled_transport_fails_the_gate_and_fires_the_alert_metric(tmp_pat
         )
     )
     with start_serve(manifest) as sp:
+        folder = sp.tmpdir
+        assert folder is not None and (folder / "manifest.yaml").exists()
         report = asyncio.run(verify_url(sp.url))
         assert not report.ok
         bandwidth = [c for c in report.checks if c.name == "bandwidth"]
@@ -116,6 +118,7 @@ def test_a_throttled_transport_fails_the_gate_and_fires_the_alert_metric(tmp_pat
             assert time.monotonic() < deadline, text
             time.sleep(0.5)
         assert "splitserve:kv_min_gbps" in text and "splitserve:kv_probe_gbps{" in text
+    assert not folder.exists()  # issue 26 F13: the deployment's temp folder goes with it
 
 
 # -- nixl: the reference deployment's trap ---------------------------------------------------------

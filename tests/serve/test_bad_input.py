@@ -149,6 +149,56 @@ CASES = [
         "max_tokens",
         "2100 tokens (2000 in the prompt, 100 in the completion)",
     ),
+    # issue 26 F4 and F2: each of these was a 500 (or failed other requests' step) before
+    (
+        "lone surrogate in model",
+        CHAT,
+        b'{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}',
+        400,
+        None,
+        "surrogate",
+    ),
+    (
+        "lone surrogate in prompt",
+        COMP,
+        b'{"model": "' + MODEL.encode() + b'", "prompt": "a\\udfffb"}',
+        400,
+        None,
+        "surrogate",
+    ),
+    (
+        "5000-digit integer",
+        COMP,
+        b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+        400,
+        None,
+        "digits",
+    ),
+    (
+        "100,000-deep JSON",
+        COMP,
+        b'{"model": "x", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        400,
+        None,
+        "nested",
+    ),
+    (
+        "Infinity penalty",
+        COMP,
+        b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "repetition_penalty": Infinity}',
+        400,
+        None,
+        "Infinity",
+    ),
+    (
+        "NaN temperature",
+        COMP,
+        b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "temperature": NaN}',
+        400,
+        None,
+        "NaN",
+    ),
+    ("top_k 2^63", COMP, {"model": MODEL, "prompt": "x", "top_k": 2**63}, 400, None, "top_k"),
 ]
 
 
@@ -175,7 +225,8 @@ def test_bad_request(disagg, openai_schema, name, path, body, status, param, wor
 
 def test_auth(disagg, openai_schema):
     body = {"model": MODEL, "messages": MSG, "max_tokens": 1}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"},
+                    {"Authorization": "Bearer "}, {"Authorization": "Bearer"}):  # fmt: skip
         r = _post(disagg, CHAT, body, headers)
         assert r.status_code == 401, headers
         check_schema(openai_schema, "ErrorResponse", r.json())

@@ -278,3 +278,11 @@ def test_worker_command_lines_carry_their_pool_engine():
     assert (p.max_num_seqs, p.kv_cache_bytes) == (64, 256 << 20)  # bytes win over the (default) fraction
     assert worker_config(m, "decode", 0, "s", "127.0.0.1").engine.max_num_seqs == 256
     assert worker_config(m, "prefill", 0, "s", "127.0.0.1").engine.max_num_seqs == 64
+
+
+@pytest.mark.parametrize("keys", ['[""]', '["  "]', '["k1", ""]'])
+def test_an_empty_api_key_is_refused(keys):
+    """issue 26 F5: `--api-key ""` was accepted, and then an empty bearer token authenticated."""
+    with pytest.raises(ManifestError, match="an API key must not be empty"):
+        parse_manifest(f"server: {{api_keys: {keys}}}")
+    assert parse_manifest('server: {api_keys: [" k1 "]}').server.keys() == ["k1"]
