@@ -25,6 +25,7 @@ naming each bad field by its YAML path and line, with what to write instead.
 from __future__ import annotations
 
 import os
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -42,6 +43,7 @@ from pydantic import (
 )
 
 from splitserve.config.manifest_errors import ManifestError, describe
+from splitserve.config.manifest_yaml import ManifestYAMLError, load_yaml
 from splitserve.engine.config import EngineConfig
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
@@ -49,11 +51,24 @@ NixlBackend = Literal["UCX", "LIBFABRIC"]  # NIXL's network backends (the plugin
 # What a gate may demand: a backend, or nixl with the NIXL backend it must run ("nixl" alone means the
 # first of nixl_backends)
 Required = Backend | Literal["nixl/UCX", "nixl/LIBFABRIC"]
-PositiveFloat = Annotated[float, Field(gt=0)]
+# seconds, megabytes, milliseconds: finite, and below a week's worth of seconds
+PositiveFloat = Annotated[float, Field(gt=0, le=604_800, allow_inf_nan=False)]
+MAX_PROBLEMS = 20  # a manifest error lists this many problems, then counts the rest
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: Any) -> Any:
+        """`replicas: true` would read as 1: a number field takes numbers only."""
+        if isinstance(value, bool):
+            ann = cls.model_fields[info.field_name].annotation
+            kinds = typing.get_args(ann) or (ann,)
+            if bool not in kinds and (int in kinds or float in kinds):
+                raise ValueError(f"must be a number, not {str(value).lower()}")
+        return value
 
 
 class ModelSection(_Section):
@@ -112,9 +127,9 @@ class EngineSection(_Section):
     """The engine's knobs as the manifest names them; their defaults are EngineConfig's (declared once)."""
 
     block_size: int = Field(default=_ENGINE.block_size, ge=1, le=256)
-    max_num_seqs: int = Field(default=_ENGINE.max_num_seqs, ge=1)
-    max_num_batched_tokens: int = Field(default=_ENGINE.max_num_batched_tokens, ge=16)
-    kv_cache_mb: int | None = Field(default=None, ge=1)  # KV cache budget per worker
+    max_num_seqs: int = Field(default=_ENGINE.max_num_seqs, ge=1, le=65_536)
+    max_num_batched_tokens: int = Field(default=_ENGINE.max_num_batched_tokens, ge=16, le=1 << 22)
+    kv_cache_mb: int | None = Field(default=None, ge=1, le=1 << 24)  # KV cache budget per worker
     memory_utilization: float | None = Field(  # GPU: fraction for weights + KV
         default=None, gt=0, le=1,
         validation_alias=AliasChoices("memory_utilization", "gpu_memory_utilization"),
@@ -122,7 +137,7 @@ class EngineSection(_Section):
     enable_prefix_caching: bool = _ENGINE.enable_prefix_caching  # reuse KV blocks of identical prefixes
     enforce_eager: bool = _ENGINE.enforce_eager  # GPU: no CUDA graphs
     async_scheduling: bool | None = _ENGINE.async_scheduling  # overlapped decode steps; null: on for GPUs
-    threads: int = Field(default=1, ge=1)  # CPU: torch intra-op threads per worker
+    threads: int = Field(default=1, ge=1, le=1024)  # CPU: torch intra-op threads per worker
     seed: int = _ENGINE.seed
     # Host-side cache of converted weights, shared by the workers of a host and kept across restarts:
     # "auto" = $SPLITSERVE_CACHE_DIR/weights or ~/.cache/splitserve/weights; a path (/dev/shm/... keeps
@@ -268,10 +283,10 @@ class ServerSection(_Section):
     port: int = Field(default=8000, ge=0, le=65535)  # 0: the OS picks (printed)
     api_keys: list[str] = Field(default_factory=list, repr=False)  # empty: no authentication
     api_keys_env: str | None = None  # comma-separated keys from this environment variable
-    max_body_bytes: int = Field(default=4 << 20, ge=1024)
-    max_concurrent_requests: int = Field(default=256, ge=1)  # in flight to the workers
-    max_queued_requests: int = Field(default=1024, ge=0)  # waiting beyond that; more: 429
-    max_n: int = Field(default=16, ge=1)
+    max_body_bytes: int = Field(default=4 << 20, ge=1024, le=1 << 30)
+    max_concurrent_requests: int = Field(default=256, ge=1, le=1 << 20)  # in flight to the workers
+    max_queued_requests: int = Field(default=1024, ge=0, le=1 << 20)  # waiting beyond that; more: 429
+    max_n: int = Field(default=16, ge=1, le=128)
     access_log: bool = True  # one INFO line per request (id, route, status, tokens, latency)
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
 
@@ -296,12 +311,14 @@ class ServerSection(_Section):
 
 class RuntimeSection(_Section):
     kind: Literal["local", "ray"] = "local"
-    health_interval_s: PositiveFloat = 1.0
-    health_failures: int = Field(default=3, ge=1)  # missed health checks before a restart
+    health_interval_s: float = Field(default=1.0, ge=0.05, le=3600, allow_inf_nan=False)
+    health_failures: int = Field(default=3, ge=1, le=1000)  # missed health checks before a restart
     startup_timeout_s: PositiveFloat = 600.0  # a worker must be ready (weights loaded) by then
     restart_backoff_s: PositiveFloat = 1.0  # doubled per consecutive failure ...
     restart_backoff_max_s: PositiveFloat = 30.0  # ... up to this
-    max_restarts: int = Field(default=100, ge=0)  # per worker; then it stays down (and /health says so)
+    max_restarts: int = Field(
+        default=100, ge=0, le=1_000_000
+    )  # per worker; then it stays down (and /health says so)
     drain_timeout_s: PositiveFloat = 30.0  # SIGTERM: in-flight requests get this long to finish
     worker_args: list[str] = Field(default_factory=list)  # extra worker flags (tests, debugging)
     standby: bool = True  # local: keep a spare process with its imports done, for fast restarts
@@ -405,8 +422,9 @@ def load_manifest(path: str | os.PathLike | None = None, overrides: dict[str, An
 
 def parse_manifest(text: str, source: str = "<string>", overrides: dict[str, Any] | None = None) -> Manifest:
     try:
-        root = yaml.compose(text) if text.strip() else None
-        data = yaml.safe_load(text) if text.strip() else {}
+        root, data = load_yaml(text) if text.strip() else (None, {})
+    except ManifestYAMLError as exc:
+        raise ManifestError(source, [str(exc)]) from None
     except yaml.YAMLError as exc:
         raise ManifestError(source, [f"not valid YAML: {exc}"]) from exc
     if data is None:
@@ -420,7 +438,11 @@ def parse_manifest(text: str, source: str = "<string>", overrides: dict[str, Any
     try:
         return Manifest.model_validate(data)
     except ValidationError as exc:
-        raise ManifestError(source, [describe(err, root, Manifest) for err in exc.errors()]) from None
+        errors = exc.errors()
+        problems = [describe(err, root, Manifest) for err in errors[:MAX_PROBLEMS]]
+        if len(errors) > MAX_PROBLEMS:
+            problems.append(f"... and {len(errors) - MAX_PROBLEMS} more")
+        raise ManifestError(source, problems) from None
 
 
 def _set_path(data: dict, keys: list[str], value: Any) -> None:

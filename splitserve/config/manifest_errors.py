@@ -32,9 +32,14 @@ def describe(err: Any, root: yaml.Node | None, model: type[BaseModel]) -> str:
         hint = f"did you mean '{close[0]}'?" if close else f"known fields here: {', '.join(sorted(known))}"
         return f"{path}{at}: unknown field; {hint}"
     if kind == "literal_error":
-        return f"{path}{at}: {msg.replace('Input should be', 'must be')} (got {err.get('input')!r})"
+        return f"{path}{at}: {msg.replace('Input should be', 'must be')} (got {_short(err.get('input'))})"
     msg = msg.removeprefix("Value error, ")
-    return f"{path}{at}: {msg} (got {err.get('input')!r})"
+    return f"{path}{at}: {msg} (got {_short(err.get('input'))})"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _known_fields(model: type[BaseModel], loc: tuple) -> list[str]:

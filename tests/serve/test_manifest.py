@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,47 @@ def test_an_empty_api_key_is_refused(keys):
     with pytest.raises(ManifestError, match="an API key must not be empty"):
         parse_manifest(f"server: {{api_keys: {keys}}}")
     assert parse_manifest('server: {api_keys: [" k1 "]}').server.keys() == ["k1"]
+
+
+_BOMB = 'a: &a ["lol","lol"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [  # issue 26 F7 and F8: each was accepted, blew up, or took long before
+        (_BOMB, "YAML aliases (*name) are not allowed"),
+        ("model: {source: &s default, tokenizer: *s}", "YAML aliases"),
+        ("server:\n  port: 1\n  port: 2\n", "server.port (line 3): given twice (first on line 2)"),
+        (
+            "server: " + "{a: " * 20 + "1" + "}" * 20,
+            "server.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a: nested more than 16",
+        ),
+        ("a: " + "[" * 5000 + "]" * 5000, "not valid YAML"),
+        (
+            "runtime: {health_interval_s: 1.0e-6}",
+            "runtime.health_interval_s (line 1): Input should be greater",
+        ),
+        (
+            "router: {timeouts: {request_s: .inf}}",
+            "router.timeouts.request_s (line 1): Input should be a finite",
+        ),
+        ("engine: {threads: 100000}", "engine.threads (line 1): Input should be less than or equal to 1024"),
+        ("decode: {replicas: true}", "decode.replicas (line 1): must be a number, not true"),
+        ("engine: {kv_cache_mb: 99999999999}", "engine.kv_cache_mb (line 1): Input should be less than"),
+    ],
+)
+def test_hostile_manifests_are_refused_quickly(text, words):
+    t0 = time.perf_counter()
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text)
+    assert words in str(info.value), str(info.value)
+    assert len(str(info.value)) < 2000 and time.perf_counter() - t0 < 1.0
+
+
+def test_many_unknown_keys_give_a_bounded_error():
+    text = "server:\n" + "".join(f"  k{i}: 1\n" for i in range(16_000))
+    t0 = time.perf_counter()
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text)
+    assert len(info.value.problems) == 21 and info.value.problems[-1] == "... and 15980 more"
+    assert time.perf_counter() - t0 < 5.0  # 32 s before (a close-match search per unknown key)
