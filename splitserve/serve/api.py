@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from splitserve.config.manifest import Manifest
 from splitserve.serve.access_log import AccessLog
@@ -180,13 +181,18 @@ class OpenAIServer:
                 413, f"the request body is {length} bytes; the limit is {limit}", code="request_too_large"
             )
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(
-                    413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large"
-                )
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(
+                        413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large"
+                    )
+                chunks.append(chunk)
+        except ClientDisconnect:  # one access-log line (499, as nginx counts it), no traceback
+            raise APIError(
+                499, "the client closed the connection before its body arrived", code="client_closed_request"
+            ) from None
         raw = b"".join(chunks)
         try:
             text = raw.decode("utf-8")

@@ -263,3 +263,31 @@ def test_still_serving_after_the_battery(disagg):
     stats = disagg.wait_idle()
     for s in stats.values():
         assert s["blocks"]["free"] == s["blocks"]["total"]
+
+
+def test_a_client_gone_mid_body_is_one_log_line(disagg):
+    """issue 26 F10: each disconnect mid-body logged two full tracebacks (2,000 gave 225,280 lines)."""
+    import socket
+    import time
+
+    host, port = disagg.url.removeprefix("http://").rsplit(":", 1)
+    marker = f"-- partial bodies {time.time()} --"
+    disagg.log.append(marker)  # the log is a bounded deque: read what came after this line
+    for _ in range(3):
+        s = socket.create_connection((host, int(port)))
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model": '
+        )
+        time.sleep(0.2)
+        s.close()
+
+    def after() -> list[str]:
+        lines = list(disagg.log)
+        return lines[lines.index(marker) + 1 :] if marker in lines else lines
+
+    deadline = time.monotonic() + 10
+    while sum(" 499 " in line for line in after()) < 3:
+        assert time.monotonic() < deadline, after()
+        time.sleep(0.1)
+    assert not any("Traceback" in line for line in after()), after()
