@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect
 
 from splitserve.config.manifest import Manifest
 from splitserve.serve.access_log import AccessLog
+from splitserve.serve.contain import ContainErrors
 from splitserve.serve.json_edge import parse_json
 from splitserve.serve.metrics import RouterMetrics, ttft_breakdown
 from splitserve.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -776,6 +777,7 @@ def build_api(server: OpenAIServer, lifespan: Any = None) -> FastAPI:
 def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     """The API's routes and error handlers on `app`, over the server `get()` returns (the Ray ingress
     builds its app at import time and its server later, in the replica)."""
+    app.add_middleware(ContainErrors)  # inside the access log: a 500 answered here keeps the connection
     app.add_middleware(AccessLog, get=get)  # the access log line, and errors counted by status
 
     @app.exception_handler(APIError)
