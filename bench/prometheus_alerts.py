@@ -119,7 +119,11 @@ def prometheus(workdir: Path, router: str, workers: list[str], rules: Path, port
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(rules)],
         "scrape_configs": [
-            {"job_name": "splitserve-router", "static_configs": [{"targets": [router]}]},
+            {
+                "job_name": "splitserve-router",
+                "static_configs": [{"targets": [router]}],
+                "authorization": {"type": "Bearer", "credentials": KEY},
+            },  # /metrics wants the API key too
             {"job_name": "splitserve-workers", "static_configs": [{"targets": workers}]},
         ],
     }

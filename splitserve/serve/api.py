@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect
 
 from splitserve.config.manifest import Manifest
 from splitserve.serve.access_log import AccessLog
+from splitserve.serve.api_guard import DocsGuard, MetricsCache
 from splitserve.serve.contain import ContainErrors
 from splitserve.serve.json_edge import parse_json
 from splitserve.serve.metrics import RouterMetrics, ttft_breakdown
@@ -150,6 +151,7 @@ class OpenAIServer:
         self.metrics.prime(manifest.transport.backend)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         # the per-token metrics, bound to their labels once (a .labels() lookup per token adds up)
+        self.metrics_cache = MetricsCache(self.render_metrics)  # one render per 0.25 s at most
         self.itl = self.metrics.itl.labels(info.served_name)
         self.generated = self.metrics.generation_tokens.labels(info.served_name)
 
@@ -778,6 +780,7 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     """The API's routes and error handlers on `app`, over the server `get()` returns (the Ray ingress
     builds its app at import time and its server later, in the replica)."""
     app.add_middleware(ContainErrors)  # inside the access log: a 500 answered here keeps the connection
+    app.add_middleware(DocsGuard, get=get)  # /docs, /redoc, /openapi.json behind the API key
     app.add_middleware(AccessLog, get=get)  # the access log line, and errors counted by status
 
     @app.exception_handler(APIError)
@@ -827,8 +830,12 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(await get().render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request) -> Response:
+        server = get()
+        if server.manifest.server.metrics_auth:  # with API keys set, a key (or metrics_auth: false)
+            server.check_auth(request)
+        body = await server.metrics_cache.get()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 __all__ = ["Admission", "ModelInfo", "OpenAIServer", "build_api", "install_routes"]

@@ -232,6 +232,9 @@ def test_auth(disagg, openai_schema):
         check_schema(openai_schema, "ErrorResponse", r.json())
         assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{disagg.url}/v1/models", timeout=10).status_code == 401
+    for path in ("/metrics", "/docs", "/redoc", "/openapi.json"):  # issue 26 F6: these too, with keys set
+        assert httpx.get(f"{disagg.url}{path}", timeout=10).status_code == 401, path
+        assert httpx.get(f"{disagg.url}{path}", headers=disagg.headers(), timeout=10).status_code == 200, path
     assert _post(disagg, CHAT, body, {"Authorization": f"Bearer {API_KEY}"}).status_code == 200
 
 

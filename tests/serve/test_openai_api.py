@@ -242,7 +242,7 @@ def test_concurrent_clients(disagg):
 
 def test_metrics_endpoint(disagg):
     _chat(disagg, PROMPTS[0], temperature=0, max_tokens=4)
-    text = httpx.get(f"{disagg.url}/metrics", timeout=10).text
+    text = httpx.get(f"{disagg.url}/metrics", headers=disagg.headers(), timeout=10).text
     for name in (
         "splitserve:time_to_first_token_seconds",
         "splitserve:inter_token_latency_seconds",

@@ -40,7 +40,8 @@ def _samples(text: str) -> dict[tuple[str, frozenset], float]:
 
 
 def _errors(url: str, status: str) -> float:
-    for (name, labels), value in _samples(httpx.get(f"{url}/metrics", timeout=10).text).items():
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    for (name, labels), value in _samples(text).items():
         if name == "splitserve:request_errors_total" and dict(labels)["status"] == status:
             return value
     raise AssertionError(f"no request_errors_total sample for status {status}")

@@ -157,7 +157,7 @@ def test_sigkill_a_worker_under_load(fragile, victim, process):
     stats = fragile.wait_idle(timeout_s=20)
     for name, s in stats.items():
         assert s["unfinished"] == 0 and s["blocks"]["free"] == s["blocks"]["total"], (name, s)
-    metrics = httpx.get(f"{fragile.url}/metrics", timeout=10).text
+    metrics = httpx.get(f"{fragile.url}/metrics", headers=fragile.headers(), timeout=10).text
     assert "splitserve:worker_up" in metrics
 
 
