@@ -61,6 +61,9 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
     def on_signal() -> None:
         nonlocal signals
         signals += 1
+        if signals == 1 and api is not None:  # a second before uvicorn's own drain timeout ends
+            cut_at = max(0.0, manifest.runtime.drain_timeout_s - 1.0)
+            loop.call_later(cut_at, lambda: api is not None and api.cut_streams())
         stop.set()
         if server is not None:
             server.should_exit = True

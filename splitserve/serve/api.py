@@ -152,6 +152,7 @@ class OpenAIServer:
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         # the per-token metrics, bound to their labels once (a .labels() lookup per token adds up)
         self.metrics_cache = MetricsCache(self.render_metrics)  # one render per 0.25 s at most
+        self.runs: set[_Run] = set()  # requests in flight (cut_streams ends them at the drain deadline)
         self.itl = self.metrics.itl.labels(info.served_name)
         self.generated = self.metrics.generation_tokens.labels(info.served_name)
 
@@ -322,10 +323,12 @@ class OpenAIServer:
         waited = await self.admission.acquire()  # errors are counted by status in access_log.py
         self.metrics.router_queue.labels(name).observe(waited)
         run = request.state.splitserve_run = _Run(self, kind, req, prompts, params, rid, start)
+        self.runs.add(run)
         released = False
 
         async def cleanup() -> None:  # idempotent: cancel what still runs, give the slot back
             nonlocal released
+            self.runs.discard(run)
             await run.cancel()
             if not released:
                 released = True
@@ -348,6 +351,15 @@ class OpenAIServer:
         finally:
             if not handed_over:
                 await cleanup()
+
+    def cut_streams(self) -> int:
+        """The drain deadline: every request still running ends now with a 503 (a stream with an SSE
+        error event and [DONE], not cut mid-body); its workers' requests are aborted. -> how many."""
+        cut = APIError(503, "the server is shutting down: this request outlived the drain timeout",
+                       type="server_error", code="server_shutdown")  # fmt: skip
+        for run in list(self.runs):
+            run.queue.put_nowait(cut)
+        return len(self.runs)
 
     # ---- routes ---------------------------------------------------------------------------------
 

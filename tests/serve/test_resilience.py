@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -225,3 +226,24 @@ def test_sigterm_drains_and_stops_workers():
     assert reason == "length" and code == 0
     for pid in pids:  # front ends and engine cores alike
         assert _gone(pid), pid
+
+
+def test_streams_open_at_the_drain_deadline_end_with_an_error_event_and_done():
+    """issue 26 F11: a stream still running when `drain_timeout_s` ends was cut mid-body (no SSE error
+    event, no [DONE]); now it ends with both, and the server stops at the deadline."""
+    dep = start_deployment(manifest_yaml(mode="colocated", runtime={"drain_timeout_s": 2}))
+    body = {**LONG, "max_tokens": 1500, "stream": True}
+    lines: list[str] = []
+    with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, headers=dep.headers(), timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+            if len(lines) == 3:
+                dep.proc.send_signal(signal.SIGTERM)
+                stopped = time.monotonic()
+    assert lines[-1] == "[DONE]", lines[-3:]
+    error = json.loads(lines[-2])
+    assert error["error"]["code"] == "server_shutdown" and error["status"] == 503, error
+    assert dep.proc.wait(30) == 0
+    assert time.monotonic() - stopped < 10
