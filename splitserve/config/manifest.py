@@ -12,7 +12,8 @@
                 checksum, secret_env, secret}
     router:    {policy, timeouts per stage, retries}
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
-                max_queued_requests, access_log, log_stats_interval_s, metrics_auth}
+                max_queued_requests, access_log, log_stats_interval_s, metrics_auth,
+                trust_request_chat_template}
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
     verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)
     slos, prices: read by `splitserve bench` (goodput and cost per accepted response)
@@ -290,6 +291,7 @@ class ServerSection(_Section):
     access_log: bool = True  # one INFO line per request (id, route, status, tokens, latency)
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
     metrics_auth: bool = True  # with api keys set, /metrics wants one too; false: open to a scraper
+    trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template may be used
 
     @field_validator("api_keys")
     @classmethod

@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect
 from splitserve.config.manifest import Manifest
 from splitserve.serve.access_log import AccessLog
 from splitserve.serve.api_guard import DocsGuard, MetricsCache
+from splitserve.serve.chat_template import TEMPLATE_TIMEOUT_S, template_kwargs
 from splitserve.serve.contain import ContainErrors
 from splitserve.serve.json_edge import parse_json
 from splitserve.serve.metrics import RouterMetrics, ttft_breakdown
@@ -255,14 +256,22 @@ class OpenAIServer:
             {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
             for m in req.messages
         ]
+        kwargs = template_kwargs(req.chat_template_kwargs, self.manifest.server.trust_request_chat_template)
         try:
-            prompt_ids = await asyncio.to_thread(
-                self.tokenizer.apply_chat_template,
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                **(req.chat_template_kwargs or {}),
+            prompt_ids = await asyncio.wait_for(
+                asyncio.to_thread(  # off the loop; HF renders in jinja's immutable sandbox
+                    self.tokenizer.apply_chat_template,
+                    messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    **kwargs,
+                ),
+                TEMPLATE_TIMEOUT_S,
             )
+        except TimeoutError:
+            raise APIError(
+                400, f"the chat template took longer than {TEMPLATE_TIMEOUT_S:g} s", param="messages"
+            ) from None
         except Exception as exc:  # noqa: BLE001 - the template's own complaint, e.g. role order
             raise APIError(
                 400, f"the chat template rejected these messages: {exc}", param="messages"

@@ -199,6 +199,27 @@ CASES = [
         "NaN",
     ),
     ("top_k 2^63", COMP, {"model": MODEL, "prompt": "x", "top_k": 2**63}, 400, None, "top_k"),
+    # issue 26 F1: a request's own template replaced the server's (looping templates stalled others)
+    (
+        "request chat template",
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": MSG,
+            "chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"},
+        },
+        400,
+        "chat_template_kwargs",
+        "does not take chat templates",
+    ),
+    (
+        "template kwargs the server owns",
+        CHAT,
+        {"model": MODEL, "messages": MSG, "chat_template_kwargs": {"tokenize": False}},
+        400,
+        "chat_template_kwargs",
+        "the server sets those",
+    ),
 ]
 
 
@@ -294,3 +315,13 @@ def test_a_client_gone_mid_body_is_one_log_line(disagg):
         assert time.monotonic() < deadline, after()
         time.sleep(0.1)
     assert not any("Traceback" in line for line in after()), after()
+
+
+def test_template_variables_still_reach_the_template(disagg):
+    body = {
+        "model": MODEL,
+        "messages": MSG,
+        "max_tokens": 2,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    assert _post(disagg, CHAT, body).status_code == 200
