@@ -31,6 +31,7 @@ class PeerRefused(TransportError):
     """The handshake found layouts (or protocol versions) that do not match."""
 
     code = "layout"
+    authenticated = False  # set when the peer proved the shared secret before the refusal
 
     def __init__(self, message: str, mismatches: list[str] | None = None) -> None:
         self.mismatches = list(mismatches or [])

@@ -224,17 +224,20 @@ async def server_handshake(
         raise AuthError("authentication failed")
     mismatches = layout.mismatches(peer)
     if mismatches:
-        raise PeerRefused("exporter refused the layout", mismatches)
+        refused = PeerRefused("exporter refused the layout", mismatches)
+        refused.authenticated = True  # the peer proved the secret: it may see our layout
+        raise refused
     welcome = {"op": "welcome", "layout": layout.to_dict()}
     await chan.send({**welcome, "proof": proof(secret, "server", nonce_s, nonce_c, layout)}, deadline)
     return peer
 
 
 def refusal(exc: TransportError, layout: KVLayout) -> dict:
-    """The error frame for a refused handshake; a layout refusal carries our layout, so that the
-    fetcher can list the differences from its own side."""
+    """The error frame for a refused handshake. A layout refusal of a peer that proved the secret
+    carries our layout, so that the fetcher can list the differences from its own side; one that did
+    not prove it (another protocol version, refused before any proof) learns nothing of it."""
     frame = error_to_wire(exc)
-    if isinstance(exc, PeerRefused):
+    if isinstance(exc, PeerRefused) and getattr(exc, "authenticated", False):
         frame["layout"] = layout.to_dict()
     return frame
 

@@ -123,6 +123,20 @@ def test_peer_without_the_secret_gets_nothing(make, first):
     assert exporter.describe()["counts"].get("served", 0) == 0
 
 
+def test_a_peer_of_another_protocol_version_learns_nothing_of_our_layout(make):
+    """issue 26 F12: such a peer got the exporter's whole KV layout before it proved the secret."""
+    exporter = make("tcp")
+    with _raw_connect(export_some(exporter).address) as sock:
+        assert _read_frame(sock)[0]["op"] == "challenge"
+        hello = encode_frame({"op": "hello", "nonce": "00", "layout": exporter.layout.to_dict()})
+        sock.sendall(
+            PREFIX.pack(b"SSKV", 99, 0, *PREFIX.unpack(hello[: PREFIX.size])[3:]) + hello[PREFIX.size :]
+        )
+        header, _ = _read_frame(sock)
+        assert header["op"] == "error" and header["code"] == "layout", header
+        assert "layout" not in header and "protocol_version" in header["message"], header
+
+
 def test_exporter_that_cannot_prove_the_secret_is_refused(make):
     """A fake exporter that answers the handshake with a bogus proof: the fetcher must not trust it."""
     fetcher = make("tcp")
