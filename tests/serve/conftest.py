@@ -66,7 +66,9 @@ class Deployment:
     def worker_stats(self) -> dict[str, dict]:
         h = worker_headers(SECRET)
         return {
-            name: httpx.get(f"{url}/stats", headers=h, timeout=10).json()
+            # a worker answers /stats between engine steps: one long CPU prefill step under load can
+            # take longer than 10 s (seen in CI), so the wait is the step's, not the test's
+            name: httpx.get(f"{url}/stats", headers=h, timeout=60).json()
             for name, url in self.worker_urls().items()
         }
 
