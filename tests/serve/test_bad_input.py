@@ -246,8 +246,12 @@ def test_bad_request(disagg, openai_schema, name, path, body, status, param, wor
 
 def test_auth(disagg, openai_schema):
     body = {"model": MODEL, "messages": MSG, "max_tokens": 1}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"},
-                    {"Authorization": "Bearer "}, {"Authorization": "Bearer"}):  # fmt: skip
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {API_KEY}"},
+        {"Authorization": "Bearer"},
+    ):  # fmt: skip  (an empty token: never a pass)
         r = _post(disagg, CHAT, body, headers)
         assert r.status_code == 401, headers
         check_schema(openai_schema, "ErrorResponse", r.json())
@@ -301,7 +305,8 @@ def test_a_client_gone_mid_body_is_one_log_line(disagg):
         s = socket.create_connection((host, int(port)))
         s.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b'Content-Length: 1000\r\n\r\n{"model": '
+            + f"Authorization: Bearer {API_KEY}\r\n".encode()  # past the key check, into the body
+            + b'Content-Length: 1000\r\n\r\n{"model": '
         )
         time.sleep(0.2)
         s.close()
