@@ -79,7 +79,7 @@ class NixlTransport(SocketTransport):
         self.stats.backend = f"nixl/{self.mover.backend}"
         self.stats.requested = f"nixl/{wanted[0]}"
         if self.mover.failed:
-            asked = f"nixl/{wanted[0]}"
+            asked = self.stats.requested
             reasons = [f"{b}: {why}" for b, why in self.mover.failed.items()]
             log.error(
                 "KV TRANSPORT FALLBACK: asked %s, runs %s (listed as a fallback in nixl_backends); %s",

@@ -12,6 +12,8 @@ import json
 import logging
 from typing import Any
 
+from splitserve.serve.openai_protocol import APIError
+
 log = logging.getLogger("splitserve.serve.api")
 
 
@@ -38,9 +40,8 @@ class ContainErrors:
             if started:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            error = {"message": f"internal error ({type(exc).__name__})", "type": "server_error",
-                     "param": None, "code": None}  # fmt: skip
-            body = json.dumps({"error": error}).encode()
+            error = APIError(500, f"internal error ({type(exc).__name__})", type="server_error")
+            body = json.dumps(error.body()).encode()
             await send({"type": "http.response.start", "status": 500,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode())]})  # fmt: skip

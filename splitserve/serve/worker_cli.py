@@ -35,6 +35,10 @@ _WORKER_FLAGS = {"host": "kv_host", "enable_fault_injection": "fault_injection"}
 _NOT_FIELDS = {"spec", "port", "kv_secret_env", "verbose"}
 
 
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(b for b in text.split(",") if b)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m splitserve.serve.worker",
                                 description="a splitserve worker (front end + engine core)")  # fmt: skip
@@ -51,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--host", default=keep, help=f"HTTP (and tcp KV) address to bind ({_DEFAULTS.kv_host})")
     w.add_argument("--kv-backend", default=keep,
                    help="tcp | shm | cuda_ipc (GPU KV, one host) | nccl (GPU KV) | nixl")  # fmt: skip
-    w.add_argument("--kv-nixl-backends", default=keep, type=lambda s: tuple(b for b in s.split(",") if b),
+    w.add_argument("--kv-nixl-backends", default=keep, type=_csv,
                    help="nixl: NIXL backends, comma-separated; the first that starts wins")  # fmt: skip
-    w.add_argument("--kv-fallback", default=keep, type=lambda s: tuple(b for b in s.split(",") if b),
+    w.add_argument("--kv-fallback", default=keep, type=_csv,
                    help="comma-separated backends allowed if --kv-backend cannot run (logged)")  # fmt: skip
     w.add_argument("--kv-lease-s", type=float, default=keep, help="free an unclaimed export after this")
     w.add_argument("--kv-fetch-timeout-s", type=float, default=keep, help="default deadline of an import")
