@@ -123,7 +123,8 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         pools = ", ".join(f"{w.name} {w.url}" for w in runtime.workers)
         print(f"splitserve: serving {info.served_name} at {url}/v1 ({manifest.mode}; {pools})", flush=True)
         print(json.dumps({"event": "ready", "url": url, "model": info.served_name, "mode": manifest.mode,
-                          "workers": runtime.describe()}), file=sys.stderr, flush=True)  # fmt: skip
+                          "workers": runtime.describe(), "cuda_mps": runtime.mps_state()}),
+              file=sys.stderr, flush=True)  # fmt: skip
         if not stop.is_set():
             await server.serve(sockets=[sock])
         return 0

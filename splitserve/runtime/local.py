@@ -33,6 +33,8 @@ import httpx
 
 from splitserve.config.manifest import Manifest
 from splitserve.runtime.common import worker_argv
+from splitserve.runtime.mps import MpsDaemon, MpsPlan
+from splitserve.runtime.mps import plan as mps_plan
 from splitserve.serve.worker_auth import worker_headers
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,8 @@ class LocalRuntime:
         self._stopping = False
         self._standby: _Standby | None = None  # a warm spare process for the next restart
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self.worker_headers)
+        self.mps: MpsPlan | None = None  # what start() decided about CUDA MPS (runtime/mps.py)
+        self._mps_daemon: MpsDaemon | None = None
 
     def ready(self, role: str) -> list[WorkerProcess]:
         return [w for w in self.workers if w.role == role and w.ready]
@@ -134,6 +138,7 @@ class LocalRuntime:
         """Spawn every worker and wait until all are ready; raises StartupError if one fails."""
         from tqdm.auto import tqdm
 
+        self._start_mps()
         bar = tqdm(
             total=len(self.workers),
             desc="starting workers (loading weights)",
@@ -154,6 +159,19 @@ class LocalRuntime:
             self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{w.name}"))
         if self.rt.standby:
             self._tasks.append(asyncio.create_task(self._make_standby(), name="standby"))
+
+    def _start_mps(self) -> None:
+        """Workers that share a GPU get a private CUDA MPS daemon (`runtime.cuda_mps`), through the
+        environment every worker (and the standby) is spawned with."""
+        try:
+            self.mps = mps_plan(self.manifest, self.env)
+            if self.mps.start:
+                self._mps_daemon = MpsDaemon()
+                self.env.update(self._mps_daemon.start())
+        except RuntimeError as exc:
+            raise StartupError(f"CUDA MPS: {exc}") from None
+        if self.mps.devices:
+            log.info("CUDA MPS: %s (%s)", "on" if self.mps.start else "off", self.mps.why)
 
     async def _first_start(self, w: WorkerProcess, bar: object) -> None:
         await self._spawn(w)
@@ -334,6 +352,8 @@ class LocalRuntime:
         await asyncio.gather(*(self._kill(p, grace_s) for p in procs), return_exceptions=True)
         for w in self.workers:
             w.state = "stopped"
+        if self._mps_daemon is not None:
+            await asyncio.to_thread(self._mps_daemon.stop)
         await self._http.aclose()
 
     @staticmethod
@@ -351,6 +371,12 @@ class LocalRuntime:
 
     def describe(self) -> list[dict]:
         return [w.describe() for w in self.workers]
+
+    def mps_state(self) -> dict | None:
+        """CUDA MPS as start() left it: None when no two workers share a GPU."""
+        if self.mps is None or not self.mps.devices:
+            return None
+        return {"on": self.mps.start, "devices": self.mps.devices, "why": self.mps.why}
 
 
 def worker_line(name: str, line: str) -> str:
