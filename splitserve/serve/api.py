@@ -459,6 +459,9 @@ class OpenAIServer:
         return m.render()
 
 
+_DEADLINE = object()  # queued by a run's deadline timer
+
+
 class _Run:
     """One API request's choices in flight: each runs in its own task and feeds one queue."""
 
@@ -488,16 +491,21 @@ class _Run:
                 self.echo.append(echo)
                 self.jobs.append((index, ids, choice_params))
         self.prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        self.queue: asyncio.Queue[Piece | BaseException | int] = asyncio.Queue()
+        self.queue: asyncio.Queue[Piece | BaseException | int | object] = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.first_metrics: dict = {}
         self.ttft: float | None = None
         self.pending = len(self.jobs)
+        self._timer: asyncio.TimerHandle | None = None
 
     def launch(self) -> None:
         for index, ids, params in self.jobs:
             rid = self.rid if len(self.jobs) == 1 else f"{self.rid}-{index}"
             self.tasks.append(asyncio.create_task(self._one(index, ids, params, rid)))
+        # the whole request's deadline: one timer that queues a marker, not a `wait_for` per token
+        # (which makes a task per call: ~20 us a token on the loop that writes every stream)
+        left = max(self.deadline - time.perf_counter(), 0.0)
+        self._timer = asyncio.get_running_loop().call_later(left, self.queue.put_nowait, _DEADLINE)
 
     async def _one(self, index: int, ids: list[int], params: dict, rid: str) -> None:
         try:
@@ -509,6 +517,8 @@ class _Run:
             self.queue.put_nowait(index)
 
     async def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -516,16 +526,14 @@ class _Run:
     async def next(self) -> Piece | None:
         """The next piece of any choice; None once all are done. Raises a choice's error."""
         while self.pending:
-            left = self.deadline - time.perf_counter()
-            try:
-                item = await asyncio.wait_for(self.queue.get(), max(left, 0.001))
-            except TimeoutError:
+            item = await self.queue.get()
+            if item is _DEADLINE:
                 raise APIError(
                     504,
                     f"the request ran past its deadline ({self.s.manifest.router.timeouts.request_s:g}s)",
                     type="timeout",
                     code="request_timeout",
-                ) from None
+                )
             if isinstance(item, BaseException):
                 raise (
                     item
@@ -537,6 +545,8 @@ class _Run:
                 continue
             self._account(item)
             return item
+        if self._timer is not None:
+            self._timer.cancel()  # else it holds this run until the deadline
         return None
 
     def _account(self, piece: Piece) -> None:

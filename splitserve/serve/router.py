@@ -31,6 +31,7 @@ import msgspec
 from pydantic import BaseModel
 
 from splitserve.config.manifest import RouterSection
+from splitserve.serve.idle_deadline import IdleDeadline
 from splitserve.serve.openai_protocol import APIError
 from splitserve.serve.schemas import (
     LINE_DECODER,
@@ -40,6 +41,7 @@ from splitserve.serve.schemas import (
     PrefillRequest,
     PrefillResponse,
     ReleaseRequest,
+    StreamLine,
 )
 
 log = logging.getLogger(__name__)
@@ -242,45 +244,38 @@ class Dispatcher:
         t = self.config.timeouts
         stage = "kv transfer" if path == "/decode" else "prefill"
         worker.inflight += 1
-        done = False
+        done = first = False
         decode = LINE_DECODER.decode
         try:
             async with self.http.post(f"{worker.url}{path}", data=_json(body)) as resp:
                 if resp.status != 200:
                     raise _worker_error(worker, resp.status, await resp.read())
-                timeout, first = first_timeout_s, True
-                lines = _lines(resp.content)
-                while True:
-                    try:
-                        async with asyncio.timeout(timeout):
-                            raw = await anext(lines, b"")
-                    except TimeoutError:
-                        what = f"the {stage} stage" if first else "the next token"
-                        raise APIError(
-                            504,
-                            f"{what} ran past its deadline ({timeout:g}s) on {worker.name}",
-                            type="timeout",
-                            code="worker_timeout",
-                        ) from None
-                    if not raw:
-                        break  # end of the body
-                    line = decode(raw)
-                    timeout, first = t.inter_token_s, False
-                    piece = Piece(index, line.token_ids, line.text, line.logprobs, line.finish_reason,
-                                  line.finished, line.metrics or {})  # fmt: skip
-                    if piece.finished:
-                        done = True
-                        if piece.finish_reason in (None, "abort", "error"):
-                            raise APIError(
-                                502,
-                                f"worker {worker.name} ended the request without finishing it "
-                                f"({piece.finish_reason})",
-                                type="server_error",
-                                code="worker_aborted",
-                            )
-                    yield piece
-                    if done:
-                        return
+                lines, first = _lines(resp.content), True
+                try:
+                    # One deadline context for the whole stream, re-armed lazily (idle_deadline.py).
+                    # NOTE: it stays armed across `yield`: the one consumer (`_Run._one`) never awaits
+                    # between two pieces, so it can only fire while a line is awaited, as before.
+                    async with asyncio.timeout(None) as cm:
+                        idle = IdleDeadline(cm, first_timeout_s)
+                        try:
+                            async for raw in lines:
+                                line = decode(raw)
+                                idle.touch(t.inter_token_s)
+                                first, done = False, line.finished
+                                yield _piece(worker, line, index)  # raises for an unfinished end
+                                if done:
+                                    return
+                        finally:
+                            idle.stop()
+                except TimeoutError:
+                    what = f"the {stage} stage" if first else "the next token"
+                    span = first_timeout_s if first else t.inter_token_s
+                    raise APIError(
+                        504,
+                        f"{what} ran past its deadline ({span:g}s) on {worker.name}",
+                        type="timeout",
+                        code="worker_timeout",
+                    ) from None
             raise APIError(
                 502,
                 f"worker {worker.name} closed the stream before the request finished (it may have died)",
@@ -311,6 +306,18 @@ async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         for line in full:
             if line:
                 yield line
+
+
+def _piece(worker: Endpoint, line: StreamLine, index: int) -> Piece:
+    if line.finished and line.finish_reason in (None, "abort", "error"):
+        raise APIError(
+            502,
+            f"worker {worker.name} ended the request without finishing it ({line.finish_reason})",
+            type="server_error",
+            code="worker_aborted",
+        )
+    return Piece(index, line.token_ids, line.text, line.logprobs, line.finish_reason, line.finished,
+                 line.metrics or {})  # fmt: skip
 
 
 def _json(body: BaseModel) -> bytes:
