@@ -50,6 +50,10 @@ def test_greedy_equals_colocated_with_state(pair):
     assert kv["backend"] == running(backend) and kv["counts"]["fetches"] >= len(prompts)
     layout = kv["transport"]["layout_fingerprint"]
     assert layout == p.stats()["kv_transfer"]["transport"]["layout_fingerprint"]
+    if backend == "nixl":  # the state came by NIXL READs out of the prefill's registered slots, not inline
+        nixl = kv["transport"]["nixl"]
+        assert nixl["state_slots_registered"] and nixl["state_reads"] >= len(prompts), nixl
+        assert nixl.get("state_inline", 0) == 0 and nixl["state_descriptors_last"] == 2, nixl
 
 
 def test_seeded_sampling_equals_colocated(pair):
