@@ -255,8 +255,8 @@ class KVConnector:
         else:
             start = time.perf_counter()
             try:
-                into_state = self._slot(ticket)
-                ticket.state = self.transport.fetch(handle, ticket.request.block_ids, left, into_state)
+                ids, into_state = ticket.request.block_ids, self._slot(ticket)
+                ticket.state = self.transport.fetch(handle, ids, left, into_state=into_state)
             except Exception as exc:  # noqa: BLE001 - every failure follows the policy
                 ticket.error = exc
             else:

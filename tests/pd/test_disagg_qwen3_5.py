@@ -7,14 +7,11 @@ from __future__ import annotations
 import pytest
 from pd_helpers import (
     NIXL,
-    TINY_ARGS,
-    WorkerProcess,
     assert_pools_full,
     disaggregated,
     in_parallel,
     random_prompts,
     running,
-    start_workers,
 )
 
 pytestmark = pytest.mark.slow
@@ -27,13 +24,9 @@ SEEDED = [
 
 
 @pytest.fixture(scope="module", params=["tcp", "shm", NIXL])
-def pair(request, tiny_qwen):
-    p = WorkerProcess("prefill", "--model", str(tiny_qwen), *TINY_ARGS, backend=request.param)
-    d = WorkerProcess("decode", "--model", str(tiny_qwen), *TINY_ARGS, backend=request.param)
-    start_workers(p, d)
-    yield request.param, p, d
-    p.stop()
-    d.stop()
+def pair(request, qwen_pairs):
+    """The pair test_faults uses too (faults off here; checksums on: they cover the state as well)."""
+    return (request.param, *qwen_pairs.get(request.param))
 
 
 def test_greedy_equals_colocated_with_state(pair):

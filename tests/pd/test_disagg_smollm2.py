@@ -49,7 +49,9 @@ def test_greedy_equals_colocated(pair, smol_chat_prompts):
 
 
 def test_seeded_sampling_equals_colocated(pair, smol_chat_prompts):
-    _, p, d = pair
+    backend, p, d = pair
+    if backend == "nixl":  # the generator's state rides in the handle, not the transport: greedy shows nixl
+        pytest.skip("sampling is transport-independent; tcp and shm show it")
     cases = list(zip(smol_chat_prompts, SEEDED, strict=True))
     colocated = in_parallel(lambda c: d.generate(*c), cases)
     disagg = in_parallel(lambda c: disaggregated(p, d, *c), cases)
