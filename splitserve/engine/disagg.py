@@ -8,8 +8,9 @@ Life of a disaggregated request:
     3. If that token ends the request (EOS, stop, max_tokens=1) it finishes as usual: nothing to export.
        Otherwise `export` takes it out of the batch without freeing its blocks: the transport leases
        them (`export(request_id, block_ids, num_tokens=len(prompt), state)`), copies a hybrid model's
-       state (so the state slot is freed at once) and returns a `KVHandle`. The request's final output
-       carries `kv_transfer = KVExport(handle, generator_state)`.
+       state (so the state slot is freed at once; over nixl, which registered the state slots, the
+       slot is leased with the blocks instead, and the fetcher READs it) and returns a `KVHandle`.
+       The request's final output carries `kv_transfer = KVExport(handle, generator_state)`.
     4. When D releases the lease, or nobody claims it within kv_lease_s, the transport calls `on_free`
        on one of its threads; the ids wait on a queue that `drain()` empties on the engine thread at
        the start of every `step()` (and when idle: `LLMEngine.free_released_kv`).
@@ -111,6 +112,10 @@ class KVConnector:
         self.counts: Counter[str] = Counter()  # exports, fetches, fetched_bytes, fetch_seconds, ...
         self.failures: Counter[str] = Counter()
         self._freed: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        # the transport reads state straight out of (and into) the engine's slots (register_states):
+        # an export's slot is then held with its blocks, keyed by them, until the lease ends
+        self.state_in_place = False
+        self._leased_slots: dict[tuple[int, ...], int] = {}
         self._tickets: dict[str, ImportTicket] = {}
         self._lock = threading.Lock()  # guards counts written by fetch threads
         self._releaser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-release")
@@ -135,6 +140,8 @@ class KVConnector:
             backend, engine.kv, conn.layout, secret=secret, on_free=conn.on_lease_end, options=options,
             fallback=fallback,
         )  # fmt: skip
+        if engine.states.enabled:
+            conn.state_in_place = conn.transport.register_states(engine.states.states)
         return conn
 
     # ---- prefill side ---------------------------------------------------------------------------
@@ -171,7 +178,9 @@ class KVConnector:
             req.kv_export = KVExport(handle, gen_state)
             self._count("exports")
             self._count("exported_blocks", len(leased))
-        kv.free(req)  # the state slot (copied by export), and any block past the prompt's
+            if self.state_in_place and req.state_slot is not None:  # read where it is: freed by drain()
+                self._leased_slots[tuple(leased)], req.state_slot = req.state_slot, None
+        kv.free(req)  # the state slot (copied by export, unless leased), and any block past the prompt's
 
     def on_lease_end(self, block_ids: list[int]) -> None:
         """The transport's on_free, on any thread: hand the ids to the engine thread."""
@@ -186,6 +195,9 @@ class KVConnector:
             except queue.Empty:
                 break
             self.engine.pool.free(ids)
+            slot = self._leased_slots.pop(tuple(ids), None)
+            if slot is not None:
+                self.engine.states.free(slot)
             n += len(ids)
         if n:
             self._count("lease_freed_blocks", n)
@@ -222,6 +234,9 @@ class KVConnector:
         if not (ticket.reserved or ticket.aborted or ticket.foreign):
             kv = self.engine.scheduler.kv
             ticket.reserved = kv.allocate(ticket.request, ticket.request.num_prompt_tokens)
+            if ticket.reserved and self.state_in_place and self.engine.device.type == "cuda":
+                ticket.slot_zeroed = torch.cuda.Event()
+                ticket.slot_zeroed.record()
         return ticket.reserved
 
     def fetch(self, ticket: ImportTicket) -> None:
@@ -240,7 +255,8 @@ class KVConnector:
         else:
             start = time.perf_counter()
             try:
-                ticket.state = self.transport.fetch(handle, ticket.request.block_ids, left)
+                ids, into_state = ticket.request.block_ids, self._slot(ticket)
+                ticket.state = self.transport.fetch(handle, ids, left, into_state=into_state)
             except Exception as exc:  # noqa: BLE001 - every failure follows the policy
                 ticket.error = exc
             else:
@@ -345,11 +361,21 @@ class KVConnector:
         if self.transport is not None:
             self.transport.close()
 
+    def _slot(self, ticket: ImportTicket) -> dict[str, torch.Tensor] | None:
+        """Fetch thread: views of the ticket's state slot, for a transport that writes it in place."""
+        slot = ticket.request.state_slot
+        if not self.state_in_place or slot is None:
+            return None
+        if ticket.slot_zeroed is not None:
+            ticket.slot_zeroed.synchronize()  # NOTE: the engine's zero_() must not land after the READ
+        return {name: t[slot] for name, t in self.engine.states.states.items()}
+
     def _load_state(self, req: Request, state: dict[str, torch.Tensor]) -> None:
         if req.state_slot is None:
             return
         for name, t in self.engine.states.states.items():  # t [num_slots, *shape]
-            t[req.state_slot].copy_(state[name])
+            if state[name].data_ptr() != t[req.state_slot].data_ptr():  # not written in place
+                t[req.state_slot].copy_(state[name])
 
     def _count(self, name: str, n: float = 1) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -82,6 +83,7 @@ class ImportTicket:
     error: BaseException | None = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     fetched_bytes: int = 0
+    slot_zeroed: Any = None  # CUDA: an event after the state slot's zeroing; a READ into it waits on it
 
     def seconds_left(self) -> float:
         return self.deadline - time.monotonic()

@@ -55,7 +55,7 @@ class KVManager:
 
     def free(self, req: Request, after: Any = None) -> None:
         """Give back the request's blocks (once `after`, a CUDA event, has happened: see
-        `BlockPool.free_after`) and its state slot."""
+        `BlockPool.free_after`) and its state slot (likewise)."""
         if after is not None:
             self.pool.free_after(req.block_ids, after)
         else:
@@ -63,7 +63,10 @@ class KVManager:
         req.block_ids = []
         req.num_cached_blocks = 0
         if req.state_slot is not None and self.states is not None:
-            self.states.free(req.state_slot)
+            if after is not None:
+                self.states.free_after(req.state_slot, after)
+            else:
+                self.states.free(req.state_slot)
             req.state_slot = None
 
     def cache_full_blocks(self, req: Request) -> None:

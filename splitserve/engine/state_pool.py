@@ -10,6 +10,8 @@ finishes, is aborted or is preempted; a slot is zeroed when handed out, so a fre
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -31,6 +33,7 @@ class StatePool:
         }
         self.scratch: int | None = self.num_slots if extra else None
         self._free = list(range(self.num_slots - 1, -1, -1))
+        self._held: list[tuple[int, Any]] = []  # (slot, done): freed once done.query() (free_after)
 
     @property
     def enabled(self) -> bool:
@@ -38,9 +41,11 @@ class StatePool:
 
     @property
     def num_free(self) -> int:
+        self._reclaim()
         return len(self._free)
 
     def allocate(self) -> int | None:
+        self._reclaim()
         if not self._free:
             return None
         slot = self._free.pop()
@@ -51,6 +56,20 @@ class StatePool:
     def free(self, slot: int) -> None:
         assert slot not in self._free, f"state slot {slot} freed twice"
         self._free.append(slot)
+
+    def free_after(self, slot: int, done: Any) -> None:
+        """`free(slot)` once `done.query()` is true: a failed fetch that may still write the slot
+        (a NIXL READ of the state in place) keeps it out of the free list until then."""
+        self._held.append((slot, done))
+
+    def _reclaim(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            for slot, done in held:
+                if done.query():
+                    self.free(slot)
+                else:
+                    self._held.append((slot, done))
 
     def nbytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.states.values())

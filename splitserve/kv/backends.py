@@ -14,6 +14,7 @@ back on its own (that is `make_transport(..., fallback=[...])`, logged and count
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 from collections.abc import Callable
 
@@ -104,6 +105,21 @@ def open_backend(
         raise ValueError(f"unknown kv transport {name!r}; known: {', '.join(BACKENDS)}")
     cls = BACKENDS[name]()
     return cls(kv, layout, secret=secret, on_free=on_free, options=options)  # type: ignore[call-arg]
+
+
+def preflight(name: str, options: TransportOptions) -> None:
+    """Raise `BackendUnavailable` now, before a worker loads its model, where `name` cannot run here:
+    its package or CUDA is missing, or (nixl) no NIXL backend it lists has a plugin that loads; then
+    NIXL is asked anyway, so that the error is NIXL's own. Cheap when the backend can run."""
+    if name not in BACKENDS:
+        return  # open_backend names the known ones
+    BACKENDS[name]()
+    if name == "nixl":
+        from splitserve.kv.nixl_agent import NixlMover, load_nixl, plugin_load_error
+
+        module, _ = load_nixl()
+        if all(plugin_load_error(module, b) for b in options.nixl_backends):
+            NixlMover(f"splitserve-preflight-{os.getpid()}", options.nixl_backends).close()
 
 
 def available_backends() -> dict[str, str]:

@@ -679,7 +679,11 @@ class GpuSocketTransport(SocketTransport):
         raise TransportError(f"{self.backend}: the payload is pulled by fetch(), not streamed")  # unused
 
     def fetch(
-        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         into = self._check_into(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
@@ -844,7 +848,11 @@ class CudaIpcTransport(GpuSocketTransport):
 
     # -- one-sided fetches -----------------------------------------------------------------------
     def fetch(
-        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Read the blocks straight out of the exporter's mapped KV when its lease board says the
         lease is live before and after the copy (no round trip; board.py); else, or for a payload

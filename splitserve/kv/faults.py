@@ -130,9 +130,16 @@ class FaultyTransport(KVTransport):
         self.inner.release(handle)
 
     def fetch(
-        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        return self.inner.fetch(handle, into_block_ids, timeout_s)
+        return self.inner.fetch(handle, into_block_ids, timeout_s, into_state)
+
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return self.inner.register_states(states)
 
     def describe(self) -> dict:
         return {**self.inner.describe(), "fault_knobs": asdict(self.plan.knobs)}

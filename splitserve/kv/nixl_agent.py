@@ -6,8 +6,10 @@ Life of a `NixlMover`:
      tries each wanted backend in order; the first that instantiates is the one used. Every one that
      failed is kept with NIXL's own error (its exception and what its C++ log wrote to stderr) and,
      where the plugin cannot even be loaded, the loader's reason (`libfabric.so.1: cannot open ...`).
-     None instantiated: `BackendUnavailable` with all of that.
-  2. `register(kv)`: the whole KV pool once (DRAM for a CPU tensor, VRAM for a CUDA one).
+     None instantiated: `BackendUnavailable` with all of that. Before the agent, on a CUDA machine,
+     the CUDA 12 runtime that nixl-cu12's UCX links is loaded (`preload_cuda_runtime`).
+  2. `register(kv)`: the whole KV pool once (DRAM for a CPU tensor, VRAM for a CUDA one); a VRAM
+     registration that UCX refuses says which library was missing.
   3. exporter: `metadata()` goes to each fetcher over the authenticated channel; while a fetch is
      served, `progress()` is pumped (the exporter's side of UCX's wire-up and of non-RDMA transports).
   4. fetcher: `load_peer(metadata)` once per exporter agent; `read(...)` posts one READ of a descriptor
@@ -23,6 +25,7 @@ import contextlib
 import ctypes
 import glob
 import importlib
+import importlib.util
 import logging
 import os
 import re
@@ -68,6 +71,34 @@ def load_nixl() -> tuple[ModuleType, str]:
         "nixl: the NIXL Python package is not installed "
         "(pip install --no-deps nixl-cu12==1.5.1, then numpy); " + "; ".join(errors)
     )
+
+
+CUDART = "libcudart.so.12"  # what nixl-cu12's UCX (libucm_cuda) links; a CUDA 13 image has .so.13 only
+
+
+def preload_cuda_runtime() -> str | None:
+    """Load the CUDA 12 runtime, so that UCX's CUDA module, loaded later, finds it by soname (the loader
+    matches loaded objects by soname first; RTLD_LOCAL keeps torch's CUDA 13 symbols ours); -> where from.
+
+    NOTE: without libcudart.so.12, UCX's libucm_cuda does not load, UCX then reports GPU memory as host
+    memory and NIXL refuses VRAM ("VRAM memory is detected as host by UCX"; seen on the H200 image,
+    CUDA 13). `pip install --no-deps nixl-cu12` leaves out the `nvidia-cuda-runtime-cu12` wheel that
+    carries it; with that wheel installed, its copy is loaded from there."""
+    if not torch.cuda.is_available():
+        return None
+    candidates = [CUDART]
+    spec = importlib.util.find_spec("nvidia.cuda_runtime") if importlib.util.find_spec("nvidia") else None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidates.append(os.path.join(folder, "lib", CUDART))
+    for path in candidates:
+        try:
+            ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+            return path
+        except OSError:
+            continue
+    log.warning("nixl: %s is not loadable here: UCX cannot register GPU memory without it "
+                "(pip install --no-deps nvidia-cuda-runtime-cu12)", CUDART)  # fmt: skip
+    return None
 
 
 @contextlib.contextmanager
@@ -190,6 +221,7 @@ class NixlMover:
         if not wanted:
             raise ValueError("nixl needs at least one NIXL backend (transport.nixl_backends)")
         self.nixl, self.module = load_nixl()  # the API module, and the name it was imported by
+        self.cudart = preload_cuda_runtime()
         config = self.nixl.nixl_agent_config(
             enable_prog_thread=False,  # NIXL's progress thread polls without sleeping: one core busy
             backends=[],
@@ -227,8 +259,16 @@ class NixlMover:
     def register(self, kv: torch.Tensor) -> Region:
         """Register the whole KV pool with our backend, once; -> how a peer addresses it."""
         if not kv.is_contiguous():
-            raise ValueError("nixl registers a contiguous KV tensor")
-        self._regs.append(self.agent.register_memory(kv, backends=[self.backend]))
+            raise ValueError("nixl registers a contiguous tensor")
+        said: list[str] = []
+        try:
+            with stderr_captured(said):
+                self._regs.append(self.agent.register_memory(kv, backends=[self.backend]))
+        except Exception as exc:  # noqa: BLE001 - NIXL's own error types
+            why = f"nixl: {self.backend} could not register {kv.device} memory: {exc!r} {' '.join(said)}"
+            if kv.device.type == "cuda" and self.cudart is None:
+                why += f"; UCX's CUDA support needs {CUDART}: pip install --no-deps nvidia-cuda-runtime-cu12"
+            raise BackendUnavailable(why) from exc
         return region_of(kv)
 
     def metadata(self) -> bytes:

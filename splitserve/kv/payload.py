@@ -141,20 +141,25 @@ class BlockSink:
             self.kv[index] = self.staged.to(self.kv.device)
 
 
-def snapshot_state(layout: KVLayout, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """Host copies of the request's state tensors, checked against the layout (they are small, and a
-    copy lets the engine reuse its state slot at once)."""
+def check_state(layout: KVLayout, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The request's state tensors, checked against the layout (names, shapes, dtypes)."""
     state = dict(state or {})
     expected = [name for name, _, _ in layout.state_shapes]
     if sorted(state) != sorted(expected):
         raise ValueError(f"state tensors {sorted(state)} do not match the layout's {sorted(expected)}")
-    out = {}
     for name, shape, dtype in layout.state_shapes:
         t = state[name]
         if tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(dtype):
             raise ValueError(f"state {name!r}: got {tuple(t.shape)} {t.dtype}, layout says {shape} {dtype}")
-        out[name] = t.detach().to("cpu", copy=True).contiguous()
-    return out
+    return state
+
+
+def snapshot_state(layout: KVLayout, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Host copies of the request's state tensors, checked against the layout (they are small, and a
+    copy lets the engine reuse its state slot at once)."""
+    state = check_state(layout, state)
+    names = [name for name, _, _ in layout.state_shapes]
+    return {name: state[name].detach().to("cpu", copy=True).contiguous() for name in names}
 
 
 def empty_state(layout: KVLayout) -> dict[str, torch.Tensor]:
@@ -163,3 +168,8 @@ def empty_state(layout: KVLayout) -> dict[str, torch.Tensor]:
 
 def state_pieces(state: Mapping[str, torch.Tensor], layout: KVLayout) -> list[np.ndarray]:
     return [tensor_bytes(state[name]) for name, _, _ in layout.state_shapes]
+
+
+def host_state_pieces(state: Mapping[str, torch.Tensor], layout: KVLayout) -> list[np.ndarray]:
+    """state_pieces of tensors that may live on a device (copied to the host first: checksums)."""
+    return [tensor_bytes(state[name].detach().cpu().contiguous()) for name, _, _ in layout.state_shapes]

@@ -46,6 +46,7 @@ from splitserve.kv.payload import (
     BlockSink,
     ByteStream,
     empty_state,
+    host_state_pieces,
     snapshot_state,
     source_pieces,
     state_pieces,
@@ -150,11 +151,11 @@ class SocketTransport(KVTransport):
         ids = self._check_ids(block_ids, "block_ids")
         if not 0 < num_tokens <= len(ids) * self.layout.block_size:
             raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
-        snapshot = snapshot_state(self.layout, state)
+        snapshot = self.keep_state(state)
         address = self.listen()
         digest = None
         if self.options.checksum:
-            pieces = source_pieces(self.kv, ids) + state_pieces(snapshot, self.layout)
+            pieces = source_pieces(self.kv, ids) + host_state_pieces(snapshot, self.layout)
             digest = checksum(self.options.checksum, pieces)
         lease = self.leases.grant(ids, Export(request_id, snapshot, digest))
         self.stats.count("exports")
@@ -170,6 +171,10 @@ class SocketTransport(KVTransport):
             checksum=digest,
             lease_slot=lease.slot,
         )
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """What the lease keeps of the request's state: host copies (the engine reuses its slot at once)."""
+        return snapshot_state(self.layout, state)
 
     def release(self, handle: KVHandle) -> None:
         self.stats.count("releases")
@@ -234,7 +239,11 @@ class SocketTransport(KVTransport):
 
     # -- fetcher side ----------------------------------------------------------------------------
     def fetch(
-        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         into = self._check_fetch(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)

@@ -8,7 +8,7 @@ notice; nothing else changes. Enabled only by the worker's `--kv-throttle-gbps` 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,10 +24,14 @@ class ThrottledTransport:
         self.gbps = gbps
 
     def fetch(
-        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
-        state = self.inner.fetch(handle, into_block_ids, timeout_s)
+        state = self.inner.fetch(handle, into_block_ids, timeout_s, into_state)
         kv = self.inner.kv
         nbytes = len(into_block_ids) * kv[0].numel() * kv.element_size()
         left = nbytes / (self.gbps * 1e9) - (time.perf_counter() - start)

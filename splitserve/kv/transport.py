@@ -126,7 +126,8 @@ class KVTransport(ABC):
         num_tokens: int,
         state: Mapping[str, torch.Tensor] | None = None,
     ) -> KVHandle:
-        """Lease the blocks (and copy the small state tensors) and return a handle to fetch them by."""
+        """Lease the blocks (and copy the small state tensors, or keep them in their registered slot:
+        `register_states`) and return a handle to fetch them by."""
 
     @abstractmethod
     def release(self, handle: KVHandle) -> None:
@@ -135,9 +136,20 @@ class KVTransport(ABC):
     # -- fetcher side ----------------------------------------------------------------------------
     @abstractmethod
     def fetch(
-        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Write the handle's blocks into our kv[into_block_ids]; return its state tensors (CPU)."""
+        """Write the handle's blocks into our kv[into_block_ids]; return its state tensors: CPU copies,
+        or `into_state` itself (views of the engine's slot) where the transport wrote them in place."""
+
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        """Offer the engine's state-slot tensors ([num_slots, *shape] each), once, at start. True: this
+        transport moves a request's state straight out of its slot (which the engine then keeps under
+        the export's lease, freed when it ends) and into `into_state`. Default: False (copies)."""
+        return False
 
     @abstractmethod
     def describe(self) -> dict:

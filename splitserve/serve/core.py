@@ -76,9 +76,12 @@ class EngineCore:
     def __init__(self, config: Any, commands: zmq.Socket, batches: zmq.Socket) -> None:
         from splitserve.engine.disagg import KVConnector
         from splitserve.engine.engine import LLMEngine
+        from splitserve.kv.backends import preflight
 
         self.config = config
         self.commands, self.batches = commands, batches
+        if config.role != "colocated" and not config.kv_fallback:  # fail before the model loads
+            preflight(config.kv_backend, config.transport_options())
         self.engine = engine = LLMEngine(config.engine_config())
         capacity = engine.pool.num_blocks * engine.block_size
         if capacity < engine.max_model_len:

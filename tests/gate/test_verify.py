@@ -150,6 +150,7 @@ def test_nixl_libfabric_falling_back_to_ucx_serves_and_fails_the_gate(tmp_path):
         assert {c.name for c in bad} == {"kv backend"}, report.table()
         assert all("runs nixl/UCX (asked nixl/LIBFABRIC)" in c.detail for c in bad), report.table()
         assert all("NIXL_ERR_NOT_FOUND" in c.detail for c in bad), report.table()
+        # the SmolLM2-over-nixl case of #22 (item 1): greedy, separate processes, token for token
         trip = [c for c in report.checks if c.name == "round trip"]
         assert trip and all(c.ok for c in trip), report.table()
         share = [c for c in report.checks if c.name == "transfer share"]

@@ -4,7 +4,7 @@ SmolLM2 chat prompts, tokenized without loading the model in the test process.""
 from __future__ import annotations
 
 import pytest
-from pd_helpers import save_tiny_qwen3_5
+from pd_helpers import QwenPairs, save_tiny_qwen3_5
 
 CHAT = [
     "What is the capital of France?",
@@ -17,6 +17,14 @@ CHAT = [
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory):
     return save_tiny_qwen3_5(tmp_path_factory.mktemp("pd-qwen3_5") / "a", seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen_pairs(tiny_qwen):
+    """Tiny Qwen3.5 prefill/decode pairs per backend, shared across modules (pd_helpers.QwenPairs)."""
+    pairs = QwenPairs(tiny_qwen)
+    yield pairs
+    pairs.close()
 
 
 @pytest.fixture(scope="session")

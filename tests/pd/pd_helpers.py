@@ -26,6 +26,9 @@ SECRET_ENV = "SPLITSERVE_PD_TEST_SECRET"
 SECRET = "pd-test-secret"
 
 TINY_ARGS = ("--max-model-len", "256", "--kv-cache-mb", "4", "--max-num-seqs", "8")
+LEASE_S = 4.0
+# the shared tiny-Qwen3.5 prefill workers' extras: faults off until a test sets them, checksums, short leases
+FAULT_ARGS = ("--enable-fault-injection", "--kv-checksum", "crc32", "--kv-lease-s", str(LEASE_S))
 
 HAVE_NIXL = any(importlib.util.find_spec(n) for n in ("nixl", "nixl_cu12", "nixl_cu13"))
 # a `backend` parameter: nixl over UCX, CPU memory (skipped, with the install line, without NIXL)
@@ -134,6 +137,33 @@ def start_workers(*workers: WorkerProcess) -> list[WorkerProcess]:
         for w in workers:
             w.kill()
         raise
+
+
+class QwenPairs:
+    """Tiny Qwen3.5 prefill/decode pairs, one per backend, started on first use and shared by the
+    modules that need one (test_disagg_qwen3_5, test_faults): each pair costs two worker starts."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self._pairs: dict[str, tuple[WorkerProcess, WorkerProcess]] = {}
+
+    def get(self, backend: str) -> tuple[WorkerProcess, WorkerProcess]:
+        if backend not in self._pairs:
+            model = ("--model", str(self.model), *TINY_ARGS)
+            p = WorkerProcess("prefill", *model, *FAULT_ARGS, backend=backend)
+            d = WorkerProcess("decode", *model, backend=backend)
+            start_workers(p, d)
+            self._pairs[backend] = (p, d)
+        return self._pairs[backend]
+
+    def discard(self, backend: str) -> None:
+        """Stop a pair a test broke (killed its prefill): the next `get` starts a fresh one."""
+        for w in self._pairs.pop(backend, ()):
+            w.stop()
+
+    def close(self) -> None:
+        for backend in list(self._pairs):
+            self.discard(backend)
 
 
 @dataclass

@@ -195,7 +195,7 @@ def test_blocks_a_late_copy_may_still_write_stay_out_of_use_until_it_ends(make, 
     outs = _prefill(p, PROMPTS[:1])
     late = _LateCopy()
 
-    def fetch(handle, into_block_ids, timeout_s=None):
+    def fetch(handle, into_block_ids, timeout_s=None, into_state=None):
         exc = TransferTimeout("cuda_ipc copy from the exporter: deadline passed")
         exc.pending = late
         raise exc

@@ -7,14 +7,11 @@ from __future__ import annotations
 import pytest
 from pd_helpers import (
     NIXL,
-    TINY_ARGS,
-    WorkerProcess,
     assert_pools_full,
     disaggregated,
     in_parallel,
     random_prompts,
     running,
-    start_workers,
 )
 
 pytestmark = pytest.mark.slow
@@ -27,13 +24,9 @@ SEEDED = [
 
 
 @pytest.fixture(scope="module", params=["tcp", "shm", NIXL])
-def pair(request, tiny_qwen):
-    p = WorkerProcess("prefill", "--model", str(tiny_qwen), *TINY_ARGS, backend=request.param)
-    d = WorkerProcess("decode", "--model", str(tiny_qwen), *TINY_ARGS, backend=request.param)
-    start_workers(p, d)
-    yield request.param, p, d
-    p.stop()
-    d.stop()
+def pair(request, qwen_pairs):
+    """The pair test_faults uses too (faults off here; checksums on: they cover the state as well)."""
+    return (request.param, *qwen_pairs.get(request.param))
 
 
 def test_greedy_equals_colocated_with_state(pair):
@@ -50,6 +43,10 @@ def test_greedy_equals_colocated_with_state(pair):
     assert kv["backend"] == running(backend) and kv["counts"]["fetches"] >= len(prompts)
     layout = kv["transport"]["layout_fingerprint"]
     assert layout == p.stats()["kv_transfer"]["transport"]["layout_fingerprint"]
+    if backend == "nixl":  # the state came by NIXL READs out of the prefill's registered slots, not inline
+        nixl = kv["transport"]["nixl"]
+        assert nixl["state_slots_registered"] and nixl["state_reads"] >= len(prompts), nixl
+        assert nixl.get("state_inline", 0) == 0 and nixl["state_descriptors_last"] == 2, nixl
 
 
 def test_seeded_sampling_equals_colocated(pair):

@@ -1,7 +1,8 @@
 """Every error path of a disaggregated request, between real worker processes (tiny Qwen3.5).
 
-The prefill worker runs with fault injection (its exporter drops, stalls, corrupts or hangs up on the
-fetches it serves), checksums on and a short lease. For each fault and each policy the request ends
+The prefill worker (the backend's pair, shared with test_disagg_qwen3_5: pd_helpers.QwenPairs) runs
+with fault injection (its exporter drops, stalls, corrupts or hangs up on the fetches it serves),
+checksums on and a short lease. For each fault and each policy the request ends
 within its deadline: "fail" with a clear HTTP error naming the failure, "recompute" with exactly the
 colocated tokens. Both workers' block pools and state slots are full again afterwards, and each
 failure is counted by kind. Also: an unclaimed export expires, a prefill process killed in the
@@ -16,36 +17,29 @@ import time
 
 import pytest
 from pd_helpers import (
+    LEASE_S,
     NIXL,
-    TINY_ARGS,
     WorkerProcess,
     assert_pools_full,
     decode,
     prefill,
     random_prompts,
-    start_workers,
     wait_for,
 )
 
 pytestmark = pytest.mark.slow
 
-LEASE_S = 4.0
 DEADLINE_S = 1.0
 SLACK_S = 5.0  # HTTP and a busy 2-core machine on top of a deadline
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 PROMPT = random_prompts([40], seed=5)[0]  # three blocks (shm direct corrupts by rotating block ids)
-FAULT_ARGS = ("--enable-fault-injection", "--kv-checksum", "crc32", "--kv-lease-s", str(LEASE_S))
 
 
 @pytest.fixture(scope="module")
-def pair(request, tiny_qwen):
-    backend = request.param
-    p = WorkerProcess("prefill", "--model", str(tiny_qwen), *TINY_ARGS, *FAULT_ARGS, backend=backend)
-    d = WorkerProcess("decode", "--model", str(tiny_qwen), *TINY_ARGS, backend=backend)
-    start_workers(p, d)
-    yield p, d, d.generate(PROMPT, GREEDY)  # the colocated answer
-    p.stop()
-    d.stop()
+def pair(request, qwen_pairs):
+    """The backend's shared pair (pd_helpers.QwenPairs), and the colocated answer."""
+    p, d = qwen_pairs.get(request.param)
+    return p, d, d.generate(PROMPT, GREEDY)
 
 
 @contextlib.contextmanager
@@ -135,15 +129,14 @@ def test_abort_while_fetching(pair):
     assert_pools_full(p, d)
 
 
-@pytest.mark.parametrize("backend", ["tcp", NIXL])
-def test_prefill_process_killed_mid_transfer(tiny_qwen, backend):
+# NOTE: last in this module: it kills the shared pair's prefill worker (then discards the pair, so a
+# later module starts a fresh one); pytest runs a module's tests of one `pair` param in file order.
+@pytest.mark.parametrize("pair", ["tcp", NIXL], indirect=True)
+def test_prefill_process_killed_mid_transfer(pair, qwen_pairs, request):
     """SIGKILL the prefill worker while it serves two fetches: both decodes end at once, not at their
     deadline; "fail" reports the lost peer, "recompute" answers correctly; decode's pool is full."""
-    p = WorkerProcess("prefill", "--model", str(tiny_qwen), *TINY_ARGS, *FAULT_ARGS, backend=backend)
-    d = WorkerProcess("decode", "--model", str(tiny_qwen), *TINY_ARGS, backend=backend)
-    start_workers(p, d)
+    p, d, reference = pair
     try:
-        reference = d.generate(PROMPT, GREEDY)
         pres = [prefill(p, PROMPT, GREEDY) for _ in range(2)]
         assert p.post("/debug/faults", {"delay": 1.0, "delay_s": 60.0}).status_code == 200
         results: dict = {}
@@ -167,5 +160,4 @@ def test_prefill_process_killed_mid_transfer(tiny_qwen, backend):
         assert recompute.status == 200 and recompute.tokens == reference
         assert_pools_full(d)
     finally:
-        p.stop()
-        d.stop()
+        qwen_pairs.discard(request.node.callspec.params["pair"])
