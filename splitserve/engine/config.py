@@ -32,6 +32,9 @@ class EngineConfig:
     seed: int = 0
     kv_shared_memory: bool = False  # CPU: KV in a memfd, so shm KV fetchers copy straight out of it
     attention_backend: str = "auto"  # auto (triton on CUDA when it can run, else torch) | torch | triton
+    # hybrid models' linear-attention prefill: auto (fla on CUDA when fla-core imports, else torch) |
+    # torch (one chunk at a time, the reference) | fla (all chunks of a step per launch; model/gdn_prefill.py)
+    linear_attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (they need the triton backend)
     # Overlap the host's work with the GPU's in steady decode: step N+1 is launched with step N's
     # tokens still on the device, then step N's are read and stop conditions checked (engine.py).

@@ -53,6 +53,7 @@ from splitserve.model.attention import (
 )
 from splitserve.model.checkpoint import is_random_source
 from splitserve.model.decoder import ForwardContext
+from splitserve.model.gdn_prefill import resolve_backend as resolve_linear_backend
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
 from splitserve.model.random_weights import random_model, random_source_config
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
@@ -140,6 +141,7 @@ class LLMEngine:
         self.block_size = config.block_size
         cfg = self.model_config
         attn = self._attention_backend()
+        self._linear_attention_backend()
         graphs = self.device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
         if self.device.type == "cuda" and not graphs:
             log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
@@ -213,6 +215,16 @@ class LLMEngine:
                 log.info("fused Triton kernels on (RMSNorm + residual, q/k norm + rotary + KV store, SiLU)")
             return TritonPagedAttention(scale)
         return TorchPagedAttention(scale, fold_gqa=self.device.type == "cpu")
+
+    def _linear_attention_backend(self) -> None:
+        """Hybrid models: the prefill path of the linear-attention layers (before the warm-up pass, which
+        then compiles and tunes its kernels)."""
+        choose = getattr(self.loaded.model, "set_linear_attention_backend", None)
+        if choose is None:
+            return
+        backend = resolve_linear_backend(self.config.linear_attention_backend, self.device)
+        choose(backend)
+        log.info("linear-attention prefill: %s", backend)
 
     def _profile_run(self, attn: AttentionBackend, block_layout: tuple[int, ...]) -> int:
         """CUDA: one forward pass over `max_num_batched_tokens` tokens (one prefill chunk, against a

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterable
+from dataclasses import replace
 from types import ModuleType
 
 import torch
@@ -48,6 +49,7 @@ from splitserve.model.config import ModelConfig
 from splitserve.model.decoder import ForwardContext, fused_forward
 from splitserve.model.errors import ModelLoadError
 from splitserve.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from splitserve.model.gdn_prefill import build_linear_prefill, varlen_conv, varlen_rule
 from splitserve.model.layers import (
     GatedMLP,
     GatedRMSNorm,
@@ -147,6 +149,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
         self.fused = False  # set by Qwen3_5LM.enable_fused_kernels (CUDA)
+        self.varlen = False  # set by Qwen3_5LM.set_linear_attention_backend("fla")
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -169,7 +172,10 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat([conv_states[slots].to(mixed.dtype), mixed[:nd, :, None]], dim=-1)  # [B, C, K]
             conv_states[slots] = window[:, :, 1:].float()
             conv_out[:nd] = self._conv(window)[:, :, -1]
-        for i, chunk in enumerate(meta.prefills):
+        lp = ctx.linear_prefill if self.varlen else None  # all prefill chunks in one launch (CUDA)
+        if lp is not None:
+            varlen_conv(lp, mixed, conv_states, self.conv1d.weight, conv_out)
+        for i, chunk in enumerate(() if lp is not None else meta.prefills):
             slot = meta.seq_slots[nd + i : nd + i + 1]  # [1], a tensor: no device sync
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             seq = torch.cat([conv_states[slot].to(mixed.dtype), mixed[rows].T[None]], dim=-1)  # [1, C, K-1+L]
@@ -198,7 +204,9 @@ class GatedDeltaNet(nn.Module):
             )
             core[:nd] = out[:, 0]
             rec_states[slots] = state
-        for i, chunk in enumerate(meta.prefills):
+        if lp is not None:
+            varlen_rule(lp, q, k, v, a, b, self.A_log, self.dt_bias, rec_states, core)
+        for i, chunk in enumerate(() if lp is not None else meta.prefills):
             slot = meta.seq_slots[nd + i : nd + i + 1]
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out, state = chunk_gated_delta_rule(
@@ -265,6 +273,7 @@ class Qwen3_5LM(nn.Module):
         # NOTE: its tables are built on the CPU even under `meta` and copied per device on first use
         self.partial_rope = PartialRotaryEmbedding(cfg.rope, rotary_dim, max_positions)
         self.fused = False
+        self.varlen = False
 
     def build_rope(self, max_positions: int, device: torch.device) -> None:
         """Nothing to do: PartialRotaryEmbedding keeps CPU tables and copies them per device."""
@@ -274,12 +283,22 @@ class Qwen3_5LM(nn.Module):
         return self.cfg.layer_types.count("linear_attention")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.varlen:  # the step's prefill metadata, once for all linear layers
+            ctx = replace(ctx, linear_prefill=build_linear_prefill(ctx.meta, input_ids.device))
         if self.fused:
             return self._forward_fused(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
             x = layer(positions, x, self.partial_rope, ctx)
         return self.norm(x)
+
+    def set_linear_attention_backend(self, backend: str) -> None:
+        """Backend "torch": each prefill chunk by the torch rule; "fla": all of a step's chunks in one varlen
+        launch per layer (gdn_prefill.py). Decode rows take the same path either way."""
+        self.varlen = backend == "fla"
+        for layer in self.layers:
+            if layer.is_linear:
+                layer.linear_attn.varlen = self.varlen
 
     def enable_fused_kernels(self) -> bool:
         """CUDA: the zero-centred RMSNorms with their residual adds, and SiLU-and-multiply, as Triton
