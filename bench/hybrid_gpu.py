@@ -53,8 +53,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_models(shape: str, device: torch.device, dtype: torch.dtype, max_len: int):  # noqa: ANN201
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def build_models(shape: str, device: torch.device, dtype: torch.dtype, max_len: int, hf_fla: bool):  # noqa: ANN201
+    # NOTE: transformers' Qwen3.5 picks fla's kernels at import when fla is importable; the baseline is
+    # its torch fallback unless --hf-fla, so `fla` is hidden while its modeling module is imported.
+    hidden = not hf_fla and "transformers.models.qwen3_5.modeling_qwen3_5" not in sys.modules
+    if hidden:
+        sys.modules["fla"] = None  # type: ignore[assignment]
+    try:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: F401
+    finally:
+        if hidden:
+            del sys.modules["fla"]
 
     cfg = Qwen3_5TextConfig(**SHAPES[shape], max_position_embeddings=max_len)
     torch.manual_seed(0)
@@ -203,13 +213,17 @@ def main() -> None:
     ap.add_argument("--single-prefill", type=int, default=0, help="also time one prompt of this length")
     ap.add_argument("--linear-backend", default="auto", help="linear_attention_backend: auto|torch|fla")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--hf-fla", action="store_true", help="let HF use fla's kernels too (default: torch)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     max_len = max(args.prompt_len + args.decode_tokens, args.single_prefill) + 16
-    hf, loaded = build_models(args.shape, device, dtype, max_len)
+    hf, loaded = build_models(args.shape, device, dtype, max_len, args.hf_fla)
     bw = measured_bandwidth(device)
-    print(f"Qwen3.5 {args.shape} on {device} {dtype}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(
+        f"Qwen3.5 {args.shape} on {device} {dtype}; copy bandwidth {bw / 1e12:.2f} TB/s; HF's gated delta "
+        f"rule: {'fla' if args.hf_fla else 'torch fallback'}; ours: {args.linear_backend}"
+    )
     print(f"{'batch':>5} {'system':>10} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode roofline':>16}")
     for batch in [int(b) for b in args.batches.split(",")]:
         config = EngineConfig(

@@ -350,6 +350,21 @@ class Qwen3_5LM(nn.Module):
         """HF tensor name -> (our parameter, its row range in a merged weight or None); None: skip."""
         return _map_name(name, _merged_rows(self.cfg))
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Our parameters under `Qwen3_5ForCausalLM` names, merged weights split by rows (views)."""
+        parts: dict[str, list[tuple[str, tuple[int, int]]]] = {}
+        for hf_module, (target, rows) in _merged_rows(self.cfg).items():
+            parts.setdefault(target, []).append((hf_module, rows))
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters():
+            t, pieces = param.detach(), name.split(".")
+            if len(pieces) >= 5 and pieces[0] == "layers" and pieces[3] in parts:
+                for hf_module, (a, b) in parts[pieces[3]]:
+                    out["model." + ".".join([*pieces[:3], hf_module, *pieces[4:]])] = t[a:b]
+            else:
+                out[name if name.startswith("lm_head.") else f"model.{name}"] = t
+        return out
+
     def expected_weight_keys(self) -> list[str]:
         """The `param:rows` keys that a checkpoint must fill (see `load_mapped_weights`)."""
         return _expected_keys(self, _merged_rows(self.cfg))
