@@ -29,6 +29,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: this worker's share of the device (weights + KV + rest)
     cpu_kv_cache_fraction: float = 0.1  # CPU: fraction of host memory for KV when no bytes given
     enable_prefix_caching: bool = True
+    state_checkpoints: int = 8  # hybrid models' prefix caching: recurrent states kept (engine/state_cache.py)
     seed: int = 0
     kv_shared_memory: bool = False  # CPU: KV in a memfd, so shm KV fetchers copy straight out of it
     attention_backend: str = "auto"  # auto (triton on CUDA when it can run, else torch) | torch | triton

@@ -40,6 +40,7 @@ from splitserve.engine.request import Request, RequestOutput, Status, TokenLogpr
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
 from splitserve.engine.stop import check_stop
 from splitserve.model.attention import (
@@ -159,16 +160,17 @@ class LLMEngine:
             self.loaded.model.state_shapes(), config.max_num_seqs, self.device, scratch_slot=graphs
         )
         prefix_caching = config.enable_prefix_caching
-        if prefix_caching and self.states.enabled:
-            log.warning(
-                "prefix caching is off for %s: its recurrent state cannot be restored at a block "
-                "boundary (no state checkpoints yet)",
-                cfg.architecture,
+        checkpoints = None
+        if prefix_caching and self.states.enabled:  # hybrid: prefixes end at recurrent-state checkpoints
+            checkpoints = StateCheckpoints(
+                self.loaded.model.state_shapes(), config.state_checkpoints, self.device
             )
-            prefix_caching = False
+            log.info("hybrid prefix caching: %d state checkpoints (%.2f GiB)", checkpoints.num_entries,
+                     checkpoints.nbytes() / 2**30)  # fmt: skip
+            prefix_caching = checkpoints.enabled
         self.pool = BlockPool(num_blocks, prefix_caching)
         self.scheduler = Scheduler(
-            KVManager(self.pool, self.block_size, self.states),
+            KVManager(self.pool, self.block_size, self.states, checkpoints),
             config.max_num_seqs,
             config.max_num_batched_tokens,
         )

@@ -24,13 +24,15 @@ sequence, a state slot in the engine's `StatePool` (`state_shapes()`), all fp32:
 flat batch). Decode tokens are advanced together with the recurrent form (on CUDA by the fused Triton
 kernels of splitserve/kernels/gated_delta.py, in place on the state pools); each prefill chunk runs
 the causal conv from its slot's conv window and the chunked rule from its slot's recurrent state,
-and both are written back, so a prompt may be split into chunks at any position. A slot is zeroed
-when allocated, which is the state before a sequence's first token.
+and both are written back, so a prompt may be split into chunks at any position. On CUDA with fla-core
+all prefill chunks of a step go through one varlen conv launch and one varlen gated delta rule per
+layer (gdn_prefill.py, `linear_attention_backend`); the per-chunk torch rule is the CPU path and the
+reference. A slot is zeroed when allocated, which is the state before a sequence's first token; a
+prefix-cache hit copies a state checkpoint into it (engine/state_cache.py).
 
 Out of scope: the vision tower (`model.visual.*`) and the multi-token-prediction head (`mtp.*`) of
 `Qwen3_5ForConditionalGeneration` checkpoints (only the language model is loaded, its
-`model.language_model.*` names read as `model.*`); GGUF files for qwen35; prefix caching (the engine
-turns it off for hybrid models: the recurrent state cannot be restored at a block boundary).
+`model.language_model.*` names read as `model.*`); GGUF files for qwen35.
 """
 
 from __future__ import annotations

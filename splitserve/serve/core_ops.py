@@ -210,7 +210,7 @@ class CoreOps:
 
 
 def engine_settings(engine: Any) -> dict:
-    """The knobs the engine actually runs with (prefix caching as in effect: off for recurrent models)."""
+    """The knobs the engine runs with (prefix caching as in effect: off without state checkpoints)."""
     c = engine.config
     return {
         "block_size": c.block_size,
