@@ -231,7 +231,7 @@ def main() -> None:
             model=f"qwen3.5-{args.shape}-random", device=args.device, dtype=str(dtype).split(".")[1],
             max_model_len=max_len, max_num_seqs=max(batch, 2),
             max_num_batched_tokens=max(args.max_batched_tokens, args.single_prefill),
-            linear_attention_backend=args.linear_backend,
+            linear_attention_backend=args.linear_backend, enable_prefix_caching=False,
             kv_cache_bytes=batch * max_len * 64 * 2**10 + 2**28, progress=False,
         )  # fmt: skip
         engine = LLMEngine(config, tokenizer=False, loaded=loaded)

@@ -52,7 +52,8 @@ def main() -> int:
     config = EngineConfig(model="random:qwen3.5-9b", max_num_seqs=max(args.batch, 2), max_model_len=max_len,
                           max_num_batched_tokens=max(args.max_batched_tokens, args.prompt_len),
                           kv_cache_bytes=args.batch * max_len * 40 * 2**10 + 2**28,
-                          linear_attention_backend=args.linear_backend, progress=False)  # fmt: skip
+                          linear_attention_backend=args.linear_backend, enable_prefix_caching=False,
+                          progress=False)  # fmt: skip
     engine = LLMEngine(config, tokenizer=False, loaded=loaded)
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 248320, (args.batch, args.prompt_len), generator=gen) for _ in range(4)]

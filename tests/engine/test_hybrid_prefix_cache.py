@@ -74,3 +74,16 @@ def test_hybrid_prefix_caching_is_reported_on():
     _, llm = _run(True, kv_cache_bytes=2**20)
     assert llm.engine.pool.enable_prefix_caching
     assert len(llm.engine.scheduler.kv.checkpoints) >= 1
+
+
+def test_checkpoints_evict_least_recently_used():
+    from splitserve.engine.state_cache import StateCheckpoints
+
+    states = {"s": torch.arange(4.0).reshape(4, 1)}  # 4 slots of one value each
+    ckpt = StateCheckpoints({"s": ((1,), torch.float32)}, 2, torch.device("cpu"))
+    ckpt.save(b"a", states, 0)
+    ckpt.save(b"b", states, 1)
+    ckpt.restore(b"a", states, 3)  # "a" used last: "b" goes first
+    ckpt.save(b"c", states, 2)
+    assert b"a" in ckpt and b"b" not in ckpt and b"c" in ckpt and len(ckpt) == 2
+    assert states["s"][3].item() == 0.0
