@@ -60,6 +60,7 @@ from splitserve.model.layers import (
     ZeroCentredRMSNorm,
     linear,
 )
+from splitserve.model.qwen3_5_weights import expected_keys, hf_named, map_name, merged_rows
 from splitserve.model.weights import load_mapped_weights
 
 # Set to 1 to run the decode kernels on CPU tensors too (with TRITON_INTERPRET=1: kernel tests only).
@@ -350,80 +351,12 @@ class Qwen3_5LM(nn.Module):
 
     def map_weight_name(self, name: str) -> tuple[str | None, tuple[int, int] | None]:
         """HF tensor name -> (our parameter, its row range in a merged weight or None); None: skip."""
-        return _map_name(name, _merged_rows(self.cfg))
+        return map_name(name, merged_rows(self.cfg))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Our parameters under `Qwen3_5ForCausalLM` names, merged weights split by rows (views)."""
-        parts: dict[str, list[tuple[str, tuple[int, int]]]] = {}
-        for hf_module, (target, rows) in _merged_rows(self.cfg).items():
-            parts.setdefault(target, []).append((hf_module, rows))
-        out: dict[str, torch.Tensor] = {}
-        for name, param in self.named_parameters():
-            t, pieces = param.detach(), name.split(".")
-            if len(pieces) >= 5 and pieces[0] == "layers" and pieces[3] in parts:
-                for hf_module, (a, b) in parts[pieces[3]]:
-                    out["model." + ".".join([*pieces[:3], hf_module, *pieces[4:]])] = t[a:b]
-            else:
-                out[name if name.startswith("lm_head.") else f"model.{name}"] = t
-        return out
+        return hf_named(self, merged_rows(self.cfg))
 
     def expected_weight_keys(self) -> list[str]:
         """The `param:rows` keys that a checkpoint must fill (see `load_mapped_weights`)."""
-        return _expected_keys(self, _merged_rows(self.cfg))
-
-
-_Merged = dict[str, tuple[str, tuple[int, int]]]
-
-
-def _merged_rows(cfg: ModelConfig) -> _Merged:
-    """HF module name -> (our merged module, its row range there), for every merged projection."""
-    lin = cfg.linear
-    assert lin is not None
-    q, kv = 2 * cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim  # q: [query | gate]
-    value = lin.num_value_heads * lin.value_head_dim
-    pieces = {
-        "qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-        "in_proj": [
-            ("in_proj_qkv", lin.conv_dim),
-            ("in_proj_z", value),
-            ("in_proj_b", lin.num_value_heads),
-            ("in_proj_a", lin.num_value_heads),
-        ],
-        "gate_up_proj": [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)],
-    }
-    out: _Merged = {}
-    for target, parts in pieces.items():
-        start = 0
-        for hf_module, size in parts:
-            out[hf_module] = (target, (start, start + size))
-            start += size
-    return out
-
-
-def _map_name(name: str, merged: _Merged) -> tuple[str | None, tuple[int, int] | None]:
-    """HF parameter name -> (our parameter name, row range inside a merged weight or None)."""
-    if name.startswith(("mtp.", "model.visual.")) or "rotary_emb" in name:
-        return None, None
-    for prefix in ("model.language_model.", "model."):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-            break
-    parts = name.split(".")
-    if len(parts) >= 5 and parts[0] == "layers" and parts[3] in merged:
-        target, rows = merged[parts[3]]
-        return ".".join([*parts[:3], target, *parts[4:]]), rows
-    return name, None
-
-
-def _expected_keys(model: Qwen3_5LM, merged: _Merged) -> list[str]:
-    rows_of: dict[str, list[tuple[int, int]]] = {}
-    for target, rows in merged.values():
-        rows_of.setdefault(target, []).append(rows)
-    keys = []
-    for name, _ in model.named_parameters():
-        parts = name.split(".")
-        if parts[0] == "layers" and len(parts) >= 5 and parts[3] in rows_of:
-            keys += [f"{name}:{r}" for r in rows_of[parts[3]]]
-        else:
-            keys.append(f"{name}:None")
-    return keys
+        return expected_keys(self, merged_rows(self.cfg))
