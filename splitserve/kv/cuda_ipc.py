@@ -892,8 +892,11 @@ class CudaIpcTransport(GpuSocketTransport):
                 peer.board = open_board(share.get("board"), chan.address)
                 if share.get("state") is not None:
                     index = peer.rows.device.index if peer.rows.is_cuda else None
-                    peer.state_rows = open_arena(share["state"], index)
-                    peer.state_wire = str(share["state"]["wire_dtype"])
+                    try:
+                        peer.state_rows = open_arena(share["state"], index)
+                        peer.state_wire = str(share["state"]["wire_dtype"])
+                    except TransportError as exc:  # its fetches with state then fail, saying why
+                        log.warning("cuda_ipc: cannot map %s's state arena: %s", chan.address, exc)
                 peer.layout_fingerprint = chan.peer_layout.fingerprint if chan.peer_layout else ""
                 self._peers[key] = peer
                 self.stats.count("ipc_handles_opened")
@@ -1001,7 +1004,12 @@ class CudaIpcTransport(GpuSocketTransport):
         """One device copy of the exporter's arena row into a buffer on our GPU, waited for; -> the
         state tensors (views of it, or fp32 copies when it travelled in bf16)."""
         mapped: PeerKV = peer.value
-        if mapped.state_rows is None or not 0 <= row < mapped.state_rows.shape[0]:
+        if mapped.state_rows is None:
+            raise TransportError(
+                "cuda_ipc: the exporter keeps the state in its GPU arena, which we could not map "
+                "(see the log); set transport.state_rows: 0 to send the state the host way"
+            )
+        if not 0 <= row < mapped.state_rows.shape[0]:
             raise TransportError(f"exporter named state arena row {row}, outside its arena")
         try:
             with self.on_device():
