@@ -5,13 +5,18 @@ fallback for the Gated DeltaNet: no flash-linear-attention kernels), and splitse
 loads the very same tensors. For each batch size: B prompts of `--prompt-len` random tokens, then
 `--decode-tokens` greedy tokens each.
 
+  Both warm up once at the measured shape first (kernels compiled and tuned, cuBLAS/Triton loaded).
   * prefill tok/s: B * prompt_len / time of the prefill (HF: one forward with a cache; splitserve:
     the engine steps until every request has its first token).
   * decode tok/s: B * (decode_tokens - 1) / time of the decode-only part (HF: generate() time minus
     its prefill; splitserve: the engine steps after the last prefill).
   * roofline: bytes read per decode step (weights + recurrent state + KV) / bandwidth measured here.
 
+  * single prefill: one `--single-prefill`-token prompt alone (ms), with its achieved TFLOP/s against
+    the bf16 matmul rate measured in the run (8192^3 GEMM).
+
     python bench/hybrid_gpu.py --shape 9b            # Qwen3.5-9B shape on CUDA
+    python bench/hybrid_gpu.py --shape 9b --single-prefill 4096 --linear-backend fla
     python bench/hybrid_gpu.py --shape tiny --device cpu --batches 1,4 --prompt-len 64
 """
 
@@ -49,8 +54,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_models(shape: str, device: torch.device, dtype: torch.dtype, max_len: int):  # noqa: ANN201
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def build_models(shape: str, device: torch.device, dtype: torch.dtype, max_len: int, hf_fla: bool):  # noqa: ANN201
+    # NOTE: transformers' Qwen3.5 picks fla's kernels at import when fla is importable; the baseline is
+    # its torch fallback unless --hf-fla, so `fla` is hidden while its modeling module is imported.
+    hidden = not hf_fla and "transformers.models.qwen3_5.modeling_qwen3_5" not in sys.modules
+    if hidden:
+        sys.modules["fla"] = None  # type: ignore[assignment]
+    try:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: F401
+    finally:
+        if hidden:
+            del sys.modules["fla"]
 
     cfg = Qwen3_5TextConfig(**SHAPES[shape], max_position_embeddings=max_len)
     torch.manual_seed(0)
@@ -68,7 +83,7 @@ def build_models(shape: str, device: torch.device, dtype: torch.dtype, max_len: 
 def bench_hf(hf, prompts: torch.Tensor, decode_tokens: int) -> tuple[float, float]:  # noqa: ANN001
     dev = prompts.device
     with torch.inference_mode():
-        hf(prompts[:, :16], use_cache=True)  # warm-up
+        hf(prompts.roll(1, dims=1), use_cache=True)  # warm-up at the measured shape
         sync(dev)
         t0 = time.perf_counter()
         hf(prompts, use_cache=True)
@@ -88,7 +103,7 @@ def bench_hf(hf, prompts: torch.Tensor, decode_tokens: int) -> tuple[float, floa
 def bench_ours(engine: LLMEngine, prompts: torch.Tensor, decode_tokens: int) -> tuple[float, float]:
     params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     dev = prompts.device
-    for p in prompts[:, :16].tolist():  # warm-up
+    for p in prompts.roll(1, dims=1).tolist():  # warm-up at the measured shape (other tokens)
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -134,6 +149,61 @@ def measured_bandwidth(device: torch.device) -> float:
     return 10 * 2 * x.numel() / (time.perf_counter() - t0)
 
 
+def matmul_rate(device: torch.device) -> float:
+    """bf16 FLOP/s of one 8192^3 GEMM on random data (median of 10), the compute ceiling here."""
+    if device.type != "cuda":
+        return float("nan")
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * 8192**3 / sorted(times[2:])[5]
+
+
+def prefill_flops(loaded: LoadedModel, tokens: int) -> float:
+    """Matmul FLOPs of one prompt: 2 x non-embedding weights x tokens, plus causal attention."""
+    cfg = loaded.config
+    weights = sum(p.numel() for p in loaded.model.parameters())
+    weights -= loaded.model.embed_tokens.weight.numel()
+    if loaded.model.lm_head is not None:
+        weights -= loaded.model.lm_head.weight.numel()
+    attn = cfg.num_kv_layers * 2 * tokens * tokens * cfg.num_heads * cfg.head_dim  # QK^T + PV, causal half
+    return 2 * weights * tokens + attn
+
+
+def single_prefill(engine: LLMEngine, hf, n: int, vocab: int, device: torch.device) -> None:  # noqa: ANN001
+    """Time one n-token prompt alone (median of 3): splitserve's first token vs HF's forward."""
+    g = torch.Generator().manual_seed(n)
+    prompt = torch.randint(0, vocab, (1, n), generator=g).to(device)
+    ours, theirs = [], []
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for _ in range(4):
+        sync(device)
+        t0 = time.perf_counter()
+        engine.add_request(prompt[0].tolist(), params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        sync(device)
+        ours.append(time.perf_counter() - t0)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            hf(prompt, use_cache=True)
+            sync(device)
+            theirs.append(time.perf_counter() - t0)
+    ours_s, hf_s = sorted(ours[1:])[1], sorted(theirs[1:])[1]
+    flops, rate = prefill_flops(engine.loaded, n), matmul_rate(device)
+    print(
+        f"single prefill of {n} tokens: splitserve {ours_s * 1e3:.1f} ms, HF {hf_s * 1e3:.1f} ms "
+        f"(HF/splitserve = {hf_s / ours_s:.2f}x); {flops / ours_s / 1e12:.0f} TFLOP/s = "
+        f"{flops / ours_s / rate:.0%} of the bf16 matmul rate measured here ({rate / 1e12:.0f} TFLOP/s)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="9b")
@@ -141,18 +211,27 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--single-prefill", type=int, default=0, help="also time one prompt of this length")
+    ap.add_argument("--linear-backend", default="auto", help="linear_attention_backend: auto|torch|fla")
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--hf-fla", action="store_true", help="let HF use fla's kernels too (default: torch)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    max_len = args.prompt_len + args.decode_tokens + 16
-    hf, loaded = build_models(args.shape, device, dtype, max_len)
+    max_len = max(args.prompt_len + args.decode_tokens, args.single_prefill) + 16
+    hf, loaded = build_models(args.shape, device, dtype, max_len, args.hf_fla)
     bw = measured_bandwidth(device)
-    print(f"Qwen3.5 {args.shape} on {device} {dtype}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(
+        f"Qwen3.5 {args.shape} on {device} {dtype}; copy bandwidth {bw / 1e12:.2f} TB/s; HF's gated delta "
+        f"rule: {'fla' if args.hf_fla else 'torch fallback'}; ours: {args.linear_backend}"
+    )
     print(f"{'batch':>5} {'system':>10} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode roofline':>16}")
     for batch in [int(b) for b in args.batches.split(",")]:
         config = EngineConfig(
             model=f"qwen3.5-{args.shape}-random", device=args.device, dtype=str(dtype).split(".")[1],
-            max_model_len=max_len, max_num_seqs=max(batch, 2), max_num_batched_tokens=8192,
+            max_model_len=max_len, max_num_seqs=max(batch, 2),
+            max_num_batched_tokens=max(args.max_batched_tokens, args.single_prefill),
+            linear_attention_backend=args.linear_backend, enable_prefix_caching=False,
             kv_cache_bytes=batch * max_len * 64 * 2**10 + 2**28, progress=False,
         )  # fmt: skip
         engine = LLMEngine(config, tokenizer=False, loaded=loaded)
@@ -168,6 +247,10 @@ def main() -> None:
             print(f"{batch:>5} {name:>10} {pre_tps:>14.1f} {dec_tps:>13.1f} {share:>15.1%}")
         ratio = (rows["HF"][1]) / rows["splitserve"][1]
         print(f"{batch:>5} decode speed-up splitserve/HF = {ratio:.2f}x (goal >= 10x)")
+        pre_ratio = rows["HF"][0] / rows["splitserve"][0]
+        print(f"{batch:>5} prefill speed-up splitserve/HF = {pre_ratio:.2f}x")
+        if args.single_prefill and batch == max(int(b) for b in args.batches.split(",")):
+            single_prefill(engine, hf, args.single_prefill, loaded.config.vocab_size, device)
         del engine
 
 

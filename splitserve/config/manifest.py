@@ -244,6 +244,10 @@ class TransportSection(_Section):
     fetch_timeout_s: PositiveFloat = 30.0  # room on the decode worker + the transfer
     policy: Literal["fail", "recompute"] = "fail"  # a failed transfer: error, or recompute the prompt
     checksum: Literal["crc32", "blake2b"] | None = None
+    # hybrid models' recurrent state: the dtype it travels in (cuda_ipc; bfloat16 halves the bytes but
+    # rounds the state once, so tokens may change: off by default), and the exporter's GPU rows for it
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    state_rows: int = Field(default=8, ge=0)
     secret_env: str = "SPLITSERVE_KV_SECRET"  # unset: the local runtime makes one per deployment
     secret: str | None = Field(default=None, repr=False)  # prefer secret_env
 

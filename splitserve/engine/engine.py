@@ -40,6 +40,7 @@ from splitserve.engine.request import Request, RequestOutput, Status, TokenLogpr
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
 from splitserve.engine.stop import check_stop
 from splitserve.model.attention import (
@@ -53,6 +54,7 @@ from splitserve.model.attention import (
 )
 from splitserve.model.checkpoint import is_random_source
 from splitserve.model.decoder import ForwardContext
+from splitserve.model.gdn_prefill import resolve_backend as resolve_linear_backend
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
 from splitserve.model.random_weights import random_model, random_source_config
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
@@ -140,6 +142,7 @@ class LLMEngine:
         self.block_size = config.block_size
         cfg = self.model_config
         attn = self._attention_backend()
+        self._linear_attention_backend()
         graphs = self.device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
         if self.device.type == "cuda" and not graphs:
             log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
@@ -157,16 +160,17 @@ class LLMEngine:
             self.loaded.model.state_shapes(), config.max_num_seqs, self.device, scratch_slot=graphs
         )
         prefix_caching = config.enable_prefix_caching
-        if prefix_caching and self.states.enabled:
-            log.warning(
-                "prefix caching is off for %s: its recurrent state cannot be restored at a block "
-                "boundary (no state checkpoints yet)",
-                cfg.architecture,
+        checkpoints = None
+        if prefix_caching and self.states.enabled:  # hybrid: prefixes end at recurrent-state checkpoints
+            checkpoints = StateCheckpoints(
+                self.loaded.model.state_shapes(), config.state_checkpoints, self.device
             )
-            prefix_caching = False
+            log.info("hybrid prefix caching: %d state checkpoints (%.2f GiB)", checkpoints.num_entries,
+                     checkpoints.nbytes() / 2**30)  # fmt: skip
+            prefix_caching = checkpoints.enabled
         self.pool = BlockPool(num_blocks, prefix_caching)
         self.scheduler = Scheduler(
-            KVManager(self.pool, self.block_size, self.states),
+            KVManager(self.pool, self.block_size, self.states, checkpoints),
             config.max_num_seqs,
             config.max_num_batched_tokens,
         )
@@ -213,6 +217,16 @@ class LLMEngine:
                 log.info("fused Triton kernels on (RMSNorm + residual, q/k norm + rotary + KV store, SiLU)")
             return TritonPagedAttention(scale)
         return TorchPagedAttention(scale, fold_gqa=self.device.type == "cpu")
+
+    def _linear_attention_backend(self) -> None:
+        """Hybrid models: the prefill path of the linear-attention layers (before the warm-up pass, which
+        then compiles and tunes its kernels)."""
+        choose = getattr(self.loaded.model, "set_linear_attention_backend", None)
+        if choose is None:
+            return
+        backend = resolve_linear_backend(self.config.linear_attention_backend, self.device)
+        choose(backend)
+        log.info("linear-attention prefill: %s", backend)
 
     def _profile_run(self, attn: AttentionBackend, block_layout: tuple[int, ...]) -> int:
         """CUDA: one forward pass over `max_num_batched_tokens` tokens (one prefill chunk, against a

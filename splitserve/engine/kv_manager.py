@@ -1,4 +1,5 @@
-"""Per-request block bookkeeping over the `BlockPool`: prefix hits, growth, caching of full blocks."""
+"""Per-request block bookkeeping over the `BlockPool`: prefix hits, growth, caching of full blocks; for
+hybrid models also the state slot and the recurrent-state checkpoints of prefix caching (state_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,24 @@ from typing import Any
 
 from splitserve.engine.block_pool import ROOT_HASH, BlockPool, hash_block
 from splitserve.engine.request import Request
+from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
 
 
 class KVManager:
     """Owns a request's blocks and, for hybrid models, its recurrent-state slot."""
 
-    def __init__(self, pool: BlockPool, block_size: int, states: StatePool | None = None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        states: StatePool | None = None,
+        checkpoints: StateCheckpoints | None = None,
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.states = states if states is not None and states.enabled else None
+        self.checkpoints = checkpoints if checkpoints is not None and checkpoints.enabled else None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -26,7 +35,25 @@ class KVManager:
             return []
         self._extend_hashes(req, req.num_tokens)
         max_blocks = (req.num_tokens - 1) // self.block_size
-        return self.pool.lookup(req.block_hashes[:max_blocks])
+        blocks = self.pool.lookup(req.block_hashes[:max_blocks])
+        return blocks if self.states is None else self._state_prefix(req, blocks)
+
+    def _state_prefix(self, req: Request, blocks: list[int]) -> list[int]:
+        """Hybrid: the KV hit cut back to its longest part that ends at a state checkpoint (restored
+        into the slot by `allocate`); where the KV hit reaches further, the request's prefill stops
+        there to checkpoint the shared prefix (`chunk_tokens`, `cache_full_blocks`)."""
+        n = len(blocks)
+        ckpt = self.checkpoints
+        while n and (ckpt is None or req.block_hashes[n - 1] not in ckpt):
+            n -= 1
+        req.restore_hash = req.block_hashes[n - 1] if n else None
+        req.checkpoint_at = len(blocks) * self.block_size if ckpt is not None and len(blocks) > n else None
+        return blocks[:n]
+
+    def chunk_tokens(self, req: Request, start: int, n: int) -> int:
+        """`n` tokens from `start`, or fewer so that the chunk ends at the request's checkpoint."""
+        at = req.checkpoint_at
+        return at - start if at is not None and start < at < start + n else n
 
     def allocate(self, req: Request, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
         """Make room for `num_new_tokens` more computed tokens; False (and no change) if the pool is short."""
@@ -49,6 +76,8 @@ class KVManager:
         if prefix_blocks:
             self.pool.touch(prefix_blocks)
             req.block_ids.extend(prefix_blocks)
+            if self.checkpoints is not None and self.states is not None and req.restore_hash is not None:
+                self.checkpoints.restore(req.restore_hash, self.states.states, req.state_slot)
         if need > 0:
             req.block_ids.extend(self.pool.allocate(need))
         return True
@@ -73,6 +102,8 @@ class KVManager:
         """Register the blocks whose KV is now complete under their content hash."""
         if not self.pool.enable_prefix_caching:
             return
+        if req.checkpoint_at is not None and req.num_computed_tokens == req.checkpoint_at:
+            self._checkpoint(req)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
         if full <= req.num_cached_blocks:
             return
@@ -80,6 +111,14 @@ class KVManager:
         for i in range(req.num_cached_blocks, full):  # NOTE: only blocks that became full since last time
             self.pool.cache(req.block_ids[i], req.block_hashes[i])
         req.num_cached_blocks = max(req.num_cached_blocks, full)
+
+    def _checkpoint(self, req: Request) -> None:
+        """Save the state of a request that has just computed up to its checkpoint (a block boundary)."""
+        at, req.checkpoint_at = req.checkpoint_at, None
+        if self.checkpoints is None or self.states is None or req.state_slot is None or at is None:
+            return
+        self._extend_hashes(req, at)
+        self.checkpoints.save(req.block_hashes[at // self.block_size - 1], self.states.states, req.state_slot)
 
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
         bs = self.block_size

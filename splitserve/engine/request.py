@@ -57,6 +57,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
     state_slot: int | None = None  # hybrid models: the recurrent-state slot held while running
+    restore_hash: bytes | None = None  # hybrid prefix hit: the checkpoint its slot starts from
+    checkpoint_at: int | None = None  # hybrid: a shared prefix's end, where the state is checkpointed
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     text: str = ""

@@ -66,6 +66,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self.kv.chunk_tokens(req, req.num_computed_tokens, n)
             if not self._allocate_or_preempt(req, n, preempted):
                 break  # `req` itself was preempted: everything after it already was
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
@@ -94,6 +95,7 @@ class Scheduler:
             prefix = self.kv.find_prefix(req) if req.num_computed_tokens == 0 else []
             cached = len(prefix) * self.kv.block_size
             n = min(req.num_tokens - req.num_computed_tokens - cached, budget)
+            n = self.kv.chunk_tokens(req, req.num_computed_tokens + cached, n)
             if not self.kv.allocate(req, n, prefix):
                 self.waiting.appendleft(req)
                 break

@@ -81,6 +81,7 @@ from splitserve.kv.payload import ByteStream, empty_state, source_pieces, state_
 from splitserve.kv.protocol import Deadline, checksum, checksum_algo, expect
 from splitserve.kv.server import AsyncChannel, Endpoint
 from splitserve.kv.socket_transport import Export, SocketTransport
+from splitserve.kv.state_arena import StateArena, open_arena, unpack
 from splitserve.kv.transport import TransportOptions
 from splitserve.tempdirs import owned_tempdir
 
@@ -403,6 +404,8 @@ class PeerKV:
     gpu: str  # the exporter's GPU UUID
     board: BoardView | None = None  # the exporter's lease board: one-sided fetches (board.py)
     layout_fingerprint: str = ""  # the exporter's layout, from the handshake
+    state_rows: torch.Tensor | None = None  # the exporter's state arena [rows, row_nbytes] (state_arena.py)
+    state_wire: str = "float32"
 
     def describe(self) -> dict:
         return {"mode": self.mode, "gpu": self.gpu, "device": str(self.rows.device),
@@ -598,6 +601,11 @@ class GpuSocketTransport(SocketTransport):
         """Fetcher: move the blocks into kv[into], synchronized, within the deadline."""
         raise NotImplementedError
 
+    def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
+        """Fetcher: the state of row `row` of the exporter's state arena (queued before `pull`, which
+        waits for our side stream)."""
+        raise TransportError(f"{self.backend}: the exporter named a state arena row, which we cannot read")
+
     def _check_ids(self, block_ids: Sequence[int], what: str) -> tuple[int, ...]:
         ids = as_ids(block_ids)  # vectorized: a request can have thousands of blocks
         check_ids(ids, self.kv.shape[0], what)
@@ -653,12 +661,15 @@ class GpuSocketTransport(SocketTransport):
         ids = cached_ids(block_ids)
         if fault is Fault.CORRUPT:
             ids = np.roll(ids, -1)  # the wrong blocks in each place: the checksum must notice
-        state = ByteStream(state_pieces(export.state, self.layout))
+        in_row = export.state_row is not None  # the state waits in the arena: the fetcher copies it
+        state = ByteStream([] if in_row else state_pieces(export.state, self.layout))
         early = self.start_push(chan, ids)
         trace.mark("e.queued")
         try:
             fields = self.payload_fields(chan, ids)
             header = {"op": self.payload_op, **meta, "block_ids": ids_to_wire(ids), **fields}
+            if in_row:
+                header["state_row"] = export.state_row
             await chan.send(header, deadline, state.nbytes)
             await chan.send_stream(state, deadline)
         except BaseException:
@@ -709,11 +720,15 @@ class GpuSocketTransport(SocketTransport):
                     trace.mark("f.answer")
                     meta = expect(header, self.payload_op)
                     src_ids = self._peer_ids(meta, len(into))
-                    if body_nbytes != body.nbytes:
+                    in_row = meta.get("state_row") is not None
+                    if body_nbytes != (0 if in_row else body.nbytes):
                         raise TransportError(
                             f"exporter sends {body_nbytes} bytes of state, we expect {body.nbytes}"
                         )
-                    chan.recv_stream(body, deadline)
+                    if in_row:  # on the exporter's GPU: copied with the blocks
+                        state = self.pull_state(attached, int(meta["state_row"]), deadline)
+                    else:
+                        chan.recv_stream(body, deadline)
                     self.pull(chan, attached, meta, src_ids, into, deadline, early)
                     pulled = time.perf_counter()
                     trace.mark("f.pulled")
@@ -787,6 +802,11 @@ class CudaIpcTransport(GpuSocketTransport):
         self._share_lock = threading.Lock()
         self._peers: OrderedDict[str, PeerKV] = OrderedDict()  # share key -> the opened mapping
         self._peers_lock = threading.Lock()
+        self.arena: StateArena | None = None  # exported state on our GPU (not with checksums: host copies)
+        rows = self.options.state_arena_rows
+        if layout.state_shapes and rows > 0 and not self.options.checksum:
+            self.arena = StateArena(layout, kv.device, rows, self.options.state_wire_dtype)
+            self.leases.on_end = self._lease_ended
 
     def endpoint(self) -> Endpoint:
         if self.options.socket_dir:
@@ -810,7 +830,43 @@ class CudaIpcTransport(GpuSocketTransport):
                 self._share = share_kv(self.kv, self.rows, self._key)
                 board = self.leases.board
                 self._share["board"] = board.share() if board is not None else None
+                self._share["state"] = self.arena.share() if self.arena is not None else None
             return self._share
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        """As GpuSocketTransport.export, with the state copied into a row of our GPU's state arena (a
+        device copy per state tensor) rather than to the host, when there is a free row."""
+        row = None
+        if self.arena is not None and state:
+            self.sync_stream()  # the prefill's writes land before we copy the state
+            row = self.arena.put(state)
+        if row is None:
+            return super().export(request_id, block_ids, num_tokens, state)
+        self.sync_stream()  # the copy is done: the engine may reuse its state slot at once
+        ids = self._check_ids(block_ids, "block_ids")
+        if not 0 < num_tokens <= len(ids) * self.layout.block_size:
+            self.arena.free(row)
+            raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
+        address = self.listen()
+        lease = self.leases.grant(ids, Export(request_id, {}, None, state_row=row))
+        self.stats.count("exports")
+        self.stats.count("state_in_arena")
+        return KVHandle(
+            backend=self.backend, address=address, request_id=request_id, lease_id=lease.lease_id,
+            block_ids=ids, num_tokens=num_tokens, layout_fingerprint=self.layout.fingerprint,
+            lease_expires_at=time.time() + self.options.lease_s, lease_slot=lease.slot, state_row=row,
+        )  # fmt: skip
+
+    def _lease_ended(self, lease: Any) -> None:
+        export = lease.payload
+        if self.arena is not None and isinstance(export, Export) and export.state_row is not None:
+            self.arena.free(export.state_row)
 
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
         if header.get("host") != host_id():
@@ -838,6 +894,13 @@ class CudaIpcTransport(GpuSocketTransport):
                 with torch.cuda.device(self.kv.device) if self.on_cuda else contextlib.nullcontext():
                     peer = open_peer(share, self.kv.device, self.layout)
                 peer.board = open_board(share.get("board"), chan.address)
+                if share.get("state") is not None:
+                    index = peer.rows.device.index if peer.rows.is_cuda else None
+                    try:
+                        peer.state_rows = open_arena(share["state"], index)
+                        peer.state_wire = str(share["state"]["wire_dtype"])
+                    except TransportError as exc:  # its fetches with state then fail, saying why
+                        log.warning("cuda_ipc: cannot map %s's state arena: %s", chan.address, exc)
                 peer.layout_fingerprint = chan.peer_layout.fingerprint if chan.peer_layout else ""
                 self._peers[key] = peer
                 self.stats.count("ipc_handles_opened")
@@ -857,7 +920,9 @@ class CudaIpcTransport(GpuSocketTransport):
         """Read the blocks straight out of the exporter's mapped KV when its lease board says the
         lease is live before and after the copy (no round trip; board.py); else, or for a payload
         with state, the request/answer fetch of GpuSocketTransport."""
-        if handle.lease_slot is None or self.layout.state_shapes or handle.backend != self.backend:
+        stateful = bool(self.layout.state_shapes)
+        two_sided = handle.lease_slot is None or (stateful and handle.state_row is None)
+        if two_sided or handle.backend != self.backend:
             return super().fetch(handle, into_block_ids, timeout_s)
         into = self._check_into(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
@@ -865,8 +930,8 @@ class CudaIpcTransport(GpuSocketTransport):
         try:  # a pooled connection: its first use attaches; `alive` says the exporter still runs
             with self.pool.connection(handle.address, deadline) as chan:
                 peer = self._mapped(chan, handle, deadline)
-                done = peer is not None and self._read_one_sided(peer, handle, into, deadline)
-                done = done and chan.alive()
+                state = None if peer is None else self._read_one_sided(peer, handle, into, deadline)
+                done = state is not None and chan.alive()
         except TransportError as exc:
             self.stats.error(exc)
             raise
@@ -877,7 +942,7 @@ class CudaIpcTransport(GpuSocketTransport):
         self.phases.append((0.0, 0.0, end - start))
         self.stats.fetched(len(into) * self.layout.block_nbytes, end - start, handle.address)
         self.stats.count("one_sided_fetches")
-        return empty_state(self.layout)
+        return state if state else empty_state(self.layout)
 
     def _mapped(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> PeerKV | None:
         """The exporter's mapping (attached on the connection's first use), if it has a board."""
@@ -889,22 +954,30 @@ class CudaIpcTransport(GpuSocketTransport):
             return None  # no board, or another layout: the exporter's answer says what is wrong
         return peer
 
-    def _read_one_sided(self, peer: PeerKV, handle: KVHandle, into: np.ndarray, deadline: Deadline) -> bool:
+    def _read_one_sided(
+        self, peer: PeerKV, handle: KVHandle, into: np.ndarray, deadline: Deadline
+    ) -> dict[str, torch.Tensor] | None:
+        """-> the state read with the blocks ({} without state), or None: ask the exporter."""
         board, slot = peer.board, int(handle.lease_slot or 0)
         assert board is not None
         ids = handle_ids(handle)
         if ids.min() < 0 or ids.max() >= peer.rows.shape[0] or not board.live(slot, handle.lease_id):
-            return False
+            return None
+        if handle.state_row is not None and peer.state_rows is None:
+            return None
         trace.mark("f.one_sided")
         how, done = self._copy(peer, ids, into)
+        state: dict[str, torch.Tensor] = {}
+        if handle.state_row is not None:  # behind the blocks on our side stream: its wait covers both
+            state = self.pull_state(_NoClose(peer), handle.state_row, deadline)
         trace.mark("f.copy_queued")
         self._wait_copies(handle.address, deadline, done)
         trace.mark("f.copied")
         if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
             self.stats.count("one_sided_lost")
-            return False
+            return None
         self.gpu_counts[f"{peer.mode}_{how}"] += 1
-        return True
+        return state
 
     def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
         """Start copying the handle's blocks before the exporter confirms the lease: if the lease is
@@ -934,6 +1007,32 @@ class CudaIpcTransport(GpuSocketTransport):
         how, done = early[1]
         self._wait_copies(chan.address, deadline, done)
         self.gpu_counts[f"{mapped.mode}_{how}"] += 1
+
+    def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
+        """One device copy of the exporter's arena row into a buffer on our GPU, waited for; -> the
+        state tensors (views of it, or fp32 copies when it travelled in bf16)."""
+        mapped: PeerKV = peer.value
+        if mapped.state_rows is None:
+            raise TransportError(
+                "cuda_ipc: the exporter keeps the state in its GPU arena, which we could not map "
+                "(see the log); set transport.state_rows: 0 to send the state the host way"
+            )
+        if not 0 <= row < mapped.state_rows.shape[0]:
+            raise TransportError(f"exporter named state arena row {row}, outside its arena")
+        try:
+            with self.on_device():
+                buf = torch.empty(mapped.state_rows.shape[1], dtype=torch.uint8, device=self.kv.device)
+                buf.copy_(mapped.state_rows[row], non_blocking=True)
+                state = unpack(buf, self.layout, mapped.state_wire)
+                done = None
+                if self.on_cuda:
+                    done = torch.cuda.Event()
+                    done.record()
+        except RuntimeError as exc:  # a CUDA error
+            raise TransportError(f"cuda_ipc state copy failed: {exc}") from exc
+        self._wait_copies("the exporter's state arena", deadline, done)
+        self.stats.count("state_rows_read")
+        return state
 
     def _wait_copies(self, address: str, deadline: Deadline, done: Any) -> None:
         """Wait for this fetch's copies (`done`: the CUDA event after them; None: they were

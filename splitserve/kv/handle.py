@@ -25,6 +25,7 @@ class KVHandle:
     lease_expires_at: float  # wall clock (time.time()); a hint for routers, the exporter's clock rules
     checksum: str | None = None  # "crc32:1a2b3c4d" or "blake2b:<hex>"
     lease_slot: int | None = None  # cuda_ipc: the lease's slot on the exporter's lease board (board.py)
+    state_row: int | None = None  # cuda_ipc: the row of the exporter's state arena (state_arena.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
@@ -55,6 +56,7 @@ class KVHandle:
                 lease_expires_at=float(data["lease_expires_at"]),
                 checksum=None if data.get("checksum") is None else str(data["checksum"]),
                 lease_slot=None if data.get("lease_slot") is None else int(data["lease_slot"]),
+                state_row=None if data.get("state_row") is None else int(data["state_row"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed KV handle {data!r}: {exc}") from exc

@@ -72,6 +72,7 @@ class LeaseManager:
         self._reaper: threading.Thread | None = None
         self._closed = False
         self.counts: Counter[str] = Counter()
+        self.on_end: Callable[[Lease], None] | None = None  # after the lease ended, before on_free
 
     # -- exporter side ------------------------------------------------------------------------
     def grant(self, block_ids: Sequence[int], payload: Any = None) -> Lease:
@@ -175,6 +176,11 @@ class LeaseManager:
         return lease
 
     def _free(self, lease: Lease, why: str) -> None:
+        if self.on_end is not None:
+            try:
+                self.on_end(lease)
+            except Exception:
+                log.exception("kv lease %s: on_end raised (lease %s)", lease.lease_id, why)
         try:
             self._on_free(list(lease.block_ids))
         except Exception:  # the lease still ended: a retry could free twice

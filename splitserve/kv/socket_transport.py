@@ -65,6 +65,7 @@ class Export:
     request_id: str
     state: dict[str, torch.Tensor]
     checksum: str | None
+    state_row: int | None = None  # cuda_ipc: the state waits in this row of the exporter's arena
 
 
 class SocketTransport(KVTransport):

@@ -48,6 +48,10 @@ class TransportOptions:
     # nixl: NIXL backends to instantiate, first that works wins; a later one is a fallback (logged,
     # counted, and failing `verify` unless required_backends names it: "nixl/UCX")
     nixl_backends: tuple[str, ...] = ("UCX",)
+    # cuda_ipc, hybrid models: exported state waits in this many GPU rows of the exporter (a full
+    # arena sends it the host way) and travels in this dtype (kv/state_arena.py)
+    state_arena_rows: int = 8
+    state_wire_dtype: str = "float32"
 
 
 class TransportStats:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ class ForwardContext:
     meta: AttentionMetadata
     kv: torch.Tensor  # [num_blocks, L_kv, 2, block_size, KVH, D]
     states: dict[str, torch.Tensor] = field(default_factory=dict)  # hybrid: [num_slots, *state_shape]
+    linear_prefill: Any = None  # hybrid, varlen backend: the step's gdn_prefill.LinearPrefill
 
 
 class Attention(nn.Module):

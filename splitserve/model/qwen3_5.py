@@ -24,13 +24,15 @@ sequence, a state slot in the engine's `StatePool` (`state_shapes()`), all fp32:
 flat batch). Decode tokens are advanced together with the recurrent form (on CUDA by the fused Triton
 kernels of splitserve/kernels/gated_delta.py, in place on the state pools); each prefill chunk runs
 the causal conv from its slot's conv window and the chunked rule from its slot's recurrent state,
-and both are written back, so a prompt may be split into chunks at any position. A slot is zeroed
-when allocated, which is the state before a sequence's first token.
+and both are written back, so a prompt may be split into chunks at any position. On CUDA with fla-core
+all prefill chunks of a step go through one varlen conv launch and one varlen gated delta rule per
+layer (gdn_prefill.py, `linear_attention_backend`); the per-chunk torch rule is the CPU path and the
+reference. A slot is zeroed when allocated, which is the state before a sequence's first token; a
+prefix-cache hit copies a state checkpoint into it (engine/state_cache.py).
 
 Out of scope: the vision tower (`model.visual.*`) and the multi-token-prediction head (`mtp.*`) of
 `Qwen3_5ForConditionalGeneration` checkpoints (only the language model is loaded, its
-`model.language_model.*` names read as `model.*`); GGUF files for qwen35; prefix caching (the engine
-turns it off for hybrid models: the recurrent state cannot be restored at a block boundary).
+`model.language_model.*` names read as `model.*`); GGUF files for qwen35.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterable
+from dataclasses import replace
 from types import ModuleType
 
 import torch
@@ -48,6 +51,7 @@ from splitserve.model.config import ModelConfig
 from splitserve.model.decoder import ForwardContext, fused_forward
 from splitserve.model.errors import ModelLoadError
 from splitserve.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from splitserve.model.gdn_prefill import build_linear_prefill, varlen_conv, varlen_rule
 from splitserve.model.layers import (
     GatedMLP,
     GatedRMSNorm,
@@ -56,6 +60,7 @@ from splitserve.model.layers import (
     ZeroCentredRMSNorm,
     linear,
 )
+from splitserve.model.qwen3_5_weights import expected_keys, hf_named, map_name, merged_rows
 from splitserve.model.weights import load_mapped_weights
 
 # Set to 1 to run the decode kernels on CPU tensors too (with TRITON_INTERPRET=1: kernel tests only).
@@ -147,6 +152,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
         self.fused = False  # set by Qwen3_5LM.enable_fused_kernels (CUDA)
+        self.varlen = False  # set by Qwen3_5LM.set_linear_attention_backend("fla")
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -169,7 +175,10 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat([conv_states[slots].to(mixed.dtype), mixed[:nd, :, None]], dim=-1)  # [B, C, K]
             conv_states[slots] = window[:, :, 1:].float()
             conv_out[:nd] = self._conv(window)[:, :, -1]
-        for i, chunk in enumerate(meta.prefills):
+        lp = ctx.linear_prefill if self.varlen else None  # all prefill chunks in one launch (CUDA)
+        if lp is not None:
+            varlen_conv(lp, mixed, conv_states, self.conv1d.weight, conv_out)
+        for i, chunk in enumerate(() if lp is not None else meta.prefills):
             slot = meta.seq_slots[nd + i : nd + i + 1]  # [1], a tensor: no device sync
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             seq = torch.cat([conv_states[slot].to(mixed.dtype), mixed[rows].T[None]], dim=-1)  # [1, C, K-1+L]
@@ -198,7 +207,9 @@ class GatedDeltaNet(nn.Module):
             )
             core[:nd] = out[:, 0]
             rec_states[slots] = state
-        for i, chunk in enumerate(meta.prefills):
+        if lp is not None:
+            varlen_rule(lp, q, k, v, a, b, self.A_log, self.dt_bias, rec_states, core)
+        for i, chunk in enumerate(() if lp is not None else meta.prefills):
             slot = meta.seq_slots[nd + i : nd + i + 1]
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out, state = chunk_gated_delta_rule(
@@ -265,6 +276,7 @@ class Qwen3_5LM(nn.Module):
         # NOTE: its tables are built on the CPU even under `meta` and copied per device on first use
         self.partial_rope = PartialRotaryEmbedding(cfg.rope, rotary_dim, max_positions)
         self.fused = False
+        self.varlen = False
 
     def build_rope(self, max_positions: int, device: torch.device) -> None:
         """Nothing to do: PartialRotaryEmbedding keeps CPU tables and copies them per device."""
@@ -274,12 +286,22 @@ class Qwen3_5LM(nn.Module):
         return self.cfg.layer_types.count("linear_attention")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.varlen:  # the step's prefill metadata, once for all linear layers
+            ctx = replace(ctx, linear_prefill=build_linear_prefill(ctx.meta, input_ids.device))
         if self.fused:
             return self._forward_fused(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
             x = layer(positions, x, self.partial_rope, ctx)
         return self.norm(x)
+
+    def set_linear_attention_backend(self, backend: str) -> None:
+        """Backend "torch": each prefill chunk by the torch rule; "fla": all of a step's chunks in one varlen
+        launch per layer (gdn_prefill.py). Decode rows take the same path either way."""
+        self.varlen = backend == "fla"
+        for layer in self.layers:
+            if layer.is_linear:
+                layer.linear_attn.varlen = self.varlen
 
     def enable_fused_kernels(self) -> bool:
         """CUDA: the zero-centred RMSNorms with their residual adds, and SiLU-and-multiply, as Triton
@@ -329,65 +351,12 @@ class Qwen3_5LM(nn.Module):
 
     def map_weight_name(self, name: str) -> tuple[str | None, tuple[int, int] | None]:
         """HF tensor name -> (our parameter, its row range in a merged weight or None); None: skip."""
-        return _map_name(name, _merged_rows(self.cfg))
+        return map_name(name, merged_rows(self.cfg))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Our parameters under `Qwen3_5ForCausalLM` names, merged weights split by rows (views)."""
+        return hf_named(self, merged_rows(self.cfg))
 
     def expected_weight_keys(self) -> list[str]:
         """The `param:rows` keys that a checkpoint must fill (see `load_mapped_weights`)."""
-        return _expected_keys(self, _merged_rows(self.cfg))
-
-
-_Merged = dict[str, tuple[str, tuple[int, int]]]
-
-
-def _merged_rows(cfg: ModelConfig) -> _Merged:
-    """HF module name -> (our merged module, its row range there), for every merged projection."""
-    lin = cfg.linear
-    assert lin is not None
-    q, kv = 2 * cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim  # q: [query | gate]
-    value = lin.num_value_heads * lin.value_head_dim
-    pieces = {
-        "qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-        "in_proj": [
-            ("in_proj_qkv", lin.conv_dim),
-            ("in_proj_z", value),
-            ("in_proj_b", lin.num_value_heads),
-            ("in_proj_a", lin.num_value_heads),
-        ],
-        "gate_up_proj": [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)],
-    }
-    out: _Merged = {}
-    for target, parts in pieces.items():
-        start = 0
-        for hf_module, size in parts:
-            out[hf_module] = (target, (start, start + size))
-            start += size
-    return out
-
-
-def _map_name(name: str, merged: _Merged) -> tuple[str | None, tuple[int, int] | None]:
-    """HF parameter name -> (our parameter name, row range inside a merged weight or None)."""
-    if name.startswith(("mtp.", "model.visual.")) or "rotary_emb" in name:
-        return None, None
-    for prefix in ("model.language_model.", "model."):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-            break
-    parts = name.split(".")
-    if len(parts) >= 5 and parts[0] == "layers" and parts[3] in merged:
-        target, rows = merged[parts[3]]
-        return ".".join([*parts[:3], target, *parts[4:]]), rows
-    return name, None
-
-
-def _expected_keys(model: Qwen3_5LM, merged: _Merged) -> list[str]:
-    rows_of: dict[str, list[tuple[int, int]]] = {}
-    for target, rows in merged.values():
-        rows_of.setdefault(target, []).append(rows)
-    keys = []
-    for name, _ in model.named_parameters():
-        parts = name.split(".")
-        if parts[0] == "layers" and len(parts) >= 5 and parts[3] in rows_of:
-            keys += [f"{name}:{r}" for r in rows_of[parts[3]]]
-        else:
-            keys.append(f"{name}:None")
-    return keys
+        return expected_keys(self, merged_rows(self.cfg))

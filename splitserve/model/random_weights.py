@@ -88,11 +88,56 @@ SMALL_QWEN3: dict[str, Any] = {
     "max_position_embeddings": 1024,
 }
 
+#: Qwen3.5-9B's text model (transformers' `Qwen3_5TextConfig` defaults, HF names): 32 layers, every
+#: fourth gated full attention (16 heads, 4 KV heads, head_dim 256), the others Gated DeltaNet (16 key
+#: and 32 value heads of 128); 248,320-token vocabulary. Qwen3_5LM reads only the language model.
+QWEN3_5_9B: dict[str, Any] = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 32,
+    "full_attention_interval": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+
+#: A small hybrid (8 layers: 6 Gated DeltaNet, 2 gated attention) for CPU smoke runs and unit tests.
+TINY_QWEN3_5: dict[str, Any] = {
+    **QWEN3_5_9B,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 32,
+    "max_position_embeddings": 4096,
+}
+
 #: Names accepted by `random_model_config` (and the benchmarks' `--model`).
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b-random": QWEN3_8B,
     "qwen3-1.7b-random": QWEN3_1_7B,
     "tiny-random": TINY_QWEN3,
+    "qwen3.5-9b-random": QWEN3_5_9B,
+    "qwen3.5-tiny-random": TINY_QWEN3_5,
 }
 
 
@@ -153,7 +198,8 @@ def random_model(
 @torch.no_grad()
 def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """In place: norm weights at identity scale (1, or 0 for a norm that stores 1 + w), biases 0,
-    every other parameter ~ N(0, std), from one seeded generator."""
+    Gated DeltaNet decay parameters as HF initializes them (A_log = log U(1, 16), dt_bias = 1), every
+    other parameter ~ N(0, std), from one seeded generator."""
     first = next(model.parameters())
     gen = torch.Generator(device=first.device)
     gen.manual_seed(seed)
@@ -164,6 +210,10 @@ def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
                 param.fill_(0.0 if kind.startswith("ZeroCentred") else 1.0)
             elif name == "bias":
                 param.zero_()
+            elif name == "A_log":
+                param.uniform_(1.0, 16.0, generator=gen).log_()
+            elif name == "dt_bias":
+                param.fill_(1.0)
             else:
                 param.normal_(0.0, std, generator=gen)
 
@@ -174,6 +224,8 @@ def hf_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
     Merged weights are split by rows: qkv_proj -> q_proj/k_proj/v_proj and gate_up_proj ->
     gate_proj/up_proj. A tied model has no `lm_head.weight` (HF ties it to the embedding).
     """
+    if hasattr(model, "hf_state_dict"):  # models with their own merged layouts (Qwen3.5)
+        return model.hf_state_dict()
     cfg = model.cfg
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out: dict[str, torch.Tensor] = {}

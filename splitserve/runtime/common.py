@@ -70,6 +70,8 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
         kv_fetch_timeout_s=t.fetch_timeout_s,
         kv_policy=t.policy,
         kv_checksum=t.checksum,
+        kv_state_dtype=t.state_dtype,
+        kv_state_rows=t.state_rows,
         threads=e.threads,
     )
 

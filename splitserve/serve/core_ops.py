@@ -111,7 +111,11 @@ class CoreOps:
                 "step_s": engine.step_seconds,
                 "loop_s": self.core.busy_seconds,
             },  # fmt: skip
-            "prefix_cache": {"queries": sched.prefix_queries, "hits": sched.prefix_hits},
+            "prefix_cache": {
+                "queries": sched.prefix_queries,
+                "hits": sched.prefix_hits,
+                "state_checkpoints": _checkpoint_stats(sched.kv.checkpoints),
+            },
             "kv_transfer": conn.stats() if conn else None,
         }
 
@@ -210,7 +214,7 @@ class CoreOps:
 
 
 def engine_settings(engine: Any) -> dict:
-    """The knobs the engine actually runs with (prefix caching as in effect: off for recurrent models)."""
+    """The knobs the engine runs with (prefix caching as in effect: off without state checkpoints)."""
     c = engine.config
     return {
         "block_size": c.block_size,
@@ -222,4 +226,16 @@ def engine_settings(engine: Any) -> dict:
         "enforce_eager": c.enforce_eager,
         "seed": c.seed,
         "tokenizer": c.tokenizer,
+    }
+
+
+def _checkpoint_stats(ckpt: Any) -> dict | None:
+    """Hybrid models' prefix caching (engine/state_cache.py): entries held, saved and restored."""
+    if ckpt is None:
+        return None
+    return {
+        "entries": len(ckpt),
+        "capacity": ckpt.num_entries,
+        "saved": ckpt.saved,
+        "restored": ckpt.restored,
     }

@@ -59,6 +59,7 @@ class KVHandleBody(_Body):
     lease_expires_at: float
     checksum: str | None = None
     lease_slot: int | None = None
+    state_row: int | None = None
 
     @classmethod
     def of(cls, handle: KVHandle) -> KVHandleBody:

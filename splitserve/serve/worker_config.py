@@ -30,6 +30,8 @@ class WorkerConfig:
     kv_fetch_timeout_s: float = 30.0
     kv_policy: str = "fail"
     kv_checksum: str | None = None
+    kv_state_dtype: str = "float32"  # cuda_ipc: hybrid state on the wire (kv/state_arena.py)
+    kv_state_rows: int = 8
     fault_injection: bool = False
     kv_throttle_gbps: float | None = None  # test hook: hold every fetch to this bandwidth
     http_auth: bool = False  # every endpoint but GET /health wants `Bearer worker_token(kv_secret)`
@@ -58,6 +60,8 @@ class WorkerConfig:
             lease_s=self.kv_lease_s,
             fetch_timeout_s=self.kv_fetch_timeout_s,
             checksum=self.kv_checksum,
+            state_wire_dtype=self.kv_state_dtype,
+            state_arena_rows=self.kv_state_rows,
             nixl_backends=tuple(self.kv_nixl_backends),
         )
 

@@ -307,3 +307,24 @@ def test_conditional_generation_checkpoint(tmp_path, prompts):
     assert type(model).__name__ == "Qwen3_5LM" and model.lm_head is None
     assert _generate(llm, subset) == reference
     _assert_released(llm)
+
+
+# ------------------------------------------------------------------------------- random:qwen3.5-* sources
+
+
+def test_random_qwen3_5_source_matches_hf():
+    """`random:qwen3.5-tiny` builds a Qwen3_5LM at that shape; HF transformers given the same weights
+    (`build_hf_model`, through `Qwen3_5LM.hf_state_dict`) generates the same greedy tokens."""
+    from splitserve.model.random_weights import QWEN3_5_9B, build_hf_model, random_source_config
+
+    assert random_source_config("random:qwen3.5-9b") == QWEN3_5_9B
+    cfg = random_source_config("random:qwen3.5-tiny")
+    llm = LLM(model="random:qwen3.5-tiny", device="cpu", dtype="float32", max_model_len=256,
+              kv_cache_bytes=2**20, max_num_batched_tokens=13, progress=False)  # fmt: skip
+    model = llm.engine.loaded.model
+    assert type(model).__name__ == "Qwen3_5LM" and model.num_linear_layers == 6
+    assert float(model.layers[0].linear_attn.A_log.detach().exp().min()) >= 1.0  # decay rates as HF's init
+    hf = build_hf_model(cfg, model)
+    prompts = [[5, 17, 300, 42, 7, 99, 250], list(range(1, 40))]
+    assert _generate(llm, prompts) == _hf_generate(hf, prompts)
+    _assert_released(llm)

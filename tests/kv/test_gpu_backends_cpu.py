@@ -36,6 +36,7 @@ from splitserve.kv import (
 from splitserve.kv.cuda_ipc import CudaIpcTransport, copy_blocks, kv_rows, open_peer, paired_runs
 from splitserve.kv.faults import FaultKnobs, FaultPlan
 from splitserve.kv.nccl import NcclTransport, chunk_spans
+from splitserve.kv.state_arena import row_spans
 
 NO_CUDA = not torch.cuda.is_available()
 STATES = (("conv", (4, 8), "float32"), ("ssm", (2, 3, 5), "float32"))
@@ -258,7 +259,8 @@ def test_cuda_ipc_one_sided_read_from_a_dead_exporter_is_an_error(pair):
 
 
 def test_cuda_ipc_asks_first_for_state_faults_and_a_full_board(pair, monkeypatch):
-    exporter, fetcher, _ = pair("cuda_ipc")  # a layout with state: it travels on the control channel
+    # no state arena: the state travels on the control channel, so the fetch asks first
+    exporter, fetcher, _ = pair("cuda_ipc", state_arena_rows=0)
     fetcher.fetch(exporter.export("s", [1, 2], 32, some_state()), [3, 4], timeout_s=10)
     assert "one_sided_fetches" not in fetcher.describe()["counts"]
     exporter, fetcher, _ = pair("cuda_ipc", states=())
@@ -277,6 +279,37 @@ def test_cuda_ipc_asks_first_for_state_faults_and_a_full_board(pair, monkeypatch
     fetcher.fetch(first, [6], timeout_s=10)
     assert fetcher.describe()["counts"]["one_sided_fetches"] == 1
     assert torch.equal(fetcher.kv[[5, 6]], exporter.kv[[2, 1]])
+
+
+def test_cuda_ipc_state_arena(pair):
+    """The state waits in a row of the exporter's arena: read one-sided with the blocks (or by row on
+    the two-sided path), the row back when the lease ends; a full arena sends it the host way; bf16 on
+    the wire is the state rounded once."""
+    exporter, fetcher, _ = pair("cuda_ipc", state_arena_rows=2)
+    state = some_state(3)
+    handle = exporter.export("a", [1, 2], 32, state)
+    assert handle.state_row is not None and exporter.arena.num_free == 1
+    got = fetcher.fetch(handle, [3, 4], timeout_s=10)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    assert fetcher.describe()["counts"]["one_sided_fetches"] == 1
+    exporter.install_faults(FaultPlan(FaultKnobs()))  # two-sided: the answer names the row
+    got = fetcher.fetch(handle, [5, 6], timeout_s=10)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    assert fetcher.describe()["counts"]["state_rows_read"] == 2
+    exporter.install_faults(None)
+    second, third = exporter.export("b", [7], 16, some_state(4)), exporter.export("c", [8], 16, some_state(5))
+    assert second.state_row is not None and third.state_row is None  # full: the host way
+    got = fetcher.fetch(third, [9], timeout_s=10)
+    assert all(torch.equal(got[k], some_state(5)[k]) for k in state)
+    fetcher.release(handle)
+    assert wait_for(lambda: exporter.arena.num_free == 1)
+
+    exporter, fetcher, _ = pair("cuda_ipc", state_wire_dtype="bfloat16")
+    got = fetcher.fetch(exporter.export("d", [1], 16, state), [2], timeout_s=10)
+    spans = row_spans(exporter.layout, "bfloat16")
+    assert sum(span[-1] for span in spans) == sum(t.numel() * 2 for t in state.values())
+    for k in state:
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], state[k].bfloat16().float())
 
 
 def test_lease_board_file_is_private_and_removed_on_close(pair):

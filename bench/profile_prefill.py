@@ -1,0 +1,81 @@
+"""Where a hybrid prefill step's time goes on a GPU: B prompts of L tokens on random Qwen3.5-9B weights
+(`random:qwen3.5-9b`, no HF), timed after a warm-up at the same shape (median of `--repeats`), then
+one more profiled with torch.profiler: the kernels that take the most, and the host's time.
+
+    python bench/profile_prefill.py --batch 32 --prompt-len 512
+    python bench/profile_prefill.py --batch 1 --prompt-len 4096 --linear-backend torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.engine.engine import LLMEngine  # noqa: E402
+from splitserve.engine.params import SamplingParams  # noqa: E402
+from splitserve.model.random_weights import random_model, random_source_config  # noqa: E402
+
+
+def prefill_once(engine: LLMEngine, prompts: torch.Tensor) -> float:
+    """Seconds until every prompt has its first token (one token each)."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for p in prompts.tolist():
+        engine.add_request(p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-batched-tokens", type=int, default=16384)
+    ap.add_argument("--linear-backend", default="auto")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--top", type=int, default=18)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    max_len = args.prompt_len + 16
+    loaded = random_model(random_source_config("random:qwen3.5-9b"), dev, torch.bfloat16, max_len)
+    config = EngineConfig(model="random:qwen3.5-9b", max_num_seqs=max(args.batch, 2), max_model_len=max_len,
+                          max_num_batched_tokens=max(args.max_batched_tokens, args.prompt_len),
+                          kv_cache_bytes=args.batch * max_len * 40 * 2**10 + 2**28,
+                          linear_attention_backend=args.linear_backend, enable_prefix_caching=False,
+                          progress=False)  # fmt: skip
+    engine = LLMEngine(config, tokenizer=False, loaded=loaded)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 248320, (args.batch, args.prompt_len), generator=gen) for _ in range(4)]
+    prefill_once(engine, batches[0])  # warm-up at this shape
+    times = [prefill_once(engine, batches[1 + i % 3]) for i in range(args.repeats)]
+    t = statistics.median(times)
+    n = args.batch * args.prompt_len
+    print(
+        f"prefill {args.batch} x {args.prompt_len} ({args.linear_backend}): {t * 1e3:.1f} ms, "
+        f"{n / t:.0f} tok/s (runs: {', '.join(f'{x * 1e3:.1f}' for x in times)} ms)"
+    )
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill_once(engine, batches[1])
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"GPU kernel time {gpu:.1f} ms in a {t * 1e3:.1f} ms prefill")
+    print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=70))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

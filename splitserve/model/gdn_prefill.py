@@ -1,0 +1,179 @@
+"""Varlen prefill for the Gated DeltaNet layers: every prefill chunk of a step in one conv launch and one
+`chunk_gated_delta_rule` call per layer (CUDA, through flash-linear-attention's `fla-core`).
+
+A step's prefill chunks lie back to back after its decode rows. `build_linear_prefill` turns
+`AttentionMetadata` into device tensors once per step (not per layer); each layer then
+
+1. runs the causal conv + SiLU over all chunks (splitserve/kernels/causal_conv_varlen.py), reading
+   each chunk's conv window from its slot, and writes the windows back;
+2. gathers the chunks' recurrent states from their slots ([P, Hv, Dk, Dv] fp32), runs one varlen
+   gated delta rule with q/k L2 norm, the sigmoid of beta and the decay gate
+   `-exp(A_log) * softplus(a + dt_bias)` fused in the kernels, and scatters the final states back.
+
+`linear_attention_backend` (EngineConfig): "torch" keeps the per-chunk torch rule (the CPU path and
+the reference), "fla" needs CUDA and an importable `fla`, "auto" picks fla when both hold.
+`VARLEN_RULE` can be replaced by a function of fla's signature (the CPU tests use a torch one).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from splitserve.model.attention import AttentionMetadata
+
+BACKENDS = ("auto", "torch", "fla")
+CHUNK = 64  # the gated delta rule's chunk length in fla
+
+
+@dataclass(frozen=True)
+class LinearPrefill:
+    """All prefill chunks of one step, for the varlen linear-attention path (built once per step)."""
+
+    row0: int  # first prefill row of the flat batch (= number of decode rows)
+    num_rows: int
+    cu_seqlens: torch.Tensor  # [P + 1] int64 on the device: chunk starts relative to row0, then num_rows
+    cu_seqlens_cpu: torch.Tensor  # [P + 1] int64, the same on the host
+    token_seq: torch.Tensor  # [num_rows] int32 on the device: each row's chunk index
+    slots: torch.Tensor  # [P] int64 on the device: each chunk's state slot
+    chunk_indices: torch.Tensor | None  # [num_chunks, 2] fla's (chunk, block) table, or None
+
+
+@functools.cache
+def fla_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """fla's `chunk_gated_delta_rule`, or None when fla-core (or triton) is not importable."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def resolve_backend(choice: str, device: torch.device) -> str:
+    """ "torch" or "fla" for the EngineConfig choice on `device`; ValueError for an impossible one."""
+    if choice not in BACKENDS:
+        raise ValueError(f"linear_attention_backend must be one of {', '.join(BACKENDS)}, not {choice!r}")
+    usable = device.type == "cuda" and fla_rule() is not None
+    if choice == "fla" and not usable and VARLEN_RULE is None:
+        raise ValueError(
+            "linear_attention_backend=fla needs CUDA and fla-core (pip install --no-deps fla-core einops)"
+        )
+    if choice == "auto":
+        return "fla" if usable else "torch"
+    return choice
+
+
+# A replacement for fla's rule (same signature), e.g. a torch one for CPU tests; None: fla's.
+VARLEN_RULE: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def _rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    rule = VARLEN_RULE or fla_rule()
+    assert rule is not None, "varlen linear attention without fla"
+    return rule
+
+
+def build_linear_prefill(meta: AttentionMetadata, device: torch.device) -> LinearPrefill | None:
+    """The step's prefill chunks as device tensors (one host-to-device copy); None without prefills."""
+    if not meta.prefills:
+        return None
+    assert meta.seq_slots is not None
+    row0 = meta.num_decode_tokens
+    lens = np.array([p.query_len for p in meta.prefills], dtype=np.int64)
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    seq = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
+    packed = torch.from_numpy(np.concatenate([cu, seq]))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    cu_dev, seq_dev = packed[: len(cu)], packed[len(cu) :].to(torch.int32)
+    chunk_indices = None
+    if VARLEN_RULE is None and fla_rule() is not None:
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        chunk_indices = prepare_chunk_indices(cu_dev, CHUNK, cu_seqlens_cpu=torch.from_numpy(cu))
+    slots = meta.seq_slots[row0 : row0 + len(lens)]
+    return LinearPrefill(row0, int(cu[-1]), cu_dev, torch.from_numpy(cu), seq_dev, slots, chunk_indices)
+
+
+def varlen_conv(
+    lp: LinearPrefill, mixed: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Prefill rows of out [T, C] := silu(conv) of mixed's, continuing and then updating the windows."""
+    from splitserve.kernels.causal_conv_varlen import causal_conv1d_varlen, conv1d_varlen_update_states
+
+    rows = slice(lp.row0, lp.row0 + lp.num_rows)
+    x = mixed[rows]  # [Tp, C]
+    causal_conv1d_varlen(x, conv_states, weight, lp.cu_seqlens, lp.token_seq, lp.slots, out=out[rows])
+    conv1d_varlen_update_states(x, conv_states, lp.cu_seqlens, lp.slots)
+
+
+def varlen_rule(
+    lp: LinearPrefill,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    rec_states: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Prefill rows of out [T, Hv, Dv] := the gated delta rule over every chunk, from and back into
+    the chunks' recurrent states (rec_states [num_slots, Hv, Dk, Dv] fp32, in place).
+
+    q, k [T, Hk, Dk]; v [T, Hv, Dv]; a, b [T, Hv] raw (the decay gate and sigmoid(beta) are fused)."""
+    rows = slice(lp.row0, lp.row0 + lp.num_rows)
+    o, final = _rule()(
+        q[None, rows], k[None, rows], v[None, rows], a[None, rows], b[None, rows],
+        initial_state=rec_states[lp.slots],  # [P, Hv, Dk, Dv] fp32
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        use_gate_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        cu_seqlens=lp.cu_seqlens,
+        cu_seqlens_cpu=lp.cu_seqlens_cpu,
+        chunk_indices=lp.chunk_indices,
+    )  # fmt: skip
+    out[rows] = o[0]  # [Tp, Hv, Dv]
+    rec_states[lp.slots] = final.to(rec_states.dtype)
+
+
+def torch_varlen_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    initial_state: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    cu_seqlens_cpu: torch.Tensor,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's varlen call (gates, l2 norm and sigmoid fused) computed with the torch chunked rule, one
+    chunk at a time: a stand-in for `VARLEN_RULE` where fla cannot run (the CPU tests)."""
+    import torch.nn.functional as F
+
+    from splitserve.model.gated_delta import chunk_gated_delta_rule
+
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # [1, T, Hv]
+    beta = b.sigmoid()
+    out = torch.empty_like(v)  # [1, T, Hv, Dv]
+    finals = []
+    bounds = cu_seqlens_cpu.tolist()
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        o, state = chunk_gated_delta_rule(
+            q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state[i : i + 1]
+        )
+        out[:, s:e] = o
+        finals.append(state)
+    return out, torch.cat(finals)
