@@ -29,8 +29,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 

@@ -192,7 +192,7 @@ def _without_control_bytes(vocab: Sequence[bytes], vocab_size: int, keep: Sequen
     for i, piece in enumerate(vocab[:vocab_size]):
         ok[i] = bool(piece) and min(piece) >= 0x20
     ok[list(keep)] = True
-    weights = (1 << torch.arange(32, dtype=torch.int64))
+    weights = 1 << torch.arange(32, dtype=torch.int64)
     words = (ok.view(-1, 32).long() * weights).sum(dim=1)  # [W] as unsigned 32-bit values
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
