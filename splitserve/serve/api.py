@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from splitserve.config.manifest import Manifest
+from splitserve.engine.params import GrammarSpec
 from splitserve.serve.access_log import AccessLog
 from splitserve.serve.api_guard import DocsGuard, MetricsCache
 from splitserve.serve.chat_template import TEMPLATE_TIMEOUT_S, template_kwargs
@@ -40,6 +41,16 @@ from splitserve.serve.json_edge import parse_json
 from splitserve.serve.metrics import RouterMetrics, ttft_breakdown
 from splitserve.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from splitserve.serve.router import Dispatcher, Piece, WorkerSet
+from splitserve.serve.structured import checked, requested_grammar
+from splitserve.serve.tools import (
+    ToolDeltas,
+    ToolParser,
+    chosen_tools,
+    parser_for,
+    render_messages,
+    template_knows_tools,
+    tool_grammar,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +162,9 @@ class OpenAIServer:
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.metrics.prime(manifest.transport.backend)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        template = getattr(getattr(tokenizer, "hf", None), "chat_template", None)
+        self.tool_format = parser_for(template)  # the model family's tool-call syntax (tools.py)
+        self.native_tools = template_knows_tools(template)
         # the per-token metrics, bound to their labels once (a .labels() lookup per token adds up)
         self.metrics_cache = MetricsCache(self.render_metrics)  # one render per 0.25 s at most
         self.runs: set[_Run] = set()  # requests in flight (cut_streams ends them at the drain deadline)
@@ -252,11 +266,12 @@ class OpenAIServer:
         self._check_n(req.n)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in req.messages
-        ]
+        offered = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        tools, mode = chosen_tools(offered, req.tool_choice)
+        messages = render_messages(req.messages, tools, self.native_tools)
         kwargs = template_kwargs(req.chat_template_kwargs, self.manifest.server.trust_request_chat_template)
+        if tools and self.native_tools:
+            kwargs["tools"] = tools
         try:
             prompt_ids = await asyncio.wait_for(
                 asyncio.to_thread(  # off the loop; HF renders in jinja's immutable sandbox
@@ -278,8 +293,18 @@ class OpenAIServer:
             ) from None
         self.check_length(len(prompt_ids), req.max_new(), "messages")
         params = req.sampling(req.max_new(), req.logprobs_k())
+        asked = requested_grammar(req)
+        forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, self.tool_format)
+        if forced is not None and asked is not None:
+            raise APIError(400, f"tool_choice {mode} and {asked[1]} each constrain the answer: give one",
+                           param="tool_choice")  # fmt: skip
+        if forced is not None:
+            params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools")
+        elif asked is not None:
+            params["grammar"] = await checked(*asked)
         prompts = [(prompt_ids, "")]
-        return await self._run("chat", req, prompts, params, start, request)
+        fmt = self.tool_format if tools else None
+        return await self._run("chat", req, prompts, params, start, request, fmt)
 
     async def completions(self, request: Request) -> Response:
         start = time.perf_counter()
@@ -310,6 +335,9 @@ class OpenAIServer:
             self.check_length(len(ids), req.max_tokens, "prompt")
             prompts.append((ids, text if req.echo else ""))
         params = req.sampling(req.max_tokens, req.logprobs)
+        asked = requested_grammar(req)
+        if asked is not None:
+            params["grammar"] = await checked(*asked)
         return await self._run("completion", req, prompts, params, start, request)
 
     def _check_n(self, n: int) -> None:
@@ -326,12 +354,14 @@ class OpenAIServer:
         params: dict,
         start: float,
         request: Request,
+        tool_format: str | None = None,
     ) -> Response:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         name = self.info.served_name
         waited = await self.admission.acquire()  # errors are counted by status in access_log.py
         self.metrics.router_queue.labels(name).observe(waited)
         run = request.state.splitserve_run = _Run(self, kind, req, prompts, params, rid, start)
+        run.tool_format = tool_format
         self.runs.add(run)
         released = False
 
@@ -493,6 +523,7 @@ class _Run:
         self.first_metrics: dict = {}
         self.ttft: float | None = None
         self.pending = len(self.jobs)
+        self.tool_format: str | None = None  # tools on: each choice's text is parsed for calls
 
     def launch(self) -> None:
         for index, ids, params in self.jobs:
@@ -597,10 +628,14 @@ class _Run:
         for c, echo in zip(self.choices, self.echo, strict=True):
             lp = self._logprobs(c.logprobs) if self.params.get("logprobs") is not None else None
             if self.kind == "chat":
-                msg = {"role": "assistant", "content": c.text, "refusal": None}
-                choices.append(
-                    {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": c.finish_reason}
-                )
+                msg: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+                reason = c.finish_reason
+                if self.tool_format is not None:
+                    msg["content"], calls = ToolParser(self.tool_format).parse(c.text)
+                    if calls:
+                        msg["tool_calls"] = [call.to_openai() for call in calls]
+                        reason = "tool_calls" if reason == "stop" else reason
+                choices.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append(
                     {
@@ -673,6 +708,7 @@ class _Run:
                     )
             piece: Piece | None = first
             offsets = [0] * len(self.choices)
+            tools = [ToolDeltas(self.tool_format) for _ in self.choices] if self.tool_format else None
             while piece is not None:
                 c = self.choices[piece.index]
                 lp = None
@@ -682,6 +718,11 @@ class _Run:
                         len(self.s.token_text(e["token_id"])) for e in piece.logprobs or []
                     )
                 text = piece.text
+                if tools is not None:
+                    for chunk in self._tool_chunks(tools[piece.index], piece, lp, continuous):
+                        yield chunk
+                    piece = await self.next()
+                    continue
                 if self.kind == "chat":
                     choice = {
                         "index": c.index,
@@ -710,6 +751,21 @@ class _Run:
             log.info("client went away from %s; aborting its choices", self.rid)
             raise
         yield b"data: [DONE]\n\n"
+
+    def _tool_chunks(self, tools: ToolDeltas, piece: Piece, lp: dict | None, continuous: bool) -> list[bytes]:
+        """A chat piece with tools on: a chunk per content run or whole call; the finish on the last."""
+        c = self.choices[piece.index]
+        deltas = tools.deltas(piece.text, piece.finished) or ([{"content": ""}] if piece.finished else [])
+        chunks = []
+        for k, delta in enumerate(deltas):
+            last = piece.finished and k == len(deltas) - 1
+            reason = c.finish_reason if last else None
+            if last and tools.calls and reason == "stop":
+                reason = "tool_calls"
+            choice = {"index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                      "finish_reason": reason}  # fmt: skip
+            chunks.append(self._chunk([choice], continuous))
+        return chunks
 
     def _chunk(self, choices: list[dict], continuous: bool, usage: bool = False) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
