@@ -22,38 +22,79 @@ SCHEMAS = [
             "kind": {"enum": ["cat", "dog", "fish"]},
             "owner": {
                 "type": "object",
-                "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
-                               "vip": {"type": "boolean"}},
+                "properties": {
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                    "vip": {"type": "boolean"},
+                },
                 "required": ["age", "vip"],
             },
             "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
         },
         "required": ["name", "kind", "owner", "tags"],
-    },  # fmt: skip
-    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 1, "maxItems": 4},
+    },
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 5},
+        "minItems": 1,
+        "maxItems": 4,
+    },
     {
         "type": "object",
-        "properties": {"ok": {"type": "boolean"}, "score": {"type": "integer", "minimum": 0, "maximum": 9},
-                       "level": {"enum": ["low", "mid", "high"]}},
+        "properties": {
+            "ok": {"type": "boolean"},
+            "score": {"type": "integer", "minimum": 0, "maximum": 9},
+            "level": {"enum": ["low", "mid", "high"]},
+        },
         "required": ["ok", "score", "level"],
-    },  # fmt: skip
+    },
     {
         "type": "object",
-        "properties": {"items": {"type": "array", "maxItems": 2, "items": {
-            "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
-                                             "label": {"type": "string", "maxLength": 4}},
-            "required": ["id", "label"]}}},
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "integer", "minimum": 1, "maximum": 99},
+                        "label": {"type": "string", "maxLength": 4},
+                    },
+                    "required": ["id", "label"],
+                },
+            }
+        },
         "required": ["items"],
-    },  # fmt: skip
+    },
 ]
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                    "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}}},
-    {"type": "function", "function": {"name": "add", "description": "Add two integers",
-     "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                    "b": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["a", "b"]}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 999},
+                },
+                "required": ["a", "b"],
+            },
+        },
+    },
+]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "Give me the answer."}]
 
@@ -61,8 +102,11 @@ MESSAGES = [{"role": "user", "content": "Give me the answer."}]
 @pytest.fixture(scope="module", params=["colocated", "disaggregated"])
 def dep(request):
     d = start_deployment(
-        manifest_yaml(mode=request.param, model={"source": MODEL, "max_model_len": 512},
-                      engine={"kv_cache_mb": 16, "max_num_seqs": 32})  # fmt: skip
+        manifest_yaml(
+            mode=request.param,
+            model={"source": MODEL, "max_model_len": 512},
+            engine={"kv_cache_mb": 16, "max_num_seqs": 32},
+        )
     )
     yield d
     assert d.stop() == 0, "\n".join(d.log)
@@ -76,7 +120,9 @@ async def _answer(client: openai.AsyncOpenAI, stream: bool, **kw) -> tuple[str, 
         calls = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
         return msg.content or "", r.choices[0].finish_reason, calls
     text, reason, calls = "", None, {}
-    async for chunk in await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **kw):
+    async for chunk in await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True, **kw
+    ):
         for ch in chunk.choices:
             text += ch.delta.content or ""
             for tc in ch.delta.tool_calls or []:
@@ -93,8 +139,9 @@ def test_json_schema_answers_validate(dep):
     async def one(i: int) -> tuple[int, str, str | None]:
         schema = SCHEMAS[i % len(SCHEMAS)]
         fmt = {"type": "json_schema", "json_schema": {"name": f"s{i % 4}", "schema": schema, "strict": True}}
-        text, reason, _ = await _answer(client, i % 2 == 1, response_format=fmt, max_tokens=160, seed=i,
-                                        temperature=1.0)  # fmt: skip
+        text, reason, _ = await _answer(
+            client, i % 2 == 1, response_format=fmt, max_tokens=160, seed=i, temperature=1.0
+        )
         return i, text, reason
 
     async def main():
@@ -117,13 +164,24 @@ def test_forced_tool_calls_validate(dep):
     validate against the tool's parameters, finish_reason tool_calls (or length, amid parallel calls)."""
     client = dep.async_client(timeout=300)
     named = {"type": "function", "function": {"name": "add"}}
-    cases = [(choice, parallel, stream) for choice in ("required", named) for parallel in (True, False)
-             for stream in (False, True)]  # fmt: skip
+    cases = [
+        (choice, parallel, stream)
+        for choice in ("required", named)
+        for parallel in (True, False)
+        for stream in (False, True)
+    ]
 
     async def one(i: int):
         choice, parallel, stream = cases[i % len(cases)]
-        out = await _answer(client, stream, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel,
-                            max_tokens=120, seed=i)  # fmt: skip
+        out = await _answer(
+            client,
+            stream,
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
+            max_tokens=120,
+            seed=i,
+        )
         return choice, parallel, out
 
     async def main():
@@ -144,30 +202,47 @@ def test_vllm_guided_fields(dep):
     kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "seed": 3}
     r = client.chat.completions.create(**kw, extra_body={"guided_choice": ["yes", "no"]})
     assert r.choices[0].message.content in ("yes", "no")
-    r = client.chat.completions.create(**kw, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}})
+    r = client.chat.completions.create(
+        **kw, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}}
+    )
     assert len(r.choices[0].message.content) == 6 and r.choices[0].message.content[3] == "-"
-    r = client.completions.create(model=MODEL, prompt="x", max_tokens=60, seed=1,
-                                  extra_body={"guided_json": SCHEMAS[2]})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=60, seed=1, extra_body={"guided_json": SCHEMAS[2]}
+    )
     jsonschema.validate(json.loads(r.choices[0].text), SCHEMAS[2])
     r = client.chat.completions.create(**{**kw, "max_tokens": 60}, response_format={"type": "json_object"})
     text = r.choices[0].message.content  # free keys and strings: noise may run past max_tokens
-    assert text.startswith("{") and (r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+    assert text.startswith("{") and (
+        r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)
+    )
 
 
 @pytest.mark.parametrize(
     "extra, words",
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-         "nope"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                }
+            },
+            "nope",
+        ),
         ({"guided_regex": "(ab"}, "guided_regex"),
         ({"guided_grammar": "root ::= undefined_rule"}, "undefined_rule"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "one structured output"),
         ({"response_format": {"type": "xml"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice":
-          {"type": "function", "function": {"name": "g"}}}, "'g'"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "'g'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_grammars_are_400s(dep, extra, words):
     with pytest.raises(openai.BadRequestError) as err:
         dep.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, extra_body=extra)
@@ -180,8 +255,9 @@ def test_unsatisfiable_grammar_ends_by_length(dep):
     kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "extra_body": {"guided_regex": "a{200}"}}
     r = client.chat.completions.create(**kw)
     assert r.choices[0].finish_reason == "length" and set(r.choices[0].message.content) <= {"a"}
-    reasons = [c.choices[0].finish_reason for c in client.chat.completions.create(**kw, stream=True)
-               if c.choices]  # fmt: skip
+    reasons = [
+        c.choices[0].finish_reason for c in client.chat.completions.create(**kw, stream=True) if c.choices
+    ]
     assert reasons[-1] == "length"
     stats = dep.wait_idle()
     assert all(s["blocks"]["free"] == s["blocks"]["total"] for s in stats.values()), stats
@@ -208,6 +284,11 @@ def test_constrained_output_equals_the_engine(dep, engine_answers):
     disaggregated alike (the decode worker replays the prefill's first token into its matcher)."""
     client = dep.client()
     for i, (ids, text) in enumerate(engine_answers):
-        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=160, seed=i,
-                                      extra_body={"guided_json": SCHEMAS[i % len(SCHEMAS)]})  # fmt: skip
+        r = client.completions.create(
+            model=MODEL,
+            prompt=ids,
+            max_tokens=160,
+            seed=i,
+            extra_body={"guided_json": SCHEMAS[i % len(SCHEMAS)]},
+        )
         assert r.choices[0].text == text
