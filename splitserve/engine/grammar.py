@@ -70,7 +70,7 @@ def build_grammar(spec: GrammarSpec) -> xgrammar.Grammar:
     except GrammarError:
         raise
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, pydantic errors
-        raise GrammarError(f"invalid {spec.kind} grammar: {_clean(exc)}") from None
+        raise GrammarError(f"invalid {spec.kind} grammar: {clean_error(exc)}") from None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -99,7 +99,7 @@ def _choice_ebnf(spec: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _clean(exc: BaseException) -> str:
+def clean_error(exc: BaseException) -> str:
     """xgrammar's message without its C++ source location prefix ("[hh:mm:ss] file.cc:123: ")."""
     text = str(exc).strip()
     if text.startswith("[") and ": " in text:
@@ -212,4 +212,12 @@ def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-__all__ = ["GrammarError", "Grammars", "Matcher", "build_grammar", "check_grammar", "mask_logits"]
+__all__ = [
+    "GrammarError",
+    "Grammars",
+    "Matcher",
+    "build_grammar",
+    "check_grammar",
+    "clean_error",
+    "mask_logits",
+]

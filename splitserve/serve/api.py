@@ -40,6 +40,7 @@ from splitserve.serve.contain import ContainErrors
 from splitserve.serve.json_edge import parse_json
 from splitserve.serve.metrics import RouterMetrics, ttft_breakdown
 from splitserve.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from splitserve.serve.responses import ResponseEvents, ResponsesRequest, response_object
 from splitserve.serve.router import Dispatcher, Piece, WorkerSet
 from splitserve.serve.structured import checked, requested_grammar
 from splitserve.serve.tools import (
@@ -51,6 +52,7 @@ from splitserve.serve.tools import (
     template_knows_tools,
     tool_grammar,
 )
+from splitserve.serve.utility_routes import install_utility_routes
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +263,23 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         start = time.perf_counter()
         self.check_auth(request)
-        req = _validate(ChatCompletionRequest, await self.read_json(request))
+        return await self.chat_body(await self.read_json(request), request, start)
+
+    async def responses(self, request: Request) -> Response:
+        """/v1/responses: translated to a chat request, its answer translated back (responses.py)."""
+        start = time.perf_counter()
+        self.check_auth(request)
+        req = _validate(ResponsesRequest, await self.read_json(request))
+        answer = await self.chat_body(req.to_chat(), request, start)
+        ours = {k: v for k, v in answer.headers.items() if k.startswith("x-")}  # the request id, TTFT parts
+        if isinstance(answer, _Stream):
+            events = ResponseEvents(req, self.info.served_name).sse(answer.body_iterator)
+            return _Stream(events, answer.cleanup, media_type="text/event-stream", headers=ours)
+        body = response_object(req, self.info.served_name, msgspec.json.decode(answer.body))
+        return JSONResponse(body, headers=ours)
+
+    async def chat_body(self, body: dict, request: Request, start: float) -> Response:
+        req = _validate(ChatCompletionRequest, body)
         self.check_model(req.model)
         self._check_n(req.n)
         if self.tokenizer is None:
@@ -791,6 +809,10 @@ class _Stream(StreamingResponse):
         super().__init__(content, **kw)
         self._cleanup = cleanup
 
+    @property
+    def cleanup(self) -> Callable[[], Awaitable[None]]:
+        return self._cleanup
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
@@ -895,6 +917,12 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         return await get().completions(request)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(request: Request) -> Response:
+        return await get().responses(request)
+
+    install_utility_routes(app, get)
 
     @app.get("/admin/deployment")
     async def deployment(request: Request) -> dict:

@@ -125,23 +125,37 @@ def tool_grammar(tools: list[dict], mode: str, parallel: bool, fmt: str) -> str 
     """xgrammar structural-tag JSON admitting only calls of `tools` ("required", "named"), else None."""
     if mode not in ("required", "named"):
         return None
-    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
+    from xgrammar.structural_tag import GrammarFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
 
     tags = []
-    for t in tools:
+    for i, t in enumerate(tools):
         fn = t["function"]
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
         if fmt == LLAMA3:
             begin, end = f'{{"name": {json.dumps(fn["name"])}, "parameters": ', "}"
         else:
             begin = f'{_HERMES_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": '
             end = f"}}\n{_HERMES_CLOSE}"
-        content = JSONSchemaFormat(json_schema=params, max_whitespace_cnt=1)
+        content = GrammarFormat(
+            grammar=_arguments_ebnf(fn.get("parameters"), f"tools[{i}].function.parameters")
+        )
         tags.append(TagFormat(begin=begin, content=content, end=end))
     sep = "; " if fmt == LLAMA3 else "\n"
     one = mode == "named" or not parallel
     body = TagsWithSeparatorFormat(tags=tags, separator=sep, at_least_one=True, stop_after_first=one)
     return StructuralTag(format=body).model_dump_json()
+
+
+def _arguments_ebnf(params: dict | None, where: str) -> str:
+    """The arguments' grammar: compact JSON valid against the parameters (strict, as for json_schema)."""
+    import xgrammar as xgr
+
+    from splitserve.engine.grammar import clean_error
+
+    schema = params or {"type": "object", "properties": {}}
+    try:
+        return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
+    except Exception as exc:  # noqa: BLE001 - xgrammar's RuntimeError, with its words
+        raise APIError(400, f"{where}: invalid JSON schema: {clean_error(exc)}", param=where) from None
 
 
 # ---- the calls in the text ---------------------------------------------------------------------------

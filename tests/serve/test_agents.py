@@ -128,3 +128,88 @@ def test_langchain_structured_output_and_tools(colocated):
     msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Lima?")
     assert isinstance(msg, AIMessage) and msg.tool_calls, msg
     assert msg.tool_calls[0]["name"] == "get_weather" and isinstance(msg.tool_calls[0]["args"]["city"], str)
+
+
+RESPONSES_TOOL = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_api_text_and_function_tools(colocated):
+    """`client.responses.create`: text (streamed and not), then a forced function call, its output fed
+    back as input items, and a text answer."""
+    client = colocated.client(timeout=120)
+    r = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=16, temperature=0)
+    assert r.object == "response" and r.status in ("completed", "incomplete") and r.output_text
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Say hello.", max_output_tokens=16, temperature=0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == r.output_text  # greedy: the same text either way
+    r = client.responses.create(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[RESPONSES_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=60,
+    )
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city", "unit"}
+    follow = [
+        {"role": "user", "content": "Weather in Paris?"},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+    ]
+    r = client.responses.create(
+        model=MODEL,
+        input=follow,
+        tools=[RESPONSES_TOOL],
+        tool_choice="none",
+        temperature=0,
+        max_output_tokens=30,
+    )
+    assert r.output_text and not [o for o in r.output if o.type == "function_call"]
+
+
+def test_langchain_responses_api(colocated):
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=f"{colocated.url}/v1",
+        api_key="unused",
+        temperature=0,
+        max_tokens=80,
+        max_retries=0,
+        timeout=120,
+        use_responses_api=True,
+    )
+    assert llm.invoke("Say hello.").text
+    tools = llm.bind_tools([RESPONSES_TOOL], tool_choice="required", parallel_tool_calls=False)
+    msg = tools.invoke("Weather in Lima?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+
+
+def test_utility_routes(colocated):
+    import httpx
+
+    url = colocated.url
+    ids = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_model_len"] == 2048
+    assert httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": ids["tokens"]}).json() == {
+        "prompt": "Hello world"
+    }
+    chat = httpx.post(
+        f"{url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True}
+    ).json()
+    assert "<|im_start|>" in chat["token_strs"]
+    assert httpx.get(f"{url}/version").json()["version"]
+    assert httpx.get(f"{url}/ping").status_code == 200 and httpx.post(f"{url}/ping").status_code == 200
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
