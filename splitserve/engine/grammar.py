@@ -7,10 +7,10 @@ A constrained request's life in the engine:
      on a thread; the request waits outside the scheduler until it is done (`LLMEngine._admit_compiled`),
      so a slow compile never stalls the step that runs the other requests.
   2. Each step that samples it, the sampler masks its logits (`mask_logits`): one token bitmask for the
-     batch ([N, ceil(V/32)] int32, one bit per token), filled on the host row by row from the matchers,
-     copied to the device once (pinned, non-blocking) and expanded there; unconstrained rows stay
-     all-ones. Constrained requests never take part in overlapped steps: each needs its matcher
-     advanced by the previous token before its next mask.
+     constrained rows of the batch ([L, ceil(V/32)] int32, one bit per token), filled on the host by
+     xgrammar's batch matcher (on threads), copied to the device once (pinned, non-blocking) and
+     unpacked there; unconstrained rows are left as they are. Constrained requests never take part in
+     overlapped steps: each needs its matcher advanced by the previous token before its next mask.
   3. Each appended token advances the matcher (`LLMEngine._append_token`); once the grammar has
      accepted a stop token (it allows only those when it is complete) the request ends with "stop", and
      `max_tokens` still ends it with "length" first, never a hang.
@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from splitserve.engine.params import GrammarSpec
@@ -170,20 +171,15 @@ class Matcher:
     def __init__(self, compiled: xgrammar.CompiledGrammar, allowed: torch.Tensor | None = None) -> None:
         import xgrammar as xgr
 
-        self._m = xgr.GrammarMatcher(compiled)
-        self._allowed = allowed  # [W] int32, ANDed into every mask
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.allowed = allowed  # [W] int32, ANDed into every mask
 
     def accept(self, token: int) -> bool:
-        return bool(self._m.accept_token(token))
+        return bool(self.matcher.accept_token(token))
 
     @property
     def terminated(self) -> bool:
-        return bool(self._m.is_terminated())
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._m.fill_next_token_bitmask(bitmask, row)
-        if self._allowed is not None:
-            bitmask[row] &= self._allowed
+        return bool(self.matcher.is_terminated())
 
 
 def _without_control_bytes(vocab: Sequence[bytes], vocab_size: int, keep: Sequence[int]) -> torch.Tensor:
@@ -200,16 +196,50 @@ def _without_control_bytes(vocab: Sequence[bytes], vocab_size: int, keep: Sequen
 def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """`logits` [N, V] with the tokens each constrained row's grammar forbids set to -inf."""
     n, vocab = logits.shape
-    words = -(-vocab // 32)
-    bitmask = torch.full((n, words), -1, dtype=torch.int32)  # [N, W]: all allowed
-    for i, r in enumerate(reqs):
-        if r.grammar is not None and not r.grammar.terminated:
-            r.grammar.fill(bitmask, i)
-    if logits.device.type == "cuda":
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(n, words * 32)[:, :vocab]  # [N, V]
-    return logits.masked_fill(~allowed, float("-inf"))
+    live = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.terminated]
+    if not live:
+        return logits
+    bitmask = _host_bitmask(len(live), -(-vocab // 32), logits.device)  # [L, W], one row per live row
+    _batch_matcher().batch_fill_next_token_bitmask([m.matcher for _, m in live], bitmask)  # on threads
+    for k, (_, m) in enumerate(live):
+        if m.allowed is not None:
+            bitmask[k] &= m.allowed
+    if logits.device.type == "cuda":  # one copy; the bits unpacked on the device
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(live), -1)[:, :vocab]  # [L, V]
+    else:
+        unpacked = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(unpacked.view(np.bool_))[:, :vocab]  # [L, V]
+    if len(live) == n:
+        return torch.where(allowed, logits, float("-inf"))
+    rows = torch.tensor([i for i, _ in live], device=logits.device)
+    out = logits.clone()
+    out[rows] = torch.where(allowed, logits[rows], float("-inf"))
+    return out
+
+
+_pinned: dict[str, torch.Tensor] = {}  # CUDA: one pinned host buffer, grown as batches grow
+
+
+def _host_bitmask(rows: int, words: int, device: torch.device) -> torch.Tensor:
+    """[rows, words] int32 of -1 (every token allowed), on the host; pinned and reused for CUDA.
+    NOTE: reuse is safe: the previous step's copy out of it finished when its tokens were read."""
+    if device.type != "cuda":
+        return torch.full((rows, words), -1, dtype=torch.int32)
+    buf = _pinned.get("bitmask")
+    if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
+        buf = _pinned["bitmask"] = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=True)
+    view = buf[:rows]
+    view.fill_(-1)
+    return view
+
+
+@functools.lru_cache(maxsize=1)
+def _batch_matcher() -> Any:
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher()
 
 
 __all__ = [
