@@ -169,6 +169,7 @@ class ToolParser:
         self.fmt = fmt
         self._buf = ""  # text not yet handed out
         self._in_calls = False  # llama3_json: the answer is calls from its start
+        self._after_call = False  # hermes: a block just closed (a newline after it is dropped)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, calls = self.feed(text)
@@ -196,6 +197,9 @@ class ToolParser:
     def _feed_hermes(self) -> tuple[str, list[ToolCall]]:
         out, calls = "", []
         while True:
+            if self._after_call and self._buf:  # the newline between two blocks is no content
+                self._buf = self._buf.lstrip("\n")
+                self._after_call = not self._buf
             start = self._buf.find(_HERMES_OPEN)
             if start == -1:
                 keep = _partial_suffix(self._buf, _HERMES_OPEN)
@@ -212,8 +216,8 @@ class ToolParser:
                 calls.append(call)
             else:  # not a call after all: it is text
                 out += self._buf[start : end + len(_HERMES_CLOSE)]
-            tail = self._buf[end + len(_HERMES_CLOSE) :]
-            self._buf = tail.lstrip("\n") if call is not None else tail
+            self._buf = self._buf[end + len(_HERMES_CLOSE) :]
+            self._after_call = call is not None
 
     def _feed_llama(self) -> tuple[str, list[ToolCall]]:
         if not self._in_calls:
