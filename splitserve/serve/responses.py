@@ -176,13 +176,19 @@ def _envelope(
         "temperature": req.temperature,
         "top_p": req.top_p,
         "tool_choice": req.tool_choice or "auto",
-        "tools": req.tools or [],
+        "tools": [_tool_echo(t) for t in req.tools or []],
         "text": {"format": fmt},
         "truncation": req.truncation or "disabled",
         "store": False,
         "reasoning": None,
-        "usage": usage,
+        **({"usage": usage} if usage is not None else {}),  # none while in progress
     }
+
+
+def _tool_echo(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as a response object lists it (every field present)."""
+    keys = ("description", "parameters", "strict")
+    return {"type": "function", "name": tool.get("name"), **{k: tool.get(k) for k in keys}}
 
 
 def _usage(chat_usage: dict | None) -> dict | None:
@@ -192,7 +198,7 @@ def _usage(chat_usage: dict | None) -> dict | None:
         "input_tokens": chat_usage["prompt_tokens"],
         "output_tokens": chat_usage["completion_tokens"],
         "total_tokens": chat_usage["total_tokens"],
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens_details": {"reasoning_tokens": 0},
     }
 
@@ -272,7 +278,7 @@ class ResponseEvents:
                         item_id=item["id"],
                         output_index=len(self.output) - 1,
                         content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": []},
+                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
                     )
                 )
             self.text += delta["content"]
@@ -311,6 +317,7 @@ class ResponseEvents:
                     "response.function_call_arguments.done",
                     item_id=item["id"],
                     output_index=index,
+                    name=item["name"],
                     arguments=item["arguments"],
                 )
             )

@@ -213,3 +213,42 @@ def test_utility_routes(colocated):
     assert httpx.get(f"{url}/ping").status_code == 200 and httpx.post(f"{url}/ping").status_code == 200
     bad = httpx.post(f"{url}/detokenize", json={"tokens": [-1]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_bodies_validate_against_openai_schema(colocated, openai_schema):
+    """A tool-call answer and its stream's chunks validate against OpenAI's own schema; so does a
+    /v1/responses object and its stream's events, where the full schema file is at hand."""
+    import httpx
+    from conftest import check_schema, sse_events
+
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 60,
+    }
+    url = colocated.url
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    check_schema(openai_schema, "CreateChatCompletionResponse", r.json())
+    assert r.json()["choices"][0]["message"]["tool_calls"]
+    raw = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120).text
+    for event in sse_events(raw)[:-1]:
+        check_schema(openai_schema, "CreateChatCompletionStreamResponse", json.loads(event))
+    if "Response" not in openai_schema["components"]["schemas"]:
+        return  # the extracted components (tests/serve/data) stop at the chat and completions APIs
+    rbody = {
+        "model": MODEL,
+        "input": "Weather in Oslo?",
+        "tools": [RESPONSES_TOOL],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_output_tokens": 60,
+    }
+    check_schema(openai_schema, "Response", httpx.post(f"{url}/v1/responses", json=rbody, timeout=120).json())
+    raw = httpx.post(f"{url}/v1/responses", json={**rbody, "stream": True}, timeout=120).text
+    for event in sse_events(raw):
+        check_schema(openai_schema, "ResponseStreamEvent", json.loads(event))
