@@ -185,7 +185,7 @@ def test_forced_tool_calls_validate(dep):
         return choice, parallel, out
 
     async def main():
-        return await asyncio.gather(*(one(i) for i in range(32)))
+        return await asyncio.gather(*(one(i) for i in range(16)))
 
     for choice, parallel, (_, reason, calls) in asyncio.run(main()):
         assert calls, (choice, reason)
