@@ -194,45 +194,44 @@ def _without_control_bytes(vocab: Sequence[bytes], vocab_size: int, keep: Sequen
 
 
 def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """`logits` [N, V] with the tokens each constrained row's grammar forbids set to -inf."""
+    """`logits` [N, V] with the tokens each constrained row's grammar forbids set to -inf.
+    NOTE: in place (the sampler's logits are its own: the runner's output, or a copy of it)."""
     n, vocab = logits.shape
     live = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.terminated]
     if not live:
         return logits
     bitmask = _host_bitmask(len(live), -(-vocab // 32), logits.device)  # [L, W], one row per live row
-    _batch_matcher().batch_fill_next_token_bitmask([m.matcher for _, m in live], bitmask)  # on threads
+    _batch_matcher().batch_fill_next_token_bitmask([m.matcher for _, m in live], bitmask)  # whole rows
     for k, (_, m) in enumerate(live):
         if m.allowed is not None:
             bitmask[k] &= m.allowed
     if logits.device.type == "cuda":  # one copy; the bits unpacked on the device
         bitmask = bitmask.to(logits.device, non_blocking=True)
         bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(live), -1)[:, :vocab]  # [L, V]
+        forbidden = ((bitmask[:, :, None] >> bits) & 1 == 0).reshape(len(live), -1)[:, :vocab]  # [L, V]
     else:
-        unpacked = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(unpacked.view(np.bool_))[:, :vocab]  # [L, V]
-    if len(live) == n:
-        return torch.where(allowed, logits, float("-inf"))
-    rows = torch.tensor([i for i, _ in live], device=logits.device)
-    out = logits.clone()
-    out[rows] = torch.where(allowed, logits[rows], float("-inf"))
-    return out
+        unpacked = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")
+        forbidden = torch.from_numpy(unpacked.view(np.bool_))[:, :vocab]  # [L, V]
+    with torch.inference_mode():  # the runner's logits are inference tensors: updated in place here
+        if len(live) == n:
+            return logits.masked_fill_(forbidden, float("-inf"))
+        rows = torch.tensor([i for i, _ in live], device=logits.device)
+        logits[rows] = logits[rows].masked_fill_(forbidden, float("-inf"))
+    return logits
 
 
 _pinned: dict[str, torch.Tensor] = {}  # CUDA: one pinned host buffer, grown as batches grow
 
 
 def _host_bitmask(rows: int, words: int, device: torch.device) -> torch.Tensor:
-    """[rows, words] int32 of -1 (every token allowed), on the host; pinned and reused for CUDA.
-    NOTE: reuse is safe: the previous step's copy out of it finished when its tokens were read."""
+    """[rows, words] int32 on the host, uninitialized (xgrammar fills whole rows); pinned and reused for
+    CUDA. NOTE: reuse is safe: the previous step's copy out of it finished when its tokens were read."""
     if device.type != "cuda":
-        return torch.full((rows, words), -1, dtype=torch.int32)
+        return torch.empty((rows, words), dtype=torch.int32)
     buf = _pinned.get("bitmask")
     if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
         buf = _pinned["bitmask"] = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=True)
-    view = buf[:rows]
-    view.fill_(-1)
-    return view
+    return buf[:rows]
 
 
 @functools.lru_cache(maxsize=1)
