@@ -187,7 +187,11 @@ class ChatMessage(_Req):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallIn] | None = None
+    # what an SDK's assistant message carries when a client appends it back as is: nothing to use
     refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:

@@ -108,3 +108,38 @@ def test_sampling_params_take_the_grammar_as_a_dict():
         SamplingParams(grammar={"kind": "xml", "spec": "x"})
     with pytest.raises(ValueError, match="bad grammar"):
         SamplingParams(grammar={"kind": "regex", "spec": "a", "extra": 1})
+
+
+def test_an_sdk_assistant_message_appended_back_as_is_is_taken():
+    msg = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "annotations": [],
+        "audio": None,
+        "function_call": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+        ],
+    }
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "x"},
+                msg,
+                {"role": "tool", "tool_call_id": "c1", "content": "2"},
+            ],
+        }
+    )
+    from splitserve.serve.tools import render_messages
+
+    hermes = render_messages(req.messages, TOOLS, native=False)
+    assert hermes[0]["role"] == "system" and "<tools>" in hermes[0]["content"]
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>' in hermes[2]["content"]
+    assert hermes[3]["content"] == "<tool_response>\n2\n</tool_response>"
+    native = render_messages(req.messages, TOOLS, native=True)
+    assert native[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    ]
+    assert native[2]["tool_call_id"] == "c1"
