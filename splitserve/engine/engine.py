@@ -19,6 +19,9 @@ Prefill/decode disaggregation (disagg.py) plugs in through `kv_connector`: `add_
 kv_transfer="export")` leases a request's blocks to the KV transport after its first token instead of
 freeing them; `add_request_with_kv(...)` starts a request whose prompt KV is fetched from a prefill
 engine; blocks whose lease ended come back at the start of each `step()` (or `free_released_kv()`).
+
+Constrained requests (`SamplingParams.grammar`, grammar.py) wait outside the scheduler while their
+grammar compiles on a thread, are masked by it in the sampler and advance their matcher with each token.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +38,7 @@ import torch
 
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
+from splitserve.engine.grammar import Grammars
 from splitserve.engine.kv_manager import KVManager
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, completion_of
@@ -181,6 +186,9 @@ class LLMEngine:
                 config.max_num_seqs, self.max_model_len, num_blocks, self.states.scratch
             )
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
+        hf = self.tokenizer.hf if self.tokenizer is not None else None
+        self.grammars = Grammars(hf, cfg.vocab_size, self.eos_token_ids)
+        self._compiling: list[tuple[Future, list[Request]]] = []  # waiting for their grammar
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
         self.kv_connector: KVConnector | None = None  # set by disagg.KVConnector for the PD roles
@@ -291,6 +299,9 @@ class LLMEngine:
             self._connector().check_export(kv_transfer, params)
         prompt_ids = self._prompt_ids(prompt)
         max_tokens = self._check_lengths(prompt_ids, params)
+        compiled = self.grammars.compile(params.grammar) if params.grammar is not None else None
+        if compiled is not None and compiled.done() and compiled.exception() is not None:
+            raise compiled.exception()  # type: ignore[misc]  # a GrammarError (a ValueError)
         children = [self._child(request_id, prompt_ids, params, i, max_tokens) for i in range(params.n)]
         for child in children[1:]:
             child.leader = children[0]
@@ -298,8 +309,35 @@ class LLMEngine:
         self._parents[request_id] = children
         for child in children:
             self.requests[child.request_id] = child
+        if compiled is not None and not compiled.done():
+            self._compiling.append((compiled, children))  # queued by _admit_compiled once compiled
+            return request_id
+        for child in children:
+            if compiled is not None:
+                child.grammar = self.grammars.matcher(child.params.grammar, compiled.result())
             self.scheduler.add(child)
         return request_id
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar has compiled; one whose grammar failed (the front ends check
+        specs first, so hardly ever) ends with "abort", reported by this step."""
+        waiting: list[tuple[Future, list[Request]]] = []
+        for fut, children in self._compiling:
+            if not fut.done():
+                waiting.append((fut, children))
+                continue
+            error = fut.exception()
+            live = [c for c in children if not c.finished]  # not aborted while it compiled
+            for child in live:
+                if error is None:
+                    child.grammar = self.grammars.matcher(child.params.grammar, fut.result())
+                    self.scheduler.add(child)
+                else:
+                    child.status, child.finish_reason = Status.FINISHED, "abort"
+            if error is not None and live:
+                log.warning("grammar of %s failed to compile: %s", live[0].request_id, error)
+                self._ready.append(self._output(live[0].parent_id or live[0].request_id))
+        self._compiling = waiting
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its n samples) and free everything it holds. Unknown ids are ignored."""
@@ -330,6 +368,8 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         self.free_released_kv()
+        if self._compiling:
+            self._admit_compiled()
         ready, self._ready = self._ready, []
         inflight = self._inflight
         if inflight is not None and not self._may_continue():
@@ -337,6 +377,8 @@ class LLMEngine:
             return ready + self._resolve(inflight)  # read it now; the next step runs as usual
         sched = self.scheduler.schedule()
         if not sched.chunks:
+            if self._compiling and not ready:  # nothing else to do: wait for a grammar, not spin
+                wait([f for f, _ in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
             return ready
         self.forward_steps += 1
         if inflight is None and not self._may_overlap(sched):
@@ -376,6 +418,7 @@ class LLMEngine:
             and p.min_tokens == 0
             and not p.has_penalties
             and req.state_slot is None
+            and p.grammar is None
         )
 
     def _may_overlap(self, sched: SchedulerOutput) -> bool:
@@ -461,11 +504,15 @@ class LLMEngine:
         req.output_token_ids.append(token)
         if lp is not None:
             req.logprobs.append(lp)
+        if req.grammar is not None and not req.grammar.accept(token):
+            log.warning("%s: token %d is outside its grammar", req.request_id, token)  # a bug if seen
         new_chars = 0
         if req.detokenizer is not None:
             new_chars = len(req.detokenizer.step(token))
             req.text = req.detokenizer.text
         reason = check_stop(req, token, self.max_model_len, new_chars)
+        if reason is None and req.grammar is not None and req.grammar.terminated:
+            reason = req.finish_reason = "stop"  # the grammar took a stop token (ignore_eos kept it)
         if reason is not None:
             req.status = Status.FINISHED
             self.scheduler.kv.cache_full_blocks(req)
@@ -530,7 +577,10 @@ class LLMEngine:
             raise ValueError("a request with n > 1 cannot take part in a KV transfer")
         self._check_free_id(request_id)
         prompt_ids = self._prompt_ids(prompt)
-        return self._child(request_id, prompt_ids, params, 0, self._check_lengths(prompt_ids, params))
+        max_tokens = self._check_lengths(prompt_ids, params)
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # started now, used by adopt after the fetch
+        return self._child(request_id, prompt_ids, params, 0, max_tokens)
 
     def adopt(
         self, req: Request, first_token: int, logprob: TokenLogprob | None, num_computed_tokens: int
@@ -539,6 +589,12 @@ class LLMEngine:
         prompt's first `num_computed_tokens` tokens computed (KV fetched: all; recompute: 0) and its
         first token sampled elsewhere. -> its output if that token already ends it, else None."""
         self._check_free_id(req.request_id)
+        if req.params.grammar is not None:
+            try:  # the first token is replayed into a fresh matcher by _append_token below
+                req.grammar = self.grammars.matcher(req.params.grammar)
+            except BaseException:
+                self.scheduler.kv.free(req)
+                raise
         req.num_computed_tokens = num_computed_tokens
         self._parents[req.request_id] = [req]
         self.requests[req.request_id] = req

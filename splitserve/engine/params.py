@@ -1,4 +1,9 @@
-"""Per-request sampling parameters, in vLLM's spelling, validated at construction."""
+"""Per-request sampling parameters, in vLLM's spelling, validated at construction.
+
+`SamplingParams.grammar` (a `GrammarSpec`) constrains a request's output (structured outputs, forced
+tool calls): plain data here; compiling and matching it is engine/grammar.py's. On the wire (the
+router's and the worker's JSON, the engine core's msgpack) it travels as the dict of its fields.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,34 @@ _SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed
 
 def _int_in(value: object, lo: int, hi: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "ebnf", "structural_tag")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a constrained request's output must match. `spec` by kind: json: a JSON schema (text);
+    json_object: unused (any JSON object); regex; choice: a JSON list of the allowed strings; ebnf:
+    xgrammar's EBNF (GBNF) text; structural_tag: xgrammar's structural-tag JSON (tool calls).
+    `strict`: a JSON schema's objects take no properties beyond those it names."""
+
+    kind: str
+    spec: str = ""
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str) or not isinstance(self.strict, bool):
+            raise ValueError("a grammar's spec must be a string and its strict flag a boolean")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"a {self.kind} grammar needs a spec")
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What its compiled form is cached under."""
+        return (self.kind, self.spec, self.strict)
 
 
 @dataclass(frozen=True)
@@ -34,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per token (0: only the sampled token)
     skip_special_tokens: bool = True
     detokenize: bool = True
+    grammar: GrammarSpec | None = None  # a dict of its fields is taken too (the wire form)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -43,6 +77,13 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k < 0:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.grammar, dict):
+            try:
+                object.__setattr__(self, "grammar", GrammarSpec(**self.grammar))
+            except TypeError as exc:
+                raise ValueError(f"bad grammar: {exc}") from None
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError("grammar must be a GrammarSpec or a dict of its fields")
         self._validate()
 
     def _validate(self) -> None:

@@ -17,10 +17,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from splitserve.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.grammar import Matcher
 
 
 class Status(enum.Enum):
@@ -69,6 +73,7 @@ class Request:
     detokenizer: object | None = None
     export_kv: bool = False  # prefill role: lease the KV to the transport after the first token
     kv_export: object | None = None  # prefill role: the `disagg.KVExport` made when it was exported
+    grammar: Matcher | None = None  # a constrained request's matcher (engine/grammar.py)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,7 +3,8 @@
 Order of operations (vLLM's): raw logprobs are taken first (so they are the model's own distribution),
 then penalties and the min_tokens ban on stop tokens, then greedy rows take the argmax; the rest are
 divided by temperature, filtered by min_p, top_k and top_p, and sampled with the exponential-race
-trick (argmax of p / q, q ~ Exp(1)).
+trick (argmax of p / q, q ~ Exp(1)). A constrained request's row is masked by its grammar after the
+penalties (engine/grammar.py), so every filter and the draw see only the tokens it allows.
 A seeded request draws q from its own generator, so its tokens do not depend on its batch mates.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from splitserve.engine.grammar import mask_logits
 from splitserve.engine.request import Request, TokenLogprob
 
 
@@ -33,6 +35,8 @@ class Sampler:
         if any(r.params.has_penalties for r in reqs):
             logits = self._apply_penalties(logits.clone(), reqs)
         logits = self._apply_min_tokens(logits, reqs)
+        if any(r.grammar is not None for r in reqs):
+            logits = mask_logits(logits, reqs)
         tokens = self._sample(logits, reqs)
         token_list = tokens.tolist()
         if raw_logprobs is None:

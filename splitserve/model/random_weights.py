@@ -75,6 +75,10 @@ TINY_QWEN3: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
+#: TINY_QWEN3 with the default tokenizer's whole vocabulary (SmolLM2's 49152 ids, `<|im_end|>` = 2): chat
+#: prompts through the real chat template fit it, and its free text is noise (structured-output tests).
+TINY_CHAT: dict[str, Any] = {**TINY_QWEN3, "vocab_size": 49152}
+
 #: The GPU tests' small Qwen3 (tests/gpu, bench/bf16_agreement.py): HF `Qwen3Config` fields; the
 #: weights' scale (`initializer_range`) is each caller's.
 SMALL_QWEN3: dict[str, Any] = {
@@ -136,6 +140,7 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b-random": QWEN3_8B,
     "qwen3-1.7b-random": QWEN3_1_7B,
     "tiny-random": TINY_QWEN3,
+    "tiny-chat-random": TINY_CHAT,
     "qwen3.5-9b-random": QWEN3_5_9B,
     "qwen3.5-tiny-random": TINY_QWEN3_5,
 }

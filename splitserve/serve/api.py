@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from splitserve.config.manifest import Manifest
+from splitserve.engine.params import GrammarSpec
 from splitserve.serve.access_log import AccessLog
 from splitserve.serve.api_guard import DocsGuard, MetricsCache
 from splitserve.serve.chat_template import TEMPLATE_TIMEOUT_S, template_kwargs
@@ -39,7 +40,19 @@ from splitserve.serve.contain import ContainErrors
 from splitserve.serve.json_edge import parse_json
 from splitserve.serve.metrics import RouterMetrics, ttft_breakdown
 from splitserve.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from splitserve.serve.responses import ResponseEvents, ResponsesRequest, response_object
 from splitserve.serve.router import Dispatcher, Piece, WorkerSet
+from splitserve.serve.structured import checked, requested_grammar
+from splitserve.serve.tools import (
+    ToolDeltas,
+    ToolParser,
+    chosen_tools,
+    parser_for,
+    render_messages,
+    template_knows_tools,
+    tool_grammar,
+)
+from splitserve.serve.utility_routes import install_utility_routes
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +164,9 @@ class OpenAIServer:
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.metrics.prime(manifest.transport.backend)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        template = getattr(getattr(tokenizer, "hf", None), "chat_template", None)
+        self.tool_format = parser_for(template)  # the model family's tool-call syntax (tools.py)
+        self.native_tools = template_knows_tools(template)
         # the per-token metrics, bound to their labels once (a .labels() lookup per token adds up)
         self.metrics_cache = MetricsCache(self.render_metrics)  # one render per 0.25 s at most
         self.runs: set[_Run] = set()  # requests in flight (cut_streams ends them at the drain deadline)
@@ -247,16 +263,33 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         start = time.perf_counter()
         self.check_auth(request)
-        req = _validate(ChatCompletionRequest, await self.read_json(request))
+        return await self.chat_body(await self.read_json(request), request, start)
+
+    async def responses(self, request: Request) -> Response:
+        """/v1/responses: translated to a chat request, its answer translated back (responses.py)."""
+        start = time.perf_counter()
+        self.check_auth(request)
+        req = _validate(ResponsesRequest, await self.read_json(request))
+        answer = await self.chat_body(req.to_chat(), request, start)
+        ours = {k: v for k, v in answer.headers.items() if k.startswith("x-")}  # the request id, TTFT parts
+        if isinstance(answer, _Stream):
+            events = ResponseEvents(req, self.info.served_name).sse(answer.body_iterator)
+            return _Stream(events, answer.cleanup, media_type="text/event-stream", headers=ours)
+        body = response_object(req, self.info.served_name, msgspec.json.decode(answer.body))
+        return JSONResponse(body, headers=ours)
+
+    async def chat_body(self, body: dict, request: Request, start: float) -> Response:
+        req = _validate(ChatCompletionRequest, body)
         self.check_model(req.model)
         self._check_n(req.n)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in req.messages
-        ]
+        offered = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        tools, mode = chosen_tools(offered, req.tool_choice)
+        messages = render_messages(req.messages, tools, self.native_tools)
         kwargs = template_kwargs(req.chat_template_kwargs, self.manifest.server.trust_request_chat_template)
+        if tools and self.native_tools:
+            kwargs["tools"] = tools
         try:
             prompt_ids = await asyncio.wait_for(
                 asyncio.to_thread(  # off the loop; HF renders in jinja's immutable sandbox
@@ -278,8 +311,18 @@ class OpenAIServer:
             ) from None
         self.check_length(len(prompt_ids), req.max_new(), "messages")
         params = req.sampling(req.max_new(), req.logprobs_k())
+        asked = requested_grammar(req)
+        forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, self.tool_format)
+        if forced is not None and asked is not None:
+            raise APIError(400, f"tool_choice {mode} and {asked[1]} each constrain the answer: give one",
+                           param="tool_choice")  # fmt: skip
+        if forced is not None:
+            params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools")
+        elif asked is not None:
+            params["grammar"] = await checked(*asked)
         prompts = [(prompt_ids, "")]
-        return await self._run("chat", req, prompts, params, start, request)
+        fmt = self.tool_format if tools else None
+        return await self._run("chat", req, prompts, params, start, request, fmt)
 
     async def completions(self, request: Request) -> Response:
         start = time.perf_counter()
@@ -310,6 +353,9 @@ class OpenAIServer:
             self.check_length(len(ids), req.max_tokens, "prompt")
             prompts.append((ids, text if req.echo else ""))
         params = req.sampling(req.max_tokens, req.logprobs)
+        asked = requested_grammar(req)
+        if asked is not None:
+            params["grammar"] = await checked(*asked)
         return await self._run("completion", req, prompts, params, start, request)
 
     def _check_n(self, n: int) -> None:
@@ -326,12 +372,14 @@ class OpenAIServer:
         params: dict,
         start: float,
         request: Request,
+        tool_format: str | None = None,
     ) -> Response:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         name = self.info.served_name
         waited = await self.admission.acquire()  # errors are counted by status in access_log.py
         self.metrics.router_queue.labels(name).observe(waited)
         run = request.state.splitserve_run = _Run(self, kind, req, prompts, params, rid, start)
+        run.tool_format = tool_format
         self.runs.add(run)
         released = False
 
@@ -497,6 +545,7 @@ class _Run:
         self.ttft: float | None = None
         self.pending = len(self.jobs)
         self._timer: asyncio.TimerHandle | None = None
+        self.tool_format: str | None = None  # tools on: each choice's text is parsed for calls
 
     def launch(self) -> None:
         for index, ids, params in self.jobs:
@@ -607,10 +656,14 @@ class _Run:
         for c, echo in zip(self.choices, self.echo, strict=True):
             lp = self._logprobs(c.logprobs) if self.params.get("logprobs") is not None else None
             if self.kind == "chat":
-                msg = {"role": "assistant", "content": c.text, "refusal": None}
-                choices.append(
-                    {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": c.finish_reason}
-                )
+                msg: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+                reason = c.finish_reason
+                if self.tool_format is not None:
+                    msg["content"], calls = ToolParser(self.tool_format).parse(c.text)
+                    if calls:
+                        msg["tool_calls"] = [call.to_openai() for call in calls]
+                        reason = "tool_calls" if reason == "stop" else reason
+                choices.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append(
                     {
@@ -683,6 +736,7 @@ class _Run:
                     )
             piece: Piece | None = first
             offsets = [0] * len(self.choices)
+            tools = [ToolDeltas(self.tool_format) for _ in self.choices] if self.tool_format else None
             while piece is not None:
                 c = self.choices[piece.index]
                 lp = None
@@ -692,6 +746,11 @@ class _Run:
                         len(self.s.token_text(e["token_id"])) for e in piece.logprobs or []
                     )
                 text = piece.text
+                if tools is not None:
+                    for chunk in self._tool_chunks(tools[piece.index], piece, lp, continuous):
+                        yield chunk
+                    piece = await self.next()
+                    continue
                 if self.kind == "chat":
                     choice = {
                         "index": c.index,
@@ -721,6 +780,21 @@ class _Run:
             raise
         yield b"data: [DONE]\n\n"
 
+    def _tool_chunks(self, tools: ToolDeltas, piece: Piece, lp: dict | None, continuous: bool) -> list[bytes]:
+        """A chat piece with tools on: a chunk per content run or whole call; the finish on the last."""
+        c = self.choices[piece.index]
+        deltas = tools.deltas(piece.text, piece.finished) or ([{"content": ""}] if piece.finished else [])
+        chunks = []
+        for k, delta in enumerate(deltas):
+            last = piece.finished and k == len(deltas) - 1
+            reason = c.finish_reason if last else None
+            if last and tools.calls and reason == "stop":
+                reason = "tool_calls"
+            choice = {"index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                      "finish_reason": reason}  # fmt: skip
+            chunks.append(self._chunk([choice], continuous))
+        return chunks
+
     def _chunk(self, choices: list[dict], continuous: bool, usage: bool = False) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body: dict[str, Any] = {
@@ -744,6 +818,10 @@ class _Stream(StreamingResponse):
     ) -> None:
         super().__init__(content, **kw)
         self._cleanup = cleanup
+
+    @property
+    def cleanup(self) -> Callable[[], Awaitable[None]]:
+        return self._cleanup
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -849,6 +927,12 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         return await get().completions(request)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(request: Request) -> Response:
+        return await get().responses(request)
+
+    install_utility_routes(app, get)
 
     @app.get("/admin/deployment")
     async def deployment(request: Request) -> dict:

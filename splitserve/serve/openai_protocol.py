@@ -1,9 +1,11 @@
 """OpenAI request bodies (pydantic), their translation to worker sampling params, and API errors.
 
-Fields we cannot honour are refused with a 400 that says so (tools, logit_bias, non-text response
-formats, suffix, images); fields that change nothing here (user, metadata, store, service_tier) are
-accepted. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, skip_special_tokens, include_stop_str_in_output) are accepted as vLLM accepts them.
+Fields we cannot honour are refused with a 400 that says so (logit_bias, legacy `functions`, suffix,
+images); fields that change nothing here (user, metadata, store, service_tier) are accepted. vLLM's extra
+sampling fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+skip_special_tokens, include_stop_str_in_output) are accepted as vLLM accepts them, and so are its
+structured-output fields (structured.py turns them and `response_format` into a grammar) and tools
+(tools.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,28 @@ class StreamOptions(_Req):
     include_obfuscation: bool | None = None  # accepted, nothing to obfuscate
 
 
+class JSONSchemaFormat(_Req):
+    """`response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class StructuredOutputs(_Req):
+    """vLLM's `structured_outputs`: one of these."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
 class _Sampling(_Req):
     """The sampling fields the chat and completions APIs share."""
 
@@ -71,6 +95,14 @@ class _Sampling(_Req):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs (structured.py): OpenAI's response_format, vLLM's fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; xgrammar here
 
     @field_validator("stop")
     @classmethod
@@ -124,14 +156,47 @@ class TextPart(_Req):
     text: str
 
 
+class FunctionCall(_Req):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(_Req):
+    """An assistant message's earlier call, as the client sends the history back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Req):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Req):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatMessage(_Req):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    # what an SDK's assistant message carries when a client appends it back as is: nothing to use
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         return self
@@ -149,12 +214,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     reasoning_effort: str | None = None
     # vLLM's chat extras
@@ -164,13 +228,15 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _chat(self) -> ChatCompletionRequest:
-        if self.tools or self.functions:
-            raise ValueError("tools and functions are not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by this server")
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise ValueError(f"response_format {fmt!r} is not supported by this server (only 'text')")
+        if self.functions or self.function_call is not None:
+            raise ValueError("the legacy functions / function_call are not supported: use tools")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, dict) and not (
+            self.tool_choice.get("type") == "function" and isinstance(self.tool_choice.get("function"), dict)
+        ):
+            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                             '"function": {"name": ...}}')  # fmt: skip
         if self.modalities and self.modalities != ["text"]:
             raise ValueError("only the 'text' modality is supported")
         if self.top_logprobs is not None and not self.logprobs:

@@ -39,6 +39,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from splitserve.engine.grammar import check_grammar
 from splitserve.kv import TransportError
 from splitserve.model.errors import ModelLoadError
 from splitserve.serve import core_protocol as wire
@@ -109,17 +110,20 @@ class Worker:
         return self.tokenizer.encode(prompt)
 
     @staticmethod
-    def _params(data: dict[str, Any]) -> Any:
+    async def _params(data: dict[str, Any]) -> Any:
+        """Checked whole here (a grammar parsed off the loop, cached): the core gets nothing bad."""
         params = sampling_params(data)
         if params.n != 1:
             raise ValueError("a worker serves one sample per request (n = 1): the router fans out n")
+        if params.grammar is not None:
+            await asyncio.to_thread(check_grammar, params.grammar)  # GrammarError: a 400
         return params
 
     # ---- requests --------------------------------------------------------------------------------
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
         self._need("prefill")
-        params = self._params(req.sampling_params)
+        params = await self._params(req.sampling_params)
         ids = self._prompt_ids(req.prompt_input())
         rid = req.request_id or self._new_id("pf")
         start = time.perf_counter()
@@ -152,7 +156,7 @@ class Worker:
     async def decode(self, req: DecodeRequest) -> AsyncIterator[StreamLine]:
         """Lines from the first token on; a failed import (CoreError) comes before the first line."""
         self._need("decode")
-        params = self._params(req.sampling_params)
+        params = await self._params(req.sampling_params)
         rid = req.request_id or req.kv.handle.request_id or self._new_id("dc")
         lp = None
         if req.first_logprob is not None:
@@ -165,7 +169,7 @@ class Worker:
             yield line
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamLine]:
-        params = self._params(req.sampling_params)
+        params = await self._params(req.sampling_params)
         ids = self._prompt_ids(req.prompt_input())
         rid = req.request_id or self._new_id("gen")
         stream = self.client.add(rid, ids, req.sampling_params)

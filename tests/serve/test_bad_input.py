@@ -110,9 +110,17 @@ CASES = [
         "unrecognized",
     ),
     (
-        "tools",
+        "tool without a function",
         CHAT,
         {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]},
+        400,
+        "tools.0.function",
+        "missing",
+    ),
+    (
+        "legacy functions",
+        CHAT,
+        {"model": MODEL, "messages": MSG, "functions": [{"name": "f"}]},
         400,
         None,
         "not supported",

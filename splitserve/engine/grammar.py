@@ -1,0 +1,252 @@
+"""Grammar-constrained decoding with xgrammar: compile a request's `GrammarSpec`, follow its tokens with
+a matcher, and mask the logits of the tokens the grammar does not allow next.
+
+A constrained request's life in the engine:
+  1. `add_request` (or `build_request`, for a KV import) asks `Grammars.compile(spec)` for the compiled
+     grammar: a Future, done at once when the spec was compiled before (cached per spec), else compiled
+     on a thread; the request waits outside the scheduler until it is done (`LLMEngine._admit_compiled`),
+     so a slow compile never stalls the step that runs the other requests.
+  2. Each step that samples it, the sampler masks its logits (`mask_logits`): one token bitmask for the
+     constrained rows of the batch ([L, ceil(V/32)] int32, one bit per token), filled on the host by
+     xgrammar's batch matcher (on threads), copied to the device once (pinned, non-blocking) and
+     unpacked there; unconstrained rows are left as they are. Constrained requests never take part in
+     overlapped steps: each needs its matcher advanced by the previous token before its next mask.
+  3. Each appended token advances the matcher (`LLMEngine._append_token`); once the grammar has
+     accepted a stop token (it allows only those when it is complete) the request ends with "stop", and
+     `max_tokens` still ends it with "length" first, never a hang.
+  Disaggregated: the prefill engine samples the first token under the grammar; the decode engine
+  compiles the same spec (it travels in the sampling params), and `adopt` replays the first token into
+  a fresh matcher before the request joins the batch: its state is the prefill's, token for token.
+
+`check_grammar(spec)` parses a spec without a tokenizer (cheap, cached): the router and the worker front
+end call it to answer a bad schema, regex or grammar with a 400 before anything reaches an engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from splitserve.engine.params import GrammarSpec
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from splitserve.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+CACHE_SIZE = 256  # compiled grammars kept per engine
+
+
+class GrammarError(ValueError):
+    """A spec that does not parse: the message names the problem (xgrammar's words)."""
+
+
+def build_grammar(spec: GrammarSpec) -> xgrammar.Grammar:
+    """The xgrammar `Grammar` of a spec (no tokenizer needed). Raises GrammarError."""
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json":
+            return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, strict_mode=spec.strict)
+        if spec.kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.spec)
+        if spec.kind == "choice":
+            return xgr.Grammar.from_ebnf(_choice_ebnf(spec.spec))
+        if spec.kind == "ebnf":
+            return xgr.Grammar.from_ebnf(spec.spec)
+        return xgr.Grammar.from_structural_tag(spec.spec)
+    except GrammarError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, pydantic errors
+        raise GrammarError(f"invalid {spec.kind} grammar: {clean_error(exc)}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _check(kind: str, spec: str, strict: bool) -> str | None:
+    try:
+        build_grammar(GrammarSpec(kind, spec, strict))
+    except GrammarError as exc:
+        return str(exc)
+    return None
+
+
+def check_grammar(spec: GrammarSpec) -> None:
+    """Raise GrammarError if `spec` does not parse (the verdict is cached per spec)."""
+    problem = _check(*spec.key)
+    if problem is not None:
+        raise GrammarError(problem)
+
+
+def _choice_ebnf(spec: str) -> str:
+    try:
+        choices = json.loads(spec)
+    except ValueError:
+        choices = None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("a choice grammar needs a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def clean_error(exc: BaseException) -> str:
+    """xgrammar's message without its C++ source location prefix ("[hh:mm:ss] file.cc:123: ")."""
+    text = str(exc).strip()
+    if text.startswith("[") and ": " in text:
+        head, _, rest = text.partition(": ")
+        if ".cc:" in head or ".h:" in head:
+            return rest.strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class Grammars:
+    """One engine's grammar compiler: compiled grammars cached per spec, compiled on a worker thread."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._stop = list(stop_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._json_safe: torch.Tensor | None = None  # [W] int32: tokens without bytes below 0x20
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+
+    def compile(self, spec: GrammarSpec) -> Future:
+        """-> a Future of the compiled grammar (done at once if cached). Its exception: GrammarError."""
+        if self._hf is None:
+            raise ValueError("this engine has no tokenizer: it cannot constrain output to a grammar")
+        with self._lock:
+            fut = self._cache.get(spec.key)
+            if fut is not None:
+                self._cache.move_to_end(spec.key)
+                return fut
+            fut = self._pool.submit(self._compile, spec)
+            self._cache[spec.key] = fut
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return fut
+
+    def matcher(self, spec: GrammarSpec, compiled: xgrammar.CompiledGrammar | None = None) -> Matcher:
+        """A fresh matcher. NOTE: without `compiled`, waits for the compile (the decode side's adopt:
+        started at build_request, before the KV fetch)."""
+        compiled = compiled if compiled is not None else self.compile(spec).result()
+        # NOTE: xgrammar lets a bounded string (maxLength) take raw control characters, which JSON
+        # forbids: compact JSON (no free whitespace) has no place for them, so they are banned outright
+        return Matcher(compiled, self._json_safe if spec.kind in ("json", "json_object") else None)
+
+    def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+        grammar = build_grammar(spec)
+        return self._get_compiler().compile_grammar(grammar)
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        if self._compiler is None:  # only the grammar thread gets here
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._hf, vocab_size=self.vocab_size, stop_token_ids=self._stop
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            self._json_safe = _without_control_bytes(info.decoded_vocab, self.vocab_size, self._stop)
+        return self._compiler
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Matcher:
+    """One request's place in its grammar."""
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar, allowed: torch.Tensor | None = None) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.allowed = allowed  # [W] int32, ANDed into every mask
+
+    def accept(self, token: int) -> bool:
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+def _without_control_bytes(vocab: Sequence[bytes], vocab_size: int, keep: Sequence[int]) -> torch.Tensor:
+    """A bitmask row [W] int32 of the tokens whose bytes are all >= 0x20 (and the stop tokens)."""
+    ok = torch.zeros(-(-vocab_size // 32) * 32, dtype=torch.bool)
+    for i, piece in enumerate(vocab[:vocab_size]):
+        ok[i] = bool(piece) and min(piece) >= 0x20
+    ok[list(keep)] = True
+    weights = 1 << torch.arange(32, dtype=torch.int64)
+    words = (ok.view(-1, 32).long() * weights).sum(dim=1)  # [W] as unsigned 32-bit values
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """`logits` [N, V] with the tokens each constrained row's grammar forbids set to -inf.
+    NOTE: in place (the sampler's logits are its own: the runner's output, or a copy of it)."""
+    n, vocab = logits.shape
+    live = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.terminated]
+    if not live:
+        return logits
+    bitmask = _host_bitmask(len(live), -(-vocab // 32), logits.device)  # [L, W], one row per live row
+    _batch_matcher().batch_fill_next_token_bitmask([m.matcher for _, m in live], bitmask)  # whole rows
+    for k, (_, m) in enumerate(live):
+        if m.allowed is not None:
+            bitmask[k] &= m.allowed
+    if logits.device.type == "cuda":  # one copy; the bits unpacked on the device
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        forbidden = ((bitmask[:, :, None] >> bits) & 1 == 0).reshape(len(live), -1)[:, :vocab]  # [L, V]
+    else:
+        unpacked = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")
+        forbidden = torch.from_numpy(unpacked.view(np.bool_))[:, :vocab]  # [L, V]
+    with torch.inference_mode():  # the runner's logits are inference tensors: updated in place here
+        if len(live) == n:
+            return logits.masked_fill_(forbidden, float("-inf"))
+        rows = torch.tensor([i for i, _ in live], device=logits.device)
+        logits[rows] = logits[rows].masked_fill_(forbidden, float("-inf"))
+    return logits
+
+
+_pinned: dict[str, torch.Tensor] = {}  # CUDA: one pinned host buffer, grown as batches grow
+
+
+def _host_bitmask(rows: int, words: int, device: torch.device) -> torch.Tensor:
+    """[rows, words] int32 on the host, uninitialized (xgrammar fills whole rows); pinned and reused for
+    CUDA. NOTE: reuse is safe: the previous step's copy out of it finished when its tokens were read."""
+    if device.type != "cuda":
+        return torch.empty((rows, words), dtype=torch.int32)
+    buf = _pinned.get("bitmask")
+    if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
+        buf = _pinned["bitmask"] = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=True)
+    return buf[:rows]
+
+
+@functools.lru_cache(maxsize=1)
+def _batch_matcher() -> Any:
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher()
+
+
+__all__ = [
+    "GrammarError",
+    "Grammars",
+    "Matcher",
+    "build_grammar",
+    "check_grammar",
+    "clean_error",
+    "mask_logits",
+]

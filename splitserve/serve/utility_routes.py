@@ -1,0 +1,118 @@
+"""vLLM's utility routes on the router: `POST /tokenize`, `POST /detokenize` (behind the API key when
+keys are set), `GET /version`, `GET|POST /ping` (open, like /health).
+
+/tokenize takes a `prompt` (completions) or `messages` (chat, rendered by the chat template with
+`add_generation_prompt`, `tools` as chat does) and answers {count, max_model_len, tokens, token_strs};
+/detokenize takes `tokens` and answers {prompt}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import Field, ValidationError
+
+import splitserve
+from splitserve.serve.chat_template import TEMPLATE_TIMEOUT_S
+from splitserve.serve.openai_protocol import APIError, ChatMessage, ToolDef, _Req
+from splitserve.serve.tools import render_messages
+
+
+class TokenizeRequest(_Req):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Req):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+def _parse(model: type[_Req], body: dict) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"])
+        raise APIError(400, f"{param}: {err['msg']}", param=param or None) from None
+
+
+def install_utility_routes(app: FastAPI, get: Any) -> None:
+    """`get()` -> the OpenAIServer (api.py) whose tokenizer, model info and keys these use."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        server = get()
+        server.check_auth(request)
+        req = _parse(TokenizeRequest, await server.read_json(request))
+        if req.model is not None:
+            server.check_model(req.model)
+        tok = _tokenizer(server)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages")
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+        else:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+            messages = render_messages(req.messages, tools, server.native_tools)
+            kw: dict[str, Any] = {"tools": tools} if tools and server.native_tools else {}
+            render = asyncio.to_thread(
+                tok.apply_chat_template,
+                messages,
+                req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **kw,
+            )
+            try:
+                ids = await asyncio.wait_for(render, TEMPLATE_TIMEOUT_S)
+            except TimeoutError:
+                raise APIError(400, "the chat template took too long", param="messages") from None
+            except Exception as exc:  # noqa: BLE001 - the template's own complaint
+                raise APIError(
+                    400, f"the chat template rejected these messages: {exc}", param="messages"
+                ) from None
+        strs = [tok.token_text(t) for t in ids] if req.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": server.info.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        server = get()
+        server.check_auth(request)
+        req = _parse(DetokenizeRequest, await server.read_json(request))
+        if req.model is not None:
+            server.check_model(req.model)
+        if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= server.info.vocab_size):
+            raise APIError(400, f"tokens must be in [0, {server.info.vocab_size})", param="tokens")
+        text = await asyncio.to_thread(_tokenizer(server).decode, req.tokens, False)
+        return {"prompt": text}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": splitserve.__version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return Response(status_code=200)
+
+
+def _tokenizer(server: Any) -> Any:
+    if server.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer")
+    return server.tokenizer
+
+
+__all__ = ["DetokenizeRequest", "TokenizeRequest", "install_utility_routes"]
