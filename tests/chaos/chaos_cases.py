@@ -39,9 +39,17 @@ MANIFEST = dict(
 
 
 def start_context() -> Context:
-    dep = serve.start_deployment(serve.manifest_yaml(**MANIFEST))
-    ctx = Context(dep, reference(dep.url))
-    ctx.pids()
+    return _context(MANIFEST)
+
+
+def _context(manifest: dict) -> Context:
+    dep = serve.start_deployment(serve.manifest_yaml(**manifest))
+    try:
+        ctx = Context(dep, reference(dep.url))
+        ctx.pids()
+    except BaseException:
+        dep.stop()
+        raise
     return ctx
 
 
@@ -70,9 +78,12 @@ def worker_fault(ctx: Context, victim: str, process: str, sig: signal.Signals) -
             resumer.append(threading.Timer(STOP_S, _signal, (pid, signal.SIGCONT)))
             resumer[0].start()
 
+    restarts = ctx.restarts(victim)
     streams = under_load(ctx.dep.url, fault)
     for t in resumer:
         t.join()
+    if sig == signal.SIGKILL:  # the runtime notices (the health may still read "ok" for a moment)
+        ctx.wait_healthy(lambda: ctx.restarts(victim) > restarts)
     dead = {p for p in (pid, pids[f"{victim} engine core"]) if resilience._gone(p)}
     problems = ctx.check_after(streams, dead)
     after = ctx.pids()
@@ -272,10 +283,8 @@ def manifest_bombs(_ctx: Context | None) -> tuple[str, list[str]]:
 
 
 def _own_deployment(**sections) -> tuple[Context, set[int], str]:
-    dep = serve.start_deployment(serve.manifest_yaml(**{**MANIFEST, **sections}))
-    ctx = Context(dep, reference(dep.url))
-    pids = set(ctx.pids().values())
-    return ctx, pids, str(dep.sp.tmpdir)
+    ctx = _context({**MANIFEST, **sections})
+    return ctx, set(ctx.pids().values()), str(ctx.dep.sp.tmpdir)
 
 
 def _all_gone(pids: set[int], timeout_s: float) -> list[int]:
@@ -309,7 +318,7 @@ def router_kill(_ctx: Context | None) -> tuple[str, list[str]]:
 
 
 def sigterm(_ctx: Context | None) -> tuple[str, list[str]]:
-    ctx, pids, tmpdir = _own_deployment(runtime={"drain_timeout_s": 3})
+    ctx, pids, tmpdir = _own_deployment(runtime={"drain_timeout_s": 20})
     codes: list[int] = []
     try:
 
@@ -371,6 +380,8 @@ CASES = [
 def run_case(case: Case, ctx: Context | None) -> Result:
     t0 = time.monotonic()
     try:
+        if ctx is not None:
+            ctx.wait_healthy()  # whatever the case before did
         outcome, problems = case.run(ctx)
     except Exception as exc:  # noqa: BLE001 - a case that breaks is a failed case, and the suite goes on
         outcome, problems = f"raised {type(exc).__name__}: {exc}"[:200], ["raised"]

@@ -157,12 +157,17 @@ class Context:
         self.seen_pids |= set(out.values())
         return out
 
-    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+    def restarts(self, worker: str) -> int:
+        return {w["name"]: w["restarts"] for w in self.dep.health()["workers"]}[worker]
+
+    def wait_healthy(self, until: Any = None, timeout_s: float = 120.0) -> None:
+        """Until every worker is ready (and `until()`, if given, holds)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 h = self.dep.health()
-                if h["status"] == "ok" and all(w.get("state", "ready") == "ready" for w in h["workers"]):
+                ready = h["status"] == "ok" and all(w["state"] == "ready" for w in h["workers"])
+                if ready and (until is None or until()):
                     return
             except httpx.HTTPError:
                 pass
@@ -183,7 +188,11 @@ class Context:
         if not any_failed_ok and any(s.outcome != "ok" for s in streams):
             problems.append("failed: " + ", ".join(sorted({s.outcome for s in streams if s.outcome != "ok"})))
         self.wait_healthy()
-        stats = self.dep.wait_idle(timeout_s=60)
+        try:
+            stats = self.dep.wait_idle(timeout_s=60)
+        except httpx.HTTPError:  # a worker restarted meanwhile: once more, from its new address
+            self.wait_healthy()
+            stats = self.dep.wait_idle(timeout_s=60)
         for name, st in stats.items():
             if st["unfinished"] or st["blocks"]["free"] != st["blocks"]["total"]:
                 problems.append(f"{name} not idle: {st['unfinished']} left, {st['blocks']}")
