@@ -170,8 +170,9 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
         return {"ok": True}
 
     @app.get("/health")
-    async def health() -> dict:
-        return worker.health()
+    async def health() -> Response:
+        body = worker.health()
+        return JSONResponse(body, status_code=503 if body["status"] == "engine_stopped" else 200)
 
     @app.get("/stats")
     async def stats() -> dict:

@@ -82,8 +82,8 @@ def worker_fault(ctx: Context, victim: str, process: str, sig: signal.Signals) -
     streams = under_load(ctx.dep.url, fault)
     for t in resumer:
         t.join()
-    if sig == signal.SIGKILL:  # the runtime notices (the health may still read "ok" for a moment)
-        ctx.wait_healthy(lambda: ctx.restarts(victim) > restarts)
+    # the runtime replaces the worker, killed or stopped (the health may read "ok" for a moment)
+    ctx.wait_healthy(lambda: ctx.restarts(victim) > restarts, timeout_s=60)
     dead = {p for p in (pid, pids[f"{victim} engine core"]) if resilience._gone(p)}
     problems = ctx.check_after(streams, dead)
     after = ctx.pids()
@@ -357,7 +357,7 @@ class Case:
 
 def _worker_case(victim: str, process: str, sig: signal.Signals, fast: bool = False) -> Case:
     what = "kill -9" if sig == signal.SIGKILL else f"SIGSTOP {STOP_S:g}s"
-    expected = "streams finish exact or fail fast; pools full; nothing left"
+    expected = "streams finish exact or fail fast; replaced; pools full; nothing left"
     return Case(f"{what} {victim} {process}", expected,
                 lambda ctx: worker_fault(ctx, victim, process, sig), fast)  # fmt: skip
 
