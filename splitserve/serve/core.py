@@ -13,8 +13,8 @@ The loop (`EngineCore.run`), one turn per engine step:
   3. `engine.step()`, then one `Batch` to the front end with every request's new token ids and the
      events of this turn. Nothing here waits on HTTP, JSON or text.
 If a step raises, each request in flight is stepped alone (engine/isolate.py): those whose own step
-raises are refused with a 500, the others go on. The core
-dies with its front end (PR_SET_PDEATHSIG); the front end notices the core's death (worker.py).
+raises are refused with a 5xx, the others go on. The core dies with its front end (PR_SET_PDEATHSIG);
+the front end notices the core's death (worker.py).
 """
 
 from __future__ import annotations
@@ -258,8 +258,11 @@ class EngineCore:
         outputs, culprits = rerun_alone(self.engine, list(self.sent))
         for rid, exc in culprits.items():
             self.sent.pop(rid, None)
-            message = f"the engine failed while running this request ({type(exc).__name__}: {exc})"
-            self.events.append(wire.Refused(rid, wire.ErrorInfo(500, "internal", message)))
+            info = error_info(exc)  # a transport's own 5xx stays; anything else is our fault, never a 4xx
+            if info.status < 500 or info.type == "internal":
+                message = f"the engine failed while running this request ({type(exc).__name__}: {exc})"
+                info = wire.ErrorInfo(500, "internal", message)
+            self.events.append(wire.Refused(rid, info))
         return outputs
 
     def _delta(self, out: Any) -> wire.Delta | None:
