@@ -13,7 +13,7 @@
     router:    {policy, timeouts per stage, retries}
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
                 max_queued_requests, access_log, log_stats_interval_s, metrics_auth,
-                trust_request_chat_template}
+                trust_request_chat_template, header_timeout_s, body_timeout_s, max_header_bytes}
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
     verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)
     slos, prices: read by `splitserve bench` (goodput and cost per accepted response)
@@ -296,6 +296,10 @@ class ServerSection(_Section):
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
     metrics_auth: bool = True  # with api keys set, /metrics wants one too; false: open to a scraper
     trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template may be used
+    # slow or huge requests (slowloris): headers must arrive within this of their first byte ...
+    header_timeout_s: float = Field(default=10.0, ge=0.1, le=600, allow_inf_nan=False)
+    body_timeout_s: float = Field(default=60.0, ge=0.1, le=3600, allow_inf_nan=False)  # ... a body, of them
+    max_header_bytes: int = Field(default=64 << 10, ge=1024, le=16 << 20)  # more: 431
 
     @field_validator("api_keys")
     @classmethod

@@ -350,6 +350,9 @@ class LLMEngine:
                 self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents or self._ready)
 
@@ -365,6 +368,17 @@ class LLMEngine:
             return self._step()
         finally:
             self.step_seconds += time.perf_counter() - t0
+
+    def step_only(self, request_ids: set[str]) -> list[RequestOutput]:
+        """One step of these requests alone (the others wait, untouched), without overlap: after a step
+        raised, this finds the request(s) it can be pinned on. Requests that finish here are removed."""
+        keep = {id(c) for rid in request_ids for c in self._parents.get(rid, [])}
+        overlap, self.async_scheduling = self.async_scheduling, False
+        try:
+            with self.scheduler.only(keep):
+                return self.step()
+        finally:
+            self.async_scheduling = overlap
 
     def _step(self) -> list[RequestOutput]:
         self.free_released_kv()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitserve.engine.isolate import check_fault
 from splitserve.engine.scheduler import ScheduledChunk
 from splitserve.model.attention import (
     AttentionBackend,
@@ -98,6 +99,7 @@ class ModelRunner:
         """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to. `feed`: the
         input tokens of some decode chunks come from the previous step's sampled tokens on the device
         (their host copy is a placeholder until that step is resolved: the engine's overlap)."""
+        check_fault(chunks)  # a test hook (isolate.py); a no-op in production
         if self.device.type == "cuda":
             # NOTE: Triton launches on the *current* device, whatever its tensors' device: make it ours
             with torch.cuda.device(self.device):

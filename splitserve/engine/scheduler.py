@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from splitserve.engine.kv_manager import KVManager
@@ -121,6 +123,28 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
+
+    @contextmanager
+    def only(self, keep: set[int]) -> Iterator[None]:
+        """Inside: schedule only the requests whose id() is in `keep`; the others stay where they are,
+        blocks and all, untouched (to find which request a failing step is pinned on). On exit the
+        held requests are back in their places; anything `keep` admitted or preempted meanwhile stays
+        where the schedule put it."""
+        running, waiting = self.running, self.waiting
+        self.running = [r for r in running if id(r) in keep]
+        self.waiting = deque(r for r in waiting if id(r) in keep)
+        try:
+            yield
+        finally:
+            now_running, now_waiting = set(map(id, self.running)), set(map(id, self.waiting))
+            was_running, was_waiting = set(map(id, running)), set(map(id, waiting))
+            self.running = [r for r in running if id(r) not in keep or id(r) in now_running] + [
+                r for r in self.running if id(r) not in was_running
+            ]
+            preempted = [r for r in self.waiting if id(r) not in was_waiting]
+            self.waiting = deque(
+                preempted + [r for r in waiting if id(r) not in keep or id(r) in now_waiting]
+            )
 
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request from whichever queue holds it and free its blocks."""

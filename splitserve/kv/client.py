@@ -182,16 +182,28 @@ def client_handshake(chan: SyncChannel, layout: KVLayout, secret: bytes, deadlin
 
 
 class ConnectionPool:
-    """Authenticated connections to exporters, reused across fetches; thread-safe."""
+    """Authenticated connections to exporters, reused across fetches; thread-safe.
 
-    def __init__(self, layout: KVLayout, secret: bytes, connect_timeout_s: float, max_idle: int = 4) -> None:
+    NOTE: an idle connection holds what it attached (shm: the exporter's whole KV cache, mapped). Once
+    its exporter is gone (a killed prefill worker comes back at a new address) nobody takes it again,
+    so a reaper thread closes idle connections whose peer hung up, every `reap_interval_s`.
+    """
+
+    def __init__(
+        self, layout: KVLayout, secret: bytes, connect_timeout_s: float, max_idle: int = 4,
+        reap_interval_s: float = 1.0,
+    ) -> None:  # fmt: skip
         self.layout = layout
         self._secret = secret
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
+        self.reap_interval_s = reap_interval_s
         self._idle: defaultdict[str, list[SyncChannel]] = defaultdict(list)
         self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._reaper: threading.Thread | None = None
         self.opened = 0
+        self.reaped = 0  # idle connections closed because their exporter went away
 
     @contextmanager
     def connection(self, address: str, deadline: Deadline) -> Iterator[SyncChannel]:
@@ -226,12 +238,35 @@ class ConnectionPool:
     def _give(self, chan: SyncChannel) -> None:
         with self._lock:
             idle = self._idle[chan.address]
-            if len(idle) < self.max_idle:
+            if len(idle) < self.max_idle and not self._closed.is_set():
                 idle.append(chan)
+                if self._reaper is None:
+                    self._reaper = threading.Thread(
+                        target=self._reap_loop, name="kv-pool-reaper", daemon=True
+                    )
+                    self._reaper.start()
                 return
         chan.close()
 
+    def reap(self) -> int:
+        """Close the idle connections whose exporter hung up (and what they attached); -> how many."""
+        with self._lock:
+            dead = [c for idle in self._idle.values() for c in idle if not c.alive()]
+            for address in list(self._idle):
+                self._idle[address] = [c for c in self._idle[address] if c not in dead]
+                if not self._idle[address]:
+                    del self._idle[address]
+        for chan in dead:
+            chan.close()
+        self.reaped += len(dead)
+        return len(dead)
+
+    def _reap_loop(self) -> None:
+        while not self._closed.wait(self.reap_interval_s):
+            self.reap()
+
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             chans = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()

@@ -316,6 +316,7 @@ class SocketTransport(KVTransport):
         out["checksum"] = self.options.checksum
         out["leases"] = {"active": self.leases.active(), **self.leases.counts}
         out["connections_opened"] = self.pool.opened
+        out["connections_reaped"] = self.pool.reaped
         if self._server is not None:
             out["server"] = dict(self._server.counts)
         if self.faults is not None:

@@ -23,6 +23,7 @@ from splitserve.config.manifest import Manifest
 from splitserve.model.tokenizer import load_tokenizer
 from splitserve.runtime.local import LocalRuntime
 from splitserve.serve.api import ModelInfo, OpenAIServer, build_api
+from splitserve.serve.edge_guard import ReadLimits, guarded_protocol
 from splitserve.serve.listen import KEEP_ALIVE_S, listen
 from splitserve.serve.probe import KVProber
 from splitserve.serve.stats_log import StatsLogger
@@ -113,9 +114,11 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
             await prober.stop()
             await api.dispatcher.close()
 
+        srv = manifest.server
+        limits = ReadLimits(srv.header_timeout_s, srv.body_timeout_s, srv.max_header_bytes)
         config = uvicorn.Config(build_api(api, lifespan), log_level="warning", lifespan="on",
                                 timeout_graceful_shutdown=int(manifest.runtime.drain_timeout_s),
-                                timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
+                                timeout_keep_alive=KEEP_ALIVE_S, http=guarded_protocol(limits))  # fmt: skip
         server = _Server(config)
         from splitserve.serve.heap import freeze_heap
 

@@ -12,8 +12,9 @@ The loop (`EngineCore.run`), one turn per engine step:
      refused per its policy;
   3. `engine.step()`, then one `Batch` to the front end with every request's new token ids and the
      events of this turn. Nothing here waits on HTTP, JSON or text.
-If a step raises, every in-flight request is refused with the error and the engine goes on. The core
-dies with its front end (PR_SET_PDEATHSIG); the front end notices the core's death (worker.py).
+If a step raises, each request in flight is stepped alone (engine/isolate.py): those whose own step
+raises are refused with a 5xx, the others go on. The core dies with its front end (PR_SET_PDEATHSIG);
+the front end notices the core's death (worker.py).
 """
 
 from __future__ import annotations
@@ -247,15 +248,25 @@ class EngineCore:
     def _step(self) -> list[wire.Delta]:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - reported to every request in flight
-            log.exception("engine step failed; failing in-flight requests")
-            info = error_info(exc)
-            for rid in list(self.sent):
-                self.engine.abort(rid)
-                self.events.append(wire.Refused(rid, info))
-            self.sent.clear()
-            return []
+        except Exception:  # noqa: BLE001 - pinned on the request(s) that cause it (isolate.py)
+            log.exception("engine step failed; re-running its requests one by one")
+            outputs = self._rerun_alone()
         return [d for out in outputs if (d := self._delta(out)) is not None]
+
+    def _rerun_alone(self) -> list[Any]:
+        """Step each request in flight alone: those whose own step raises fail with a 500, the others
+        go on (their outputs returned) and are never told their request was at fault."""
+        from splitserve.engine.isolate import rerun_alone
+
+        outputs, culprits = rerun_alone(self.engine, list(self.sent))
+        for rid, exc in culprits.items():
+            self.sent.pop(rid, None)
+            info = error_info(exc)  # a transport's own 5xx stays; anything else is our fault, never a 4xx
+            if info.status < 500 or info.type == "internal":
+                message = f"the engine failed while running this request ({type(exc).__name__}: {exc})"
+                info = wire.ErrorInfo(500, "internal", message)
+            self.events.append(wire.Refused(rid, info))
+        return outputs
 
     def _delta(self, out: Any) -> wire.Delta | None:
         rid = out.request_id

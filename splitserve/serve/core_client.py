@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -110,6 +111,15 @@ class CoreClient:
         self.on_death: Callable[[str], None] | None = None
         self._closing = False
         self._reading: threading.Thread | None = None
+
+    def stopped(self) -> bool:
+        """The core is alive but stopped (SIGSTOP, a cgroup freezer): it answers nothing, yet its front
+        end would look healthy. /proc/PID/stat's state "T"."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[:1] == ["T"]
 
     @classmethod
     def spawn(cls) -> CoreClient:

@@ -217,7 +217,10 @@ class Worker:
     # ---- operations ------------------------------------------------------------------------------
 
     def health(self) -> dict:
-        return {**self.info, "status": "ok" if self.alive() else "engine_dead", "pid": os.getpid()}
+        status = "ok" if self.alive() else "engine_dead"
+        if status == "ok" and self.client.stopped():
+            status = "engine_stopped"  # answered with a 503: missed health checks get it replaced
+        return {**self.info, "status": status, "pid": os.getpid()}
 
     async def stats(self) -> dict:
         return await self.client.call("stats")

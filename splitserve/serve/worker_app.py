@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.serve.core_client import CoreDead
 from splitserve.serve.core_protocol import CoreError
+from splitserve.serve.edge_guard import ReadLimits, guarded_protocol
 from splitserve.serve.listen import KEEP_ALIVE_S, listen
 from splitserve.serve.schemas import (
     LINE_ENCODER,
@@ -169,8 +170,9 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
         return {"ok": True}
 
     @app.get("/health")
-    async def health() -> dict:
-        return worker.health()
+    async def health() -> Response:
+        body = worker.health()
+        return JSONResponse(body, status_code=503 if body["status"] == "engine_stopped" else 200)
 
     @app.get("/stats")
     async def stats() -> dict:
@@ -210,8 +212,9 @@ def serve(worker: Worker, host: str, port: int, on_ready: Callable[[str], None])
     """Bind (port 0: the OS picks), then serve until SIGINT / SIGTERM; `on_ready(url)` once listening."""
     sock, url = listen(host, port)
     app = build_app(worker, lambda: on_ready(url))
+    # the router's client is fast; a slow or huge request on a worker's port is not ours (edge_guard.py)
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
-                            timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
+                            timeout_keep_alive=KEEP_ALIVE_S, http=guarded_protocol(ReadLimits()))  # fmt: skip
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -35,3 +35,30 @@ def test_stale_socket_folders_are_swept(prefix: str) -> None:
             if d.exists():
                 (d / "commands").unlink()
                 d.rmdir()
+
+
+def test_a_stopped_core_is_seen() -> None:
+    """issue 26: a SIGSTOPped engine core answered nothing while its front end's /health said "ok", so
+    it was never replaced; now the front end reads the core's state and answers 503 (engine_stopped)."""
+    import signal
+    import time
+
+    from splitserve.serve.core_client import CoreClient
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    client = CoreClient.__new__(CoreClient)  # stopped() reads only the process
+    client.proc = proc
+    try:
+        assert not client.stopped()
+        proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not client.stopped():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGCONT)
+        while client.stopped():
+            assert time.monotonic() < deadline + 5
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()

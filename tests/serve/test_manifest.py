@@ -331,3 +331,19 @@ def test_many_unknown_keys_give_a_bounded_error():
         parse_manifest(text)
     assert len(info.value.problems) == 21 and info.value.problems[-1] == "... and 15980 more"
     assert time.perf_counter() - t0 < 5.0  # 32 s before (a close-match search per unknown key)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [  # issue 26 F3: the HTTP edge's read limits are bounded like every other number
+        ("server: {header_timeout_s: .inf}", "server.header_timeout_s (line 1): Input should be"),
+        ("server: {body_timeout_s: 0}", "server.body_timeout_s (line 1): Input should be greater"),
+        ("server: {max_header_bytes: 99999999999}", "server.max_header_bytes (line 1): Input should be less"),
+    ],
+)
+def test_read_limits_are_bounded(text, words):
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text)
+    assert words in str(info.value), str(info.value)
+    limits = parse_manifest("server: {header_timeout_s: 5, max_header_bytes: 8192}").server
+    assert (limits.header_timeout_s, limits.body_timeout_s, limits.max_header_bytes) == (5.0, 60.0, 8192)
