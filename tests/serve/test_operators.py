@@ -96,11 +96,15 @@ def test_vllm_flags_reach_the_engine(vllm_flags: ServeProcess):
 
 
 def test_json_log_lines_and_worker_vllm_metrics(vllm_flags: ServeProcess):
-    deadline = time.monotonic() + 10
-    while not any('"splitserve.access"' in line for line in vllm_flags.log) and time.monotonic() < deadline:
+    def access_lines() -> list[dict]:
+        lines = [line for line in list(vllm_flags.log) if line.startswith("{")]
+        return [json.loads(x) for x in lines if '"splitserve.access"' in x]
+
+    # the server's lines reach this process through a pipe and a reader thread: wait for both statuses
+    deadline = time.monotonic() + 20
+    while not {a["status"] for a in access_lines()} >= {200, 401} and time.monotonic() < deadline:
         time.sleep(0.2)
-    lines = [line for line in list(vllm_flags.log) if line.startswith("{")]
-    access = [json.loads(x) for x in lines if '"splitserve.access"' in x]
+    access = access_lines()
     assert access and {"ts", "level", "request_id", "route", "status", "latency_ms"} <= set(access[0])
     assert {a["status"] for a in access} >= {200, 401}
     for line in vllm_flags.log:  # stderr and stdout: JSON objects, but the one "serving" banner
