@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,7 +26,6 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -35,11 +33,16 @@ from splitserve.config.manifest import Manifest
 from splitserve.engine.params import GrammarSpec
 from splitserve.serve.access_log import AccessLog
 from splitserve.serve.api_guard import DocsGuard, MetricsCache
-from splitserve.serve.chat_template import TEMPLATE_TIMEOUT_S, template_kwargs
+from splitserve.serve.chat_template import render_chat, template_kwargs
 from splitserve.serve.contain import ContainErrors
 from splitserve.serve.json_edge import parse_json
 from splitserve.serve.metrics import RouterMetrics, ttft_breakdown
-from splitserve.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from splitserve.serve.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validate_body,
+)
 from splitserve.serve.responses import ResponseEvents, ResponsesRequest, response_object
 from splitserve.serve.router import Dispatcher, Piece, WorkerSet
 from splitserve.serve.structured import checked, requested_grammar
@@ -269,7 +272,7 @@ class OpenAIServer:
         """/v1/responses: translated to a chat request, its answer translated back (responses.py)."""
         start = time.perf_counter()
         self.check_auth(request)
-        req = _validate(ResponsesRequest, await self.read_json(request))
+        req = validate_body(ResponsesRequest, await self.read_json(request))
         answer = await self.chat_body(req.to_chat(), request, start)
         ours = {k: v for k, v in answer.headers.items() if k.startswith("x-")}  # the request id, TTFT parts
         if isinstance(answer, _Stream):
@@ -279,7 +282,7 @@ class OpenAIServer:
         return JSONResponse(body, headers=ours)
 
     async def chat_body(self, body: dict, request: Request, start: float) -> Response:
-        req = _validate(ChatCompletionRequest, body)
+        req = validate_body(ChatCompletionRequest, body)
         self.check_model(req.model)
         self._check_n(req.n)
         if self.tokenizer is None:
@@ -290,25 +293,9 @@ class OpenAIServer:
         kwargs = template_kwargs(req.chat_template_kwargs, self.manifest.server.trust_request_chat_template)
         if tools and self.native_tools:
             kwargs["tools"] = tools
-        try:
-            prompt_ids = await asyncio.wait_for(
-                asyncio.to_thread(  # off the loop; HF renders in jinja's immutable sandbox
-                    self.tokenizer.apply_chat_template,
-                    messages,
-                    add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message,
-                    **kwargs,
-                ),
-                TEMPLATE_TIMEOUT_S,
-            )
-        except TimeoutError:
-            raise APIError(
-                400, f"the chat template took longer than {TEMPLATE_TIMEOUT_S:g} s", param="messages"
-            ) from None
-        except Exception as exc:  # noqa: BLE001 - the template's own complaint, e.g. role order
-            raise APIError(
-                400, f"the chat template rejected these messages: {exc}", param="messages"
-            ) from None
+        prompt_ids = await render_chat(
+            self.tokenizer, messages, req.add_generation_prompt, req.continue_final_message, kwargs
+        )
         self.check_length(len(prompt_ids), req.max_new(), "messages")
         params = req.sampling(req.max_new(), req.logprobs_k())
         asked = requested_grammar(req)
@@ -327,7 +314,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         start = time.perf_counter()
         self.check_auth(request)
-        req = _validate(CompletionRequest, await self.read_json(request))
+        req = validate_body(CompletionRequest, await self.read_json(request))
         self.check_model(req.model)
         self._check_n(req.n * len(req.prompts()))
         prompts: list[tuple[list[int], str]] = []
@@ -835,25 +822,6 @@ _encode = msgspec.json.Encoder().encode
 
 def _sse(body: dict) -> bytes:
     return b"data: " + _encode(body) + b"\n\n"
-
-
-_TYPE_TAGS = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[")  # a union member's tag in a loc
-
-
-def _validate(model: type, body: dict) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        errors = exc.errors()
-        err = errors[0]
-        param = ".".join(str(p) for p in err["loc"] if isinstance(p, int) or not _TYPE_TAGS.search(str(p)))
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unrecognized request argument"
-        if err["type"] == "missing":
-            msg = "missing required field"
-        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-        raise APIError(400, f"{param}: {msg}{more}" if param else msg + more, param=param or None) from None
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict:

@@ -11,6 +11,7 @@ Rendering runs off the event loop and is bounded in time (`TEMPLATE_TIMEOUT_S`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -44,4 +45,30 @@ def template_kwargs(kwargs: dict[str, Any] | None, trust_template: bool) -> dict
     return kwargs
 
 
-__all__ = ["MAX_KWARGS_BYTES", "TEMPLATE_TIMEOUT_S", "template_kwargs"]
+async def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    kwargs: dict[str, Any],
+) -> list[int]:
+    """The prompt's token ids from the chat template: off the event loop (HF renders in jinja's
+    immutable sandbox) and bounded by TEMPLATE_TIMEOUT_S; a template that fails or runs long is a 400."""
+    render = asyncio.to_thread(
+        tokenizer.apply_chat_template,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        **kwargs,
+    )
+    try:
+        return await asyncio.wait_for(render, TEMPLATE_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(
+            400, f"the chat template took longer than {TEMPLATE_TIMEOUT_S:g} s", param="messages"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - the template's own complaint, e.g. role order
+        raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
+
+
+__all__ = ["MAX_KWARGS_BYTES", "TEMPLATE_TIMEOUT_S", "render_chat", "template_kwargs"]

@@ -55,7 +55,7 @@ class IdleDeadline:
         self._handle = None
         due = self.last + self.span_s
         if self._loop.time() >= due:
-            if self._cm.when() is None:  # NOTE: still entered and not yet expired (a stop() can be missed)
+            if self._cm.when() is None:  # never expire it twice
                 self._cm.reschedule(self._loop.time())  # now: the awaited call raises TimeoutError
         else:
             self._handle = self._loop.call_at(due, self._due)

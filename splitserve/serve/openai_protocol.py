@@ -10,9 +10,10 @@ structured-output fields (structured.py turns them and `response_format` into a 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -33,6 +34,27 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_TYPE_TAGS = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[")  # a union member's tag in a loc
+
+
+def validate_body(model: type, body: dict) -> Any:
+    """`model.model_validate(body)`, or a 400 naming the first problem's field in `param`, as OpenAI words
+    it (the router's endpoints and its utility routes alike)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors()
+        err = errors[0]
+        param = ".".join(str(p) for p in err["loc"] if isinstance(p, int) or not _TYPE_TAGS.search(str(p)))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unrecognized request argument"
+        if err["type"] == "missing":
+            msg = "missing required field"
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        raise APIError(400, f"{param}: {msg}{more}" if param else msg + more, param=param or None) from None
 
 
 class _Req(BaseModel):
@@ -283,4 +305,11 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
-__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions"]
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "validate_body",
+]

@@ -13,11 +13,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 import splitserve
-from splitserve.serve.chat_template import TEMPLATE_TIMEOUT_S
-from splitserve.serve.openai_protocol import APIError, ChatMessage, ToolDef, _Req
+from splitserve.serve.chat_template import render_chat
+from splitserve.serve.openai_protocol import APIError, ChatMessage, ToolDef, _Req, validate_body
 from splitserve.serve.tools import render_messages
 
 
@@ -37,15 +37,6 @@ class DetokenizeRequest(_Req):
     tokens: list[int] = Field(max_length=1_000_000)
 
 
-def _parse(model: type[_Req], body: dict) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
-        raise APIError(400, f"{param}: {err['msg']}", param=param or None) from None
-
-
 def install_utility_routes(app: FastAPI, get: Any) -> None:
     """`get()` -> the OpenAIServer (api.py) whose tokenizer, model info and keys these use."""
 
@@ -53,7 +44,7 @@ def install_utility_routes(app: FastAPI, get: Any) -> None:
     async def tokenize(request: Request) -> dict:
         server = get()
         server.check_auth(request)
-        req = _parse(TokenizeRequest, await server.read_json(request))
+        req = validate_body(TokenizeRequest, await server.read_json(request))
         if req.model is not None:
             server.check_model(req.model)
         tok = _tokenizer(server)
@@ -65,21 +56,7 @@ def install_utility_routes(app: FastAPI, get: Any) -> None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
             messages = render_messages(req.messages, tools, server.native_tools)
             kw: dict[str, Any] = {"tools": tools} if tools and server.native_tools else {}
-            render = asyncio.to_thread(
-                tok.apply_chat_template,
-                messages,
-                req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                **kw,
-            )
-            try:
-                ids = await asyncio.wait_for(render, TEMPLATE_TIMEOUT_S)
-            except TimeoutError:
-                raise APIError(400, "the chat template took too long", param="messages") from None
-            except Exception as exc:  # noqa: BLE001 - the template's own complaint
-                raise APIError(
-                    400, f"the chat template rejected these messages: {exc}", param="messages"
-                ) from None
+            ids = await render_chat(tok, messages, req.add_generation_prompt, req.continue_final_message, kw)
         strs = [tok.token_text(t) for t in ids] if req.return_token_strs else None
         return {
             "count": len(ids),
@@ -92,7 +69,7 @@ def install_utility_routes(app: FastAPI, get: Any) -> None:
     async def detokenize(request: Request) -> dict:
         server = get()
         server.check_auth(request)
-        req = _parse(DetokenizeRequest, await server.read_json(request))
+        req = validate_body(DetokenizeRequest, await server.read_json(request))
         if req.model is not None:
             server.check_model(req.model)
         if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= server.info.vocab_size):

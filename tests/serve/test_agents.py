@@ -102,21 +102,20 @@ def test_sdk_parse_returns_a_parsed_object(colocated):
     assert isinstance(parsed, City), r.choices[0].message.content
 
 
+def _chat_openai(url: str, **kw):
+    """LangChain's OpenAI chat model against the deployment, greedy."""
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(model=MODEL, base_url=f"{url}/v1", api_key="unused", temperature=0, max_tokens=80,
+                      max_retries=0, timeout=120, **kw)  # fmt: skip
+
+
 def test_langchain_structured_output_and_tools(colocated):
     pytest.importorskip("langchain_openai")
     from langchain_core.messages import AIMessage
     from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(
-        model=MODEL,
-        base_url=f"{colocated.url}/v1",
-        api_key="unused",
-        temperature=0,
-        max_tokens=80,
-        max_retries=0,
-        timeout=120,
-    )
+    llm = _chat_openai(colocated.url)
     city = llm.with_structured_output(City).invoke("Describe Paris.")
     assert isinstance(city, City)
 
@@ -178,18 +177,8 @@ def test_responses_api_text_and_function_tools(colocated):
 
 def test_langchain_responses_api(colocated):
     pytest.importorskip("langchain_openai")
-    from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(
-        model=MODEL,
-        base_url=f"{colocated.url}/v1",
-        api_key="unused",
-        temperature=0,
-        max_tokens=80,
-        max_retries=0,
-        timeout=120,
-        use_responses_api=True,
-    )
+    llm = _chat_openai(colocated.url, use_responses_api=True)
     assert llm.invoke("Say hello.").text
     tools = llm.bind_tools([RESPONSES_TOOL], tool_choice="required", parallel_tool_calls=False)
     msg = tools.invoke("Weather in Lima?")
