@@ -17,7 +17,8 @@ workers over `cuda_ipc`; docs/bench/served-path.md): disaggregated 4,223 output 
   * `off`: never.
 The daemon's pipe and log folders live in a temp folder owned by the runtime (swept when it is gone);
 the workers find it through `CUDA_MPS_PIPE_DIRECTORY` in their environment; it is told to quit when
-the runtime stops.
+the runtime stops, and a daemon left by a runtime that was SIGKILLed is told to quit by the next
+deployment's sweep before its folder is removed.
 NOTE: under MPS a fatal GPU fault in one client (an illegal address, say) ends every client on that
 GPU: the workers sharing it share its fate, which they do for memory already.
 """
@@ -111,7 +112,7 @@ class MpsDaemon:
         return {PIPE_ENV: str(self.root / "pipe"), LOG_ENV: str(self.root / "log")}
 
     def start(self, timeout_s: float = 10.0) -> dict[str, str]:
-        self.root = Path(owned_tempdir("splitserve-mps-"))
+        self.root = Path(owned_tempdir("splitserve-mps-", before_removal=_quit_orphan))
         env = self.env()
         for d in env.values():
             Path(d).mkdir(mode=0o700)
@@ -142,6 +143,20 @@ class MpsDaemon:
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
+
+
+def _quit_orphan(folder: str, timeout_s: float = 10.0) -> None:
+    """The daemon of a runtime that died without stopping it (SIGKILL) outlives it: tell it to quit
+    before its pipe folder is swept, or it would run on with no way left to reach it."""
+    pipe = Path(folder) / "pipe"
+    if not pipe.is_dir() or shutil.which(CONTROL) is None:
+        return
+    env = {**os.environ, PIPE_ENV: str(pipe), LOG_ENV: str(Path(folder) / "log")}
+    try:
+        subprocess.run([CONTROL], input="quit\n", env=env, capture_output=True, text=True, timeout=timeout_s)
+        log.warning("CUDA MPS: told the control daemon left by a dead runtime (%s) to quit", folder)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("CUDA MPS: the daemon left in %s did not quit: %s", folder, exc)
 
 
 __all__ = ["MpsDaemon", "MpsPlan", "plan", "shared_gpus"]

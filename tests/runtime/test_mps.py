@@ -15,7 +15,7 @@ import pytest
 
 from splitserve.config.manifest import parse_manifest
 from splitserve.runtime.local import LocalRuntime, StartupError
-from splitserve.runtime.mps import PIPE_ENV, plan, shared_gpus
+from splitserve.runtime.mps import PIPE_ENV, MpsDaemon, plan, shared_gpus
 
 ONE_GPU_PD = """
 model: {source: random:tiny, device: cuda}
@@ -92,3 +92,23 @@ async def test_the_runtime_starts_a_private_daemon_and_quits_it(stand_in: Path) 
     assert calls[0].startswith(f"args=-d pipe={pipe} log=")
     assert calls[1].startswith(f"args= pipe={pipe}") and calls[2] == "stdin=quit"
     assert not Path(pipe).exists()  # its folders are gone with it
+
+
+def test_a_daemon_left_by_a_killed_runtime_is_told_to_quit_before_its_folder_goes(
+    stand_in: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    left = tmp_path / f"splitserve-mps-{int(gone.stdout)}-abcd"  # what a SIGKILLed runtime leaves
+    (left / "pipe").mkdir(parents=True)
+    (left / "log").mkdir()
+    daemon = MpsDaemon()
+    daemon.start()
+    calls = stand_in.read_text().splitlines()
+    assert calls[0] == f"args= pipe={left / 'pipe'} log={left / 'log'}" and calls[1] == "stdin=quit"
+    assert calls[2].startswith("args=-d pipe=") and not left.exists()
+    daemon.stop()
