@@ -768,7 +768,8 @@ class _Run:
         yield b"data: [DONE]\n\n"
 
     def _tool_chunks(self, tools: ToolDeltas, piece: Piece, lp: dict | None, continuous: bool) -> list[bytes]:
-        """A chat piece with tools on: a chunk per content run or whole call; the finish on the last."""
+        """A chat piece with tools on: a chunk per content run, call announced or arguments fragment;
+        the finish on the last."""
         c = self.choices[piece.index]
         deltas = tools.deltas(piece.text, piece.finished) or ([{"content": ""}] if piece.finished else [])
         chunks = []

@@ -224,6 +224,7 @@ class ResponseEvents:
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.text: str | None = None  # the open message item's text, None while none is open
+        self.call: int | None = None  # the output index of the function call being streamed
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -253,7 +254,7 @@ class ResponseEvents:
                 for event in self._delta(choice.get("delta") or {}):
                     yield event
                 reason = choice.get("finish_reason") or reason
-        for event in self._close_text():
+        for event in self._close_text() + self._close_call():
             yield event
         status = "incomplete" if reason == "length" else "completed"
         final = _envelope(self.req, self.model, self.rid, status, self.output, _usage(usage), reason)
@@ -264,6 +265,7 @@ class ResponseEvents:
     def _delta(self, delta: dict[str, Any]) -> list[bytes]:
         events = []
         if delta.get("content"):
+            events += self._close_call()
             if self.text is None:
                 self.text = ""
                 item = _message_item("", "in_progress")
@@ -293,36 +295,52 @@ class ResponseEvents:
                 )
             )
         for call in delta.get("tool_calls") or []:
-            events += self._close_text()
-            item = _call_item(call)
+            if "id" not in call:  # a fragment of the open call's arguments
+                events += self._arguments(call["function"]["arguments"])
+                continue
+            events += self._close_text() + self._close_call()
+            item = _call_item(call, "in_progress")
             self.output.append(item)
-            index = len(self.output) - 1
+            self.call = len(self.output) - 1
             events.append(
                 self._event(
-                    "response.output_item.added",
-                    output_index=index,
-                    item={**item, "arguments": "", "status": "in_progress"},
+                    "response.output_item.added", output_index=self.call, item={**item, "arguments": ""}
                 )
             )
-            events.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    delta=item["arguments"],
-                )
-            )
-            events.append(
-                self._event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-            )
-            events.append(self._event("response.output_item.done", output_index=index, item=item))
+            item["arguments"] = ""
+            events += self._arguments(call["function"]["arguments"])
         return events
+
+    def _arguments(self, fragment: str) -> list[bytes]:
+        if self.call is None or not fragment:
+            return []
+        item = self.output[self.call]
+        item["arguments"] += fragment
+        return [
+            self._event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=self.call,
+                delta=fragment,
+            )
+        ]
+
+    def _close_call(self) -> list[bytes]:
+        if self.call is None:
+            return []
+        index, self.call = self.call, None
+        item = self.output[index]
+        item["status"] = "completed"
+        return [
+            self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def _close_text(self) -> list[bytes]:
         if self.text is None:

@@ -13,11 +13,16 @@ A chat request with `tools` passes here three times:
      "arguments"}</tool_call>`, Qwen and SmolLM2-style chatml) or `llama3_json` (`{"name",
      "parameters"}`, `;`-separated, an optional `<|python_tag|>`); `feed` does it for a stream, holding
      back text that may be the start of a call, and hands out each call once it is whole.
+Streamed, `ToolDeltas` sends the calls as OpenAI does: a Hermes call is announced (id, type, name, empty
+arguments) as soon as its name is whole, then its arguments follow in fragments as the model writes
+them; the fragments join to the same `arguments` text the call has unstreamed. Llama 3 JSON calls
+(whose end is known only at the end of the answer) come whole, one delta each.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,13 +32,15 @@ from splitserve.serve.openai_protocol import APIError
 HERMES, LLAMA3 = "hermes", "llama3_json"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+# a Hermes block's head once its name is whole and an object of arguments has begun
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=lambda: _new_call_id())
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "type": "function",
@@ -170,6 +177,7 @@ class ToolParser:
         self._buf = ""  # text not yet handed out
         self._in_calls = False  # llama3_json: the answer is calls from its start
         self._after_call = False  # hermes: a block just closed (a newline after it is dropped)
+        self._block_id: str | None = None  # hermes: the id of the call whose block is open
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, calls = self.feed(text)
@@ -190,9 +198,31 @@ class ToolParser:
             return ("", calls) if calls is not None else (rest, [])
         if _HERMES_OPEN in rest:  # an unclosed block (cut by max_tokens): try it whole
             head, _, body = rest.partition(_HERMES_OPEN)
-            call = _hermes_call(body)
+            call = _hermes_call(body, self._take_block_id())
             return (head, [call]) if call is not None else (rest, [])
         return rest, []
+
+    def open_call(self) -> tuple[str, str, str] | None:
+        """The Hermes call being written, once its name is whole: -> (its id, its name, the text of its
+        arguments so far, less a tail that may yet turn out to close the block); None otherwise."""
+        if self.fmt != HERMES or not self._buf.startswith(_HERMES_OPEN):
+            return None
+        body = self._buf[len(_HERMES_OPEN) :]
+        head = _HERMES_HEAD.match(body)
+        if head is None:
+            return None
+        if self._block_id is None:
+            self._block_id = _new_call_id()
+        rest = body[head.end() :]
+        return (
+            self._block_id,
+            _json_string(head.group(1)),
+            _arguments_part(rest[: len(rest) - _partial_suffix(rest, _HERMES_CLOSE)]),
+        )
+
+    def _take_block_id(self) -> str:
+        block_id, self._block_id = self._block_id or _new_call_id(), None
+        return block_id
 
     def _feed_hermes(self) -> tuple[str, list[ToolCall]]:
         out, calls = "", []
@@ -211,7 +241,7 @@ class ToolParser:
             if end == -1:
                 self._buf = self._buf[start:]
                 return out, calls
-            call = _hermes_call(self._buf[start + len(_HERMES_OPEN) : end])
+            call = _hermes_call(self._buf[start + len(_HERMES_OPEN) : end], self._take_block_id())
             if call is not None:
                 calls.append(call)
             else:  # not a call after all: it is text
@@ -240,21 +270,48 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def _hermes_call(body: str) -> ToolCall | None:
+def _new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _json_string(escaped: str) -> str:
+    try:
+        return json.loads(f'"{escaped}"')
+    except ValueError:
+        return escaped
+
+
+def _arguments_part(text: str) -> str:
+    """The arguments' text out of what follows `"arguments":`, less the closing brace of the call's
+    object and the white space around it (which a stream holds back until the block closes)."""
+    text = text.rstrip()
+    return text[:-1].rstrip() if text.endswith("}") else text
+
+
+def _hermes_call(body: str, call_id: str) -> ToolCall | None:
     try:
         obj = json.loads(body.strip())
     except ValueError:
         return None
-    return _call_of(obj, "arguments")
+    call = _call_of(obj, "arguments", call_id)
+    head = _HERMES_HEAD.match(body)
+    if call is not None and head is not None:  # the model's own text of the arguments, as streamed
+        raw = _arguments_part(body[head.end() :])
+        try:
+            if json.loads(raw) == obj.get("arguments"):
+                return ToolCall(call.name, raw, call_id)
+        except ValueError:
+            pass
+    return call
 
 
-def _call_of(obj: Any, key: str) -> ToolCall | None:
+def _call_of(obj: Any, key: str, call_id: str | None = None) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get(key, obj.get("arguments", {}))
     if isinstance(args, str):
         args = _obj(args)
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), call_id or _new_call_id())
 
 
 def _llama_calls(text: str) -> list[ToolCall] | None:
@@ -276,11 +333,14 @@ def _llama_calls(text: str) -> list[ToolCall] | None:
 
 class ToolDeltas:
     """One streamed choice's chat deltas when tools are on: content as it comes (less what may open a
-    call), each call in one delta once it is whole, numbered by `index` as OpenAI numbers them."""
+    call); a call announced once its name is whole (id, type, name, arguments "") and its arguments in
+    fragments after it, or (Llama 3 JSON) whole in one delta; numbered by `index` as OpenAI does."""
 
     def __init__(self, fmt: str) -> None:
         self.parser = ToolParser(fmt)
         self.calls = 0
+        self._open: tuple[str, int] | None = None  # the announced call: (its id, its index)
+        self._sent = ""  # the announced call's arguments sent so far
 
     def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
         content, calls = self.parser.feed(text)
@@ -289,9 +349,28 @@ class ToolDeltas:
             content, calls = content + rest, calls + more
         out: list[dict[str, Any]] = [{"content": content}] if content else []
         for call in calls:
+            if self._open is not None and call.id == self._open[0]:
+                if call.arguments.startswith(self._sent) and len(call.arguments) > len(self._sent):
+                    out.append(self._fragment(self._open[1], call.arguments[len(self._sent) :]))
+                self._open = None
+                continue
             out.append({"tool_calls": [call.to_openai(self.calls)]})
             self.calls += 1
+        writing = None if finished else self.parser.open_call()
+        if writing is not None:
+            call_id, name, arguments = writing
+            if self._open is None or self._open[0] != call_id:
+                self._open, self._sent = (call_id, self.calls), ""
+                out.append({"tool_calls": [ToolCall(name, "", call_id).to_openai(self.calls)]})
+                self.calls += 1
+            if len(arguments) > len(self._sent) and arguments.startswith(self._sent):
+                out.append(self._fragment(self._open[1], arguments[len(self._sent) :]))
+                self._sent = arguments
         return out
+
+    @staticmethod
+    def _fragment(index: int, arguments: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}
 
 
 __all__ = ["HERMES", "LLAMA3", "ToolCall", "ToolDeltas", "ToolParser", "chosen_tools", "parser_for",

@@ -42,9 +42,42 @@ def test_hermes_whole_and_streamed_at_every_split():
         stream = ToolDeltas(HERMES)
         deltas = stream.deltas(HERMES_TEXT[:cut], False) + stream.deltas(HERMES_TEXT[cut:], True)
         text = "".join(d.get("content", "") for d in deltas)
-        got = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
-        assert text == "Let me check." and [c["index"] for c in got] == [0, 1], cut
+        got = _joined([d["tool_calls"][0] for d in deltas if "tool_calls" in d])
+        assert text == "Let me check." and sorted(got) == [0, 1], cut
+        assert [got[i]["function"] for i in (0, 1)] == [
+            {"name": c.name, "arguments": c.arguments} for c in calls
+        ], cut
         assert got[1]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+
+
+def _joined(pieces: list[dict]) -> dict[int, dict]:
+    """Streamed tool-call deltas joined as a client joins them: by index, the first with id, type and
+    name, the arguments concatenated."""
+    calls: dict[int, dict] = {}
+    for p in pieces:
+        if p["index"] not in calls:
+            assert p["id"] and p["type"] == "function" and p["function"]["name"], p
+            calls[p["index"]] = {"id": p["id"], "function": {"name": p["function"]["name"], "arguments": ""}}
+        else:
+            assert "id" not in p and "name" not in p["function"], p
+        calls[p["index"]]["function"]["arguments"] += p["function"]["arguments"]
+    return calls
+
+
+def test_hermes_arguments_stream_in_fragments_token_by_token():
+    """Fed a few characters at a time, a call is announced once its name is whole and its arguments
+    arrive in several fragments before the block closes, never the closing brace of the call."""
+    args = '{"q": "a long question", "filters": {"k": [1, 2]}}'
+    text = '<tool_call>\n{"name": "lookup", "arguments": ' + args + "}\n</tool_call>"
+    stream, pieces = ToolDeltas(HERMES), []
+    for i in range(0, len(text), 3):
+        for d in stream.deltas(text[i : i + 3], i + 3 >= len(text)):
+            assert "content" not in d, d
+            pieces += d["tool_calls"]
+    assert len(pieces) > 10 and pieces[0]["function"] == {"name": "lookup", "arguments": ""}
+    got = _joined(pieces)[0]["function"]["arguments"]
+    assert got == args
+    assert got == ToolParser(HERMES).parse(text)[1][0].arguments
 
 
 def test_plain_text_and_a_broken_block_stay_text():
