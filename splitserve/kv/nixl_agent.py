@@ -73,6 +73,24 @@ def load_nixl() -> tuple[ModuleType, str]:
     )
 
 
+UCX_ERROR_ENV = "SPLITSERVE_NIXL_UCX_ERROR_HANDLING"  # none | peer: overrides ucx_error_mode()
+
+
+def ucx_error_mode(device: torch.device) -> str:
+    """NIXL's UCX `ucx_error_handling_mode` for a KV pool on `device`: `none` for GPU memory, `peer` (NIXL's
+    default) for host memory; $SPLITSERVE_NIXL_UCX_ERROR_HANDLING overrides.
+
+    NOTE: with `peer`, UCX keeps only transports that can report a peer's failure, and its cuda_ipc
+    transport is not among them: on the H200 (nixl-cu12 1.5.1, UCX 1.23) a VRAM READ between two
+    processes of one GPU then ran as "software emulation" over tcp/lo at 0.5 GB/s (UCX_PROTO_INFO,
+    docs/bench/kv-nixl.md). With `none`, cuda_ipc may carry it. A dead exporter is still caught by the
+    transport itself (the control connection is polled during a READ, and every READ has a deadline)."""
+    mode = os.environ.get(UCX_ERROR_ENV, "").strip().lower()
+    if mode in ("none", "peer"):
+        return mode
+    return "none" if device.type == "cuda" else "peer"
+
+
 CUDART = "libcudart.so.12"  # what nixl-cu12's UCX (libucm_cuda) links; a CUDA 13 image has .so.13 only
 
 
@@ -217,7 +235,7 @@ class PendingRead:
 class NixlMover:
     """One NIXL agent: its backend, the KV pool it registered, the exporters it knows; thread-safe."""
 
-    def __init__(self, name: str, wanted: Sequence[str]) -> None:
+    def __init__(self, name: str, wanted: Sequence[str], ucx_error_mode: str = "peer") -> None:
         if not wanted:
             raise ValueError("nixl needs at least one NIXL backend (transport.nixl_backends)")
         self.nixl, self.module = load_nixl()  # the API module, and the name it was imported by
@@ -230,6 +248,7 @@ class NixlMover:
         self.name = name
         self.agent = self.nixl.nixl_agent(name, config)
         self.wanted = tuple(wanted)
+        self.ucx_error_mode = ucx_error_mode
         self.failed: dict[str, str] = {}
         self.backend = self._instantiate()
         self._regs: list[Any] = []
@@ -241,7 +260,7 @@ class NixlMover:
             said: list[str] = []
             try:
                 with stderr_captured(said):
-                    self.agent.create_backend(backend)
+                    self.agent.create_backend(backend, self._init_params(backend))
                 return backend
             except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types (nixlNotFoundError)
                 why = f"{type(exc).__name__}({exc})"
@@ -254,6 +273,18 @@ class NixlMover:
                 self.failed[backend] = why
         tried = "; ".join(f"{b}: {w}" for b, w in self.failed.items())
         raise BackendUnavailable(f"nixl: no NIXL backend of {list(self.wanted)} instantiates here: {tried}")
+
+    def _init_params(self, backend: str) -> dict[str, str]:
+        """The plugin's own defaults (NIXL replaces them by what it is given), UCX's error mode ours."""
+        if backend != "UCX":
+            return {}
+        try:
+            params = {str(k): str(v) for k, v in self.agent.get_plugin_params(backend).items()}
+        except Exception:  # noqa: BLE001 - no plugin: create_backend says why
+            params = {}
+        if "ucx_error_handling_mode" in params or not params:
+            params["ucx_error_handling_mode"] = self.ucx_error_mode
+        return params
 
     # -- both sides ------------------------------------------------------------------------------
     def register(self, kv: torch.Tensor) -> Region:

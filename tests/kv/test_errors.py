@@ -332,3 +332,29 @@ def test_nixl_declared_fallback_serves_logs_loudly_and_is_counted(make, caplog):
     got = fetcher.describe()
     assert got["backend"] == "nixl/UCX" and got["nixl"]["reads_UCX"] == 1
     assert got["nixl"]["descriptors_last"] == 1  # ids 2..5 -> 0..3: one run on both sides, one descriptor
+
+
+def test_nixl_ucx_error_mode_is_none_for_gpu_memory_and_peer_for_host(monkeypatch):
+    from splitserve.kv.nixl_agent import UCX_ERROR_ENV, ucx_error_mode
+
+    monkeypatch.delenv(UCX_ERROR_ENV, raising=False)
+    assert ucx_error_mode(torch.device("cpu")) == "peer"  # NIXL's default: a dead peer is reported
+    assert ucx_error_mode(torch.device("cuda", 0)) == "none"  # else UCX leaves out cuda_ipc (kv-nixl.md)
+    monkeypatch.setenv(UCX_ERROR_ENV, "PEER")
+    assert ucx_error_mode(torch.device("cuda", 0)) == "peer"
+
+
+@needs_nixl
+def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(make, monkeypatch):
+    from splitserve.kv.nixl_agent import UCX_ERROR_ENV
+
+    monkeypatch.setenv(UCX_ERROR_ENV, "none")  # what a GPU pool gets, here on host memory
+    exporter = make("nixl")
+    assert exporter.describe()["nixl"]["ucx_error_handling"] == "none"
+    params = exporter.mover.agent.get_backend_params("UCX")
+    assert params.get("ucx_error_handling_mode") == "none" and "num_workers" in params, params
+    monkeypatch.setenv(UCX_ERROR_ENV, "peer")
+    fetcher = make("nixl", kv=torch.zeros_like(exporter.kv))
+    handle = export_some(exporter)
+    fetcher.fetch(handle, [0, 1, 2, 3], timeout_s=5)  # peers of either mode still read each other
+    assert torch.equal(fetcher.kv[[0, 1, 2, 3]], exporter.kv[[2, 3, 4, 5]])
