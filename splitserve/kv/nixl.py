@@ -53,7 +53,14 @@ from splitserve.kv.faults import Fault
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout, torch_dtype
 from splitserve.kv.lease import FreeCallback
-from splitserve.kv.nixl_agent import NixlMover, Region, descriptors, paired_runs, ucx_error_mode
+from splitserve.kv.nixl_agent import (
+    NixlMover,
+    Region,
+    descriptors,
+    enable_cuda_ipc_get,
+    paired_runs,
+    ucx_error_mode,
+)
 from splitserve.kv.nixl_state import StateSlots, peer_regions, remote_descs
 from splitserve.kv.payload import (
     ByteStream,
@@ -90,6 +97,7 @@ class NixlTransport(SocketTransport):
             raise ValueError("nixl needs a contiguous KV tensor (it registers the whole pool)")
         wanted = tuple(self.options.nixl_backends)
         name = f"splitserve-{os.getpid()}-{secrets.token_hex(4)}"
+        self.cuda_ipc_get = enable_cuda_ipc_get(kv.device)  # before the agent's UCX context reads it
         self.mover = NixlMover(name, wanted, ucx_error_mode(kv.device))
         self.region = self.mover.register(kv)
         self.state_slots: StateSlots | None = None  # the engine's state tensors, once registered
@@ -300,6 +308,7 @@ class NixlTransport(SocketTransport):
             "agent": self.mover.name,
             "memory": self.region.mem,
             "ucx_error_handling": self.mover.ucx_error_mode,
+            "ucx_cuda_ipc_get": self.cuda_ipc_get,
             "registered_bytes": self.region.nbytes,
             "state_slots_registered": self.state_slots is not None,
             **counts,

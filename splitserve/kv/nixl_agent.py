@@ -80,15 +80,32 @@ def ucx_error_mode(device: torch.device) -> str:
     """NIXL's UCX `ucx_error_handling_mode` for a KV pool on `device`: `none` for GPU memory, `peer` (NIXL's
     default) for host memory; $SPLITSERVE_NIXL_UCX_ERROR_HANDLING overrides.
 
-    NOTE: with `peer`, UCX keeps only transports that can report a peer's failure, and its cuda_ipc
-    transport is not among them: on the H200 (nixl-cu12 1.5.1, UCX 1.23) a VRAM READ between two
-    processes of one GPU then ran as "software emulation" over tcp/lo at 0.5 GB/s (UCX_PROTO_INFO,
-    docs/bench/kv-nixl.md). With `none`, cuda_ipc may carry it. A dead exporter is still caught by the
-    transport itself (the control connection is polled during a READ, and every READ has a deadline)."""
+    NOTE: with `peer`, UCX keeps only transports that can report a peer's failure (its shared-memory ones
+    cannot: "sysv/memory - no peer failure handler"); on the H200 a VRAM READ between two processes of
+    one GPU then ran emulated over tcp/lo at 0.5 GB/s, with `none` emulated over sysv/memory at 0.8 GB/s
+    (docs/bench/kv-nixl.md). A dead exporter is still caught by the transport itself (the control
+    connection is polled during a READ, and every READ has a deadline)."""
     mode = os.environ.get(UCX_ERROR_ENV, "").strip().lower()
     if mode in ("none", "peer"):
         return mode
     return "none" if device.type == "cuda" else "peer"
+
+
+CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"  # UCX's own: on | off | auto (its default)
+
+
+def enable_cuda_ipc_get(device: torch.device) -> str | None:
+    """For a KV pool on a GPU: UCX's cuda_ipc GET zero-copy `on`, unless the operator set it; -> the value.
+    Set in this process's environment before the agent's UCX context reads it.
+
+    NOTE: UCX's `auto` turns cuda_ipc GETs off where NVML reports no NVLink ("cuda-ipc get zcopy disabled
+    as no nvlinks detected", UCX_LOG_LEVEL=debug on the one-GPU H200 machine), and a NIXL READ, a GET,
+    then runs as UCX's "software emulation" over active messages at 0.5-0.9 GB/s, where a device copy
+    does 1,900 GB/s. Two processes on one GPU (no NVLink to report) are exactly that case. Across GPUs
+    joined only by PCIe UCX judges GETs slower than PUTs; still far faster than the emulation."""
+    if device.type != "cuda":
+        return None
+    return os.environ.setdefault(CUDA_IPC_GET_ENV, "on")
 
 
 CUDART = "libcudart.so.12"  # what nixl-cu12's UCX (libucm_cuda) links; a CUDA 13 image has .so.13 only

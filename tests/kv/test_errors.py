@@ -8,6 +8,7 @@ start-up errors for backends this host cannot run.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -339,7 +340,7 @@ def test_nixl_ucx_error_mode_is_none_for_gpu_memory_and_peer_for_host(monkeypatc
 
     monkeypatch.delenv(UCX_ERROR_ENV, raising=False)
     assert ucx_error_mode(torch.device("cpu")) == "peer"  # NIXL's default: a dead peer is reported
-    assert ucx_error_mode(torch.device("cuda", 0)) == "none"  # else UCX leaves out cuda_ipc (kv-nixl.md)
+    assert ucx_error_mode(torch.device("cuda", 0)) == "none"  # else no shared-memory transports (kv-nixl.md)
     monkeypatch.setenv(UCX_ERROR_ENV, "PEER")
     assert ucx_error_mode(torch.device("cuda", 0)) == "peer"
 
@@ -358,3 +359,13 @@ def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(ma
     handle = export_some(exporter)
     fetcher.fetch(handle, [0, 1, 2, 3], timeout_s=5)  # peers of either mode still read each other
     assert torch.equal(fetcher.kv[[0, 1, 2, 3]], exporter.kv[[2, 3, 4, 5]])
+
+
+def test_nixl_turns_cuda_ipc_gets_on_for_gpu_pools_unless_the_operator_chose(monkeypatch):
+    from splitserve.kv.nixl_agent import CUDA_IPC_GET_ENV, enable_cuda_ipc_get
+
+    monkeypatch.delenv(CUDA_IPC_GET_ENV, raising=False)
+    assert enable_cuda_ipc_get(torch.device("cpu")) is None and CUDA_IPC_GET_ENV not in os.environ
+    assert enable_cuda_ipc_get(torch.device("cuda", 0)) == "on" == os.environ[CUDA_IPC_GET_ENV]
+    monkeypatch.setenv(CUDA_IPC_GET_ENV, "auto")  # UCX's default, asked for explicitly: kept
+    assert enable_cuda_ipc_get(torch.device("cuda", 0)) == "auto"
