@@ -4,6 +4,9 @@ one more profiled with torch.profiler: the kernels that take the most, and the h
 
     python bench/profile_prefill.py --batch 32 --prompt-len 512
     python bench/profile_prefill.py --batch 1 --prompt-len 4096 --linear-backend torch
+    python bench/profile_prefill.py --batch 1 --prompt-len 64 1088 2048 --top 0   # step time by length
+
+With several lengths each is timed in turn (warm-up, then `--repeats`) and only the first is profiled.
 """
 
 from __future__ import annotations
@@ -40,31 +43,36 @@ def prefill_once(engine: LLMEngine, prompts: torch.Tensor) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[512])
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
     ap.add_argument("--linear-backend", default="auto")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    max_len = args.prompt_len + 16
+    max_len = max(args.prompt_len) + 16
     loaded = random_model(random_source_config("random:qwen3.5-9b"), dev, torch.bfloat16, max_len)
     config = EngineConfig(model="random:qwen3.5-9b", max_num_seqs=max(args.batch, 2), max_model_len=max_len,
-                          max_num_batched_tokens=max(args.max_batched_tokens, args.prompt_len),
+                          max_num_batched_tokens=max(args.max_batched_tokens, max_len - 16),
                           kv_cache_bytes=args.batch * max_len * 40 * 2**10 + 2**28,
                           linear_attention_backend=args.linear_backend, enable_prefix_caching=False,
                           progress=False)  # fmt: skip
     engine = LLMEngine(config, tokenizer=False, loaded=loaded)
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 248320, (args.batch, args.prompt_len), generator=gen) for _ in range(4)]
-    prefill_once(engine, batches[0])  # warm-up at this shape
-    times = [prefill_once(engine, batches[1 + i % 3]) for i in range(args.repeats)]
-    t = statistics.median(times)
-    n = args.batch * args.prompt_len
-    print(
-        f"prefill {args.batch} x {args.prompt_len} ({args.linear_backend}): {t * 1e3:.1f} ms, "
-        f"{n / t:.0f} tok/s (runs: {', '.join(f'{x * 1e3:.1f}' for x in times)} ms)"
-    )
+    for length in args.prompt_len:
+        batches = [torch.randint(0, 248320, (args.batch, length), generator=gen) for _ in range(4)]
+        prefill_once(engine, batches[0])  # warm-up at this shape
+        times = [prefill_once(engine, batches[1 + i % 3]) for i in range(args.repeats)]
+        t = statistics.median(times)
+        n = args.batch * length
+        print(
+            f"prefill {args.batch} x {length} ({args.linear_backend}): {t * 1e3:.1f} ms, "
+            f"{n / t:.0f} tok/s (runs: {', '.join(f'{x * 1e3:.1f}' for x in times)} ms)",
+            flush=True,
+        )
+        if length == args.prompt_len[0]:
+            first, t_first = batches, t
+    batches, t = first, t_first
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -167,7 +167,10 @@ def endpoint(
     from splitserve.config import load_manifest
     from splitserve.runtime.process import start_serve
 
-    manifest = load_manifest(args.manifest, {**manifest_knobs, "mode": mode})
+    knobs = {**manifest_knobs, "mode": mode}
+    if mode == "disaggregated" and args.cuda_mps:  # `on` refuses a deployment with no shared GPU
+        knobs["runtime.cuda_mps"] = args.cuda_mps
+    manifest = load_manifest(args.manifest, knobs)
     with start_serve(manifest, echo=args.echo) as sp:
         model = sp.ready["model"]
         for _ in range(args.warmups):
@@ -195,6 +198,8 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["colocated", "disaggregated"])
     ap.add_argument("--client", nargs="+", default=["curl"], choices=("curl",))
     ap.add_argument("--kv-backend", default=None, help="disaggregated: tcp | shm | cuda_ipc | nccl")
+    ap.add_argument("--cuda-mps", default=None, choices=("auto", "on", "off"),
+                    help="runtime.cuda_mps of the disaggregated run (default: the manifest's)")  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--tokenizer", default=None, help="an HF tokenizer directory (default: the model's)")

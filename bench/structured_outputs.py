@@ -71,6 +71,8 @@ def engine_run(args: argparse.Namespace) -> tuple[float, float, float]:
         max_num_seqs=max(args.batch, 1),
         progress=False,
         **_kv(args),
+        **({"tokenizer": args.tokenizer} if args.tokenizer else {}),
+        **({"async_scheduling": False} if args.no_async else {}),
     )
     prompts = [{"prompt_token_ids": p} for p in trace(args, llm.engine.model_config.vocab_size)]
     spec = GrammarSpec("json", json.dumps(SCHEMA))
@@ -133,6 +135,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:tiny-chat")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--no-async", action="store_true",
+                    help="no overlapped steps in either run (what constrained ones lose)")  # fmt: skip
+    ap.add_argument("--tokenizer", default=None, help="an HF tokenizer directory (default: the model's)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -53,7 +53,14 @@ from splitserve.kv.faults import Fault
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout, torch_dtype
 from splitserve.kv.lease import FreeCallback
-from splitserve.kv.nixl_agent import NixlMover, Region, descriptors, paired_runs
+from splitserve.kv.nixl_agent import (
+    NixlMover,
+    Region,
+    descriptors,
+    enable_cuda_ipc_get,
+    paired_runs,
+    ucx_error_mode,
+)
 from splitserve.kv.nixl_state import StateSlots, peer_regions, remote_descs
 from splitserve.kv.payload import (
     ByteStream,
@@ -89,7 +96,9 @@ class NixlTransport(SocketTransport):
         if not kv.is_contiguous():
             raise ValueError("nixl needs a contiguous KV tensor (it registers the whole pool)")
         wanted = tuple(self.options.nixl_backends)
-        self.mover = NixlMover(f"splitserve-{os.getpid()}-{secrets.token_hex(4)}", wanted)
+        name = f"splitserve-{os.getpid()}-{secrets.token_hex(4)}"
+        self.cuda_ipc_get = enable_cuda_ipc_get(kv.device)  # before the agent's UCX context reads it
+        self.mover = NixlMover(name, wanted, ucx_error_mode(kv.device))
         self.region = self.mover.register(kv)
         self.state_slots: StateSlots | None = None  # the engine's state tensors, once registered
         self._scratch = threading.local()  # per fetch thread: a registered slot when into_state is not ours
@@ -298,6 +307,8 @@ class NixlTransport(SocketTransport):
             "module": self.mover.module,
             "agent": self.mover.name,
             "memory": self.region.mem,
+            "ucx_error_handling": self.mover.ucx_error_mode,
+            "ucx_cuda_ipc_get": self.cuda_ipc_get,
             "registered_bytes": self.region.nbytes,
             "state_slots_registered": self.state_slots is not None,
             **counts,

@@ -73,6 +73,41 @@ def load_nixl() -> tuple[ModuleType, str]:
     )
 
 
+UCX_ERROR_ENV = "SPLITSERVE_NIXL_UCX_ERROR_HANDLING"  # none | peer: overrides ucx_error_mode()
+
+
+def ucx_error_mode(device: torch.device) -> str:
+    """NIXL's UCX `ucx_error_handling_mode` for a KV pool on `device`: `none` for GPU memory, `peer` (NIXL's
+    default) for host memory; $SPLITSERVE_NIXL_UCX_ERROR_HANDLING overrides.
+
+    NOTE: with `peer`, UCX keeps only transports that can report a peer's failure (its shared-memory ones
+    cannot: "sysv/memory - no peer failure handler"); on the H200 a VRAM READ between two processes of
+    one GPU then ran emulated over tcp/lo at 0.5 GB/s, with `none` emulated over sysv/memory at 0.8 GB/s
+    (docs/bench/kv-nixl.md). A dead exporter is still caught by the transport itself (the control
+    connection is polled during a READ, and every READ has a deadline)."""
+    mode = os.environ.get(UCX_ERROR_ENV, "").strip().lower()
+    if mode in ("none", "peer"):
+        return mode
+    return "none" if device.type == "cuda" else "peer"
+
+
+CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"  # UCX's own: on | off | auto (its default)
+
+
+def enable_cuda_ipc_get(device: torch.device) -> str | None:
+    """For a KV pool on a GPU: UCX's cuda_ipc GET zero-copy `on`, unless the operator set it; -> the value.
+    Set in this process's environment before the agent's UCX context reads it.
+
+    NOTE: UCX's `auto` turns cuda_ipc GETs off where NVML reports no NVLink ("cuda-ipc get zcopy disabled
+    as no nvlinks detected", UCX_LOG_LEVEL=debug on the one-GPU H200 machine), and a NIXL READ, a GET,
+    then runs as UCX's "software emulation" over active messages at 0.5-0.9 GB/s, where a device copy
+    does 1,900 GB/s. Two processes on one GPU (no NVLink to report) are exactly that case. Across GPUs
+    joined only by PCIe UCX judges GETs slower than PUTs; still far faster than the emulation."""
+    if device.type != "cuda":
+        return None
+    return os.environ.setdefault(CUDA_IPC_GET_ENV, "on")
+
+
 CUDART = "libcudart.so.12"  # what nixl-cu12's UCX (libucm_cuda) links; a CUDA 13 image has .so.13 only
 
 
@@ -217,7 +252,7 @@ class PendingRead:
 class NixlMover:
     """One NIXL agent: its backend, the KV pool it registered, the exporters it knows; thread-safe."""
 
-    def __init__(self, name: str, wanted: Sequence[str]) -> None:
+    def __init__(self, name: str, wanted: Sequence[str], ucx_error_mode: str = "peer") -> None:
         if not wanted:
             raise ValueError("nixl needs at least one NIXL backend (transport.nixl_backends)")
         self.nixl, self.module = load_nixl()  # the API module, and the name it was imported by
@@ -230,6 +265,7 @@ class NixlMover:
         self.name = name
         self.agent = self.nixl.nixl_agent(name, config)
         self.wanted = tuple(wanted)
+        self.ucx_error_mode = ucx_error_mode
         self.failed: dict[str, str] = {}
         self.backend = self._instantiate()
         self._regs: list[Any] = []
@@ -241,7 +277,7 @@ class NixlMover:
             said: list[str] = []
             try:
                 with stderr_captured(said):
-                    self.agent.create_backend(backend)
+                    self.agent.create_backend(backend, self._init_params(backend))
                 return backend
             except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types (nixlNotFoundError)
                 why = f"{type(exc).__name__}({exc})"
@@ -254,6 +290,18 @@ class NixlMover:
                 self.failed[backend] = why
         tried = "; ".join(f"{b}: {w}" for b, w in self.failed.items())
         raise BackendUnavailable(f"nixl: no NIXL backend of {list(self.wanted)} instantiates here: {tried}")
+
+    def _init_params(self, backend: str) -> dict[str, str]:
+        """The plugin's own defaults (NIXL replaces them by what it is given), UCX's error mode ours."""
+        if backend != "UCX":
+            return {}
+        try:
+            params = {str(k): str(v) for k, v in self.agent.get_plugin_params(backend).items()}
+        except Exception:  # noqa: BLE001 - no plugin: create_backend says why
+            params = {}
+        if "ucx_error_handling_mode" in params or not params:
+            params["ucx_error_handling_mode"] = self.ucx_error_mode
+        return params
 
     # -- both sides ------------------------------------------------------------------------------
     def register(self, kv: torch.Tensor) -> Region:

@@ -8,6 +8,7 @@ start-up errors for backends this host cannot run.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -332,3 +333,39 @@ def test_nixl_declared_fallback_serves_logs_loudly_and_is_counted(make, caplog):
     got = fetcher.describe()
     assert got["backend"] == "nixl/UCX" and got["nixl"]["reads_UCX"] == 1
     assert got["nixl"]["descriptors_last"] == 1  # ids 2..5 -> 0..3: one run on both sides, one descriptor
+
+
+def test_nixl_ucx_error_mode_is_none_for_gpu_memory_and_peer_for_host(monkeypatch):
+    from splitserve.kv.nixl_agent import UCX_ERROR_ENV, ucx_error_mode
+
+    monkeypatch.delenv(UCX_ERROR_ENV, raising=False)
+    assert ucx_error_mode(torch.device("cpu")) == "peer"  # NIXL's default: a dead peer is reported
+    assert ucx_error_mode(torch.device("cuda", 0)) == "none"  # else no shared-memory transports (kv-nixl.md)
+    monkeypatch.setenv(UCX_ERROR_ENV, "PEER")
+    assert ucx_error_mode(torch.device("cuda", 0)) == "peer"
+
+
+@needs_nixl
+def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(make, monkeypatch):
+    from splitserve.kv.nixl_agent import UCX_ERROR_ENV
+
+    monkeypatch.setenv(UCX_ERROR_ENV, "none")  # what a GPU pool gets, here on host memory
+    exporter = make("nixl")
+    assert exporter.describe()["nixl"]["ucx_error_handling"] == "none"
+    params = exporter.mover.agent.get_backend_params("UCX")
+    assert params.get("ucx_error_handling_mode") == "none" and "num_workers" in params, params
+    monkeypatch.setenv(UCX_ERROR_ENV, "peer")
+    fetcher = make("nixl", kv=torch.zeros_like(exporter.kv))
+    handle = export_some(exporter)
+    fetcher.fetch(handle, [0, 1, 2, 3], timeout_s=5)  # peers of either mode still read each other
+    assert torch.equal(fetcher.kv[[0, 1, 2, 3]], exporter.kv[[2, 3, 4, 5]])
+
+
+def test_nixl_turns_cuda_ipc_gets_on_for_gpu_pools_unless_the_operator_chose(monkeypatch):
+    from splitserve.kv.nixl_agent import CUDA_IPC_GET_ENV, enable_cuda_ipc_get
+
+    monkeypatch.delenv(CUDA_IPC_GET_ENV, raising=False)
+    assert enable_cuda_ipc_get(torch.device("cpu")) is None and CUDA_IPC_GET_ENV not in os.environ
+    assert enable_cuda_ipc_get(torch.device("cuda", 0)) == "on" == os.environ[CUDA_IPC_GET_ENV]
+    monkeypatch.setenv(CUDA_IPC_GET_ENV, "auto")  # UCX's default, asked for explicitly: kept
+    assert enable_cuda_ipc_get(torch.device("cuda", 0)) == "auto"
