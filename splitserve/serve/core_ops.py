@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from splitserve.serve import core_protocol as wire
+from splitserve.serve.core_errors import error_info
 
 if TYPE_CHECKING:
     from splitserve.serve.core import EngineCore
@@ -34,8 +35,6 @@ class CoreOps:
 
     def call(self, cmd: wire.Call) -> None:
         """Engine thread: run `cmd` (on a call thread if it blocks); its reply joins a later batch."""
-        from splitserve.serve.core import error_info
-
         fn = getattr(self, f"op_{cmd.method}", None)
         if fn is None:
             err = wire.ErrorInfo(400, "invalid_request", f"no such call {cmd.method!r}")
