@@ -7,7 +7,7 @@ that exports over shm should allocate its cache with `allocate_shared_kv`: fetch
 straight out of it (shm_direct.py).
 """
 
-from splitserve.kv.backends import available_backends
+from splitserve.kv.backends import available_backends, make_transport
 from splitserve.kv.errors import (
     AuthError,
     BackendUnavailable,
@@ -23,7 +23,7 @@ from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.lease import LeaseManager
 from splitserve.kv.shm_direct import allocate_shared_kv
-from splitserve.kv.transport import KVTransport, TransportOptions, make_transport
+from splitserve.kv.transport import KVTransport, TransportOptions
 
 __all__ = [
     "AuthError",

@@ -50,22 +50,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from splitserve.kv import trace
+from splitserve.kv.channel import KVChannel
 from splitserve.kv.client import SyncChannel, parse_address
-from splitserve.kv.cuda_ipc import (
-    GpuSocketTransport,
-    consecutive_start,
-    host_id,
-    index_tensor,
-    wide,
-)
 from splitserve.kv.errors import PeerRefused, TransferTimeout, TransportError
+from splitserve.kv.gpu_blocks import consecutive_start, host_id, index_tensor, wide
+from splitserve.kv.gpu_mover import GpuMover
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.protocol import Deadline, expect
@@ -178,13 +174,16 @@ def _sock_gone(sock: socket.socket) -> bool:
         return True
 
 
-class NcclTransport(GpuSocketTransport):
+class NcclMover(GpuMover):
+    """The blocks over a two-rank NCCL group per connection (the module docstring)."""
+
     backend = "nccl"
     open_op = "nccl_open"
     payload_op = "kv_nccl"
 
-    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
-        super().__init__(kv, layout, **kwargs)
+    def bind(self, ch: KVChannel) -> None:
+        super().bind(ch)
+        layout = self.layout
         self.chunk_blocks = max(1, CHUNK_BYTES // layout.block_nbytes)
         self._send_lock = threading.Lock()
         self.send_calls: deque[float] = deque(maxlen=64)  # seconds in c10d's send calls, per transfer
@@ -459,3 +458,14 @@ class NcclTransport(GpuSocketTransport):
                        "send_calls_ms": round(1e3 * calls[len(calls) // 2], 3) if calls else None,
                        "checksum_on": "host copies"}  # fmt: skip
         return out
+
+
+class NcclTransport(KVChannel):
+    """The control channel (tcp) with the nccl mover."""
+
+    # NOTE: tests only: let a CPU KV through, to exercise the protocol on a machine without a GPU
+    # (Gloo in place of NCCL). Never set in production.
+    cpu_test_double: ClassVar[bool] = False
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
+        super().__init__(kv, layout, NcclMover(kv, self.cpu_test_double), **kwargs)

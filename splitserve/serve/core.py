@@ -76,8 +76,9 @@ class EngineCore:
                 engine, config.kv_backend, secret=config.kv_secret,
                 options=config.transport_options(), policy=config.kv_policy, fallback=config.kv_fallback,
             )  # fmt: skip
+            assert self.connector.transport is not None  # open() made it
             if config.role == "prefill":
-                self.kv_address = self.connector.transport.listen()  # type: ignore[union-attr]
+                self.kv_address = self.connector.transport.listen()
             if config.kv_throttle_gbps:
                 from splitserve.kv.throttle import ThrottledTransport
 

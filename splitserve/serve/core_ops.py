@@ -155,15 +155,15 @@ class CoreOps:
 
     def op_set_faults(self, **knobs: Any) -> dict:
         """Test-only: make this exporter drop / delay / corrupt / kill the fetches it serves."""
-        from splitserve.kv.faults import FaultKnobs, FaultPlan
+        from splitserve.kv.fault_plan import FaultKnobs, FaultPlan
 
         conn = self.core.connector
         transport = conn.transport if conn else None
-        if not self.config.fault_injection or not hasattr(transport, "install_faults"):
+        if not self.config.fault_injection or transport is None:
             raise RoleError("fault injection is off: start the worker with --enable-fault-injection")
         k = FaultKnobs(**knobs)
         active = any((k.drop, k.delay, k.corrupt, k.kill))
-        transport.install_faults(FaultPlan(k) if active else None)  # type: ignore[union-attr]
+        transport.install_faults(FaultPlan(k) if active else None)
         return {"faults": dataclasses.asdict(k) if active else None}
 
     # ---- on a call thread ------------------------------------------------------------------------
