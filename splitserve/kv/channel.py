@@ -58,7 +58,7 @@ from splitserve.kv.payload import (
     state_pieces,
 )
 from splitserve.kv.protocol import Deadline, checksum, checksum_algo, expect, resolve_secret
-from splitserve.kv.server import AsyncChannel, Endpoint, ExportServer
+from splitserve.kv.server import AsyncChannel, ExportServer, ListenSpec
 from splitserve.kv.transport import KVTransport, TransportOptions, TransportStats
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class PayloadMover(Protocol):
                 register_states(states) -> bool   the engine's state slots, once (True: moved in place)
                 describe() -> dict                fields merged into the channel's describe()
                 close()                           after the channel closed its server, pool and leases
-      exporter  endpoint() -> Endpoint            where the server listens (tcp host:port, unix path)
+      exporter  listen_spec() -> ListenSpec       where the server listens (tcp host:port, unix path)
                 make_board() -> LeaseBoard|None   a lease board for one-sided reads (board.py), or None
                 export(...) -> KVHandle           check the ids, then `ch.lease_export` (or its own lease)
                 keep_state(state) -> dict         what a lease keeps of the state (`ch.lease_export` asks)
@@ -110,7 +110,7 @@ class PayloadMover(Protocol):
 
     def close(self) -> None: ...
 
-    def endpoint(self) -> Endpoint: ...
+    def listen_spec(self) -> ListenSpec: ...
 
     def make_board(self) -> LeaseBoard | None: ...
 
@@ -186,7 +186,7 @@ class KVChannel(KVTransport):
                     if self.leases.board is not None:
                         self.leases.board.allow_one_sided(self.faults is None)
                 server = ExportServer(
-                    self.mover.endpoint(),
+                    self.mover.listen_spec(),
                     self.layout,
                     self._secret,
                     self,

@@ -63,18 +63,14 @@ from splitserve.kv.board import LeaseBoard
 from splitserve.kv.channel import Export, KVChannel
 from splitserve.kv.client import SyncChannel
 from splitserve.kv.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
-from splitserve.kv.errors import (
-    PeerRefused,
-    TransferTimeout,
-    TransportError,
-)
+from splitserve.kv.errors import PeerRefused, TransferTimeout, TransportError
 from splitserve.kv.gpu_blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
-from splitserve.kv.gpu_mover import GpuMover, _NoClose
+from splitserve.kv.gpu_mover import GpuMover, NoClose
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.payload import empty_state
 from splitserve.kv.protocol import Deadline, expect
-from splitserve.kv.server import AsyncChannel, Endpoint
+from splitserve.kv.server import AsyncChannel, ListenSpec
 from splitserve.kv.state_arena import StateArena, open_arena, unpack
 from splitserve.tempdirs import owned_tempdir
 
@@ -105,13 +101,13 @@ class CudaIpcMover(GpuMover):
             self.arena = StateArena(layout, kv.device, rows, self.options.state_wire_dtype)
             self.leases.on_end = self._lease_ended
 
-    def endpoint(self) -> Endpoint:
+    def listen_spec(self) -> ListenSpec:
         if self.options.socket_dir:
             directory = self.options.socket_dir
         else:
             directory = self._own_dir = owned_tempdir("splitserve-kv-")  # swept if we are SIGKILLed
         path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        return Endpoint("unix", path=path)
+        return ListenSpec("unix", path=path)
 
     # -- exporter --------------------------------------------------------------------------------
     def make_board(self) -> LeaseBoard | None:
@@ -204,7 +200,7 @@ class CudaIpcMover(GpuMover):
                 while len(self._peers) > PEERS_MAX:
                     self._peers.popitem(last=False)
             self._peers.move_to_end(key)
-        return _NoClose(peer)
+        return NoClose(peer)
 
     # -- one-sided fetches -----------------------------------------------------------------------
     def fetch(
@@ -266,7 +262,7 @@ class CudaIpcMover(GpuMover):
         how, done = self._copy(peer, ids, into)
         state: dict[str, torch.Tensor] = {}
         if handle.state_row is not None:  # behind the blocks on our side stream: its wait covers both
-            state = self.pull_state(_NoClose(peer), handle.state_row, deadline)
+            state = self.pull_state(NoClose(peer), handle.state_row, deadline)
         trace.mark("f.copy_queued")
         self._wait_copies(handle.address, deadline, done)
         trace.mark("f.copied")

@@ -14,11 +14,7 @@ from typing import Any
 import torch
 
 from splitserve.kv.board import BoardView
-from splitserve.kv.errors import (
-    BackendUnavailable,
-    PeerRefused,
-    TransportError,
-)
+from splitserve.kv.errors import BackendUnavailable, PeerRefused, TransportError
 from splitserve.kv.gpu_blocks import gpu_uuid, host_id, local_gpu
 from splitserve.kv.layout import KVLayout
 

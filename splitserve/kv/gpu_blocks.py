@@ -14,9 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from splitserve.kv.errors import (
-    TransportError,
-)
+from splitserve.kv.errors import TransportError
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.protocol import Deadline
 

@@ -50,7 +50,7 @@ from splitserve.kv.server import AsyncChannel
 log = logging.getLogger(__name__)
 
 
-class _NoClose:
+class NoClose:
     """A per-connection marker whose resource the transport owns (SyncChannel closes attachments)."""
 
     def __init__(self, value: Any) -> None:
@@ -216,7 +216,7 @@ class GpuMover:
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         if header["op"] == "fetch":
-            chan.attached["fetch_request"] = _NoClose(header)  # what the fetcher asked, for the hooks
+            chan.attached["fetch_request"] = NoClose(header)  # what the fetcher asked, for the hooks
         if header["op"] != self.open_op:
             return None  # the channel's
         try:

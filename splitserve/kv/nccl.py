@@ -65,7 +65,7 @@ from splitserve.kv.gpu_mover import GpuMover
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.protocol import Deadline, expect
-from splitserve.kv.server import AsyncChannel, Endpoint
+from splitserve.kv.server import AsyncChannel, ListenSpec
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,8 @@ class NcclMover(GpuMover):
         self._send_lock = threading.Lock()
         self.send_calls: deque[float] = deque(maxlen=64)  # seconds in c10d's send calls, per transfer
 
-    def endpoint(self) -> Endpoint:
-        return Endpoint("tcp", host=self.options.host, port=self.options.port)
+    def listen_spec(self) -> ListenSpec:
+        return ListenSpec("tcp", host=self.options.host, port=self.options.port)
 
     @property
     def group_timeout_s(self) -> float:

@@ -67,7 +67,7 @@ from splitserve.kv.payload import (
     state_pieces,
 )
 from splitserve.kv.protocol import Deadline, expect
-from splitserve.kv.server import AsyncChannel, Endpoint
+from splitserve.kv.server import AsyncChannel, ListenSpec
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,8 @@ class NixlMover:
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return None  # no open exchange: the agent's metadata rides the first answer
 
-    def endpoint(self) -> Endpoint:
-        return Endpoint("tcp", host=self.options.host, port=self.options.port)
+    def listen_spec(self) -> ListenSpec:
+        return ListenSpec("tcp", host=self.options.host, port=self.options.port)
 
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
         """Register the engine's state tensors [num_slots, *shape] with NIXL, once (nixl_state.py)."""

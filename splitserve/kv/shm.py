@@ -31,7 +31,7 @@ from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.payload import ByteStream, snapshot_state, source_pieces, state_pieces
 from splitserve.kv.protocol import Deadline, expect
-from splitserve.kv.server import AsyncChannel, Endpoint
+from splitserve.kv.server import AsyncChannel, ListenSpec
 from splitserve.kv.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
 from splitserve.kv.shm_staged import SEGMENT_PREFIX, recv_staged, send_staged
 from splitserve.tempdirs import owned_tempdir
@@ -83,13 +83,13 @@ class ShmMover:
     def mode(self) -> str:
         return "direct" if shared_kv_of(self.kv) is not None else "staged"
 
-    def endpoint(self) -> Endpoint:
+    def listen_spec(self) -> ListenSpec:
         if self.options.socket_dir:
             directory = self.options.socket_dir
         else:
             directory = self._own_dir = owned_tempdir("splitserve-kv-")  # swept if we are SIGKILLed
         path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        return Endpoint("unix", path=path)
+        return ListenSpec("unix", path=path)
 
     async def send_payload(
         self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,

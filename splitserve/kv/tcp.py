@@ -30,7 +30,7 @@ from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.payload import ByteStream, snapshot_state, source_pieces, state_pieces
 from splitserve.kv.protocol import Deadline, encode_frame, expect
-from splitserve.kv.server import AsyncChannel, Endpoint
+from splitserve.kv.server import AsyncChannel, ListenSpec
 
 
 class TcpMover:
@@ -78,8 +78,8 @@ class TcpMover:
     def close(self) -> None:
         pass
 
-    def endpoint(self) -> Endpoint:
-        return Endpoint("tcp", host=self.options.host, port=self.options.port)
+    def listen_spec(self) -> ListenSpec:
+        return ListenSpec("tcp", host=self.options.host, port=self.options.port)
 
     async def send_payload(
         self,
