@@ -141,7 +141,7 @@ def nccl_raw_side(rank: int, port: int, prefix: str, sizes: list[int], reps: int
 
     import torch.distributed as dist
 
-    from splitserve.kv.nccl import make_group
+    from splitserve.kv.nccl_group import make_group
 
     device = torch.device("cuda", rank)
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=120), False)
