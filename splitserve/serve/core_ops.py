@@ -11,13 +11,34 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
 
 from splitserve.serve import core_protocol as wire
 from splitserve.serve.core_errors import error_info
 
 if TYPE_CHECKING:
-    from splitserve.serve.core import EngineCore
+    from splitserve.engine.disagg import KVConnector
+    from splitserve.engine.engine import LLMEngine
+    from splitserve.serve.worker_config import WorkerConfig
+
+
+class Core(Protocol):
+    """What the operations use of their engine core (core.py's EngineCore)."""
+
+    engine: LLMEngine
+    config: WorkerConfig
+    connector: KVConnector | None
+    kv_address: str | None
+    imports: dict[str, Any]
+    events: list[wire.Event]
+    busy_seconds: float
+    call_pool: ThreadPoolExecutor
+
+    def on_loop(self, fn: Callable[[], Any], timeout_s: float = 60.0) -> Any: ...
+
+    def on_loop_nowait(self, fn: Callable[[], Any]) -> None: ...
 
 
 class RoleError(ValueError):
@@ -27,7 +48,7 @@ class RoleError(ValueError):
 class CoreOps:
     BLOCKING = frozenset({"check_peer", "probe"})
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: Core) -> None:
         self.core = core
         self.engine = core.engine
         self.config = core.config
