@@ -1,5 +1,5 @@
 """Admission at the router: at most `max_running` requests run at once and `max_queued` wait, in
-arrival order; a full queue is a 429 with Retry-After, a wait past `timeout_s` a 503 (api_run.respond).
+arrival order; a full queue is a 429 with Retry-After, a wait past `timeout_s` a 503 (api_respond.respond).
 """
 
 from __future__ import annotations

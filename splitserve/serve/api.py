@@ -3,7 +3,8 @@ body, the model and length checks, the admission queue, the deployment's health,
 
     api_routes.py    the routes and error handlers on the FastAPI app
     api_openai.py    chat / completions / responses: validate, render, tokenize, constrain
-    api_run.py       one request's run: admission, choices through the Dispatcher, JSON or SSE
+    api_respond.py   one request's answer: a slot in the queue, a Run, JSON or an SSE stream
+    api_run.py       a Run: the request's choices through the Dispatcher, collected or as SSE frames
     utility_routes.py, admission.py, access_log.py, api_guard.py: the rest of the edge
 
 A request's path through them: read the body (413 over `max_body_bytes`, 400 for bad JSON or UTF-8),

@@ -2,7 +2,7 @@
 
 Each reads and validates its body (openai_protocol.py), checks the model, the choices and the context
 length, renders and tokenizes the prompt (chat_template.py, tools.py), sets the grammar when the answer is
-constrained (structured.py, tools.py), then hands the prompts to `api_run.respond`, which takes a slot in
+constrained (structured.py, tools.py), then hands the prompts to `api_respond.respond`, which takes a slot in
 the bounded queue and answers as JSON or as an SSE stream. /v1/responses is a chat request translated
 both ways (responses.py).
 """
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from splitserve.engine.params import GrammarSpec
 from splitserve.serve.api import OpenAIServer
-from splitserve.serve.api_run import CleanupStream, respond
+from splitserve.serve.api_respond import CleanupStream, respond
 from splitserve.serve.chat_template import render_chat, template_kwargs
 from splitserve.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validate_body
 from splitserve.serve.responses import ResponseEvents, ResponsesRequest, response_object
