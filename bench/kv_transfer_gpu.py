@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-import splitserve.kv.cuda_ipc as cuda_ipc  # noqa: E402
+import splitserve.kv.gpu_blocks as gpu_blocks  # noqa: E402
 from splitserve.kv import KVHandle, KVLayout, TransportOptions, make_transport, trace  # noqa: E402
 
 BACKENDS = ("cuda_ipc", "nccl")
@@ -109,7 +109,7 @@ def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str, tracin
             out = {}
             for b in BACKENDS:
                 out[b] = transports[args[0], b].describe().get("serve_phases_ms")
-                transports[args[0], b].serve_phases.clear()
+                transports[args[0], b].mover.serve_phases.clear()
             conn.send(out)
         elif cmd == "trace":
             conn.send(trace.events())
@@ -124,7 +124,7 @@ def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str, tracin
 
 def digest(kv: torch.Tensor, ids: list[int]) -> int:
     """A cheap fingerprint of kv[ids] (sum of its int32 words, weighted by position in the payload)."""
-    rows = cuda_ipc.kv_rows(kv)
+    rows = gpu_blocks.kv_rows(kv)
     total = 0
     for i, b in enumerate(ids):
         total += (i + 1) * int(rows[b].view(torch.int32).sum(dtype=torch.int64).item())
@@ -141,7 +141,7 @@ def nccl_raw_side(rank: int, port: int, prefix: str, sizes: list[int], reps: int
 
     import torch.distributed as dist
 
-    from splitserve.kv.nccl import make_group
+    from splitserve.kv.nccl_group import make_group
 
     device = torch.device("cuda", rank)
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=120), False)
@@ -290,7 +290,7 @@ def measure(
         runs["cuda_ipc/kernel"] = lambda: fetch_forced(ipc, handles["cuda_ipc"], into, KERNEL)
     runs["raw_copy"] = lambda: fetchers.raw_copy(n * block)
     for b in BACKENDS:
-        fetchers.t[name, b].phases.clear()
+        fetchers.t[name, b].mover.phases.clear()
     exporter.call("phases", name)
     try:
         times = alternate(runs, reps)
@@ -348,14 +348,14 @@ KERNEL = {"KERNEL_MIN_RUNS": 1}  # the block-copy kernel, always
 
 
 def fetch_forced(transport, handle: KVHandle, into: list[int], knobs: dict[str, int]) -> None:
-    saved = {k: getattr(cuda_ipc, k) for k in knobs}
+    saved = {k: getattr(gpu_blocks, k) for k in knobs}
     for k, v in knobs.items():
-        setattr(cuda_ipc, k, v)
+        setattr(gpu_blocks, k, v)
     try:
         transport.fetch(handle, into)
     finally:
         for k, v in saved.items():
-            setattr(cuda_ipc, k, v)
+            setattr(gpu_blocks, k, v)
 
 
 # (TILE, STEPS, num_warps) of kernels/block_copy.py
@@ -414,9 +414,9 @@ def ce_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwen_bl
         handle = exporter.export(name, "cuda_ipc", ids)
         fetcher = fetchers.t[name, "cuda_ipc"]
         fetcher.fetch(handle, into)  # maps the exporter's KV
-        (peer,) = list(fetcher._peers.values())[-1:]
+        (peer,) = list(fetcher.mover._peers.values())[-1:]
         block = layout_of(fetchers.caches[name][0]).block_nbytes
-        src0, dst0 = peer.rows.data_ptr(), fetcher.rows.data_ptr()
+        src0, dst0 = peer.rows.data_ptr(), fetcher.mover.rows.data_ptr()
         if pattern == "contiguous":
             pieces = [(src0 + ids[0] * block, dst0 + into[0] * block, n * block)]
         else:

@@ -17,7 +17,7 @@ Each row prints the NIXL backend that ran it (read back from NIXL) and the descr
     python bench/nixl_gpu.py --device cpu --max-mb 16 # the same path with DRAM (a smoke test)
 
 Install NIXL first without letting pip touch torch: `pip install --no-deps nixl-cu12==1.5.1 numpy`
-(or the repacked wheel, README).
+(or the repacked wheel, docs/bench/kv-nixl.md).
 """
 
 from __future__ import annotations

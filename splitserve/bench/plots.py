@@ -6,7 +6,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from splitserve.bench.report import rate_label
+
+def rate_label(rate: float | None) -> str:
+    """A rate as the report labels it (its plots' x ticks and its tables' rate column)."""
+    return "recorded" if rate is None else "inf" if math.isinf(rate) else f"{rate:g}"
+
 
 _PARTS = (
     ("queue_ms", "queue (prefill worker)"),

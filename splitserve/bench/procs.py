@@ -5,7 +5,7 @@ every chunk late: it under-reports the throughput and adds to TTFT/ITL. `run_pro
 chains (an independent request alone; an agent session's turns together, so a session never spans two
 processes) round-robin, in order of first arrival, to N processes (forked by a forkserver that has
 imported this module, else spawned; plain picklable records and options go each way), each driving its
-share with `client.drive` on its own event loop (uvloop where it is installed) and its own connection
+share with `drive.drive` on its own event loop (uvloop where it is installed) and its own connection
 pool. Before the run each process sends one request to a stub of its own (`_warm`), so that no measured
 request pays for first-use costs; the target server's warm-up stays the runner's.
 
@@ -37,7 +37,7 @@ from dataclasses import replace
 
 import httpx
 
-from splitserve.bench.client import ClientOptions, RequestResult, chains, drive, send_one
+from splitserve.bench.drive import ClientOptions, RequestResult, chains, drive, send_one
 from splitserve.bench.workload import BenchRequest
 
 # What httpx imports on a process's first request (~15 ms that would land on each process's first TTFT):

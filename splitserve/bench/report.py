@@ -11,6 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from splitserve.bench import plots
+from splitserve.bench.plots import rate_label
+
 DEFINITIONS = [
     ("TTFT", "first streamed chunk with a choice minus the request's send time (client side)"),
     ("ITL", "gap between two successive chunks with a choice, pooled over requests"),
@@ -42,10 +45,6 @@ def write_json(out: Path, report: dict) -> Path:
     path = out / "report.json"
     path.write_text(json.dumps(clean(report), indent=1))
     return path
-
-
-def rate_label(rate: float | None) -> str:
-    return "recorded" if rate is None else "inf" if math.isinf(rate) else f"{rate:g}"
 
 
 def _f(x: Any, digits: int = 1) -> str:
@@ -140,8 +139,6 @@ def write_plots(out: Path, report: dict) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    from splitserve.bench import plots
-
     made = []
     for name, fn in plots.PLOTS:
         fig = fn(plt, report)

@@ -41,7 +41,7 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
-class _Stream:
+class _OutputSink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
@@ -53,7 +53,7 @@ class _Stream:
 class _Add:
     request_id: str
     submit: Callable[[], RequestOutput | None]  # puts the request into the engine; raises to refuse it
-    stream: _Stream
+    stream: _OutputSink
     accepted: asyncio.Future
 
 
@@ -73,7 +73,7 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _OutputSink] = {}
         self._ids = itertools.count()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
@@ -112,7 +112,7 @@ class AsyncLLM:
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = _OutputSink(loop, asyncio.Queue())
         accepted = loop.create_future()
         self._inbox.put(_Add(request_id, submit, stream, accepted))
         finished = False

@@ -318,13 +318,9 @@ class KVConnector:
 
     def check_peer(self, address: str, timeout_s: float = 5.0) -> KVLayout:
         """Connect (and handshake) with an exporter now; -> its layout. Raises PeerRefused / AuthError."""
-        from splitserve.kv.protocol import Deadline
-
-        pool = getattr(self.transport, "pool", None)
-        if pool is None:
-            raise ValueError(f"transport {type(self.transport).__name__} cannot check a peer")
-        with pool.connection(address, Deadline.after(timeout_s)) as chan:
-            return chan.peer_layout
+        if self.transport is None:
+            raise ValueError("no kv transport: cannot check a peer")
+        return self.transport.check_peer(address, timeout_s)
 
     def _refusal(self, handle: KVHandle, timeout_s: float) -> BaseException:
         """Why a handle stamped with another layout cannot be fetched: the peer's own refusal, with

@@ -31,7 +31,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -41,7 +41,6 @@ from splitserve.engine.params import GrammarSpec
 if TYPE_CHECKING:
     import xgrammar
 
-    from splitserve.engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +192,13 @@ def _without_control_bytes(vocab: Sequence[bytes], vocab_size: int, keep: Sequen
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+class Constrained(Protocol):
+    """What mask_logits reads of a request (engine/request.py's Request)."""
+
+    grammar: Matcher | None
+
+
+def mask_logits(logits: torch.Tensor, reqs: Sequence[Constrained]) -> torch.Tensor:
     """`logits` [N, V] with the tokens each constrained row's grammar forbids set to -inf.
     NOTE: in place (the sampler's logits are its own: the runner's output, or a copy of it)."""
     n, vocab = logits.shape

@@ -2,12 +2,13 @@
 
 Nothing here depends on the engine: a transport moves the blocks of a plain block-major tensor
 `kv[num_blocks, layers, 2, block_size, kv_heads, head_dim]`. See transport.py for the life of a
-request's KV, protocol.py for the wire, and backends.py for what each backend needs. A prefill worker
-that exports over shm should allocate its cache with `allocate_shared_kv`: fetchers then copy
-straight out of it (shm_direct.py).
+request's KV and the contract, channel.py for the one transport (a control channel holding a payload
+mover per backend: tcp.py, shm.py, cuda_ipc.py, nccl.py, nixl.py), protocol.py for the wire, and
+backends.py for what each backend needs. A prefill worker that exports over shm should allocate its
+cache with `allocate_shared_kv`: fetchers then copy straight out of it (shm_direct.py).
 """
 
-from splitserve.kv.backends import available_backends
+from splitserve.kv.backends import available_backends, make_transport
 from splitserve.kv.errors import (
     AuthError,
     BackendUnavailable,
@@ -23,7 +24,7 @@ from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.lease import LeaseManager
 from splitserve.kv.shm_direct import allocate_shared_kv
-from splitserve.kv.transport import KVTransport, TransportOptions, make_transport
+from splitserve.kv.transport import KVTransport, TransportOptions
 
 __all__ = [
     "AuthError",

@@ -1,4 +1,4 @@
-"""Which backends exist, what each needs, and opening one by name (used by `make_transport`).
+"""Which backends exist, what each needs, and opening one by name (`make_transport`).
 
     tcp       any two hosts; always available
     shm       same host, POSIX shared memory + a unix control socket
@@ -7,32 +7,37 @@
     nixl      NVIDIA NIXL READs (UCX, LIBFABRIC, ...: `options.nixl_backends`), CPU or GPU KV, any hosts:
               needs NIXL's Python package (`nixl` or `nixl_cu12`); control over tcp's channel (nixl.py)
 
-A backend that cannot run raises `BackendUnavailable` naming what is missing; nothing here falls
-back on its own (that is `make_transport(..., fallback=[...])`, logged and counted).
+A backend that cannot run raises `BackendUnavailable` naming what is missing (a start-up error); another
+backend is used only when the caller lists it in `make_transport(..., fallback=[...])`, and then a
+WARNING is logged and `describe()["counts"]["fallbacks"]` says so.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
+from splitserve.kv.channel import KVChannel
 from splitserve.kv.errors import BackendUnavailable
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.lease import FreeCallback
 from splitserve.kv.transport import KVTransport, TransportOptions
 
+log = logging.getLogger(__name__)
 
-def _tcp() -> type[KVTransport]:
+
+def _tcp() -> type[KVChannel]:
     from splitserve.kv.tcp import TcpTransport
 
     return TcpTransport
 
 
-def _shm() -> type[KVTransport]:
+def _shm() -> type[KVChannel]:
     try:
         importlib.import_module("_posixshmem")
     except ImportError as exc:
@@ -50,7 +55,7 @@ def _cuda() -> str:
     return ""
 
 
-def _cuda_ipc() -> type[KVTransport]:
+def _cuda_ipc() -> type[KVChannel]:
     missing = _cuda()
     if not missing and not hasattr(socket, "AF_UNIX"):
         missing = "unix sockets are not available here"
@@ -63,7 +68,7 @@ def _cuda_ipc() -> type[KVTransport]:
     return CudaIpcTransport
 
 
-def _nccl() -> type[KVTransport]:
+def _nccl() -> type[KVChannel]:
     missing = _cuda()
     if not missing and not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
         missing = f"torch {torch.__version__} was built without NCCL"
@@ -74,7 +79,7 @@ def _nccl() -> type[KVTransport]:
     return NcclTransport
 
 
-def _nixl() -> type[KVTransport]:
+def _nixl() -> type[KVChannel]:
     from splitserve.kv.nixl_agent import load_nixl
 
     load_nixl()  # BackendUnavailable naming the install line when neither distribution imports
@@ -83,7 +88,7 @@ def _nixl() -> type[KVTransport]:
     return NixlTransport
 
 
-BACKENDS: dict[str, Callable[[], type[KVTransport]]] = {
+BACKENDS: dict[str, Callable[[], type[KVChannel]]] = {
     "tcp": _tcp,
     "shm": _shm,
     "cuda_ipc": _cuda_ipc,
@@ -104,7 +109,38 @@ def open_backend(
     if name not in BACKENDS:
         raise ValueError(f"unknown kv transport {name!r}; known: {', '.join(BACKENDS)}")
     cls = BACKENDS[name]()
-    return cls(kv, layout, secret=secret, on_free=on_free, options=options)  # type: ignore[call-arg]
+    return cls(kv, layout, secret=secret, on_free=on_free, options=options)
+
+
+def make_transport(
+    backend: str,
+    kv: torch.Tensor,
+    layout: KVLayout,
+    *,
+    secret: bytes | str | None = None,
+    on_free: Callable[[list[int]], None] | None = None,
+    options: TransportOptions | None = None,
+    fallback: Sequence[str] = (),
+) -> KVTransport:
+    """Open `backend`, or the first of `fallback` that can run here (logged and counted)."""
+    reasons: list[str] = []
+    for name in [backend, *fallback]:
+        try:
+            transport = open_backend(name, kv, layout, secret=secret, on_free=on_free, options=options)
+        except BackendUnavailable as exc:
+            reasons.append(str(exc))
+            continue
+        if reasons:
+            log.warning(
+                "kv transport %r is not available (%s); falling back to %r as explicitly allowed",
+                backend,
+                "; ".join(reasons),
+                name,
+            )
+            transport.stats.fell_back(backend, reasons)
+        return transport
+    hint = "" if fallback else "; pass fallback=[...] to allow another backend explicitly"
+    raise BackendUnavailable(f"no usable kv transport: {'; '.join(reasons)}{hint}")
 
 
 def preflight(name: str, options: TransportOptions) -> None:
@@ -115,11 +151,11 @@ def preflight(name: str, options: TransportOptions) -> None:
         return  # open_backend names the known ones
     BACKENDS[name]()
     if name == "nixl":
-        from splitserve.kv.nixl_agent import NixlMover, load_nixl, plugin_load_error
+        from splitserve.kv.nixl_agent import NixlAgent, load_nixl, plugin_load_error
 
         module, _ = load_nixl()
         if all(plugin_load_error(module, b) for b in options.nixl_backends):
-            NixlMover(f"splitserve-preflight-{os.getpid()}", options.nixl_backends).close()
+            NixlAgent(f"splitserve-preflight-{os.getpid()}", options.nixl_backends).close()
 
 
 def available_backends() -> dict[str, str]:

@@ -41,35 +41,31 @@ NCCL operation in flight per exporter), so that groups on one GPU never wait on 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from splitserve.kv import trace
+from splitserve.kv.channel import KVChannel
 from splitserve.kv.client import SyncChannel, parse_address
-from splitserve.kv.cuda_ipc import (
-    GpuSocketTransport,
-    consecutive_start,
-    host_id,
-    index_tensor,
-    wide,
-)
-from splitserve.kv.errors import PeerRefused, TransferTimeout, TransportError
+from splitserve.kv.errors import PeerRefused, TransportError
+from splitserve.kv.gpu_blocks import consecutive_start, host_id, index_tensor, wide
+from splitserve.kv.gpu_mover import GpuMover
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
+from splitserve.kv.nccl_group import PairGroup, chunk_spans, make_group, nccl_version, sock_gone, wait_done
 from splitserve.kv.protocol import Deadline, expect
-from splitserve.kv.server import AsyncChannel, Endpoint
+from splitserve.kv.server import AsyncChannel, ListenSpec
 
 log = logging.getLogger(__name__)
 
@@ -80,117 +76,24 @@ STAGING_BUFS = 3  # staged chunks in flight per transfer side (gathering / sendi
 # rendezvous) are paid once. Larger ones go in CHUNK_BYTES chunks through STAGING_BUFS buffers.
 ONE_MESSAGE_BYTES = 1 << 30
 WARMUP_BYTE = 0x5A
-POLL_PEER_S = 0.01  # how often a waiting side checks that the control connection is still up
-SPIN_S = 0.002  # a waiting side yields without sleeping this long, then sleeps in short naps
 
 
-def nccl_version() -> str | None:
-    try:
-        version = torch.cuda.nccl.version()
-    except Exception:  # noqa: BLE001 - no NCCL in this build
-        return None
-    return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
+class NcclMover(GpuMover):
+    """The blocks over a two-rank NCCL group per connection (the module docstring)."""
 
-
-NCCL_CONFIG: dict[str, int] = {}  # ncclConfig_t fields for our groups (e.g. min_ctas), if any
-
-
-def make_group(
-    store: dist.Store, rank: int, device: torch.device, timeout_s: float, config: dict | None = None
-) -> Any:
-    """A two-rank process group on `store`: NCCL for a GPU; Gloo for the CPU (the tests' stand-in)."""
-    timeout = timedelta(seconds=timeout_s)
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        for key, value in (NCCL_CONFIG if config is None else config).items():
-            setattr(options.config, key, value)
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    options._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, 2, options)
-
-
-class PairGroup:
-    """One connection's process group and its store; aborted when the connection closes."""
-
-    def __init__(self, group: Any, store: dist.Store) -> None:
-        self.group = group
-        self.store = store
-        self.aborted = False
-
-    def abort(self) -> None:
-        if not self.aborted:
-            self.aborted = True
-            with contextlib.suppress(Exception):
-                self.group.abort()
-
-    def close(self) -> None:
-        self.abort()
-
-
-def chunk_spans(n: int, per: int) -> list[tuple[int, int]]:
-    return [(a, min(a + per, n)) for a in range(0, n, per)]
-
-
-def wait_done(
-    works: Sequence[Any],
-    pair: PairGroup,
-    device: torch.device,
-    deadline: Deadline,
-    peer_gone: Callable[[], bool],
-    what: str,
-) -> None:
-    """Block until `works` (and everything queued after them on our stream) finished; on the deadline
-    or a lost peer, abort the group and raise."""
-    if device.type != "cuda":  # Gloo (tests): its own timeout bounds the wait
-        for work in works:
-            work.wait(timedelta(seconds=deadline.remaining(what)))
-        return
-    for work in works:
-        work.wait()  # our stream waits for NCCL's (no CPU wait)
-    trace.gpu_mark(f"{what} finished", device)
-    done = torch.cuda.Event()
-    done.record()
-    start = checked = time.monotonic()
-    trace.mark(f"{what}: waiting")
-    while not done.query():
-        now = time.monotonic()
-        if now >= deadline.at:
-            pair.abort()
-            raise TransferTimeout(f"{what}: deadline of {deadline.total_s:.3g}s passed")
-        if now - checked >= POLL_PEER_S:
-            checked = now
-            if peer_gone():
-                pair.abort()
-                raise TransportError(f"{what}: the peer closed the connection")
-        time.sleep(0 if now - start < SPIN_S else 20e-6)
-    trace.mark(f"{what}: seen done")
-
-
-def _sock_gone(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-class NcclTransport(GpuSocketTransport):
     backend = "nccl"
     open_op = "nccl_open"
     payload_op = "kv_nccl"
 
-    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
-        super().__init__(kv, layout, **kwargs)
+    def bind(self, ch: KVChannel) -> None:
+        super().bind(ch)
+        layout = self.layout
         self.chunk_blocks = max(1, CHUNK_BYTES // layout.block_nbytes)
         self._send_lock = threading.Lock()
         self.send_calls: deque[float] = deque(maxlen=64)  # seconds in c10d's send calls, per transfer
 
-    def endpoint(self) -> Endpoint:
-        return Endpoint("tcp", host=self.options.host, port=self.options.port)
+    def listen_spec(self) -> ListenSpec:
+        return ListenSpec("tcp", host=self.options.host, port=self.options.port)
 
     @property
     def group_timeout_s(self) -> float:
@@ -232,7 +135,7 @@ class NcclTransport(GpuSocketTransport):
         except (RuntimeError, ValueError) as exc:
             raise TransportError(f"nccl: cannot make a process group: {exc}") from exc
         pair = chan.attached["nccl"] = PairGroup(group, store)
-        await asyncio.to_thread(self._warmup_send, pair, deadline, lambda: _sock_gone(chan.sock))
+        await asyncio.to_thread(self._warmup_send, pair, deadline, lambda: sock_gone(chan.sock))
         expect(await chan.recv(deadline), "nccl_ready")
         chan.notes.add(self.open_op)
         self.stats.count("nccl_groups")
@@ -282,7 +185,7 @@ class NcclTransport(GpuSocketTransport):
         pair: PairGroup = chan.attached["nccl"]
 
         def gone() -> bool:
-            return _sock_gone(chan.sock)
+            return sock_gone(chan.sock)
 
         if early is not None:
             try:
@@ -459,3 +362,17 @@ class NcclTransport(GpuSocketTransport):
                        "send_calls_ms": round(1e3 * calls[len(calls) // 2], 3) if calls else None,
                        "checksum_on": "host copies"}  # fmt: skip
         return out
+
+
+class NcclTransport(KVChannel):
+    """The control channel (tcp) with the nccl mover."""
+
+    # NOTE: tests only: let a CPU KV through, to exercise the protocol on a machine without a GPU
+    # (Gloo in place of NCCL). Never set in production.
+    cpu_test_double: ClassVar[bool] = False
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
+        super().__init__(kv, layout, NcclMover(kv, self.cpu_test_double), **kwargs)
+
+
+__all__ = ["NcclMover", "NcclTransport", "chunk_spans", "make_group"]

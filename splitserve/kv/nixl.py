@@ -43,18 +43,20 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from splitserve.kv.board import LeaseBoard
+from splitserve.kv.channel import Export, KVChannel
 from splitserve.kv.client import SyncChannel
 from splitserve.kv.errors import PeerRefused, TransportError
-from splitserve.kv.faults import Fault
+from splitserve.kv.fault_plan import Fault
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout, torch_dtype
-from splitserve.kv.lease import FreeCallback
 from splitserve.kv.nixl_agent import (
-    NixlMover,
+    NixlAgent,
     Region,
     descriptors,
     enable_cuda_ipc_get,
@@ -67,61 +69,71 @@ from splitserve.kv.payload import (
     check_state,
     empty_state,
     host_state_pieces,
+    snapshot_state,
     source_pieces,
     state_pieces,
 )
 from splitserve.kv.protocol import Deadline, expect
-from splitserve.kv.server import AsyncChannel, Endpoint
-from splitserve.kv.socket_transport import Export, SocketTransport
-from splitserve.kv.transport import TransportOptions
+from splitserve.kv.server import AsyncChannel, ListenSpec
 
 log = logging.getLogger(__name__)
 
 PUMP_S = 0.0005  # the exporter pumps its agent this often while a fetch is being read
 
 
-class NixlTransport(SocketTransport):
+class NixlMover:
+    """The fetcher READs the blocks (and state slots) with NIXL (the module docstring)."""
+
     backend = "nixl"
 
-    def __init__(
-        self,
-        kv: torch.Tensor,
-        layout: KVLayout,
-        *,
-        secret: bytes | str | None = None,
-        on_free: FreeCallback | None = None,
-        options: TransportOptions | None = None,
-    ) -> None:
-        super().__init__(kv, layout, secret=secret, on_free=on_free, options=options)
+    def bind(self, ch: KVChannel) -> None:
+        self.ch, self.kv, self.layout, self.options = ch, ch.kv, ch.layout, ch.options
+        self.stats, self.pool = ch.stats, ch.pool
+        kv = self.kv
         if not kv.is_contiguous():
             raise ValueError("nixl needs a contiguous KV tensor (it registers the whole pool)")
         wanted = tuple(self.options.nixl_backends)
         name = f"splitserve-{os.getpid()}-{secrets.token_hex(4)}"
         self.cuda_ipc_get = enable_cuda_ipc_get(kv.device)  # before the agent's UCX context reads it
-        self.mover = NixlMover(name, wanted, ucx_error_mode(kv.device))
-        self.region = self.mover.register(kv)
+        self.agent = NixlAgent(name, wanted, ucx_error_mode(kv.device))
+        self.region = self.agent.register(kv)
         self.state_slots: StateSlots | None = None  # the engine's state tensors, once registered
         self._scratch = threading.local()  # per fetch thread: a registered slot when into_state is not ours
         self.nixl_counts: Counter[str] = Counter()
-        self.stats.backend = f"nixl/{self.mover.backend}"
+        self.stats.backend = f"nixl/{self.agent.backend}"
         self.stats.requested = f"nixl/{wanted[0]}"
-        if self.mover.failed:
+        if self.agent.failed:
             asked = self.stats.requested
-            reasons = [f"{b}: {why}" for b, why in self.mover.failed.items()]
+            reasons = [f"{b}: {why}" for b, why in self.agent.failed.items()]
             log.error(
                 "KV TRANSPORT FALLBACK: asked %s, runs %s (listed as a fallback in nixl_backends); %s",
                 asked, self.stats.backend, "; ".join(reasons),
             )  # fmt: skip
             self.stats.fell_back(asked, reasons)
 
-    def endpoint(self) -> Endpoint:
-        return Endpoint("tcp", host=self.options.host, port=self.options.port)
+    def make_board(self) -> LeaseBoard | None:
+        return None
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        return self.ch.lease_export(request_id, self.ch.check_ids(block_ids, "block_ids"), num_tokens, state)
+
+    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
+        return None  # no open exchange: the agent's metadata rides the first answer
+
+    def listen_spec(self) -> ListenSpec:
+        return ListenSpec("tcp", host=self.options.host, port=self.options.port)
 
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
         """Register the engine's state tensors [num_slots, *shape] with NIXL, once (nixl_state.py)."""
         if not self.layout.state_shapes:
             return False
-        self.state_slots = StateSlots.register(self.mover, self.layout, states, self.kv.device)
+        self.state_slots = StateSlots.register(self.agent, self.layout, states, self.kv.device)
         return True
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -131,7 +143,7 @@ class NixlTransport(SocketTransport):
             checked = check_state(self.layout, state)
             if self.state_slots.slot_of(checked, self.layout) is not None:
                 return checked
-        return super().keep_state(state)
+        return snapshot_state(self.layout, state)
 
     # -- exporter side ---------------------------------------------------------------------------
     async def send_payload(
@@ -146,7 +158,7 @@ class NixlTransport(SocketTransport):
         ids = list(block_ids)
         if fault is Fault.CORRUPT:
             ids = ids[1:] + ids[:1]  # point the fetcher at the wrong blocks: the checksum must notice
-        header = {"op": "kv_nixl", **meta, "agent": self.mover.name, "region": self.region.to_wire(),
+        header = {"op": "kv_nixl", **meta, "agent": self.agent.name, "region": self.region.to_wire(),
                   "block_ids": ids}  # fmt: skip
         slot = self.state_slots.slot_of(export.state, self.layout) if self.state_slots else None
         if slot is None:  # copies: in the frame body
@@ -155,7 +167,7 @@ class NixlTransport(SocketTransport):
             state = ByteStream([])
             header.update(state_slot=slot, state_regions=self.state_slots.to_wire())  # type: ignore[union-attr]
         if "nixl_md" not in chan.notes:
-            header["agent_md"] = base64.b64encode(self.mover.metadata()).decode()
+            header["agent_md"] = base64.b64encode(self.agent.metadata()).decode()
         await chan.send(header, deadline, state.nbytes)
         chan.notes.add("nixl_md")
         await chan.send_stream(state, deadline)
@@ -171,11 +183,8 @@ class NixlTransport(SocketTransport):
 
     async def _pump(self) -> None:
         while True:
-            self.mover.progress()
+            self.agent.progress()
             await asyncio.sleep(PUMP_S)
-
-    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> dict:
-        raise NotImplementedError("nixl fetches are not read off the socket; see NixlTransport.fetch")
 
     # -- fetcher side ----------------------------------------------------------------------------
     def fetch(
@@ -185,7 +194,7 @@ class NixlTransport(SocketTransport):
         timeout_s: float | None = None,
         into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        into = self._check_fetch(handle, into_block_ids)
+        into = self.ch.check_fetch(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         start = time.perf_counter()
         try:
@@ -197,7 +206,7 @@ class NixlTransport(SocketTransport):
                 meta, state = self._read(chan, handle, into, into_state, deadline)
             if handle.checksum or meta.get("checksum"):  # over host views (CPU KV) or copies (CUDA KV)
                 landed = source_pieces(self.kv, into) + host_state_pieces(state, self.layout)
-                self._verify(handle, meta, ByteStream(landed))
+                self.ch.verify(handle, meta, ByteStream(landed))
         except TransportError as exc:
             self.stats.error(exc)
             raise
@@ -244,7 +253,7 @@ class NixlTransport(SocketTransport):
                 raise TransportError(f"exporter sends {body_nbytes} B of state, we expect {states.nbytes}")
             chan.recv_stream(states, deadline, "receive state")
         try:
-            used = self.mover.read(peer, local, self.region.mem, remote, region.mem, deadline, chan.alive)
+            used = self.agent.read(peer, local, self.region.mem, remote, region.mem, deadline, chan.alive)
             chan.send({"op": "done"}, deadline)
             expect(chan.recv(deadline)[0], "ok")  # the exporter held its pin for the whole READ
         except BaseException:
@@ -259,13 +268,13 @@ class NixlTransport(SocketTransport):
 
     def _know(self, peer: str, meta: dict, handle: KVHandle) -> None:
         """Load the exporter agent's metadata if it came and is new to us; it must be known after."""
-        if "agent_md" in meta and not self.mover.knows(peer):
-            loaded = self.mover.load_peer(base64.b64decode(meta["agent_md"]))
+        if "agent_md" in meta and not self.agent.knows(peer):
+            loaded = self.agent.load_peer(base64.b64decode(meta["agent_md"]))
             if loaded != peer:
                 raise TransportError(
                     f"exporter {handle.address} is agent {peer} but sent {loaded}'s metadata"
                 )
-        if not self.mover.knows(peer):
+        if not self.agent.knows(peer):
             raise TransportError(f"exporter {handle.address} answered without its agent's metadata")
 
     def _state_dest(
@@ -280,7 +289,7 @@ class NixlTransport(SocketTransport):
         if getattr(self._scratch, "slot", None) is None:
             tensors = {name: torch.empty((1, *shape), dtype=torch_dtype(dtype), device=self.kv.device)
                        for name, shape, dtype in self.layout.state_shapes}  # fmt: skip
-            slots = StateSlots.register(self.mover, self.layout, tensors, self.kv.device)
+            slots = StateSlots.register(self.agent, self.layout, tensors, self.kv.device)
             self._scratch.slot = (slots, tensors)
         slots, tensors = self._scratch.slot
         return {name: t[0] for name, t in tensors.items()}, slots.descs(0), True
@@ -297,17 +306,17 @@ class NixlTransport(SocketTransport):
 
     # -- both ------------------------------------------------------------------------------------
     def describe(self) -> dict:
-        out = super().describe()
+        out: dict[str, Any] = {}
         with self.stats._lock:  # noqa: SLF001
             counts = dict(self.nixl_counts)
         out["nixl"] = {
-            "backend": self.mover.backend,
-            "asked": list(self.mover.wanted),
-            "failed": dict(self.mover.failed),
-            "module": self.mover.module,
-            "agent": self.mover.name,
+            "backend": self.agent.backend,
+            "asked": list(self.agent.wanted),
+            "failed": dict(self.agent.failed),
+            "module": self.agent.module,
+            "agent": self.agent.name,
             "memory": self.region.mem,
-            "ucx_error_handling": self.mover.ucx_error_mode,
+            "ucx_error_handling": self.agent.ucx_error_mode,
             "ucx_cuda_ipc_get": self.cuda_ipc_get,
             "registered_bytes": self.region.nbytes,
             "state_slots_registered": self.state_slots is not None,
@@ -316,5 +325,11 @@ class NixlTransport(SocketTransport):
         return out
 
     def close(self) -> None:
-        super().close()
-        self.mover.close()
+        self.agent.close()
+
+
+class NixlTransport(KVChannel):
+    """The control channel (tcp) with the nixl mover."""
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
+        super().__init__(kv, layout, NixlMover(), **kwargs)

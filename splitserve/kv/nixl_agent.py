@@ -1,7 +1,7 @@
 """The NIXL side of the nixl transport: one agent per transport, its backend, its registered KV, READs.
 
-Life of a `NixlMover`:
-  1. start-up: `NixlMover(wanted=("LIBFABRIC", "UCX"), ...)` imports NIXL (under either distribution
+Life of a `NixlAgent`:
+  1. start-up: `NixlAgent(wanted=("LIBFABRIC", "UCX"), ...)` imports NIXL (under either distribution
      name: `nixl` or `nixl_cu12`), makes an agent with no progress thread (NIXL's spins a core) and
      tries each wanted backend in order; the first that instantiates is the one used. Every one that
      failed is kept with NIXL's own error (its exception and what its C++ log wrote to stderr) and,
@@ -234,7 +234,7 @@ class PendingRead:
     """A READ that NIXL still owned when the fetch gave up: `query()` is true once it ended (the
     engine holds the blocks back until then, BlockPool.free_after)."""
 
-    def __init__(self, mover: NixlMover, handle: Any) -> None:
+    def __init__(self, mover: NixlAgent, handle: Any) -> None:
         self.mover = mover
         self.handle = handle
 
@@ -249,7 +249,7 @@ class PendingRead:
         return True
 
 
-class NixlMover:
+class NixlAgent:
     """One NIXL agent: its backend, the KV pool it registered, the exporters it knows; thread-safe."""
 
     def __init__(self, name: str, wanted: Sequence[str], ucx_error_mode: str = "peer") -> None:

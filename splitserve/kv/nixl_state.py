@@ -25,7 +25,7 @@ import torch
 
 from splitserve.kv.errors import TransportError
 from splitserve.kv.layout import KVLayout, itemsize, torch_dtype
-from splitserve.kv.nixl_agent import NixlMover, Region, descriptors
+from splitserve.kv.nixl_agent import NixlAgent, Region, descriptors
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class StateSlots:
 
     @classmethod
     def register(
-        cls, mover: NixlMover, layout: KVLayout, states: Mapping[str, torch.Tensor], device: torch.device
+        cls, mover: NixlAgent, layout: KVLayout, states: Mapping[str, torch.Tensor], device: torch.device
     ) -> StateSlots:
         regions = []
         for name, shape, dtype in layout.state_shapes:

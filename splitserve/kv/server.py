@@ -48,7 +48,7 @@ THREAD_SEND_BYTES = 4 << 20  # payloads this large are sent from a worker thread
 
 
 @dataclass(frozen=True)
-class Endpoint:
+class ListenSpec:
     """Where to listen: ("tcp", host, port) with port 0 for an OS-assigned one, or ("unix", path)."""
 
     family: str
@@ -253,7 +253,7 @@ class ExportServer:
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        endpoint: ListenSpec,
         layout: KVLayout,
         secret: bytes,
         handler: RequestHandler,

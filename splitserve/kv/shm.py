@@ -9,7 +9,7 @@ takes one of two paths, picked by the exporter:
   staged  (shm_staged.py) any other KV: the payload streams through two slots of a segment made per
           connection; the exporter copies out of its blocks while the fetcher copies into its own.
 
-Both send the state tensors along, and the fetcher checks the checksum afterwards (socket_transport.py).
+Both send the state tensors along, and the fetcher checks the checksum afterwards (channel.py).
 """
 
 from __future__ import annotations
@@ -17,36 +17,79 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import torch
+
+from splitserve.kv.board import LeaseBoard
+from splitserve.kv.channel import Export, KVChannel
 from splitserve.kv.client import SyncChannel
 from splitserve.kv.errors import TransportError
-from splitserve.kv.faults import Fault
-from splitserve.kv.payload import ByteStream, source_pieces, state_pieces
+from splitserve.kv.fault_plan import Fault
+from splitserve.kv.handle import KVHandle
+from splitserve.kv.layout import KVLayout
+from splitserve.kv.payload import ByteStream, snapshot_state, source_pieces, state_pieces
 from splitserve.kv.protocol import Deadline, expect
-from splitserve.kv.server import AsyncChannel, Endpoint
+from splitserve.kv.server import AsyncChannel, ListenSpec
 from splitserve.kv.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
 from splitserve.kv.shm_staged import SEGMENT_PREFIX, recv_staged, send_staged
-from splitserve.kv.socket_transport import Export, SocketTransport
 from splitserve.tempdirs import owned_tempdir
 
-__all__ = ["SEGMENT_PREFIX", "ShmTransport", "allocate_shared_kv"]
+__all__ = ["SEGMENT_PREFIX", "ShmMover", "ShmTransport", "allocate_shared_kv"]
 
 
-class ShmTransport(SocketTransport):
+class ShmMover:
+    """The payload through shared memory, direct or staged (the module docstring)."""
+
     backend = "shm"
     _own_dir: str | None = None  # the temp dir we made for the control socket, removed on close
+
+    def bind(self, ch: KVChannel) -> None:
+        self.ch, self.kv, self.layout, self.options = ch, ch.kv, ch.layout, ch.options
+
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return False  # the state travels as host copies
+
+    def make_board(self) -> LeaseBoard | None:
+        return None  # every fetch asks the exporter
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        return self.ch.lease_export(request_id, self.ch.check_ids(block_ids, "block_ids"), num_tokens, state)
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Host copies (the engine reuses its slot at once)."""
+        return snapshot_state(self.layout, state)
+
+    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
+        return None  # no open exchange
+
+    def fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        return self.ch.stream_fetch(handle, into_block_ids, timeout_s, self.recv_payload)
 
     @property
     def mode(self) -> str:
         return "direct" if shared_kv_of(self.kv) is not None else "staged"
 
-    def endpoint(self) -> Endpoint:
+    def listen_spec(self) -> ListenSpec:
         if self.options.socket_dir:
             directory = self.options.socket_dir
         else:
             directory = self._own_dir = owned_tempdir("splitserve-kv-")  # swept if we are SIGKILLed
         path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        return Endpoint("unix", path=path)
+        return ListenSpec("unix", path=path)
 
     async def send_payload(
         self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
@@ -60,7 +103,7 @@ class ShmTransport(SocketTransport):
         stream = ByteStream(source_pieces(self.kv, block_ids) + state_pieces(export.state, self.layout))
         slot_nbytes = self.options.shm_chunk_mb << 20
         await send_staged(
-            chan, stream, {**meta, "nbytes": stream.nbytes}, slot_nbytes, deadline, fault, self.faults
+            chan, stream, {**meta, "nbytes": stream.nbytes}, slot_nbytes, deadline, fault, self.ch.faults
         )
         return stream.nbytes
 
@@ -76,9 +119,15 @@ class ShmTransport(SocketTransport):
         return meta
 
     def describe(self) -> dict:
-        return {**super().describe(), "shm_mode": self.mode}
+        return {"shm_mode": self.mode}
 
     def close(self) -> None:
-        super().close()
         if self._own_dir:
             shutil.rmtree(self._own_dir, ignore_errors=True)
+
+
+class ShmTransport(KVChannel):
+    """The control channel (on a unix socket) with the shm mover."""
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
+        super().__init__(kv, layout, ShmMover(), **kwargs)

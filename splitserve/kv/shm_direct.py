@@ -33,7 +33,7 @@ import torch
 
 from splitserve.kv.client import SyncChannel
 from splitserve.kv.errors import TransportError
-from splitserve.kv.faults import Fault
+from splitserve.kv.fault_plan import Fault
 from splitserve.kv.payload import ByteStream, block_runs
 from splitserve.kv.protocol import Deadline, expect
 from splitserve.kv.server import AsyncChannel

@@ -35,7 +35,7 @@ import numpy as np
 
 from splitserve.kv.client import SyncChannel
 from splitserve.kv.errors import TransportError
-from splitserve.kv.faults import Fault, FaultPlan
+from splitserve.kv.fault_plan import Fault, FaultPlan
 from splitserve.kv.payload import ByteStream
 from splitserve.kv.protocol import Deadline, expect
 from splitserve.kv.server import AsyncChannel

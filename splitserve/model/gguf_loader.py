@@ -26,7 +26,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
-from splitserve.model.checkpoint import MODEL_TYPE_TO_ARCHITECTURE, sample_data_digest
+from splitserve.model.checkpoint_format import MODEL_TYPE_TO_ARCHITECTURE, sample_data_digest
 from splitserve.model.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import torch
 from safetensors import SafetensorError, safe_open
 
-from splitserve.model.checkpoint import TensorLocation, sample_data_digest
+from splitserve.model.checkpoint_format import TensorLocation, sample_data_digest
 from splitserve.model.errors import ModelLoadError
 
 SINGLE_FILE = "model.safetensors"

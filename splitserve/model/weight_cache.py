@@ -52,7 +52,6 @@ import logging
 import mmap
 import os
 import shutil
-import struct
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -61,40 +60,31 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
 from splitserve.model.checkpoint import Checkpoint, open_checkpoint
-from splitserve.model.stream import (
-    DEFAULT_CHUNK_BYTES,
-    ChecksumMismatch,
-    Chunk,
-    StreamStats,
-    crc32_chunks,
-    stream_to_device,
+from splitserve.model.stream import DEFAULT_CHUNK_BYTES, crc32_chunks
+from splitserve.model.weight_cache_entry import (
+    CONVERSION_REVISION,
+    DATA_OFFSET,
+    FORMAT_VERSION,
+    MAGIC,
+    PREAMBLE,
+    SUFFIX,
+    CorruptEntry,
+    Entry,
+    Layout,
+    assign_parameters,
+    dtype_name,
+    map_entry,
+    read_entry,
+    stream_entry,
 )
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-# Bump when the conversion (name mapping, merging, dequantization) changes what an entry holds.
-CONVERSION_REVISION = 1
-MAGIC = b"SSWCACHE"
-DATA_OFFSET = 4096
-ALIGN = 256
-SUFFIX = ".sswc"
-_PREAMBLE = struct.Struct("<8sIIQQI")
 _RESERVE_FREE_BYTES = 512 << 20  # leave this much free on the cache's file system
 
 LookupStatus = Literal["hit", "miss", "stale", "corrupt"]
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def default_cache_dir() -> Path:
@@ -125,124 +115,7 @@ def splitserve_version() -> str:
 # ------------------------------------------------------------------------------------------- layout
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # from the start of the data region
-    nbytes: int
-
-    def to_json(self) -> list[Any]:
-        return [self.name, dtype_name(self.dtype), list(self.shape), self.offset, self.nbytes]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each parameter of a model lives in one flat byte buffer."""
-
-    tensors: tuple[TensorSpec, ...]
-    data_bytes: int
-
-    @classmethod
-    def of(cls, model: nn.Module) -> Layout:
-        specs, offset = [], 0
-        for name, param in model.named_parameters():
-            nbytes = param.numel() * param.element_size()
-            specs.append(TensorSpec(name, param.dtype, tuple(param.shape), offset, nbytes))
-            offset = _align(offset + nbytes)
-        return cls(tuple(specs), offset)
-
-    def signature(self) -> list[list[Any]]:
-        return [t.to_json() for t in self.tensors]
-
-    def by_name(self) -> dict[str, TensorSpec]:
-        return {t.name: t for t in self.tensors}
-
-    def views(self, buf: torch.Tensor, base: int = 0) -> dict[str, torch.Tensor]:
-        """Typed views of each parameter inside the flat uint8 tensor ``buf`` (data at ``base``)."""
-        return {
-            t.name: buf[base + t.offset : base + t.offset + t.nbytes].view(t.dtype).view(t.shape)
-            for t in self.tensors
-        }
-
-
-def _align(n: int, to: int = ALIGN) -> int:
-    return (n + to - 1) // to * to
-
-
-def assign_parameters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Make each named parameter of ``model`` the given tensor (no copy)."""
-    for name, tensor in tensors.items():
-        module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name) if module_name else model
-        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-
-
 # -------------------------------------------------------------------------------------------- entry
-
-
-@dataclass(frozen=True)
-class Entry:
-    path: Path
-    footer: dict[str, Any]
-    layout: Layout
-
-    @property
-    def data_offset(self) -> int:
-        return int(self.footer["data_offset"])
-
-    @property
-    def chunk_bytes(self) -> int:
-        return int(self.footer["checksum"]["chunk_bytes"])
-
-    @property
-    def crcs(self) -> list[int]:
-        return [int(c) for c in self.footer["checksum"]["chunks"]]
-
-    def chunks(self, verify: bool) -> list[Chunk]:
-        size, step, crcs = self.layout.data_bytes, self.chunk_bytes, self.crcs
-        return [
-            Chunk(str(self.path), self.data_offset + s, min(step, size - s),
-                  ((0, min(step, size - s), s),), crcs[i] if verify else None)
-            for i, s in enumerate(range(0, size, step))
-        ]  # fmt: skip
-
-
-class CorruptEntry(Exception):
-    pass
-
-
-def read_entry(path: Path) -> Entry:
-    """Parse and sanity-check an entry's preamble and footer (no data is read)."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as fh:
-            magic, version, _, foot_off, foot_len, foot_crc = _PREAMBLE.unpack(fh.read(_PREAMBLE.size))
-            if magic != MAGIC or version != FORMAT_VERSION:
-                raise CorruptEntry(f"bad magic or format version ({magic!r}, {version})")
-            if foot_off + foot_len != size or foot_off < DATA_OFFSET:
-                raise CorruptEntry(f"footer at [{foot_off}, +{foot_len}) does not end the {size}-byte file")
-            fh.seek(foot_off)
-            raw = fh.read(foot_len)
-    except struct.error as exc:
-        raise CorruptEntry(f"truncated preamble: {exc}") from exc
-    if zlib.crc32(raw) != foot_crc:
-        raise CorruptEntry("footer CRC32 mismatch")
-    try:
-        footer = json.loads(raw)
-        tensors = tuple(
-            TensorSpec(n, _DTYPES[d], tuple(int(x) for x in s), int(o), int(b))
-            for n, d, s, o, b in footer["tensors"]
-        )
-        layout = Layout(tensors, int(footer["data_bytes"]))
-        entry = Entry(path, footer, layout)
-        n_chunks = -(-layout.data_bytes // entry.chunk_bytes) if layout.data_bytes else 0
-        if len(entry.crcs) != n_chunks or entry.data_offset + layout.data_bytes > int(foot_off):
-            raise CorruptEntry("checksum table or data size does not match the file")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptEntry(f"unreadable footer: {exc!r}") from exc
-    return entry
 
 
 # -------------------------------------------------------------------------------------------- cache
@@ -440,7 +313,7 @@ class WeightCache:
             raw = json.dumps(footer, separators=(",", ":")).encode()
             foot_off = DATA_OFFSET + layout.data_bytes
             os.pwrite(fd, raw, foot_off)
-            os.pwrite(fd, _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, foot_off, len(raw), zlib.crc32(raw)), 0)
+            os.pwrite(fd, PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, foot_off, len(raw), zlib.crc32(raw)), 0)
             os.close(fd)
             fd = -1
             os.replace(tmp, path)
@@ -513,35 +386,21 @@ def open_checkpoint_memo(path: str | os.PathLike[str], directory: Path) -> Check
 # ------------------------------------------------------------------------------------ materializing
 
 
-def map_entry(entry: Entry, verify: bool, threads: int | None = None) -> dict[str, torch.Tensor]:
-    """CPU: copy-on-write views of the entry's mapping (shared with every process that maps it).
-
-    With ``verify``, every chunk's CRC32 is checked (in parallel), which also faults the pages in;
-    without, the kernel is only asked to read ahead. Raises :class:`ChecksumMismatch`.
-    """
-    size = entry.data_offset + entry.layout.data_bytes
-    with entry.path.open("rb") as fh:
-        mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
-    data = memoryview(mm)[entry.data_offset : size]
-    try:
-        if verify:
-            crcs = crc32_chunks(data, entry.chunk_bytes, threads)
-            for i, (got, want) in enumerate(zip(crcs, entry.crcs, strict=True)):
-                if got != want:
-                    start = entry.data_offset + i * entry.chunk_bytes
-                    raise ChecksumMismatch(str(entry.path), start, min(entry.chunk_bytes, size - start))
-        elif hasattr(mmap, "MADV_WILLNEED"):
-            mm.madvise(mmap.MADV_WILLNEED)
-    finally:
-        data.release()
-    return entry.layout.views(torch.frombuffer(mm, dtype=torch.uint8), entry.data_offset)
-
-
-def stream_entry(
-    entry: Entry, device: torch.device, verify: bool, progress: bool, threads: int | None = None
-) -> tuple[dict[str, torch.Tensor], StreamStats]:
-    """Accelerator: one device buffer for all parameters, filled in pinned chunks (CRC-checked
-    in flight with ``verify``); returns views of it. Raises :class:`ChecksumMismatch`."""
-    dest = torch.empty(entry.layout.data_bytes, dtype=torch.uint8, device=device)
-    stats = stream_to_device(entry.chunks(verify), dest, threads, progress, desc="weights from cache")
-    return entry.layout.views(dest), stats
+# the entry's own names, for the loader and tests: weight_cache_entry.py
+__all__ = [
+    "DATA_OFFSET",
+    "SUFFIX",
+    "CheckpointInfo",
+    "CorruptEntry",
+    "Entry",
+    "Layout",
+    "WeightCache",
+    "assign_parameters",
+    "default_cache_dir",
+    "dtype_name",
+    "map_entry",
+    "open_checkpoint_memo",
+    "read_entry",
+    "resolve_cache_dir",
+    "stream_entry",
+]

@@ -21,7 +21,7 @@ nothing. The KV secret comes from a Kubernetes Secret (`secretKeyRef`), never in
 Volumes: the model (`model.source`, an absolute path) from a PersistentVolumeClaim mounted read-only at
 its parent directory (`--model-pvc`, default `splitserve-models`), and /dev/shm as a memory-backed
 emptyDir (`--shm-size`): containers get a 64 MiB /dev/shm otherwise, too small for torch's and NCCL's
-shared memory. The image is splitserve on the Ray image: deploy/docker/Dockerfile (README, Kubernetes).
+shared memory. The image is splitserve on the Ray image: deploy/docker/Dockerfile (docs/ray-kubernetes.md).
 Same-host transports (shm, cuda_ipc) cannot span pods and are refused for a disaggregated deployment.
 """
 

@@ -22,7 +22,8 @@ import uvicorn
 from splitserve.config.manifest import Manifest
 from splitserve.model.tokenizer import load_tokenizer
 from splitserve.runtime.local import LocalRuntime
-from splitserve.serve.api import ModelInfo, OpenAIServer, build_api
+from splitserve.serve.api import ModelInfo, OpenAIServer
+from splitserve.serve.api_routes import build_api
 from splitserve.serve.edge_guard import ReadLimits, guarded_protocol
 from splitserve.serve.listen import KEEP_ALIVE_S, listen
 from splitserve.serve.probe import KVProber

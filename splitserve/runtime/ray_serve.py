@@ -40,7 +40,8 @@ from ray import serve
 
 from splitserve.config.manifest import Manifest, PlacementSection
 from splitserve.runtime.common import worker_config
-from splitserve.serve.api import ModelInfo, OpenAIServer, install_routes
+from splitserve.serve.api import ModelInfo, OpenAIServer
+from splitserve.serve.api_routes import install_routes
 from splitserve.serve.worker_auth import worker_headers
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class WorkerReplica:
 
 @dataclass
 class RayEndpoint:
-    """A worker as the router sees it (the `Endpoint` protocol of splitserve.serve.router)."""
+    """A worker as the router sees it (the `WorkerEndpoint` protocol of splitserve.serve.router)."""
 
     id: str
     name: str

@@ -7,7 +7,7 @@ Every answer of a /v1/ route gets one INFO line on the `splitserve.access` logge
     2026-12-02 01:20:00,101 INFO splitserve.access: cmpl-5c1d... POST /v1/completions 200 prompt_tokens=9
         completion_tokens=16 latency_ms=812.4 ttft_ms=120.3 client=127.0.0.1
 
-The request id, the token counts and TTFT come from the request's `_Run` (api.py puts it in the ASGI
+The request id, the token counts and TTFT come from the request's `Run` (api_respond.py puts it in the ASGI
 scope's state as `splitserve_run`); a request refused before it ran gets `-` and zeros. With
 `--log-format json` the same fields are keys of the line's object. A streamed answer is logged when
 its stream ends, so its tokens and latency are the whole request's.

@@ -10,21 +10,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from splitserve.serve.openai_protocol import APIError
 
-if TYPE_CHECKING:
-    from splitserve.serve.api import OpenAIServer
-
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
+class Authenticator(Protocol):
+    """What DocsGuard needs of the server (api.OpenAIServer)."""
+
+    def check_auth(self, request: Request) -> None: ...
+
+
 class DocsGuard:
-    def __init__(self, app: Any, get: Callable[[], OpenAIServer]) -> None:
+    def __init__(self, app: Any, get: Callable[[], Authenticator]) -> None:
         self.app, self.get = app, get
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -34,35 +34,12 @@ from typing import Any
 import zmq
 
 from splitserve.serve import core_protocol as wire
+from splitserve.serve.core_errors import error_info
+from splitserve.serve.core_ops import CoreOps
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_MS = 100  # the longest the loop sleeps with nothing to do (lease ends are seen this late)
-
-
-def error_info(exc: BaseException) -> wire.ErrorInfo:
-    """An exception of the engine or the transport -> the status and body the worker answers with."""
-    from splitserve.engine.disagg import KVTransferFailed, NoRoom
-    from splitserve.kv import AuthError, PeerRefused, TransferTimeout, TransportError
-
-    def transfer_status(e: BaseException) -> int:
-        for cls, status in ((AuthError, 403), (PeerRefused, 409), (TransferTimeout, 504), (NoRoom, 503)):
-            if isinstance(e, cls):
-                return status
-        return 502
-
-    if isinstance(exc, KVTransferFailed):
-        extra = {"kind": exc.kind, "request_id": exc.request_id,
-                 "mismatches": getattr(exc.cause, "mismatches", None)}  # fmt: skip
-        return wire.ErrorInfo(transfer_status(exc.cause), "kv_transfer_failed", str(exc), extra)
-    if isinstance(exc, TransportError):
-        extra = {"kind": type(exc).__name__, "mismatches": getattr(exc, "mismatches", None)}
-        return wire.ErrorInfo(transfer_status(exc), "kv_transport", str(exc), extra)
-    if isinstance(exc, NoRoom):
-        return wire.ErrorInfo(503, "no_room", str(exc))
-    if isinstance(exc, ValueError):
-        return wire.ErrorInfo(400, "invalid_request", str(exc))
-    return wire.ErrorInfo(500, "internal", f"{type(exc).__name__}: {exc}")
 
 
 @dataclass
@@ -99,8 +76,9 @@ class EngineCore:
                 engine, config.kv_backend, secret=config.kv_secret,
                 options=config.transport_options(), policy=config.kv_policy, fallback=config.kv_fallback,
             )  # fmt: skip
+            assert self.connector.transport is not None  # open() made it
             if config.role == "prefill":
-                self.kv_address = self.connector.transport.listen()  # type: ignore[union-attr]
+                self.kv_address = self.connector.transport.listen()
             if config.kv_throttle_gbps:
                 from splitserve.kv.throttle import ThrottledTransport
 
@@ -108,8 +86,6 @@ class EngineCore:
                 self.connector.transport = ThrottledTransport(
                     self.connector.transport, config.kv_throttle_gbps
                 )
-        from splitserve.serve.core_ops import CoreOps
-
         self.ops = CoreOps(self)
         self.sent: dict[str, int] = {}  # tokens sent per request in flight
         self.imports: dict[str, _Import] = {}

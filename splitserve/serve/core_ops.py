@@ -11,12 +11,34 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
 
 from splitserve.serve import core_protocol as wire
+from splitserve.serve.core_errors import error_info
 
 if TYPE_CHECKING:
-    from splitserve.serve.core import EngineCore
+    from splitserve.engine.disagg import KVConnector
+    from splitserve.engine.engine import LLMEngine
+    from splitserve.serve.worker_config import WorkerConfig
+
+
+class Core(Protocol):
+    """What the operations use of their engine core (core.py's EngineCore)."""
+
+    engine: LLMEngine
+    config: WorkerConfig
+    connector: KVConnector | None
+    kv_address: str | None
+    imports: dict[str, Any]
+    events: list[wire.Event]
+    busy_seconds: float
+    call_pool: ThreadPoolExecutor
+
+    def on_loop(self, fn: Callable[[], Any], timeout_s: float = 60.0) -> Any: ...
+
+    def on_loop_nowait(self, fn: Callable[[], Any]) -> None: ...
 
 
 class RoleError(ValueError):
@@ -26,7 +48,7 @@ class RoleError(ValueError):
 class CoreOps:
     BLOCKING = frozenset({"check_peer", "probe"})
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: Core) -> None:
         self.core = core
         self.engine = core.engine
         self.config = core.config
@@ -34,8 +56,6 @@ class CoreOps:
 
     def call(self, cmd: wire.Call) -> None:
         """Engine thread: run `cmd` (on a call thread if it blocks); its reply joins a later batch."""
-        from splitserve.serve.core import error_info
-
         fn = getattr(self, f"op_{cmd.method}", None)
         if fn is None:
             err = wire.ErrorInfo(400, "invalid_request", f"no such call {cmd.method!r}")
@@ -156,15 +176,15 @@ class CoreOps:
 
     def op_set_faults(self, **knobs: Any) -> dict:
         """Test-only: make this exporter drop / delay / corrupt / kill the fetches it serves."""
-        from splitserve.kv.faults import FaultKnobs, FaultPlan
+        from splitserve.kv.fault_plan import FaultKnobs, FaultPlan
 
         conn = self.core.connector
         transport = conn.transport if conn else None
-        if not self.config.fault_injection or not hasattr(transport, "install_faults"):
+        if not self.config.fault_injection or transport is None:
             raise RoleError("fault injection is off: start the worker with --enable-fault-injection")
         k = FaultKnobs(**knobs)
         active = any((k.drop, k.delay, k.corrupt, k.kill))
-        transport.install_faults(FaultPlan(k) if active else None)  # type: ignore[union-attr]
+        transport.install_faults(FaultPlan(k) if active else None)
         return {"faults": dataclasses.asdict(k) if active else None}
 
     # ---- on a call thread ------------------------------------------------------------------------

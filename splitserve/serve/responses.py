@@ -4,7 +4,7 @@ and not. Stateless: nothing is stored, so `previous_response_id` is refused and 
 A request's life: `ResponsesRequest` (pydantic) -> `to_chat()`, a chat completions body (`instructions`
 as the system message; `input` items as messages: text, earlier `function_call`s as assistant tool
 calls, `function_call_output`s as tool messages; `tools`, `tool_choice`, `text.format` as
-`response_format`, `max_output_tokens`) -> the chat path (api.py) -> its answer back as a `response`
+`response_format`, `max_output_tokens`) -> the chat path (api_openai.py) -> its answer back as a `response`
 object (`response_object`), or its SSE chunks as Responses events (`ResponseEvents`: created, the
 output items with their text or argument deltas, completed).
 """

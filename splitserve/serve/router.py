@@ -47,7 +47,7 @@ from splitserve.serve.schemas import (
 log = logging.getLogger(__name__)
 
 
-class Endpoint(Protocol):
+class WorkerEndpoint(Protocol):
     name: str
     role: str
     url: str | None
@@ -58,7 +58,7 @@ class Endpoint(Protocol):
 
 
 class WorkerSet(Protocol):
-    def ready(self, role: str) -> Sequence[Endpoint]: ...
+    def ready(self, role: str) -> Sequence[WorkerEndpoint]: ...
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Picker:
         self.block_size = block_size
         self._rr = itertools.count()
 
-    def pick(self, workers: Sequence[Endpoint], role: str, prompt_ids: Sequence[int]) -> Endpoint:
+    def pick(self, workers: Sequence[WorkerEndpoint], role: str, prompt_ids: Sequence[int]) -> WorkerEndpoint:
         if not workers:
             raise APIError(
                 503,
@@ -157,7 +157,7 @@ class Dispatcher:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _post_quietly(self, worker: Endpoint, path: str, body: BaseModel) -> None:
+    async def _post_quietly(self, worker: WorkerEndpoint, path: str, body: BaseModel) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.timeouts.connect_s)
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with self.http.post(f"{worker.url}{path}", data=_json(body), timeout=timeout) as r:
@@ -237,7 +237,7 @@ class Dispatcher:
                 self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv=kv)))
 
     async def _stream(
-        self, worker: Endpoint, path: str, body: BaseModel, index: int, rid: str, first_timeout_s: float
+        self, worker: WorkerEndpoint, path: str, body: BaseModel, index: int, rid: str, first_timeout_s: float
     ) -> AsyncIterator[Piece]:
         """POST an NDJSON-streaming endpoint; each line -> a Piece. Deadlines: `first_timeout_s` for
         the first line, `inter_token_s` between lines."""
@@ -253,7 +253,7 @@ class Dispatcher:
                 lines, first = _lines(resp.content), True
                 try:
                     # One deadline context for the whole stream, re-armed lazily (idle_deadline.py).
-                    # NOTE: it stays armed across `yield`: the one consumer (`_Run._one`) never awaits
+                    # NOTE: it stays armed across `yield`: the one consumer (`Run._one`) never awaits
                     # between two pieces, so it can only fire while a line is awaited, as before.
                     async with asyncio.timeout(None) as cm:
                         idle = IdleDeadline(cm, first_timeout_s)
@@ -308,7 +308,7 @@ async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
                 yield line
 
 
-def _piece(worker: Endpoint, line: StreamLine, index: int) -> Piece:
+def _piece(worker: WorkerEndpoint, line: StreamLine, index: int) -> Piece:
     if line.finished and line.finish_reason in (None, "abort", "error"):
         raise APIError(
             502,
@@ -328,7 +328,7 @@ def _one(lp: dict | None) -> list[dict] | None:
     return None if lp is None else [lp]
 
 
-def _worker_failed(worker: Endpoint, stage: str, exc: BaseException) -> APIError:
+def _worker_failed(worker: WorkerEndpoint, stage: str, exc: BaseException) -> APIError:
     return APIError(
         502,
         f"the {stage} worker {worker.name} failed: {type(exc).__name__}: {exc}".rstrip(": "),
@@ -337,7 +337,7 @@ def _worker_failed(worker: Endpoint, stage: str, exc: BaseException) -> APIError
     )
 
 
-def _worker_error(worker: Endpoint, status: int, content: bytes) -> APIError:
+def _worker_error(worker: WorkerEndpoint, status: int, content: bytes) -> APIError:
     """A worker's error answer -> the client's: its input errors stay 400, the rest are ours."""
     try:
         err = json.loads(content).get("error", {})

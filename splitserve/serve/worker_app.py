@@ -44,9 +44,9 @@ from splitserve.serve.schemas import (
     ReleaseRequest,
     StreamLine,
 )
-from splitserve.serve.worker import Worker
 from splitserve.serve.worker_auth import worker_token
 from splitserve.serve.worker_metrics import render_worker_metrics
+from splitserve.serve.worker_service import Worker
 
 log = logging.getLogger(__name__)
 

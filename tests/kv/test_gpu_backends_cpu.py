@@ -152,7 +152,7 @@ def test_nccl_chunks_mix_direct_and_staged(pair, monkeypatch):
     monkeypatch.setattr(nccl_mod, "CHUNK_BYTES", 3 * block)  # 3 blocks a chunk
     monkeypatch.setattr(nccl_mod, "ONE_MESSAGE_BYTES", 0)  # chunks even for a small transfer
     exporter, fetcher, _ = pair("nccl", states=())
-    assert exporter.chunk_blocks == 3
+    assert exporter.mover.chunk_blocks == 3
     ids = [10, 11, 12, 1, 5, 3, 20, 21, 22, 30, 31]  # chunks: run | scattered | run | run(2)
     into = [0, 8, 2, 3, 4, 5, 6, 7, 44, 45, 46]  # chunks: scattered | run | scattered | run(2)
     handle = exporter.export("r", ids, len(ids) * 16)
@@ -198,14 +198,14 @@ def test_corruption_is_caught_and_kill_is_an_error(pair, backend):
 
 def test_cuda_ipc_refuses_another_host(pair):
     exporter, fetcher, _ = pair("cuda_ipc")
-    share = {**exporter.share(), "host": "some-other-boot-id"}
+    share = {**exporter.mover.share(), "host": "some-other-boot-id"}
     with pytest.raises(PeerRefused, match="one host"):
         open_peer(share, fetcher.kv.device, fetcher.layout)
 
 
 def test_cuda_ipc_refuses_a_gpu_it_cannot_see(pair):
     exporter, fetcher, _ = pair("cuda_ipc")
-    share = {**exporter.share(), "pid": -1, "handle": "AAAA", "gpu": "GPU-not-here"}
+    share = {**exporter.mover.share(), "pid": -1, "handle": "AAAA", "gpu": "GPU-not-here"}
     with pytest.raises(PeerRefused):
         open_peer(share, torch.device("cuda", 0), fetcher.layout)
 
@@ -234,14 +234,14 @@ def test_cuda_ipc_one_sided_read_of_a_lease_ending_mid_copy_is_refused(pair, mon
     exporter, fetcher, freed = pair("cuda_ipc", states=())
     handle = exporter.export("r", [1, 2], 32)
     fetcher.fetch(exporter.export("warm", [5], 16), [7], timeout_s=10)  # mapped, one-sided
-    copy = fetcher._copy
+    copy = fetcher.mover._copy
 
     def copy_then_lose_the_lease(peer, src_ids, into):  # the lease expires while the bytes move
         how = copy(peer, src_ids, into)
         exporter.leases.release(handle.lease_id)
         return how
 
-    monkeypatch.setattr(fetcher, "_copy", copy_then_lose_the_lease)
+    monkeypatch.setattr(fetcher.mover, "_copy", copy_then_lose_the_lease)
     with pytest.raises(LeaseExpired):
         fetcher.fetch(handle, [10, 11], timeout_s=5)
     assert fetcher.describe()["counts"]["one_sided_lost"] == 1
@@ -288,7 +288,7 @@ def test_cuda_ipc_state_arena(pair):
     exporter, fetcher, _ = pair("cuda_ipc", state_arena_rows=2)
     state = some_state(3)
     handle = exporter.export("a", [1, 2], 32, state)
-    assert handle.state_row is not None and exporter.arena.num_free == 1
+    assert handle.state_row is not None and exporter.mover.arena.num_free == 1
     got = fetcher.fetch(handle, [3, 4], timeout_s=10)
     assert all(torch.equal(got[k], state[k]) for k in state)
     assert fetcher.describe()["counts"]["one_sided_fetches"] == 1
@@ -302,7 +302,7 @@ def test_cuda_ipc_state_arena(pair):
     got = fetcher.fetch(third, [9], timeout_s=10)
     assert all(torch.equal(got[k], some_state(5)[k]) for k in state)
     fetcher.release(handle)
-    assert wait_for(lambda: exporter.arena.num_free == 1)
+    assert wait_for(lambda: exporter.mover.arena.num_free == 1)
 
     exporter, fetcher, _ = pair("cuda_ipc", state_wire_dtype="bfloat16")
     got = fetcher.fetch(exporter.export("d", [1], 16, state), [2], timeout_s=10)

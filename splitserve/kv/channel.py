@@ -1,18 +1,25 @@
-"""SocketTransport: what the tcp and shm backends share; they differ only in how the payload moves.
+"""KVChannel: the one KV transport, a control channel holding one payload mover per backend.
+
+The channel owns what every backend shares: the exporter's server and the fetcher's pooled
+authenticated connections (handshake: layouts + shared secret), leases, deadlines, counters, the fault
+plan (tests only). The mover (`PayloadMover` below: tcp, shm, cuda_ipc, nccl, nixl) owns how the
+payload moves.
 
 Exporter side, for one request:
-  1. `export` checks the ids and state, copies the (small) state tensors, computes the checksum if
-     enabled, and grants a lease whose payload is an `Export` record; the server starts on first use.
-  2. A fetch request arrives on the server loop: `handle` pins the lease (so it cannot end mid-read),
-     asks the fault plan (tests only) what to break, and calls the backend's `send_payload`, which
-     sends the leased blocks (zero-copy views, payload.py) and the state copies.
+  1. `export` -> the mover's `export`, which checks the ids and calls back `lease_export`: the state
+     the mover keeps (`keep_state`: host copies, or a slot/arena row), the checksum if enabled, and a
+     lease whose payload is an `Export` record; the server starts on first use (`listen`).
+  2. A request arrives on the server loop: `handle` offers it to the mover first (`serve_op`: its
+     open exchange), else a fetch pins the lease (so it cannot end mid-read), draws a fault from the
+     plan when one is installed, and calls the mover's `send_payload`.
   3. A release request (or `release` of our own handle) ends the lease: `on_free(block_ids)` once.
 
 Fetcher side, for one request:
-  1. `fetch` checks the handle against this transport (backend, block counts, id range), builds the
-     destination stream (our kv[into_block_ids] views + fresh state tensors), takes a pooled
-     authenticated connection and lets the backend's `recv_payload` fill the stream.
-  2. It verifies the checksum (CorruptTransfer), commits staged blocks (device KV), records GB/s.
+  1. `fetch` -> the mover's `fetch`. The stream movers (tcp, shm) call back `stream_fetch`: it checks
+     the handle against this transport (backend, block counts, id range), builds the destination
+     stream (our kv[into_block_ids] views + fresh state tensors), takes a pooled connection and lets
+     the mover's `recv_payload` fill the stream;
+  2. then verifies the checksum (CorruptTransfer), commits staged blocks (device KV), records GB/s.
 """
 
 from __future__ import annotations
@@ -21,9 +28,9 @@ import asyncio
 import logging
 import threading
 import time
-from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -38,7 +45,7 @@ from splitserve.kv.errors import (
     UnknownLease,
     error_to_wire,
 )
-from splitserve.kv.faults import Fault, FaultPlan
+from splitserve.kv.fault_plan import Fault, FaultPlan
 from splitserve.kv.handle import KVHandle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.lease import FreeCallback, LeaseManager
@@ -47,12 +54,11 @@ from splitserve.kv.payload import (
     ByteStream,
     empty_state,
     host_state_pieces,
-    snapshot_state,
     source_pieces,
     state_pieces,
 )
 from splitserve.kv.protocol import Deadline, checksum, checksum_algo, expect, resolve_secret
-from splitserve.kv.server import AsyncChannel, Endpoint, ExportServer
+from splitserve.kv.server import AsyncChannel, ExportServer, ListenSpec
 from splitserve.kv.transport import KVTransport, TransportOptions, TransportStats
 
 log = logging.getLogger(__name__)
@@ -68,19 +74,93 @@ class Export:
     state_row: int | None = None  # cuda_ipc: the state waits in this row of the exporter's arena
 
 
-class SocketTransport(KVTransport):
-    backend = "socket"
+class PayloadMover(Protocol):
+    """What one backend adds to the control channel, and nothing else.
+
+    A `KVChannel` holds one mover and calls it; a mover never subclasses the channel nor another backend's
+    mover. Its contract, by side (the channel calls these; the mover may call the channel back: `ch`):
+
+      both      backend                           the backend's name, carried in handles
+                bind(ch)                          once, when the channel is made: keep it, set up devices
+                register_states(states) -> bool   the engine's state slots, once (True: moved in place)
+                describe() -> dict                fields merged into the channel's describe()
+                close()                           after the channel closed its server, pool and leases
+      exporter  listen_spec() -> ListenSpec       where the server listens (tcp host:port, unix path)
+                make_board() -> LeaseBoard|None   a lease board for one-sided reads (board.py), or None
+                export(...) -> KVHandle           check the ids, then `ch.lease_export` (or its own lease)
+                keep_state(state) -> dict         what a lease keeps of the state (`ch.lease_export` asks)
+                serve_op(chan, header) -> bool|None   a request only this backend knows (its open
+                                                  exchange); None: not ours, the channel serves it
+                send_payload(chan, export, block_ids, meta, fault, deadline) -> int
+                                                  move the pinned lease's blocks and state; -> bytes
+      fetcher   fetch(handle, into_block_ids, timeout_s, into_state) -> state
+                                                  stream movers: `ch.stream_fetch(..., recv_payload)`
+
+    The backends: tcp.py, shm.py (stream movers), cuda_ipc.py and nccl.py (GPU movers; the two-sided GPU
+    protocol they share is gpu_fetch.py), nixl.py (one-sided NIXL READs).
+    """
+
+    backend: str
+
+    def bind(self, ch: KVChannel) -> None: ...
+
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool: ...
+
+    def describe(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+    def listen_spec(self) -> ListenSpec: ...
+
+    def make_board(self) -> LeaseBoard | None: ...
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None,
+    ) -> KVHandle: ...
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]: ...
+
+    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None: ...
+
+    async def send_payload(
+        self,
+        chan: AsyncChannel,
+        export: Export,
+        block_ids: tuple[int, ...],
+        meta: dict,
+        fault: Fault,
+        deadline: Deadline,
+    ) -> int: ...
+
+    def fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None,
+        into_state: Mapping[str, torch.Tensor] | None,
+    ) -> dict[str, torch.Tensor]: ...
+
+
+class KVChannel(KVTransport):
+    """A control channel holding one backend's payload mover (see the module docstring)."""
 
     def __init__(
         self,
         kv: torch.Tensor,
         layout: KVLayout,
+        mover: PayloadMover,
         *,
         secret: bytes | str | None = None,
         on_free: FreeCallback | None = None,
         options: TransportOptions | None = None,
     ) -> None:
         _check_kv(kv, layout)
+        self.mover = mover
+        self.backend = mover.backend
         self.kv = kv  # [num_blocks, L, 2, block_size, KVH, D]
         self.layout = layout
         self.options = options or TransportOptions()
@@ -92,32 +172,7 @@ class SocketTransport(KVTransport):
         self._server: ExportServer | None = None
         self._lock = threading.Lock()
         self._closed = False
-
-    # -- backend hooks ---------------------------------------------------------------------------
-    @abstractmethod
-    def endpoint(self) -> Endpoint:
-        """Where the exporter listens."""
-
-    def make_board(self) -> LeaseBoard | None:
-        """Exporter: a lease board for one-sided fetches (board.py), made when serving starts."""
-        return None
-
-    @abstractmethod
-    async def send_payload(
-        self,
-        chan: AsyncChannel,
-        export: Export,
-        block_ids: tuple[int, ...],
-        meta: dict,
-        fault: Fault,
-        deadline: Deadline,
-    ) -> int:
-        """Exporter: move the leased blocks and the state to the fetcher (its answer header carries
-        `meta`); -> bytes moved."""
-
-    @abstractmethod
-    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> dict:
-        """Fetcher: fill `stream`; -> the exporter's payload header."""
+        mover.bind(self)
 
     # -- exporter side ---------------------------------------------------------------------------
     def listen(self) -> str:
@@ -127,11 +182,11 @@ class SocketTransport(KVTransport):
                 raise TransportError(f"{self.backend} transport is closed")
             if self._server is None:
                 if self.leases.board is None:  # before the server: a fetcher's open exchange names it
-                    self.leases.board = self.make_board()
+                    self.leases.board = self.mover.make_board()
                     if self.leases.board is not None:
                         self.leases.board.allow_one_sided(self.faults is None)
                 server = ExportServer(
-                    self.endpoint(),
+                    self.mover.listen_spec(),
                     self.layout,
                     self._secret,
                     self,
@@ -149,10 +204,20 @@ class SocketTransport(KVTransport):
         num_tokens: int,
         state: Mapping[str, torch.Tensor] | None = None,
     ) -> KVHandle:
-        ids = self._check_ids(block_ids, "block_ids")
+        return self.mover.export(request_id, block_ids, num_tokens, state)
+
+    def lease_export(
+        self,
+        request_id: str,
+        ids: tuple[int, ...],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None,
+    ) -> KVHandle:
+        """A mover's `export`, once it has checked `ids`: keep the state (the mover's `keep_state`),
+        the checksum, the lease, the handle."""
         if not 0 < num_tokens <= len(ids) * self.layout.block_size:
             raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
-        snapshot = self.keep_state(state)
+        snapshot = self.mover.keep_state(state)
         address = self.listen()
         digest = None
         if self.options.checksum:
@@ -172,10 +237,6 @@ class SocketTransport(KVTransport):
             checksum=digest,
             lease_slot=lease.slot,
         )
-
-    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """What the lease keeps of the request's state: host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.layout, state)
 
     def release(self, handle: KVHandle) -> None:
         self.stats.count("releases")
@@ -197,7 +258,10 @@ class SocketTransport(KVTransport):
             )
 
     async def handle(self, chan: AsyncChannel, header: dict) -> bool:
-        """Server loop: serve one request (RequestHandler)."""
+        """Server loop: serve one request (RequestHandler); the mover's own ops first."""
+        served = await self.mover.serve_op(chan, header)
+        if served is not None:
+            return served
         op = header["op"]
         if op == "fetch":
             return await self._serve_fetch(chan, header)
@@ -219,15 +283,18 @@ class SocketTransport(KVTransport):
         deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
         try:
             with self.leases.pinned(str(header.get("lease_id"))) as lease:
-                fault = self.faults.draw() if self.faults else Fault.NONE
+                plan = self.faults  # tests only: None in production
+                fault = plan.draw() if plan is not None else Fault.NONE
                 if fault is Fault.DROP:  # never answer; hold on until the fetcher gives up
                     await chan.wait_closed(Deadline.after(self.options.idle_timeout_s))
                     return False
-                if fault is Fault.DELAY:
-                    await asyncio.sleep(self.faults.knobs.delay_s)  # type: ignore[union-attr]
+                if fault is Fault.DELAY and plan is not None:
+                    await asyncio.sleep(plan.knobs.delay_s)
                 meta = {"blocks": len(lease.block_ids), "checksum": lease.payload.checksum}
                 start = time.perf_counter()
-                nbytes = await self.send_payload(chan, lease.payload, lease.block_ids, meta, fault, deadline)
+                nbytes = await self.mover.send_payload(
+                    chan, lease.payload, lease.block_ids, meta, fault, deadline
+                )
                 self.stats.served(nbytes, time.perf_counter() - start)
                 return fault is not Fault.KILL
         except (LeaseExpired, UnknownLease) as exc:
@@ -246,7 +313,18 @@ class SocketTransport(KVTransport):
         timeout_s: float | None = None,
         into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        into = self._check_fetch(handle, into_block_ids)
+        return self.mover.fetch(handle, into_block_ids, timeout_s, into_state)
+
+    def stream_fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None,
+        recv_payload: Callable[[SyncChannel, ByteStream, Deadline], dict],
+    ) -> dict[str, torch.Tensor]:
+        """A stream mover's `fetch`: `recv_payload(chan, stream, deadline)` fills our blocks' views and
+        fresh state tensors; -> the exporter's payload header."""
+        into = self.check_fetch(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         sink, state = BlockSink(self.kv, into), empty_state(self.layout)
         stream = ByteStream(sink.pieces + state_pieces(state, self.layout))
@@ -257,8 +335,8 @@ class SocketTransport(KVTransport):
                     raise PeerRefused(f"handle {handle.request_id} was made for another layout")
                 request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
                 chan.send({**request, "timeout_s": deadline.remaining("fetch")}, deadline)
-                meta = self.recv_payload(chan, stream, deadline)
-            self._verify(handle, meta, stream)
+                meta = recv_payload(chan, stream, deadline)
+            self.verify(handle, meta, stream)
             sink.commit()
         except TransportError as exc:
             self.stats.error(exc)
@@ -270,7 +348,7 @@ class SocketTransport(KVTransport):
         self.stats.fetched(stream.nbytes, time.perf_counter() - start, handle.address)
         return state
 
-    def _verify(self, handle: KVHandle, meta: dict, stream: ByteStream) -> None:
+    def verify(self, handle: KVHandle, meta: dict, stream: ByteStream) -> None:
         expected = handle.checksum or meta.get("checksum")
         if not expected:
             return
@@ -280,22 +358,30 @@ class SocketTransport(KVTransport):
             raise CorruptTransfer(f"payload of {where}: checksum {got}, expected {expected}")
         self.stats.count("checksums_verified")
 
-    def _check_fetch(self, handle: KVHandle, into_block_ids: Sequence[int]) -> tuple[int, ...]:
+    def check_fetch(self, handle: KVHandle, into_block_ids: Sequence[int]) -> tuple[int, ...]:
         if handle.backend != self.backend:
             diff = f"backend: ours {self.backend}, peer {handle.backend}"
             raise PeerRefused("handle is for another backend", [diff])
-        into = self._check_ids(into_block_ids, "into_block_ids")
+        into = self.check_ids(into_block_ids, "into_block_ids")
         if len(into) != handle.num_blocks:
             raise ValueError(f"the handle has {handle.num_blocks} blocks, into_block_ids has {len(into)}")
         return into
 
-    def _check_ids(self, block_ids: Sequence[int], what: str) -> tuple[int, ...]:
+    def check_ids(self, block_ids: Sequence[int], what: str) -> tuple[int, ...]:
         ids = tuple(int(b) for b in block_ids)
         if not ids:
             raise ValueError(f"{what} is empty")
         if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= self.kv.shape[0]:
             raise ValueError(f"{what} must be distinct ids in [0, {self.kv.shape[0]}), got {list(ids)[:16]}")
         return ids
+
+    def check_peer(self, address: str, timeout_s: float) -> KVLayout:
+        with self.pool.connection(address, Deadline.after(timeout_s)) as chan:
+            assert chan.peer_layout is not None  # the handshake sets it
+            return chan.peer_layout
+
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return self.mover.register_states(states)
 
     # -- both ------------------------------------------------------------------------------------
     def install_faults(self, plan: FaultPlan | None) -> None:
@@ -321,6 +407,7 @@ class SocketTransport(KVTransport):
             out["server"] = dict(self._server.counts)
         if self.faults is not None:
             out["faults"] = dict(self.faults.counts)
+        out.update(self.mover.describe())
         return out
 
     def close(self) -> None:
@@ -333,6 +420,7 @@ class SocketTransport(KVTransport):
         self.leases.close(free_remaining=True)
         if self.leases.board is not None:
             self.leases.board.close()
+        self.mover.close()
 
 
 _TENSOR_FIELDS = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
