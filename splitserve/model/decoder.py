@@ -98,6 +98,7 @@ class DecoderLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.fused = False
+        self.packed_lm_head: torch.Tensor | None = None  # CPU: the head in oneDNN's layout (cpu_linear)
 
     def enable_fused_kernels(self) -> bool:
         """Use the Triton kernels of splitserve.kernels.fused (CUDA, with a backend that has
@@ -131,6 +132,10 @@ class DecoderLM(nn.Module):
         return {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            from splitserve.model.cpu_linear import packed_linear
+
+            return packed_linear(hidden, self.packed_lm_head, None).float()  # [N, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()  # [N, vocab]
 

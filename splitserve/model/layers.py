@@ -182,9 +182,15 @@ def linear(
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear`."""
+    """nn.Linear through `linear`, or on CPU through oneDNN when `model/cpu_linear.py` packed it."""
+
+    packed: torch.Tensor | None = None  # the weight in oneDNN's layout (cpu_linear.pack_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and isinstance(x, torch.Tensor):
+            from splitserve.model.cpu_linear import packed_linear
+
+            return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
 
 
