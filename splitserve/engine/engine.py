@@ -150,7 +150,8 @@ class LLMEngine:
         attn = self._attention_backend()
         self._linear_attention_backend()
         if self.device.type == "cpu":
-            log.info("oneDNN-packed CPU projections: %d", cpu_linear.pack_model(self.loaded.model))
+            counts = cpu_linear.prepare_model(self.loaded.model, config.cpu_weights)
+            log.info("CPU projections (%s): %s", config.cpu_weights, counts)
         graphs = self.device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
         if self.device.type == "cuda" and not graphs:
             log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")

@@ -98,7 +98,7 @@ class DecoderLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.fused = False
-        self.packed_lm_head: torch.Tensor | None = None  # CPU: the head in oneDNN's layout (cpu_linear)
+        self.cpu_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # CPU: see cpu_linear
 
     def enable_fused_kernels(self) -> bool:
         """Use the Triton kernels of splitserve.kernels.fused (CUDA, with a backend that has
@@ -132,10 +132,8 @@ class DecoderLM(nn.Module):
         return {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_lm_head is not None:
-            from splitserve.model.cpu_linear import packed_linear
-
-            return packed_linear(hidden, self.packed_lm_head, None).float()  # [N, vocab]
+        if self.cpu_lm_head is not None:
+            return self.cpu_lm_head(hidden).float()  # [N, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()  # [N, vocab]
 
