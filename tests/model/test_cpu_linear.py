@@ -1,5 +1,4 @@
-"""CPU projections (model/cpu_linear.py) and the row-wise KV store: the same products and the same cache
-as the plain paths."""
+"""CPU projections (model/cpu_linear.py): the same products as the plain paths."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.model import cpu_linear
-from splitserve.model.attention import store_kv, store_kv_rows
 from splitserve.model.layers import Linear
 
 
@@ -50,12 +48,3 @@ def test_prepare_and_unprepare_model():
     assert torch.equal(model(x), ref)
     with pytest.raises(ValueError, match="cpu_weights"):
         cpu_linear.prepare_model(model, "int3")
-
-
-def test_store_kv_rows_matches_store_kv():
-    kv, kv2 = torch.zeros(50, 4, 2, 16, 3, 8), torch.zeros(50, 4, 2, 16, 3, 8)
-    slots = torch.randperm(800, generator=torch.Generator().manual_seed(2))[:37]
-    k, v = torch.randn(37, 3, 8), torch.randn(37, 3, 8)
-    store_kv(kv[:, 2, 0], kv[:, 2, 1], k, v, slots)
-    store_kv_rows(kv2, 2, k, v, slots)
-    assert torch.equal(kv, kv2)
