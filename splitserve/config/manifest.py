@@ -2,7 +2,8 @@
 
     model:     {source, tokenizer, served_name, dtype, device, max_model_len, tensor_parallel_size}
     engine:    {block_size, max_num_seqs, max_num_batched_tokens, kv_cache_mb, memory_utilization,
-                enable_prefix_caching, enforce_eager, async_scheduling, threads, seed, weight_cache_*}
+                enable_prefix_caching, enforce_eager, async_scheduling, threads, cpu_weights, seed,
+                weight_cache_*}
     (vLLM's names are accepted beside ours: model.served_model_name, engine.gpu_memory_utilization)
     mode:      colocated | disaggregated          (one key switches the same manifest between them)
     prefill / decode / colocated:  pools {replicas, devices, placement, engine}; a pool's `engine` overrides
@@ -138,7 +139,9 @@ class EngineSection(_Section):
     enable_prefix_caching: bool = _ENGINE.enable_prefix_caching  # reuse KV blocks of identical prefixes
     enforce_eager: bool = _ENGINE.enforce_eager  # GPU: no CUDA graphs
     async_scheduling: bool | None = _ENGINE.async_scheduling  # overlapped decode steps; null: on for GPUs
-    threads: int = Field(default=1, ge=1, le=1024)  # CPU: torch intra-op threads per worker
+    # CPU: torch intra-op threads per worker; null: this host's cores shared among its CPU workers
+    threads: int | None = Field(default=None, ge=1, le=1024)
+    cpu_weights: Literal["fp32", "int4"] = "fp32"  # CPU: int4 = weight-only int4 (model/cpu_linear.py)
     seed: int = _ENGINE.seed
     # Host-side cache of converted weights, shared by the workers of a host and kept across restarts:
     # "auto" = $SPLITSERVE_CACHE_DIR/weights or ~/.cache/splitserve/weights; a path (/dev/shm/... keeps

@@ -48,6 +48,7 @@ from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
 from splitserve.engine.stop import check_stop
+from splitserve.model import cpu_linear
 from splitserve.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -148,6 +149,9 @@ class LLMEngine:
         cfg = self.model_config
         attn = self._attention_backend()
         self._linear_attention_backend()
+        if self.device.type == "cpu":
+            counts = cpu_linear.prepare_model(self.loaded.model, config.cpu_weights)
+            log.info("CPU projections (%s): %s", config.cpu_weights, counts)
         graphs = self.device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
         if self.device.type == "cuda" and not graphs:
             log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")

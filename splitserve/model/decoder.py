@@ -98,6 +98,7 @@ class DecoderLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.fused = False
+        self.cpu_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # CPU: see cpu_linear
 
     def enable_fused_kernels(self) -> bool:
         """Use the Triton kernels of splitserve.kernels.fused (CUDA, with a backend that has
@@ -131,6 +132,8 @@ class DecoderLM(nn.Module):
         return {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.cpu_lm_head is not None:
+            return self.cpu_lm_head(hidden).float()  # [N, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()  # [N, vocab]
 

@@ -9,6 +9,7 @@ against HF on the same weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -182,9 +183,14 @@ def linear(
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear`."""
+    """nn.Linear through `linear`, or on CPU through `cpu_matmul` when `model/cpu_linear.py` set one."""
+
+    # CPU: the weight packed for oneDNN or quantized, as a callable x -> x @ W.T + b (model/cpu_linear.py)
+    cpu_matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_matmul is not None and isinstance(x, torch.Tensor):
+            return self.cpu_matmul(x)
         return linear(x, self.weight, self.bias)
 
 

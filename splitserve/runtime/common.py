@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,7 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
         enforce_eager=e.enforce_eager,
         enable_prefix_caching=e.enable_prefix_caching,
         async_scheduling=e.async_scheduling,
+        cpu_weights=e.cpu_weights,
         progress=False,
     )
     return WorkerConfig(
@@ -72,8 +74,21 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
         kv_checksum=t.checksum,
         kv_state_dtype=t.state_dtype,
         kv_state_rows=t.state_rows,
-        threads=e.threads,
+        threads=e.threads if e.threads is not None else cpu_threads(manifest),
     )
+
+
+def cpu_threads(manifest: Manifest) -> int:
+    """A CPU worker's intra-op threads when the manifest leaves them out: this host's cores shared
+    evenly among the deployment's workers that are not on a GPU (colocated on 2 cores: 2; a prefill
+    and a decode worker: 1 each)."""
+    workers = sum(
+        1
+        for role, pool in manifest.pools().items()
+        for i in range(pool.replicas)
+        if not pool_device(manifest, role, i).startswith("cuda")
+    )
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
 __all__ = ["pool_device", "worker_argv", "worker_config"]

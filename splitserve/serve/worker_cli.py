@@ -28,6 +28,7 @@ _ENGINE_HELP = {
     "async_scheduling": "overlap the host's and the GPU's work in decode (auto: on for CUDA)",
     "weight_cache_dir": '"auto", a path, or "off"',
     "weight_cache_verify": "a CRC32 of every chunk on load",
+    "cpu_weights": "CPU: fp32 (token-exact) or int4 (weight-only int4, bf16 activations)",
 }
 _TRI = {"auto": None, "on": True, "off": False}
 # dests that are not a WorkerConfig field of the same name: dest -> field

