@@ -352,7 +352,7 @@ def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(ma
     monkeypatch.setenv(UCX_ERROR_ENV, "none")  # what a GPU pool gets, here on host memory
     exporter = make("nixl")
     assert exporter.describe()["nixl"]["ucx_error_handling"] == "none"
-    params = exporter.mover.agent.get_backend_params("UCX")
+    params = exporter.mover.agent.agent.get_backend_params("UCX")  # NixlMover -> NixlAgent -> NIXL's
     assert params.get("ucx_error_handling_mode") == "none" and "num_workers" in params, params
     monkeypatch.setenv(UCX_ERROR_ENV, "peer")
     fetcher = make("nixl", kv=torch.zeros_like(exporter.kv))
