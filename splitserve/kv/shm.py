@@ -17,19 +17,17 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from splitserve.kv.board import LeaseBoard
 from splitserve.kv.channel import Export, KVChannel
 from splitserve.kv.client import SyncChannel
 from splitserve.kv.errors import TransportError
 from splitserve.kv.fault_plan import Fault
-from splitserve.kv.handle import KVHandle
+from splitserve.kv.host_mover import HostStreamMover
 from splitserve.kv.layout import KVLayout
-from splitserve.kv.payload import ByteStream, snapshot_state, source_pieces, state_pieces
+from splitserve.kv.payload import ByteStream, source_pieces, state_pieces
 from splitserve.kv.protocol import Deadline, expect
 from splitserve.kv.server import AsyncChannel, ListenSpec
 from splitserve.kv.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
@@ -39,45 +37,11 @@ from splitserve.tempdirs import owned_tempdir
 __all__ = ["SEGMENT_PREFIX", "ShmMover", "ShmTransport", "allocate_shared_kv"]
 
 
-class ShmMover:
+class ShmMover(HostStreamMover):
     """The payload through shared memory, direct or staged (the module docstring)."""
 
     backend = "shm"
     _own_dir: str | None = None  # the temp dir we made for the control socket, removed on close
-
-    def bind(self, ch: KVChannel) -> None:
-        self.ch, self.kv, self.layout, self.options = ch, ch.kv, ch.layout, ch.options
-
-    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
-        return False  # the state travels as host copies
-
-    def make_board(self) -> LeaseBoard | None:
-        return None  # every fetch asks the exporter
-
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.ch.lease_export(request_id, self.ch.check_ids(block_ids, "block_ids"), num_tokens, state)
-
-    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """Host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.layout, state)
-
-    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
-        return None  # no open exchange
-
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return self.ch.stream_fetch(handle, into_block_ids, timeout_s, self.recv_payload)
 
     @property
     def mode(self) -> str:
