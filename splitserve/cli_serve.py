@@ -44,6 +44,7 @@ _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--colocated-replicas",), "colocated.replicas", int, "colocated workers"),
     (("--router-policy",), "router.policy", str, "round_robin | least_loaded | prefix_affinity"),
     (("--max-concurrent-requests",), "server.max_concurrent_requests", int, "in flight to the workers"),
+    (("--stream-interval",), "server.stream_interval", int, "tokens a streamed chunk holds at least"),
     (("--log-stats-interval",), "server.log_stats_interval_s", float, "seconds between stats lines; 0: off"),
 ]
 # switches: flag, manifest field, value it sets

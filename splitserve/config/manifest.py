@@ -13,7 +13,7 @@
                 checksum, secret_env, secret}
     router:    {policy, timeouts per stage, retries}
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
-                max_queued_requests, access_log, log_stats_interval_s, metrics_auth,
+                max_queued_requests, stream_interval, access_log, log_stats_interval_s, metrics_auth,
                 trust_request_chat_template, header_timeout_s, body_timeout_s, max_header_bytes}
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
     verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)
@@ -295,6 +295,9 @@ class ServerSection(_Section):
     max_concurrent_requests: int = Field(default=256, ge=1, le=1 << 20)  # in flight to the workers
     max_queued_requests: int = Field(default=1024, ge=0, le=1 << 20)  # waiting beyond that; more: 429
     max_n: int = Field(default=16, ge=1, le=128)
+    # tokens a streamed chunk holds at least (fewer only at the end), vLLM's --stream-interval: fewer,
+    # larger frames on every hop (docs/bench/served-path.md: on 2 cores a frame costs more than a token)
+    stream_interval: int = Field(default=1, ge=1, le=4096)
     access_log: bool = True  # one INFO line per request (id, route, status, tokens, latency)
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
     metrics_auth: bool = True  # with api keys set, /metrics wants one too; false: open to a scraper

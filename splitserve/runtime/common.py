@@ -75,6 +75,7 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
         kv_state_dtype=t.state_dtype,
         kv_state_rows=t.state_rows,
         threads=e.threads if e.threads is not None else cpu_threads(manifest),
+        stream_interval=manifest.server.stream_interval,
     )
 
 

@@ -38,7 +38,8 @@ def test_manifest_passes_the_tokenizer_to_every_worker():
 
 def test_random_model_served_disaggregated_equals_the_engine():
     """Prefill and decode workers build the same weights (one seed) on their own: the KV handshake
-    accepts them, and greedy answers over HTTP equal the engine's."""
+    accepts them, and greedy answers over HTTP equal the engine's, streamed too, where with
+    `server.stream_interval: 4` every chunk but the last carries at least 4 tokens."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(model="random:tiny", max_model_len=256, kv_cache_bytes=16 << 20, progress=False)
     assert llm.engine.loaded.load_stats["method"] == "random"
@@ -48,6 +49,7 @@ def test_random_model_served_disaggregated_equals_the_engine():
             mode="disaggregated",
             model={"source": "random:tiny", "max_model_len": 256},
             engine={"kv_cache_mb": 16, "max_num_seqs": 8},
+            server={"port": 0, "stream_interval": 4},
         )  # fmt: skip
     )
     try:
@@ -58,5 +60,13 @@ def test_random_model_served_disaggregated_equals_the_engine():
                                           extra_body={"ignore_eos": True})  # fmt: skip
             assert r.choices[0].text == text
             assert r.usage.completion_tokens == 12
+            chunks = client.completions.create(
+                model="random:tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True, logprobs=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            pieces = [c.choices[0] for c in chunks if c.choices]
+            assert "".join(p.text for p in pieces) == text
+            sizes = [len(p.logprobs.tokens) for p in pieces if p.logprobs is not None]
+            assert sum(sizes) == 12 and all(n >= 4 for n in sizes[:-1]) and len(sizes) <= 3, sizes
     finally:
         assert dep.stop() == 0, "\n".join(dep.log)
