@@ -212,6 +212,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed passes, each on its own prompts (the same sets for both paths); the median "
                          "pass of each path is compared")  # fmt: skip
+    ap.add_argument("--stream-interval", type=int, default=None,
+                    help="server.stream_interval: tokens a chunk holds at least (default 1)")  # fmt: skip
     ap.add_argument("--top", action="store_true", help="print `top` after each endpoint run")
     ap.add_argument("--echo", action="store_true", help="echo the server's log")
     ap.add_argument("--out", default="bench/results/serve_gpu.json")
@@ -255,6 +257,8 @@ def main() -> int:
         knobs["model.tokenizer"] = args.tokenizer
     if args.kv_backend:
         knobs["transport.backend"] = args.kv_backend
+    if args.stream_interval:
+        knobs["server.stream_interval"] = args.stream_interval
     rows = []
     for mode in args.modes:
         res = endpoint(args, mode, sets, warm, knobs)
