@@ -10,20 +10,16 @@ behave as they would in production.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
-import torch
-
 from splitserve.kv.fault_plan import Fault, FaultKnobs, FaultPlan
-from splitserve.kv.handle import KVHandle
-from splitserve.kv.layout import KVLayout
 from splitserve.kv.transport import KVTransport
+from splitserve.kv.wrapped import WrappedTransport
 
 __all__ = ["Fault", "FaultKnobs", "FaultPlan", "FaultyTransport"]
 
 
-class FaultyTransport(KVTransport):
+class FaultyTransport(WrappedTransport):
     """A transport whose exporter misbehaves on purpose (tests of the error paths)."""
 
     def __init__(
@@ -37,53 +33,9 @@ class FaultyTransport(KVTransport):
         delay_s: float = 5.0,
         seed: int = 0,
     ) -> None:
-        self.inner = inner
-        self.backend = inner.backend
-        self.kv = inner.kv
-        self.layout = inner.layout
-        self.stats = inner.stats
+        super().__init__(inner)
         self.plan = FaultPlan(FaultKnobs(drop, delay, corrupt, kill, delay_s, seed))
         inner.install_faults(self.plan)
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.inner.export(request_id, block_ids, num_tokens, state)
-
-    def release(self, handle: KVHandle) -> None:
-        self.inner.release(handle)
-
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return self.inner.fetch(handle, into_block_ids, timeout_s, into_state)
-
-    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
-        return self.inner.register_states(states)
-
-    def listen(self) -> str:
-        return self.inner.listen()
-
-    @property
-    def address(self) -> str | None:
-        return self.inner.address
-
-    def install_faults(self, plan: FaultPlan | None) -> None:
-        self.inner.install_faults(plan)
-
-    def check_peer(self, address: str, timeout_s: float) -> KVLayout:
-        return self.inner.check_peer(address, timeout_s)
-
     def describe(self) -> dict:
         return {**self.inner.describe(), "fault_knobs": asdict(self.plan.knobs)}
-
-    def close(self) -> None:
-        self.inner.close()

@@ -13,31 +13,17 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from splitserve.kv.fault_plan import FaultPlan
 from splitserve.kv.handle import KVHandle
-from splitserve.kv.layout import KVLayout
 from splitserve.kv.transport import KVTransport
+from splitserve.kv.wrapped import WrappedTransport
 
 
-class ThrottledTransport(KVTransport):
+class ThrottledTransport(WrappedTransport):
     def __init__(self, inner: KVTransport, gbps: float) -> None:
         if gbps <= 0:
             raise ValueError("the throttle must be a positive GB/s")
-        self.inner = inner
+        super().__init__(inner)
         self.gbps = gbps
-        self.backend, self.kv, self.layout, self.stats = inner.backend, inner.kv, inner.layout, inner.stats
-
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.inner.export(request_id, block_ids, num_tokens, state)
-
-    def release(self, handle: KVHandle) -> None:
-        self.inner.release(handle)
 
     def fetch(
         self,
@@ -55,27 +41,8 @@ class ThrottledTransport(KVTransport):
             time.sleep(left)
         return state
 
-    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
-        return self.inner.register_states(states)
-
-    def listen(self) -> str:
-        return self.inner.listen()
-
-    @property
-    def address(self) -> str | None:
-        return self.inner.address
-
-    def check_peer(self, address: str, timeout_s: float) -> KVLayout:
-        return self.inner.check_peer(address, timeout_s)
-
-    def install_faults(self, plan: FaultPlan | None) -> None:
-        self.inner.install_faults(plan)
-
     def describe(self) -> dict:
         return {**self.inner.describe(), "throttle_gbps": self.gbps}
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 __all__ = ["ThrottledTransport"]
