@@ -178,6 +178,7 @@ class ToolParser:
         self._in_calls = False  # llama3_json: the answer is calls from its start
         self._after_call = False  # hermes: a block just closed (a newline after it is dropped)
         self._block_id: str | None = None  # hermes: the id of the call whose block is open
+        self._block_head: tuple[str, int] | None = None  # its name, where its arguments begin in the block
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, calls = self.feed(text)
@@ -208,20 +209,19 @@ class ToolParser:
         if self.fmt != HERMES or not self._buf.startswith(_HERMES_OPEN):
             return None
         body = self._buf[len(_HERMES_OPEN) :]
-        head = _HERMES_HEAD.match(body)
-        if head is None:
-            return None
-        if self._block_id is None:
-            self._block_id = _new_call_id()
-        rest = body[head.end() :]
-        return (
-            self._block_id,
-            _json_string(head.group(1)),
-            _arguments_part(rest[: len(rest) - _partial_suffix(rest, _HERMES_CLOSE)]),
-        )
+        if self._block_head is None:  # matched once a block: its text before the arguments is fixed
+            head = _HERMES_HEAD.match(body)
+            if head is None:
+                return None
+            self._block_head = (_json_string(head.group(1)), head.end())
+            self._block_id = self._block_id or _new_call_id()
+        name, start = self._block_head
+        assert self._block_id is not None  # set with the head, cleared with it (_take_block_id)
+        rest = body[start:]
+        return self._block_id, name, _arguments_part(rest[: len(rest) - _partial_suffix(rest, _HERMES_CLOSE)])
 
     def _take_block_id(self) -> str:
-        block_id, self._block_id = self._block_id or _new_call_id(), None
+        block_id, self._block_id, self._block_head = self._block_id or _new_call_id(), None, None
         return block_id
 
     def _feed_hermes(self) -> tuple[str, list[ToolCall]]:
