@@ -6,7 +6,7 @@ token and the share of it spent writing to a socket, and the curl clients' CPU p
     python bench/profile_served.py                     # colocated
     python bench/profile_served.py --mode disaggregated
 
-Needs py-spy (the dev extra) and the right to ptrace the server's processes (root here). The raw
+Needs py-spy (in the dev extra) and the right to ptrace the server's processes (root here). The raw
 samples stay in --out (py-spy's raw format: one stack a line, then its count).
 """
 
