@@ -3,17 +3,8 @@
 One `step()` = schedule -> run the model on the flat batch -> sample -> append tokens, check stop
 conditions, cache full blocks, free finished requests -> return outputs for requests that changed.
 
-Overlapped steps (`async_scheduling`, on by default on CUDA): in steady decode the host would leave
-the GPU idle while it reads a step's tokens, checks stops and prepares the next step. Instead a
-decode step's tokens stay on the device and each request gets a placeholder token; the next
-`step()` schedules and launches step N+1 with those tokens fed to it on the device, and only then
-reads step N's (waiting while N+1 runs), replaces the placeholders and checks stop conditions. A
-request that stops at step N has computed one token too many in N+1, which is dropped (its blocks
-are freed after N+1 in stream order). Only decode steps whose requests need nothing from the host
-between steps overlap (no logprobs, penalties, min_tokens, n > 1, KV export, recurrent state); new
-requests that can be admitted (some wait and the batch has room), a request about to reach its length
-limit or a short block pool end the overlap: the pending step is read first, and the next step runs
-as usual.
+Overlapped steps (`async_scheduling`, on by default on CUDA; overlap.py): in steady decode step N+1
+is launched with step N's tokens still on the device, and N's tokens are read while N+1 runs.
 
 Prefill/decode disaggregation (disagg.py) plugs in through `kv_connector`: `add_request(...,
 kv_transfer="export")` leases a request's blocks to the KV transport after its first token instead of
@@ -31,7 +22,6 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +30,7 @@ from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.kv_manager import KVManager
+from splitserve.engine.overlap import OverlappedSteps, _Inflight
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, completion_of
 from splitserve.engine.runner import ModelRunner
@@ -72,43 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-PLACEHOLDER = -1  # an output token of an overlapped step that is still on the device
-
-
-def _pending(req: Request) -> bool:
-    """`req`'s last output token is a placeholder: its overlapped step has not been read."""
-    return bool(req.output_token_ids) and req.output_token_ids[-1] == PLACEHOLDER
-
-
-@dataclass
-class _Inflight:
-    """An overlapped step: its scheduled chunks, the requests it samples for, their tokens on the
-    device, and a copy of them on its way to the host."""
-
-    sched: SchedulerOutput
-    reqs: list[Request]
-    tokens: torch.Tensor  # [N] int64 on the device
-    host: torch.Tensor  # [N] int64 (pinned on CUDA)
-    copied: torch.cuda.Event | None
-
-    @classmethod
-    def launch(cls, sched: SchedulerOutput, reqs: list[Request], tokens: torch.Tensor) -> _Inflight:
-        if tokens.device.type != "cuda":
-            return cls(sched, reqs, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        with torch.cuda.device(tokens.device):  # the copy and its event on the tokens' GPU's stream
-            host.copy_(tokens, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        return cls(sched, reqs, tokens, host, copied)
-
-    def read(self) -> list[int]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host.tolist()
-
-
-class LLMEngine:
+class LLMEngine(OverlappedSteps):
     def __init__(
         self,
         config: EngineConfig,
@@ -399,93 +354,12 @@ class LLMEngine:
                 wait([f for f, _ in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
             return ready
         self.forward_steps += 1
-        if inflight is None and not self._may_overlap(sched):
-            logits, sample_chunks = self.runner.execute(sched.chunks)
-            reqs = [c.request for c in sample_chunks]
-            tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
-            return ready + self._update(sched, reqs, tokens, logprobs)
-        self._inflight = None  # a step that raises leaves no stale pending step behind
-        feed = (
-            None if inflight is None else (inflight.tokens, {id(r): i for i, r in enumerate(inflight.reqs)})
-        )
-        try:
-            logits, sample_chunks = self.runner.execute(sched.chunks, feed)
-            reqs = [c.request for c in sample_chunks]
-            pending = _Inflight.launch(sched, reqs, self.sampler.sample_tokens(logits, reqs))
-        except BaseException:
-            if inflight is not None:
-                self._unwind(inflight)
-            raise
-        self.overlapped_steps += 1
-        outputs = self._resolve(inflight) if inflight is not None else []  # while this step runs
-        for chunk in sched.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
-        for req in reqs:
-            if not req.finished:
-                req.output_token_ids.append(PLACEHOLDER)
-        self._inflight = pending
-        return ready + outputs
-
-    def _overlappable(self, req: Request) -> bool:
-        """Nothing of `req` needs the host between two of its decode steps."""
-        p = req.params
-        return (
-            req.parent_id is None
-            and not req.export_kv
-            and p.logprobs is None
-            and p.min_tokens == 0
-            and not p.has_penalties
-            and req.state_slot is None
-            and p.grammar is None
-        )
-
-    def _may_overlap(self, sched: SchedulerOutput) -> bool:
-        """Start overlapping with this step: decode only, every request overlappable, no newcomer
-        that the next step could admit."""
-        if not self.async_scheduling or self._admits() or self.states.enabled:
-            return False
-        return all(c.num_tokens == 1 and c.samples and self._overlappable(c.request) for c in sched.chunks)
-
-    def _admits(self) -> bool:
-        """The next schedule may admit a waiting request (which would make it a prefill step): some
-        wait and a running slot is free. A full batch with a queue keeps overlapping."""
-        sched = self.scheduler
-        return bool(sched.waiting) and len(sched.running) < sched.max_num_seqs
-
-    def _may_continue(self) -> bool:
-        """Launch the next step before reading the pending one: no waiting request can be admitted,
-        no running request ends with its pending token by length, and the pool has a block for each
-        running request."""
-        running = self.scheduler.running
-        if self._admits() or not running or self.pool.num_free < len(running):
-            return False
-        for req in running:
-            if not self._overlappable(req) or not _pending(req):
-                return False  # not in the pending step (it joined otherwise)
-            if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
-                return False
-        return True
-
-    def _unwind(self, inflight: _Inflight) -> None:
-        """The step after `inflight` failed before `inflight` was read: forget its tokens (placeholders
-        out, its positions uncomputed again), so that the requests recompute them in a later step."""
-        for req in inflight.reqs:
-            if not req.finished and _pending(req):
-                req.output_token_ids.pop()
-                req.num_computed_tokens -= 1
-
-    def _resolve(self, inflight: _Inflight) -> list[RequestOutput]:
-        """Read an overlapped step's tokens (waiting for it), put them in place of the placeholders and
-        take them as `_update` does (its chunks were counted at launch). A request that finished
-        meanwhile (stopped one step earlier, or aborted) drops its token."""
-        reqs, tokens = [], []
-        for req, token in zip(inflight.reqs, inflight.read(), strict=True):
-            if req.finished or not _pending(req):
-                continue
-            req.output_token_ids.pop()
-            reqs.append(req)
-            tokens.append(token)
-        return self._take_tokens(inflight.sched, reqs, tokens, [None] * len(reqs))
+        if inflight is not None or self._may_overlap(sched):  # overlap.py
+            return ready + self._overlapped_step(sched, inflight)
+        logits, sample_chunks = self.runner.execute(sched.chunks)
+        reqs = [c.request for c in sample_chunks]
+        tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
+        return ready + self._update(sched, reqs, tokens, logprobs)
 
     def _update(
         self,

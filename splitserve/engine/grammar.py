@@ -6,11 +6,12 @@ A constrained request's life in the engine:
      grammar: a Future, done at once when the spec was compiled before (cached per spec), else compiled
      on a thread; the request waits outside the scheduler until it is done (`LLMEngine._admit_compiled`),
      so a slow compile never stalls the step that runs the other requests.
-  2. Each step that samples it, the sampler masks its logits (`mask_logits`): one token bitmask for the
-     constrained rows of the batch ([L, ceil(V/32)] int32, one bit per token), filled on the host by
-     xgrammar's batch matcher (on threads), copied to the device once (pinned, non-blocking) and
-     unpacked there; unconstrained rows are left as they are. Constrained requests never take part in
-     overlapped steps: each needs its matcher advanced by the previous token before its next mask.
+  2. Each step that samples it, the sampler masks its logits (`mask_logits`): one token bitmask (int32,
+     one bit per token; on CUDA [N, ceil(V/32)] with unconstrained rows all ones, on CPU only the
+     constrained rows), filled on the host by xgrammar's batch matcher (on threads), copied to the
+     device once (pinned, non-blocking) and applied there by one kernel (kernels/bitmask.py). In an
+     overlapped step (overlap.py) the previous step's tokens are read and advance the matchers, and the
+     mask is filled, while the step's forward runs; its sampling is enqueued after the copy.
   3. Each appended token advances the matcher (`LLMEngine._append_token`); once the grammar has
      accepted a stop token (it allows only those when it is complete) the request ends with "stop", and
      `max_tokens` still ends it with "length" first, never a hang.
@@ -198,44 +199,81 @@ class Constrained(Protocol):
     grammar: Matcher | None
 
 
-def mask_logits(logits: torch.Tensor, reqs: Sequence[Constrained]) -> torch.Tensor:
+def mask_logits(
+    logits: torch.Tensor, reqs: Sequence[Constrained], host: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
     """`logits` [N, V] with the tokens each constrained row's grammar forbids set to -inf.
-    NOTE: in place (the sampler's logits are its own: the runner's output, or a copy of it)."""
+    NOTE: in place (the sampler's logits are its own: the runner's output, or a copy of it).
+    `host`: where the caller keeps its pinned bitmask buffer (one per engine: an overlapped step's copy
+    out of it may still be queued when the call returns)."""
     n, vocab = logits.shape
     live = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.terminated]
     if not live:
         return logits
-    bitmask = _host_bitmask(len(live), -(-vocab // 32), logits.device)  # [L, W], one row per live row
+    words = -(-vocab // 32)
+    if logits.device.type == "cuda":
+        return _mask_on_device(logits, live, words, _pinned if host is None else host)
+    bitmask = torch.empty((len(live), words), dtype=torch.int32)  # [L, W], one row per live row
     _batch_matcher().batch_fill_next_token_bitmask([m.matcher for _, m in live], bitmask)  # whole rows
-    for k, (_, m) in enumerate(live):
-        if m.allowed is not None:
-            bitmask[k] &= m.allowed
-    if logits.device.type == "cuda":  # one copy; the bits unpacked on the device
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-        forbidden = ((bitmask[:, :, None] >> bits) & 1 == 0).reshape(len(live), -1)[:, :vocab]  # [L, V]
-    else:
-        unpacked = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")
-        forbidden = torch.from_numpy(unpacked.view(np.bool_))[:, :vocab]  # [L, V]
+    _and_allowed(bitmask, [(k, m) for k, (_, m) in enumerate(live)])
+    unpacked = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")
+    forbidden = torch.from_numpy(unpacked.view(np.bool_))[:, :vocab]  # [L, V]
     with torch.inference_mode():  # the runner's logits are inference tensors: updated in place here
         if len(live) == n:
             return logits.masked_fill_(forbidden, float("-inf"))
-        rows = torch.tensor([i for i, _ in live], device=logits.device)
+        rows = torch.tensor([i for i, _ in live])
         logits[rows] = logits[rows].masked_fill_(forbidden, float("-inf"))
     return logits
 
 
-_pinned: dict[str, torch.Tensor] = {}  # CUDA: one pinned host buffer, grown as batches grow
+def _mask_on_device(
+    logits: torch.Tensor, live: list[tuple[int, Matcher]], words: int, host: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """CUDA: one [N, W] bitmask (unconstrained rows all ones) filled on the host by xgrammar's batch
+    matcher (on its threads), one pinned non-blocking copy, one kernel. Nothing waits for the GPU: in an
+    overlapped step this runs while the step's forward does."""
+    n = logits.shape[0]
+    bitmask = _host_bitmask(host, n, words)
+    rows = None
+    if len(live) < n:
+        bitmask.fill_(-1)
+        rows = [i for i, _ in live]
+    _batch_matcher().batch_fill_next_token_bitmask([m.matcher for _, m in live], bitmask, rows)
+    _and_allowed(bitmask, live)
+    on_device = bitmask.to(logits.device, non_blocking=True)
+    with torch.inference_mode():
+        try:
+            from splitserve.kernels.bitmask import apply_bitmask_
+        except ImportError:  # no triton: unpacked by torch
+            bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+            banned = ((on_device[:, :, None] >> bits) & 1 == 0).reshape(n, -1)[:, : logits.shape[1]]
+            return logits.masked_fill_(banned, float("-inf"))
+        return apply_bitmask_(logits, on_device)
 
 
-def _host_bitmask(rows: int, words: int, device: torch.device) -> torch.Tensor:
-    """[rows, words] int32 on the host, uninitialized (xgrammar fills whole rows); pinned and reused for
-    CUDA. NOTE: reuse is safe: the previous step's copy out of it finished when its tokens were read."""
-    if device.type != "cuda":
-        return torch.empty((rows, words), dtype=torch.int32)
-    buf = _pinned.get("bitmask")
+def _and_allowed(bitmask: torch.Tensor, rows: Sequence[tuple[int, Matcher]]) -> None:
+    """AND each row's extra allow-list (`Matcher.allowed`) into its row of `bitmask`, one op per list."""
+    groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for row, m in rows:
+        if m.allowed is not None:
+            groups.setdefault(id(m.allowed), (m.allowed, []))[1].append(row)
+    for allowed, idx in groups.values():
+        if len(idx) == bitmask.shape[0]:
+            bitmask &= allowed
+        else:
+            bitmask[idx] &= allowed
+
+
+_pinned: dict[str, torch.Tensor] = {}  # CUDA: the pinned host buffer of callers that keep none
+
+
+def _host_bitmask(host: dict[str, torch.Tensor], rows: int, words: int) -> torch.Tensor:
+    """[rows, words] int32 on the host, uninitialized (xgrammar fills whole rows); pinned, kept in
+    `host` and reused. NOTE: reuse is safe: the previous step's copy out of it finished when its tokens
+    were read (an overlapped step fills the next mask only after reading the pending step's tokens)."""
+    buf = host.get("bitmask")
     if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
-        buf = _pinned["bitmask"] = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=True)
+        buf = host["bitmask"] = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=True)
     return buf[:rows]
 
 

@@ -24,6 +24,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._bitmask: dict[str, torch.Tensor] = {}  # the grammar mask's pinned host buffer (CUDA)
 
     def __call__(
         self, logits: torch.Tensor, reqs: Sequence[Request]
@@ -36,7 +37,7 @@ class Sampler:
             logits = self._apply_penalties(logits.clone(), reqs)
         logits = self._apply_min_tokens(logits, reqs)
         if any(r.grammar is not None for r in reqs):
-            logits = mask_logits(logits, reqs)
+            logits = mask_logits(logits, reqs, self._bitmask)
         tokens = self._sample(logits, reqs)
         token_list = tokens.tolist()
         if raw_logprobs is None:
@@ -45,8 +46,12 @@ class Sampler:
 
     def sample_tokens(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         """The next token of each row, left on the device (nothing waits for the GPU): for requests
-        without logprobs, penalties or min_tokens (the engine's overlapped steps)."""
-        return self._sample(logits[:, : self.vocab_size], reqs)
+        without logprobs, penalties or min_tokens (the engine's overlapped steps). Constrained rows are
+        masked by their grammars' current state (filled on the host; its copy is queued, not awaited)."""
+        logits = logits[:, : self.vocab_size]
+        if any(r.grammar is not None for r in reqs):
+            logits = mask_logits(logits, reqs, self._bitmask)
+        return self._sample(logits, reqs)
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         argmax = logits.argmax(dim=-1)

@@ -93,3 +93,33 @@ def test_seeded_samples_and_an_adopted_first_token_follow_the_grammar(llm):
         engine.step()
     assert req.output_token_ids[0] == first
     jsonschema.validate(json.loads(req.text), SCHEMA)
+
+
+def test_constrained_requests_take_part_in_overlapped_steps():
+    """Overlapped steps with grammars (overlap.py: step N's tokens read and the matchers advanced while
+    N+1's forward runs, N+1's mask filled then): the same tokens as without overlap, greedy and seeded,
+    grammars that end early (their extra token dropped) or are cut by length, beside an unconstrained
+    row; the pool whole afterwards."""
+    kw = {"model": "random:tiny-chat", "max_model_len": 512, "kv_cache_bytes": 16 << 20, "progress": False}
+    plain, overlapped = LLM(**kw, async_scheduling=False), LLM(**kw, async_scheduling=True)
+    params = [
+        SamplingParams(temperature=0, max_tokens=60, grammar=SPEC),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=40, grammar=GrammarSpec("regex", "[a-e]{2,9}")),
+        SamplingParams(temperature=0, max_tokens=12, grammar=GrammarSpec("choice", '["yes", "no", "maybe"]')),
+        SamplingParams(temperature=0, max_tokens=8, grammar=SPEC),  # cut by length amid the JSON
+    ]
+    prompts = [{"prompt_token_ids": [11 + i, 12, 13 + 2 * i]} for i in range(len(params))]
+
+    def run(llm: LLM) -> list[tuple[list[int], str, str]]:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        engine = llm.engine
+        assert engine.pool.num_free == engine.pool.num_blocks and not engine.has_unfinished_requests()
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+    got = run(overlapped)
+    assert got == run(plain)
+    assert overlapped.engine.overlapped_steps > 10 and plain.engine.overlapped_steps == 0
+    jsonschema.validate(json.loads(got[0][1]), SCHEMA)
+    assert [g[2] for g in got] == ["stop", "length", "stop", "stop", "length"]
+    assert got[3][1] in ("yes", "no", "maybe") and set(got[2][1]) <= set("abcde")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.engine import PLACEHOLDER
+from splitserve.engine.overlap import PLACEHOLDER
 
 
 def _llm(tiny, overlap: bool, **knobs) -> LLM:
