@@ -12,9 +12,12 @@ times and the medians are compared. The goal: >= 0.9x at batch 32.
     python bench/structured_outputs.py                                   # CPU: random:tiny-chat
     python bench/structured_outputs.py --model random:qwen3-8b --device cuda --batch 32 --max-tokens 256
     python bench/structured_outputs.py --endpoint http://127.0.0.1:8000 --model random:tiny-chat   # served
+    python bench/structured_outputs.py --model random:qwen3-8b --device cuda --serve   # served, started here
 
 With `--endpoint`, the same trace goes through a running server's /v1/completions (token-id prompts)
 instead: with and without `structured_outputs.json`, so the figure includes the router and the workers.
+`--serve` starts `splitserve serve` itself (colocated, the same model, tokenizer and device) and runs the
+trace at its endpoint.
 """
 
 from __future__ import annotations
@@ -145,13 +148,27 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each, alternated; medians printed")
     ap.add_argument("--endpoint", default=None, help="a running server's URL (no /v1)")
+    ap.add_argument("--serve", action="store_true", help="serve here (colocated), then the trace")
     args = ap.parse_args()
-    if args.endpoint:
+    if args.serve:  # the same trace through a server started here
+        from splitserve.runtime.process import start_serve
+
+        cli = [args.model, "--mode", "colocated", "--port", "0", "--max-num-seqs", str(max(args.batch, 8)),
+               "--max-model-len", str(args.prompt_len + args.max_tokens + 16)]  # fmt: skip
+        cli += ["--device", args.device] if args.device != "auto" else []
+        cli += ["--tokenizer", args.tokenizer] if args.tokenizer else []
+        with start_serve(None, timeout_s=600, args=cli) as sp:
+            args.endpoint = sp.url
+            plain, constrained, setup_s = asyncio.run(endpoint_run(args))
+        where = f"endpoint, colocated `splitserve serve` at {args.endpoint}"
+    elif args.endpoint:
         plain, constrained, setup_s = asyncio.run(endpoint_run(args))
-        where, setup = f"endpoint {args.endpoint}", f"first constrained request {setup_s * 1000:.0f} ms"
+        where = f"endpoint {args.endpoint}"
     else:
         plain, constrained, setup_s = engine_run(args)
         where, setup = f"engine, device {args.device}", f"grammar compile {setup_s * 1000:.1f} ms"
+    if args.endpoint:
+        setup = f"first constrained request {setup_s * 1000:.0f} ms"
     print(
         f"{args.model} ({where}): batch {args.batch}, prompt {args.prompt_len}, {args.max_tokens} output "
         f"tokens each; {setup}"
