@@ -7,11 +7,14 @@ one more profiled with torch.profiler: the kernels that take the most, and the h
     python bench/profile_prefill.py --batch 1 --prompt-len 64 1088 2048 --top 0   # step time by length
 
 With several lengths each is timed in turn (warm-up, then `--repeats`) and only the first is profiled.
+`--fla-direct both` times each length with fla's forward kernels called directly (model/gdn_prefill.py's
+`fla_forward`, the default) and through its public autograd Function, alternated in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -40,6 +43,14 @@ def prefill_once(engine: LLMEngine, prompts: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+def direct(mode: str) -> None:
+    """fla's kernels called directly ("on") or through its public call ("off"), from the next step."""
+    from splitserve.model import gdn_prefill
+
+    os.environ["SPLITSERVE_FLA_DIRECT"] = "1" if mode == "on" else "0"
+    gdn_prefill.fla_forward.cache_clear()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32)
@@ -48,6 +59,7 @@ def main() -> int:
     ap.add_argument("--linear-backend", default="auto")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--fla-direct", choices=("on", "off", "both"), default="on")
     args = ap.parse_args()
     dev = torch.device("cuda")
     max_len = max(args.prompt_len) + 16
@@ -59,19 +71,28 @@ def main() -> int:
                           progress=False)  # fmt: skip
     engine = LLMEngine(config, tokenizer=False, loaded=loaded)
     gen = torch.Generator().manual_seed(0)
+    modes = ["on", "off"] if args.fla_direct == "both" else [args.fla_direct]
     for length in args.prompt_len:
         batches = [torch.randint(0, 248320, (args.batch, length), generator=gen) for _ in range(4)]
-        prefill_once(engine, batches[0])  # warm-up at this shape
-        times = [prefill_once(engine, batches[1 + i % 3]) for i in range(args.repeats)]
-        t = statistics.median(times)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for m in modes:
+            direct(m)
+            prefill_once(engine, batches[0])  # warm-up at this shape
+        for i in range(args.repeats):  # alternated
+            for m in modes:
+                direct(m)
+                times[m].append(prefill_once(engine, batches[1 + i % 3]))
         n = args.batch * length
-        print(
-            f"prefill {args.batch} x {length} ({args.linear_backend}): {t * 1e3:.1f} ms, "
-            f"{n / t:.0f} tok/s (runs: {', '.join(f'{x * 1e3:.1f}' for x in times)} ms)",
-            flush=True,
-        )
+        for m in modes:
+            t = statistics.median(times[m])
+            print(
+                f"prefill {args.batch} x {length} ({args.linear_backend}, fla direct {m}): {t * 1e3:.1f} ms, "
+                f"{n / t:.0f} tok/s (runs: {', '.join(f'{x * 1e3:.1f}' for x in times[m])} ms)",
+                flush=True,
+            )
         if length == args.prompt_len[0]:
-            first, t_first = batches, t
+            first, t_first = batches, statistics.median(times[modes[0]])
+    direct(modes[0])
     batches, t = first, t_first
     from torch.profiler import ProfilerActivity, profile
 
