@@ -25,11 +25,7 @@ TOO_LONG: dict[str, str] = {
     "engine/engine.py": "issue 27: the engine builder (load, profile, size, capture) apart from the step",
 }
 # Cycles among type-only imports (sets of modules), with what removes each.
-TYPE_ONLY_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"engine.disagg", "engine.engine", "engine.isolate", "engine.runner"}): (
-        "issue 27: PD behind engine-owned hooks (the connector stops taking the LLMEngine)"
-    ),
-}
+TYPE_ONLY_CYCLES: dict[frozenset[str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

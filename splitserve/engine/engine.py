@@ -15,10 +15,10 @@ requests that can be admitted (some wait and the batch has room), a request abou
 limit or a short block pool end the overlap: the pending step is read first, and the next step runs
 as usual.
 
-Prefill/decode disaggregation (disagg.py) plugs in through `kv_connector`: `add_request(...,
-kv_transfer="export")` leases a request's blocks to the KV transport after its first token instead of
-freeing them; `add_request_with_kv(...)` starts a request whose prompt KV is fetched from a prefill
-engine; blocks whose lease ended come back at the start of each `step()` (or `free_released_kv()`).
+KV transfer (prefill/decode disaggregation) goes through hooks the engine owns: kv_connector.py (the
+contract), kv_transfer.py (the engine's side: `add_request(..., kv_transfer="export")`, `import_request`,
+`add_request_with_kv`), disagg.py (the connector over a transport). The connector's messages come off
+the engine's inbox at the start of each `step()` (or `free_released_kv()`).
 
 Constrained requests (`SamplingParams.grammar`, grammar.py) wait outside the scheduler while their
 grammar compiles on a thread, are masked by it in the sampler and advance their matcher with each token.
@@ -38,8 +38,10 @@ import torch
 
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
+from splitserve.engine.disagg_types import ImportSpec
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.kv_manager import KVManager
+from splitserve.engine.kv_transfer import BlockLease, ImportOutcome, KVTransfers
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, completion_of
 from splitserve.engine.runner import ModelRunner
@@ -47,6 +49,7 @@ from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
+from splitserve.engine.stats import EngineStats
 from splitserve.engine.stop import check_stop
 from splitserve.model import cpu_linear
 from splitserve.model.attention import (
@@ -66,7 +69,9 @@ from splitserve.model.random_weights import random_model, random_source_config
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from splitserve.engine.disagg import KVConnector
+    from collections.abc import Callable
+
+    from splitserve.engine.kv_connector import KVConnectorBase
     from splitserve.kv.handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -195,7 +200,7 @@ class LLMEngine:
         self._compiling: list[tuple[Future, list[Request]]] = []  # waiting for their grammar
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
-        self.kv_connector: KVConnector | None = None  # set by disagg.KVConnector for the PD roles
+        self.transfers = KVTransfers(self, self.scheduler, self.kv, self.states, cfg.vocab_size)
         self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
         overlap = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if overlap is None else overlap
@@ -300,7 +305,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._check_free_id(request_id)
         if kv_transfer is not None:
-            self._connector().check_export(kv_transfer, params)
+            self.transfers.check_export(kv_transfer, params)
         prompt_ids = self._prompt_ids(prompt)
         max_tokens = self._check_lengths(prompt_ids, params)
         compiled = self.grammars.compile(params.grammar) if params.grammar is not None else None
@@ -345,10 +350,10 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its n samples) and free everything it holds. Unknown ids are ignored."""
-        if self.kv_connector is not None:
-            self.kv_connector.abort_import(request_id)  # a KV fetch in flight: freed when it ends
         for req in self._parents.pop(request_id, []):
-            if not req.finished:
+            if req.status is Status.WAITING_FOR_KV:
+                self.transfers.abort(req)  # a load in flight: its blocks are freed when it ends
+            elif not req.finished:
                 req.status = Status.FINISHED
                 req.finish_reason = "abort"
                 self.scheduler.finish(req)
@@ -360,9 +365,30 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents or self._ready)
 
+    def waits_for_kv_only(self) -> bool:
+        """Every unfinished request waits for its KV: a step has nothing to run until the inbox says so."""
+        sched = self.scheduler
+        return bool(sched.waiting_for_kv) and not (self._ready or self._compiling or sched.has_work())
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
+
+    def stats(self) -> EngineStats:
+        """Queues, blocks, slots, steps and the prefix cache, as of now (leases that ended taken first)."""
+        self.free_released_kv()
+        steps = (self.forward_steps, self.overlapped_steps, self.step_seconds)
+        return EngineStats.collect(self.scheduler, self.states, self.transfers, self.kv,
+                                   unfinished=len(self._parents), steps=steps)  # fmt: skip
+
+    def lease_blocks(self, n: int, *, touch: bool = False) -> BlockLease:
+        """Lend `n` free blocks outside any request (the KV probe): see `KVTransfers.lease_blocks`. They
+        come back with `release_blocks`, or when a KV export of them ends its lease."""
+        self.free_released_kv()
+        return self.transfers.lease_blocks(n, touch)
+
+    def release_blocks(self, lease: BlockLease) -> None:
+        self.transfers.release_blocks(lease.block_ids)
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -536,7 +562,7 @@ class LLMEngine:
             self.scheduler.kv.cache_full_blocks(req)
             self.scheduler.finish(req)
         elif req.export_kv:
-            self._connector().export(req)  # finished, its blocks leased instead of freed
+            self.transfers.export(req)  # finished, its prompt's blocks held if the connector leases them
 
     def _output(self, parent_id: str) -> RequestOutput:
         children = self._parents[parent_id]
@@ -560,7 +586,19 @@ class LLMEngine:
             kv_transfer=head.kv_export,
         )
 
-    # ---- prefill/decode disaggregation (the work is in disagg.py) -------------------------------
+    # ---- KV transfer (the engine's side is in kv_transfer.py) -----------------------------------
+
+    @property
+    def kv_connector(self) -> KVConnectorBase | None:
+        return self.transfers.connector
+
+    def attach_kv_connector(self, connector: KVConnectorBase) -> None:
+        """Call `connector`'s hooks from now on (disagg.KVConnector.open does this)."""
+        self.transfers.attach(connector)
+
+    def wake_on_kv(self, wake: Callable[[], None]) -> None:
+        """Call `wake` (from any thread) whenever the connector posts to the inbox."""
+        self.transfers.inbox.wake = wake
 
     def add_request_with_kv(
         self,
@@ -571,23 +609,27 @@ class LLMEngine:
         request_id: str | None = None,
         **options: object,
     ) -> str:
-        """Decode role: fetch the prompt's KV from the prefill engine named by `handle` (blocking, with
-        a deadline) and continue as if this engine had prefilled it. A failed fetch follows the policy:
-        "fail" raises `KVTransferFailed`, "recompute" recomputes the prompt here. `options`: see
-        `disagg.ImportSpec` (generator_state, first_logprob, policy, timeout_s)."""
-        from splitserve.engine.disagg import ImportSpec
-
+        """Decode role: fetch the prompt's KV from the engine named by `handle` (blocking, with a deadline)
+        and continue as if this engine had prefilled it; a failed fetch follows the policy ("fail" raises
+        `KVTransferFailed`). `options`: `ImportSpec`'s (generator_state, first_logprob, policy, timeout_s)."""
         rid = request_id or handle.request_id
         spec = ImportSpec(handle, list(prompt_token_ids), int(first_token), params or SamplingParams(),
                           rid, **options)  # type: ignore[arg-type]  # fmt: skip
-        out = self._connector().import_blocking(spec)
-        if out is not None:  # already finished (its first token ends it): the next step() reports it
-            self._ready.append(out)
+        self.transfers.import_blocking(spec)  # an output already finished: the next step() reports it
         return rid
 
+    def import_request(self, spec: ImportSpec) -> str:
+        """Decode role, without blocking: the request waits in WAITING_FOR_KV (`take_import_outcomes`)."""
+        return self.transfers.begin(spec).request_id
+
+    def take_import_outcomes(self) -> list[ImportOutcome]:
+        """The imports that ended (joined the batch, or failed) since the last call."""
+        return self.transfers.take_outcomes()
+
     def free_released_kv(self) -> int:
-        """Give back the blocks of exports whose lease ended (released or expired); -> how many."""
-        return self.kv_connector.drain() if self.kv_connector is not None else 0
+        """Take the connector's messages (leases ended, loads done), start loads that have room now;
+        -> how many blocks came back."""
+        return self.transfers.poll()
 
     def build_request(self, prompt: Sequence[int], params: SamplingParams, request_id: str) -> Request:
         """One request (n == 1), validated as `add_request` does, but not queued (a KV import)."""
@@ -600,35 +642,34 @@ class LLMEngine:
             self.grammars.compile(params.grammar)  # started now, used by adopt after the fetch
         return self._child(request_id, prompt_ids, params, 0, max_tokens)
 
-    def adopt(
-        self, req: Request, first_token: int, logprob: TokenLogprob | None, num_computed_tokens: int
-    ) -> RequestOutput | None:
-        """Queue a request built by `build_request` (at the front: it has waited already) with its
-        prompt's first `num_computed_tokens` tokens computed (KV fetched: all; recompute: 0) and its
-        first token sampled elsewhere. -> its output if that token already ends it, else None."""
-        self._check_free_id(req.request_id)
-        if req.params.grammar is not None:
-            try:  # the first token is replayed into a fresh matcher by _append_token below
-                req.grammar = self.grammars.matcher(req.params.grammar)
-            except BaseException:
-                self.scheduler.kv.free(req)
-                raise
-        req.num_computed_tokens = num_computed_tokens
+    def register(self, req: Request) -> None:
+        """Count a request built by `build_request` as this engine's (unfinished) from now on."""
         self._parents[req.request_id] = [req]
         self.requests[req.request_id] = req
-        self.scheduler.waiting.appendleft(req)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a registered request that ended without an output (its import failed)."""
+        self._parents.pop(request_id, None)
+        self.requests.pop(request_id, None)
+
+    def post_output(self, output: RequestOutput) -> None:
+        """An output made outside a step: the next `step()` returns it."""
+        self._ready.append(output)
+
+    def adopt(self, req: Request, first_token: int, logprob: TokenLogprob | None, computed: int) -> None:
+        """A registered request's KV wait ended: queue it (at the front: it has waited already) with
+        its prompt's first `computed` tokens computed (KV loaded: all; recompute: 0) and its first
+        token sampled elsewhere. If that token already ends it, its output comes from the next step."""
+        if req.params.grammar is not None:  # the first token is replayed into a fresh matcher below
+            req.grammar = self.grammars.matcher(req.params.grammar)
+        self.scheduler.kv_loaded(req, computed)
         req.first_token_time = time.monotonic()
         self._append_token(req, first_token, logprob)
-        return self._output(req.request_id) if req.finished else None
-
-    def _connector(self) -> KVConnector:
-        if self.kv_connector is None:
-            raise ValueError("this engine has no KV connector: start it with a prefill or decode role")
-        return self.kv_connector
+        if req.finished:
+            self._ready.append(self._output(req.request_id))
 
     def _check_free_id(self, request_id: str) -> None:
-        importing = self.kv_connector is not None and self.kv_connector.importing(request_id)
-        if request_id in self._parents or importing:
+        if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
 
     # ---- helpers --------------------------------------------------------------------------------
