@@ -36,37 +36,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.engine.block_pool import BlockPool
-from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
+from splitserve.engine.builder import build
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.disagg_types import ImportSpec
 from splitserve.engine.grammar import Grammars
-from splitserve.engine.kv_manager import KVManager
+from splitserve.engine.intake import RequestFactory
 from splitserve.engine.kv_transfer import BlockLease, ImportOutcome, KVTransfers
 from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, completion_of
-from splitserve.engine.runner import ModelRunner
+from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, output_of
 from splitserve.engine.sampler import Sampler
-from splitserve.engine.scheduler import Scheduler, SchedulerOutput
-from splitserve.engine.state_cache import StateCheckpoints
-from splitserve.engine.state_pool import StatePool
+from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.stats import EngineStats
 from splitserve.engine.stop import check_stop
-from splitserve.model import cpu_linear
-from splitserve.model.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    PrefillBatch,
-    PrefillChunk,
-    TorchPagedAttention,
-    TritonPagedAttention,
-    triton_supported,
-)
-from splitserve.model.checkpoint import is_random_source
-from splitserve.model.decoder import ForwardContext
-from splitserve.model.gdn_prefill import resolve_backend as resolve_linear_backend
-from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
-from splitserve.model.random_weights import random_model, random_source_config
-from splitserve.model.tokenizer import Tokenizer, load_tokenizer
+from splitserve.model.loader import LoadedModel
+from splitserve.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -122,78 +105,17 @@ class LLMEngine:
     ) -> None:
         """`tokenizer`: True loads the checkpoint's; `loaded`: reuse weights already in memory."""
         self.config = config
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype(self.device)
-        if is_random_source(config.model):  # random weights at a named shape (benchmarks)
-            path = str(config.model)
-            self.loaded = loaded or random_model(
-                random_source_config(path), self.device, self.dtype, config.resolve_max_model_len
-            )
-        else:
-            path = resolve_model_path(config.model)
-            self.loaded = loaded or load_model(
-                path,
-                self.device,
-                self.dtype,
-                config.resolve_max_model_len,
-                progress=config.progress,
-                weight_cache=config.weight_cache(),
-            )
-        self.model_path = path
-        self.model_config = self.loaded.config
-        self.max_model_len = config.resolve_max_model_len(self.model_config)
-        if tokenizer is True:
-            tokenizer = load_tokenizer(
-                config.model, config.tokenizer, self.model_config.eos_token_ids, self.loaded.checkpoint
-            )
-        self.tokenizer: Tokenizer | None = tokenizer or None
-        self.eos_token_ids = (
-            self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
-        )
+        p = build(config, tokenizer, loaded)  # loading, backends, warm-up, KV sizing, graph capture
+        self.device, self.dtype, self.loaded, self.model_path = p.device, p.dtype, p.loaded, p.model_path
+        self.model_config, self.max_model_len = p.loaded.config, p.max_model_len
+        self.tokenizer: Tokenizer | None = p.tokenizer
+        self.eos_token_ids = p.eos_token_ids
         self.block_size = config.block_size
+        self.kv, self.states, self.pool = p.kv, p.states, p.pool  # the KV cache, state slots, blocks
+        self.scheduler, self.runner, self.graph_capture_s = p.scheduler, p.runner, p.graph_capture_s
         cfg = self.model_config
-        attn = self._attention_backend()
-        self._linear_attention_backend()
-        if self.device.type == "cpu":
-            counts = cpu_linear.prepare_model(self.loaded.model, config.cpu_weights)
-            log.info("CPU projections (%s): %s", config.cpu_weights, counts)
-        graphs = self.device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
-        if self.device.type == "cuda" and not graphs:
-            log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
-        layout = (cfg.num_kv_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)  # of one block
-        reserve = 0
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):  # Triton launches on the current device
-                reserve = self._profile_run(attn, layout)
-        budget = kv_budget_bytes(config, self.device, reserve)
-        num_blocks = budget // block_bytes(cfg, self.block_size, self.dtype)
-        # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
-        kv_shape = (num_blocks + int(graphs), *layout)
-        self.kv = allocate_kv_cache(kv_shape, self.dtype, self.device, shared=config.kv_shared_memory)
-        self.states = StatePool(
-            self.loaded.model.state_shapes(), config.max_num_seqs, self.device, scratch_slot=graphs
-        )
-        prefix_caching = config.enable_prefix_caching
-        checkpoints = None
-        if prefix_caching and self.states.enabled:  # hybrid: prefixes end at recurrent-state checkpoints
-            checkpoints = StateCheckpoints(
-                self.loaded.model.state_shapes(), config.state_checkpoints, self.device
-            )
-            log.info("hybrid prefix caching: %d state checkpoints (%.2f GiB)", checkpoints.num_entries,
-                     checkpoints.nbytes() / 2**30)  # fmt: skip
-            prefix_caching = checkpoints.enabled
-        self.pool = BlockPool(num_blocks, prefix_caching)
-        self.scheduler = Scheduler(
-            KVManager(self.pool, self.block_size, self.states, checkpoints),
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-        )
-        self.runner = ModelRunner(self.loaded.model, self.kv, attn, self.block_size, self.states.states)
-        self.graph_capture_s = 0.0
-        if graphs:
-            self.graph_capture_s = self.runner.enable_cuda_graphs(
-                config.max_num_seqs, self.max_model_len, num_blocks, self.states.scratch
-            )
+        self.intake = RequestFactory(self.tokenizer, cfg.vocab_size, self.eos_token_ids, self.max_model_len,
+                                     self.pool.num_blocks, self.block_size, self.device)  # fmt: skip
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         hf = self.tokenizer.hf if self.tokenizer is not None else None
         self.grammars = Grammars(hf, cfg.vocab_size, self.eos_token_ids)
@@ -209,86 +131,6 @@ class LLMEngine:
         self.forward_steps = 0  # steps that ran the model (overlapped or not)
         self.step_seconds = 0.0  # host wall time inside step() (whatever it waited for)
         self._ids = itertools.count()
-        log.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s",
-            num_blocks,
-            self.block_size,
-            self.kv.numel() * self.kv.element_size() / 2**30,
-            type(attn).__name__,
-        )
-
-    def _attention_backend(self) -> AttentionBackend:
-        cfg = self.model_config
-        scale = cfg.head_dim**-0.5
-        choice = self.config.attention_backend
-        if choice not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, not {choice!r}")
-        usable = triton_supported(self.device, cfg.head_dim)
-        if choice == "triton" and not usable:
-            raise ValueError(
-                "attention_backend=triton needs CUDA, an importable triton and a power-of-two head_dim >= 16"
-            )
-        if choice == "triton" or (choice == "auto" and usable):
-            enable = getattr(self.loaded.model, "enable_fused_kernels", None)
-            if enable is not None and enable():
-                log.info("fused Triton kernels on (RMSNorm + residual, q/k norm + rotary + KV store, SiLU)")
-            return TritonPagedAttention(scale)
-        return TorchPagedAttention(scale, fold_gqa=self.device.type == "cpu")
-
-    def _linear_attention_backend(self) -> None:
-        """Hybrid models: the prefill path of the linear-attention layers (before the warm-up pass, which
-        then compiles and tunes its kernels)."""
-        choose = getattr(self.loaded.model, "set_linear_attention_backend", None)
-        if choose is None:
-            return
-        backend = resolve_linear_backend(self.config.linear_attention_backend, self.device)
-        choose(backend)
-        log.info("linear-attention prefill: %s", backend)
-
-    def _profile_run(self, attn: AttentionBackend, block_layout: tuple[int, ...]) -> int:
-        """CUDA: one forward pass over `max_num_batched_tokens` tokens (one prefill chunk, against a
-        temporary cache just big enough) plus the LM head for `max_num_seqs` rows, before the KV cache
-        exists; -> bytes to hold back from the KV budget for activations and the decode graphs."""
-        cfg, config = self.model_config, self.config
-        tokens = min(config.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-tokens // self.block_size)
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        kv = torch.zeros((blocks, *block_layout), dtype=self.dtype, device=dev)
-        states = StatePool(self.loaded.model.state_shapes(), 1, dev)
-        table = torch.arange(blocks, device=dev)
-        positions = torch.arange(tokens, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=positions,
-            num_decode_tokens=0,
-            decode_groups=(),
-            prefills=(PrefillChunk(0, tokens, tokens, None if attn.batched_prefill else table),),
-            seq_slots=torch.zeros(1, dtype=torch.int64, device=dev) if states.enabled else None,
-            prefill_batch=PrefillBatch(
-                torch.zeros(1, dtype=torch.int64, device=dev),
-                torch.full((1,), tokens, device=dev),
-                torch.full((1,), tokens, device=dev),
-                table[None],
-                tokens,
-            ),
-        )
-        model = self.loaded.model
-        with torch.inference_mode():
-            ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
-            hidden = model(ids, positions, ForwardContext(attn, meta, kv, states.states))
-            rows = min(tokens, config.max_num_seqs)
-            model.compute_logits(hidden[:rows])
-        torch.cuda.synchronize(dev)
-        scratch = kv.numel() * kv.element_size() + states.nbytes_per_slot()
-        peak = torch.cuda.max_memory_allocated(dev) - before - scratch
-        del kv, states, hidden
-        torch.cuda.empty_cache()
-        # the decode graphs keep their own logits ([max_num_seqs, vocab] fp32) and a small pool
-        graphs = 2 * config.max_num_seqs * cfg.vocab_size * 4 + 256 * 2**20
-        log.info("warm-up pass over %d tokens: %.2f GiB of activations at peak", tokens, peak / 2**30)
-        return max(0, peak) + graphs
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -306,12 +148,12 @@ class LLMEngine:
         self._check_free_id(request_id)
         if kv_transfer is not None:
             self.transfers.check_export(kv_transfer, params)
-        prompt_ids = self._prompt_ids(prompt)
-        max_tokens = self._check_lengths(prompt_ids, params)
+        prompt_ids = self.intake.prompt_ids(prompt)
+        max_tokens = self.intake.max_tokens(prompt_ids, params)
         compiled = self.grammars.compile(params.grammar) if params.grammar is not None else None
         if compiled is not None and compiled.done() and compiled.exception() is not None:
             raise compiled.exception()  # type: ignore[misc]  # a GrammarError (a ValueError)
-        children = [self._child(request_id, prompt_ids, params, i, max_tokens) for i in range(params.n)]
+        children = [self.intake.child(request_id, prompt_ids, params, i, max_tokens) for i in range(params.n)]
         for child in children[1:]:
             child.leader = children[0]
         children[0].export_kv = kv_transfer == "export"
@@ -520,8 +362,7 @@ class LLMEngine:
         tokens: list[int],
         logprobs: list[TokenLogprob | None],
     ) -> list[RequestOutput]:
-        for chunk in sched.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+        self.scheduler.advance(sched)
         return self._take_tokens(sched, reqs, tokens, logprobs)
 
     def _take_tokens(
@@ -539,9 +380,7 @@ class LLMEngine:
             req.first_token_time = req.first_token_time or now
             self._append_token(req, token, lp)
             changed[req.parent_id or req.request_id] = None
-        for chunk in sched.chunks:
-            if not chunk.request.finished:
-                self.scheduler.kv.cache_full_blocks(chunk.request)
+        self.scheduler.cache_filled_blocks(sched)
         return [self._output(pid) for pid in changed]
 
     def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> None:
@@ -565,26 +404,14 @@ class LLMEngine:
             self.transfers.export(req)  # finished, its prompt's blocks held if the connector leases them
 
     def _output(self, parent_id: str) -> RequestOutput:
+        """The output of a request (all its n samples); a finished one is forgotten."""
         children = self._parents[parent_id]
-        finished = all(c.finished for c in children)
-        if finished:
+        out = output_of(parent_id, children)
+        if out.finished:
             del self._parents[parent_id]
             for c in children:
                 self.requests.pop(c.request_id, None)
-        head = children[0]
-        return RequestOutput(
-            request_id=parent_id,
-            prompt_token_ids=head.prompt_token_ids,
-            outputs=[completion_of(c) for c in children],
-            finished=finished,
-            num_cached_tokens=head.num_cached_tokens,
-            metrics={
-                "arrival_time": head.arrival_time,
-                "scheduled_time": head.scheduled_time,
-                "first_token_time": head.first_token_time,
-            },
-            kv_transfer=head.kv_export,
-        )
+        return out
 
     # ---- KV transfer (the engine's side is in kv_transfer.py) -----------------------------------
 
@@ -636,11 +463,11 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError("a request with n > 1 cannot take part in a KV transfer")
         self._check_free_id(request_id)
-        prompt_ids = self._prompt_ids(prompt)
-        max_tokens = self._check_lengths(prompt_ids, params)
+        prompt_ids = self.intake.prompt_ids(prompt)
+        max_tokens = self.intake.max_tokens(prompt_ids, params)
         if params.grammar is not None:
             self.grammars.compile(params.grammar)  # started now, used by adopt after the fetch
-        return self._child(request_id, prompt_ids, params, 0, max_tokens)
+        return self.intake.child(request_id, prompt_ids, params, 0, max_tokens)
 
     def register(self, req: Request) -> None:
         """Count a request built by `build_request` as this engine's (unfinished) from now on."""
@@ -671,52 +498,3 @@ class LLMEngine:
     def _check_free_id(self, request_id: str) -> None:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-
-    # ---- helpers --------------------------------------------------------------------------------
-
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass prompt token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        return ids
-
-    def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
-                "it must be shorter, to leave room for at least one generated token"
-            )
-        if -(-(n + 1) // self.block_size) > self.pool.num_blocks:
-            raise ValueError(f"the prompt ({n} tokens) does not fit in the KV cache")
-        # NOTE: capped by the whole KV pool too: a sequence that outgrew it would preempt itself forever
-        room = min(self.max_model_len, self.pool.num_blocks * self.block_size) - n
-        return room if params.max_tokens is None else min(params.max_tokens, room)
-
-    def _child(
-        self, parent_id: str, prompt_ids: list[int], params: SamplingParams, index: int, max_tokens: int
-    ) -> Request:
-        child_params = params.for_child(index) if params.n > 1 else params
-        req = Request(
-            request_id=parent_id if params.n == 1 else f"{parent_id}#{index}",
-            prompt_token_ids=prompt_ids,
-            params=child_params,
-            eos_token_ids=self.eos_token_ids,
-            max_tokens=max_tokens,
-            parent_id=parent_id if params.n > 1 else None,
-            index=index,
-        )
-        if child_params.seed is not None:
-            req.generator = torch.Generator(device=self.device)
-            req.generator.manual_seed(child_params.seed)
-        if self.tokenizer is not None and child_params.detokenize:
-            req.detokenizer = self.tokenizer.decode_stream(child_params.skip_special_tokens)
-        return req

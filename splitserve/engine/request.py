@@ -136,6 +136,24 @@ class RequestOutput:
     kv_transfer: object | None = None
 
 
+def output_of(request_id: str, children: list[Request]) -> RequestOutput:
+    """The output of a request, from its samples (one when n == 1)."""
+    head = children[0]
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=head.prompt_token_ids,
+        outputs=[completion_of(c) for c in children],
+        finished=all(c.finished for c in children),
+        num_cached_tokens=head.num_cached_tokens,
+        metrics={
+            "arrival_time": head.arrival_time,
+            "scheduled_time": head.scheduled_time,
+            "first_token_time": head.first_token_time,
+        },
+        kv_transfer=head.kv_export,
+    )
+
+
 def completion_of(req: Request) -> CompletionOutput:
     text = req.text
     if req.params.stop and not req.finished:

@@ -172,6 +172,18 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
+    def advance(self, out: SchedulerOutput) -> None:
+        """After the model ran `out`: each scheduled chunk's tokens are computed."""
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+
+    def cache_filled_blocks(self, out: SchedulerOutput) -> None:
+        """After the step's tokens were taken: offer the blocks `out` filled to the prefix cache (a
+        request that finished did already, as it finished)."""
+        for chunk in out.chunks:
+            if not chunk.request.finished:
+                self.kv.cache_full_blocks(chunk.request)
+
     @contextmanager
     def only(self, keep: set[int]) -> Iterator[None]:
         """Inside: schedule only the requests whose id() is in `keep`; the others stay where they are,
