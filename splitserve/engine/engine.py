@@ -109,8 +109,7 @@ class LLMEngine:
         self.device, self.dtype, self.loaded, self.model_path = p.device, p.dtype, p.loaded, p.model_path
         self.model_config, self.max_model_len = p.loaded.config, p.max_model_len
         self.tokenizer: Tokenizer | None = p.tokenizer
-        self.eos_token_ids = p.eos_token_ids
-        self.block_size = config.block_size
+        self.eos_token_ids, self.block_size = p.eos_token_ids, config.block_size
         self.kv, self.states, self.pool = p.kv, p.states, p.pool  # the KV cache, state slots, blocks
         self.scheduler, self.runner, self.graph_capture_s = p.scheduler, p.runner, p.graph_capture_s
         cfg = self.model_config
@@ -224,8 +223,7 @@ class LLMEngine:
                                    unfinished=len(self._parents), steps=steps)  # fmt: skip
 
     def lease_blocks(self, n: int, *, touch: bool = False) -> BlockLease:
-        """Lend `n` free blocks outside any request (the KV probe): see `KVTransfers.lease_blocks`. They
-        come back with `release_blocks`, or when a KV export of them ends its lease."""
+        """Lend `n` free blocks outside any request (the KV probe): `KVTransfers.lease_blocks`."""
         self.free_released_kv()
         return self.transfers.lease_blocks(n, touch)
 
@@ -405,8 +403,7 @@ class LLMEngine:
 
     def _output(self, parent_id: str) -> RequestOutput:
         """The output of a request (all its n samples); a finished one is forgotten."""
-        children = self._parents[parent_id]
-        out = output_of(parent_id, children)
+        out = output_of(parent_id, children := self._parents[parent_id])
         if out.finished:
             del self._parents[parent_id]
             for c in children:
@@ -484,9 +481,12 @@ class LLMEngine:
         self._ready.append(output)
 
     def adopt(self, req: Request, first_token: int, logprob: TokenLogprob | None, computed: int) -> None:
-        """A registered request's KV wait ended: queue it (at the front: it has waited already) with
-        its prompt's first `computed` tokens computed (KV loaded: all; recompute: 0) and its first
-        token sampled elsewhere. If that token already ends it, its output comes from the next step."""
+        """A request from `build_request` (registered here if it is not yet) whose KV wait ended: queue
+        it first with its prompt's first `computed` tokens computed (KV loaded: all; recompute: 0) and its
+        first token sampled elsewhere. If that token already ends it, the next step() has its output."""
+        if not any(c is req for c in self._parents.get(req.request_id, ())):
+            self._check_free_id(req.request_id)
+            self.register(req)
         if req.params.grammar is not None:  # the first token is replayed into a fresh matcher below
             req.grammar = self.grammars.matcher(req.params.grammar)
         self.scheduler.kv_loaded(req, computed)

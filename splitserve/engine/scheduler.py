@@ -100,7 +100,8 @@ class Scheduler:
     def kv_loaded(self, req: Request, num_computed_tokens: int) -> None:
         """`req`'s wait ended: queue it first (it has waited already) with `num_computed_tokens` of
         its prompt computed (the KV loaded: all of it; a recompute: 0, its blocks freed first)."""
-        self.waiting_for_kv.remove(req)
+        if req in self.waiting_for_kv:
+            self.waiting_for_kv.remove(req)
         req.kv_wait = None
         req.num_computed_tokens = num_computed_tokens
         req.status = Status.WAITING
