@@ -2,7 +2,6 @@
 
     KVExport      prefill -> (router) -> decode: the KV handle and the sampler's generator state
     ImportSpec    what a decode engine is asked to continue (prompt, first token, params, handle)
-    ImportTicket  a decode engine's bookkeeping for one import in flight (engine thread + a fetch thread)
 
 All of it is plain data; the JSON form of a KVExport is what crosses the network (no pickle).
 """
@@ -10,9 +9,7 @@ All of it is plain data; the JSON form of a KVExport is what crosses the network
 from __future__ import annotations
 
 import base64
-import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -69,28 +66,6 @@ class ImportSpec:
     first_logprob: TokenLogprob | None = None
     policy: str | None = None  # None: the connector's
     timeout_s: float | None = None  # the whole import (room + fetch); None: the connector's
-
-
-@dataclass
-class ImportTicket:
-    spec: ImportSpec
-    request: Request
-    policy: str
-    deadline: float  # time.monotonic()
-    foreign: bool = False  # the handle's layout fingerprint is not ours: nothing is reserved
-    reserved: bool = False
-    aborted: bool = False
-    error: BaseException | None = None
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
-    fetched_bytes: int = 0
-    slot_zeroed: Any = None  # CUDA: an event after the state slot's zeroing; a READ into it waits on it
-
-    def seconds_left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    @property
-    def waits_for_room(self) -> bool:
-        return not (self.reserved or self.aborted or self.foreign) and self.seconds_left() > 0
 
 
 def restore_generator(req: Request, state: bytes | None, vocab_size: int) -> None:

@@ -15,10 +15,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from splitserve.engine.engine import LLMEngine
     from splitserve.engine.request import RequestOutput
     from splitserve.engine.scheduler import ScheduledChunk
 
@@ -41,8 +40,18 @@ def check_fault(chunks: Sequence[ScheduledChunk]) -> None:
             raise InjectedStepFault(f"injected step fault: token {FAULT_TOKEN} in {c.request.request_id}")
 
 
+class Steppable(Protocol):
+    """What `rerun_alone` uses of an engine (LLMEngine)."""
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    def step_only(self, request_ids: set[str]) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+
 def rerun_alone(
-    engine: LLMEngine, request_ids: Sequence[str]
+    engine: Steppable, request_ids: Sequence[str]
 ) -> tuple[list[RequestOutput], dict[str, BaseException]]:
     """After `engine.step()` raised: step each of `request_ids` alone. -> (the outputs of those whose
     step went through, {request id: its exception} for those whose own step raised; these are aborted,

@@ -124,8 +124,7 @@ class OverlappedSteps:
         self.overlapped_steps += 1
         if inflight is not None:
             outputs = self._resolve(inflight)  # while this step runs
-        for chunk in sched.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+        self.scheduler.advance(sched)
         for req in reqs:
             if not req.finished:
                 req.output_token_ids.append(PLACEHOLDER)

@@ -7,9 +7,10 @@ Life of a request:
      computes one token and the sampler appends the next.
   3. It finishes (stop, length, abort) and its blocks go back to the pool, or it is preempted: blocks
      freed, `num_computed_tokens = 0`, back to the front of the waiting queue to be recomputed.
-  (Prefill/decode disaggregation: a request added with `export_kv` ends after its first token with its
-  blocks leased to the KV transport instead of freed; a decode engine starts one with the prompt's KV
-  already fetched, `num_computed_tokens = len(prompt)`. See disagg.py.)
+  (KV transfer, prefill/decode disaggregation: a request added with `export_kv` ends after its first
+  token with its blocks held under a lease instead of freed; a decode engine's request whose prompt KV
+  is elsewhere waits in WAITING_FOR_KV (the scheduler reserves its blocks, the connector fetches into
+  them), then joins as WAITING with `num_computed_tokens = len(prompt)`. See kv_connector.py.)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # its prompt's KV is being fetched from another engine
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -39,6 +41,15 @@ class TokenLogprob:
     logprob: float
     rank: int  # 1 = the most likely token
     top: tuple[tuple[int, float], ...]  # the top alternatives, most likely first
+
+
+@dataclass
+class KVWait:
+    """A request in WAITING_FOR_KV, as the scheduler polls it."""
+
+    room_by: float  # time.monotonic(): no room for the prompt by then fails the import (NoRoom)
+    needs_room: bool = True  # False: a handle this engine cannot load (reserves nothing, fails)
+    loading: bool = False  # room reserved (or not needed) and the load started, or given up
 
 
 @dataclass
@@ -74,6 +85,7 @@ class Request:
     export_kv: bool = False  # prefill role: lease the KV to the transport after the first token
     kv_export: object | None = None  # prefill role: the `disagg.KVExport` made when it was exported
     grammar: Matcher | None = None  # a constrained request's matcher (engine/grammar.py)
+    kv_wait: KVWait | None = None  # decode role: set while WAITING_FOR_KV
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -122,6 +134,24 @@ class RequestOutput:
     # NOTE: such an output is `finished` (this engine is done) while its completion is not
     # (finish_reason None): generation continues on the decode worker that fetches the handle.
     kv_transfer: object | None = None
+
+
+def output_of(request_id: str, children: list[Request]) -> RequestOutput:
+    """The output of a request, from its samples (one when n == 1)."""
+    head = children[0]
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=head.prompt_token_ids,
+        outputs=[completion_of(c) for c in children],
+        finished=all(c.finished for c in children),
+        num_cached_tokens=head.num_cached_tokens,
+        metrics={
+            "arrival_time": head.arrival_time,
+            "scheduled_time": head.scheduled_time,
+            "first_token_time": head.first_token_time,
+        },
+        kv_transfer=head.kv_export,
+    )
 
 
 def completion_of(req: Request) -> CompletionOutput:

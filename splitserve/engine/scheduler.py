@@ -5,6 +5,11 @@ request, up to the whole remaining budget for a prefilling one), then waiting re
 while budget, `max_num_seqs` and blocks last. A long prompt is thereby chunked across steps, and
 prefill chunks share a batch with decode tokens. When a running request needs a block and none is
 free, the newest running request is preempted (blocks freed, recomputed later).
+
+A request whose prompt KV comes from another engine (KV transfer, decode side) waits apart, in
+`waiting_for_kv` (Status.WAITING_FOR_KV): `poll_kv()`, each step and without blocking, reserves its
+prompt's blocks and state slot once they are free; the engine then has the connector load them, and
+`kv_loaded()` queues it at the front of `waiting` with its prompt computed (or not: recompute).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from splitserve.engine.kv_manager import KVManager
 from splitserve.engine.request import Request, Status
@@ -48,6 +54,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_kv: list[Request] = []  # their prompt's KV is on its way (kv_wait set)
         self.num_preemptions = 0
         # prompt tokens looked up in the prefix cache at first admission, and those it served (vLLM's
         # prefix_cache_queries / prefix_cache_hits)
@@ -59,6 +66,48 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- KV transfer (decode side) ---------------------------------------------------------------
+
+    def wait_for_kv(self, req: Request) -> None:
+        """Hold `req` (its `kv_wait` set) until its prompt's KV has been loaded or given up on."""
+        assert req.kv_wait is not None
+        req.status = Status.WAITING_FOR_KV
+        self.waiting_for_kv.append(req)
+
+    def poll_kv(self) -> tuple[list[Request], list[Request]]:
+        """Without blocking: reserve the prompt's blocks (and state slot) of each request waiting for
+        its KV that has none yet, all or nothing. -> (ready to load: reserved now, or needing no room;
+        out of room: none by its `room_by`). Both are marked `loading` (polled no more); they stay
+        in `waiting_for_kv` until `kv_loaded` or `finish`."""
+        ready: list[Request] = []
+        late: list[Request] = []
+        now = time.monotonic()
+        for req in self.waiting_for_kv:
+            wait = req.kv_wait
+            assert wait is not None
+            if wait.loading:
+                continue
+            if not wait.needs_room or self.kv.allocate(req, req.num_prompt_tokens):
+                ready.append(req)
+            elif now >= wait.room_by:
+                late.append(req)
+            else:
+                continue
+            wait.loading = True
+        return ready, late
+
+    def kv_loaded(self, req: Request, num_computed_tokens: int) -> None:
+        """`req`'s wait ended: queue it first (it has waited already) with `num_computed_tokens` of
+        its prompt computed (the KV loaded: all of it; a recompute: 0, its blocks freed first)."""
+        if req in self.waiting_for_kv:
+            self.waiting_for_kv.remove(req)
+        req.kv_wait = None
+        req.num_computed_tokens = num_computed_tokens
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    # ---- the step --------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -124,6 +173,18 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
+    def advance(self, out: SchedulerOutput) -> None:
+        """After the model ran `out`: each scheduled chunk's tokens are computed."""
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+
+    def cache_filled_blocks(self, out: SchedulerOutput) -> None:
+        """After the step's tokens were taken: offer the blocks `out` filled to the prefix cache (a
+        request that finished did already, as it finished)."""
+        for chunk in out.chunks:
+            if not chunk.request.finished:
+                self.kv.cache_full_blocks(chunk.request)
+
     @contextmanager
     def only(self, keep: set[int]) -> Iterator[None]:
         """Inside: schedule only the requests whose id() is in `keep`; the others stay where they are,
@@ -146,17 +207,21 @@ class Scheduler:
                 preempted + [r for r in waiting if id(r) not in keep or id(r) in now_waiting]
             )
 
-    def finish(self, req: Request) -> None:
-        """Remove a finished or aborted request from whichever queue holds it and free its blocks."""
+    def finish(self, req: Request, after: Any = None) -> None:
+        """Remove a finished or aborted request from whichever queue holds it and free its blocks
+        (once `after`, a CUDA event, has happened: a late copy may still write them)."""
         self.detach(req)
-        self.kv.free(req)
+        self.kv.free(req, after=after)
 
     def detach(self, req: Request) -> None:
-        """Remove a request from whichever queue holds it, keeping its blocks (a KV export leases them)."""
+        """Remove a request from whichever queue holds it, keeping its blocks (a KV export holds them)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.waiting_for_kv:
+            self.waiting_for_kv.remove(req)
+            req.kv_wait = None
 
 
 def _waits_for_leader(req: Request) -> bool:

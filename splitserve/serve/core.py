@@ -7,11 +7,11 @@ The loop (`EngineCore.run`), one turn per engine step:
   1. drain the command socket without blocking (block up to 100 ms only when there is no work):
      `Add` queues a request (a refusal goes back as `Refused`), `Import` starts a KV import,
      `Abort` stops a request, `Call` runs a worker operation (core_ops.py);
-  2. advance the KV imports (decode role), each a small state machine polled without blocking:
-     waiting for room -> fetching on a thread (its end wakes the loop) -> joined to the batch, or
-     refused per its policy;
-  3. `engine.step()`, then one `Batch` to the front end with every request's new token ids and the
-     events of this turn. Nothing here waits on HTTP, JSON or text.
+  2. `engine.step()` (a KV import waits inside the engine, in WAITING_FOR_KV: each step reserves its
+     room and takes the connector's messages; a finished fetch wakes the loop), then one `Batch` to
+     the front end with every request's new token ids and the events of this turn: the imports that
+     ended (`Accepted` with their timings, or `Refused` per their policy) before the tokens. Nothing
+     here waits on HTTP, JSON or text.
 If a step raises, each request in flight is stepped alone (engine/isolate.py): those whose own step
 raises are refused with a 5xx, the others go on. The core dies with its front end (PR_SET_PDEATHSIG);
 the front end notices the core's death (worker.py).
@@ -28,7 +28,6 @@ import signal
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -39,15 +38,7 @@ from splitserve.serve.core_ops import CoreOps
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_MS = 100  # the longest the loop sleeps with nothing to do (lease ends are seen this late)
-
-
-@dataclass
-class _Import:
-    ticket: Any  # disagg.ImportTicket
-    start: float
-    reserved_at: float | None = None
-    fetch: Future | None = None
+IDLE_WAIT_MS = 100  # the longest the loop sleeps with nothing to do (an import waiting for room too)
 
 
 class EngineCore:
@@ -61,10 +52,11 @@ class EngineCore:
         if config.role != "colocated" and not config.kv_fallback:  # fail before the model loads
             preflight(config.kv_backend, config.transport_options())
         self.engine = engine = LLMEngine(config.engine_config())
-        capacity = engine.pool.num_blocks * engine.block_size
+        num_blocks = engine.stats().blocks.total
+        capacity = num_blocks * engine.block_size
         if capacity < engine.max_model_len:
             raise ValueError(
-                f"the KV cache holds {capacity} tokens ({engine.pool.num_blocks} blocks of "
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
                 f"{engine.block_size}), fewer than max_model_len ({engine.max_model_len}): a long request "
                 "could never run. Give the worker more KV cache (--kv-cache-mb / engine.kv_cache_mb) or "
                 "lower max_model_len"
@@ -88,11 +80,9 @@ class EngineCore:
                 )
         self.ops = CoreOps(self)
         self.sent: dict[str, int] = {}  # tokens sent per request in flight
-        self.imports: dict[str, _Import] = {}
         self.events: list[wire.Event] = []
         self.early: list[wire.Delta] = []  # deltas made outside a step, sent with this turn's batch
         self.busy_seconds = 0.0  # wall time of loop turns that had work (engine.step_seconds of it)
-        self.fetch_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-fetch")
         self.call_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="core-call")
         self._on_loop: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -102,6 +92,7 @@ class EngineCore:
         self.poller.register(commands, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.stopping = False
+        engine.wake_on_kv(self.wake)  # a lease ended or a fetch finished: take it at once
 
     # ---- what other threads use ------------------------------------------------------------------
 
@@ -133,15 +124,14 @@ class EngineCore:
 
         freeze_heap("engine core")  # loaded and warmed up: what lives now lives for good
         self.batches.send(wire.batch_encoder.encode(wire.Batch(events=[wire.Ready(self.info())])))
+        engine = self.engine
         while not self.stopping:
-            busy = self.engine.has_unfinished_requests()
+            busy = engine.has_unfinished_requests() and not engine.waits_for_kv_only()
             t0 = time.perf_counter()
             self._drain(0 if busy else IDLE_WAIT_MS)
             if not busy:  # the turn's work starts when the idle wait ends
-                t0, busy = time.perf_counter(), self.engine.has_unfinished_requests() or bool(self.imports)
+                t0, busy = time.perf_counter(), engine.has_unfinished_requests()
             self._run_on_loop()
-            if self.imports:
-                self._advance_imports()
             deltas, self.early = self.early, []
             if self.engine.has_unfinished_requests():
                 deltas += self._step()
@@ -213,11 +203,7 @@ class EngineCore:
         self.events.append(wire.Accepted(cmd.request_id))
 
     def _abort(self, rid: str) -> None:
-        imp = self.imports.get(rid)
-        if imp is not None:
-            imp.ticket.aborted = True  # freed once its fetch (if any) stops writing into the blocks
-            return
-        self.engine.abort(rid)
+        self.engine.abort(rid)  # an import: its outcome and its "abort" output come from a step
         if self.sent.pop(rid, None) is not None:  # tell its stream (the front end may still read it)
             self.early.append(wire.Delta(rid, [], True, "abort"))
 
@@ -227,6 +213,7 @@ class EngineCore:
         except Exception:  # noqa: BLE001 - pinned on the request(s) that cause it (isolate.py)
             log.exception("engine step failed; re-running its requests one by one")
             outputs = self._rerun_alone()
+        self._imports_ended()  # before their first tokens: a stream starts with its Accepted
         return [d for out in outputs if (d := self._delta(out)) is not None]
 
     def _rerun_alone(self) -> list[Any]:
@@ -291,52 +278,22 @@ class EngineCore:
                 first_logprob=first_lp,
                 policy=cmd.policy, timeout_s=cmd.timeout_s,
             )  # fmt: skip
-            ticket = self.connector.prepare(spec)
+            self.engine.import_request(spec)
         except Exception as exc:  # noqa: BLE001
             self.events.append(wire.Refused(cmd.request_id, error_info(exc)))
-            return
-        self.imports[cmd.request_id] = _Import(ticket, time.perf_counter())
 
-    def _advance_imports(self) -> None:
-        conn = self.connector
-        assert conn is not None
-        for rid, imp in list(self.imports.items()):
-            t = imp.ticket
-            if imp.fetch is None:
-                if t.waits_for_room and not conn.try_reserve(t):
-                    continue  # no room yet: running requests keep stepping; tried again next turn
-                imp.reserved_at = time.perf_counter()
-                imp.fetch = self.fetch_pool.submit(conn.fetch, t)
-                imp.fetch.add_done_callback(self.wake)
+    def _imports_ended(self) -> None:
+        """Each import that ended: `Accepted` (its stream starts; an already finished output follows
+        from the step) or `Refused` per its policy."""
+        for out in self.engine.take_import_outcomes():
+            if out.error is not None:
+                self.events.append(wire.Refused(out.request_id, error_info(out.error)))
                 continue
-            if not imp.fetch.done():
-                continue
-            del self.imports[rid]
-            self._complete_import(rid, imp)
-
-    def _complete_import(self, rid: str, imp: _Import) -> None:
-        t, conn = imp.ticket, self.connector
-        assert conn is not None
-        info = {
-            "kv_wait_s": (imp.reserved_at or imp.start) - imp.start,
-            "kv_fetch_s": time.perf_counter() - (imp.reserved_at or imp.start),
-            "kv_bytes": t.fetched_bytes, "kv_backend": conn.backend_name,
-            "kv_error": None if t.error is None else type(t.error).__name__,
-        }  # fmt: skip
-        try:
-            first = conn.complete(t)
-        except Exception as exc:  # noqa: BLE001 - policy "fail" (or a refused peer)
-            self.events.append(wire.Refused(rid, error_info(exc)))
-            return
-        self.events.append(wire.Accepted(rid, info))
-        self.sent[rid] = 0
-        if first is not None:  # already finished (aborted, or its first token ends it): sent now
-            d = self._delta(first)
-            if d is not None:
-                self.early.append(d)
+            backend = self.connector.backend_name if self.connector is not None else None
+            self.events.append(wire.Accepted(out.request_id, {**out.info, "kv_backend": backend}))
+            self.sent[out.request_id] = 0
 
     def close(self) -> None:
-        self.fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.call_pool.shutdown(wait=False, cancel_futures=True)
         if self.connector is not None:
             self.connector.close()

@@ -3,7 +3,9 @@
 
 Each runs on the engine's thread between steps, except those that block on the network
 (`check_peer`, the probe's fetch), which run on a call thread and hop onto the engine's thread
-(`EngineCore.on_loop`) for what touches the engine. Every reply is one `Reply` event.
+(`EngineCore.on_loop`) for what touches the engine. Every reply is one `Reply` event. The engine is
+read through `LLMEngine.stats()` and its blocks borrowed through `lease_blocks` / `release_blocks`;
+nothing here touches its pool, scheduler, state slots or KV cache.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from splitserve.serve import core_protocol as wire
 from splitserve.serve.core_errors import error_info
 
 if TYPE_CHECKING:
+    from splitserve.engine.config import EngineConfig
     from splitserve.engine.disagg import KVConnector
     from splitserve.engine.engine import LLMEngine
+    from splitserve.engine.stats import EngineStats
     from splitserve.serve.worker_config import WorkerConfig
 
 
@@ -31,7 +35,6 @@ class Core(Protocol):
     config: WorkerConfig
     connector: KVConnector | None
     kv_address: str | None
-    imports: dict[str, Any]
     events: list[wire.Event]
     busy_seconds: float
     call_pool: ThreadPoolExecutor
@@ -88,6 +91,7 @@ class CoreOps:
     def health(self) -> dict:
         conn, engine = self.core.connector, self.engine
         desc = conn.transport.describe() if conn and conn.transport else {}
+        stats = engine.stats()
         return {
             "status": "ok",
             "role": self.config.role,
@@ -99,44 +103,40 @@ class CoreOps:
             "layout_fingerprint": desc.get("layout_fingerprint"),
             "kv_requested": desc.get("requested"),
             "max_model_len": engine.max_model_len,
-            "block_bytes": engine.kv[0].numel() * engine.kv.element_size(),
-            "num_blocks": engine.pool.num_blocks,
+            "block_bytes": stats.block_bytes,
+            "num_blocks": stats.blocks.total,
             "vocab_size": engine.model_config.vocab_size,
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "load": engine.loaded.load_stats,  # weights: method, cache status, seconds per stage
-            "engine": engine_settings(engine),
+            "engine": engine_settings(engine.config, stats),
         }
 
     def op_stats(self) -> dict:
         engine, conn = self.engine, self.core.connector
-        sched = engine.scheduler
-        engine.free_released_kv()
+        st = engine.stats()
+        ckpt = dataclasses.asdict(st.state_checkpoints) if st.state_checkpoints else None
         return {
             "role": self.config.role,
-            "running": len(engine.scheduler.running),
-            "waiting": len(engine.scheduler.waiting),
-            "importing": len(self.core.imports),
-            "unfinished": engine.num_unfinished_requests,
-            "blocks": {
-                "total": engine.pool.num_blocks,
-                "free": engine.pool.num_free,
-                "held": engine.pool.num_held,  # freed, but a late KV copy may still write them
-            },
-            "state_slots": {"total": engine.states.num_slots, "free": engine.states.num_free},
-            "preemptions": engine.scheduler.num_preemptions,
+            "running": st.running,
+            "waiting": st.waiting,
+            "importing": st.waiting_for_kv,
+            "unfinished": st.unfinished,
+            "blocks": {"total": st.blocks.total, "free": st.blocks.free, "held": st.blocks.held},
+            "state_slots": {"total": st.state_slots_total, "free": st.state_slots_free},
+            "preemptions": st.preemptions,
             "steps": {
-                "forward": engine.forward_steps,
-                "overlapped": engine.overlapped_steps,
-                "step_s": engine.step_seconds,
+                "forward": st.forward_steps,
+                "overlapped": st.overlapped_steps,
+                "step_s": st.step_seconds,
                 "loop_s": self.core.busy_seconds,
             },  # fmt: skip
             "prefix_cache": {
-                "queries": sched.prefix_queries,
-                "hits": sched.prefix_hits,
-                "state_checkpoints": _checkpoint_stats(sched.kv.checkpoints),
+                "queries": st.prefix_queries,
+                "hits": st.prefix_hits,
+                "state_checkpoints": ckpt,
             },
-            "kv_transfer": conn.stats() if conn else None,
+            "kv_transfer": {**conn.stats(), "importing": st.waiting_for_kv} if conn else None,
         }
 
     def op_release(self, kv: dict) -> dict:
@@ -154,23 +154,20 @@ class CoreOps:
         return {"ok": True}
 
     def op_probe_export(self, num_blocks: int) -> dict:
-        """Prefill side: lease `num_blocks` free blocks (their bytes as they are) as a probe export."""
-        from splitserve.engine.disagg import KVExport, NoRoom
+        """Prefill side: lease `num_blocks` free blocks (their bytes as they are) as a probe export;
+        they come back when its lease ends, as an export's do."""
+        from splitserve.engine.disagg import KVExport
 
         self._need("prefill")
         conn, engine = self.core.connector, self.engine
         assert conn is not None and conn.transport is not None
-        engine.free_released_kv()
-        if engine.pool.num_free < num_blocks:
-            raise NoRoom(f"only {engine.pool.num_free} free blocks for a {num_blocks}-block probe")
-        ids = engine.pool.allocate(num_blocks)
-        state = {name: t[0].clone() for name, t in engine.states.states.items()} or None
+        lease = engine.lease_blocks(num_blocks)
         self._probes += 1
         try:
-            handle = conn.transport.export(f"probe-{os.getpid()}-{self._probes}", ids,
-                                           num_blocks * engine.block_size, state)  # fmt: skip
+            handle = conn.transport.export(f"probe-{os.getpid()}-{self._probes}", lease.block_ids,
+                                           lease.num_tokens, lease.state)  # fmt: skip
         except Exception:
-            engine.pool.free(ids)
+            engine.release_blocks(lease)
             raise
         return {"kv": KVExport(handle).to_dict()}
 
@@ -199,30 +196,22 @@ class CoreOps:
 
     def op_probe(self, kv: dict, timeout_s: float) -> dict:
         """Decode side: fetch a probe export into free blocks, time it, give everything back."""
-        from splitserve.engine.disagg import KVExport, NoRoom
+        from splitserve.engine.disagg import KVExport
 
         self._need("decode")
         conn, engine = self.core.connector, self.engine
         assert conn is not None and conn.transport is not None
         handle = KVExport.from_dict(kv).handle
-
-        def reserve() -> list[int]:
-            if engine.pool.num_free < handle.num_blocks:
-                raise NoRoom(f"only {engine.pool.num_free} free blocks for a {handle.num_blocks}-block probe")
-            ids = engine.pool.allocate(handle.num_blocks)
-            for i in ids:  # touch the pages first: the probe measures the transport, not page faults
-                engine.kv[i].zero_()
-            return ids
-
-        ids = self.core.on_loop(reserve)
+        # touched first: the probe measures the transport, not page faults
+        lease = self.core.on_loop(lambda: engine.lease_blocks(handle.num_blocks, touch=True))
         start = time.perf_counter()
         try:
-            conn.transport.fetch(handle, ids, timeout_s)
+            conn.transport.fetch(handle, lease.block_ids, timeout_s)
             seconds = time.perf_counter() - start
         finally:
-            self.core.on_loop_nowait(lambda: engine.pool.free(ids))
+            self.core.on_loop_nowait(lambda: engine.release_blocks(lease))
             conn.transport.release(handle)
-        nbytes = handle.num_blocks * engine.kv[0].numel() * engine.kv.element_size()
+        nbytes = lease.nbytes
         return {
             "bytes": nbytes,
             "seconds": seconds,
@@ -233,29 +222,16 @@ class CoreOps:
         }
 
 
-def engine_settings(engine: Any) -> dict:
+def engine_settings(c: EngineConfig, stats: EngineStats) -> dict:
     """The knobs the engine runs with (prefix caching as in effect: off without state checkpoints)."""
-    c = engine.config
     return {
         "block_size": c.block_size,
         "max_num_seqs": c.max_num_seqs,
         "max_num_batched_tokens": c.max_num_batched_tokens,
         "gpu_memory_utilization": c.gpu_memory_utilization,
         "kv_cache_bytes": c.kv_cache_bytes,
-        "enable_prefix_caching": engine.pool.enable_prefix_caching,
+        "enable_prefix_caching": stats.prefix_caching,
         "enforce_eager": c.enforce_eager,
         "seed": c.seed,
         "tokenizer": c.tokenizer,
-    }
-
-
-def _checkpoint_stats(ckpt: Any) -> dict | None:
-    """Hybrid models' prefix caching (engine/state_cache.py): entries held, saved and restored."""
-    if ckpt is None:
-        return None
-    return {
-        "entries": len(ckpt),
-        "capacity": ckpt.num_entries,
-        "saved": ckpt.saved,
-        "restored": ckpt.restored,
     }

@@ -113,9 +113,9 @@ def test_export_then_import_equals_colocated(make):
 
 def test_the_state_really_moves(make, monkeypatch):
     """Negative control: continuing from a zero recurrent state gives other tokens."""
-    (p, _), (d, dc) = make(), make()
+    (p, _), (d, _) = make(), make()
     outs = _prefill(p, PROMPTS[1:])
-    monkeypatch.setattr(dc, "_load_state", lambda req, state: None)
+    monkeypatch.setattr(d.transfers, "_load_state", lambda req, state: None)
     assert _import_all(d, PROMPTS[1:], outs) != _colocated(d, PROMPTS[1:])
 
 

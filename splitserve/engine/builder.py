@@ -1,0 +1,216 @@
+"""Everything an `LLMEngine` is built from, apart from the step: the weights (loaded, random, or
+reused), the tokenizer, the attention backends, the CPU projections, the warm-up profiling pass that
+sizes the KV cache on CUDA, the cache itself, the state slots and checkpoints, the block pool, the
+scheduler, the model runner and its CUDA graphs.
+
+    parts = build(config, tokenizer, loaded)     # -> EngineParts; LLMEngine.__init__ keeps them
+
+Order matters on CUDA: the warm-up pass runs before the cache exists (its peak is held back from the
+cache's budget), and the graphs are captured last, over the real cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.block_pool import BlockPool
+from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
+from splitserve.engine.kv_manager import KVManager
+from splitserve.engine.runner import ModelRunner
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.state_cache import StateCheckpoints
+from splitserve.engine.state_pool import StatePool
+from splitserve.model import cpu_linear
+from splitserve.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillBatch,
+    PrefillChunk,
+    TorchPagedAttention,
+    TritonPagedAttention,
+    triton_supported,
+)
+from splitserve.model.checkpoint import is_random_source
+from splitserve.model.config import ModelConfig
+from splitserve.model.decoder import ForwardContext
+from splitserve.model.gdn_prefill import resolve_backend as resolve_linear_backend
+from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
+from splitserve.model.random_weights import random_model, random_source_config
+from splitserve.model.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """What `build` made; `LLMEngine` keeps each under the same name."""
+
+    device: torch.device
+    dtype: torch.dtype
+    loaded: LoadedModel
+    model_path: str
+    max_model_len: int
+    tokenizer: Tokenizer | None
+    eos_token_ids: tuple[int, ...]
+    kv: torch.Tensor  # the KV cache: [num_blocks (+1 scratch with graphs), layers, 2, block, heads, dim]
+    states: StatePool
+    pool: BlockPool
+    scheduler: Scheduler
+    runner: ModelRunner
+    graph_capture_s: float
+
+
+def build(
+    config: EngineConfig, tokenizer: Tokenizer | None | bool, loaded: LoadedModel | None
+) -> EngineParts:
+    """`tokenizer`: True loads the checkpoint's; `loaded`: reuse weights already in memory."""
+    device = config.torch_device()
+    dtype = config.torch_dtype(device)
+    if is_random_source(config.model):  # random weights at a named shape (benchmarks)
+        path = str(config.model)
+        loaded = loaded or random_model(
+            random_source_config(path), device, dtype, config.resolve_max_model_len
+        )
+    else:
+        path = resolve_model_path(config.model)
+        if loaded is None:
+            cache = config.weight_cache()
+            loaded = load_model(path, device, dtype, config.resolve_max_model_len,
+                                progress=config.progress, weight_cache=cache)  # fmt: skip
+    cfg = loaded.config
+    max_model_len = config.resolve_max_model_len(cfg)
+    if tokenizer is True:
+        tokenizer = load_tokenizer(config.model, config.tokenizer, cfg.eos_token_ids, loaded.checkpoint)
+    tok: Tokenizer | None = tokenizer or None
+    eos_token_ids = tok.eos_token_ids if tok else cfg.eos_token_ids
+    block_size = config.block_size
+    attn = attention_backend(config, cfg, loaded, device)
+    linear_attention_backend(config, loaded, device)
+    if device.type == "cpu":
+        counts = cpu_linear.prepare_model(loaded.model, config.cpu_weights)
+        log.info("CPU projections (%s): %s", config.cpu_weights, counts)
+    graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
+    if device.type == "cuda" and not graphs:
+        log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
+    layout = (cfg.num_kv_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)  # of one block
+    reserve = 0
+    if device.type == "cuda":
+        with torch.cuda.device(device):  # Triton launches on the current device
+            reserve = profile_run(config, loaded, attn, layout, max_model_len, device, dtype)
+    budget = kv_budget_bytes(config, device, reserve)
+    num_blocks = budget // block_bytes(cfg, block_size, dtype)
+    # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
+    kv_shape = (num_blocks + int(graphs), *layout)
+    kv = allocate_kv_cache(kv_shape, dtype, device, shared=config.kv_shared_memory)
+    states = StatePool(loaded.model.state_shapes(), config.max_num_seqs, device, scratch_slot=graphs)
+    prefix_caching = config.enable_prefix_caching
+    checkpoints = None
+    if prefix_caching and states.enabled:  # hybrid: prefixes end at recurrent-state checkpoints
+        checkpoints = StateCheckpoints(loaded.model.state_shapes(), config.state_checkpoints, device)
+        log.info("hybrid prefix caching: %d state checkpoints (%.2f GiB)", checkpoints.num_entries,
+                 checkpoints.nbytes() / 2**30)  # fmt: skip
+        prefix_caching = checkpoints.enabled
+    pool = BlockPool(num_blocks, prefix_caching)
+    scheduler = Scheduler(
+        KVManager(pool, block_size, states, checkpoints), config.max_num_seqs, config.max_num_batched_tokens
+    )
+    runner = ModelRunner(loaded.model, kv, attn, block_size, states.states)
+    graph_capture_s = 0.0
+    if graphs:
+        graph_capture_s = runner.enable_cuda_graphs(
+            config.max_num_seqs, max_model_len, num_blocks, states.scratch
+        )
+    log.info("KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s", num_blocks, block_size,
+             kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
+    return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,
+                       scheduler, runner, graph_capture_s)  # fmt: skip
+
+
+def attention_backend(
+    config: EngineConfig, cfg: ModelConfig, loaded: LoadedModel, device: torch.device
+) -> AttentionBackend:
+    scale = cfg.head_dim**-0.5
+    choice = config.attention_backend
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch or triton, not {choice!r}")
+    usable = triton_supported(device, cfg.head_dim)
+    if choice == "triton" and not usable:
+        raise ValueError(
+            "attention_backend=triton needs CUDA, an importable triton and a power-of-two head_dim >= 16"
+        )
+    if choice == "triton" or (choice == "auto" and usable):
+        enable = getattr(loaded.model, "enable_fused_kernels", None)
+        if enable is not None and enable():
+            log.info("fused Triton kernels on (RMSNorm + residual, q/k norm + rotary + KV store, SiLU)")
+        return TritonPagedAttention(scale)
+    return TorchPagedAttention(scale, fold_gqa=device.type == "cpu")
+
+
+def linear_attention_backend(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+    """Hybrid models: the prefill path of the linear-attention layers (before the warm-up pass, which
+    then compiles and tunes its kernels)."""
+    choose = getattr(loaded.model, "set_linear_attention_backend", None)
+    if choose is None:
+        return
+    backend = resolve_linear_backend(config.linear_attention_backend, device)
+    choose(backend)
+    log.info("linear-attention prefill: %s", backend)
+
+
+def profile_run(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    attn: AttentionBackend,
+    block_layout: tuple[int, ...],
+    max_model_len: int,
+    dev: torch.device,
+    dtype: torch.dtype,
+) -> int:
+    """CUDA: one forward pass over `max_num_batched_tokens` tokens (one prefill chunk, against a
+    temporary cache just big enough) plus the LM head for `max_num_seqs` rows, before the KV cache
+    exists; -> bytes to hold back from the KV budget for activations and the decode graphs."""
+    cfg = loaded.config
+    tokens = min(config.max_num_batched_tokens, max_model_len)
+    blocks = -(-tokens // config.block_size)
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    kv = torch.zeros((blocks, *block_layout), dtype=dtype, device=dev)
+    states = StatePool(loaded.model.state_shapes(), 1, dev)
+    table = torch.arange(blocks, device=dev)
+    positions = torch.arange(tokens, device=dev)
+    meta = AttentionMetadata(
+        slot_mapping=positions,
+        num_decode_tokens=0,
+        decode_groups=(),
+        prefills=(PrefillChunk(0, tokens, tokens, None if attn.batched_prefill else table),),
+        seq_slots=torch.zeros(1, dtype=torch.int64, device=dev) if states.enabled else None,
+        prefill_batch=PrefillBatch(
+            torch.zeros(1, dtype=torch.int64, device=dev),
+            torch.full((1,), tokens, device=dev),
+            torch.full((1,), tokens, device=dev),
+            table[None],
+            tokens,
+        ),
+    )
+    model = loaded.model
+    with torch.inference_mode():
+        ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        hidden = model(ids, positions, ForwardContext(attn, meta, kv, states.states))
+        rows = min(tokens, config.max_num_seqs)
+        model.compute_logits(hidden[:rows])
+    torch.cuda.synchronize(dev)
+    scratch = kv.numel() * kv.element_size() + states.nbytes_per_slot()
+    peak = torch.cuda.max_memory_allocated(dev) - before - scratch
+    del kv, states, hidden
+    torch.cuda.empty_cache()
+    # the decode graphs keep their own logits ([max_num_seqs, vocab] fp32) and a small pool
+    graphs = 2 * config.max_num_seqs * cfg.vocab_size * 4 + 256 * 2**20
+    log.info("warm-up pass over %d tokens: %.2f GiB of activations at peak", tokens, peak / 2**30)
+    return max(0, peak) + graphs
+
+
+__all__ = ["EngineParts", "attention_backend", "build", "linear_attention_backend", "profile_run"]
