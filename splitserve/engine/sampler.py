@@ -123,17 +123,56 @@ def _filter(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     top_k = [r.params.top_k for r in reqs]
     if not any(top_k) and all(r.params.top_p >= 1 for r in reqs):
         return logits
-    top_p = _on(dev, [r.params.top_p for r in reqs])
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
     v = logits.shape[1]
-    k = _on(dev, [t if t > 0 else v for t in top_k], torch.int64)
-    ranks = torch.arange(v, device=dev)[None, :]
-    drop = ranks >= k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    top_p = _on(dev, [r.params.top_p for r in reqs])
+    ks = [t if 0 < t < v else v for t in top_k]
+    k = _on(dev, ks, torch.int64)
+    c = max([t for t in ks if t < v] + [TOP_CANDIDATES])
+    if dev.type != "cpu" or c * 4 > v:  # sort the whole vocabulary (on CUDA: no host wait, and cheap)
+        return _top_k_top_p(logits, logits.sort(dim=-1, descending=True), k, top_p)[0]
+    # CPU: the c most likely tokens of each row, then top_k and top_p over them; exact wherever the cut
+    # falls inside them: a row with a top_k always (c >= every top_k below V), a top_p-only row when the
+    # c candidates hold more than top_p of its probability; any other row is sorted whole
+    out, beyond = _top_k_top_p(logits, logits.topk(c, dim=-1), k, top_p, whole=k >= v)
+    untouched = [i for i, t in enumerate(ks) if t >= v and reqs[i].params.top_p >= 1]
+    if untouched:  # no filter on these rows
+        out[untouched] = logits[untouched]
+    if beyond is not None and bool(beyond.any()):
+        rows = beyond.nonzero().flatten()
+        sub = logits[rows]
+        out[rows] = _top_k_top_p(sub, sub.sort(dim=-1, descending=True), k[rows], top_p[rows])[0]
+    return out
+
+
+TOP_CANDIDATES = 256  # CPU, rows with top_p only: the tokens looked at before a whole sort
+
+
+def _top_k_top_p(
+    logits: torch.Tensor,
+    top: tuple[torch.Tensor, torch.Tensor],  # (values, indices): each row's first C tokens, descending
+    k: torch.Tensor,  # [N] tokens kept by top_k (V: all)
+    top_p: torch.Tensor,  # [N]
+    whole: torch.Tensor | None = None,  # [N] bool, for C < V: the row has no top_k (p over all of V)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits with everything outside each row's top_k and top_p at -inf, and with C < V a [N] bool:
+    the rows whose top_p cut may lie beyond the C tokens, which this answer cuts at C)."""
+    values, order = top
+    c = values.shape[1]
+    drop = torch.arange(c, device=logits.device)[None, :] >= k[:, None]
+    kept = values.masked_fill(drop, float("-inf"))
+    if whole is None:
+        probs = torch.softmax(kept, dim=-1)
+    else:
+        lse = torch.where(whole, logits.logsumexp(dim=-1), kept.logsumexp(dim=-1))
+        probs = (kept - lse[:, None]).exp()
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before > top_p[:, None]
     drop[:, 0] = False  # always keep the most likely token
-    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    filtered = values.masked_fill(drop, float("-inf"))
+    if whole is None:
+        return logits.scatter(1, order, filtered), None
+    out = torch.full_like(logits, float("-inf")).scatter(1, order, filtered)
+    return out, whole & (top_p < 1) & (probs.sum(dim=-1) <= top_p)
 
 
 def _gather_logprobs(

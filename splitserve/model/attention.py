@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from splitserve.model import cpu_attention
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -83,6 +85,10 @@ class TorchPagedAttention:
     prefill repeats K/V to 4-D, which is PyTorch's fast CPU path (about 4x faster than
     `enable_gqa` there). On CUDA, where this path is bound by kernel launches, SDPA's own
     `enable_gqa` does both with fewer kernels.
+
+    On CPU (`fold_gqa`), decode rows go to `cpu_attention.paged_decode` when that op could be built: it
+    reads the blocks in place instead of gathering them (`_decode` stays as the reference and fallback).
+    A prefill chunk with no earlier context attends over its own K/V as computed, without a gather.
     """
 
     batched_prefill = False
@@ -90,6 +96,7 @@ class TorchPagedAttention:
     def __init__(self, scale: float, fold_gqa: bool = True) -> None:
         self.scale = scale
         self.fold_gqa = fold_gqa
+        self.cpu_kernel = fold_gqa and cpu_attention.load() is not None
 
     def forward(
         self,
@@ -103,12 +110,21 @@ class TorchPagedAttention:
         k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, block_size, KVH, D]
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
+        kernel = self.cpu_kernel and q.device.type == "cpu" and q.dtype == kv.dtype == torch.float32
         for group in meta.decode_groups:
             rows = slice(group.start, group.end)
-            out[rows] = self._decode(q[rows], k_cache, v_cache, group)
+            if kernel:
+                out[rows] = cpu_attention.paged_decode(
+                    q[rows], k_cache, v_cache, group.block_tables, group.context_lens, self.scale
+                )
+            else:
+                out[rows] = self._decode(q[rows], k_cache, v_cache, group)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk)
+            if self.fold_gqa and chunk.context_len == chunk.query_len and k.dtype == kv.dtype:  # no gather
+                out[rows] = self._attend_fresh(q[rows], k[rows], v[rows])
+            else:
+                out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk)
         return out.flatten(1)  # [T, H * D]
 
     def _decode(
@@ -135,6 +151,17 @@ class TorchPagedAttention:
                 enable_gqa=True,
             )  # [B, H, 1, D]
         return out.reshape(b, h, d)
+
+    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a whole prompt over its own K/V (the values just stored), CPU layout."""
+        h, kvh = q.shape[1], k.shape[1]
+        g = h // kvh
+        keys = k.transpose(0, 1).repeat_interleave(g, dim=0)  # [H, q_len, D]
+        values = v.transpose(0, 1).repeat_interleave(g, dim=0)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], is_causal=True, scale=self.scale
+        )[0]
+        return out.transpose(0, 1)
 
     def _prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk
