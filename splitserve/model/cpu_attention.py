@@ -7,10 +7,12 @@ walks each sequence's block table instead: one task per (sequence, KV head), the
 KV head scored against each cached key row once (scores, then an exact softmax, then the weighted sum of
 the value rows), so K and V are read once, in place, and nothing is written but the output.
 
-It is compiled with `torch.utils.cpp_extension.load_inline` the first time a CPU engine builds its
-attention backend (about 30-60 s on 2 cores, once per host: torch caches the build under
-`~/.cache/torch_extensions`, or `TORCH_EXTENSIONS_DIR`). Without a C++ compiler, or with
-`SPLITSERVE_CPU_ATTN=0`, `load()` answers None and the caller keeps the gather + SDPA path.
+Off by default: `SPLITSERVE_CPU_ATTN=1` turns it on. It is compiled with
+`torch.utils.cpp_extension.load_inline` the first time a CPU engine builds its attention backend (about
+30-60 s on 2 cores, once per host: torch caches the build under `~/.cache/torch_extensions`, or
+`TORCH_EXTENSIONS_DIR`), which a first `splitserve serve` should not pay, and at the endpoint it has not
+yet been shown faster than the gather (docs/bench/cpu-engine.md). Off, without a C++ compiler or ninja,
+`load()` answers None and the caller keeps the gather + SDPA path.
 The sums run in another order than SDPA's (fp32 either way): outputs differ by ~1e-7 relative.
 """
 
@@ -24,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "1") != "0"
+ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "0") == "1"  # off by default: see the docstring
 _NAME = "splitserve_cpu_attn_v1"
 
 _SOURCE = r"""
@@ -130,22 +132,24 @@ def _flags() -> list[str]:
     return flags
 
 
-def load() -> object | None:
+def load(force: bool = False) -> object | None:
     """The op (`torch.ops.splitserve_cpu.paged_decode`), built and loaded once per process; None where
-    it is turned off or cannot be built (the reason is logged once)."""
+    it is off (the default: `SPLITSERVE_CPU_ATTN=1` turns it on, `force` builds it regardless, for its
+    tests) or cannot be built (the reason is logged once)."""
     with _lock:
         if "op" in _state:
             return _state["op"]
+        if not (ENABLED or force):
+            return None
         op = None
-        if ENABLED:
-            try:
-                from torch.utils.cpp_extension import load_inline
+        try:
+            from torch.utils.cpp_extension import load_inline
 
-                name = _NAME + ("_avx2" if "-mavx2" in _flags() else "")
-                load_inline(name, cpp_sources=[_SOURCE], extra_cflags=_flags(), is_python_module=False)
-                op = torch.ops.splitserve_cpu.paged_decode
-            except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path
-                log.warning("CPU paged attention kernel unavailable (%s); gathering KV instead", e)
+            name = _NAME + ("_avx2" if "-mavx2" in _flags() else "")
+            load_inline(name, cpp_sources=[_SOURCE], extra_cflags=_flags(), is_python_module=False)
+            op = torch.ops.splitserve_cpu.paged_decode
+        except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path
+            log.warning("CPU paged attention kernel unavailable (%s); gathering KV instead", e)
         _state["op"] = op
         return op
 
@@ -158,6 +162,6 @@ def paged_decode(
     context_lens: torch.Tensor,  # [B] int64
     scale: float,
 ) -> torch.Tensor:
-    op = load()
+    op = _state.get("op")
     assert op is not None, "call load() first"
     return op(q, k_cache, v_cache, block_tables, context_lens, scale)  # type: ignore[operator]
