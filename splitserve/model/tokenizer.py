@@ -100,14 +100,17 @@ def load_tokenizer(
 ) -> Tokenizer | None:
     """The tokenizer of a model source (see `checkpoint.tokenizer_path`: `tokenizer` if given, else the
     model's own, else for a `random:` model the embedded default model's). `checkpoint`: the model's
-    opened checkpoint, reused for the GGUF tokenizer's cache key when it is that file."""
-    from splitserve.model.checkpoint import open_checkpoint, tokenizer_path
+    opened checkpoint, reused for the GGUF tokenizer's cache key when it is that file. Otherwise the
+    file's parsed header is memoized beside the weight cache's (`open_checkpoint_memo`): gguf's reader
+    takes 6 s for SmolLM2's header on a slow core, and the router and each worker load a tokenizer."""
+    from splitserve.model.checkpoint import tokenizer_path
+    from splitserve.model.weight_cache import default_cache_dir, open_checkpoint_memo
 
     path = tokenizer_path(model, tokenizer)
     key = None
     if path.is_file():
         same = checkpoint is not None and Path(checkpoint.path).resolve() == path.resolve()
-        key = (checkpoint if same else open_checkpoint(path)).fingerprint()
+        key = (checkpoint if same else open_checkpoint_memo(path, default_cache_dir())).fingerprint()
     return Tokenizer.from_checkpoint(path, eos_ids, cache_key=key)
 
 

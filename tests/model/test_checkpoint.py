@@ -46,12 +46,10 @@ def test_default_model_config(smollm: Checkpoint) -> None:
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
 
 
-def test_default_model_matches_transformers(smollm: Checkpoint) -> None:
-    from transformers import AutoModelForCausalLM
-
-    path = smollm.path
-    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    expected = ref.state_dict()
+def test_default_model_matches_transformers(smollm: Checkpoint, hf_smol) -> None:
+    """`hf_smol` (conftest): transformers' own load of the same GGUF, shared with the parity tests."""
+    assert Path(hf_smol.config._name_or_path).resolve() == smollm.path.parent.resolve()
+    expected = hf_smol.state_dict()
     names = smollm.tensor_names()
     assert len(names) == len(set(names)) == 272
     assert set(names) == set(expected) - {"lm_head.weight"}  # tied: the GGUF has no output.weight
