@@ -11,9 +11,9 @@ its KV heads: a block's rows are read whole) when there are at least two per thr
 prefetch of the next block: the pool scatters a sequence's blocks, so the hardware prefetchers lose the
 trail at every block); elsewhere the same loops in scalar C++.
 
-`SPLITSERVE_CPU_ATTN=1` turns it on for engines (`start()`): it is compiled by the host's C++ compiler
-(`$CXX`, else `c++`; ~15-20 s on 2 cores) in a background thread at the first engine start, the engine
-gathering meanwhile, and cached under `$TORCH_EXTENSIONS_DIR/splitserve` (default
+On by default for CPU engines (`start()`; `SPLITSERVE_CPU_ATTN=0` turns it off): it is compiled by
+the host's C++ compiler (`$CXX`, else `c++`; ~15-20 s on 2 cores) in a background thread at the first
+engine start, the engine gathering meanwhile, and cached under `$TORCH_EXTENSIONS_DIR/splitserve` (default
 `~/.cache/torch_extensions/splitserve`), keyed by the source, the flags and torch's version; later
 starts load it in well under a second. Without a compiler, or where the build fails, `load()` answers
 None (the reason logged once) and the engine keeps the gather + SDPA path.
@@ -34,7 +34,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "0") == "1"  # off by default: see the docstring
+ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "1") != "0"  # on by default; 0 turns it off
 _NAME = "splitserve_cpu_attn_v2"
 
 _SOURCE = r"""
