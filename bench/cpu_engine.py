@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 from splitserve.engine.config import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
 from splitserve.engine.params import SamplingParams  # noqa: E402
-from splitserve.model import cpu_linear  # noqa: E402
+from splitserve.model import cpu_attention, cpu_linear  # noqa: E402
 
 BASE = "fp32 F.linear (baseline)"
 GATHER = "fp32 oneDNN, KV gathered"
@@ -156,6 +156,7 @@ def main() -> int:
           f"oneDNN {host['onednn_flops'] / 1e9:.0f} GFLOP/s", flush=True)  # fmt: skip
     rate = max(host["mkl_flops"], host["onednn_flops"])
 
+    cpu_linear.DROP_DENSE = False  # the baseline rows read the dense weights through F.linear
     config = EngineConfig(model=args.model, progress=False, kv_cache_bytes=1 << 30, max_model_len=4096,
                           max_num_seqs=max(args.batches))  # fmt: skip
     engine = LLMEngine(config, tokenizer=False)
@@ -170,7 +171,7 @@ def main() -> int:
     paths += [] if args.no_baseline else [(BASE, None)]
     paths += [] if args.no_int4 else [("int4 option", "int4")]
     attn = engine.runner.attn
-    has_op = bool(getattr(attn, "cpu_kernel", False))
+    has_op = bool(getattr(attn, "cpu_kernel", False)) and cpu_attention.load() is not None  # built
     print(f"decode attention: {'the paged op (model/cpu_attention.py)' if has_op else 'KV gathered + SDPA'}")
     work = [(name, on, b) for b in args.batches for name, on in paths]
     work += [(name, on, "prefill") for name, on in paths]

@@ -85,6 +85,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=len(QUESTIONS))
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
+    cpu_linear.DROP_DENSE = False  # each path is prepared from the dense weights
     engine = LLMEngine(EngineConfig(model=args.model, progress=False, kv_cache_bytes=1 << 30))
     assert engine.tokenizer is not None
     prompts = [

@@ -69,6 +69,7 @@ def build(
     """`tokenizer`: True loads the checkpoint's; `loaded`: reuse weights already in memory."""
     device = config.torch_device()
     dtype = config.torch_dtype(device)
+    owned = loaded is None  # loaded here: nobody else reads these weights
     if is_random_source(config.model):  # random weights at a named shape (benchmarks)
         path = str(config.model)
         loaded = loaded or random_model(
@@ -91,7 +92,9 @@ def build(
     linear_attention_backend(config, loaded, device)
     if device.type == "cpu":
         counts = cpu_linear.prepare_model(loaded.model, config.cpu_weights)
-        log.info("CPU projections (%s): %s", config.cpu_weights, counts)
+        dropped = cpu_linear.drop_dense(loaded.model) if owned and cpu_linear.DROP_DENSE else 0
+        log.info("CPU projections (%s): %s; dense copies dropped: %.0f MB", config.cpu_weights, counts,
+                 dropped / 2**20)  # fmt: skip
     graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
     if device.type == "cuda" and not graphs:
         log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")

@@ -133,7 +133,8 @@ def _filter(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     # CPU: the c most likely tokens of each row, then top_k and top_p over them; exact wherever the cut
     # falls inside them: a row with a top_k always (c >= every top_k below V), a top_p-only row when the
     # c candidates hold more than top_p of its probability; any other row is sorted whole
-    out, beyond = _top_k_top_p(logits, logits.topk(c, dim=-1), k, top_p, whole=k >= v)
+    p_only = [i for i, t in enumerate(ks) if t >= v and reqs[i].params.top_p < 1]  # top_p over all of V
+    out, beyond = _top_k_top_p(logits, logits.topk(c, dim=-1), k, top_p, whole=k >= v, p_only=p_only)
     untouched = [i for i, t in enumerate(ks) if t >= v and reqs[i].params.top_p >= 1]
     if untouched:  # no filter on these rows
         out[untouched] = logits[untouched]
@@ -153,6 +154,7 @@ def _top_k_top_p(
     k: torch.Tensor,  # [N] tokens kept by top_k (V: all)
     top_p: torch.Tensor,  # [N]
     whole: torch.Tensor | None = None,  # [N] bool, for C < V: the row has no top_k (p over all of V)
+    p_only: Sequence[int] = (),  # with `whole`: the rows with a top_p and no top_k (host-side)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits with everything outside each row's top_k and top_p at -inf, and with C < V a [N] bool:
     the rows whose top_p cut may lie beyond the C tokens, which this answer cuts at C)."""
@@ -163,7 +165,11 @@ def _top_k_top_p(
     if whole is None:
         probs = torch.softmax(kept, dim=-1)
     else:
-        lse = torch.where(whole, logits.logsumexp(dim=-1), kept.logsumexp(dim=-1))
+        # a top_k row's probabilities are over its kept tokens; only a top_p-only row's need the
+        # normalizer over the whole vocabulary (rows with no filter at all are put back by the caller)
+        lse = kept.logsumexp(dim=-1)
+        if p_only:
+            lse[list(p_only)] = logits[list(p_only)].logsumexp(dim=-1)
         probs = (kept - lse[:, None]).exp()
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before > top_p[:, None]

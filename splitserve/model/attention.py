@@ -96,7 +96,7 @@ class TorchPagedAttention:
     def __init__(self, scale: float, fold_gqa: bool = True) -> None:
         self.scale = scale
         self.fold_gqa = fold_gqa
-        self.cpu_kernel = fold_gqa and cpu_attention.load() is not None
+        self.cpu_kernel = fold_gqa and cpu_attention.start()  # used once `cpu_attention.ready()`
 
     def forward(
         self,
@@ -110,7 +110,8 @@ class TorchPagedAttention:
         k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, block_size, KVH, D]
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        kernel = self.cpu_kernel and q.device.type == "cpu" and q.dtype == kv.dtype == torch.float32
+        kernel = self.cpu_kernel and cpu_attention.ready() and q.device.type == "cpu"
+        kernel = kernel and q.dtype == kv.dtype == torch.float32
         for group in meta.decode_groups:
             rows = slice(group.start, group.end)
             if kernel:

@@ -3,42 +3,225 @@
 The torch path (`attention.TorchPagedAttention._decode`) gathers every sequence's blocks into a fresh
 [B, KVH, L, D] copy for K and for V, then runs SDPA over the copy with a padding mask: from batch ~16
 on, that copy and the second read cost as much as the projections (docs/bench/cpu-engine.md). This op
-walks each sequence's block table instead: one task per (sequence, KV head), the G query heads of that
-KV head scored against each cached key row once (scores, then an exact softmax, then the weighted sum of
-the value rows), so K and V are read once, in place, and nothing is written but the output.
+walks each sequence's block table instead, block by block: the block's key rows scored against the query
+heads (each row read from memory once, for all the heads of its task), an exact softmax per head, then
+the value rows weighted into registers; nothing is written but the output. One task per sequence (all
+its KV heads: a block's rows are read whole) when there are at least two per thread, else one per
+(sequence, KV head). With AVX2 and FMA the inner loops are intrinsics (a vectorized exp, software
+prefetch of the next block: the pool scatters a sequence's blocks, so the hardware prefetchers lose the
+trail at every block); elsewhere the same loops in scalar C++.
 
-Off by default: `SPLITSERVE_CPU_ATTN=1` turns it on. It is compiled with
-`torch.utils.cpp_extension.load_inline` the first time a CPU engine builds its attention backend (about
-30-60 s on 2 cores, once per host: torch caches the build under `~/.cache/torch_extensions`, or
-`TORCH_EXTENSIONS_DIR`), which a first `splitserve serve` should not pay, and at the endpoint it has not
-yet been shown faster than the gather (docs/bench/cpu-engine.md). Off, without a C++ compiler or ninja,
-`load()` answers None and the caller keeps the gather + SDPA path.
+On by default for CPU engines (`start()`; `SPLITSERVE_CPU_ATTN=0` turns it off): it is compiled by
+the host's C++ compiler (`$CXX`, else `c++`; ~15-20 s on 2 cores) in a background thread at the first
+engine start, the engine gathering meanwhile, and cached under `$TORCH_EXTENSIONS_DIR/splitserve` (default
+`~/.cache/torch_extensions/splitserve`), keyed by the source, the flags and torch's version; later
+starts load it in well under a second. Without a compiler, or where the build fails, `load()` answers
+None (the reason logged once) and the engine keeps the gather + SDPA path.
 The sums run in another order than SDPA's (fp32 either way): outputs differ by ~1e-7 relative.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import subprocess
+import tempfile
 import threading
+from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "0") == "1"  # off by default: see the docstring
-_NAME = "splitserve_cpu_attn_v1"
+ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "1") != "0"  # on by default; 0 turns it off
+_NAME = "splitserve_cpu_attn_v2"
 
 _SOURCE = r"""
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SS_AVX2 1
+#endif
+
+#ifdef SS_AVX2
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// exp of x <= 0 (a score minus the row's max): Cephes' expf (range reduction by ln 2 in two parts, a
+// degree-5 polynomial), about 1 ulp; inputs below -87.3 give ~1e-38 instead of a smaller number or 0
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// the rows of one block (n token rows `rstride` apart, nh heads `hstride` apart, d floats each) into
+// the cache ahead of their use: a sequence's blocks lie anywhere in the pool, so the hardware
+// prefetchers lose the trail at each block and a plain walk waits on memory (perf: most of the time)
+static inline void prefetch_block(const float* base, int64_t n, int64_t nh, int64_t d, int64_t rstride,
+                                  int64_t hstride) {
+#ifdef SS_AVX2
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t c = 0; c < d; c += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(base + j * rstride + h * hstride + c), _MM_HINT_T0);
+#endif
+}
+
+struct Task {  // one sequence, KV heads [h0, h0 + nh): their nh * G query heads over its L cached rows
+  const float* q;  // [nh * G, D]
+  float* out;      // [nh * G, D]
+  const int64_t* table;
+  int64_t L, nh, G, D, BS;
+  const float* k;  // head h0's row 0 of block 0 (+ table[i] * kb + row * kt + head * kh)
+  const float* v;
+  int64_t kb, kt, kh, vb, vt, vh;
+  float scale;
+};
+
+// scores s[p * L + t] = scale * q_p . k_t (p = head * G + g), block by block: a block's rows are read
+// from memory once (the first query head) and from L1 for the others
+static void scores(const Task& a, float* s) {
+  const int64_t nblk = (a.L + a.BS - 1) / a.BS;
+  prefetch_block(a.k + a.table[0] * a.kb, std::min(a.BS, a.L), a.nh, a.D, a.kt, a.kh);
+  for (int64_t blk = 0, t0 = 0; blk < nblk; ++blk, t0 += a.BS) {
+    const float* base = a.k + a.table[blk] * a.kb;
+    const int64_t n = std::min(a.BS, a.L - t0);
+    if (blk + 1 < nblk)
+      prefetch_block(a.k + a.table[blk + 1] * a.kb, std::min(a.BS, a.L - t0 - a.BS), a.nh, a.D, a.kt, a.kh);
+    for (int64_t h = 0; h < a.nh; ++h)
+      for (int64_t g = 0; g < a.G; ++g) {
+        const float* qg = a.q + (h * a.G + g) * a.D;
+        float* sp = s + (h * a.G + g) * a.L + t0;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* kr = base + j * a.kt + h * a.kh;
+          float dot = 0.f;
+          int64_t d = 0;
+#ifdef SS_AVX2
+          __m256 x0 = _mm256_setzero_ps(), x1 = _mm256_setzero_ps();
+          for (; d + 16 <= a.D; d += 16) {
+            x0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kr + d), x0);
+            x1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(kr + d + 8), x1);
+          }
+          for (; d + 8 <= a.D; d += 8)
+            x0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kr + d), x0);
+          dot = hsum8(_mm256_add_ps(x0, x1));
+#endif
+          for (; d < a.D; ++d) dot += qg[d] * kr[d];
+          sp[j] = dot * a.scale;
+        }
+      }
+  }
+}
+
+// s_p <- exp(s_p - max s_p) in place; -> 1 / sum
+static float softmax_row(float* sp, int64_t L) {
+  float mx = *std::max_element(sp, sp + L), sum = 0.f;
+  int64_t t = 0;
+#ifdef SS_AVX2
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= L; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sp + t), m));
+    _mm256_storeu_ps(sp + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
+#endif
+  for (; t < L; ++t) {
+    sp[t] = std::exp(sp[t] - mx);
+    sum += sp[t];
+  }
+  return 1.f / sum;
+}
+
+// acc_p += sum over the block's n rows of p[j] * v_j (D floats), in registers within the block
+static inline void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t vt, int64_t D) {
+  int64_t d0 = 0;
+#ifdef SS_AVX2
+  for (; d0 + 64 <= D; d0 += 64) {
+    float* o = acc + d0;
+    __m256 r0 = _mm256_loadu_ps(o), r1 = _mm256_loadu_ps(o + 8), r2 = _mm256_loadu_ps(o + 16),
+           r3 = _mm256_loadu_ps(o + 24), r4 = _mm256_loadu_ps(o + 32), r5 = _mm256_loadu_ps(o + 40),
+           r6 = _mm256_loadu_ps(o + 48), r7 = _mm256_loadu_ps(o + 56);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = v + j * vt + d0;
+      const __m256 w = _mm256_set1_ps(p[j]);
+      r0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), r0);
+      r1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), r1);
+      r2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), r2);
+      r3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), r3);
+      r4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 32), r4);
+      r5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 40), r5);
+      r6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 48), r6);
+      r7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 56), r7);
+    }
+    _mm256_storeu_ps(o, r0);
+    _mm256_storeu_ps(o + 8, r1);
+    _mm256_storeu_ps(o + 16, r2);
+    _mm256_storeu_ps(o + 24, r3);
+    _mm256_storeu_ps(o + 32, r4);
+    _mm256_storeu_ps(o + 40, r5);
+    _mm256_storeu_ps(o + 48, r6);
+    _mm256_storeu_ps(o + 56, r7);
+  }
+  for (; d0 + 8 <= D; d0 += 8) {
+    __m256 r = _mm256_loadu_ps(acc + d0);
+    for (int64_t j = 0; j < n; ++j)
+      r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * vt + d0), r);
+    _mm256_storeu_ps(acc + d0, r);
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = d0; d < D; ++d) acc[d] += p[j] * v[j * vt + d];
+}
+
+// out_p = inv_p * sum_t s_p[t] v_t, block by block (a block's value rows read from memory once)
+static void weighted_sum(const Task& a, const float* s, const float* inv, float* acc) {
+  const int64_t P = a.nh * a.G, nblk = (a.L + a.BS - 1) / a.BS;
+  std::fill(acc, acc + P * a.D, 0.f);
+  prefetch_block(a.v + a.table[0] * a.vb, std::min(a.BS, a.L), a.nh, a.D, a.vt, a.vh);
+  for (int64_t blk = 0, t0 = 0; blk < nblk; ++blk, t0 += a.BS) {
+    const float* base = a.v + a.table[blk] * a.vb;
+    const int64_t n = std::min(a.BS, a.L - t0);
+    if (blk + 1 < nblk)
+      prefetch_block(a.v + a.table[blk + 1] * a.vb, std::min(a.BS, a.L - t0 - a.BS), a.nh, a.D, a.vt, a.vh);
+    for (int64_t h = 0; h < a.nh; ++h)
+      for (int64_t g = 0; g < a.G; ++g) {
+        const int64_t p = h * a.G + g;
+        accumulate(acc + p * a.D, s + p * a.L + t0, base + h * a.vh, n, a.vt, a.D);
+      }
+  }
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t d = 0; d < a.D; ++d) a.out[p * a.D + d] = acc[p * a.D + d] * inv[p];
+}
 
 // q [B, H, D] contiguous; k_cache, v_cache [NB, BS, KVH, D] (rows of D contiguous, any other strides);
 // tables [B, MB] int64; lens [B] int64; -> [B, H, D]. Query head h reads KV head h / (H / KVH).
+// One task per sequence (all its KV heads: a block's rows are read whole) when there are enough of
+// them for the threads, else one per (sequence, KV head).
 static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& tables, const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -52,63 +235,31 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, c
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = tab.size(1);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_decode: heads");
   const int64_t G = H / KVH;
+  const int64_t nh = B >= 2 * at::get_num_threads() ? KVH : 1;  // KV heads per task
+  const int64_t per_seq = KVH / nh;
   auto out = at::empty_like(qc);
   const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
-  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
-  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   const int64_t* tp = tab.data_ptr<int64_t>();
   const int64_t* lp = len.data_ptr<int64_t>();
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s, acc(G * D);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  at::parallel_for(0, B * per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s, inv(nh * G), acc(nh * G * D);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / KVH, h = i % KVH, L = lp[b];
-      const float* qb = qp + (b * H + h * G) * D;
-      float* ob = op + (b * H + h * G) * D;
-      if (L <= 0) {
-        std::fill(ob, ob + G * D, 0.f);
+      const int64_t b = i / per_seq, h0 = (i % per_seq) * nh;
+      const Task a{qp + (b * H + h0 * G) * D, op + (b * H + h0 * G) * D, tp + b * MB, lp[b], nh, G, D, BS,
+                   kp + h0 * kh, vp + h0 * vh, kb, kt, kh, vb, vt, vh, static_cast<float>(scale)};
+      if (a.L <= 0) {
+        std::fill(a.out, a.out + nh * G * D, 0.f);
         continue;
       }
-      s.resize(G * L);
-      for (int64_t t = 0; t < L; ++t) {  // scores: each key row read once for the G heads
-        const float* kr = kp + tp[b * MB + t / BS] * kb + (t % BS) * kt + h * kh;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qb + g * D;
-          float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          int64_t d = 0;
-          for (; d + 8 <= D; d += 8)
-            for (int j = 0; j < 8; ++j) part[j] += qg[d + j] * kr[d + j];
-          float dot = ((part[0] + part[1]) + (part[2] + part[3])) +
-                      ((part[4] + part[5]) + (part[6] + part[7]));
-          for (; d < D; ++d) dot += qg[d] * kr[d];
-          s[g * L + t] = dot * sc;
-        }
-      }
-      std::vector<float> inv(G);
-      for (int64_t g = 0; g < G; ++g) {  // softmax per head
-        float* sg = s.data() + g * L;
-        const float mx = *std::max_element(sg, sg + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          sg[t] = std::exp(sg[t] - mx);
-          sum += sg[t];
-        }
-        inv[g] = 1.f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {  // weighted sum: each value row read once for the G heads
-        const float* vr = vp + tp[b * MB + t / BS] * vb + (t % BS) * vt + h * vh;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = s[g * L + t];
-          float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) ob[g * D + d] = acc[g * D + d] * inv[g];
+      s.resize(nh * G * a.L);
+      scores(a, s.data());
+      for (int64_t p = 0; p < nh * G; ++p) inv[p] = softmax_row(s.data() + p * a.L, a.L);
+      weighted_sum(a, s.data(), inv.data(), acc.data());
     }
   });
   return out;
@@ -122,6 +273,7 @@ TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decod
 """
 
 _lock = threading.Lock()
+_start_lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
@@ -143,15 +295,63 @@ def load(force: bool = False) -> object | None:
             return None
         op = None
         try:
-            from torch.utils.cpp_extension import load_inline
-
-            name = _NAME + ("_avx2" if "-mavx2" in _flags() else "")
-            load_inline(name, cpp_sources=[_SOURCE], extra_cflags=_flags(), is_python_module=False)
+            torch.ops.load_library(str(_build()))
             op = torch.ops.splitserve_cpu.paged_decode
-        except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path
+        except Exception as e:  # no compiler, a failed build: keep the torch path
             log.warning("CPU paged attention kernel unavailable (%s); gathering KV instead", e)
         _state["op"] = op
         return op
+
+
+def _build() -> Path:
+    """The op's shared library: from the cache when this source, these flags and this torch built it
+    before, else compiled with the host's C++ compiler (~20-40 s on 2 cores) into a temporary name and
+    renamed into place, so that concurrent builders (two workers) and a build killed half way leave no
+    lock and no partial file behind."""
+    from torch.utils import cpp_extension
+
+    # -fopenmp: at::parallel_for is inline (ATen/ParallelOpenMP.h); without it the op runs on one thread.
+    # The library then needs libgomp.so.1, which the process already has loaded from torch.
+    flags = [*_flags(), "-std=c++20", "-fPIC", "-shared", "-DNDEBUG", "-fopenmp"]
+    flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+    key = hashlib.sha256("\0".join([_SOURCE, *flags, torch.__version__]).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    lib = root / "splitserve" / f"{_NAME}_{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    libdirs = cpp_extension.library_paths()
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        src, out = Path(tmp) / "op.cpp", Path(tmp) / "op.so"
+        src.write_text(_SOURCE)
+        cmd = [os.environ.get("CXX", "c++"), *flags]
+        cmd += [f"-isystem{p}" for p in cpp_extension.include_paths()]
+        cmd += [str(src), "-o", str(out), *[f"-L{d}" for d in libdirs], "-lc10", "-ltorch_cpu"]
+        cmd += [f"-Wl,-rpath,{d}" for d in libdirs]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cmd[0]} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(out, lib)
+    return lib
+
+
+def start() -> bool:
+    """For an engine: True where the op is on; then it is built (or loaded from torch's cache) in a
+    background thread, once per process, and `ready()` says when the engine can use it: a first start
+    on a host serves through the gather meanwhile instead of waiting for the compiler."""
+    if not ENABLED:
+        return False
+    with _start_lock:  # not `_lock`, which the build holds
+        if "op" not in _state and "thread" not in _state:
+            thread = threading.Thread(target=load, name="splitserve-cpu-attn-build", daemon=True)
+            _state["thread"] = thread
+            thread.start()
+    return True
+
+
+def ready() -> bool:
+    """Whether the op is built and loaded in this process."""
+    return _state.get("op") is not None
 
 
 def paged_decode(

@@ -17,9 +17,12 @@ form, so its own codes come back (`quantize_int4` returns the largest reconstruc
 them); the scales are rounded to bf16 (the kernels want the activations' dtype). Its top-1
 agreement with the fp32 path is measured by `bench/cpu_quant.py`.
 
-Either keeps the module's dense fp32 weight beside the packed one (`Linear.cpu_matmul`,
-`DecoderLM.cpu_lm_head` are callables), so anything that reads dense weights (the embedding, HF exports,
-the weight cache) still sees them; the cost is one more copy of the weights in host memory.
+`prepare_model` keeps the module's dense fp32 weight beside the packed one (`Linear.cpu_matmul`,
+`DecoderLM.cpu_lm_head` are callables), so that a model shared with other readers (tests, benches,
+HF exports) still sees them. An engine that loaded its model itself (a served worker) then calls
+`drop_dense`: the projections' dense weights become meta tensors (nothing reads them any more) and the
+rest are copied out of the load's flat buffer / weight-cache mapping, which is thereby released: one
+copy of the projections (~430 MB for the default model) less per worker; the tied embedding stays.
 `SPLITSERVE_CPU_ONEDNN=0` leaves fp32 projections on `F.linear` (an A/B switch).
 """
 
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_ONEDNN", "1") != "0"
+DROP_DENSE = os.environ.get("SPLITSERVE_CPU_KEEP_DENSE", "0") != "1"  # 1: keep them (an A/B switch)
 CPU_WEIGHTS = ("fp32", "int4")
 GROUP = 32  # int4: inputs per scale/offset pair (Q4_0/Q4_1's block)
 
@@ -127,8 +131,38 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
     return counts
 
 
+def drop_dense(model: nn.Module) -> int:
+    """After `prepare_model`, for a model nobody else reads: each projection with a `cpu_matmul` loses
+    its dense weight (a meta tensor of the same shape, so a stray read fails loudly) and every other
+    parameter gets its own storage (the load's flat buffer or the weight cache's mapping, which they
+    and the dropped weights viewed, is then freed). -> bytes of dense weights dropped."""
+    from splitserve.model.layers import Linear
+
+    dropped = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.cpu_matmul is not None:
+            w = module.weight
+            dropped += w.numel() * w.element_size()
+            meta = torch.empty(w.shape, dtype=w.dtype, device="meta")
+            module.weight = nn.Parameter(meta, requires_grad=False)
+    if not dropped:
+        return 0
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.device.type == "cpu":
+                    module._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=False)
+            matmul = getattr(module, "cpu_matmul", None)
+            if matmul is not None and getattr(matmul, "bias", None) is not None:
+                matmul.bias = module.bias  # the copy, not the old view
+    model._cpu_dense_dropped = True
+    return dropped
+
+
 def unprepare_model(model: nn.Module) -> None:
     """Back to `F.linear` everywhere (the benches' A/B in one process)."""
+    if getattr(model, "_cpu_dense_dropped", False):
+        raise RuntimeError("the dense weights were dropped (drop_dense): F.linear has nothing to read")
     for module in model.modules():
         if getattr(module, "cpu_matmul", None) is not None:
             module.cpu_matmul = None

@@ -203,5 +203,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        h = self.gate_up_proj(x)
+        gate, up = h.chunk(2, dim=-1)
+        if h.device.type == "cpu" and not torch.is_grad_enabled():
+            # in place, into the gate half: no two fresh [T, intermediate] tensors per layer (a prefill
+            # step's are 12 MB each, fresh pages every time); the same values as the line below
+            return self.down_proj(F.silu(gate, inplace=True).mul_(up))
         return self.down_proj(F.silu(gate) * up)

@@ -48,3 +48,34 @@ def test_prepare_and_unprepare_model():
     assert torch.equal(model(x), ref)
     with pytest.raises(ValueError, match="cpu_weights"):
         cpu_linear.prepare_model(model, "int3")
+
+
+def test_drop_dense_frees_the_shared_buffer_and_keeps_the_products():
+    """drop_dense: the packed projections still give the same products; their dense weights are meta;
+    every other parameter (here a norm-like vector) no longer views the load's flat buffer."""
+    from splitserve.model.weight_cache_entry import assign_parameters
+
+    model = torch.nn.Sequential(Linear(64, 32), Linear(32, 16, bias=False))
+    model.register_parameter("scale", torch.nn.Parameter(torch.randn(16), requires_grad=False))
+    names = [n for n, _ in model.named_parameters()]
+    flat = torch.cat([p.detach().flatten() for _, p in model.named_parameters()])
+    views, at = {}, 0
+    for name, p in model.named_parameters():  # the loader's layout: every parameter views one buffer
+        views[name] = flat[at : at + p.numel()].view(p.shape)
+        at += p.numel()
+    assign_parameters(model, views)
+    x = torch.randn(3, 64)
+    ref = model(x) * model.scale
+    cpu_linear.prepare_model(model, "fp32")
+    dropped = cpu_linear.drop_dense(model)
+    assert dropped == (64 * 32 + 32 * 16) * 4
+    assert model[0].weight.is_meta and model[1].weight.is_meta and model[0].weight.shape == (32, 64)
+    base = flat.untyped_storage().data_ptr()
+    for name, p in model.named_parameters():
+        if not p.is_meta:
+            assert p.untyped_storage().data_ptr() != base, name
+    assert model[0].cpu_matmul.bias is model[0].bias
+    torch.testing.assert_close(model(x) * model.scale, ref, rtol=1e-5, atol=1e-5)
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(names)
+    with pytest.raises(RuntimeError, match="dropped"):
+        cpu_linear.unprepare_model(model)
