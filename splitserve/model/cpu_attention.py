@@ -286,8 +286,8 @@ def _flags() -> list[str]:
 
 def load(force: bool = False) -> object | None:
     """The op (`torch.ops.splitserve_cpu.paged_decode`), built and loaded once per process; None where
-    it is off (the default: `SPLITSERVE_CPU_ATTN=1` turns it on, `force` builds it regardless, for its
-    tests) or cannot be built (the reason is logged once)."""
+    it is off (`SPLITSERVE_CPU_ATTN=0`; `force` builds it regardless, for its tests) or cannot be built
+    (the reason is logged once)."""
     with _lock:
         if "op" in _state:
             return _state["op"]
