@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,7 +38,6 @@ from splitserve.model.decoder import ForwardContext
 from splitserve.model.gdn_prefill import CHUNK, LinearPrefill
 
 if TYPE_CHECKING:
-    from splitserve.engine.runner import ModelRunner
     from splitserve.engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ class PrefillGraphs:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: Any,  # the engine's ModelRunner (its model, attention backend, KV, states, device)
         sizes: list[int],
         max_model_len: int,
         scratch_block: int,
