@@ -12,6 +12,7 @@ cache's budget), and the graphs are captured last, over the real cache.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,7 @@ def build(
     if device.type == "cuda":
         with torch.cuda.device(device):  # Triton launches on the current device
             reserve = profile_run(config, loaded, attn, layout, max_model_len, device, dtype)
+        reserve += config.transfer_state_rows * state_bytes(loaded.model)
     budget = kv_budget_bytes(config, device, reserve)
     num_blocks = budget // block_bytes(cfg, block_size, dtype)
     # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
@@ -133,6 +135,12 @@ def build(
              kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
     return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,
                        scheduler, runner, graph_capture_s)  # fmt: skip
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    """One sequence's recurrent state (hybrid models; 0 otherwise)."""
+    shapes = getattr(model, "state_shapes", lambda: {})()
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
 
 
 def attention_backend(
