@@ -7,6 +7,10 @@ one more profiled with torch.profiler: the kernels that take the most, and the h
     python bench/profile_prefill.py --batch 1 --prompt-len 64 1088 2048 --top 0   # step time by length
 
 With several lengths each is timed in turn (warm-up, then `--repeats`) and only the first is profiled.
+`--prefill-graphs both` times each length with the one-chunk prefill CUDA graphs (engine/prefill_graphs.py)
+replayed and with them off (eager), alternated. `--prefix 1024 64` then times prefix-cache hits (a shared
+1,024-token system prompt, each request its own 64-token tail, one at a time; from the third request
+on) against misses (unique prompts of the same length), with the graphs on and off.
 `--fla-direct both` times each length with fla's forward kernels called directly (model/gdn_prefill.py's
 `fla_forward`, the default) and through its public autograd Function, alternated in one process.
 """
@@ -43,6 +47,44 @@ def prefill_once(engine: LLMEngine, prompts: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+def graphs(engine: LLMEngine, saved: object, mode: str) -> None:
+    """The prefill graphs replayed ("on") or not ("off") from the next step."""
+    engine.runner.prefill_graphs = saved if mode == "on" else None
+
+
+def prefix_hits(engine: LLMEngine, saved: object, prefix: int, tail: int, reps: int) -> None:
+    """Hit (3rd request on, sharing a `prefix`-token system prompt) vs miss TTFT, graphs on and off."""
+    gen = torch.Generator().manual_seed(5)
+    for mode in ("on", "off"):
+        graphs(engine, saved, mode)
+        system = torch.randint(0, 248320, (1, prefix), generator=gen)
+        shared = [
+            torch.cat([system, torch.randint(0, 248320, (1, tail), generator=gen)], 1) for _ in range(reps)
+        ]
+        hit = [prefill_once(engine, p) for p in shared][2:]
+        miss = [prefill_once(engine, torch.randint(0, 248320, (1, prefix + tail), generator=gen))
+                for _ in range(reps)]  # fmt: skip
+        h, m = statistics.median(hit), statistics.median(miss)
+        print(f"prefix {prefix} + {tail}, prefill graphs {mode}: hit {h * 1e3:.1f} ms (runs "
+              f"{', '.join(f'{x * 1e3:.1f}' for x in hit)}), miss {m * 1e3:.1f} ms (runs "
+              f"{', '.join(f'{x * 1e3:.1f}' for x in miss)}): {h / m:.2f}x", flush=True)  # fmt: skip
+
+
+def cprofile_steps(engine: LLMEngine, saved: object, batch: int, lengths: list[int]) -> None:
+    """Where the host's time goes in one eager (no prefill graph) step per length: cProfile, by own time."""
+    import cProfile
+    import pstats
+
+    graphs(engine, saved, "off")
+    gen = torch.Generator().manual_seed(9)
+    for length in lengths:
+        prompts = torch.randint(0, 248320, (batch, length), generator=gen)
+        with cProfile.Profile() as prof:
+            t = prefill_once(engine, prompts)
+        print(f"cProfile of one eager {batch} x {length} step ({t * 1e3:.1f} ms with the profiler):")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+
+
 def direct(mode: str) -> None:
     """fla's kernels called directly ("on") or through its public call ("off"), from the next step."""
     from splitserve.model import gdn_prefill
@@ -60,6 +102,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--fla-direct", choices=("on", "off", "both"), default="on")
+    ap.add_argument("--prefill-graphs", choices=("on", "off", "both"), default="on")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile one eager step per length (host time)")
+    ap.add_argument("--prefix", type=int, nargs=2, default=None, metavar=("PREFIX", "TAIL"))
     args = ap.parse_args()
     dev = torch.device("cuda")
     max_len = max(args.prompt_len) + 16
@@ -67,32 +112,53 @@ def main() -> int:
     config = EngineConfig(model="random:qwen3.5-9b", max_num_seqs=max(args.batch, 2), max_model_len=max_len,
                           max_num_batched_tokens=max(args.max_batched_tokens, max_len - 16),
                           kv_cache_bytes=args.batch * max_len * 40 * 2**10 + 2**28,
-                          linear_attention_backend=args.linear_backend, enable_prefix_caching=False,
+                          linear_attention_backend=args.linear_backend,
+                          enable_prefix_caching=args.prefix is not None,
                           progress=False)  # fmt: skip
     engine = LLMEngine(config, tokenizer=False, loaded=loaded)
+    saved = engine.runner.prefill_graphs
+    print(f"prefill graphs captured: {saved.sizes if saved else None}; start-up graph capture "
+          f"{engine.graph_capture_s:.1f} s", flush=True)  # fmt: skip
+    if args.prefix:
+        prefix_hits(engine, saved, *args.prefix, max(args.repeats, 3) + 2)
     gen = torch.Generator().manual_seed(0)
-    modes = ["on", "off"] if args.fla_direct == "both" else [args.fla_direct]
+    graphs(engine, saved, "off" if args.prefill_graphs == "off" else "on")
+    by_graphs = args.prefill_graphs == "both"  # else by --fla-direct
+    modes = ["on", "off"] if by_graphs or args.fla_direct == "both" else [args.fla_direct]
+    what = "prefill graphs" if by_graphs else "fla direct"
+
+    def switch(m: str) -> None:
+        if by_graphs:
+            graphs(engine, saved, m)
+        else:
+            direct(m)
+
     for length in args.prompt_len:
+        # fresh prompts for every run: with --prefix, caching is on and a repeated prompt would hit
         batches = [torch.randint(0, 248320, (args.batch, length), generator=gen) for _ in range(4)]
         times: dict[str, list[float]] = {m: [] for m in modes}
         for m in modes:
-            direct(m)
-            prefill_once(engine, batches[0])  # warm-up at this shape
-        for i in range(args.repeats):  # alternated
+            switch(m)
+            prefill_once(engine, torch.randint(0, 248320, (args.batch, length), generator=gen))  # warm-up
+        for _ in range(args.repeats):  # alternated
             for m in modes:
-                direct(m)
-                times[m].append(prefill_once(engine, batches[1 + i % 3]))
+                switch(m)
+                times[m].append(
+                    prefill_once(engine, torch.randint(0, 248320, (args.batch, length), generator=gen))
+                )
         n = args.batch * length
         for m in modes:
             t = statistics.median(times[m])
             print(
-                f"prefill {args.batch} x {length} ({args.linear_backend}, fla direct {m}): {t * 1e3:.1f} ms, "
+                f"prefill {args.batch} x {length} ({args.linear_backend}, {what} {m}): {t * 1e3:.1f} ms, "
                 f"{n / t:.0f} tok/s (runs: {', '.join(f'{x * 1e3:.1f}' for x in times[m])} ms)",
                 flush=True,
             )
         if length == args.prompt_len[0]:
             first, t_first = batches, statistics.median(times[modes[0]])
-    direct(modes[0])
+    if args.cprofile:
+        cprofile_steps(engine, saved, args.batch, args.prompt_len)
+    switch(modes[0])
     batches, t = first, t_first
     from torch.profiler import ProfilerActivity, profile
 

@@ -12,6 +12,7 @@ cache's budget), and the graphs are captured last, over the real cache.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
 from splitserve.engine.kv_manager import KVManager
+from splitserve.engine.prefill_graphs import graph_tokens
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_cache import StateCheckpoints
@@ -103,6 +105,7 @@ def build(
     if device.type == "cuda":
         with torch.cuda.device(device):  # Triton launches on the current device
             reserve = profile_run(config, loaded, attn, layout, max_model_len, device, dtype)
+        reserve += config.transfer_state_rows * state_bytes(loaded.model)
     budget = kv_budget_bytes(config, device, reserve)
     num_blocks = budget // block_bytes(cfg, block_size, dtype)
     # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
@@ -126,10 +129,21 @@ def build(
         graph_capture_s = runner.enable_cuda_graphs(
             config.max_num_seqs, max_model_len, num_blocks, states.scratch
         )
+        prefill_tokens = graph_tokens(loaded.model, config.max_num_batched_tokens, max_model_len)
+        if prefill_tokens and states.scratch is not None:
+            graph_capture_s += runner.enable_prefill_graphs(
+                prefill_tokens, max_model_len, num_blocks, states.scratch
+            )
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s", num_blocks, block_size,
              kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
     return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,
                        scheduler, runner, graph_capture_s)  # fmt: skip
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    """One sequence's recurrent state (hybrid models; 0 otherwise)."""
+    shapes = getattr(model, "state_shapes", lambda: {})()
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
 
 
 def attention_backend(
@@ -212,6 +226,9 @@ def profile_run(
     torch.cuda.empty_cache()
     # the decode graphs keep their own logits ([max_num_seqs, vocab] fp32) and a small pool
     graphs = 2 * config.max_num_seqs * cfg.vocab_size * 4 + 256 * 2**20
+    # hybrid models: the prefill graphs' pool, at most the activations of their longest chunk
+    prefill_tokens = graph_tokens(model, config.max_num_batched_tokens, max_model_len)
+    graphs += max(0, peak) * (prefill_tokens + 64) // tokens if prefill_tokens else 0
     log.info("warm-up pass over %d tokens: %.2f GiB of activations at peak", tokens, peak / 2**30)
     return max(0, peak) + graphs
 

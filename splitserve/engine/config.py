@@ -30,6 +30,10 @@ class EngineConfig:
     cpu_kv_cache_fraction: float = 0.1  # CPU: fraction of host memory for KV when no bytes given
     enable_prefix_caching: bool = True
     state_checkpoints: int = 8  # hybrid models' prefix caching: recurrent states kept (engine/state_cache.py)
+    # hybrid models, CUDA: recurrent-state rows the KV transport allocates on the device after the cache
+    # (cuda_ipc's state arena on a prefill worker, fetch staging on a decode worker): held back from the
+    # KV budget, so that `gpu_memory_utilization` shares still add up (set by the worker for its transport)
+    transfer_state_rows: int = 0
     seed: int = 0
     kv_shared_memory: bool = False  # CPU: KV in a memfd, so shm KV fetchers copy straight out of it
     attention_backend: str = "auto"  # auto (triton on CUDA when it can run, else torch) | torch | triton

@@ -9,8 +9,9 @@ over static input buffers. A step of B decodes pads to the next captured size: a
 context of one token and writes its K/V into a scratch block that no request owns (and, for hybrid
 models, its recurrent state into a scratch state slot), so it cannot disturb real sequences. A
 step's inputs reach the GPU in two host-to-device copies (the 1-D inputs packed in one pinned
-buffer, and the block table), and nothing waits on the GPU until the sampler's token ids. Mixed
-and prefill steps run eagerly.
+buffer, and the block table), and nothing waits on the GPU until the sampler's token ids. For
+hybrid models a step of one short prefill chunk replays a prefill graph (prefill_graphs.py); other
+mixed and prefill steps run eagerly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from splitserve.engine.isolate import check_fault
+from splitserve.engine.prefill_graphs import PrefillGraphs
 from splitserve.engine.scheduler import ScheduledChunk
 from splitserve.model.attention import (
     AttentionBackend,
@@ -84,6 +86,7 @@ class ModelRunner:
             else 0
         )
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None  # short one-chunk prefills (hybrid models)
 
     def enable_cuda_graphs(
         self, max_batch: int, max_model_len: int, scratch_block: int, scratch_slot: int | None
@@ -91,6 +94,19 @@ class ModelRunner:
         """Capture the decode graphs (CUDA, Triton backend); -> seconds it took."""
         self.graphs = DecodeGraphs(self, max_batch, max_model_len, scratch_block, scratch_slot)
         return self.graphs.capture()
+
+    def enable_prefill_graphs(
+        self, max_tokens: int, max_model_len: int, scratch_block: int, scratch_slot: int
+    ) -> float:
+        """Capture one-chunk prefill graphs up to `max_tokens` (prefill_graphs.py); -> seconds it took."""
+        from splitserve.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
+
+        sizes = prefill_graph_sizes(max_tokens)
+        if not sizes:
+            return 0.0
+        pool = self.graphs.pool if self.graphs is not None else None
+        self.prefill_graphs = PrefillGraphs(self, sizes, max_model_len, scratch_block, scratch_slot, pool)
+        return self.prefill_graphs.capture()
 
     @torch.inference_mode()
     def execute(
@@ -111,6 +127,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         if self.graphs is not None and self.graphs.accepts(chunks):
             return self.graphs.run(chunks, feed)
+        if self.prefill_graphs is not None and self.prefill_graphs.accepts(chunks):
+            return self.prefill_graphs.run(chunks)
         inputs = self.prepare(chunks, feed)
         ctx = ForwardContext(self.attn, inputs.meta, self.kv, self.states)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)

@@ -321,6 +321,12 @@ class CudaIpcMover(GpuMover):
                 if self.on_cuda:
                     done = torch.cuda.Event()
                     done.record()
+        except torch.cuda.OutOfMemoryError as exc:
+            raise TransportError(
+                f"cuda_ipc: no room on this GPU for a {mapped.state_rows.shape[1] >> 20} MiB state row: "
+                "lower engine.memory_utilization (the workers' shares on one GPU should leave room for "
+                "the transport) or give engine.kv_cache_mb"
+            ) from exc
         except RuntimeError as exc:  # a CUDA error
             raise TransportError(f"cuda_ipc state copy failed: {exc}") from exc
         self._wait_copies("the exporter's state arena", deadline, done)

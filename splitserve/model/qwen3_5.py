@@ -286,7 +286,7 @@ class Qwen3_5LM(nn.Module):
         return self.cfg.layer_types.count("linear_attention")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if self.varlen:  # the step's prefill metadata, once for all linear layers
+        if self.varlen and ctx.linear_prefill is None:  # the step's prefill metadata, once for all layers
             ctx = replace(ctx, linear_prefill=build_linear_prefill(ctx.meta, input_ids.device))
         if self.fused:
             return self._forward_fused(input_ids, positions, ctx)

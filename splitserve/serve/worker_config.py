@@ -11,6 +11,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.kv import TransportOptions
 
 ROLES = ("prefill", "decode", "colocated")
+DECODE_STAGING_ROWS = 4  # cuda_ipc: state rows a decode worker may stage at once (fetches in flight)
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,14 @@ class WorkerConfig:
     def engine_config(self) -> EngineConfig:
         """The engine as the core builds it: no progress bars; a prefill worker's cache in a memfd
         when shm may carry its KV (shm fetchers copy straight out of it, kv/shm_direct.py)."""
-        shared = self.role == "prefill" and "shm" in (self.kv_backend, *self.kv_fallback)
-        return dataclasses.replace(self.engine, progress=False, kv_shared_memory=shared)
+        backends = (self.kv_backend, *self.kv_fallback)
+        shared = self.role == "prefill" and "shm" in backends
+        rows = self.engine.transfer_state_rows
+        if not rows and "cuda_ipc" in backends:  # its state arena / a fetch's staging row on the GPU
+            rows = {"prefill": self.kv_state_rows, "decode": DECODE_STAGING_ROWS}.get(self.role, 0)
+        return dataclasses.replace(
+            self.engine, progress=False, kv_shared_memory=shared, transfer_state_rows=rows
+        )
 
     def transport_options(self) -> TransportOptions:
         return TransportOptions(
