@@ -238,11 +238,11 @@ async def _round_trip(
         report.add("round trip", scope, False, f"prefill failed: {_err(pre)}")
         return
     pj = PrefillResponse.model_validate_json(pre.content)
-    if pj.kv is None:
+    if pj.kv_export is None:
         report.add("round trip", scope, False, "the prompt finished at its first token: nothing to move")
         return
     body = DecodeRequest(
-        prompt_token_ids=pj.prompt_token_ids, first_token=pj.first_token, kv=pj.kv,
+        prompt_token_ids=pj.prompt_token_ids, first_token=pj.first_token, kv_export=pj.kv_export,
         sampling_params=params, stream=True, timeout_s=timeout_s,
     )  # fmt: skip
     tokens: list[int] = []
