@@ -6,10 +6,11 @@ conditions, cache full blocks, free finished requests -> return outputs for requ
 Overlapped steps (`async_scheduling`, on by default on CUDA; overlap.py): in steady decode step N+1
 is launched with step N's tokens still on the device, and N's tokens are read while N+1 runs.
 
-KV transfer (prefill/decode disaggregation) goes through hooks the engine owns: kv_transfer_hooks.py (the
-contract), kv_transfer.py (the engine's side: `add_request(..., kv_transfer="export")`, `import_request`,
-`add_request_with_kv`), kv_connector.py (the connector over a transport). The connector's messages come off
-the engine's inbox at the start of each `step()` (or `free_released_kv()`).
+KV transfer (what disaggregated serving is built on) goes through hooks the engine owns:
+kv_transfer_hooks.py (the contract), kv_transfer.py (the engine's side: `add_request(...,
+kv_transfer="export")`, `import_request`, `add_request_with_kv`), kv_connector.py (`KVConnector`: the
+hooks over a transport). The connector's messages come off the engine's inbox at the start of each
+`step()` (or `free_released_kv()`).
 
 Constrained requests (`SamplingParams.grammar`, grammar.py) wait outside the scheduler while their
 grammar compiles on a thread, are masked by it in the sampler and advance their matcher with each token.
@@ -98,7 +99,7 @@ class LLMEngine(OverlappedSteps):
         kv_transfer: str | None = None,
     ) -> str:
         """`kv_transfer="export"` (prefill role): stop after the first token and lease the prompt's KV
-        to the transport; the final output's `kv_transfer` holds the handle (kv_connector.py)."""
+        to the transport; the final output's `kv_export` holds the handle (kv_connector.py)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._check_free_id(request_id)

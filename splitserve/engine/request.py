@@ -132,7 +132,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
-    # Prefill role: the `kv_transfer_types.KVExport` (KV handle + sampler state) when the request was exported.
+    # Prefill role: the `kv_transfer_types.KVExport` (KV handle + sampler state) when the request was
+    # exported.
     # NOTE: such an output is `finished` (this engine is done) while its completion is not
     # (finish_reason None): generation continues on the decode worker that fetches the handle.
     kv_export: object | None = None

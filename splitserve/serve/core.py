@@ -252,8 +252,8 @@ class EngineCore:
             del self.sent[rid]
         else:
             self.sent[rid] = len(comp.token_ids)
-        return wire.Delta(rid, new, out.finished, comp.finish_reason, comp.stop_reason, lps, kv_export, metrics,
-                          out.num_cached_tokens)  # fmt: skip
+        return wire.Delta(rid, new, out.finished, comp.finish_reason, comp.stop_reason, lps, kv_export,
+                          metrics, out.num_cached_tokens)  # fmt: skip
 
     # ---- KV imports (decode role) ---------------------------------------------------------------
 

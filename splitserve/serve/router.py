@@ -222,8 +222,9 @@ class Dispatcher:
             self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv_export=kv_export)))
             raise
         dbody = DecodeRequest(
-            prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob, kv_export=kv_export,
-            sampling_params=params, request_id=rid, timeout_s=t.kv_transfer_s, stream=True,
+            prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob,
+            kv_export=kv_export, sampling_params=params, request_id=rid, timeout_s=t.kv_transfer_s,
+            stream=True,
         )  # fmt: skip
         claimed = False
         try:

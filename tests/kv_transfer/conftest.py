@@ -21,7 +21,8 @@ def tiny_qwen(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen_pairs(tiny_qwen):
-    """Tiny Qwen3.5 prefill/decode pairs per backend, shared across modules (kv_transfer_helpers.QwenPairs)."""
+    """Tiny Qwen3.5 prefill/decode pairs per backend, shared across modules
+    (kv_transfer_helpers.QwenPairs)."""
     pairs = QwenPairs(tiny_qwen)
     yield pairs
     pairs.close()

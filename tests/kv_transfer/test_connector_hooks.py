@@ -1,7 +1,7 @@
 """The scheduler and the engine's side of KV transfer (engine/kv_transfer.py) with a fake connector: no
 model, no transport, no threads (as vLLM's tests build `create_scheduler(use_kv_connector=True)`).
 The fake records every hook the engine calls and the test posts its answers to the engine's inbox,
-so each step of the contract in engine/kv_connector.py is checked on its own: the connector is asked,
+so each step of the contract in engine/kv_transfer_hooks.py is checked on its own: the connector is asked,
 never allocates or frees; the engine holds blocks until the lease ends; a request waits in
 WAITING_FOR_KV, polled without blocking, and joins (or follows its policy) when its load is posted."""
 

@@ -1,12 +1,12 @@
 """Every error path of a disaggregated request, between real worker processes (tiny Qwen3.5).
 
-The prefill worker (the backend's pair, shared with test_disaggregated_qwen3_5: kv_transfer_helpers.QwenPairs) runs
-with fault injection (its exporter drops, stalls, corrupts or hangs up on the fetches it serves),
-checksums on and a short lease. For each fault and each policy the request ends
-within its deadline: "fail" with a clear HTTP error naming the failure, "recompute" with exactly the
-colocated tokens. Both workers' block pools and state slots are full again afterwards, and each
-failure is counted by kind. Also: an unclaimed export expires, a prefill process killed in the
-middle of a transfer, and an abort while the fetch is in flight.
+The prefill worker (the backend's pair, shared with test_disaggregated_qwen3_5:
+kv_transfer_helpers.QwenPairs) runs with fault injection (its exporter drops, stalls, corrupts or hangs
+up on the fetches it serves), checksums on and a short lease. For each fault and each policy the request
+ends within its deadline: "fail" with a clear HTTP error naming the failure, "recompute" with exactly
+the colocated tokens. Both workers' block pools and state slots are full again afterwards, and each
+failure is counted by kind. Also: an unclaimed export expires, a prefill process killed in the middle of
+a transfer, and an abort while the fetch is in flight.
 """
 
 from __future__ import annotations
