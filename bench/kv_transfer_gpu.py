@@ -109,7 +109,7 @@ def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str, tracin
             out = {}
             for b in BACKENDS:
                 out[b] = transports[args[0], b].describe().get("serve_phases_ms")
-                transports[args[0], b].mover.serve_phases.clear()
+                transports[args[0], b].mover.two_sided.serve_phases.clear()
             conn.send(out)
         elif cmd == "trace":
             conn.send(trace.events())
@@ -292,7 +292,7 @@ def measure(
         runs["cuda_ipc/kernel"] = lambda: fetch_forced(ipc, handles["cuda_ipc"], into, KERNEL)
     runs["raw_copy"] = lambda: fetchers.raw_copy(n * block)
     for b in BACKENDS:
-        fetchers.t[name, b].mover.phases.clear()
+        fetchers.t[name, b].mover.two_sided.phases.clear()
     exporter.call("phases", name)
     try:
         times = alternate(runs, reps)

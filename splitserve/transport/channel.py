@@ -77,8 +77,9 @@ class Export:
 class PayloadMover(Protocol):
     """What one backend adds to the control channel, and nothing else.
 
-    A `KVChannel` holds one mover and calls it; a mover never subclasses the channel nor another backend's
-    mover. Its contract, by side (the channel calls these; the mover may call the channel back: `ch`):
+    A `KVChannel` holds one mover and calls it; a mover never subclasses the channel, another backend's
+    mover or a shared base. Its contract, by side (the channel calls these; the mover may call the
+    channel back: `ch`):
 
       both      backend                           the backend's name, carried in handles
                 bind(ch)                          once, when the channel is made: keep it, set up devices
@@ -96,8 +97,10 @@ class PayloadMover(Protocol):
       fetcher   fetch(handle, into_block_ids, timeout_s, into_state) -> state
                                                   stream movers: `ch.stream_fetch(..., recv_payload)`
 
-    The backends: tcp.py, shm.py (stream movers), cuda_ipc.py and nccl.py (GPU movers; the two-sided GPU
-    protocol they share is gpu_fetch.py), nixl.py (one-sided NIXL READs).
+    The backends: tcp.py, shm.py (stream movers, each holding a host_stream.HostStream), cuda_ipc.py and
+    nccl.py (GPU movers, each holding a gpu_two_sided.GpuTwoSided: the two-sided GPU fetch they share,
+    which calls back their hooks), nixl.py (one-sided NIXL READs). What two backends share is a
+    component each holds, never a base class.
     """
 
     backend: str

@@ -6,7 +6,7 @@ differently: the fetcher's GPU copies the blocks straight out of the exporter's 
 
 Life of a connection and of one fetch:
   0. start-up: both workers keep their KV on a GPU. Asking for cuda_ipc on a host without CUDA, or with
-     a KV on the CPU, is `BackendUnavailable` (backends.py, `GpuMover.__init__`).
+     a KV on the CPU, is `BackendUnavailable` (backends.py, `GpuTwoSided.__init__`).
   1. handshake (layouts + shared secret), then on the connection's first fetch the fetcher asks
      {"op": "cuda_ipc_open", host, pid, gpu}. The exporter answers {"op": "cuda_ipc_handle", ...}: a
      CUDA IPC handle of its whole KV storage (torch's `UntypedStorage._share_cuda_()`, made once; its
@@ -65,11 +65,12 @@ from splitserve.transport.channel import Export, KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
 from splitserve.transport.errors import PeerRefused, TransferTimeout, TransportError
+from splitserve.transport.fault_plan import Fault
 from splitserve.transport.gpu_blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
-from splitserve.transport.gpu_mover import GpuMover, NoClose
+from splitserve.transport.gpu_two_sided import GpuTwoSided, NoClose
 from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
-from splitserve.transport.payload import empty_state
+from splitserve.transport.payload import empty_state, snapshot_state
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
 from splitserve.transport.state_arena import StateArena, open_arena, unpack
@@ -79,7 +80,7 @@ log = logging.getLogger(__name__)
 PEERS_MAX = 64  # exporters whose KV mapping a fetcher keeps open
 
 
-class CudaIpcMover(GpuMover):
+class CudaIpcMover:
     """The fetcher's GPU copies the blocks out of the exporter's mapped KV (the module docstring)."""
 
     backend = "cuda_ipc"
@@ -87,8 +88,16 @@ class CudaIpcMover(GpuMover):
     payload_op = "kv_cuda"
     _own_dir: str | None = None
 
+    def __init__(self, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
+        self.cpu_test_double = cpu_test_double
+        self.two_sided = GpuTwoSided(self, kv_cache, cpu_test_double)  # checks the KV cache's device
+
     def bind(self, ch: KVChannel) -> None:
-        super().bind(ch)
+        two_sided = self.two_sided
+        two_sided.bind(ch)
+        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
+        self.stats, self.leases, self.pool = ch.stats, ch.leases, ch.pool
+        self.rows, self.gpu, self.gpu_counts = two_sided.rows, two_sided.gpu, two_sided.gpu_counts
         kv, layout = self.kv_cache, self.layout
         self._key = f"{os.getpid()}-{secrets.token_hex(8)}"
         self._share: dict | None = None
@@ -108,6 +117,39 @@ class CudaIpcMover(GpuMover):
             directory = self._own_dir = owned_tempdir("splitserve-kv-")  # swept if we are SIGKILLed
         path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
         return ListenSpec("unix", path=path)
+
+    # -- the mover contract (channel.py), the shared part held in self.two_sided -------------------
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return False  # the state travels as host copies (or through the arena)
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Host copies (the engine reuses its slot at once)."""
+        return snapshot_state(self.layout, state)
+
+    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
+        return await self.two_sided.serve_op(chan, header)
+
+    async def send_payload(
+        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
+        fault: Fault, deadline: Deadline,
+    ) -> int:  # fmt: skip
+        return await self.two_sided.send_payload(chan, export, block_ids, meta, fault, deadline)
+
+    # -- GpuTwoSided's hooks (gpu_two_sided.GpuBackend) with nothing to do here --------------------
+    def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
+        return {}
+
+    def fetch_fields(self, into: np.ndarray) -> dict:
+        return {}
+
+    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray) -> Any:
+        return None  # the fetcher's GPU copies: nothing to send
+
+    def cancel_push(self, chan: AsyncChannel, early: Any) -> None:
+        pass
+
+    async def push(self, chan: AsyncChannel, block_ids: np.ndarray, deadline: Deadline, early: Any) -> None:
+        pass
 
     # -- exporter --------------------------------------------------------------------------------
     def make_board(self) -> LeaseBoard | None:
@@ -133,16 +175,16 @@ class CudaIpcMover(GpuMover):
         num_tokens: int,
         state: Mapping[str, torch.Tensor] | None = None,
     ) -> KVHandle:
-        """As GpuMover.export, with the state copied into a row of our GPU's state arena (a
+        """As GpuTwoSided.export, with the state copied into a row of our GPU's state arena (a
         device copy per state tensor) rather than to the host, when there is a free row."""
         row = None
         if self.arena is not None and state:
-            self.sync_stream()  # the prefill's writes land before we copy the state
+            self.two_sided.sync_stream()  # the prefill's writes land before we copy the state
             row = self.arena.put(state)
         if row is None:
-            return super().export(request_id, block_ids, num_tokens, state)
-        self.sync_stream()  # the copy is done: the engine may reuse its state slot at once
-        ids = self.check_ids(block_ids, "block_ids")
+            return self.two_sided.export(request_id, block_ids, num_tokens, state)
+        self.two_sided.sync_stream()  # the copy is done: the engine may reuse its state slot at once
+        ids = self.two_sided.check_ids(block_ids, "block_ids")
         if not 0 < num_tokens <= len(ids) * self.layout.block_size:
             self.arena.free(row)
             raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
@@ -184,8 +226,9 @@ class CudaIpcMover(GpuMover):
         with self._peers_lock:
             peer = self._peers.get(key)
             if peer is None:
-                with torch.cuda.device(self.kv_cache.device) if self.on_cuda else contextlib.nullcontext():
-                    peer = open_peer(share, self.kv_cache.device, self.layout)
+                device = self.kv_cache.device
+                with torch.cuda.device(device) if self.two_sided.on_cuda else contextlib.nullcontext():
+                    peer = open_peer(share, device, self.layout)
                 peer.board = open_board(share.get("board"), chan.address)
                 if share.get("state") is not None:
                     index = peer.rows.device.index if peer.rows.is_cuda else None
@@ -212,12 +255,12 @@ class CudaIpcMover(GpuMover):
     ) -> dict[str, torch.Tensor]:
         """Read the blocks straight out of the exporter's mapped KV when its lease board says the
         lease is live before and after the copy (no round trip; board.py); else, or for a payload
-        with state, the request/answer fetch of GpuMover."""
+        with state, the request/answer fetch of GpuTwoSided."""
         stateful = bool(self.layout.state_shapes)
         two_sided = handle.lease_slot is None or (stateful and handle.state_row is None)
         if two_sided or handle.backend != self.backend:
-            return super().fetch(handle, into_block_ids, timeout_s)
-        into = self._check_into(handle, into_block_ids)
+            return self.two_sided.fetch(handle, into_block_ids, timeout_s)
+        into = self.two_sided.check_into(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         start = time.perf_counter()
         try:  # a pooled connection: its first use attaches; `alive` says the exporter still runs
@@ -229,10 +272,10 @@ class CudaIpcMover(GpuMover):
             self.stats.error(exc)
             raise
         if not done:  # the exporter says what became of the lease
-            return super().fetch(handle, into, deadline.remaining("fetch"))
+            return self.two_sided.fetch(handle, into, deadline.remaining("fetch"))
         end = time.perf_counter()
-        self._verify_blocks(handle, {}, into, {})
-        self.phases.append((0.0, 0.0, end - start))
+        self.two_sided.verify_blocks(handle, {}, into, {})
+        self.two_sided.phases.append((0.0, 0.0, end - start))
         self.stats.fetched(len(into) * self.layout.block_nbytes, end - start, handle.address)
         self.stats.count("one_sided_fetches")
         return state if state else empty_state(self.layout)
@@ -285,7 +328,7 @@ class CudaIpcMover(GpuMover):
 
     def settle(self, early: Any, exc: BaseException) -> None:
         if early is not None:  # on the way out of a failed fetch: no wait
-            self.hand_over(exc, early[1][1])
+            self.two_sided.hand_over(exc, early[1][1])
 
     def pull(
         self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
@@ -313,12 +356,12 @@ class CudaIpcMover(GpuMover):
         if not 0 <= row < mapped.state_rows.shape[0]:
             raise TransportError(f"exporter named state arena row {row}, outside its arena")
         try:
-            with self.on_device():
+            with self.two_sided.on_device():
                 buf = torch.empty(mapped.state_rows.shape[1], dtype=torch.uint8, device=self.kv_cache.device)
                 buf.copy_(mapped.state_rows[row], non_blocking=True)
                 state = unpack(buf, self.layout, mapped.state_wire)
                 done = None
-                if self.on_cuda:
+                if self.two_sided.on_cuda:
                     done = torch.cuda.Event()
                     done.record()
         except RuntimeError as exc:  # a CUDA error
@@ -339,7 +382,7 @@ class CudaIpcMover(GpuMover):
                 wait_event(done, deadline, f"cuda_ipc copy from {address}")
         except TransferTimeout as exc:  # (a RuntimeError too: before the clause for CUDA's errors)
             self.stats.count("copy_deadline_missed")
-            self.hand_over(exc, done)
+            self.two_sided.hand_over(exc, done)
             raise
         except RuntimeError as exc:
             raise TransportError(f"cuda_ipc copy from {address} failed: {exc}") from exc
@@ -347,11 +390,11 @@ class CudaIpcMover(GpuMover):
     def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> tuple[str, Any]:
         """Queue the copy on our side stream; -> (how it was done, the CUDA event after it or None)."""
         try:
-            with self.on_device():
+            with self.two_sided.on_device():
                 trace.gpu_mark("f.copy_start", self.kv_cache.device)
                 how = copy_blocks(mapped.rows, self.rows, src_ids, into)
                 trace.gpu_mark("f.copy_end", self.kv_cache.device)
-                if not self.on_cuda:
+                if not self.two_sided.on_cuda:
                     return how, None
                 done = torch.cuda.Event()
                 done.record()
@@ -360,11 +403,11 @@ class CudaIpcMover(GpuMover):
             raise TransportError(f"cuda_ipc copy failed: {exc}") from exc
 
     def describe(self) -> dict:
-        out = super().describe()  # GpuMover's fields
+        out = self.two_sided.describe()
         with self._peers_lock:
             peers = [p.describe() for p in self._peers.values()]
         p2p = None
-        if self.on_cuda and torch.cuda.device_count() > 1:
+        if self.two_sided.on_cuda and torch.cuda.device_count() > 1:
             index = self.kv_cache.device.index or 0
             p2p = {
                 str(i): torch.cuda.can_device_access_peer(index, i)

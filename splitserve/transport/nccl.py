@@ -47,7 +47,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -56,11 +56,13 @@ import torch
 import torch.distributed as dist
 
 from splitserve.transport import trace
-from splitserve.transport.channel import KVChannel
+from splitserve.transport.board import LeaseBoard
+from splitserve.transport.channel import Export, KVChannel
 from splitserve.transport.client import SyncChannel, parse_address
 from splitserve.transport.errors import PeerRefused, TransportError
+from splitserve.transport.fault_plan import Fault
 from splitserve.transport.gpu_blocks import consecutive_start, host_id, index_tensor, wide
-from splitserve.transport.gpu_mover import GpuMover
+from splitserve.transport.gpu_two_sided import GpuTwoSided
 from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.nccl_group import (
@@ -71,6 +73,7 @@ from splitserve.transport.nccl_group import (
     sock_gone,
     wait_done,
 )
+from splitserve.transport.payload import snapshot_state
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
 
@@ -85,15 +88,23 @@ ONE_MESSAGE_BYTES = 1 << 30
 WARMUP_BYTE = 0x5A
 
 
-class NcclMover(GpuMover):
+class NcclMover:
     """The blocks over a two-rank NCCL group per connection (the module docstring)."""
 
     backend = "nccl"
     open_op = "nccl_open"
     payload_op = "kv_nccl"
 
+    def __init__(self, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
+        self.cpu_test_double = cpu_test_double
+        self.two_sided = GpuTwoSided(self, kv_cache, cpu_test_double)  # checks the KV cache's device
+
     def bind(self, ch: KVChannel) -> None:
-        super().bind(ch)
+        two_sided = self.two_sided
+        two_sided.bind(ch)
+        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
+        self.stats, self.leases, self.pool = ch.stats, ch.leases, ch.pool
+        self.rows, self.gpu, self.gpu_counts = two_sided.rows, two_sided.gpu, two_sided.gpu_counts
         layout = self.layout
         self.chunk_blocks = max(1, CHUNK_BYTES // layout.block_nbytes)
         self._send_lock = threading.Lock()
@@ -121,11 +132,62 @@ class NcclMover(GpuMover):
             return n
         return self.chunk_blocks
 
+    # -- the mover contract (channel.py), the shared part held in self.two_sided -------------------
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return False  # the state travels as host copies
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Host copies (the engine reuses its slot at once)."""
+        return snapshot_state(self.layout, state)
+
+    def make_board(self) -> LeaseBoard | None:
+        return None  # every fetch asks the exporter
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        return self.two_sided.export(request_id, block_ids, num_tokens, state)
+
+    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
+        return await self.two_sided.serve_op(chan, header)
+
+    async def send_payload(
+        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
+        fault: Fault, deadline: Deadline,
+    ) -> int:  # fmt: skip
+        return await self.two_sided.send_payload(chan, export, block_ids, meta, fault, deadline)
+
+    def fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        return self.two_sided.fetch(handle, into_block_ids, timeout_s)
+
+    # -- GpuTwoSided's hooks (gpu_two_sided.GpuBackend) with nothing to do here --------------------
+    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
+        return None  # nothing starts before the exporter answers
+
+    def settle(self, early: Any, exc: BaseException) -> None:
+        pass
+
+    def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
+        raise TransportError(f"{self.backend}: the exporter named a state arena row, which we cannot read")
+
+    def close(self) -> None:
+        pass
+
     # -- exporter --------------------------------------------------------------------------------
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
         asked = float(header.get("timeout_s", self.options.connect_timeout_s))
         deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
-        if str(header.get("gpu")) == self.gpu and self.on_cuda:
+        if str(header.get("gpu")) == self.gpu and self.two_sided.on_cuda:
             raise PeerRefused(
                 "nccl cannot pair a GPU with itself", [f"gpu: exporter and fetcher both on {self.gpu}"]
             )
@@ -149,7 +211,7 @@ class NcclMover(GpuMover):
         return True
 
     def _warmup_send(self, pair: PairGroup, deadline: Deadline, gone: Callable[[], bool]) -> None:
-        with self._send_lock, self.on_device(after_current=False):
+        with self._send_lock, self.two_sided.on_device(after_current=False):
             byte = torch.full((1,), WARMUP_BYTE, dtype=torch.uint8, device=self.kv_cache.device)
             try:
                 work = pair.group.send([byte], 1, 0)
@@ -175,7 +237,7 @@ class NcclMover(GpuMover):
         loop thread before the answer goes out, so that they are waiting when the fetcher posts its
         receives; the send lock stays held until `push` or `cancel_push`. Else None: `push` does it
         all on a worker thread."""
-        if not self.on_cuda or not self._send_lock.acquire(blocking=False):
+        if not self.two_sided.on_cuda or not self._send_lock.acquire(blocking=False):
             return None
         try:
             return self._enqueue_sends(chan.attached["nccl"], block_ids, self.chunk_for(chan, block_ids))
@@ -211,7 +273,7 @@ class NcclMover(GpuMover):
 
     def _enqueue_sends(self, pair: PairGroup, ids: np.ndarray, per: int) -> list[Any]:
         """Queue the gathers and sends of every chunk; -> the works not waited for yet."""
-        with self.on_device(after_current=False):
+        with self.two_sided.on_device(after_current=False):
             try:
                 works: list[Any] = []
                 waited: set[int] = set()
@@ -247,7 +309,7 @@ class NcclMover(GpuMover):
     def _finish_sends(
         self, pair: PairGroup, works: list[Any], deadline: Deadline, gone: Callable[[], bool]
     ) -> None:
-        with self.on_device(after_current=False):
+        with self.two_sided.on_device(after_current=False):
             try:
                 wait_done(works, pair, self.kv_cache.device, deadline, gone, "nccl send")
             except TransportError:
@@ -265,7 +327,7 @@ class NcclMover(GpuMover):
             answer = expect(chan.recv(deadline)[0], "nccl_rendezvous")
         except PeerRefused as exc:
             raise PeerRefused(f"nccl exporter {handle.address} refused us", exc.mismatches) from exc
-        if str(answer["gpu"]) == self.gpu and self.on_cuda:
+        if str(answer["gpu"]) == self.gpu and self.two_sided.on_cuda:
             raise PeerRefused(
                 "nccl cannot pair a GPU with itself", [f"gpu: exporter and fetcher both on {self.gpu}"]
             )
@@ -281,7 +343,7 @@ class NcclMover(GpuMover):
             raise TransportError(f"nccl rendezvous with {handle.address} failed: {exc}") from exc
         pair = PairGroup(group, store)
         try:
-            with self.on_device():
+            with self.two_sided.on_device():
                 byte = torch.zeros(1, dtype=torch.uint8, device=self.kv_cache.device)
                 work = group.recv([byte], 0, 0)
                 wait_done(
@@ -314,7 +376,7 @@ class NcclMover(GpuMover):
         if per <= 0:
             raise TransportError(f"exporter announced chunks of {per} blocks")
         try:
-            with self.on_device():
+            with self.two_sided.on_device():
                 works, staged = self._recv_chunks(pair, into, per)
                 wait_done(works, pair, self.kv_cache.device, deadline, lambda: not chan.alive(), "nccl recv")
         except TransportError:
@@ -365,7 +427,7 @@ class NcclMover(GpuMover):
         return works, staged
 
     def describe(self) -> dict:
-        out = super().describe()
+        out = self.two_sided.describe()
         calls = sorted(self.send_calls)
         out["nccl"] = {"version": nccl_version(), "chunk_blocks": self.chunk_blocks,
                        "send_calls_ms": round(1e3 * calls[len(calls) // 2], 3) if calls else None,

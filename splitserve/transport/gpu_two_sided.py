@@ -1,5 +1,6 @@
-"""GpuMover: the two-sided fetch the GPU movers share (cuda_ipc.py and nccl.py subclass it; it is no
-backend itself, and neither backend imports the other).
+"""GpuTwoSided: the two-sided fetch the GPU movers share, a component each of them holds (cuda_ipc.py
+and nccl.py: `self.two_sided`); no mover subclasses it or another mover, and neither backend imports the
+other. It calls back its backend's hooks (`GpuBackend`, the contract, a Protocol).
 
 Exporter: a backend's open request sets up the connection ("cuda_ipc_open" / "nccl_open"); each fetch
 then gets {"op": payload_op, block_ids (base64 int32), blocks, checksum, ...} + the state tensors as the
@@ -16,13 +17,12 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from splitserve.transport import trace
-from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import Export, KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import (
@@ -43,7 +43,7 @@ from splitserve.transport.gpu_blocks import (
     kv_rows,
 )
 from splitserve.transport.handle import KVHandle
-from splitserve.transport.payload import ByteStream, empty_state, snapshot_state, source_pieces, state_pieces
+from splitserve.transport.payload import ByteStream, empty_state, source_pieces, state_pieces
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect
 from splitserve.transport.server import AsyncChannel
 
@@ -59,25 +59,82 @@ class NoClose:
     def close(self) -> None: ...
 
 
-class GpuMover:
-    """The blocks moved GPU to GPU under the control channel's leases and auth (the module docstring).
-    A backend sets `backend`, `open_op`, `payload_op` and the hooks below."""
+class GpuBackend(Protocol):
+    """What a GPU mover (cuda_ipc.py, nccl.py) gives the `GpuTwoSided` it holds: its names and the
+    hooks below, each called at one point of the two-sided fetch (the module docstring)."""
 
-    backend: ClassVar[str]
+    backend: str
+    open_op: str
+    payload_op: str
 
-    open_op: ClassVar[str]
-    payload_op: ClassVar[str]
+    async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
+        """Exporter: answer the backend's open request; add `open_op` to chan.notes when done."""
+        ...
 
-    def __init__(self, kv: torch.Tensor, cpu_test_double: bool = False) -> None:
-        """Checks made before the channel exists (a KV on the CPU is a start-up error)."""
-        self.cpu_test_double = cpu_test_double
-        if kv.device.type != "cuda" and not self.cpu_test_double:
+    def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
+        """Exporter: extra fields of the payload header (`chan.notes`/`request_of(chan)` say more)."""
+        ...
+
+    def fetch_fields(self, into: np.ndarray) -> dict:
+        """Fetcher: extra fields of the fetch request."""
+        ...
+
+    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
+        """Fetcher: work that may start as soon as the request is out (before the exporter answers);
+        -> what `pull` and `settle` get."""
+        ...
+
+    def settle(self, early: Any, exc: BaseException) -> None:
+        """Fetcher: a fetch failed with `exc` after `prefetch`: say on `exc` if a copy may still
+        write our blocks (`TransportError.pending`)."""
+        ...
+
+    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray) -> Any:
+        """Exporter, on the server loop: queue what can start before the answer goes out; -> what
+        `push` (or, if the answer cannot be sent, `cancel_push`) gets."""
+        ...
+
+    def cancel_push(self, chan: AsyncChannel, early: Any) -> None:
+        """Exporter: the answer did not go out after `start_push`."""
+        ...
+
+    async def push(self, chan: AsyncChannel, block_ids: np.ndarray, deadline: Deadline, early: Any) -> None:
+        """Exporter: after the header and state went out, send the blocks (if the backend sends)."""
+        ...
+
+    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
+        """Fetcher: the open exchange on a fresh connection; -> what `pull` needs (kept on chan)."""
+        ...
+
+    def pull(
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
+        deadline: Deadline, early: Any,
+    ) -> None:  # fmt: skip
+        """Fetcher: move the blocks into kv_cache[into], synchronized, within the deadline."""
+        ...
+
+    def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
+        """Fetcher: the state of row `row` of the exporter's state arena (queued before `pull`, which
+        waits for our side stream); a backend without an arena raises TransportError."""
+        ...
+
+
+class GpuTwoSided:
+    """The blocks moved GPU to GPU under the control channel's leases and auth (the module docstring):
+    the part cuda_ipc and nccl share, held by each (`mover.two_sided`), never subclassed. It calls its
+    backend's hooks (`GpuBackend`) and keeps what both need: the device, a side stream, the counters."""
+
+    def __init__(self, backend: GpuBackend, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
+        """Checks made before the channel exists (a KV cache on the CPU is a start-up error)."""
+        self.hooks = backend
+        self.backend, self.open_op, self.payload_op = backend.backend, backend.open_op, backend.payload_op
+        if kv_cache.device.type != "cuda" and not cpu_test_double:
             raise BackendUnavailable(
                 f"{self.backend} moves KV from GPU to GPU: it needs the KV cache on a CUDA device, "
-                f"and this worker's is on {kv.device}"
+                f"and this worker's is on {kv_cache.device}"
             )
-        if not kv.is_contiguous():
-            raise ValueError(f"{self.backend}: the KV tensor must be contiguous")
+        if not kv_cache.is_contiguous():
+            raise ValueError(f"{self.backend}: the KV cache tensor must be contiguous")
 
     def bind(self, ch: KVChannel) -> None:
         self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
@@ -124,75 +181,12 @@ class GpuMover:
             exc.pending = done  # type: ignore[attr-defined]
             self.stats.count("late_copies_handed_over")
 
-    # -- the channel's defaults -------------------------------------------------------------------
-    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
-        return False  # the state travels as host copies (cuda_ipc: or through its arena)
-
-    def make_board(self) -> LeaseBoard | None:
-        return None
-
-    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """Host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.layout, state)
-
-    def close(self) -> None:
-        pass
-
-    # -- backend hooks -----------------------------------------------------------------------------
-    async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
-        """Exporter: answer the backend's open request; add `open_op` to chan.notes when done."""
-        raise NotImplementedError
-
-    def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
-        """Exporter: extra fields of the payload header (`chan.notes`/`request_of(chan)` say more)."""
-        return {}
-
-    def fetch_fields(self, into: np.ndarray) -> dict:
-        """Fetcher: extra fields of the fetch request."""
-        return {}
-
-    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
-        """Fetcher: work that may start as soon as the request is out (before the exporter answers);
-        -> what `pull` and `settle` get."""
-        return None
-
-    def settle(self, early: Any, exc: BaseException) -> None:
-        """Fetcher: a fetch failed with `exc` after `prefetch`: say on `exc` if a copy may still
-        write our blocks (`TransportError.pending`)."""
-
-    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray) -> Any:
-        """Exporter, on the server loop: queue what can start before the answer goes out; -> what
-        `push` (or, if the answer cannot be sent, `cancel_push`) gets."""
-        return None
-
-    def cancel_push(self, chan: AsyncChannel, early: Any) -> None:
-        """Exporter: the answer did not go out after `start_push`."""
-
-    async def push(self, chan: AsyncChannel, block_ids: np.ndarray, deadline: Deadline, early: Any) -> None:
-        """Exporter: after the header and state went out, send the blocks (if the backend sends)."""
-
-    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
-        """Fetcher: the open exchange on a fresh connection; -> what `pull` needs (kept on chan)."""
-        raise NotImplementedError
-
-    def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
-        deadline: Deadline, early: Any,
-    ) -> None:  # fmt: skip
-        """Fetcher: move the blocks into kv[into], synchronized, within the deadline."""
-        raise NotImplementedError
-
-    def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
-        """Fetcher: the state of row `row` of the exporter's state arena (queued before `pull`, which
-        waits for our side stream)."""
-        raise TransportError(f"{self.backend}: the exporter named a state arena row, which we cannot read")
-
     def check_ids(self, block_ids: Sequence[int], what: str) -> tuple[int, ...]:
         ids = as_ids(block_ids)  # vectorized: a request can have thousands of blocks
         check_ids(ids, self.kv_cache.shape[0], what)
         return tuple(ids.tolist())
 
-    def _check_into(self, handle: KVHandle, into_block_ids: Sequence[int]) -> np.ndarray:
+    def check_into(self, handle: KVHandle, into_block_ids: Sequence[int]) -> np.ndarray:
         """KVChannel.check_fetch, on arrays."""
         if handle.backend != self.backend:
             diff = f"backend: ours {self.backend}, peer {handle.backend}"
@@ -220,7 +214,7 @@ class GpuMover:
         if header["op"] != self.open_op:
             return None  # the channel's
         try:
-            return await self.serve_open(chan, header)
+            return await self.hooks.serve_open(chan, header)
         except PeerRefused as exc:
             self.stats.error(exc)
             log.warning("kv %s exporter refused %s: %s", self.backend, chan.peer, exc)
@@ -244,21 +238,21 @@ class GpuMover:
             ids = np.roll(ids, -1)  # the wrong blocks in each place: the checksum must notice
         in_row = export.state_row is not None  # the state waits in the arena: the fetcher copies it
         state = ByteStream([] if in_row else state_pieces(export.state, self.layout))
-        early = self.start_push(chan, ids)
+        early = self.hooks.start_push(chan, ids)
         trace.mark("e.queued")
         try:
-            fields = self.payload_fields(chan, ids)
+            fields = self.hooks.payload_fields(chan, ids)
             header = {"op": self.payload_op, **meta, "block_ids": ids_to_wire(ids), **fields}
             if in_row:
                 header["state_row"] = export.state_row
             await chan.send(header, deadline, state.nbytes)
             await chan.send_stream(state, deadline)
         except BaseException:
-            self.cancel_push(chan, early)
+            self.hooks.cancel_push(chan, early)
             raise
         answered = time.perf_counter()
         trace.mark("e.answered")
-        await self.push(chan, ids, deadline, early)
+        await self.hooks.push(chan, ids, deadline, early)
         pushed = time.perf_counter()
         trace.mark("e.pushed")
         expect(await chan.recv(deadline), "done")
@@ -274,7 +268,7 @@ class GpuMover:
         timeout_s: float | None = None,
         into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        into = self._check_into(handle, into_block_ids)
+        into = self.check_into(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         state = empty_state(self.layout)
         body = ByteStream(state_pieces(state, self.layout))
@@ -285,13 +279,13 @@ class GpuMover:
                     raise PeerRefused(f"handle {handle.request_id} was made for another layout")
                 attached = chan.attached.get(self.backend)
                 if attached is None:
-                    attached = chan.attached[self.backend] = self.attach(chan, handle, deadline)
+                    attached = chan.attached[self.backend] = self.hooks.attach(chan, handle, deadline)
                 request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
-                request.update(self.fetch_fields(into), timeout_s=deadline.remaining("fetch"))
+                request.update(self.hooks.fetch_fields(into), timeout_s=deadline.remaining("fetch"))
                 sent = time.perf_counter()
                 trace.mark("f.request")
                 chan.send(request, deadline)
-                early = self.prefetch(attached, handle, into)
+                early = self.hooks.prefetch(attached, handle, into)
                 try:
                     header, body_nbytes = chan.recv(deadline)
                     answered = time.perf_counter()
@@ -304,18 +298,18 @@ class GpuMover:
                             f"exporter sends {body_nbytes} bytes of state, we expect {body.nbytes}"
                         )
                     if in_row:  # on the exporter's GPU: copied with the blocks
-                        state = self.pull_state(attached, int(meta["state_row"]), deadline)
+                        state = self.hooks.pull_state(attached, int(meta["state_row"]), deadline)
                     else:
                         chan.recv_stream(body, deadline)
-                    self.pull(chan, attached, meta, src_ids, into, deadline, early)
+                    self.hooks.pull(chan, attached, meta, src_ids, into, deadline, early)
                     pulled = time.perf_counter()
                     trace.mark("f.pulled")
                 except BaseException as exc:
-                    self.settle(early, exc)
+                    self.hooks.settle(early, exc)
                     raise
                 deadline.remaining("copy out of the exporter's KV")  # past it the exporter may unpin
                 chan.send({"op": "done"}, deadline)
-            self._verify_blocks(handle, meta, into, state)
+            self.verify_blocks(handle, meta, into, state)
         except TransportError as exc:
             self.stats.error(exc)
             raise
@@ -335,7 +329,7 @@ class GpuMover:
             raise TransportError(f"exporter names {ids.size} blocks, the handle has {n}")
         return ids
 
-    def _verify_blocks(self, handle: KVHandle, meta: dict, into: np.ndarray, state: dict) -> None:
+    def verify_blocks(self, handle: KVHandle, meta: dict, into: np.ndarray, state: dict) -> None:
         expected = handle.checksum or meta.get("checksum")
         if not expected:
             return
