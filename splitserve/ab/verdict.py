@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from splitserve.bench.metrics import bootstrap_ratio, distserve_goodput
+from splitserve.ab.metrics import bootstrap_ratio, distserve_goodput
 
 TRANSFER_SHARE = 0.20  # KV transfer share of TTFT above which a loss is put down to transfer overhead
 MIN_GOOD = 3  # a side with no good request beats one with at least this many, at a rate

@@ -37,8 +37,8 @@ from dataclasses import replace
 
 import httpx
 
-from splitserve.bench.drive import ClientOptions, RequestResult, chains, drive, send_one
-from splitserve.bench.workload import BenchRequest
+from splitserve.ab.drive import ClientOptions, RequestResult, chains, drive, send_one
+from splitserve.ab.workload import BenchRequest
 
 # What httpx imports on a process's first request (~15 ms that would land on each process's first TTFT):
 # imported here, so by the forkserver once (each client process a fork of it) or by a spawned one before

@@ -23,10 +23,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from splitserve.bench.metrics import SLO
-from splitserve.bench.runner import RunOptions, Target, run_targets
-from splitserve.bench.verdict import VerdictConfig, decide, rules_text
-from splitserve.bench.workload import WORKLOADS, LengthDist, WorkloadSpec, at_rate, sweep_traces, write_trace
+from splitserve.ab.metrics import SLO
+from splitserve.ab.runner import RunOptions, Target, run_targets
+from splitserve.ab.verdict import VerdictConfig, decide, rules_text
+from splitserve.ab.workload import WORKLOADS, LengthDist, WorkloadSpec, at_rate, sweep_traces, write_trace
 
 GATE_NOT_RUN = {
     "status": "gate not run",
@@ -335,7 +335,7 @@ def _gate_summary(args: argparse.Namespace, targets: list[dict]) -> dict:
 
 
 def _write(out: Path, report: dict) -> int:
-    from splitserve.bench import report as rep
+    from splitserve.ab import report as rep
 
     plots = rep.write_plots(out, report)
     rep.write_json(out, report)

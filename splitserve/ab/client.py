@@ -1,7 +1,7 @@
 """The load client: drive a trace at one OpenAI-compatible endpoint, streaming, and time every chunk.
 
-`run_trace` is the entry point: on this event loop (`splitserve.bench.drive`, which says what is timed and
-how) or, with `ClientOptions.procs` > 1, spread over processes (splitserve.bench.procs), each driving its
+`run_trace` is the entry point: on this event loop (`splitserve.ab.drive`, which says what is timed and
+how) or, with `ClientOptions.procs` > 1, spread over processes (splitserve.ab.procs), each driving its
 share on its own event loop against one shared start time. Both import from `drive`, none from here.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import httpx
 
-from splitserve.bench.drive import (
+from splitserve.ab.drive import (
     _PARSE,
     ClientOptions,
     RequestResult,
@@ -21,8 +21,8 @@ from splitserve.bench.drive import (
     drive,
     send_one,
 )
-from splitserve.bench.procs import client_procs, run_procs
-from splitserve.bench.workload import BenchRequest
+from splitserve.ab.procs import client_procs, run_procs
+from splitserve.ab.workload import BenchRequest
 
 
 async def run_trace(
@@ -36,7 +36,7 @@ async def run_trace(
     """Send `trace` (arrival offsets set) and wait for every answer. Returns the results in trace
     order and the run's duration: first send scheduled to last answer, as vLLM's benchmark_duration.
     With `opts.procs` > 1 (None: as many as the load needs) the trace is spread over client processes
-    (splitserve.bench.procs); a `transport` (a mock) works in this process only. `stats`, if given,
+    (splitserve.ab.procs); a `transport` (a mock) works in this process only. `stats`, if given,
     gets `procs` (how many ran) and `child_cpu_s` (their CPU seconds: this process's are not in it)."""
     n = 1 if transport is not None and opts.procs is None else client_procs(trace, opts)
     if stats is not None:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from splitserve.bench.client import RequestResult
-from splitserve.bench.metrics import (
+from splitserve.ab.client import RequestResult
+from splitserve.ab.metrics import (
     SLO,
     bootstrap_ratio,
     cost_per_accepted,

@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from splitserve.bench import plots
-from splitserve.bench.plots import rate_label
+from splitserve.ab import plots
+from splitserve.ab.plots import rate_label
 
 DEFINITIONS = [
     ("TTFT", "first streamed chunk with a choice minus the request's send time (client side)"),

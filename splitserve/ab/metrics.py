@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from splitserve.bench.client import RequestResult
+from splitserve.ab.client import RequestResult
 
 PERCENTILES = (50, 90, 95, 99)
 

@@ -25,8 +25,8 @@ every line read in one network read gets that read's arrival time, and a token c
 byte search (`_quick`), not a JSON parse; only a chunk that may carry usage or an error, or that the search
 cannot be sure of, is parsed in full.
 
-This module drives a trace on one event loop (`drive`); `splitserve.bench.client.run_trace` is the entry
-point, which spreads a trace over processes (splitserve.bench.procs) when `ClientOptions.procs` > 1.
+This module drives a trace on one event loop (`drive`); `splitserve.ab.client.run_trace` is the entry
+point, which spreads a trace over processes (splitserve.ab.procs) when `ClientOptions.procs` > 1.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from splitserve.bench.workload import BenchRequest
+from splitserve.ab.workload import BenchRequest
 
 _HEADER_PREFIX = "x-splitserve-ttft-"
 
@@ -79,7 +79,7 @@ class ClientOptions:
     timeout_s: float = 600.0
     max_concurrency: int | None = None
     extra_body: dict | None = None  # more fields for every request body (as vLLM's --extra-body)
-    procs: int | None = 1  # client processes (splitserve.bench.procs); None: enough for the load
+    procs: int | None = 1  # client processes (splitserve.ab.procs); None: enough for the load
 
 
 def _payload(req: BenchRequest, opts: ClientOptions) -> dict:

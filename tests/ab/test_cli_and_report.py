@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitserve.bench import report as rep
-from splitserve.bench.verdict import VerdictConfig, decide, rules_text
+from splitserve.ab import report as rep
+from splitserve.ab.verdict import VerdictConfig, decide, rules_text
 from splitserve.cli import main
 
 RATES = (0.5, 1.0, 2.0)

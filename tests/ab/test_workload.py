@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from splitserve.bench.workload import (
+from splitserve.ab.workload import (
     LengthDist,
     WorkloadSpec,
     arrival_offsets,

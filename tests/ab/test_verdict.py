@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from splitserve.bench.verdict import VerdictConfig, decide, rules_text
+from splitserve.ab.verdict import VerdictConfig, decide, rules_text
 
 CFG = VerdictConfig(margin=0.10, attainment_target=0.9)
 

@@ -10,10 +10,10 @@ import math
 import httpx
 import pytest
 
-from splitserve.bench.client import ClientOptions, run_trace
-from splitserve.bench.runner import manifest_hardware, url_hardware
-from splitserve.bench.scrape import UtilSampler, delta, parse_metrics, server_breakdown, workers
-from splitserve.bench.workload import BenchRequest
+from splitserve.ab.client import ClientOptions, run_trace
+from splitserve.ab.runner import manifest_hardware, url_hardware
+from splitserve.ab.scrape import UtilSampler, delta, parse_metrics, server_breakdown, workers
+from splitserve.ab.workload import BenchRequest
 from splitserve.config.manifest import load_manifest
 from splitserve.serve.metrics import RouterMetrics
 
@@ -204,8 +204,8 @@ def test_connection_refused_is_a_failure_kind():
 
 
 def test_interleaved_targets_alternate_by_rate(monkeypatch):
-    from splitserve.bench import runner
-    from splitserve.bench.metrics import SLO
+    from splitserve.ab import runner
+    from splitserve.ab.metrics import SLO
 
     calls = []
     monkeypatch.setattr(
