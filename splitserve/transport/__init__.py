@@ -1,7 +1,9 @@
-"""KV transfer between workers: export / fetch / release of a request's KV blocks (and state).
+"""The transport layer of KV transfer: export / fetch / release of a request's KV blocks (and state)
+between workers. The engine's side of the feature is engine/kv_transfer*.py and engine/kv_connector.py
+(the names: docs/architecture.md, "Names").
 
-Nothing here depends on the engine: a transport moves the blocks of a plain block-major tensor
-`kv[num_blocks, layers, 2, block_size, kv_heads, head_dim]`. See transport.py for the life of a
+Nothing here depends on the engine: a transport moves the blocks of a plain block-major KV cache tensor
+`kv_cache[num_blocks, layers, 2, block_size, kv_heads, head_dim]`. See transport.py for the life of a
 request's KV and the contract, channel.py for the one transport (a control channel holding a payload
 mover per backend: tcp.py, shm.py, cuda_ipc.py, nccl.py, nixl.py), protocol.py for the wire, and
 backends.py for what each backend needs. A prefill worker that exports over shm should allocate its
