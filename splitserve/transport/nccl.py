@@ -170,6 +170,9 @@ class NcclMover:
     ) -> dict[str, torch.Tensor]:
         return self.two_sided.fetch(handle, into_block_ids, timeout_s)
 
+    def close(self) -> None:
+        pass
+
     # -- GpuTwoSided's hooks (gpu_two_sided.GpuBackend) with nothing to do here --------------------
     def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
         return None  # nothing starts before the exporter answers
@@ -179,9 +182,6 @@ class NcclMover:
 
     def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
         raise TransportError(f"{self.backend}: the exporter named a state arena row, which we cannot read")
-
-    def close(self) -> None:
-        pass
 
     # -- exporter --------------------------------------------------------------------------------
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
