@@ -37,7 +37,7 @@ def test_the_bodies_carrying_it_are_typed() -> None:
     again = PrefillResponse.model_validate_json(wire.model_dump_json())
     assert again.kv_export is not None and again.kv_export.handle.block_ids == [3, 4, 9]
     body = DecodeRequest(prompt_token_ids=[1, 2], first_token=7, kv_export=again.kv_export)
-    assert DecodeRequest.model_validate_json(body.model_dump_json()).kv_cache == again.kv_export
+    assert DecodeRequest.model_validate_json(body.model_dump_json()).kv_export == again.kv_export
 
 
 @pytest.mark.parametrize(
