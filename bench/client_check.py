@@ -8,7 +8,7 @@ parallel `curl -N` processes (a C client), against one running server, with the 
 N requests, all sent at once: POST /v1/completions, streamed with `stream_options.include_usage`, a
 prompt of seeded random token ids (distinct per request), greedy, `ignore_eos`, a fixed `max_tokens`, so
 every request makes exactly max_tokens tokens whichever client sends it. curl: one `curl -sS -N` process
-per request (splitserve/bench/curl_load.py: each started first and handed its body at once, so the
+per request (splitserve/ab/curl_load.py: each started first and handed its body at once, so the
 clock does not time process creation; its stream written to a file), wall time to the last exit,
 tokens from each stream's usage chunk. The bench client:
 `run_trace` on the same kind of trace, its duration (the shared start to the last answer), tokens from
@@ -29,9 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitserve.bench import curl_load  # noqa: E402
-from splitserve.bench.client import ClientOptions, run_trace  # noqa: E402
-from splitserve.bench.workload import BenchRequest  # noqa: E402
+from splitserve.ab import curl_load  # noqa: E402
+from splitserve.ab.client import ClientOptions, run_trace  # noqa: E402
+from splitserve.ab.workload import BenchRequest  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: tuple[int, int], seed: int) -> list[list[int]]:
@@ -40,7 +40,7 @@ def prompts(n: int, length: int, vocab: tuple[int, int], seed: int) -> list[list
 
 
 def run_curl(url: str, model: str, ps: list[list[int]], max_tokens: int) -> dict:
-    """One `curl -N` process per request (splitserve.bench.curl_load), all started first."""
+    """One `curl -N` process per request (splitserve.ab.curl_load), all started first."""
     run = curl_load.run_curl(url, [curl_load.completion_body(model, p, max_tokens) for p in ps])
     run.pop("ttfb_s")
     return {"client": "curl", **run}

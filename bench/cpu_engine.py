@@ -199,7 +199,9 @@ def main() -> int:
         attn.cpu_kernel = True
 
     print(f"\ndecode, context ~{args.prompt_len}, greedy ({args.steps} steps a row):")
-    kv_token = engine.kv[0, :, :, 0].numel() * engine.kv.element_size()  # K and V of one token, all layers
+    kv_token = (
+        engine.kv_cache[0, :, :, 0].numel() * engine.kv_cache.element_size()
+    )  # K and V of one token, all layers
     print(f"(roofline: fp32 weights {wbytes / 1e6:.0f} MB + batch x context x {kv_token / 1e3:.1f} kB of KV "
           "read once a step, at the read bandwidth)")  # fmt: skip
     print("| batch | path | ms/step (ITL) | tok/s | share of the fp32 roofline | vs baseline |")

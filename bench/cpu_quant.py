@@ -62,7 +62,7 @@ def teacher_forced(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     chunk = PrefillChunk(0, t, t, torch.arange(-(-t // bs)))
     meta = AttentionMetadata(torch.arange(t), 0, (), (chunk,))
     model = engine.loaded.model
-    ctx = ForwardContext(engine.runner.attn, meta, engine.kv, engine.runner.states)
+    ctx = ForwardContext(engine.runner.attn, meta, engine.kv_cache, engine.runner.states)
     return model.compute_logits(model(torch.tensor(ids), torch.arange(t), ctx))
 
 

@@ -45,10 +45,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-from splitserve.kv import BackendUnavailable, KVHandle, KVLayout, TransportOptions, make_transport  # noqa: E402
-from splitserve.kv.nixl_agent import load_nixl  # noqa: E402
-from splitserve.kv.payload import tensor_bytes  # noqa: E402
-from splitserve.kv.shm import allocate_shared_kv  # noqa: E402
+from splitserve.transport import BackendUnavailable, KVHandle, KVLayout, TransportOptions, make_transport  # noqa: E402
+from splitserve.transport.nixl_agent import load_nixl  # noqa: E402
+from splitserve.transport.payload import tensor_bytes  # noqa: E402
+from splitserve.transport.shm import allocate_shared_kv  # noqa: E402
 
 TRANSPORTS = {"tcp": "raw_socket", "shm staged": "memcpy", "shm direct": "memcpy", "nixl": "raw_socket"}
 GOALS = {"tcp": 0.70, "shm staged": 0.50, "shm direct": 0.50, "nixl": 0.70}
@@ -72,7 +72,7 @@ class Setup:
             "bench", self.dtype, self.block_size, self.num_layers, self.num_kv_heads, self.head_dim
         )
 
-    def kv(self, shared: bool = False) -> torch.Tensor:
+    def kv_cache(self, shared: bool = False) -> torch.Tensor:
         shape = (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         dtype = getattr(torch, self.dtype)
         return allocate_shared_kv(shape, dtype) if shared else torch.empty(shape, dtype=dtype)
@@ -93,7 +93,7 @@ class Setup:
 # -- the exporter process -------------------------------------------------------------------------
 def exporter_main(conn, setup_dict: dict) -> None:
     setup = Setup(**setup_dict)
-    private, shared = setup.kv(), setup.kv(shared=True)
+    private, shared = setup.kv_cache(), setup.kv_cache(shared=True)
     raw, rng = tensor_bytes(shared), np.random.default_rng(0)
     for start in range(0, raw.nbytes, 64 << 20):  # random bytes; touches every page
         chunk = raw[start : start + (64 << 20)]
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> dict:
     block = setup.layout().block_nbytes
     sizes = [mb << 20 for mb in size_ladder(args.max_mb)]
     exporter = Exporter(setup)
-    kv = setup.kv()  # one fetcher cache shared by the fetcher transports (they run one at a time)
+    kv = setup.kv_cache()  # one fetcher cache shared by the fetcher transports (they run one at a time)
     dst, src = tensor_bytes(kv), np.ones(sizes[-1], dtype=np.uint8)
     dst.fill(0)  # touch the pages, as in a running engine
     by_backend = {

@@ -23,7 +23,7 @@ Goals: >= 85% of the raw copy on payloads >= 64 MiB; prompt KV transfer <= 5% of
 
     python bench/kv_transfer_gpu.py                       # needs 2 GPUs; ~3 GiB of each
     python bench/kv_transfer_gpu.py --max-mb 256 --skip-prefill --json /tmp/kv_gpu.json
-    python bench/kv_transfer_gpu.py --trace               # + each row's fetch timelines (kv/trace.py)
+    python bench/kv_transfer_gpu.py --trace               # + each row's fetch timelines (transport/trace.py)
     python bench/kv_transfer_gpu.py --sweep-ce            # + copy-engine copies by hand, 1-8 streams
     python bench/kv_transfer_gpu.py --same-gpu            # one GPU: a smoke test of cuda_ipc's path
 """
@@ -44,8 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-import splitserve.kv.gpu_blocks as gpu_blocks  # noqa: E402
-from splitserve.kv import KVHandle, KVLayout, TransportOptions, make_transport, trace  # noqa: E402
+import splitserve.transport.gpu_blocks as gpu_blocks  # noqa: E402
+from splitserve.transport import KVHandle, KVLayout, TransportOptions, make_transport, trace  # noqa: E402
 
 BACKENDS = ("cuda_ipc", "nccl")
 FETCH = "cuda:1"  # the fetcher's GPU; --same-gpu: cuda:0 (a smoke test on one GPU: cuda_ipc only)
@@ -109,7 +109,7 @@ def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str, tracin
             out = {}
             for b in BACKENDS:
                 out[b] = transports[args[0], b].describe().get("serve_phases_ms")
-                transports[args[0], b].mover.serve_phases.clear()
+                transports[args[0], b].mover.two_sided.serve_phases.clear()
             conn.send(out)
         elif cmd == "trace":
             conn.send(trace.events())
@@ -141,7 +141,7 @@ def nccl_raw_side(rank: int, port: int, prefix: str, sizes: list[int], reps: int
 
     import torch.distributed as dist
 
-    from splitserve.kv.nccl_group import make_group
+    from splitserve.transport.nccl_group import make_group
 
     device = torch.device("cuda", rank)
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=120), False)
@@ -233,12 +233,14 @@ class Fetchers:
 
     def __init__(self, caches: dict[str, tuple[dict, int]], raw_bytes: int) -> None:
         self.caches = caches
-        self.kv = {
+        self.kv_cache = {
             name: torch.zeros(kv_shape(shape, n), dtype=torch.bfloat16, device=FETCH)
             for name, (shape, n) in caches.items()
         }
         self.t = {
-            (name, b): make_transport(b, self.kv[name], layout_of(shape), secret=SECRET, options=options())
+            (name, b): make_transport(
+                b, self.kv_cache[name], layout_of(shape), secret=SECRET, options=options()
+            )
             for name, (shape, _) in caches.items()
             for b in BACKENDS
         }
@@ -290,7 +292,7 @@ def measure(
         runs["cuda_ipc/kernel"] = lambda: fetch_forced(ipc, handles["cuda_ipc"], into, KERNEL)
     runs["raw_copy"] = lambda: fetchers.raw_copy(n * block)
     for b in BACKENDS:
-        fetchers.t[name, b].mover.phases.clear()
+        fetchers.t[name, b].mover.two_sided.phases.clear()
     exporter.call("phases", name)
     try:
         times = alternate(runs, reps)
@@ -303,7 +305,7 @@ def measure(
             check = {}
             for b in BACKENDS:
                 fetchers.t[name, b].fetch(handles[b], into)
-                check[b] = digest(fetchers.kv[name], into) == want
+                check[b] = digest(fetchers.kv_cache[name], into) == want
     finally:
         for b, h in handles.items():
             exporter.call("release", name, b, h.to_dict())
@@ -324,7 +326,7 @@ def measure(
 def traced(
     exporter: Exporter, fetchers: Fetchers, name: str, handles: dict, into: list[int], reps: int = 3
 ) -> dict:
-    """`--trace`: a few more fetches per backend with both processes' marks (splitserve/kv/trace.py)
+    """`--trace`: a few more fetches per backend with both processes' marks (splitserve/transport/trace.py)
     merged into one timeline each: [(ms since the fetch began, "F|E label")]."""
     out: dict[str, list] = {}
     for b in BACKENDS:
@@ -638,7 +640,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-kernel", action="store_true", help="time cuda_ipc's block-copy kernel shapes")
     p.add_argument("--sweep-ce", action="store_true", help="time copies over the copy engines by hand")
     p.add_argument("--same-gpu", action="store_true", help="smoke test on one GPU: cuda_ipc, both on cuda:0")
-    p.add_argument("--trace", action="store_true", help="print timelines of a few fetches (kv/trace.py)")
+    p.add_argument(
+        "--trace", action="store_true", help="print timelines of a few fetches (transport/trace.py)"
+    )
     p.add_argument("--json", help="where to write the results (default: $OUT or bench/results)")
     args = p.parse_args(argv)
     trace.ON = trace.ON or args.trace

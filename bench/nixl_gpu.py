@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-from splitserve.kv import KVHandle, KVLayout, TransportOptions, make_transport  # noqa: E402
+from splitserve.transport import KVHandle, KVLayout, TransportOptions, make_transport  # noqa: E402
 
 SECRET = os.environ.get("SPLITSERVE_KV_SECRET") or os.urandom(16).hex()
 SMALL = {"num_layers": 16, "num_kv_heads": 4, "head_dim": 64, "block_size": 16}  # 256 KiB blocks
@@ -57,7 +57,7 @@ class Setup:
             "bench-nixl", "bfloat16", s["block_size"], s["num_layers"], s["num_kv_heads"], s["head_dim"]
         )
 
-    def kv(self) -> torch.Tensor:
+    def kv_cache(self) -> torch.Tensor:
         s = self.shape
         shape = (self.num_blocks, s["num_layers"], 2, s["block_size"], s["num_kv_heads"], s["head_dim"])
         return torch.empty(shape, dtype=torch.bfloat16, device=self.device)
@@ -68,7 +68,7 @@ class Setup:
 
 def exporter_main(conn, setup_dict: dict) -> None:
     setup = Setup(**setup_dict)
-    kv = setup.kv()
+    kv = setup.kv_cache()
     kv.view(torch.uint8).random_(0, 256)  # random bytes, every page touched
     t = make_transport("nixl", kv, setup.layout(), secret=setup.secret, options=setup.options())
     conn.send(("ready", t.describe()["nixl"]))
@@ -120,7 +120,7 @@ def run_shape(setup: Setup, sizes_blocks: list[int], reps: int) -> list[dict]:
         proc.join(5)
         raise SystemExit(died.format(proc.exitcode)) from None
     assert status == "ready"
-    kv = setup.kv()
+    kv = setup.kv_cache()
     kv.zero_()
     fetcher = make_transport("nixl", kv, setup.layout(), secret=setup.secret, options=setup.options())
     block = setup.layout().block_nbytes

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitserve.bench.curl_load import completion_body, run_curl  # noqa: E402
+from splitserve.ab.curl_load import completion_body, run_curl  # noqa: E402
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

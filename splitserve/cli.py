@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="show a model's architecture and where it was found")
     models.add_argument("--model", default=None)
     add_serve_parser(sub)
-    from splitserve.bench.cli import add_parser as add_bench_parser
+    from splitserve.ab.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     render = sub.add_parser("render", help="render a manifest for another platform (kuberay: a RayService)")
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "bench":
-            from splitserve.bench.cli import run as run_bench
+            from splitserve.ab.cli import run as run_bench
 
             return run_bench(args)
         if args.command == "verify":

@@ -144,11 +144,11 @@ def _describe(component: frozenset[str], graph: dict[str, set[str]]) -> str:
 def test_the_graph_sees_the_imports():
     # a sanity check of the parser: known edges of each kind are found
     edges = dict.fromkeys(MODULES, None)
-    assert "splitserve.kv.channel" in edges and "splitserve" in edges
+    assert "splitserve.transport.channel" in edges and "splitserve" in edges
     runtime = _graph(with_type_only=False)
-    assert "splitserve.kv.channel" in runtime["splitserve.kv.tcp"]  # module level
+    assert "splitserve.transport.channel" in runtime["splitserve.transport.tcp"]  # module level
     assert "splitserve.serve.worker_app" in runtime["splitserve.serve.worker"]  # inside a function
-    assert "splitserve.engine.engine" in _graph(with_type_only=True)["splitserve.engine.disagg"]
+    assert "splitserve.engine.engine" in _graph(with_type_only=True)["splitserve.engine.kv_connector"]
 
 
 def test_no_import_cycles_at_run_time():

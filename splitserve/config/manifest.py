@@ -157,7 +157,7 @@ class EngineSection(_Section):
         return self
 
 
-# Engine fields that fix the KV cache's layout (kv/layout.py): a prefill and a decode worker must agree
+# Engine fields that fix the KV cache's layout (transport/layout.py): a prefill and a decode worker must agree
 # on them or the transfer refuses the connection, so a pool's `engine` may not override them.
 LAYOUT_FIELDS = ("block_size",)
 _BUDGET_FIELDS = ("kv_cache_mb", "memory_utilization")  # one choice: a pool that gives one drops the other

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
-from splitserve.engine.kv_manager import KVManager
 from splitserve.engine.prefill_graphs import graph_tokens
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.scheduler import Scheduler
@@ -57,7 +57,9 @@ class EngineParts:
     max_model_len: int
     tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
-    kv: torch.Tensor  # the KV cache: [num_blocks (+1 scratch with graphs), layers, 2, block, heads, dim]
+    kv_cache: (
+        torch.Tensor
+    )  # the KV cache: [num_blocks (+1 scratch with graphs), layers, 2, block, heads, dim]
     states: StatePool
     pool: BlockPool
     scheduler: Scheduler
@@ -121,7 +123,9 @@ def build(
         prefix_caching = checkpoints.enabled
     pool = BlockPool(num_blocks, prefix_caching)
     scheduler = Scheduler(
-        KVManager(pool, block_size, states, checkpoints), config.max_num_seqs, config.max_num_batched_tokens
+        BlockManager(pool, block_size, states, checkpoints),
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
     )
     runner = ModelRunner(loaded.model, kv, attn, block_size, states.states)
     graph_capture_s = 0.0

@@ -135,12 +135,12 @@ def allocate_kv_cache(
 ) -> torch.Tensor:
     """A zero-filled KV tensor. On CPU the zeros come from calloc, so pages are touched lazily
     (torch.zeros would write every byte up front: seconds for a few GiB). `shared` (CPU): in a memfd,
-    so that shm KV fetchers can map it and copy blocks straight out (kv/shm_direct.py; also lazy).
+    so that shm KV fetchers can map it and copy blocks straight out (transport/shm_direct.py; also lazy).
 
     NOTE: it must be zeros, not garbage: attention masks padded slots to weight 0, and 0 * NaN is NaN.
     """
     if shared and device.type == "cpu":
-        from splitserve.kv.shm_direct import allocate_shared_kv
+        from splitserve.transport.shm_direct import allocate_shared_kv
 
         return allocate_shared_kv(shape, dtype)
     if device.type != "cpu":

@@ -6,10 +6,11 @@ conditions, cache full blocks, free finished requests -> return outputs for requ
 Overlapped steps (`async_scheduling`, on by default on CUDA; overlap.py): in steady decode step N+1
 is launched with step N's tokens still on the device, and N's tokens are read while N+1 runs.
 
-KV transfer (prefill/decode disaggregation) goes through hooks the engine owns: kv_connector.py (the
-contract), kv_transfer.py (the engine's side: `add_request(..., kv_transfer="export")`, `import_request`,
-`add_request_with_kv`), disagg.py (the connector over a transport). The connector's messages come off
-the engine's inbox at the start of each `step()` (or `free_released_kv()`).
+KV transfer (what disaggregated serving is built on) goes through hooks the engine owns:
+kv_transfer_hooks.py (the contract), kv_transfer.py (the engine's side: `add_request(...,
+kv_transfer="export")`, `import_request`, `add_request_with_kv`), kv_connector.py (`KVConnector`: the
+hooks over a transport). The connector's messages come off the engine's inbox at the start of each
+`step()` (or `free_released_kv()`).
 
 Constrained requests (`SamplingParams.grammar`, grammar.py) wait outside the scheduler while their
 grammar compiles on a thread, are masked by it in the sampler and advance their matcher with each token.
@@ -26,10 +27,10 @@ from typing import TYPE_CHECKING
 
 from splitserve.engine.builder import build
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.disagg_types import ImportSpec
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.intake import RequestFactory
 from splitserve.engine.kv_transfer import BlockLease, ImportOutcome, KVTransfers
+from splitserve.engine.kv_transfer_types import ImportSpec
 from splitserve.engine.overlap import OverlappedSteps, _Inflight
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, output_of
@@ -43,8 +44,8 @@ from splitserve.model.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from splitserve.engine.kv_connector import KVConnectorBase
-    from splitserve.kv.handle import KVHandle
+    from splitserve.engine.kv_transfer_hooks import KVConnectorBase
+    from splitserve.transport.handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,11 @@ class LLMEngine(OverlappedSteps):
         self.model_config, self.max_model_len = p.loaded.config, p.max_model_len
         self.tokenizer: Tokenizer | None = p.tokenizer
         self.eos_token_ids, self.block_size = p.eos_token_ids, config.block_size
-        self.kv, self.states, self.pool = p.kv, p.states, p.pool  # the KV cache, state slots, blocks
+        self.kv_cache, self.states, self.pool = (
+            p.kv_cache,
+            p.states,
+            p.pool,
+        )  # the KV cache, state slots, blocks
         self.scheduler, self.runner, self.graph_capture_s = p.scheduler, p.runner, p.graph_capture_s
         cfg = self.model_config
         self.intake = RequestFactory(self.tokenizer, cfg.vocab_size, self.eos_token_ids, self.max_model_len,
@@ -74,7 +79,7 @@ class LLMEngine(OverlappedSteps):
         self._compiling: list[tuple[Future, list[Request]]] = []  # waiting for their grammar
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
-        self.transfers = KVTransfers(self, self.scheduler, self.kv, self.states, cfg.vocab_size)
+        self.transfers = KVTransfers(self, self.scheduler, self.kv_cache, self.states, cfg.vocab_size)
         self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
         overlap = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if overlap is None else overlap
@@ -94,7 +99,7 @@ class LLMEngine(OverlappedSteps):
         kv_transfer: str | None = None,
     ) -> str:
         """`kv_transfer="export"` (prefill role): stop after the first token and lease the prompt's KV
-        to the transport; the final output's `kv_transfer` holds the handle (disagg.py)."""
+        to the transport; the final output's `kv_export` holds the handle (kv_connector.py)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._check_free_id(request_id)
@@ -172,7 +177,7 @@ class LLMEngine(OverlappedSteps):
         """Queues, blocks, slots, steps and the prefix cache, as of now (leases that ended taken first)."""
         self.free_released_kv()
         steps = (self.forward_steps, self.overlapped_steps, self.step_seconds)
-        return EngineStats.collect(self.scheduler, self.states, self.transfers, self.kv,
+        return EngineStats.collect(self.scheduler, self.states, self.transfers, self.kv_cache,
                                    unfinished=len(self._parents), steps=steps)  # fmt: skip
 
     def lease_blocks(self, n: int, *, touch: bool = False) -> BlockLease:
@@ -268,7 +273,7 @@ class LLMEngine(OverlappedSteps):
             reason = req.finish_reason = "stop"  # the grammar took a stop token (ignore_eos kept it)
         if reason is not None:
             req.status = Status.FINISHED
-            self.scheduler.kv.cache_full_blocks(req)
+            self.scheduler.block_manager.cache_full_blocks(req)
             self.scheduler.finish(req)
         elif req.export_kv:
             self.transfers.export(req)  # finished, its prompt's blocks held if the connector leases them
@@ -289,7 +294,7 @@ class LLMEngine(OverlappedSteps):
         return self.transfers.connector
 
     def attach_kv_connector(self, connector: KVConnectorBase) -> None:
-        """Call `connector`'s hooks from now on (disagg.KVConnector.open does this)."""
+        """Call `connector`'s hooks from now on (kv_connector.KVConnector.open does this)."""
         self.transfers.attach(connector)
 
     def wake_on_kv(self, wake: Callable[[], None]) -> None:

@@ -1,147 +1,286 @@
-"""The hooks between the engine and a KV connector (KV transfer: prefill/decode disaggregation).
+"""The KV connector over a transport: the connector's side of the hooks in kv_transfer_hooks.py.
 
-The engine owns every request, block and state slot; the connector owns the transport. The engine
-calls the connector at three points and the connector answers through the engine's inbox; the
-connector never schedules, allocates or frees anything (as vLLM's KVConnectorBase_V1 with
-`request_finished -> delay_free_blocks` and the scheduler's `WAITING_FOR_REMOTE_KVS`):
-
-  what the engine does (engine thread)            what the connector does
-  ----------------------------------------------  ------------------------------------------------
-  PREFILL SIDE
-  a request with `export_kv` samples its first    `request_finished(req, block_ids, state)`: lease
-  token and does not stop: it leaves the batch,   the prompt's blocks (and a copy of its state, or
-  and the engine asks                             the slot itself when `holds_state`) to the
-                                                  transport. -> the `KVExport` (handle + sampler
-                                                  state) when it holds them; None when not. Raises
-                                                  when the export failed.
-  holds `block_ids` (and the slot, if             posts `LeaseEnded(block_ids)` once, on any thread,
-  `holds_state`) under a lease while the export   when the lease ends (released by the decode side,
-  is held; frees them when `LeaseEnded` comes     or expired)
-  off the inbox (at the start of every step)
-  DECODE SIDE
-  a request whose prompt KV is elsewhere waits    `accepts(handle)`: False when the handle was made
-  in `Status.WAITING_FOR_KV`; the scheduler       for another layout: the engine reserves nothing,
-  polls it each step, without blocking, and       and the load below fails with the peer's refusal
-  reserves its prompt's blocks and state slot
-  when they are free; then the engine calls       `start_load(load)`: returns at once; fetches into
-                                                  `load.block_ids` (and `load.state`, the slot's
-                                                  views, when `holds_state`) on a thread of its
-                                                  own, has the exporter release its lease (except
-                                                  on a refusal), and posts exactly one
-                                                  `LoadDone(request_id, ...)`, success or not
-  takes `LoadDone` off the inbox: the request     -
-  joins the batch (or follows its policy); the
-  blocks of a failed load come back once
-  `error.pending` (a late copy) has ended
-  gives up on a handle it never loads (aborted    `discard(handle)`: have the exporter release the
-  before room, no room before the deadline)       lease
-  BOTH
-  `count` / `count_failure`: the engine's side of the transfer counters (recomputed, failed, ...)
-
-`Inbox` is the engine's: the connector posts to it from any thread; the engine drains it.
+Life of a disaggregated request (the engine's side is kv_transfer.py):
+  Prefill engine P (role "prefill"):
+    1. `add_request(prompt, params, kv_transfer="export")`: a normal request with `export_kv` set.
+    2. The scheduler prefills it (chunked as usual); the step that completes the prompt samples the
+       first token with the request's own params and seeded generator.
+    3. If that token ends the request (EOS, stop, max_tokens=1) it finishes as usual: nothing to export.
+       Otherwise the engine asks `request_finished(req, block_ids, state)`: the transport leases the
+       blocks (`export(request_id, block_ids, num_tokens=len(prompt), state)`) and copies a hybrid
+       model's state (over nixl, which registered the state slots, `holds_state`: the engine holds
+       the slot with the blocks, and the fetcher READs it); -> the `KVExport` (handle + generator
+       state) that the request's final output carries as `kv_transfer`.
+    4. When D releases the lease, or nobody claims it within kv_lease_s, the transport calls `on_free`
+       on one of its threads, which posts `LeaseEnded` to the engine's inbox: the engine frees them.
+  Decode engine D:
+    1. The engine builds the request (WAITING_FOR_KV, the seeded generator restored to where P left
+       it) and its scheduler reserves the prompt's blocks and a state slot once they are free. A
+       handle stamped with another layout (`accepts` False) reserves nothing.
+    2. `start_load(load)`: on a fetch thread, pull the payload into the reserved blocks (the first
+       contact with P runs the handshake: layout and shared secret), ask P to release in the
+       background, on success and on failure alike (P then frees at once rather than at lease
+       expiry), and post one `LoadDone` to the engine's inbox. A foreign handle's load fails with
+       P's refusal, every difference listed.
+    3. The engine joins the request to the batch, or follows the policy (kv_transfer.py).
 """
 
 from __future__ import annotations
 
-import queue
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
+from splitserve.engine.kv_transfer import POLICIES, REFUSALS
+from splitserve.engine.kv_transfer_hooks import Inbox, KVLoad, LeaseEnded, LoadDone
+from splitserve.engine.kv_transfer_types import (
+    ImportSpec,
+    KVExport,
+    KVTransferFailed,
+    NoRoom,
+    payload_nbytes,
+)
 from splitserve.engine.request import Request
-from splitserve.kv.handle import KVHandle
+from splitserve.transport import (
+    KVHandle,
+    KVLayout,
+    KVTransport,
+    PeerRefused,
+    TransferTimeout,
+    TransportOptions,
+    make_transport,
+)
+from splitserve.transport.layout import dtype_name
+
+if TYPE_CHECKING:
+    from splitserve.engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LeaseEnded:
-    """Posted by the connector: the lease on these blocks ended; the engine frees what it held."""
-
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class LoadDone:
-    """Posted by the connector: the load of `request_id` ended. `error` None: the blocks (and the
-    state) hold the prompt's KV; `state`: the fetched state when not written in place."""
-
-    request_id: str
-    error: BaseException | None = None
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
-    nbytes: int = 0
+def engine_layout(engine: LLMEngine) -> KVLayout:
+    """The layout two engines must share to exchange KV: weights fingerprint, KV and state shapes."""
+    ckpt = engine.loaded.checkpoint
+    if ckpt is not None:
+        fingerprint = ckpt.fingerprint()
+    else:  # random weights: the config is all there is to compare
+        fingerprint = "config:" + hashlib.sha256(repr(engine.model_config).encode()).hexdigest()
+    shapes = engine.loaded.model.state_shapes()
+    states = [(name, tuple(shape), dtype_name(dtype)) for name, (shape, dtype) in shapes.items()]
+    return KVLayout.from_tensor(engine.kv_cache, fingerprint, states)
 
 
-@dataclass(frozen=True)
-class KVLoad:
-    """What the engine asks a connector to load: the handle, into which blocks, by when."""
+class KVConnector:
+    """Joins an engine to a `KVTransport` through the hooks of kv_transfer_hooks.KVConnectorBase. It reads
+    and writes the KV cache's bytes (through the transport) but never allocates or frees a block or
+    a state slot: it answers through the engine's inbox."""
 
-    request_id: str
-    handle: KVHandle
-    block_ids: list[int]  # reserved by the engine; empty when `accepts(handle)` was False
-    deadline: float  # time.monotonic()
-    state: dict[str, torch.Tensor] | None = None  # the slot's views, when the connector holds_state
-    ready: Any = None  # CUDA: an event after the slot's zeroing; a write into the slot waits on it
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_cache: torch.Tensor,
+        transport: KVTransport | None = None,
+        policy: str = "fail",
+        fetch_timeout_s: float = 30.0,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown kv transfer policy {policy!r}; choose one of {POLICIES}")
+        self.layout = layout
+        self.kv_cache = kv_cache
+        self.transport = transport  # set after construction when it needs our on_lease_end
+        self.policy = policy
+        self.fetch_timeout_s = fetch_timeout_s
+        # the transport reads state straight out of (and into) the engine's slots (register_states):
+        # an export's slot is then held with its blocks until the lease ends
+        self.holds_state = False
+        self.counts: Counter[str] = Counter()  # exports, fetches, fetched_bytes, fetch_seconds, ...
+        self.failures: Counter[str] = Counter()
+        self._inbox: Inbox | None = None
+        self._loading = 0  # loads started and not posted yet
+        self._lock = threading.Lock()  # guards the counters, written by fetch threads too
+        self._fetcher = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-fetch")
+        self._releaser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-release")
 
-
-class Inbox:
-    """Messages to the engine thread from any thread; `wake` (if set) is called after each post."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.wake: Callable[[], None] | None = None
-
-    def post(self, message: object) -> None:
-        self._queue.put(message)
-        if self.wake is not None:
-            self.wake()
-
-    def get(self, timeout_s: float | None = None) -> object | None:
-        """The next message, or None when none is there (after waiting up to `timeout_s`)."""
-        if not timeout_s and self._queue.empty():
-            return None  # the common case, every step: no exception raised and caught
-        try:
-            return self._queue.get(timeout=timeout_s) if timeout_s else self._queue.get_nowait()
-        except queue.Empty:
-            return None
-
-
-class KVConnectorBase(Protocol):
-    """The connector's side of the hooks above (disagg.KVConnector is the one implementation)."""
-
-    policy: str  # an import's policy when its request names none: "fail" or "recompute"
-    fetch_timeout_s: float  # an import's deadline (room + fetch) when its request names none
-    holds_state: bool  # the transport reads and writes state in place: exports hold the slot
+    @classmethod
+    def open(
+        cls,
+        engine: LLMEngine,
+        backend: str,
+        *,
+        secret: bytes | str | None = None,
+        options: TransportOptions | None = None,
+        policy: str = "fail",
+        fallback: Sequence[str] = (),
+    ) -> KVConnector:
+        """A connector over a new transport of `backend` (or of the first usable one of `fallback`,
+        logged and counted) for this engine's KV cache, attached to the engine."""
+        options = options or TransportOptions()
+        conn = cls(engine_layout(engine), engine.kv_cache, None, policy, options.fetch_timeout_s)
+        conn.transport = make_transport(
+            backend, engine.kv_cache, conn.layout, secret=secret, on_free=conn.on_lease_end, options=options,
+            fallback=fallback,
+        )  # fmt: skip
+        if engine.states.enabled:
+            conn.holds_state = conn.transport.register_states(engine.states.states)
+        engine.attach_kv_connector(conn)
+        return conn
 
     def bind(self, inbox: Inbox) -> None:
-        """Where to post `LeaseEnded` and `LoadDone` (called once, when the engine attaches it)."""
-        ...
+        self._inbox = inbox
+
+    def _post(self, message: object) -> None:
+        if self._inbox is None:
+            log.error("kv connector: %r dropped, no engine attached", message)
+            return
+        self._inbox.post(message)
+
+    # ---- prefill side ---------------------------------------------------------------------------
 
     def check_export(self, kv_transfer: str, n: int) -> None:
-        """Raise ValueError if a request (`n` samples) cannot be exported."""
-        ...
+        if kv_transfer != "export":
+            raise ValueError(f"kv_transfer must be 'export' or None, got {kv_transfer!r}")
+        if n != 1:
+            raise ValueError("a request with n > 1 cannot be exported (its samples share one prompt)")
+        if self.transport is None:
+            raise ValueError("this engine's KV connector has no transport")
 
     def request_finished(
         self, req: Request, block_ids: list[int], state: dict[str, torch.Tensor] | None
-    ) -> object | None:
-        """Prefill side: lease `block_ids` (and `state`) -> a KVExport when held, else None."""
-        ...
+    ) -> KVExport:
+        """Engine thread, right after the first token: lease the prompt's blocks to the transport."""
+        assert self.transport is not None
+        try:
+            handle = self.transport.export(req.request_id, block_ids, req.num_prompt_tokens, state)
+        except Exception:
+            self.count("export_errors")
+            raise
+        gen_state = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
+        self.count("exports")
+        self.count("exported_blocks", len(block_ids))
+        return KVExport(handle, gen_state)
+
+    def on_lease_end(self, block_ids: list[int]) -> None:
+        """The transport's on_free, on any thread: tell the engine."""
+        self._post(LeaseEnded(tuple(block_ids)))
+
+    # ---- decode side ----------------------------------------------------------------------------
 
     def accepts(self, handle: KVHandle) -> bool:
-        """Decode side: this engine can load `handle` (its layout is ours)."""
-        ...
+        return handle.layout_fingerprint == self.layout.fingerprint
 
     def start_load(self, load: KVLoad) -> None:
-        """Decode side: fetch in the background, post one `LoadDone`; never raises."""
-        ...
+        with self._lock:
+            self._loading += 1
+        self._fetcher.submit(self._load, load)
 
     def discard(self, handle: KVHandle) -> None:
-        """Decode side: `handle` will not be loaded; have its lease released."""
-        ...
+        if self.transport is not None:
+            self._releaser.submit(self.transport.release, handle)
 
-    def count(self, name: str, n: float = 1) -> None: ...
+    def _load(self, load: KVLoad) -> None:
+        """A fetch thread: fill the load's blocks from the exporter, have the lease released, post
+        the outcome. Never raises: exactly one `LoadDone` goes to the engine."""
+        done = LoadDone(load.request_id, RuntimeError("the load ended without an outcome"))
+        try:
+            done = self._fetch(load)
+        finally:
+            with self._lock:
+                self._loading -= 1
+            self._post(done)
 
-    def count_failure(self, kind: str) -> None: ...
+    def _fetch(self, load: KVLoad) -> LoadDone:
+        assert self.transport is not None
+        handle, left = load.handle, load.deadline - time.monotonic()
+        error: BaseException | None = None
+        state: dict[str, torch.Tensor] = {}
+        nbytes = 0
+        if not self.accepts(handle):
+            error = self._refusal(handle, max(left, 0.1))
+        elif left <= 0:
+            error = TransferTimeout("the import deadline passed before the fetch started")
+        else:
+            start = time.perf_counter()
+            try:
+                if load.ready is not None:
+                    load.ready.synchronize()  # NOTE: the engine's zero_() must not land after the READ
+                state = self.transport.fetch(handle, load.block_ids, left, into_state=load.state)
+            except Exception as exc:  # noqa: BLE001 - every failure follows the policy
+                error = exc
+            else:
+                nbytes = payload_nbytes(handle, state, self.kv_cache)
+                self.count("fetches")
+                self.count("fetched_bytes", nbytes)
+                self.count("fetch_seconds", time.perf_counter() - start)
+        if not isinstance(error, REFUSALS):  # a refused peer would refuse the release too
+            self._releaser.submit(self.transport.release, handle)
+        return LoadDone(load.request_id, error, state, nbytes)
+
+    # ---- both -----------------------------------------------------------------------------------
+
+    def check_peer(self, address: str, timeout_s: float = 5.0) -> KVLayout:
+        """Connect (and handshake) with an exporter now; -> its layout. Raises PeerRefused / AuthError."""
+        if self.transport is None:
+            raise ValueError("no kv transport: cannot check a peer")
+        return self.transport.check_peer(address, timeout_s)
+
+    def _refusal(self, handle: KVHandle, timeout_s: float) -> BaseException:
+        """Why a handle stamped with another layout cannot be fetched: the peer's own refusal, with
+        every difference listed, when the handshake fails (it should); else the stamp itself."""
+        try:
+            self.check_peer(handle.address, timeout_s)
+        except REFUSALS as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - unreachable: the stamp still says it all
+            log.info("could not ask %s about its layout: %s", handle.address, exc)
+        diff = f"layout_fingerprint: ours {self.layout.fingerprint}, handle {handle.layout_fingerprint}"
+        return PeerRefused(f"handle {handle.request_id} was made for another KV layout", [diff])
+
+    def count(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def count_failure(self, kind: str) -> None:
+        with self._lock:
+            self.failures[kind] += 1
+
+    @property
+    def backend_name(self) -> str | None:
+        """The backend the transport actually runs (after any fallback), not the one asked for."""
+        return self.transport.describe().get("backend") if self.transport is not None else None
+
+    def stats(self) -> dict:
+        with self._lock:
+            counts, failures, loading = dict(self.counts), dict(self.failures), self._loading
+        desc = self.transport.describe() if self.transport is not None else {}
+        return {
+            "backend": desc.get("backend"),
+            "policy": self.policy,
+            "importing": loading,  # loads in flight (the engine's stats count those waiting for room too)
+            "counts": counts,
+            "failures": failures,
+            "transport": desc,
+        }
+
+    def close(self) -> None:
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self._releaser.shutdown(wait=True, cancel_futures=False)
+        if self.transport is not None:
+            self.transport.close()
 
 
-__all__ = ["Inbox", "KVConnectorBase", "KVLoad", "LeaseEnded", "LoadDone"]
+__all__ = [
+    "POLICIES",
+    "ImportSpec",
+    "KVConnector",
+    "KVExport",
+    "KVTransferFailed",
+    "NoRoom",
+    "engine_layout",
+]

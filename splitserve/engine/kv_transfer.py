@@ -1,5 +1,5 @@
 """The engine's side of KV transfer (prefill/decode disaggregation), over a connector's hooks
-(kv_connector.py, where the contract is): what the engine holds under leases, the requests waiting
+(kv_transfer_hooks.py, where the contract is): what the engine holds under leases, the requests waiting
 for their KV, and the inbox the connector posts to. Everything here runs on the engine thread.
 
   Prefill side: `export(req)` right after a request with `export_kv` sampled its first token and did
@@ -26,13 +26,13 @@ from typing import Protocol
 
 import torch
 
-from splitserve.engine.disagg_types import ImportSpec, KVTransferFailed, NoRoom, restore_generator
-from splitserve.engine.kv_connector import Inbox, KVConnectorBase, KVLoad, LeaseEnded, LoadDone
+from splitserve.engine.kv_transfer_hooks import Inbox, KVConnectorBase, KVLoad, LeaseEnded, LoadDone
+from splitserve.engine.kv_transfer_types import ImportSpec, KVTransferFailed, NoRoom, restore_generator
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import KVWait, Request, RequestOutput, Status, TokenLogprob, completion_of
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_pool import StatePool
-from splitserve.kv.errors import AuthError, PeerRefused
+from splitserve.transport.errors import AuthError, PeerRefused
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +122,13 @@ class KVTransfers:
     def export(self, req: Request) -> None:
         """Right after `req`'s first token: finish it with the prompt's blocks held if the connector
         leases them (and the state slot, if it reads state in place), the rest freed."""
-        conn, kv = self._conn(), self.scheduler.kv
-        kv.cache_full_blocks(req)  # the prompt's full blocks stay findable here once the lease ends
+        conn, block_manager = self._conn(), self.scheduler.block_manager
+        block_manager.cache_full_blocks(
+            req
+        )  # the prompt's full blocks stay findable here once the lease ends
         self.scheduler.detach(req)
         req.status = Status.FINISHED
-        n = kv.blocks_for(req.num_prompt_tokens)
+        n = block_manager.blocks_for(req.num_prompt_tokens)
         leased, req.block_ids = req.block_ids[:n], req.block_ids[n:]
         state = None
         if req.state_slot is not None:
@@ -145,12 +147,14 @@ class KVTransfers:
             if conn.holds_state and req.state_slot is not None:  # read where it is: freed at lease end
                 slot, req.state_slot = req.state_slot, None
             self._held[tuple(leased)] = slot
-        kv.free(req)  # the state slot (copied by the export, unless held), any block past the prompt's
+        block_manager.free(
+            req
+        )  # the state slot (copied by the export, unless held), any block past the prompt's
 
     def lease_blocks(self, n: int, touch: bool = False) -> BlockLease:
         """Hold `n` free blocks (their bytes as they are; `touch`: zeroed first, so their pages are in)
         until `release_blocks` or `LeaseEnded`; raises `NoRoom` if fewer are free."""
-        pool, kv = self.scheduler.kv.pool, self.kv_cache
+        pool, kv = self.scheduler.block_manager.pool, self.kv_cache
         if pool.num_free < n:
             raise NoRoom(f"only {pool.num_free} free blocks for {n}")
         ids = pool.allocate(n)
@@ -160,7 +164,7 @@ class KVTransfers:
                 kv[i].zero_()
         state = {name: t[0].clone() for name, t in self.states.states.items()} or None
         nbytes = n * kv[0].numel() * kv.element_size()
-        return BlockLease(ids, n * self.scheduler.kv.block_size, nbytes, state)
+        return BlockLease(ids, n * self.scheduler.block_manager.block_size, nbytes, state)
 
     def release_blocks(self, block_ids: Sequence[int]) -> int:
         """Free blocks held under a lease (and the state slot held with them); -> how many blocks."""
@@ -171,7 +175,7 @@ class KVTransfers:
         if slot == -1:
             log.warning("blocks %s were not held under a lease: left alone", list(block_ids)[:8])
             return 0
-        self.scheduler.kv.pool.free(block_ids)
+        self.scheduler.block_manager.pool.free(block_ids)
         if slot is not None:
             self.states.free(slot)
         return len(block_ids)
@@ -296,7 +300,7 @@ class KVTransfers:
             return
         computed = req.num_prompt_tokens
         if error is not None:
-            self.scheduler.kv.free(req, after=late)
+            self.scheduler.block_manager.free(req, after=late)
             conn.count_failure(type(error).__name__)
             log.warning("kv import of %s failed (%s: %s); policy %s", rid, type(error).__name__, error,
                         imp.policy)  # fmt: skip
@@ -311,7 +315,7 @@ class KVTransfers:
                 self._load_state(req, done.state)
             self.engine.adopt(req, spec.first_token, spec.first_logprob, computed)
         except Exception as exc:  # noqa: BLE001 - its grammar (or its state) failed: the import fails
-            self.scheduler.kv.free(req)
+            self.scheduler.block_manager.free(req)
             self._fail(req, exc, info)
             return
         self._outcomes.append(ImportOutcome(rid, None, info))

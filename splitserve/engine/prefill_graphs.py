@@ -165,7 +165,7 @@ class PrefillGraphs:
             slots=self._view("state"),
             chunk_indices=self._view("chunks", 2 * nt).view(nt, 2),
         )
-        ctx = ForwardContext(r.attn, meta, r.kv, r.states, linear_prefill=lp)
+        ctx = ForwardContext(r.attn, meta, r.kv_cache, r.states, linear_prefill=lp)
         hidden = r.model(self._view("ids", rows), self._view("pos", rows), ctx)
         return r.model.compute_logits(hidden[self._view("sample")])
 

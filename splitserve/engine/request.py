@@ -10,7 +10,7 @@ Life of a request:
   (KV transfer, prefill/decode disaggregation: a request added with `export_kv` ends after its first
   token with its blocks held under a lease instead of freed; a decode engine's request whose prompt KV
   is elsewhere waits in WAITING_FOR_KV (the scheduler reserves its blocks, the connector fetches into
-  them), then joins as WAITING with `num_computed_tokens = len(prompt)`. See kv_connector.py.)
+  them), then joins as WAITING with `num_computed_tokens = len(prompt)`. See kv_transfer_hooks.py.)
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ class Request:
     first_token_time: float | None = None
     detokenizer: object | None = None
     export_kv: bool = False  # prefill role: lease the KV to the transport after the first token
-    kv_export: object | None = None  # prefill role: the `disagg.KVExport` made when it was exported
+    kv_export: object | None = (
+        None  # prefill role: the `kv_transfer_types.KVExport` made when it was exported
+    )
     grammar: Matcher | None = None  # a constrained request's matcher (engine/grammar.py)
     kv_wait: KVWait | None = None  # decode role: set while WAITING_FOR_KV
 
@@ -130,10 +132,11 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
-    # Prefill role: the `disagg.KVExport` (KV handle + sampler state) when the request was exported.
+    # Prefill role: the `kv_transfer_types.KVExport` (KV handle + sampler state) when the request was
+    # exported.
     # NOTE: such an output is `finished` (this engine is done) while its completion is not
     # (finish_reason None): generation continues on the decode worker that fetches the handle.
-    kv_transfer: object | None = None
+    kv_export: object | None = None
 
 
 def output_of(request_id: str, children: list[Request]) -> RequestOutput:
@@ -150,7 +153,7 @@ def output_of(request_id: str, children: list[Request]) -> RequestOutput:
             "scheduled_time": head.scheduled_time,
             "first_token_time": head.first_token_time,
         },
-        kv_transfer=head.kv_export,
+        kv_export=head.kv_export,
     )
 
 

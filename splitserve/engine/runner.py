@@ -73,7 +73,7 @@ class ModelRunner:
         states: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.model = model
-        self.kv = kv
+        self.kv_cache = kv
         self.states = states or {}
         self.attn = attn
         self.block_size = block_size
@@ -130,7 +130,7 @@ class ModelRunner:
         if self.prefill_graphs is not None and self.prefill_graphs.accepts(chunks):
             return self.prefill_graphs.run(chunks)
         inputs = self.prepare(chunks, feed)
-        ctx = ForwardContext(self.attn, inputs.meta, self.kv, self.states)
+        ctx = ForwardContext(self.attn, inputs.meta, self.kv_cache, self.states)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         if not inputs.sample_chunks:
             return hidden.new_empty((0, self.model.cfg.vocab_size)), []
@@ -313,7 +313,7 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         r = self.runner
         ids, pos, meta = self._meta(b)
-        hidden = r.model(ids, pos, ForwardContext(r.attn, meta, r.kv, r.states))
+        hidden = r.model(ids, pos, ForwardContext(r.attn, meta, r.kv_cache, r.states))
         return r.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.engine.kv_manager import KVManager
+from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request, Status
 
 
@@ -48,8 +48,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        self.kv = kv
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -88,7 +88,7 @@ class Scheduler:
             assert wait is not None
             if wait.loading:
                 continue
-            if not wait.needs_room or self.kv.allocate(req, req.num_prompt_tokens):
+            if not wait.needs_room or self.block_manager.allocate(req, req.num_prompt_tokens):
                 ready.append(req)
             elif now >= wait.room_by:
                 late.append(req)
@@ -117,7 +117,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            n = self.kv.chunk_tokens(req, req.num_computed_tokens, n)
+            n = self.block_manager.chunk_tokens(req, req.num_computed_tokens, n)
             if not self._allocate_or_preempt(req, n, preempted):
                 break  # `req` itself was preempted: everything after it already was
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
@@ -128,7 +128,7 @@ class Scheduler:
         return SchedulerOutput(chunks, preempted)
 
     def _allocate_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
-        while not self.kv.allocate(req, n):
+        while not self.block_manager.allocate(req, n):
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
@@ -143,16 +143,16 @@ class Scheduler:
             if _waits_for_leader(req):
                 skipped.append(req)
                 continue
-            prefix = self.kv.find_prefix(req) if req.num_computed_tokens == 0 else []
-            cached = len(prefix) * self.kv.block_size
+            prefix = self.block_manager.find_prefix(req) if req.num_computed_tokens == 0 else []
+            cached = len(prefix) * self.block_manager.block_size
             n = min(req.num_tokens - req.num_computed_tokens - cached, budget)
-            n = self.kv.chunk_tokens(req, req.num_computed_tokens + cached, n)
-            if not self.kv.allocate(req, n, prefix):
+            n = self.block_manager.chunk_tokens(req, req.num_computed_tokens + cached, n)
+            if not self.block_manager.allocate(req, n, prefix):
                 self.waiting.appendleft(req)
                 break
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
-                if self.kv.pool.enable_prefix_caching and req.num_computed_tokens == 0:
+                if self.block_manager.pool.enable_prefix_caching and req.num_computed_tokens == 0:
                     self.prefix_queries += req.num_tokens
                     self.prefix_hits += cached
             req.num_computed_tokens += cached
@@ -167,7 +167,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.num_preemptions += 1
-        self.kv.free(req)
+        self.block_manager.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = Status.WAITING
@@ -183,7 +183,7 @@ class Scheduler:
         request that finished did already, as it finished)."""
         for chunk in out.chunks:
             if not chunk.request.finished:
-                self.kv.cache_full_blocks(chunk.request)
+                self.block_manager.cache_full_blocks(chunk.request)
 
     @contextmanager
     def only(self, keep: set[int]) -> Iterator[None]:
@@ -211,7 +211,7 @@ class Scheduler:
         """Remove a finished or aborted request from whichever queue holds it and free its blocks
         (once `after`, a CUDA event, has happened: a late copy may still write them)."""
         self.detach(req)
-        self.kv.free(req, after=after)
+        self.block_manager.free(req, after=after)
 
     def detach(self, req: Request) -> None:
         """Remove a request from whichever queue holds it, keeping its blocks (a KV export holds them)."""

@@ -6,7 +6,7 @@ model) and its recurrent state at the prefix's end are known. This cache keeps s
     checkpoints[name]  [num_entries, *state_shape]   (the StatePool's shapes and dtypes)
     by the content hash of the block that ends the prefix (the hash chain covers every earlier token)
 
-How a request uses it (KVManager):
+How a request uses it (BlockManager):
 1. At admission the KV prefix hit is cut back to the longest prefix ending at a checkpoint; the
    state is copied into the request's fresh slot and the tokens before it are not computed.
 2. Where the KV hit reaches further than any checkpoint (a prefix shared with an earlier request,

@@ -60,7 +60,7 @@ class EngineStats:
         unfinished: int,
         steps: tuple[int, int, float],
     ) -> EngineStats:
-        pool, ckpt = scheduler.kv.pool, scheduler.kv.checkpoints
+        pool, ckpt = scheduler.block_manager.pool, scheduler.block_manager.checkpoints
         checkpoints = None
         if ckpt is not None:
             checkpoints = CheckpointStats(len(ckpt), ckpt.num_entries, ckpt.saved, ckpt.restored)

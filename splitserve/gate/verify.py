@@ -145,21 +145,22 @@ async def _check(http: httpx.AsyncClient, dep: dict, report: Report, timeout_s: 
         report.add("weights", w["name"], True, detail, load.get("total_seconds"))
         if w["role"] == "colocated":
             continue
-        kv = s.get("kv_transfer") or {}
-        tr = kv.get("transport") or {}
-        actual, asked = kv.get("backend"), tr.get("requested") or t["backend"]
+        transfer = s.get("kv_transfer") or {}
+        tr = transfer.get("transport") or {}
+        actual, asked = transfer.get("backend"), tr.get("requested") or t["backend"]
         why = "; ".join(tr.get("fallback_reasons") or [])
         ok = actual in required  # a fallback's backend is there only when the manifest accepts it
         detail = f"runs {actual} (asked {asked}); required {', '.join(required)}"
         if why:
             detail += f"; FELL BACK{' (accepted by required_backends)' if ok else ''} because: {why}"
         report.add("kv backend", w["name"], ok, detail, actual)
-        fails = sum((kv.get("failures") or {}).values())
+        fails = sum((transfer.get("failures") or {}).values())
         report.add(
             "kv failures",
             w["name"],
             fails <= v["max_transfer_failures"],
-            f"{fails} failed transfers (allowed {v['max_transfer_failures']}): {kv.get('failures') or {}}",
+            f"{fails} failed transfers (allowed {v['max_transfer_failures']}): "
+            f"{transfer.get('failures') or {}}",
             fails,
         )
     if dep["mode"] != "disaggregated":
@@ -238,11 +239,11 @@ async def _round_trip(
         report.add("round trip", scope, False, f"prefill failed: {_err(pre)}")
         return
     pj = PrefillResponse.model_validate_json(pre.content)
-    if pj.kv is None:
+    if pj.kv_export is None:
         report.add("round trip", scope, False, "the prompt finished at its first token: nothing to move")
         return
     body = DecodeRequest(
-        prompt_token_ids=pj.prompt_token_ids, first_token=pj.first_token, kv=pj.kv,
+        prompt_token_ids=pj.prompt_token_ids, first_token=pj.first_token, kv_export=pj.kv_export,
         sampling_params=params, stream=True, timeout_s=timeout_s,
     )  # fmt: skip
     tokens: list[int] = []

@@ -25,7 +25,7 @@ from splitserve.model.weights import load_mapped_weights
 class ForwardContext:
     attn: AttentionBackend
     meta: AttentionMetadata
-    kv: torch.Tensor  # [num_blocks, L_kv, 2, block_size, KVH, D]
+    kv_cache: torch.Tensor  # [num_blocks, L_kv, 2, block_size, KVH, D]
     states: dict[str, torch.Tensor] = field(default_factory=dict)  # hybrid: [num_slots, *state_shape]
     linear_prefill: Any = None  # hybrid, varlen backend: the step's gdn_prefill.LinearPrefill
 
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        out = ctx.attn.forward(self.layer, q, k, v.contiguous(), ctx.kv, ctx.meta)  # [T, H * D]
+        out = ctx.attn.forward(self.layer, q, k, v.contiguous(), ctx.kv_cache, ctx.meta)  # [T, H * D]
         return self.o_proj(out)
 
     def forward_fused(
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         """CUDA: q/k norm, rotary and the KV store in one kernel, then the backend's attention."""
         from splitserve.kernels.fused import qk_norm_rope_store
 
-        kv = ctx.kv
+        kv = ctx.kv_cache
         q = qk_norm_rope_store(
             self.qkv_proj(x), self.h, self.kvh, positions, rope.cos, rope.sin,
             kv[:, self.layer, 0], kv[:, self.layer, 1], ctx.meta.slot_mapping,

@@ -113,10 +113,10 @@ class GatedAttention(nn.Module):
             cos, sin = rope.tables(x.device)
             q = gated_qk_norm_rope_store(
                 qkv, self.h, self.kvh, rope.rotary_dim, positions, cos, sin,
-                ctx.kv[:, self.kv_index, 0], ctx.kv[:, self.kv_index, 1], ctx.meta.slot_mapping,
+                ctx.kv_cache[:, self.kv_index, 0], ctx.kv_cache[:, self.kv_index, 1], ctx.meta.slot_mapping,
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
             )  # fmt: skip
-            out = ctx.attn.attend(self.kv_index, q, ctx.kv, ctx.meta)  # type: ignore[attr-defined]
+            out = ctx.attn.attend(self.kv_index, q, ctx.kv_cache, ctx.meta)  # type: ignore[attr-defined]
             gate = qkv[:, : 2 * self.h * self.d].view(t, self.h, 2 * self.d)[..., self.d :]
             return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.h * self.d)))
         qg, k, v = self.qkv_proj(x).split([2 * self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
@@ -124,7 +124,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.view(t, self.kvh, self.d))
         q, k = rope(positions, q, k)
-        out = ctx.attn.forward(self.kv_index, q, k, v.reshape(t, self.kvh, self.d), ctx.kv, ctx.meta)
+        out = ctx.attn.forward(self.kv_index, q, k, v.reshape(t, self.kvh, self.d), ctx.kv_cache, ctx.meta)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.h * self.d)))  # out: [T, H * D]
 
 

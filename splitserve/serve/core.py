@@ -43,9 +43,9 @@ IDLE_WAIT_MS = 100  # the longest the loop sleeps with nothing to do (an import 
 
 class EngineCore:
     def __init__(self, config: Any, commands: zmq.Socket, batches: zmq.Socket) -> None:
-        from splitserve.engine.disagg import KVConnector
         from splitserve.engine.engine import LLMEngine
-        from splitserve.kv.backends import preflight
+        from splitserve.engine.kv_connector import KVConnector
+        from splitserve.transport.backends import preflight
 
         self.config = config
         self.commands, self.batches = commands, batches
@@ -72,7 +72,7 @@ class EngineCore:
             if config.role == "prefill":
                 self.kv_address = self.connector.transport.listen()
             if config.kv_throttle_gbps:
-                from splitserve.kv.throttle import ThrottledTransport
+                from splitserve.transport.throttle import ThrottledTransport
 
                 log.warning("kv fetches throttled to %.3f GB/s (a test hook)", config.kv_throttle_gbps)
                 self.connector.transport = ThrottledTransport(
@@ -247,24 +247,24 @@ class EngineCore:
             arrival, sched, first = m.get("arrival_time"), m.get("scheduled_time"), m.get("first_token_time")
             if arrival is not None and sched is not None and first is not None:
                 metrics = {"queue_s": max(0.0, sched - arrival), "prefill_s": max(0.0, first - sched)}
-        kv = out.kv_transfer.to_dict() if out.kv_transfer is not None else None
+        kv_export = out.kv_export.to_dict() if out.kv_export is not None else None
         if out.finished:
             del self.sent[rid]
         else:
             self.sent[rid] = len(comp.token_ids)
-        return wire.Delta(rid, new, out.finished, comp.finish_reason, comp.stop_reason, lps, kv, metrics,
-                          out.num_cached_tokens)  # fmt: skip
+        return wire.Delta(rid, new, out.finished, comp.finish_reason, comp.stop_reason, lps, kv_export,
+                          metrics, out.num_cached_tokens)  # fmt: skip
 
     # ---- KV imports (decode role) ---------------------------------------------------------------
 
     def _start_import(self, cmd: wire.Import) -> None:
-        from splitserve.engine.disagg import ImportSpec, KVExport
+        from splitserve.engine.kv_transfer_types import ImportSpec, KVExport
         from splitserve.engine.request import TokenLogprob
 
         try:
             if self.connector is None or self.config.role != "decode":
                 raise ValueError(f"this is a {self.config.role} worker: only a decode worker imports KV")
-            export = KVExport.from_dict(cmd.kv)
+            export = KVExport.from_dict(cmd.kv_export)
             lp = cmd.first_logprob
             first_lp = None
             if lp is not None:
@@ -334,9 +334,9 @@ def main() -> int:
 
     setup_logging(spec.get("log_level", "WARNING"))  # text or JSON, as the front end ($SPLITSERVE_LOG_FORMAT)
     torch.set_num_threads(max(1, int(spec.get("threads", 1))))
-    from splitserve.kv import TransportError
     from splitserve.model.errors import ModelLoadError
     from splitserve.serve.worker_config import WorkerConfig
+    from splitserve.transport import TransportError
 
     ctx = zmq.Context(io_threads=1)
     commands = ctx.socket(zmq.PULL)

@@ -8,8 +8,8 @@ from splitserve.serve import core_protocol as wire
 
 def error_info(exc: BaseException) -> wire.ErrorInfo:
     """An exception of the engine or the transport -> the status and body the worker answers with."""
-    from splitserve.engine.disagg import KVTransferFailed, NoRoom
-    from splitserve.kv import AuthError, PeerRefused, TransferTimeout, TransportError
+    from splitserve.engine.kv_transfer_types import KVTransferFailed, NoRoom
+    from splitserve.transport import AuthError, PeerRefused, TransferTimeout, TransportError
 
     def transfer_status(e: BaseException) -> int:
         for cls, status in ((AuthError, 403), (PeerRefused, 409), (TransferTimeout, 504), (NoRoom, 503)):

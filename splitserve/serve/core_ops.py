@@ -22,8 +22,8 @@ from splitserve.serve.core_errors import error_info
 
 if TYPE_CHECKING:
     from splitserve.engine.config import EngineConfig
-    from splitserve.engine.disagg import KVConnector
     from splitserve.engine.engine import LLMEngine
+    from splitserve.engine.kv_connector import KVConnector
     from splitserve.engine.stats import EngineStats
     from splitserve.serve.worker_config import WorkerConfig
 
@@ -139,14 +139,14 @@ class CoreOps:
             "kv_transfer": {**conn.stats(), "importing": st.waiting_for_kv} if conn else None,
         }
 
-    def op_release(self, kv: dict) -> dict:
+    def op_release(self, kv_export: dict) -> dict:
         """Prefill side: end an export's lease now (its blocks come back at once)."""
-        from splitserve.engine.disagg import KVExport
+        from splitserve.engine.kv_transfer_types import KVExport
 
         self._need("prefill")
         conn = self.core.connector
         assert conn is not None and conn.transport is not None
-        handle = KVExport.from_dict(kv).handle
+        handle = KVExport.from_dict(kv_export).handle
         if handle.address != self.core.kv_address:
             raise ValueError(f"handle {handle.request_id} was exported by {handle.address}, not by us")
         conn.transport.release(handle)
@@ -156,7 +156,7 @@ class CoreOps:
     def op_probe_export(self, num_blocks: int) -> dict:
         """Prefill side: lease `num_blocks` free blocks (their bytes as they are) as a probe export;
         they come back when its lease ends, as an export's do."""
-        from splitserve.engine.disagg import KVExport
+        from splitserve.engine.kv_transfer_types import KVExport
 
         self._need("prefill")
         conn, engine = self.core.connector, self.engine
@@ -169,11 +169,11 @@ class CoreOps:
         except Exception:
             engine.release_blocks(lease)
             raise
-        return {"kv": KVExport(handle).to_dict()}
+        return {"kv_export": KVExport(handle).to_dict()}
 
     def op_set_faults(self, **knobs: Any) -> dict:
         """Test-only: make this exporter drop / delay / corrupt / kill the fetches it serves."""
-        from splitserve.kv.fault_plan import FaultKnobs, FaultPlan
+        from splitserve.transport.fault_plan import FaultKnobs, FaultPlan
 
         conn = self.core.connector
         transport = conn.transport if conn else None
@@ -194,14 +194,14 @@ class CoreOps:
         peer = conn.check_peer(address, timeout_s)
         return {"ok": True, "address": address, "peer_layout": peer.to_dict() if peer else None}
 
-    def op_probe(self, kv: dict, timeout_s: float) -> dict:
+    def op_probe(self, kv_export: dict, timeout_s: float) -> dict:
         """Decode side: fetch a probe export into free blocks, time it, give everything back."""
-        from splitserve.engine.disagg import KVExport
+        from splitserve.engine.kv_transfer_types import KVExport
 
         self._need("decode")
         conn, engine = self.core.connector, self.engine
         assert conn is not None and conn.transport is not None
-        handle = KVExport.from_dict(kv).handle
+        handle = KVExport.from_dict(kv_export).handle
         # touched first: the probe measures the transport, not page faults
         lease = self.core.on_loop(lambda: engine.lease_blocks(handle.num_blocks, touch=True))
         start = time.perf_counter()

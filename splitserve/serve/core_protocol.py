@@ -34,7 +34,7 @@ class Import(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     first_token: int
-    kv: dict[str, Any]  # KVExport.to_dict()
+    kv_export: dict[str, Any]  # KVExport.to_dict()
     params: dict[str, Any]
     first_logprob: list[Any] | None = None  # Logprob row (see `Delta.logprobs`)
     policy: str | None = None
@@ -71,7 +71,7 @@ class ErrorInfo(msgspec.Struct, array_like=True):
 
 class Delta(msgspec.Struct, array_like=True):
     """One request's new tokens of one step. `finished`: the engine is done with it (an exported
-    prefill is finished with `finish_reason` None and `kv` set)."""
+    prefill is finished with `finish_reason` None and `kv_export` set)."""
 
     request_id: str
     token_ids: list[int]
@@ -80,7 +80,7 @@ class Delta(msgspec.Struct, array_like=True):
     stop_reason: int | str | None = None
     # one row per token: [token_id, logprob, rank, [[token_id, logprob], ...]]
     logprobs: list[list[Any]] | None = None
-    kv: dict[str, Any] | None = None  # KVExport.to_dict() of an exported prefill
+    kv_export: dict[str, Any] | None = None  # KVExport.to_dict() of an exported prefill
     metrics: dict[str, float] | None = None  # first delta: queue_s, prefill_s
     num_cached_tokens: int = 0
 

@@ -285,17 +285,17 @@ class RouterMetrics:
         """The first piece of a choice arrived: TTFT and its breakdown (m: the workers' metrics)."""
         lab = self.model
         self.ttft.labels(lab).observe(ttft)
-        queue, prefill, kv = m.get("queue_s"), m.get("prefill_s"), m.get("kv_fetch_s")
+        queue, prefill, kv_fetch = m.get("queue_s"), m.get("prefill_s"), m.get("kv_fetch_s")
         if queue is not None:
             self.queue.labels(lab).observe(queue)
         if prefill is not None:
             self.prefill.labels(lab).observe(prefill)
         backend = m.get("kv_backend")
-        if kv is not None and backend:
-            self.kv_seconds.labels(lab, backend).observe(kv)
+        if kv_fetch is not None and backend:
+            self.kv_seconds.labels(lab, backend).observe(kv_fetch)
             self.kv_bytes.labels(lab, backend).inc(m.get("kv_bytes") or 0)
             self.kv_transfers.labels(lab, backend, "recomputed" if m.get("kv_error") else "ok").inc()
-        known = sum(x for x in (queue, prefill, kv, m.get("kv_wait_s")) if x is not None)
+        known = sum(x for x in (queue, prefill, kv_fetch, m.get("kv_wait_s")) if x is not None)
         self.first_decode.labels(lab).observe(max(0.0, ttft - known))
 
     def observe_done(self, e2e: float, ttft: float | None, output_tokens: int) -> None:
@@ -349,11 +349,12 @@ class RouterMetrics:
                 self._advance(self.preemptions, lab, s.get("preemptions", 0))
                 self._advance(self.prefix_queries, lab, prefix.get("queries", 0))
                 self._advance(self.prefix_hits, lab, prefix.get("hits", 0))
-            kv = s.get("kv_transfer") or {}
-            if kv.get("backend"):
-                self.kv_backend_ok.labels(*lab).set(1 if kv["backend"] in required else 0)
-                tr = kv.get("transport", {})
-                self.kv_backend.labels(*lab, kv["backend"], tr.get("requested") or kv["backend"]).set(1)
+            transfer = s.get("kv_transfer") or {}
+            if transfer.get("backend"):
+                self.kv_backend_ok.labels(*lab).set(1 if transfer["backend"] in required else 0)
+                tr = transfer.get("transport", {})
+                backend = transfer["backend"]
+                self.kv_backend.labels(*lab, backend, tr.get("requested") or backend).set(1)
                 self.kv_fallbacks.labels(*lab).set((tr.get("counts") or {}).get("fallbacks", 0))
 
     def _advance(self, counter: Counter, lab: tuple[str, ...], total: int) -> None:

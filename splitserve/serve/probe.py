@@ -35,12 +35,14 @@ async def probe_pair(
     r = await http.post(f"{prefill_url}/kv/probe/export", json=ask, timeout=timeout_s)
     if r.status_code != 200:
         raise ProbeError(f"probe export on {prefill_url} failed ({r.status_code}): {_message(r)}")
-    kv = ProbeExportResponse.model_validate_json(r.content).kv
-    body = ProbeRequest(kv=kv, timeout_s=timeout_s).model_dump()
+    kv_export = ProbeExportResponse.model_validate_json(r.content).kv_export
+    body = ProbeRequest(kv_export=kv_export, timeout_s=timeout_s).model_dump()
     r = await http.post(f"{decode_url}/kv/probe", json=body, timeout=timeout_s + 5)
     if r.status_code != 200:
         with contextlib.suppress(httpx.HTTPError):
-            await http.post(f"{prefill_url}/kv/release", json=ReleaseRequest(kv=kv).model_dump(), timeout=5)
+            await http.post(
+                f"{prefill_url}/kv/release", json=ReleaseRequest(kv_export=kv_export).model_dump(), timeout=5
+            )
         raise ProbeError(f"probe fetch on {decode_url} failed ({r.status_code}): {_message(r)}")
     return r.json()
 

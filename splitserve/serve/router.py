@@ -211,19 +211,20 @@ class Dispatcher:
         pre = PrefillResponse.model_validate_json(content)
         prefill_wall = time.perf_counter() - start
         metrics = {**pre.metrics, "prefill_wall_s": prefill_wall, "prefill_worker": pf.name}
-        if pre.kv is None:  # the first token ended it
+        if pre.kv_export is None:  # the first token ended it
             lps = None if pre.logprob is None else [pre.logprob]
             yield Piece(index, [pre.first_token], pre.text, lps, pre.finish_reason, True, metrics)
             return
-        kv = pre.kv
+        kv_export = pre.kv_export
         try:
             dc = self.picker.pick(self.workers.ready("decode"), "decode", prompt_ids)
         except APIError:
-            self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv=kv)))
+            self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv_export=kv_export)))
             raise
         dbody = DecodeRequest(
-            prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob, kv=kv,
-            sampling_params=params, request_id=rid, timeout_s=t.kv_transfer_s, stream=True,
+            prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob,
+            kv_export=kv_export, sampling_params=params, request_id=rid, timeout_s=t.kv_transfer_s,
+            stream=True,
         )  # fmt: skip
         claimed = False
         try:
@@ -234,7 +235,7 @@ class Dispatcher:
                 yield piece
         finally:
             if not claimed:  # the decode worker never took the KV: give it back now, not at lease end
-                self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv=kv)))
+                self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv_export=kv_export)))
 
     async def _stream(
         self, worker: WorkerEndpoint, path: str, body: BaseModel, index: int, rid: str, first_timeout_s: float

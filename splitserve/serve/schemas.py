@@ -1,7 +1,7 @@
 """The worker service's HTTP bodies (pydantic at the edge), and sampling params from JSON.
 
 A KV handle travels as `KVExportBody` (`{"handle": KVHandleBody, "generator_state": base64 | null}`, the
-wire form of `splitserve.engine.disagg.KVExport`): plain JSON, typed on both sides, never pickled.
+wire form of `splitserve.engine.kv_transfer_types.KVExport`): plain JSON, typed on both sides, never pickled.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import TokenLogprob
-from splitserve.kv.handle import KVHandle
+from splitserve.transport.handle import KVHandle
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)} - {"extra"}
 
@@ -92,9 +92,9 @@ class PrefillResponse(_Body):
     request_id: str
     first_token: int
     text: str
-    # Set when the first token already ends the request (EOS, stop, max_tokens=1): kv is then null.
+    # Set when the first token already ends the request (EOS, stop, max_tokens=1): kv_export is then null.
     finish_reason: str | None
-    kv: KVExportBody | None  # what /decode needs besides the prompt
+    kv_export: KVExportBody | None  # what /decode needs besides the prompt
     seconds: float
     logprob: dict[str, Any] | None = None  # the first token's (logprob_to_dict), when asked for
     prompt_token_ids: list[int] = Field(default_factory=list)
@@ -105,7 +105,7 @@ class DecodeRequest(_Body):
     prompt_token_ids: list[int] = Field(min_length=1)
     first_token: int
     first_logprob: dict[str, Any] | None = None  # as /prefill returned it
-    kv: KVExportBody
+    kv_export: KVExportBody
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     request_id: str | None = None  # default: the handle's (the prefill worker's id)
     kv_policy: Literal["fail", "recompute"] | None = None  # default: the worker's --kv-policy
@@ -133,7 +133,7 @@ class AbortRequest(_Body):
 class ReleaseRequest(_Body):
     """Give back an export's blocks now (e.g. its decode peer was refused and cannot release it)."""
 
-    kv: KVExportBody  # as /prefill returned it
+    kv_export: KVExportBody  # as /prefill returned it
 
 
 class PeerRequest(_Body):
@@ -146,11 +146,11 @@ class ProbeExportRequest(_Body):
 
 
 class ProbeExportResponse(_Body):
-    kv: KVExportBody  # N free blocks of the prefill worker, leased as an export
+    kv_export: KVExportBody  # N free blocks of the prefill worker, leased as an export
 
 
 class ProbeRequest(_Body):
-    kv: KVExportBody  # as /kv/probe/export returned it
+    kv_export: KVExportBody  # as /kv/probe/export returned it
     timeout_s: float = Field(default=30.0, gt=0)
 
 

@@ -35,7 +35,6 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from splitserve.kv import TransportError
 from splitserve.model.errors import ModelLoadError
 from splitserve.serve.core_client import CoreClient, CoreDead
 from splitserve.serve.core_ops import RoleError
@@ -43,6 +42,7 @@ from splitserve.serve.worker_auth import worker_headers, worker_token  # noqa: F
 from splitserve.serve.worker_cli import build_parser, config_from_args
 from splitserve.serve.worker_config import ROLES, WorkerConfig
 from splitserve.serve.worker_service import Worker
+from splitserve.transport import TransportError
 
 log = logging.getLogger(__name__)
 

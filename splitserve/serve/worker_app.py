@@ -191,7 +191,7 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
 
     @app.post("/kv/release")
     async def release(req: ReleaseRequest) -> dict:
-        return await worker.release(req.kv)
+        return await worker.release(req.kv_export)
 
     @app.post("/kv/probe/export", response_model=ProbeExportResponse)
     async def probe_export(req: ProbeExportRequest) -> ProbeExportResponse:
@@ -199,7 +199,7 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
 
     @app.post("/kv/probe")
     async def probe(req: ProbeRequest) -> dict:
-        return await worker.probe(req.kv, req.timeout_s)
+        return await worker.probe(req.kv_export, req.timeout_s)
 
     @app.post("/debug/faults")
     async def faults(req: FaultsRequest) -> dict:

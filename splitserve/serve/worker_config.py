@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 from splitserve.engine.config import EngineConfig
-from splitserve.kv import TransportOptions
+from splitserve.transport import TransportOptions
 
 ROLES = ("prefill", "decode", "colocated")
 DECODE_STAGING_ROWS = 4  # cuda_ipc: state rows a decode worker may stage at once (fetches in flight)
@@ -31,7 +31,7 @@ class WorkerConfig:
     kv_fetch_timeout_s: float = 30.0
     kv_policy: str = "fail"
     kv_checksum: str | None = None
-    kv_state_dtype: str = "float32"  # cuda_ipc: hybrid state on the wire (kv/state_arena.py)
+    kv_state_dtype: str = "float32"  # cuda_ipc: hybrid state on the wire (transport/state_arena.py)
     kv_state_rows: int = 8
     fault_injection: bool = False
     kv_throttle_gbps: float | None = None  # test hook: hold every fetch to this bandwidth
@@ -51,7 +51,7 @@ class WorkerConfig:
 
     def engine_config(self) -> EngineConfig:
         """The engine as the core builds it: no progress bars; a prefill worker's cache in a memfd
-        when shm may carry its KV (shm fetchers copy straight out of it, kv/shm_direct.py)."""
+        when shm may carry its KV (shm fetchers copy straight out of it, transport/shm_direct.py)."""
         backends = (self.kv_backend, *self.kv_fallback)
         shared = self.role == "prefill" and "shm" in backends
         rows = self.engine.transfer_state_rows

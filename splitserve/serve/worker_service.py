@@ -109,13 +109,13 @@ class Worker:
         text = TextStream(rid, params, self.tokenizer)
         line = text.feed(deltas)
         assert line is not None and line.token_ids
-        kv = last.kv
-        if text.finished and kv is not None:  # a stop string ended it at once: nothing to hand on
-            await self.client.call("release", kv=kv)
-            kv = None
+        kv_export = last.kv_export
+        if text.finished and kv_export is not None:  # a stop string ended it at once: nothing to hand on
+            await self.client.call("release", kv_export=kv_export)
+            kv_export = None
         return PrefillResponse(
             request_id=rid, first_token=line.token_ids[0], text=line.text,
-            finish_reason=text.finish_reason if text.finished else None, kv=kv,
+            finish_reason=text.finish_reason if text.finished else None, kv_export=kv_export,
             seconds=time.perf_counter() - start, logprob=line.logprobs[0] if line.logprobs else None,
             prompt_token_ids=ids, metrics=deltas[0].metrics or {},
         )  # fmt: skip
@@ -124,12 +124,12 @@ class Worker:
         """Lines from the first token on; a failed import (CoreError) comes before the first line."""
         self._need("decode")
         params = await self._params(req.sampling_params)
-        rid = req.request_id or req.kv.handle.request_id or self._new_id("dc")
+        rid = req.request_id or req.kv_export.handle.request_id or self._new_id("dc")
         lp = None
         if req.first_logprob is not None:
             x = logprob_from_dict(req.first_logprob)
             lp = [x.token_id, x.logprob, x.rank, [list(t) for t in x.top]]
-        cmd = wire.Import(rid, list(req.prompt_token_ids), req.first_token, req.kv.model_dump(),
+        cmd = wire.Import(rid, list(req.prompt_token_ids), req.first_token, req.kv_export.model_dump(),
                           req.sampling_params, lp, req.kv_policy, req.timeout_s)  # fmt: skip
         stream = self.client.import_kv(cmd)
         async for line in self._lines(rid, stream, TextStream(rid, params, self.tokenizer), timings=False):
@@ -200,17 +200,19 @@ class Worker:
             "check_peer", wait_s=timeout_s + 5, address=address, timeout_s=timeout_s
         )
 
-    async def release(self, kv: KVExportBody) -> dict:
+    async def release(self, kv_export: KVExportBody) -> dict:
         self._need("prefill")
-        return await self.client.call("release", kv=kv.model_dump())
+        return await self.client.call("release", kv_export=kv_export.model_dump())
 
     async def probe_export(self, num_blocks: int) -> dict:
         self._need("prefill")
         return await self.client.call("probe_export", num_blocks=num_blocks)
 
-    async def probe(self, kv: KVExportBody, timeout_s: float) -> dict:
+    async def probe(self, kv_export: KVExportBody, timeout_s: float) -> dict:
         self._need("decode")
-        return await self.client.call("probe", wait_s=timeout_s + 5, kv=kv.model_dump(), timeout_s=timeout_s)
+        return await self.client.call(
+            "probe", wait_s=timeout_s + 5, kv_export=kv_export.model_dump(), timeout_s=timeout_s
+        )
 
     async def set_faults(self, knobs: FaultsRequest) -> dict:
         return await self.client.call("set_faults", **knobs.model_dump())

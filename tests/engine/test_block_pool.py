@@ -1,4 +1,4 @@
-"""BlockPool and KVManager without a model: ref counts, the prefix cache by content hash, and the
+"""BlockPool and BlockManager without a model: ref counts, the prefix cache by content hash, and the
 eviction order of the free queue (least recently freed first; never-used blocks before freed ones;
 a request's tail blocks before its head blocks)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.block_pool import ROOT_HASH, BlockPool, NoFreeBlocks, hash_block
-from splitserve.engine.kv_manager import KVManager
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request
 
@@ -158,65 +158,65 @@ def test_reset_prefix_cache_and_disabled_caching():
     assert off.block_hash[b] is None and off.lookup([h]) == []
 
 
-# ---- KVManager ------------------------------------------------------------------------------------
+# ---- BlockManager ------------------------------------------------------------------------------------
 
 
-def test_kv_manager_prefix_leaves_one_token_to_compute():
+def test_block_manager_prefix_leaves_one_token_to_compute():
     pool = BlockPool(8)
-    kv = KVManager(pool, block_size=4)
+    block_manager = BlockManager(pool, block_size=4)
     prompt = list(range(1, 9))  # exactly 2 blocks
     first = _request("a", prompt)
-    assert kv.find_prefix(first) == []
-    assert kv.allocate(first, len(prompt))
+    assert block_manager.find_prefix(first) == []
+    assert block_manager.allocate(first, len(prompt))
     first.num_computed_tokens = len(prompt)
-    kv.cache_full_blocks(first)
+    block_manager.cache_full_blocks(first)
     assert [pool.block_hash[b] for b in first.block_ids] == _hashes(prompt, 4)
-    kv.free(first)
+    block_manager.free(first)
     assert first.block_ids == [] and pool.num_free == 8
 
     # same 8 tokens: only the first block may be reused, the last token must be computed
     same = _request("b", prompt)
-    hit = kv.find_prefix(same)
+    hit = block_manager.find_prefix(same)
     assert hit == [0]
     # a longer prompt with the same start reuses both blocks
     longer = _request("c", [*prompt, 50, 51])
-    assert kv.find_prefix(longer) == [0, 1]
+    assert block_manager.find_prefix(longer) == [0, 1]
 
 
-def test_kv_manager_allocate_counts_reclaimed_cached_blocks():
+def test_block_manager_allocate_counts_reclaimed_cached_blocks():
     pool = BlockPool(3)
-    kv = KVManager(pool, block_size=4)
+    block_manager = BlockManager(pool, block_size=4)
     prompt = list(range(1, 9))
     a = _request("a", prompt)
-    assert kv.allocate(a, 8)
+    assert block_manager.allocate(a, 8)
     a.num_computed_tokens = 8
-    kv.cache_full_blocks(a)
-    kv.free(a)
+    block_manager.cache_full_blocks(a)
+    block_manager.free(a)
 
     b = _request("b", [*prompt, 9, 10, 11, 12, 13])  # 13 tokens: 2 cached blocks + 2 new ones
-    prefix = kv.find_prefix(b)
+    prefix = block_manager.find_prefix(b)
     assert prefix == [0, 1]
     # the cached blocks are free (ref 0): reusing them plus 2 more needs 4 blocks; there are 3
-    assert not kv.allocate(b, 5, prefix)
+    assert not block_manager.allocate(b, 5, prefix)
     assert b.block_ids == [] and pool.num_free == 3 and pool.ref_counts == [0, 0, 0]
     # one new block's worth fits
-    assert kv.allocate(b, 4, prefix)
+    assert block_manager.allocate(b, 4, prefix)
     assert b.block_ids[:2] == [0, 1] and len(b.block_ids) == 3
     assert pool.ref_counts == [1, 1, 1] and pool.num_free == 0
-    kv.free(b)
+    block_manager.free(b)
     assert pool.num_free == 3 and pool.ref_counts == [0, 0, 0]
 
 
-def test_kv_manager_grows_one_block_at_a_time():
+def test_block_manager_grows_one_block_at_a_time():
     pool = BlockPool(4)
-    kv = KVManager(pool, block_size=4)
+    block_manager = BlockManager(pool, block_size=4)
     r = _request("a", [1, 2, 3])
-    assert kv.allocate(r, 3) and len(r.block_ids) == 1
+    assert block_manager.allocate(r, 3) and len(r.block_ids) == 1
     r.num_computed_tokens = 3
-    assert kv.allocate(r, 1) and len(r.block_ids) == 1  # position 3 still fits block 0
+    assert block_manager.allocate(r, 1) and len(r.block_ids) == 1  # position 3 still fits block 0
     r.num_computed_tokens = 4
-    assert kv.allocate(r, 1) and len(r.block_ids) == 2
-    kv.free(r)
+    assert block_manager.allocate(r, 1) and len(r.block_ids) == 2
+    block_manager.free(r)
     assert pool.num_free == 4
 
 

@@ -63,7 +63,7 @@ def test_greedy_identical_with_and_without_caching(knobs):
     ref, _ = _run(False, **knobs)
     got, llm = _run(True, **knobs)
     assert got == ref
-    sched, ckpt = llm.engine.scheduler, llm.engine.scheduler.kv.checkpoints
+    sched, ckpt = llm.engine.scheduler, llm.engine.scheduler.block_manager.checkpoints
     assert ckpt is not None and ckpt.saved >= 1 and ckpt.restored >= 3
     assert sched.prefix_hits >= 3 * SYSTEM and sched.prefix_queries > sched.prefix_hits
     if "max_num_batched_tokens" in knobs and knobs["max_num_batched_tokens"] == 40:
@@ -73,7 +73,7 @@ def test_greedy_identical_with_and_without_caching(knobs):
 def test_hybrid_prefix_caching_is_reported_on():
     _, llm = _run(True, kv_cache_bytes=2**20)
     assert llm.engine.pool.enable_prefix_caching
-    assert len(llm.engine.scheduler.kv.checkpoints) >= 1
+    assert len(llm.engine.scheduler.block_manager.checkpoints) >= 1
 
 
 def test_checkpoints_evict_least_recently_used():

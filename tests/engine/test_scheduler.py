@@ -9,8 +9,8 @@ import random
 
 import pytest
 
+from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.block_pool import BlockPool
-from splitserve.engine.kv_manager import KVManager
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request, Status
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -23,8 +23,8 @@ class Sim:
 
     def __init__(self, num_blocks: int, max_num_seqs: int = 8, budget: int = 16, caching: bool = True):
         self.pool = BlockPool(num_blocks, caching)
-        self.kv = KVManager(self.pool, BS)
-        self.sched = Scheduler(self.kv, max_num_seqs, budget)
+        self.block_manager = BlockManager(self.pool, BS)
+        self.sched = Scheduler(self.block_manager, max_num_seqs, budget)
         self.live: dict[str, Request] = {}
         self.finished: list[Request] = []
         self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> token id whose KV is there
@@ -63,13 +63,13 @@ class Sim:
             if len(req.output_token_ids) >= req.max_tokens:
                 req.status = Status.FINISHED
                 req.finish_reason = "length"
-                self.kv.cache_full_blocks(req)
+                self.block_manager.cache_full_blocks(req)
                 self.sched.finish(req)
                 del self.live[req.request_id]
                 self.finished.append(req)
         for c in out.chunks:
             if not c.request.finished:
-                self.kv.cache_full_blocks(c.request)
+                self.block_manager.cache_full_blocks(c.request)
         self.check_pool()
         return out
 
@@ -92,7 +92,7 @@ class Sim:
             assert req.status is Status.RUNNING and req in self.sched.running
             assert c.num_tokens >= 1 and c.start == req.num_computed_tokens
             assert c.start + c.num_tokens <= req.num_tokens
-            assert len(req.block_ids) >= self.kv.blocks_for(c.start + c.num_tokens)
+            assert len(req.block_ids) >= self.block_manager.blocks_for(c.start + c.num_tokens)
         for req in out.preempted:
             assert req.status is Status.WAITING and req.block_ids == [] and req.num_computed_tokens == 0
             assert req in self.sched.waiting and req not in reqs

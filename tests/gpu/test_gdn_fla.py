@@ -61,7 +61,7 @@ def test_layer_fla_matches_torch():
     )
     x = torch.randn(start, cfg.hidden_size, device="cuda")
     with torch.no_grad():
-        ref = layer(x, ForwardContext(attn=None, meta=meta, kv=torch.empty(0), states=ref_states))
+        ref = layer(x, ForwardContext(attn=None, meta=meta, kv_cache=torch.empty(0), states=ref_states))
         layer.varlen = True
         lp = gdn_prefill.build_linear_prefill(meta, x.device)
         out = layer(x, ForwardContext(None, meta, torch.empty(0), states, linear_prefill=lp))

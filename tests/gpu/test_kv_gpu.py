@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import pytest
 import torch
 
-from splitserve.kv import AuthError, KVHandle, KVLayout, PeerRefused, TransportOptions, make_transport
+from splitserve.transport import AuthError, KVHandle, KVLayout, PeerRefused, TransportOptions, make_transport
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -156,7 +156,7 @@ def test_fetch_across_processes_is_exact(exporter, fetcher_for, backend, case):
     fetcher = fetcher_for(backend)
     state = fetcher.fetch(handle, into, timeout_s=60)
     expected = exporter.spec.cpu_kv()
-    got = fetcher.kv.cpu()
+    got = fetcher.kv_cache.cpu()
     assert torch.equal(got[into].view(torch.uint8), expected[ids].view(torch.uint8))
     assert not got[[b for b in range(got.shape[0]) if b not in into]].view(torch.uint8).any()
     want = exporter.spec.state(request_id)
@@ -229,9 +229,9 @@ def test_a_late_copy_times_out_and_its_blocks_are_held_until_it_ends():
     queue without the host waiting for the late one. The late copy is a one-block copy queued
     behind a ~1 s sleep kernel on the transport's side stream."""
     from splitserve.engine.block_pool import BlockPool
-    from splitserve.kv.cuda_ipc import copy_blocks, kv_rows
-    from splitserve.kv.errors import TransferTimeout
-    from splitserve.kv.protocol import Deadline
+    from splitserve.transport.cuda_ipc import copy_blocks, kv_rows
+    from splitserve.transport.errors import TransferTimeout
+    from splitserve.transport.protocol import Deadline
 
     spec = Spec()
     dst = torch.zeros((spec.num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads,
@@ -243,12 +243,12 @@ def test_a_late_copy_times_out_and_its_blocks_are_held_until_it_ends():
         with torch.cuda.device(dst.device):
             later = (([3, 9, 4], [20, 2, 30]), ([7, 1, 60, 5], [11, 12, 40, 0]))
             for s_ids, d_ids in later:  # warm-up: the first launch of a kernel variant loads its
-                with fet.mover.on_device():  # module, which waits for the whole GPU
+                with fet.mover.two_sided.on_device():  # module, which waits for the whole GPU
                     copy_blocks(rows_src, rows_dst, s_ids, d_ids)
             torch.cuda.synchronize()
             dst.zero_()
             torch.cuda.synchronize()
-            with fet.mover.on_device():
+            with fet.mover.two_sided.on_device():
                 torch.cuda._sleep(2_000_000_000)  # ~1 s of clock cycles
                 copy_blocks(rows_src, rows_dst, [3], [10])  # the late copy, into block 10
                 done = torch.cuda.Event()
@@ -265,7 +265,7 @@ def test_a_late_copy_times_out_and_its_blocks_are_held_until_it_ends():
             assert pool.num_free == 0 and pool.num_held == 1
             t0 = time.monotonic()
             for s_ids, d_ids in later:
-                with fet.mover.on_device():
+                with fet.mover.two_sided.on_device():
                     assert copy_blocks(rows_src, rows_dst, s_ids, d_ids) == "kernel"
             assert time.monotonic() - t0 < 0.5  # queued, not waited for on the host
             torch.cuda.synchronize()
@@ -285,8 +285,8 @@ def test_engine_disaggregated_on_two_gpus_equals_colocated(backend, eager):
     in one process), fp32 tiny Qwen3 with random weights: decode continues token for token."""
     from splitserve import SamplingParams
     from splitserve.engine.config import EngineConfig
-    from splitserve.engine.disagg import KVConnector
     from splitserve.engine.engine import LLMEngine
+    from splitserve.engine.kv_connector import KVConnector
     from splitserve.model.random_weights import random_model, random_model_config
 
     cfg = random_model_config("tiny-random")
@@ -311,7 +311,7 @@ def test_engine_disaggregated_on_two_gpus_equals_colocated(backend, eager):
         outs = _run(p)
         for i, prompt in enumerate(prompts):
             out = outs[f"r{i}"]
-            ex = out.kv_transfer
+            ex = out.kv_export
             d.add_request_with_kv(ex.handle, prompt, out.outputs[0].token_ids[0], params, f"d{i}",
                                   generator_state=ex.generator_state)  # fmt: skip
         split = _run(d)

@@ -182,7 +182,7 @@ def test_gated_delta_net_decode_fused_matches_torch(monkeypatch):
 
     def run(st: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
-            return layer(x, ForwardContext(attn=None, meta=meta, kv=torch.empty(0), states=st))
+            return layer(x, ForwardContext(attn=None, meta=meta, kv_cache=torch.empty(0), states=st))
 
     ref = run(ref_states)
     monkeypatch.setenv(qwen3_5.TRITON_ON_CPU_ENV, "1")

@@ -104,11 +104,11 @@ def test_gated_delta_net_varlen_matches_per_chunk(monkeypatch):
     x = torch.randn(nd + sum(LENS), cfg.hidden_size, generator=torch.Generator().manual_seed(2))
 
     with torch.no_grad():
-        ref = layer(x, ForwardContext(attn=None, meta=meta, kv=torch.empty(0), states=ref_states))
+        ref = layer(x, ForwardContext(attn=None, meta=meta, kv_cache=torch.empty(0), states=ref_states))
         monkeypatch.setattr(gdn_prefill, "VARLEN_RULE", gdn_prefill.torch_varlen_rule)
         layer.varlen = True
         lp = gdn_prefill.build_linear_prefill(meta, x.device)
-        ctx = ForwardContext(attn=None, meta=meta, kv=torch.empty(0), states=states, linear_prefill=lp)
+        ctx = ForwardContext(attn=None, meta=meta, kv_cache=torch.empty(0), states=states, linear_prefill=lp)
         out = layer(x, ctx)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for name in states:

@@ -116,7 +116,7 @@ def start_deployment(manifest: dict, api_key: str | None = None, timeout_s: floa
 
 
 @pytest.fixture(scope="session")
-def disagg() -> Deployment:
+def disaggregated() -> Deployment:
     """Disaggregated (1 prefill + 1 decode over shm), API keys on."""
     dep = start_deployment(manifest_yaml(mode="disaggregated"), API_KEY)
     yield dep

@@ -241,8 +241,8 @@ def _post(dep, path: str, body, headers: dict | None = None) -> httpx.Response:
 @pytest.mark.parametrize(
     ("name", "path", "body", "status", "param", "word"), CASES, ids=[c[0] for c in CASES]
 )
-def test_bad_request(disagg, openai_schema, name, path, body, status, param, word):
-    r = _post(disagg, path, body)
+def test_bad_request(disaggregated, openai_schema, name, path, body, status, param, word):
+    r = _post(disaggregated, path, body)
     assert r.status_code == status, (name, r.text)
     err = r.json()
     check_schema(openai_schema, "ErrorResponse", err)
@@ -252,7 +252,7 @@ def test_bad_request(disagg, openai_schema, name, path, body, status, param, wor
     assert "Traceback" not in r.text
 
 
-def test_auth(disagg, openai_schema):
+def test_auth(disaggregated, openai_schema):
     body = {"model": MODEL, "messages": MSG, "max_tokens": 1}
     for headers in (
         {},
@@ -260,20 +260,23 @@ def test_auth(disagg, openai_schema):
         {"Authorization": f"Basic {API_KEY}"},
         {"Authorization": "Bearer"},
     ):  # fmt: skip  (an empty token: never a pass)
-        r = _post(disagg, CHAT, body, headers)
+        r = _post(disaggregated, CHAT, body, headers)
         assert r.status_code == 401, headers
         check_schema(openai_schema, "ErrorResponse", r.json())
         assert r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(f"{disagg.url}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{disaggregated.url}/v1/models", timeout=10).status_code == 401
     for path in ("/metrics", "/docs", "/redoc", "/openapi.json"):  # issue 26 F6: these too, with keys set
-        assert httpx.get(f"{disagg.url}{path}", timeout=10).status_code == 401, path
-        assert httpx.get(f"{disagg.url}{path}", headers=disagg.headers(), timeout=10).status_code == 200, path
-    assert _post(disagg, CHAT, body, {"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+        assert httpx.get(f"{disaggregated.url}{path}", timeout=10).status_code == 401, path
+        assert (
+            httpx.get(f"{disaggregated.url}{path}", headers=disaggregated.headers(), timeout=10).status_code
+            == 200
+        ), path
+    assert _post(disaggregated, CHAT, body, {"Authorization": f"Bearer {API_KEY}"}).status_code == 200
 
 
-def test_body_too_large(disagg):
+def test_body_too_large(disaggregated):
     huge = b'{"model": "x", "prompt": "' + b"a" * (5 << 20) + b'"}'
-    r = _post(disagg, COMP, huge)
+    r = _post(disaggregated, COMP, huge)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
     def chunks():  # no content-length: the limit is counted as the body streams in
@@ -282,33 +285,35 @@ def test_body_too_large(disagg):
             yield b"a" * (64 << 10)
         yield b'"}'
 
-    r = httpx.post(f"{disagg.url}{COMP}", content=chunks(), headers=disagg.headers(), timeout=60)
+    r = httpx.post(
+        f"{disaggregated.url}{COMP}", content=chunks(), headers=disaggregated.headers(), timeout=60
+    )
     assert r.status_code == 413
 
 
-def test_unknown_route_and_method(disagg):
-    r = httpx.get(f"{disagg.url}/v1/nothing", timeout=10)
+def test_unknown_route_and_method(disaggregated):
+    r = httpx.get(f"{disaggregated.url}/v1/nothing", timeout=10)
     assert r.status_code == 404 and "error" in r.json()
-    r = httpx.get(f"{disagg.url}{CHAT}", headers=disagg.headers(), timeout=10)
+    r = httpx.get(f"{disaggregated.url}{CHAT}", headers=disaggregated.headers(), timeout=10)
     assert r.status_code == 405 and "error" in r.json()
 
 
-def test_still_serving_after_the_battery(disagg):
-    r = _post(disagg, CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 4, "temperature": 0})
+def test_still_serving_after_the_battery(disaggregated):
+    r = _post(disaggregated, CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-    stats = disagg.wait_idle()
+    stats = disaggregated.wait_idle()
     for s in stats.values():
         assert s["blocks"]["free"] == s["blocks"]["total"]
 
 
-def test_a_client_gone_mid_body_is_one_log_line(disagg):
+def test_a_client_gone_mid_body_is_one_log_line(disaggregated):
     """issue 26 F10: each disconnect mid-body logged two full tracebacks (2,000 gave 225,280 lines)."""
     import socket
     import time
 
-    host, port = disagg.url.removeprefix("http://").rsplit(":", 1)
+    host, port = disaggregated.url.removeprefix("http://").rsplit(":", 1)
     marker = f"-- partial bodies {time.time()} --"
-    disagg.log.append(marker)  # the log is a bounded deque: read what came after this line
+    disaggregated.log.append(marker)  # the log is a bounded deque: read what came after this line
     for _ in range(3):
         s = socket.create_connection((host, int(port)))
         s.sendall(
@@ -320,7 +325,7 @@ def test_a_client_gone_mid_body_is_one_log_line(disagg):
         s.close()
 
     def after() -> list[str]:
-        lines = list(disagg.log)
+        lines = list(disaggregated.log)
         return lines[lines.index(marker) + 1 :] if marker in lines else lines
 
     deadline = time.monotonic() + 10
@@ -330,11 +335,11 @@ def test_a_client_gone_mid_body_is_one_log_line(disagg):
     assert not any("Traceback" in line for line in after()), after()
 
 
-def test_template_variables_still_reach_the_template(disagg):
+def test_template_variables_still_reach_the_template(disaggregated):
     body = {
         "model": MODEL,
         "messages": MSG,
         "max_tokens": 2,
         "chat_template_kwargs": {"enable_thinking": False},
     }
-    assert _post(disagg, CHAT, body).status_code == 200
+    assert _post(disaggregated, CHAT, body).status_code == 200

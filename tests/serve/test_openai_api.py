@@ -34,19 +34,19 @@ def _chat(dep, content: str, **kw):
     )
 
 
-def test_models_and_health(disagg, openai_schema):
-    models = disagg.client().models.list()
+def test_models_and_health(disaggregated, openai_schema):
+    models = disaggregated.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
-    raw = httpx.get(f"{disagg.url}/v1/models", headers=disagg.headers()).json()
+    raw = httpx.get(f"{disaggregated.url}/v1/models", headers=disaggregated.headers()).json()
     check_schema(openai_schema, "ListModelsResponse", raw)
     assert raw["data"][0]["max_model_len"] == 2048
-    assert disagg.client().models.retrieve(MODEL).id == MODEL
-    health = disagg.health()
+    assert disaggregated.client().models.retrieve(MODEL).id == MODEL
+    health = disaggregated.health()
     assert health["status"] == "ok" and health["ready"] == {"prefill": 1, "decode": 1}
     assert {w["kv_backend"] for w in health["workers"]} == {"shm"}
     assert all("url" not in w for w in health["workers"])  # addresses only behind the key:
-    assert httpx.get(f"{disagg.url}/admin/deployment", timeout=10).status_code == 401
-    workers = disagg.admin()["workers"]
+    assert httpx.get(f"{disaggregated.url}/admin/deployment", timeout=10).status_code == 401
+    workers = disaggregated.admin()["workers"]
     assert {w["role"] for w in workers} == {"prefill", "decode"} and all(w["url"] for w in workers)
     # the workers' own API wants the token derived from the deployment's secret (all but /health)
     for w in workers:
@@ -58,12 +58,12 @@ def test_models_and_health(disagg, openai_schema):
         assert httpx.get(f"{w['url']}/stats", headers=worker_headers(SECRET), timeout=10).status_code == 200
 
 
-def test_greedy_http_equals_llm_both_modes(disagg, colocated, llm):
+def test_greedy_http_equals_llm_both_modes(disaggregated, colocated, llm):
     tok = llm.engine.tokenizer
     params = SamplingParams(temperature=0, max_tokens=48)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     expected = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": x} for x in ids], params)]
-    for dep in (disagg, colocated):
+    for dep in (disaggregated, colocated):
         for prompt, exp in zip(PROMPTS, expected, strict=True):
             got = _chat(dep, prompt, temperature=0, max_tokens=48)
             assert got.choices[0].message.content == exp.text, (dep.url, prompt)
@@ -72,11 +72,11 @@ def test_greedy_http_equals_llm_both_modes(disagg, colocated, llm):
             assert got.usage.prompt_tokens == len(ids[PROMPTS.index(prompt)])
 
 
-def test_stream_equals_non_stream_and_usage(disagg, openai_schema):
-    full = _chat(disagg, PROMPTS[1], temperature=0, max_tokens=40)
+def test_stream_equals_non_stream_and_usage(disaggregated, openai_schema):
+    full = _chat(disaggregated, PROMPTS[1], temperature=0, max_tokens=40)
     chunks = list(
         _chat(
-            disagg,
+            disaggregated,
             PROMPTS[1],
             temperature=0,
             max_tokens=40,
@@ -98,7 +98,7 @@ def test_stream_equals_non_stream_and_usage(disagg, openai_schema):
         "stream": True,
     }
     raw = httpx.post(
-        f"{disagg.url}/v1/chat/completions", json=body, headers=disagg.headers(), timeout=60
+        f"{disaggregated.url}/v1/chat/completions", json=body, headers=disaggregated.headers(), timeout=60
     ).text
     events = sse_events(raw)
     assert events[-1] == "[DONE]"
@@ -108,9 +108,11 @@ def test_stream_equals_non_stream_and_usage(disagg, openai_schema):
         check_schema(openai_schema, "CreateChatCompletionStreamResponse", json.loads(e))
 
 
-def test_chat_response_schema_and_ttft_headers(disagg, openai_schema):
+def test_chat_response_schema_and_ttft_headers(disaggregated, openai_schema):
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8}
-    r = httpx.post(f"{disagg.url}/v1/chat/completions", json=body, headers=disagg.headers(), timeout=60)
+    r = httpx.post(
+        f"{disaggregated.url}/v1/chat/completions", json=body, headers=disaggregated.headers(), timeout=60
+    )
     assert r.status_code == 200
     check_schema(openai_schema, "CreateChatCompletionResponse", r.json())
     assert r.json()["id"].startswith("chatcmpl-") and r.json()["model"] == MODEL
@@ -121,19 +123,19 @@ def test_chat_response_schema_and_ttft_headers(disagg, openai_schema):
     assert sum(parts) == pytest.approx(float(h["x-splitserve-ttft-ms"]), abs=0.1)
 
 
-def test_max_tokens_stop_and_max_completion_tokens(disagg):
-    r = _chat(disagg, PROMPTS[1], temperature=0, max_tokens=5)
+def test_max_tokens_stop_and_max_completion_tokens(disaggregated):
+    r = _chat(disaggregated, PROMPTS[1], temperature=0, max_tokens=5)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
-    r = _chat(disagg, PROMPTS[1], temperature=0, max_completion_tokens=3)
+    r = _chat(disaggregated, PROMPTS[1], temperature=0, max_completion_tokens=3)
     assert r.usage.completion_tokens == 3
-    full = _chat(disagg, PROMPTS[0], temperature=0, max_tokens=30).choices[0].message.content
+    full = _chat(disaggregated, PROMPTS[0], temperature=0, max_tokens=30).choices[0].message.content
     word = full.split()[2]
-    r = _chat(disagg, PROMPTS[0], temperature=0, max_tokens=30, stop=[word])
+    r = _chat(disaggregated, PROMPTS[0], temperature=0, max_tokens=30, stop=[word])
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == full[: full.index(word)]
 
 
-def test_seed_n_and_sampling_fields(disagg, colocated):
+def test_seed_n_and_sampling_fields(disaggregated, colocated):
     kw = dict(
         temperature=0.9,
         top_p=0.9,
@@ -144,23 +146,23 @@ def test_seed_n_and_sampling_fields(disagg, colocated):
         frequency_penalty=0.2,
         extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1},
     )
-    a = _chat(disagg, PROMPTS[1], **kw)
-    b = _chat(disagg, PROMPTS[1], **kw)
+    a = _chat(disaggregated, PROMPTS[1], **kw)
+    b = _chat(disaggregated, PROMPTS[1], **kw)
     c = _chat(colocated, PROMPTS[1], **kw)
     texts = [x.message.content for x in a.choices]
     assert [x.index for x in a.choices] == [0, 1, 2]
     assert texts == [x.message.content for x in b.choices] == [x.message.content for x in c.choices]
     assert len(set(texts)) > 1  # the n samples differ (seeds seed+i)
-    d = _chat(disagg, PROMPTS[1], **{**kw, "seed": 99})
+    d = _chat(disaggregated, PROMPTS[1], **{**kw, "seed": 99})
     assert [x.message.content for x in d.choices] != texts
 
 
-def test_chat_logprobs_match_llm(disagg, llm):
+def test_chat_logprobs_match_llm(disaggregated, llm):
     tok = llm.engine.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[2]}])
     exp = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=6, logprobs=3))
     exp_lp = exp[0].outputs[0].logprobs
-    r = _chat(disagg, PROMPTS[2], temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    r = _chat(disaggregated, PROMPTS[2], temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == len(exp_lp) == 6
     for got, want in zip(content, exp_lp, strict=True):
@@ -171,7 +173,9 @@ def test_chat_logprobs_match_llm(disagg, llm):
         assert bytes(got.bytes) == got.token.encode()
     # streamed logprobs are the same
     chunks = list(
-        _chat(disagg, PROMPTS[2], temperature=0, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+        _chat(
+            disaggregated, PROMPTS[2], temperature=0, max_tokens=6, logprobs=True, top_logprobs=3, stream=True
+        )
     )
     streamed = [
         e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
@@ -181,13 +185,15 @@ def test_chat_logprobs_match_llm(disagg, llm):
     ]
 
 
-def test_completions_api(disagg, llm, openai_schema):
-    client = disagg.client()
+def test_completions_api(disaggregated, llm, openai_schema):
+    client = disaggregated.client()
     exp = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
     assert r.choices[0].text == exp.text and r.object == "text_completion"
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3, "logprobs": 1}
-    raw = httpx.post(f"{disagg.url}/v1/completions", json=body, headers=disagg.headers(), timeout=60).json()
+    raw = httpx.post(
+        f"{disaggregated.url}/v1/completions", json=body, headers=disaggregated.headers(), timeout=60
+    ).json()
     check_schema(openai_schema, "CreateCompletionResponse", raw)
     # token ids, a batch of prompts, echo, logprobs
     ids = llm.engine.tokenizer.encode("Once upon a time")
@@ -223,9 +229,9 @@ def test_completions_api(disagg, llm, openai_schema):
     assert chunks[-1].usage.completion_tokens == 12
 
 
-def test_concurrent_clients(disagg):
+def test_concurrent_clients(disaggregated):
     async def main() -> list[str]:
-        client = disagg.async_client()
+        client = disaggregated.async_client()
         jobs = [
             client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=24
@@ -236,13 +242,13 @@ def test_concurrent_clients(disagg):
 
     texts = asyncio.run(main())
     assert texts[:3] == texts[3:6] == texts[6:]
-    stats = disagg.wait_idle()
+    stats = disaggregated.wait_idle()
     assert all(s["unfinished"] == 0 for s in stats.values())
 
 
-def test_metrics_endpoint(disagg):
-    _chat(disagg, PROMPTS[0], temperature=0, max_tokens=4)
-    text = httpx.get(f"{disagg.url}/metrics", headers=disagg.headers(), timeout=10).text
+def test_metrics_endpoint(disaggregated):
+    _chat(disaggregated, PROMPTS[0], temperature=0, max_tokens=4)
+    text = httpx.get(f"{disaggregated.url}/metrics", headers=disaggregated.headers(), timeout=10).text
     for name in (
         "splitserve:time_to_first_token_seconds",
         "splitserve:inter_token_latency_seconds",

@@ -40,8 +40,8 @@ async def _text(client: httpx.AsyncClient, url: str, headers: dict, prompt: str)
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_one_hostile_request_never_hurts_the_innocent(mode, disagg, colocated_wide):
-    dep = disagg if mode == "disaggregated" else colocated_wide
+def test_one_hostile_request_never_hurts_the_innocent(mode, disaggregated, colocated_wide):
+    dep = disaggregated if mode == "disaggregated" else colocated_wide
     headers = {"Content-Type": "application/json", **dep.headers()}
 
     async def main() -> None:

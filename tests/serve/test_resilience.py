@@ -35,27 +35,29 @@ def _wait_busy(dep, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_client_disconnect_mid_stream_frees_both_workers(disagg):
+def test_client_disconnect_mid_stream_frees_both_workers(disaggregated):
     body = {**LONG, "max_tokens": 1500, "stream": True}
     with httpx.stream(
-        "POST", f"{disagg.url}/v1/completions", json=body, headers=disagg.headers(), timeout=60
+        "POST", f"{disaggregated.url}/v1/completions", json=body, headers=disaggregated.headers(), timeout=60
     ) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]  # some tokens streamed: the decode worker is generating
         assert all(line.startswith("data: ") or not line for line in got)
     # 1,500 tokens would take a minute: idle within seconds means the request was aborted, not finished
-    stats = disagg.wait_idle(timeout_s=10)
+    stats = disaggregated.wait_idle(timeout_s=10)
     for name, s in stats.items():
         assert s["unfinished"] == 0 and s["running"] == 0, (name, s)
         assert s["blocks"]["free"] == s["blocks"]["total"], (name, s)
 
 
-def test_client_disconnect_while_waiting_non_streaming(disagg):
+def test_client_disconnect_while_waiting_non_streaming(disaggregated):
     body = {**LONG, "max_tokens": 1500}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{disagg.url}/v1/completions", json=body, headers=disagg.headers(), timeout=3)
-    stats = disagg.wait_idle(timeout_s=10)
+        httpx.post(
+            f"{disaggregated.url}/v1/completions", json=body, headers=disaggregated.headers(), timeout=3
+        )
+    stats = disaggregated.wait_idle(timeout_s=10)
     for name, s in stats.items():
         assert s["unfinished"] == 0 and s["blocks"]["free"] == s["blocks"]["total"], (name, s)
 

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
-from splitserve.engine.disagg import KVExport
-from splitserve.kv import KVHandle
+from splitserve.engine.kv_transfer_types import KVExport
 from splitserve.serve.schemas import DecodeRequest, KVExportBody, KVHandleBody, PrefillResponse
+from splitserve.transport import KVHandle
 
 HANDLE = KVHandle(
     backend="tcp", address="127.0.0.1:5000", request_id="pf-1", lease_id="L1", block_ids=(3, 4, 9),
@@ -32,12 +32,12 @@ def test_export_round_trips_through_the_wire_shape() -> None:
 def test_the_bodies_carrying_it_are_typed() -> None:
     wire = PrefillResponse(
         request_id="pf-1", first_token=7, text="x", finish_reason=None, seconds=0.1,
-        kv=KVExport(HANDLE).to_dict(),  # type: ignore[arg-type]  # validated from JSON-shaped input
+        kv_export=KVExport(HANDLE).to_dict(),  # type: ignore[arg-type]  # validated from JSON-shaped input
     )  # fmt: skip
     again = PrefillResponse.model_validate_json(wire.model_dump_json())
-    assert again.kv is not None and again.kv.handle.block_ids == [3, 4, 9]
-    body = DecodeRequest(prompt_token_ids=[1, 2], first_token=7, kv=again.kv)
-    assert DecodeRequest.model_validate_json(body.model_dump_json()).kv == again.kv
+    assert again.kv_export is not None and again.kv_export.handle.block_ids == [3, 4, 9]
+    body = DecodeRequest(prompt_token_ids=[1, 2], first_token=7, kv_export=again.kv_export)
+    assert DecodeRequest.model_validate_json(body.model_dump_json()).kv_export == again.kv_export
 
 
 @pytest.mark.parametrize(
@@ -51,4 +51,4 @@ def test_the_bodies_carrying_it_are_typed() -> None:
 )
 def test_a_malformed_handle_is_refused_at_the_edge(bad: dict) -> None:
     with pytest.raises(ValidationError):
-        DecodeRequest(prompt_token_ids=[1], first_token=2, kv=bad)  # type: ignore[arg-type]
+        DecodeRequest(prompt_token_ids=[1], first_token=2, kv_export=bad)  # type: ignore[arg-type]

@@ -1,0 +1,89 @@
+"""The records a disaggregated request travels with, and the errors of a KV import.
+
+    KVExport      prefill -> (router) -> decode: the KV handle and the sampler's generator state
+    ImportSpec    what a decode engine is asked to continue (prompt, first token, params, handle)
+
+All of it is plain data; the JSON form of a KVExport is what crosses the network (no pickle).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.params import SamplingParams
+from splitserve.engine.request import Request, TokenLogprob
+from splitserve.transport import KVHandle
+
+
+class KVTransferFailed(RuntimeError):
+    """A request's KV could not be imported and its policy is "fail" (or the peer was refused)."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        self.request_id = request_id
+        self.cause = cause
+        self.kind = type(cause).__name__
+        super().__init__(f"KV transfer for request {request_id!r} failed ({self.kind}): {cause}")
+
+
+class NoRoom(TimeoutError):
+    """The decode engine had no free blocks (or state slot) for the prompt before the deadline."""
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """What a prefill engine hands on: where the KV is, and the sampler's generator after draw one."""
+
+    handle: KVHandle
+    generator_state: bytes | None = None  # torch.Generator.get_state() of a seeded request
+
+    def to_dict(self) -> dict:
+        state = None if self.generator_state is None else base64.b64encode(self.generator_state).decode()
+        return {"handle": self.handle.to_dict(), "generator_state": state}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KVExport:
+        state = data.get("generator_state")
+        try:
+            raw = None if state is None else base64.b64decode(state, validate=True)
+        except ValueError as exc:
+            raise ValueError(f"malformed generator_state: {exc}") from exc
+        return cls(KVHandle.from_dict(data["handle"]), raw)
+
+
+@dataclass(frozen=True)
+class ImportSpec:
+    """Everything a decode engine needs to continue a request prefilled elsewhere."""
+
+    handle: KVHandle
+    prompt_token_ids: list[int]
+    first_token: int
+    params: SamplingParams
+    request_id: str
+    generator_state: bytes | None = None
+    first_logprob: TokenLogprob | None = None
+    policy: str | None = None  # None: the connector's
+    timeout_s: float | None = None  # the whole import (room + fetch); None: the connector's
+
+
+def restore_generator(req: Request, state: bytes | None, vocab_size: int) -> None:
+    """Put a seeded request's generator where the prefill engine's was after the first token."""
+    if req.generator is None:
+        return
+    if state is not None:
+        try:
+            req.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"generator_state does not fit this engine's generator: {exc}") from exc
+    elif not req.params.greedy:
+        # NOTE: replays the sampler's one draw for the first token (q ~ Exp(1), [vocab] fp32).
+        torch.empty(vocab_size, dtype=torch.float32, device=req.generator.device).exponential_(
+            generator=req.generator
+        )
+
+
+def payload_nbytes(handle: KVHandle, state: dict[str, torch.Tensor], kv: torch.Tensor) -> int:
+    block = kv[0].numel() * kv.element_size()
+    return handle.num_blocks * block + sum(t.numel() * t.element_size() for t in state.values())

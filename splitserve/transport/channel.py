@@ -1,0 +1,438 @@
+"""KVChannel: the one KV transport, a control channel holding one payload mover per backend.
+
+The channel owns what every backend shares: the exporter's server and the fetcher's pooled
+authenticated connections (handshake: layouts + shared secret), leases, deadlines, counters, the fault
+plan (tests only). The mover (`PayloadMover` below: tcp, shm, cuda_ipc, nccl, nixl) owns how the
+payload moves.
+
+Exporter side, for one request:
+  1. `export` -> the mover's `export`, which checks the ids and calls back `lease_export`: the state
+     the mover keeps (`keep_state`: host copies, or a slot/arena row), the checksum if enabled, and a
+     lease whose payload is an `Export` record; the server starts on first use (`listen`).
+  2. A request arrives on the server loop: `handle` offers it to the mover first (`serve_op`: its
+     open exchange), else a fetch pins the lease (so it cannot end mid-read), draws a fault from the
+     plan when one is installed, and calls the mover's `send_payload`.
+  3. A release request (or `release` of our own handle) ends the lease: `on_free(block_ids)` once.
+
+Fetcher side, for one request:
+  1. `fetch` -> the mover's `fetch`. The stream movers (tcp, shm) call back `stream_fetch`: it checks
+     the handle against this transport (backend, block counts, id range), builds the destination
+     stream (our kv[into_block_ids] views + fresh state tensors), takes a pooled connection and lets
+     the mover's `recv_payload` fill the stream;
+  2. then verifies the checksum (CorruptTransfer), commits staged blocks (device KV), records GB/s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from splitserve.transport import trace
+from splitserve.transport.board import LeaseBoard
+from splitserve.transport.client import ConnectionPool, SyncChannel
+from splitserve.transport.errors import (
+    CorruptTransfer,
+    LeaseExpired,
+    PeerRefused,
+    TransportError,
+    UnknownLease,
+    error_to_wire,
+)
+from splitserve.transport.fault_plan import Fault, FaultPlan
+from splitserve.transport.handle import KVHandle
+from splitserve.transport.layout import KVLayout
+from splitserve.transport.lease import FreeCallback, LeaseManager
+from splitserve.transport.payload import (
+    BlockSink,
+    ByteStream,
+    empty_state,
+    host_state_pieces,
+    source_pieces,
+    state_pieces,
+)
+from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect, resolve_secret
+from splitserve.transport.server import AsyncChannel, ExportServer, ListenSpec
+from splitserve.transport.transport import KVTransport, TransportOptions, TransportStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Export:
+    """What the exporter keeps under a lease besides the block ids."""
+
+    request_id: str
+    state: dict[str, torch.Tensor]
+    checksum: str | None
+    state_row: int | None = None  # cuda_ipc: the state waits in this row of the exporter's arena
+
+
+class PayloadMover(Protocol):
+    """What one backend adds to the control channel, and nothing else.
+
+    A `KVChannel` holds one mover and calls it; a mover never subclasses the channel, another backend's
+    mover or a shared base. Its contract, by side (the channel calls these; the mover may call the
+    channel back: `ch`):
+
+      both      backend                           the backend's name, carried in handles
+                bind(ch)                          once, when the channel is made: keep it, set up devices
+                register_states(states) -> bool   the engine's state slots, once (True: moved in place)
+                describe() -> dict                fields merged into the channel's describe()
+                close()                           after the channel closed its server, pool and leases
+      exporter  listen_spec() -> ListenSpec       where the server listens (tcp host:port, unix path)
+                make_board() -> LeaseBoard|None   a lease board for one-sided reads (board.py), or None
+                export(...) -> KVHandle           check the ids, then `ch.lease_export` (or its own lease)
+                keep_state(state) -> dict         what a lease keeps of the state (`ch.lease_export` asks)
+                serve_op(chan, header) -> bool|None   a request only this backend knows (its open
+                                                  exchange); None: not ours, the channel serves it
+                send_payload(chan, export, block_ids, meta, fault, deadline) -> int
+                                                  move the pinned lease's blocks and state; -> bytes
+      fetcher   fetch(handle, into_block_ids, timeout_s, into_state) -> state
+                                                  stream movers: `ch.stream_fetch(..., recv_payload)`
+
+    The backends: tcp.py, shm.py (stream movers, each holding a host_stream.HostStream), cuda_ipc.py and
+    nccl.py (GPU movers, each holding a gpu_two_sided.GpuTwoSided: the two-sided GPU fetch they share,
+    which calls back their hooks), nixl.py (one-sided NIXL READs). What two backends share is a
+    component each holds, never a base class.
+    """
+
+    backend: str
+
+    def bind(self, ch: KVChannel) -> None: ...
+
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool: ...
+
+    def describe(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+    def listen_spec(self) -> ListenSpec: ...
+
+    def make_board(self) -> LeaseBoard | None: ...
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None,
+    ) -> KVHandle: ...
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]: ...
+
+    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None: ...
+
+    async def send_payload(
+        self,
+        chan: AsyncChannel,
+        export: Export,
+        block_ids: tuple[int, ...],
+        meta: dict,
+        fault: Fault,
+        deadline: Deadline,
+    ) -> int: ...
+
+    def fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None,
+        into_state: Mapping[str, torch.Tensor] | None,
+    ) -> dict[str, torch.Tensor]: ...
+
+
+class KVChannel(KVTransport):
+    """A control channel holding one backend's payload mover (see the module docstring)."""
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        mover: PayloadMover,
+        *,
+        secret: bytes | str | None = None,
+        on_free: FreeCallback | None = None,
+        options: TransportOptions | None = None,
+    ) -> None:
+        _check_kv(kv, layout)
+        self.mover = mover
+        self.backend = mover.backend
+        self.kv_cache = kv  # [num_blocks, L, 2, block_size, KVH, D]
+        self.layout = layout
+        self.options = options or TransportOptions()
+        self._secret = resolve_secret(secret)
+        self.stats = TransportStats(self.backend)
+        self.leases = LeaseManager(self.options.lease_s, on_free)
+        self.pool = ConnectionPool(layout, self._secret, self.options.connect_timeout_s)
+        self.faults: FaultPlan | None = None
+        self._server: ExportServer | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        mover.bind(self)
+
+    # -- exporter side ---------------------------------------------------------------------------
+    def listen(self) -> str:
+        """Start serving (once); -> the address handles carry."""
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"{self.backend} transport is closed")
+            if self._server is None:
+                if self.leases.board is None:  # before the server: a fetcher's open exchange names it
+                    self.leases.board = self.mover.make_board()
+                    if self.leases.board is not None:
+                        self.leases.board.allow_one_sided(self.faults is None)
+                server = ExportServer(
+                    self.mover.listen_spec(),
+                    self.layout,
+                    self._secret,
+                    self,
+                    self.options.connect_timeout_s,
+                    self.options.idle_timeout_s,
+                )
+                server.start()
+                self._server = server
+            return self._server.address
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        return self.mover.export(request_id, block_ids, num_tokens, state)
+
+    def lease_export(
+        self,
+        request_id: str,
+        ids: tuple[int, ...],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None,
+    ) -> KVHandle:
+        """A mover's `export`, once it has checked `ids`: keep the state (the mover's `keep_state`),
+        the checksum, the lease, the handle."""
+        if not 0 < num_tokens <= len(ids) * self.layout.block_size:
+            raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
+        snapshot = self.mover.keep_state(state)
+        address = self.listen()
+        digest = None
+        if self.options.checksum:
+            pieces = source_pieces(self.kv_cache, ids) + host_state_pieces(snapshot, self.layout)
+            digest = checksum(self.options.checksum, pieces)
+        lease = self.leases.grant(ids, Export(request_id, snapshot, digest))
+        self.stats.count("exports")
+        return KVHandle(
+            backend=self.backend,
+            address=address,
+            request_id=request_id,
+            lease_id=lease.lease_id,
+            block_ids=ids,
+            num_tokens=num_tokens,
+            layout_fingerprint=self.layout.fingerprint,
+            lease_expires_at=time.time() + self.options.lease_s,
+            checksum=digest,
+            lease_slot=lease.slot,
+        )
+
+    def release(self, handle: KVHandle) -> None:
+        self.stats.count("releases")
+        if self._server is not None and handle.address == self._server.address:
+            self.leases.release(handle.lease_id)
+            return
+        deadline = Deadline.after(self.options.connect_timeout_s)
+        try:
+            with self.pool.connection(handle.address, deadline) as chan:
+                chan.send({"op": "release", "lease_id": handle.lease_id}, deadline)
+                expect(chan.recv(deadline)[0], "ok")
+        except TransportError as exc:
+            self.stats.error(exc)
+            log.warning(
+                "kv release of %s at %s failed (%s); the exporter frees it when the lease expires",
+                handle.request_id,
+                handle.address,
+                exc,
+            )
+
+    async def handle(self, chan: AsyncChannel, header: dict) -> bool:
+        """Server loop: serve one request (RequestHandler); the mover's own ops first."""
+        served = await self.mover.serve_op(chan, header)
+        if served is not None:
+            return served
+        op = header["op"]
+        if op == "fetch":
+            return await self._serve_fetch(chan, header)
+        if op == "release":
+            released = self.leases.release(str(header.get("lease_id")))
+            deadline = Deadline.after(self.options.connect_timeout_s)
+            await chan.send({"op": "ok", "released": released}, deadline)
+            return True
+        if op == "error":
+            log.warning("kv fetcher %s refused us: %s", chan.peer, header.get("message"))
+            return False
+        bad = TransportError(f"unknown request {op!r}")
+        await chan.send(error_to_wire(bad), Deadline.after(self.options.connect_timeout_s))
+        return False
+
+    async def _serve_fetch(self, chan: AsyncChannel, header: dict) -> bool:
+        trace.mark("e.request")
+        asked = float(header.get("timeout_s", self.options.fetch_timeout_s))
+        deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
+        try:
+            with self.leases.pinned(str(header.get("lease_id"))) as lease:
+                plan = self.faults  # tests only: None in production
+                fault = plan.draw() if plan is not None else Fault.NONE
+                if fault is Fault.DROP:  # never answer; hold on until the fetcher gives up
+                    await chan.wait_closed(Deadline.after(self.options.idle_timeout_s))
+                    return False
+                if fault is Fault.DELAY and plan is not None:
+                    await asyncio.sleep(plan.knobs.delay_s)
+                meta = {"blocks": len(lease.block_ids), "checksum": lease.payload.checksum}
+                start = time.perf_counter()
+                nbytes = await self.mover.send_payload(
+                    chan, lease.payload, lease.block_ids, meta, fault, deadline
+                )
+                self.stats.served(nbytes, time.perf_counter() - start)
+                return fault is not Fault.KILL
+        except (LeaseExpired, UnknownLease) as exc:
+            self.stats.error(exc)
+            await chan.send(error_to_wire(exc), deadline)
+            return True
+        except (TransportError, ConnectionError):
+            self.stats.count("serve_failures")
+            raise
+
+    # -- fetcher side ----------------------------------------------------------------------------
+    def fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        return self.mover.fetch(handle, into_block_ids, timeout_s, into_state)
+
+    def stream_fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None,
+        recv_payload: Callable[[SyncChannel, ByteStream, Deadline], dict],
+    ) -> dict[str, torch.Tensor]:
+        """A stream mover's `fetch`: `recv_payload(chan, stream, deadline)` fills our blocks' views and
+        fresh state tensors; -> the exporter's payload header."""
+        into = self.check_fetch(handle, into_block_ids)
+        deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
+        sink, state = BlockSink(self.kv_cache, into), empty_state(self.layout)
+        stream = ByteStream(sink.pieces + state_pieces(state, self.layout))
+        start = time.perf_counter()
+        try:
+            with self.pool.connection(handle.address, deadline) as chan:
+                if chan.peer_layout is not None and chan.peer_layout.fingerprint != handle.layout_fingerprint:
+                    raise PeerRefused(f"handle {handle.request_id} was made for another layout")
+                request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
+                chan.send({**request, "timeout_s": deadline.remaining("fetch")}, deadline)
+                meta = recv_payload(chan, stream, deadline)
+            self.verify(handle, meta, stream)
+            sink.commit()
+        except TransportError as exc:
+            self.stats.error(exc)
+            raise
+        except (KeyError, TypeError, ValueError) as exc:  # a field missing or mistyped in an answer
+            malformed = TransportError(f"malformed answer from {handle.address}: {exc!r}")
+            self.stats.error(malformed)
+            raise malformed from exc
+        self.stats.fetched(stream.nbytes, time.perf_counter() - start, handle.address)
+        return state
+
+    def verify(self, handle: KVHandle, meta: dict, stream: ByteStream) -> None:
+        expected = handle.checksum or meta.get("checksum")
+        if not expected:
+            return
+        got = checksum(checksum_algo(expected), stream.pieces)
+        if got != expected:
+            where = f"{handle.request_id} from {handle.address}"
+            raise CorruptTransfer(f"payload of {where}: checksum {got}, expected {expected}")
+        self.stats.count("checksums_verified")
+
+    def check_fetch(self, handle: KVHandle, into_block_ids: Sequence[int]) -> tuple[int, ...]:
+        if handle.backend != self.backend:
+            diff = f"backend: ours {self.backend}, peer {handle.backend}"
+            raise PeerRefused("handle is for another backend", [diff])
+        into = self.check_ids(into_block_ids, "into_block_ids")
+        if len(into) != handle.num_blocks:
+            raise ValueError(f"the handle has {handle.num_blocks} blocks, into_block_ids has {len(into)}")
+        return into
+
+    def check_ids(self, block_ids: Sequence[int], what: str) -> tuple[int, ...]:
+        ids = tuple(int(b) for b in block_ids)
+        if not ids:
+            raise ValueError(f"{what} is empty")
+        if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= self.kv_cache.shape[0]:
+            raise ValueError(
+                f"{what} must be distinct ids in [0, {self.kv_cache.shape[0]}), got {list(ids)[:16]}"
+            )
+        return ids
+
+    def check_peer(self, address: str, timeout_s: float) -> KVLayout:
+        with self.pool.connection(address, Deadline.after(timeout_s)) as chan:
+            assert chan.peer_layout is not None  # the handshake sets it
+            return chan.peer_layout
+
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return self.mover.register_states(states)
+
+    # -- both ------------------------------------------------------------------------------------
+    def install_faults(self, plan: FaultPlan | None) -> None:
+        """Tests: break the exporter's answers according to `plan` (see faults.py). While a plan is
+        installed, fetchers are told to ask (no one-sided reads), so that every fetch meets it."""
+        self.faults = plan
+        if self.leases.board is not None:
+            self.leases.board.allow_one_sided(plan is None)
+
+    @property
+    def address(self) -> str | None:
+        return self._server.address if self._server else None
+
+    def describe(self) -> dict:
+        out = self.stats.snapshot()
+        out["address"] = self.address
+        out["layout_fingerprint"] = self.layout.fingerprint
+        out["checksum"] = self.options.checksum
+        out["leases"] = {"active": self.leases.active(), **self.leases.counts}
+        out["connections_opened"] = self.pool.opened
+        out["connections_reaped"] = self.pool.reaped
+        if self._server is not None:
+            out["server"] = dict(self._server.counts)
+        if self.faults is not None:
+            out["faults"] = dict(self.faults.counts)
+        out.update(self.mover.describe())
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        self.pool.close()
+        self.leases.close(free_remaining=True)
+        if self.leases.board is not None:
+            self.leases.board.close()
+        self.mover.close()
+
+
+_TENSOR_FIELDS = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+
+
+def _check_kv(kv: torch.Tensor, layout: KVLayout) -> None:
+    ours = KVLayout.from_tensor(kv, layout.model_fingerprint, layout.state_shapes)
+    wrong = [m for m in ours.mismatches(layout) if m.split(":")[0] in _TENSOR_FIELDS]
+    if wrong:
+        raise ValueError(f"kv tensor {tuple(kv.shape)} does not match the layout: {'; '.join(wrong)}")

@@ -1,0 +1,455 @@
+"""cuda_ipc: GPU KV between two processes of one host, copied device to device (NVLink or PCIe P2P).
+
+The control channel is shm's (shm.py): the authenticated protocol of protocol.py on a unix socket whose
+path is new for each exporter, so the two ends share a host by construction. Only the payload moves
+differently: the fetcher's GPU copies the blocks straight out of the exporter's KV cache.
+
+Life of a connection and of one fetch:
+  0. start-up: both workers keep their KV on a GPU. Asking for cuda_ipc on a host without CUDA, or with
+     a KV on the CPU, is `BackendUnavailable` (backends.py, `GpuTwoSided.__init__`).
+  1. handshake (layouts + shared secret), then on the connection's first fetch the fetcher asks
+     {"op": "cuda_ipc_open", host, pid, gpu}. The exporter answers {"op": "cuda_ipc_handle", ...}: a
+     CUDA IPC handle of its whole KV storage (torch's `UntypedStorage._share_cuda_()`, made once; its
+     bytes ride base64 in the JSON header, nothing is pickled), its GPU's UUID, host id (boot id) and
+     the KV's offset and block size in that storage.
+  2. The fetcher refuses (PeerRefused) an exporter on another host or on a GPU it cannot see, and opens
+     the handle once per exporter (`UntypedStorage._new_shared_cuda`, kept until close):
+        p2p     on its own GPU, when that GPU has peer access to the exporter's: our kernels and copy
+                engine read the exporter's memory over NVLink / PCIe directly;
+        staged  on the exporter's GPU otherwise: the driver stages each cross-device copy;
+        local   exporter and fetcher are one process (CUDA cannot open its own IPC handle): the
+                exporter's tensor is used directly, from a process-wide registry.
+     The answer also names the exporter's lease board (board.py), which the fetcher maps read-only.
+  3. one-sided fetch (the usual one: no state to carry, the handle has a board slot, the board allows
+     it): the fetcher checks the lease's slot, copies (step 4), waits for the copy and checks the slot
+     again; still the lease's means its blocks were not handed back before the copy ended. No message
+     at all, like an RDMA READ; the release follows in the background as for any backend. A slot
+     that says otherwise (ended, or faults injected) sends the fetch down the two-sided path:
+     fetcher -> {"op": "fetch", lease_id, timeout_s}, and at once starts copying the handle's blocks
+     (`prefetch`: safe, see there) while the exporter (lease pinned) answers
+     {"op": "kv_cuda", block_ids, blocks, checksum} + the state tensors as the frame body.
+  4. fetcher: `copy_blocks` kv_src[block_ids] -> kv[into_block_ids] on a side stream of its GPU (one
+     cudaMemcpy for one run of ids consecutive on both sides, else one launch of the block-copy
+     kernel); two-sided, copies again if the answer names other blocks than the handle;
+     synchronizes, checks its deadline, -> {"op": "done"}.
+  5. exporter (two-sided): drops its pin on "done" (or at the deadline, or when the fetcher hangs up).
+
+Checksums work, but on host copies: the exporter copies the blocks to the host at export and the
+fetcher after the copy (slow: leave `checksum` off unless debugging).
+
+NOTE: like shm direct, the fetcher maps the exporter's whole KV allocation, and CUDA IPC mappings are
+writable; it gets the handle only after proving the shared secret. The exporter synchronizes its
+current CUDA stream in `export`, so the prefill's writes are done before any fetcher reads the blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from splitserve.tempdirs import owned_tempdir
+from splitserve.transport import trace
+from splitserve.transport.board import LeaseBoard
+from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.client import SyncChannel
+from splitserve.transport.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
+from splitserve.transport.errors import PeerRefused, TransferTimeout, TransportError
+from splitserve.transport.fault_plan import Fault
+from splitserve.transport.gpu_blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
+from splitserve.transport.gpu_two_sided import GpuTwoSided, NoClose
+from splitserve.transport.handle import KVHandle
+from splitserve.transport.layout import KVLayout
+from splitserve.transport.payload import empty_state, snapshot_state
+from splitserve.transport.protocol import Deadline, expect
+from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.state_arena import StateArena, open_arena, unpack
+
+log = logging.getLogger(__name__)
+
+PEERS_MAX = 64  # exporters whose KV mapping a fetcher keeps open
+
+
+class CudaIpcMover:
+    """The fetcher's GPU copies the blocks out of the exporter's mapped KV (the module docstring)."""
+
+    backend = "cuda_ipc"
+    open_op = "cuda_ipc_open"
+    payload_op = "kv_cuda"
+    _own_dir: str | None = None
+
+    def __init__(self, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
+        self.cpu_test_double = cpu_test_double
+        self.two_sided = GpuTwoSided(self, kv_cache, cpu_test_double)  # checks the KV cache's device
+
+    def bind(self, ch: KVChannel) -> None:
+        two_sided = self.two_sided
+        two_sided.bind(ch)
+        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
+        self.stats, self.leases, self.pool = ch.stats, ch.leases, ch.pool
+        self.rows, self.gpu, self.gpu_counts = two_sided.rows, two_sided.gpu, two_sided.gpu_counts
+        kv, layout = self.kv_cache, self.layout
+        self._key = f"{os.getpid()}-{secrets.token_hex(8)}"
+        self._share: dict | None = None
+        self._share_lock = threading.Lock()
+        self._peers: OrderedDict[str, PeerKV] = OrderedDict()  # share key -> the opened mapping
+        self._peers_lock = threading.Lock()
+        self.arena: StateArena | None = None  # exported state on our GPU (not with checksums: host copies)
+        rows = self.options.state_arena_rows
+        if layout.state_shapes and rows > 0 and not self.options.checksum:
+            self.arena = StateArena(layout, kv.device, rows, self.options.state_wire_dtype)
+            self.leases.on_end = self._lease_ended
+
+    def listen_spec(self) -> ListenSpec:
+        if self.options.socket_dir:
+            directory = self.options.socket_dir
+        else:
+            directory = self._own_dir = owned_tempdir("splitserve-kv-")  # swept if we are SIGKILLed
+        path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        return ListenSpec("unix", path=path)
+
+    # -- the mover contract (channel.py), the shared part held in self.two_sided -------------------
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return False  # the state travels as host copies (or through the arena)
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Host copies (the engine reuses its slot at once)."""
+        return snapshot_state(self.layout, state)
+
+    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
+        return await self.two_sided.serve_op(chan, header)
+
+    async def send_payload(
+        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
+        fault: Fault, deadline: Deadline,
+    ) -> int:  # fmt: skip
+        return await self.two_sided.send_payload(chan, export, block_ids, meta, fault, deadline)
+
+    # -- GpuTwoSided's hooks (gpu_two_sided.GpuBackend) with nothing to do here --------------------
+    def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
+        return {}
+
+    def fetch_fields(self, into: np.ndarray) -> dict:
+        return {}
+
+    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray) -> Any:
+        return None  # the fetcher's GPU copies: nothing to send
+
+    def cancel_push(self, chan: AsyncChannel, early: Any) -> None:
+        pass
+
+    async def push(self, chan: AsyncChannel, block_ids: np.ndarray, deadline: Deadline, early: Any) -> None:
+        pass
+
+    # -- exporter --------------------------------------------------------------------------------
+    def make_board(self) -> LeaseBoard | None:
+        try:  # in the socket directory when one is configured: fetchers can see it by construction
+            return LeaseBoard(directory=self.options.socket_dir)
+        except OSError as exc:
+            log.warning("cuda_ipc: no lease board (%s): every fetch will ask the exporter first", exc)
+            return None
+
+    def share(self) -> dict:
+        with self._share_lock:
+            if self._share is None:
+                self._share = share_kv(self.kv_cache, self.rows, self._key)
+                board = self.leases.board
+                self._share["board"] = board.share() if board is not None else None
+                self._share["state"] = self.arena.share() if self.arena is not None else None
+            return self._share
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        """As GpuTwoSided.export, with the state copied into a row of our GPU's state arena (a
+        device copy per state tensor) rather than to the host, when there is a free row."""
+        row = None
+        if self.arena is not None and state:
+            self.two_sided.sync_stream()  # the prefill's writes land before we copy the state
+            row = self.arena.put(state)
+        if row is None:
+            return self.two_sided.export(request_id, block_ids, num_tokens, state)
+        self.two_sided.sync_stream()  # the copy is done: the engine may reuse its state slot at once
+        ids = self.two_sided.check_ids(block_ids, "block_ids")
+        if not 0 < num_tokens <= len(ids) * self.layout.block_size:
+            self.arena.free(row)
+            raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
+        address = self.ch.listen()
+        lease = self.leases.grant(ids, Export(request_id, {}, None, state_row=row))
+        self.stats.count("exports")
+        self.stats.count("state_in_arena")
+        return KVHandle(
+            backend=self.backend, address=address, request_id=request_id, lease_id=lease.lease_id,
+            block_ids=ids, num_tokens=num_tokens, layout_fingerprint=self.layout.fingerprint,
+            lease_expires_at=time.time() + self.options.lease_s, lease_slot=lease.slot, state_row=row,
+        )  # fmt: skip
+
+    def _lease_ended(self, lease: Any) -> None:
+        export = lease.payload
+        if self.arena is not None and isinstance(export, Export) and export.state_row is not None:
+            self.arena.free(export.state_row)
+
+    async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
+        if header.get("host") != host_id():
+            raise PeerRefused("cuda_ipc needs both workers on one host",
+                              [f"host: exporter {host_id()}, fetcher {header.get('host')}"])  # fmt: skip
+        await chan.send(
+            {"op": "cuda_ipc_handle", **self.share()}, Deadline.after(self.options.connect_timeout_s)
+        )
+        chan.notes.add(self.open_op)
+        self.stats.count("ipc_handles_sent")
+        return True
+
+    # -- fetcher ---------------------------------------------------------------------------------
+    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
+        hello = {"op": self.open_op, "host": host_id(), "pid": os.getpid(), "gpu": self.gpu}
+        chan.send(hello, deadline)
+        try:
+            share = expect(chan.recv(deadline)[0], "cuda_ipc_handle")
+        except PeerRefused as exc:
+            raise PeerRefused(f"cuda_ipc exporter {handle.address} refused us", exc.mismatches) from exc
+        key = str(share["key"])
+        with self._peers_lock:
+            peer = self._peers.get(key)
+            if peer is None:
+                device = self.kv_cache.device
+                with torch.cuda.device(device) if self.two_sided.on_cuda else contextlib.nullcontext():
+                    peer = open_peer(share, device, self.layout)
+                peer.board = open_board(share.get("board"), chan.address)
+                if share.get("state") is not None:
+                    index = peer.rows.device.index if peer.rows.is_cuda else None
+                    try:
+                        peer.state_rows = open_arena(share["state"], index)
+                        peer.state_wire = str(share["state"]["wire_dtype"])
+                    except TransportError as exc:  # its fetches with state then fail, saying why
+                        log.warning("cuda_ipc: cannot map %s's state arena: %s", chan.address, exc)
+                peer.layout_fingerprint = chan.peer_layout.fingerprint if chan.peer_layout else ""
+                self._peers[key] = peer
+                self.stats.count("ipc_handles_opened")
+                while len(self._peers) > PEERS_MAX:
+                    self._peers.popitem(last=False)
+            self._peers.move_to_end(key)
+        return NoClose(peer)
+
+    # -- one-sided fetches -----------------------------------------------------------------------
+    def fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Read the blocks straight out of the exporter's mapped KV when its lease board says the
+        lease is live before and after the copy (no round trip; board.py); else, or for a payload
+        with state, the request/answer fetch of GpuTwoSided."""
+        stateful = bool(self.layout.state_shapes)
+        two_sided = handle.lease_slot is None or (stateful and handle.state_row is None)
+        if two_sided or handle.backend != self.backend:
+            return self.two_sided.fetch(handle, into_block_ids, timeout_s)
+        into = self.two_sided.check_into(handle, into_block_ids)
+        deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
+        start = time.perf_counter()
+        try:  # a pooled connection: its first use attaches; `alive` says the exporter still runs
+            with self.pool.connection(handle.address, deadline) as chan:
+                peer = self._mapped(chan, handle, deadline)
+                state = None if peer is None else self._read_one_sided(peer, handle, into, deadline)
+                done = state is not None and chan.alive()
+        except TransportError as exc:
+            self.stats.error(exc)
+            raise
+        if not done:  # the exporter says what became of the lease
+            return self.two_sided.fetch(handle, into, deadline.remaining("fetch"))
+        end = time.perf_counter()
+        self.two_sided.verify_blocks(handle, {}, into, {})
+        self.two_sided.phases.append((0.0, 0.0, end - start))
+        self.stats.fetched(len(into) * self.layout.block_nbytes, end - start, handle.address)
+        self.stats.count("one_sided_fetches")
+        return state if state else empty_state(self.layout)
+
+    def _mapped(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> PeerKV | None:
+        """The exporter's mapping (attached on the connection's first use), if it has a board."""
+        attached = chan.attached.get(self.backend)
+        if attached is None:
+            attached = chan.attached[self.backend] = self.attach(chan, handle, deadline)
+        peer: PeerKV = attached.value
+        if peer.board is None or peer.layout_fingerprint != handle.layout_fingerprint:
+            return None  # no board, or another layout: the exporter's answer says what is wrong
+        return peer
+
+    def _read_one_sided(
+        self, peer: PeerKV, handle: KVHandle, into: np.ndarray, deadline: Deadline
+    ) -> dict[str, torch.Tensor] | None:
+        """-> the state read with the blocks ({} without state), or None: ask the exporter."""
+        board, slot = peer.board, int(handle.lease_slot or 0)
+        assert board is not None
+        ids = handle_ids(handle)
+        if ids.min() < 0 or ids.max() >= peer.rows.shape[0] or not board.live(slot, handle.lease_id):
+            return None
+        if handle.state_row is not None and peer.state_rows is None:
+            return None
+        trace.mark("f.one_sided")
+        how, done = self._copy(peer, ids, into)
+        state: dict[str, torch.Tensor] = {}
+        if handle.state_row is not None:  # behind the blocks on our side stream: its wait covers both
+            state = self.pull_state(NoClose(peer), handle.state_row, deadline)
+        trace.mark("f.copy_queued")
+        self._wait_copies(handle.address, deadline, done)
+        trace.mark("f.copied")
+        if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
+            self.stats.count("one_sided_lost")
+            return None
+        self.gpu_counts[f"{peer.mode}_{how}"] += 1
+        return state
+
+    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
+        """Start copying the handle's blocks before the exporter confirms the lease: if the lease is
+        live when the exporter pins it, it was live all along (a lease never comes back), so the
+        bytes read meanwhile are good; if not, the answer is an error and they are dropped. Saves a
+        round trip of the control channel per fetch."""
+        mapped: PeerKV = peer.value
+        ids = handle_ids(handle)
+        if ids.min() < 0 or ids.max() >= mapped.rows.shape[0]:
+            return None  # let the exporter's answer say what is wrong
+        return ids, self._copy(mapped, ids, into)
+
+    def settle(self, early: Any, exc: BaseException) -> None:
+        if early is not None:  # on the way out of a failed fetch: no wait
+            self.two_sided.hand_over(exc, early[1][1])
+
+    def pull(
+        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
+        deadline: Deadline, early: Any,
+    ) -> None:  # fmt: skip
+        mapped: PeerKV = peer.value
+        if src_ids.min() < 0 or src_ids.max() >= mapped.rows.shape[0]:
+            raise TransportError(f"exporter named blocks outside its cache: {src_ids[:16].tolist()}")
+        if early is None or not np.array_equal(early[0], src_ids):  # not what we guessed: copy again
+            # (behind the first copy on our side stream, so its bytes land last)
+            early = src_ids, self._copy(mapped, src_ids, into)
+        how, done = early[1]
+        self._wait_copies(chan.address, deadline, done)
+        self.gpu_counts[f"{mapped.mode}_{how}"] += 1
+
+    def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
+        """One device copy of the exporter's arena row into a buffer on our GPU, waited for; -> the
+        state tensors (views of it, or fp32 copies when it travelled in bf16)."""
+        mapped: PeerKV = peer.value
+        if mapped.state_rows is None:
+            raise TransportError(
+                "cuda_ipc: the exporter keeps the state in its GPU arena, which we could not map "
+                "(see the log); set transport.state_rows: 0 to send the state the host way"
+            )
+        if not 0 <= row < mapped.state_rows.shape[0]:
+            raise TransportError(f"exporter named state arena row {row}, outside its arena")
+        try:
+            with self.two_sided.on_device():
+                buf = torch.empty(mapped.state_rows.shape[1], dtype=torch.uint8, device=self.kv_cache.device)
+                buf.copy_(mapped.state_rows[row], non_blocking=True)
+                state = unpack(buf, self.layout, mapped.state_wire)
+                done = None
+                if self.two_sided.on_cuda:
+                    done = torch.cuda.Event()
+                    done.record()
+        except torch.cuda.OutOfMemoryError as exc:
+            raise TransportError(
+                f"cuda_ipc: no room on this GPU for a {mapped.state_rows.shape[1] >> 20} MiB state row: "
+                "lower engine.memory_utilization (the workers' shares on one GPU should leave room for "
+                "the transport) or give engine.kv_cache_mb"
+            ) from exc
+        except RuntimeError as exc:  # a CUDA error
+            raise TransportError(f"cuda_ipc state copy failed: {exc}") from exc
+        self._wait_copies("the exporter's state arena", deadline, done)
+        self.stats.count("state_rows_read")
+        return state
+
+    def _wait_copies(self, address: str, deadline: Deadline, done: Any) -> None:
+        """Wait for this fetch's copies (`done`: the CUDA event after them; None: they were
+        synchronous) until the fetch's deadline, polling (`wait_event`), so a copy that never ends
+        cannot hang the fetch. Past the deadline: TransferTimeout carrying the copy's event
+        (`pending`: the blocks stay out of use until it has happened). A CUDA error is the transfer's."""
+        if done is None:
+            return
+        try:
+            with torch.cuda.device(self.kv_cache.device):
+                wait_event(done, deadline, f"cuda_ipc copy from {address}")
+        except TransferTimeout as exc:  # (a RuntimeError too: before the clause for CUDA's errors)
+            self.stats.count("copy_deadline_missed")
+            self.two_sided.hand_over(exc, done)
+            raise
+        except RuntimeError as exc:
+            raise TransportError(f"cuda_ipc copy from {address} failed: {exc}") from exc
+
+    def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> tuple[str, Any]:
+        """Queue the copy on our side stream; -> (how it was done, the CUDA event after it or None)."""
+        try:
+            with self.two_sided.on_device():
+                trace.gpu_mark("f.copy_start", self.kv_cache.device)
+                how = copy_blocks(mapped.rows, self.rows, src_ids, into)
+                trace.gpu_mark("f.copy_end", self.kv_cache.device)
+                if not self.two_sided.on_cuda:
+                    return how, None
+                done = torch.cuda.Event()
+                done.record()
+                return how, done
+        except RuntimeError as exc:  # a CUDA error
+            raise TransportError(f"cuda_ipc copy failed: {exc}") from exc
+
+    def describe(self) -> dict:
+        out = self.two_sided.describe()
+        with self._peers_lock:
+            peers = [p.describe() for p in self._peers.values()]
+        p2p = None
+        if self.two_sided.on_cuda and torch.cuda.device_count() > 1:
+            index = self.kv_cache.device.index or 0
+            p2p = {
+                str(i): torch.cuda.can_device_access_peer(index, i)
+                for i in range(torch.cuda.device_count())
+                if i != index
+            }
+        board = self.leases.board
+        out["cuda_ipc"] = {"peers": peers, "p2p_access": p2p, "checksum_on": "host copies",
+                           "lease_board": None if board is None else board.describe()}  # fmt: skip
+        return out
+
+    def close(self) -> None:
+        with self._peers_lock:
+            self._peers.clear()
+        if self._own_dir:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+
+
+class CudaIpcTransport(KVChannel):
+    """The control channel (on a unix socket) with the cuda_ipc mover."""
+
+    # NOTE: tests only: let a CPU KV through, to exercise the protocol on a machine without a GPU
+    # (same-process reads). Never set in production.
+    cpu_test_double: ClassVar[bool] = False
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
+        super().__init__(kv, layout, CudaIpcMover(kv, self.cpu_test_double), **kwargs)
+
+
+__all__ = [
+    "CudaIpcMover",
+    "CudaIpcTransport",
+    "copy_blocks",
+    "handle_ids",
+    "kv_rows",
+    "open_peer",
+    "paired_runs",
+    "wait_event",
+]

@@ -1,0 +1,175 @@
+"""The bytes of one transfer: the request's blocks in handle order, then its state tensors in layout order.
+
+Neither side builds that payload as one buffer. On CPU a `ByteStream` is a list of zero-copy uint8
+views: each run of consecutive block ids is one contiguous slice of the block-major KV tensor
+(`kv[start:start + n]`), each state tensor one more slice. The exporter's socket sends straight from
+those views (scatter-gather `sendmsg`) and the fetcher's receives straight into its own blocks
+(`recvmsg_into`): no staging copy on either side. Where the KV is not on the host (GPU later) the
+blocks are staged through one host buffer instead: `kv[block_ids].cpu()` out, `kv[ids] = staged` in.
+
+NOTE: a fetch writes the destination blocks before the checksum is verified; on any error their
+content is undefined and the caller frees them (or recomputes).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from splitserve.transport.layout import KVLayout, torch_dtype
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+WINDOW_BYTES = 8 << 20  # one sendmsg / recvmsg_into call is offered this much (> socket buffers)
+
+
+class ByteStream:
+    """Flat uint8 arrays read or written as one run of bytes."""
+
+    def __init__(self, pieces: Sequence[np.ndarray]) -> None:
+        self.pieces = [p for p in pieces if p.nbytes]
+        self.starts = [0]
+        for piece in self.pieces:
+            self.starts.append(self.starts[-1] + piece.nbytes)
+        self.nbytes = self.starts[-1]
+
+    def segments(self, pos: int, nbytes: int) -> Iterator[np.ndarray]:
+        """Views of stream[pos : pos + nbytes], piece by piece."""
+        end = min(pos + nbytes, self.nbytes)
+        i = bisect.bisect_right(self.starts, pos) - 1
+        while pos < end:
+            lo = pos - self.starts[i]
+            hi = min(end - self.starts[i], self.pieces[i].nbytes)
+            yield self.pieces[i][lo:hi]
+            pos += hi - lo
+            i += 1
+
+    def window(self, pos: int, max_bytes: int = WINDOW_BYTES) -> list[np.ndarray]:
+        """At most IOV_MAX views from `pos` on: one sendmsg / recvmsg_into call's worth."""
+        out = []
+        for seg in self.segments(pos, max_bytes):
+            out.append(seg)
+            if len(out) == IOV_MAX:
+                break
+        return out
+
+    def sub(self, pos: int, nbytes: int) -> ByteStream:
+        """stream[pos : pos + nbytes] as a stream of its own (views, no copy)."""
+        return ByteStream(list(self.segments(pos, nbytes)))
+
+    def copy_stream(self, src: ByteStream, pos: int = 0) -> None:
+        """src -> stream[pos : pos + src.nbytes], one memcpy per overlap of their pieces."""
+        for piece in src.pieces:
+            self.copy_from(pos, piece)
+            pos += piece.nbytes
+
+    def copy_to(self, pos: int, dst: np.ndarray) -> None:
+        """stream[pos : pos + len(dst)] -> dst."""
+        at = 0
+        for seg in self.segments(pos, dst.nbytes):
+            np.copyto(dst[at : at + seg.nbytes], seg)
+            at += seg.nbytes
+
+    def copy_from(self, pos: int, src: np.ndarray) -> None:
+        """src -> stream[pos : pos + len(src)]."""
+        at = 0
+        for seg in self.segments(pos, src.nbytes):
+            np.copyto(seg, src[at : at + seg.nbytes])
+            at += seg.nbytes
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 view of a contiguous CPU tensor (no copy; works for bfloat16 too)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("need a contiguous CPU tensor to view its bytes")
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[5, 6, 7, 2, 3] -> [(5, 3), (2, 2)]: (first block, count) for each run of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def direct_access(kv: torch.Tensor) -> bool:
+    return kv.device.type == "cpu" and kv.is_contiguous()
+
+
+def _staged(kv: torch.Tensor, stage: bool | None) -> bool:
+    return not direct_access(kv) if stage is None else stage
+
+
+def block_pieces(kv: torch.Tensor, block_ids: Sequence[int]) -> list[np.ndarray]:
+    """Zero-copy views of kv[block_ids] (CPU, contiguous kv), one per run of consecutive ids."""
+    rows = tensor_bytes(kv).reshape(kv.shape[0], -1)  # [num_blocks, block_nbytes]
+    return [rows[start : start + n].reshape(-1) for start, n in block_runs(block_ids)]
+
+
+def source_pieces(kv: torch.Tensor, block_ids: Sequence[int], stage: bool | None = None) -> list[np.ndarray]:
+    """What the exporter sends for these blocks: views of kv, or one staged host copy."""
+    if _staged(kv, stage):
+        staged = kv[torch.as_tensor(block_ids, device=kv.device)].contiguous().cpu()  # [n, L, 2, bs, H, D]
+        return [tensor_bytes(staged)]
+    return block_pieces(kv, block_ids)
+
+
+class BlockSink:
+    """Where the fetcher receives blocks: its own kv[into_block_ids], or a host buffer + `commit`."""
+
+    def __init__(self, kv: torch.Tensor, block_ids: Sequence[int], stage: bool | None = None) -> None:
+        self.kv_cache = kv
+        self.block_ids = list(block_ids)
+        self.staged: torch.Tensor | None = None
+        if _staged(kv, stage):
+            shape = (len(self.block_ids), *kv.shape[1:])  # [n, L, 2, bs, H, D]
+            self.staged = torch.empty(shape, dtype=kv.dtype, pin_memory=kv.device.type == "cuda")
+            self.pieces = [tensor_bytes(self.staged)]
+        else:
+            self.pieces = block_pieces(kv, self.block_ids)
+
+    def commit(self) -> None:
+        if self.staged is not None:
+            index = torch.as_tensor(self.block_ids, device=self.kv_cache.device)
+            self.kv_cache[index] = self.staged.to(self.kv_cache.device)
+
+
+def check_state(layout: KVLayout, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The request's state tensors, checked against the layout (names, shapes, dtypes)."""
+    state = dict(state or {})
+    expected = [name for name, _, _ in layout.state_shapes]
+    if sorted(state) != sorted(expected):
+        raise ValueError(f"state tensors {sorted(state)} do not match the layout's {sorted(expected)}")
+    for name, shape, dtype in layout.state_shapes:
+        t = state[name]
+        if tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(dtype):
+            raise ValueError(f"state {name!r}: got {tuple(t.shape)} {t.dtype}, layout says {shape} {dtype}")
+    return state
+
+
+def snapshot_state(layout: KVLayout, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Host copies of the request's state tensors, checked against the layout (they are small, and a
+    copy lets the engine reuse its state slot at once)."""
+    state = check_state(layout, state)
+    names = [name for name, _, _ in layout.state_shapes]
+    return {name: state[name].detach().to("cpu", copy=True).contiguous() for name in names}
+
+
+def empty_state(layout: KVLayout) -> dict[str, torch.Tensor]:
+    return {name: torch.empty(shape, dtype=torch_dtype(dtype)) for name, shape, dtype in layout.state_shapes}
+
+
+def state_pieces(state: Mapping[str, torch.Tensor], layout: KVLayout) -> list[np.ndarray]:
+    return [tensor_bytes(state[name]) for name, _, _ in layout.state_shapes]
+
+
+def host_state_pieces(state: Mapping[str, torch.Tensor], layout: KVLayout) -> list[np.ndarray]:
+    """state_pieces of tensors that may live on a device (copied to the host first: checksums)."""
+    return [tensor_bytes(state[name].detach().cpu().contiguous()) for name, _, _ in layout.state_shapes]

@@ -1,0 +1,138 @@
+"""shm: same-host transfers through shared memory, controlled over an authenticated unix socket.
+
+The control connection is the protocol of protocol.py on a unix socket whose path is new for each
+exporter (in `options.socket_dir`, else a fresh temp dir): same host by construction. The payload
+takes one of two paths, picked by the exporter:
+
+  direct  (shm_direct.py) the exporter's KV was allocated with `allocate_shared_kv`: the fetcher maps
+          the whole cache read-only once per connection and copies the blocks out itself, one memcpy.
+  staged  (shm_staged.py) any other KV: the payload streams through two slots of a segment made per
+          connection; the exporter copies out of its blocks while the fetcher copies into its own.
+
+Both send the state tensors along, and the fetcher checks the checksum afterwards (channel.py).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from splitserve.tempdirs import owned_tempdir
+from splitserve.transport.board import LeaseBoard
+from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.client import SyncChannel
+from splitserve.transport.errors import TransportError
+from splitserve.transport.fault_plan import Fault
+from splitserve.transport.handle import KVHandle
+from splitserve.transport.host_stream import HostStream
+from splitserve.transport.layout import KVLayout
+from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
+from splitserve.transport.protocol import Deadline, expect
+from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
+from splitserve.transport.shm_staged import SEGMENT_PREFIX, recv_staged, send_staged
+
+__all__ = ["SEGMENT_PREFIX", "ShmMover", "ShmTransport", "allocate_shared_kv"]
+
+
+class ShmMover:
+    """The payload through shared memory, direct or staged (the module docstring)."""
+
+    backend = "shm"
+    _own_dir: str | None = None  # the temp dir we made for the control socket, removed on close
+
+    def __init__(self) -> None:
+        self.stream = HostStream(self.recv_payload)
+
+    def bind(self, ch: KVChannel) -> None:
+        self.stream.bind(ch)
+        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
+
+    # -- the mover contract (channel.py); export, keep_state and fetch are the shared HostStream's -----
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return False  # the state travels as host copies
+
+    def make_board(self) -> LeaseBoard | None:
+        return None  # every fetch asks the exporter
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        return self.stream.export(request_id, block_ids, num_tokens, state)
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        return self.stream.keep_state(state)
+
+    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
+        return None  # no open exchange
+
+    def fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        return self.stream.fetch(handle, into_block_ids, timeout_s)
+
+    @property
+    def mode(self) -> str:
+        return "direct" if shared_kv_of(self.kv_cache) is not None else "staged"
+
+    def listen_spec(self) -> ListenSpec:
+        if self.options.socket_dir:
+            directory = self.options.socket_dir
+        else:
+            directory = self._own_dir = owned_tempdir("splitserve-kv-")  # swept if we are SIGKILLed
+        path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        return ListenSpec("unix", path=path)
+
+    async def send_payload(
+        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
+        fault: Fault, deadline: Deadline,
+    ) -> int:  # fmt: skip
+        shared = shared_kv_of(self.kv_cache)
+        if shared is not None:
+            state = ByteStream(state_pieces(export.state, self.layout))
+            await send_direct(chan, shared, block_ids, state, meta, deadline, fault)
+            return len(block_ids) * self.layout.block_nbytes + state.nbytes
+        stream = ByteStream(source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout))
+        slot_nbytes = self.options.shm_chunk_mb << 20
+        await send_staged(
+            chan, stream, {**meta, "nbytes": stream.nbytes}, slot_nbytes, deadline, fault, self.ch.faults
+        )
+        return stream.nbytes
+
+    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> dict:
+        header, body_nbytes = chan.recv(deadline)
+        if header["op"] == "kv_direct":
+            recv_direct(chan, header, body_nbytes, stream, deadline)
+            return header
+        meta = expect(header, "kv_shm")
+        if meta.get("nbytes") != stream.nbytes:
+            raise TransportError(f"exporter sends {meta.get('nbytes')} bytes, we expect {stream.nbytes}")
+        recv_staged(chan, meta, stream, deadline)
+        return meta
+
+    def describe(self) -> dict:
+        return {"shm_mode": self.mode}
+
+    def close(self) -> None:
+        if self._own_dir:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+
+
+class ShmTransport(KVChannel):
+    """The control channel (on a unix socket) with the shm mover."""
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
+        super().__init__(kv, layout, ShmMover(), **kwargs)

@@ -1,0 +1,123 @@
+"""tcp: the KV payload as the body of one frame on the authenticated connection.
+
+Life of a fetch over tcp:
+  1. fetcher -> {"op": "fetch", lease_id, timeout_s}
+  2. exporter -> {"op": "kv", nbytes, blocks, checksum} + nbytes of body, sent with scatter-gather
+     `sendmsg` straight from the leased blocks (the frame header, then one iovec per run of
+     consecutive block ids, then the state tensors): no staging copy.
+  3. fetcher: `recvmsg_into` straight into its own kv[into_block_ids] views and fresh state tensors,
+     then the checksum (channel.py).
+
+On a GPU the blocks would be staged through one host buffer on each side (payload.py); the wire is
+the same. The exporter binds `options.host:options.port` (port 0: the OS picks) and the handle
+carries the real address.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from splitserve.transport.board import LeaseBoard
+from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.client import SyncChannel
+from splitserve.transport.errors import TransportError
+from splitserve.transport.fault_plan import Fault
+from splitserve.transport.handle import KVHandle
+from splitserve.transport.host_stream import HostStream
+from splitserve.transport.layout import KVLayout
+from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
+from splitserve.transport.protocol import Deadline, encode_frame, expect
+from splitserve.transport.server import AsyncChannel, ListenSpec
+
+
+class TcpMover:
+    """The payload as the body of one frame on the control connection (the module docstring)."""
+
+    backend = "tcp"
+
+    def __init__(self) -> None:
+        self.stream = HostStream(self.recv_payload)
+
+    def bind(self, ch: KVChannel) -> None:
+        self.stream.bind(ch)
+        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
+
+    # -- the mover contract (channel.py); export, keep_state and fetch are the shared HostStream's -----
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return False  # the state travels as host copies
+
+    def make_board(self) -> LeaseBoard | None:
+        return None  # every fetch asks the exporter
+
+    def export(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> KVHandle:
+        return self.stream.export(request_id, block_ids, num_tokens, state)
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        return self.stream.keep_state(state)
+
+    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
+        return None  # no open exchange
+
+    def fetch(
+        self,
+        handle: KVHandle,
+        into_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        into_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        return self.stream.fetch(handle, into_block_ids, timeout_s)
+
+    def listen_spec(self) -> ListenSpec:
+        return ListenSpec("tcp", host=self.options.host, port=self.options.port)
+
+    async def send_payload(
+        self,
+        chan: AsyncChannel,
+        export: Export,
+        block_ids: tuple[int, ...],
+        meta: dict,
+        fault: Fault,
+        deadline: Deadline,
+    ) -> int:
+        body = ByteStream(source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout))
+        if fault is Fault.CORRUPT and self.ch.faults is not None:
+            body = self.ch.faults.corrupted(body)
+        frame = encode_frame({"op": "kv", **meta, "nbytes": body.nbytes}, body_nbytes=body.nbytes)
+        stream = ByteStream(
+            [np.frombuffer(frame, dtype=np.uint8), *body.pieces]
+        )  # one sendmsg: no extra wake-up
+        await chan.send_stream(
+            stream, deadline, len(frame) + body.nbytes // 2 if fault is Fault.KILL else None
+        )
+        return body.nbytes
+
+    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> dict:
+        header, body_nbytes = chan.recv(deadline)
+        meta = expect(header, "kv")
+        if body_nbytes != stream.nbytes or meta.get("nbytes") != stream.nbytes:
+            raise TransportError(f"exporter sends {body_nbytes} bytes, we expect {stream.nbytes}")
+        chan.recv_stream(stream, deadline)
+        return meta
+
+    def describe(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class TcpTransport(KVChannel):
+    """The control channel with the tcp mover."""
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
+        super().__init__(kv, layout, TcpMover(), **kwargs)
