@@ -213,22 +213,29 @@ class LLMEngine(OverlappedSteps):
         if self._compiling:
             self._admit_compiled()
         ready, self._ready = self._ready, []
+        try:
+            return ready + self._run_step(idle_wait=not ready)
+        except BaseException:
+            self._ready[:0] = ready  # due before this step: the next step (or step_only) returns them
+            raise
+
+    def _run_step(self, idle_wait: bool) -> list[RequestOutput]:
         inflight = self._inflight
         if inflight is not None and not self._may_continue():
             self._inflight = None
-            return ready + self._resolve(inflight)  # read it now; the next step runs as usual
+            return self._resolve(inflight)  # read it now; the next step runs as usual
         sched = self.scheduler.schedule()
         if not sched.chunks:
-            if self._compiling and not ready:  # nothing else to do: wait for a grammar, not spin
+            if self._compiling and idle_wait:  # nothing else to do: wait for a grammar, not spin
                 wait([f for f, _ in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
-            return ready
+            return []
         self.forward_steps += 1
         if inflight is not None or self._may_overlap(sched):  # overlap.py
-            return ready + self._overlapped_step(sched, inflight)
+            return self._overlapped_step(sched, inflight)
         logits, sample_chunks = self.runner.execute(sched.chunks)
         reqs = [c.request for c in sample_chunks]
         tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
-        return ready + self._update(sched, reqs, tokens, logprobs)
+        return self._update(sched, reqs, tokens, logprobs)
 
     def _update(
         self,

@@ -55,3 +55,22 @@ def test_a_step_that_raises_fails_only_its_culprit(tiny, monkeypatch, overlap, p
         assert tokens[f"innocent-{i}"] == hf[:24], i  # token-exact, as if the poison were not there
     if overlap and poison_after_steps:
         assert llm.engine.overlapped_steps > 0
+
+
+def test_outputs_due_before_a_step_that_raises_are_not_lost(tiny, monkeypatch):
+    """An output made outside a step (a grammar that failed to compile, an import that ended) waits for
+    the next step; a step that raises hands it to the step after, instead of dropping it."""
+    llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20)
+    engine = llm.engine
+    engine.add_request(tiny.prompts[0], SamplingParams(temperature=0, max_tokens=4), "r")
+    due = object()
+    engine.post_output(due)  # type: ignore[arg-type]
+
+    def boom(*_a, **_k):
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.runner, "execute", boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+    assert due in engine.step()
