@@ -312,10 +312,15 @@ def test_conditional_generation_checkpoint(tmp_path, prompts):
 # ------------------------------------------------------------------------------- random:qwen3.5-* sources
 
 
-def test_random_qwen3_5_source_matches_hf():
+def test_random_qwen3_5_source_matches_hf(monkeypatch):
     """`random:qwen3.5-tiny` builds a Qwen3_5LM at that shape; HF transformers given the same weights
-    (`build_hf_model`, through `Qwen3_5LM.hf_state_dict`) generates the same greedy tokens."""
+    (`build_hf_model`, through `Qwen3_5LM.hf_state_dict`) generates the same greedy tokens. The engine
+    keeps its dense CPU weights here (an engine that loads its own model drops them once packed), since
+    HF is built from them."""
+    from splitserve.model import cpu_linear
     from splitserve.model.random_weights import QWEN3_5_9B, build_hf_model, random_source_config
+
+    monkeypatch.setattr(cpu_linear, "DROP_DENSE", False)
 
     assert random_source_config("random:qwen3.5-9b") == QWEN3_5_9B
     cfg = random_source_config("random:qwen3.5-tiny")
