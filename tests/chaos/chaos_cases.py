@@ -168,19 +168,9 @@ def bad_input_battery(ctx: Context) -> tuple[str, list[str]]:
 
 
 def _bad_input_cases() -> list:
-    import sys
+    from chaos_harness import _load  # serve_harness, which test_bad_input imports, is loaded by then
 
-    from chaos_harness import _load
-
-    saved = sys.modules.get("conftest")
-    sys.modules["conftest"] = serve
-    try:
-        return _load("chaos_serve_bad_input", serve.__file__.rsplit("/", 1)[0] + "/test_bad_input.py").CASES
-    finally:
-        if saved is not None:
-            sys.modules["conftest"] = saved
-        else:
-            del sys.modules["conftest"]
+    return _load("chaos_serve_bad_input", serve.__file__.rsplit("/", 1)[0] + "/test_bad_input.py").CASES
 
 
 # ---- the HTTP edge: slowloris -------------------------------------------------------------------

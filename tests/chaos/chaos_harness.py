@@ -1,5 +1,5 @@
 """The chaos suite's harness: a deployment under streaming load, the checks every case ends with, and
-the summary table. The deployment helpers are the serving tests' own (tests/serve/conftest.py,
+the summary table. The deployment helpers are the serving tests' own (tests/serve/serve_harness.py,
 test_resilience.py), loaded by path: this folder has no conftest of its own, so that `bench/chaos.py`
 can use the same code outside pytest.
 
@@ -37,16 +37,9 @@ def _load(name: str, path: Path) -> ModuleType:
     return module
 
 
-serve = _load("chaos_serve_conftest", SERVE / "conftest.py")
-_saved = sys.modules.get("conftest")
-sys.modules["conftest"] = serve  # test_resilience imports its helpers `from conftest`
-try:
-    resilience = _load("chaos_serve_resilience", SERVE / "test_resilience.py")
-finally:
-    if _saved is not None:
-        sys.modules["conftest"] = _saved
-    else:
-        del sys.modules["conftest"]
+# under its own name, which the serving tests import it by (test_resilience: `from serve_harness import`)
+serve = sys.modules.get("serve_harness") or _load("serve_harness", SERVE / "serve_harness.py")
+resilience = _load("chaos_serve_resilience", SERVE / "test_resilience.py")
 
 MODEL: str = serve.MODEL
 PROMPTS = [f"Count from {i} to {i + 40}, one number a line:" for i in range(6)]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import MODEL
 from pydantic import BaseModel, Field
+from serve_harness import MODEL, check_schema, sse_events
 
 WEATHER = {
     "type": "function",
@@ -208,7 +208,6 @@ def test_bodies_validate_against_openai_schema(colocated, openai_schema):
     """A tool-call answer and its stream's chunks validate against OpenAI's own schema; so does a
     /v1/responses object and its stream's events, where the full schema file is at hand."""
     import httpx
-    from conftest import check_schema, sse_events
 
     body = {
         "model": MODEL,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import API_KEY, MODEL, check_schema
+from serve_harness import API_KEY, MODEL, check_schema
 
 pytestmark = pytest.mark.slow
 

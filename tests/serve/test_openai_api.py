@@ -9,7 +9,7 @@ import math
 
 import httpx
 import pytest
-from conftest import MODEL, SECRET, check_schema, sse_events
+from serve_harness import MODEL, SECRET, check_schema, sse_events
 
 from splitserve import SamplingParams
 from splitserve.serve.worker_auth import worker_headers

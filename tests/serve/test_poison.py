@@ -9,7 +9,7 @@ import asyncio
 
 import httpx
 import pytest
-from conftest import MODEL, manifest_yaml, start_deployment
+from serve_harness import MODEL, manifest_yaml, start_deployment
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import manifest_yaml, start_deployment
+from serve_harness import manifest_yaml, start_deployment
 
 from splitserve import LLM, SamplingParams
 from splitserve.config import parse_manifest

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import MODEL, manifest_yaml, start_deployment
+from serve_harness import MODEL, manifest_yaml, start_deployment
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import os
 
 import httpx
 import pytest
-from conftest import MODEL, manifest_yaml, start_deployment
+from serve_harness import MODEL, manifest_yaml, start_deployment
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from conftest import manifest_yaml, start_deployment
+from serve_harness import manifest_yaml, start_deployment
 
 MODEL = "random:tiny-chat"
 SCHEMAS = [
