@@ -55,7 +55,10 @@ class LeaseManager:
         clock: Callable[[], float] = time.monotonic,
         remember: int = 4096,
         board: LeaseBoard | None = None,
+        reaper: bool = True,
     ) -> None:
+        """`reaper=False`: no thread ends leases on time; the owner calls `expire_due()` itself (a test
+        that drives `clock` by hand must, or the thread would race it on the same deadlines)."""
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.lease_s = lease_s
@@ -70,6 +73,7 @@ class LeaseManager:
         self._ended: OrderedDict[str, str] = OrderedDict()  # lease_id -> "released" | "expired"
         self._heap: list[tuple[float, str]] = []
         self._reaper: threading.Thread | None = None
+        self._reaper_wanted = reaper
         self._closed = False
         self.counts: Counter[str] = Counter()
         self.on_end: Callable[[Lease], None] | None = None  # after the lease ended, before on_free
@@ -187,7 +191,7 @@ class LeaseManager:
             log.exception("kv lease %s: on_free raised (lease %s)", lease.lease_id, why)
 
     def _start_reaper(self) -> None:
-        if self._reaper is None:
+        if self._reaper is None and self._reaper_wanted:
             self._reaper = threading.Thread(target=self._reap_forever, name="kv-lease-reaper", daemon=True)
             self._reaper.start()
 

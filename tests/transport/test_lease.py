@@ -49,7 +49,7 @@ def test_expiry_frees_exactly_once_on_the_reaper_thread(freed):
 
 def test_expiry_is_deferred_while_a_fetch_reads_the_blocks(freed):
     clock = FakeClock()
-    leases = LeaseManager(5.0, freed.append, clock=clock)
+    leases = LeaseManager(5.0, freed.append, clock=clock, reaper=False)
     lease = leases.grant([1, 2])
     with leases.pinned(lease.lease_id):
         clock.now = 10.0
@@ -73,7 +73,7 @@ def test_release_during_a_fetch_waits_for_it(freed):
 
 def test_pinning_an_overdue_lease_ends_it(freed):
     clock = FakeClock()
-    leases = LeaseManager(1.0, freed.append, clock=clock)
+    leases = LeaseManager(1.0, freed.append, clock=clock, reaper=False)
     lease = leases.grant([5])
     clock.now = 2.0  # the reaper has not run yet
     with pytest.raises(LeaseExpired):
@@ -95,7 +95,7 @@ def test_racing_releases_and_expiries_free_each_lease_once():
             counts[ids[0]] = counts.get(ids[0], 0) + 1
 
     clock = FakeClock()
-    leases = LeaseManager(1.0, on_free, clock=clock)
+    leases = LeaseManager(1.0, on_free, clock=clock, reaper=False)
     granted = [leases.grant([i]) for i in range(300)]
     clock.now = 5.0
     barrier = threading.Barrier(4)
