@@ -97,7 +97,7 @@ class PayloadMover(Protocol):
       fetcher   fetch(handle, into_block_ids, timeout_s, into_state) -> state
                                                   stream movers: `ch.stream_fetch(..., recv_payload)`
 
-    The backends: tcp.py, shm.py (stream movers, each holding a host_stream.HostStream), cuda_ipc.py and
+    The backends: tcp.py, shm.py (a host_stream.StreamMover over the backend's StreamWire), cuda_ipc.py and
     nccl.py (GPU movers, each holding a gpu_two_sided.GpuTwoSided: the two-sided GPU fetch they share,
     which calls back their hooks), nixl.py (one-sided NIXL READs). What two backends share is a
     component each holds, never a base class.

@@ -15,67 +15,29 @@ carries the real address.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import Export, KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.handle import KVHandle
-from splitserve.transport.host_stream import HostStream
+from splitserve.transport.host_stream import StreamMover
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
 from splitserve.transport.protocol import Deadline, encode_frame, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
 
 
-class TcpMover:
+class TcpWire:
     """The payload as the body of one frame on the control connection (the module docstring)."""
 
     backend = "tcp"
 
-    def __init__(self) -> None:
-        self.stream = HostStream(self.recv_payload)
-
     def bind(self, ch: KVChannel) -> None:
-        self.stream.bind(ch)
         self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
-
-    # -- the mover contract (channel.py); export, keep_state and fetch are the shared HostStream's -----
-    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
-        return False  # the state travels as host copies
-
-    def make_board(self) -> LeaseBoard | None:
-        return None  # every fetch asks the exporter
-
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.stream.export(request_id, block_ids, num_tokens, state)
-
-    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        return self.stream.keep_state(state)
-
-    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
-        return None  # no open exchange
-
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return self.stream.fetch(handle, into_block_ids, timeout_s)
 
     def listen_spec(self) -> ListenSpec:
         return ListenSpec("tcp", host=self.options.host, port=self.options.port)
@@ -120,4 +82,4 @@ class TcpTransport(KVChannel):
     """The control channel with the tcp mover."""
 
     def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
-        super().__init__(kv, layout, TcpMover(), **kwargs)
+        super().__init__(kv, layout, StreamMover(TcpWire()), **kwargs)

@@ -1,5 +1,5 @@
-"""What two backends share is a component each holds, never a base class (issue 27): no payload mover
-subclasses another mover or a shared base; GPU movers hold a GpuTwoSided, stream movers a HostStream."""
+"""What two backends share is composed, never inherited (issue 27): no mover or wire subclasses another
+or a shared base. GPU movers hold a GpuTwoSided; tcp and shm are one StreamMover holding each its wire."""
 
 from __future__ import annotations
 
@@ -7,18 +7,28 @@ import importlib
 
 import pytest
 
-MOVERS = {
-    "tcp": ("splitserve.transport.tcp", "TcpMover"),
-    "shm": ("splitserve.transport.shm", "ShmMover"),
+from splitserve.transport.host_stream import StreamMover
+
+PARTS = {
+    "tcp": ("splitserve.transport.tcp", "TcpWire"),
+    "shm": ("splitserve.transport.shm", "ShmWire"),
     "cuda_ipc": ("splitserve.transport.cuda_ipc", "CudaIpcMover"),
     "nccl": ("splitserve.transport.nccl", "NcclMover"),
     "nixl": ("splitserve.transport.nixl", "NixlMover"),
 }
 
 
-@pytest.mark.parametrize("backend", sorted(MOVERS))
-def test_no_mover_inherits(backend):
-    module, name = MOVERS[backend]
+@pytest.mark.parametrize("backend", sorted(PARTS))
+def test_no_backend_part_inherits(backend):
+    module, name = PARTS[backend]
     cls = getattr(importlib.import_module(module), name)
     assert cls.__bases__ == (object,), f"{name} inherits from {cls.__bases__}"
     assert cls.backend == backend
+    assert StreamMover.__bases__ == (object,)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_stream_backends_are_one_mover_over_their_wire(backend, make):
+    channel = make(backend)
+    assert type(channel.mover) is StreamMover and type(channel.mover.wire).__name__ == PARTS[backend][1]
+    assert channel.backend == backend
