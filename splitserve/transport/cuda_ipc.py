@@ -48,7 +48,6 @@ import contextlib
 import logging
 import os
 import secrets
-import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -58,7 +57,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from splitserve.tempdirs import owned_tempdir
 from splitserve.transport import trace
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import Export, KVChannel
@@ -72,7 +70,7 @@ from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import empty_state, snapshot_state
 from splitserve.transport.protocol import Deadline, expect
-from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
 from splitserve.transport.state_arena import StateArena, open_arena, unpack
 
 log = logging.getLogger(__name__)
@@ -86,10 +84,10 @@ class CudaIpcMover:
     backend = "cuda_ipc"
     open_op = "cuda_ipc_open"
     payload_op = "kv_cuda"
-    _own_dir: str | None = None
 
     def __init__(self, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
         self.cpu_test_double = cpu_test_double
+        self.socket_path = UnixSocketPath()
         self.two_sided = GpuTwoSided(self, kv_cache, cpu_test_double)  # checks the KV cache's device
 
     def bind(self, ch: KVChannel) -> None:
@@ -111,12 +109,7 @@ class CudaIpcMover:
             self.leases.on_end = self._lease_ended
 
     def listen_spec(self) -> ListenSpec:
-        if self.options.socket_dir:
-            directory = self.options.socket_dir
-        else:
-            directory = self._own_dir = owned_tempdir("splitserve-kv-")  # swept if we are SIGKILLed
-        path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        return ListenSpec("unix", path=path)
+        return self.socket_path.listen_spec(self.options.socket_dir)
 
     # -- the mover contract (channel.py), the shared part held in self.two_sided -------------------
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
@@ -428,8 +421,7 @@ class CudaIpcMover:
     def close(self) -> None:
         with self._peers_lock:
             self._peers.clear()
-        if self._own_dir:
-            shutil.rmtree(self._own_dir, ignore_errors=True)
+        self.socket_path.close()
 
 
 class CudaIpcTransport(KVChannel):

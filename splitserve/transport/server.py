@@ -21,12 +21,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
+import shutil
 import socket
 import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from splitserve.tempdirs import owned_tempdir
 from splitserve.transport.errors import AuthError, PeerRefused, TransportError, error_to_wire
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream
@@ -66,6 +69,28 @@ class ListenSpec:
         sock.bind((self.host, self.port))
         host, port = sock.getsockname()[:2]
         return sock, f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+
+
+class UnixSocketPath:
+    """Where a same-host exporter (shm, cuda_ipc) puts its unix control socket: a new path in
+    `socket_dir` when the options name one, else in a temp dir of ours (swept if we are SIGKILLed),
+    which `close` removes."""
+
+    def __init__(self) -> None:
+        self._own_dir: str | None = None
+
+    def listen_spec(self, socket_dir: str | None) -> ListenSpec:
+        name = f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock"
+        return ListenSpec("unix", path=os.path.join(socket_dir or self._own(), name))
+
+    def _own(self) -> str:
+        if self._own_dir is None:
+            self._own_dir = owned_tempdir("splitserve-kv-")
+        return self._own_dir
+
+    def close(self) -> None:
+        if self._own_dir:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
 
 
 class AsyncChannel:

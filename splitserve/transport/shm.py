@@ -14,14 +14,10 @@ Both send the state tensors along, and the fetcher checks the checksum afterward
 
 from __future__ import annotations
 
-import os
-import secrets
-import shutil
 from typing import Any
 
 import torch
 
-from splitserve.tempdirs import owned_tempdir
 from splitserve.transport.channel import Export, KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
@@ -30,7 +26,7 @@ from splitserve.transport.host_stream import StreamMover
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
 from splitserve.transport.protocol import Deadline, expect
-from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
 from splitserve.transport.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
 from splitserve.transport.shm_staged import SEGMENT_PREFIX, recv_staged, send_staged
 
@@ -41,7 +37,9 @@ class ShmWire:
     """The payload through shared memory, direct or staged (the module docstring)."""
 
     backend = "shm"
-    _own_dir: str | None = None  # the temp dir we made for the control socket, removed on close
+
+    def __init__(self) -> None:
+        self.socket_path = UnixSocketPath()
 
     def bind(self, ch: KVChannel) -> None:
         self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
@@ -51,12 +49,7 @@ class ShmWire:
         return "direct" if shared_kv_of(self.kv_cache) is not None else "staged"
 
     def listen_spec(self) -> ListenSpec:
-        if self.options.socket_dir:
-            directory = self.options.socket_dir
-        else:
-            directory = self._own_dir = owned_tempdir("splitserve-kv-")  # swept if we are SIGKILLed
-        path = os.path.join(directory, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        return ListenSpec("unix", path=path)
+        return self.socket_path.listen_spec(self.options.socket_dir)
 
     async def send_payload(
         self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
@@ -89,8 +82,7 @@ class ShmWire:
         return {"shm_mode": self.mode}
 
     def close(self) -> None:
-        if self._own_dir:
-            shutil.rmtree(self._own_dir, ignore_errors=True)
+        self.socket_path.close()
 
 
 class ShmTransport(KVChannel):
