@@ -35,7 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "1") != "0"  # on by default; 0 turns it off
-_NAME = "splitserve_cpu_attn_v2"
+_NAME = "splitserve_cpu_attn_v3"
 
 _SOURCE = r"""
 #include <ATen/Parallel.h>
@@ -101,6 +101,30 @@ struct Task {  // one sequence, KV heads [h0, h0 + nh): their nh * G query heads
   float scale;
 };
 
+#ifdef SS_AVX2
+// the dot products of one query row with 8 key rows `kt` apart (D % 8 == 0), as one vector: 8
+// independent FMA chains (the query chunk loaded once for all 8), then one transposing reduction
+// instead of a horizontal sum per row
+static inline __m256 dot8(const float* q, const float* k, int64_t kt, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + kt + d), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * kt + d), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * kt + d), a3);
+    a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * kt + d), a4);
+    a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * kt + d), a5);
+    a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * kt + d), a6);
+    a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * kt + d), a7);
+  }
+  // hadd twice: [r0 r1 r2 r3 | r0' r1' r2' r3'] (each lane half of a row's sum), then lanes to rows
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+#endif
+
 // scores s[p * L + t] = scale * q_p . k_t (p = head * G + g), block by block: a block's rows are read
 // from memory once (the first query head) and from L1 for the others
 static void scores(const Task& a, float* s) {
@@ -115,7 +139,15 @@ static void scores(const Task& a, float* s) {
       for (int64_t g = 0; g < a.G; ++g) {
         const float* qg = a.q + (h * a.G + g) * a.D;
         float* sp = s + (h * a.G + g) * a.L + t0;
-        for (int64_t j = 0; j < n; ++j) {
+        int64_t j = 0;
+#ifdef SS_AVX2
+        if (a.D % 8 == 0)
+          for (; j + 8 <= n; j += 8) {
+            const float* kr = base + j * a.kt + h * a.kh;
+            _mm256_storeu_ps(sp + j, _mm256_mul_ps(dot8(qg, kr, a.kt, a.D), _mm256_set1_ps(a.scale)));
+          }
+#endif
+        for (; j < n; ++j) {
           const float* kr = base + j * a.kt + h * a.kh;
           float dot = 0.f;
           int64_t d = 0;

@@ -12,12 +12,12 @@ from splitserve.model.attention import AttentionMetadata, DecodeGroup, PrefillCh
 BS, LAYERS = 4, 2
 
 
-def _tables(lens: list[int], num_blocks: int, seed: int = 1) -> torch.Tensor:
+def _tables(lens: list[int], num_blocks: int, seed: int = 1, bs: int = BS) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.zeros((len(lens), max(-(-n // BS) for n in lens) + 1), dtype=torch.int64)  # + padding
+    table = torch.zeros((len(lens), max(-(-n // bs) for n in lens) + 1), dtype=torch.int64)  # + padding
     for i, n in enumerate(lens):
-        for j in range(-(-n // BS)):
+        for j in range(-(-n // bs)):
             table[i, j] = perm.pop()
     return table
 
@@ -42,6 +42,21 @@ def test_paged_decode_matches_gather_sdpa(op: object, kvh: int, h: int, d: int) 
     group = DecodeGroup(0, len(lens), tables, torch.tensor(lens))
     ref = TorchPagedAttention(d**-0.5)._decode(q, kv[:, 1, 0], kv[:, 1, 1], group)
     out = cpu_attention.paged_decode(q, kv[:, 1, 0], kv[:, 1, 1], tables, torch.tensor(lens), d**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("kvh", "h", "d"), [(3, 9, 64), (2, 4, 128), (1, 2, 24), (2, 2, 20)])
+def test_paged_decode_in_blocks_of_16(op: object, kvh: int, h: int, d: int) -> None:
+    """Blocks of 16 (the engine's): the op scores 8 rows of a block at a time where head_dim allows (a
+    multiple of 8), one at a time for the rest of a block and for other head sizes."""
+    lens = [1, 8, 16, 17, 23, 40, 100]
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn((60, LAYERS, 2, 16, kvh, d), generator=gen)
+    tables = _tables(lens, 60, seed=5, bs=16)
+    q = torch.randn(len(lens), h, d, generator=gen)
+    group = DecodeGroup(0, len(lens), tables, torch.tensor(lens))
+    ref = TorchPagedAttention(d**-0.5)._decode(q, kv[:, 0, 0], kv[:, 0, 1], group)
+    out = cpu_attention.paged_decode(q, kv[:, 0, 0], kv[:, 0, 1], tables, torch.tensor(lens), d**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
