@@ -36,6 +36,7 @@ MANIFEST = dict(
     router={"timeouts": {"inter_token_s": 5, "kv_transfer_s": 10, "prefill_s": 30}},
     transport={"lease_s": 10},
     server={"port": 0, "header_timeout_s": 2, "body_timeout_s": 2},
+    runtime={"standby": True},  # workers are killed here: they come back from the spare, as in production
 )
 
 

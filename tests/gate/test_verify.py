@@ -31,6 +31,8 @@ BASE = {
     "model": {"max_model_len": 1024},
     "engine": {"kv_cache_mb": 96, "max_num_seqs": 8},
     "server": {"port": 0},
+    # no standby spare worker: nothing here restarts one, and starting it takes CPU from the gate's probes
+    "runtime": {"standby": False},
 }
 
 
@@ -97,7 +99,7 @@ def test_a_throttled_transport_fails_the_gate_and_fires_the_alert_metric(tmp_pat
             tmp_path,
             transport={"backend": "shm"},
             verify={"min_gbps": 0.5, "probe_mb": 8, "probe_interval_s": 0.5, "runtime_probe_mb": 2},
-            runtime={"worker_args": ["--kv-throttle-gbps", "0.05"]},
+            runtime={"worker_args": ["--kv-throttle-gbps", "0.05"], "standby": False},
         )
     )
     with start_serve(manifest) as sp:

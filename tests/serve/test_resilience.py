@@ -64,11 +64,13 @@ def test_client_disconnect_while_waiting_non_streaming(disaggregated):
 
 @pytest.fixture(scope="module")
 def fragile():
-    """Its own deployment (workers get killed here), with short deadlines."""
+    """Its own deployment (workers get killed here, and come back from the standby spare), with short
+    deadlines."""
     manifest = manifest_yaml(
         mode="disaggregated",
         router={"timeouts": {"inter_token_s": 10, "kv_transfer_s": 10, "prefill_s": 30}},
         transport={"lease_s": 10},
+        runtime={"standby": True},
     )
     dep = start_deployment(manifest)
     yield dep
