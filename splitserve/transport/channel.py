@@ -99,8 +99,8 @@ class PayloadMover(Protocol):
 
     The backends: tcp.py, shm.py (a host_stream.StreamMover over the backend's StreamWire), cuda_ipc.py and
     nccl.py (GPU movers, each holding a gpu_two_sided.GpuTwoSided: the two-sided GPU fetch they share,
-    which calls back their hooks), nixl.py (one-sided NIXL READs). What two backends share is a
-    component each holds, never a base class.
+    which calls back their hooks), nixl.py (one-sided NIXL READs). What two backends share is composed
+    (a mover over a wire, a component held), never a base class.
     """
 
     backend: str

@@ -86,7 +86,7 @@ class ShmWire:
 
 
 class ShmTransport(KVChannel):
-    """The control channel (on a unix socket) with the shm mover."""
+    """The control channel (on a unix socket) with a StreamMover over the shm wire."""
 
     def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
         super().__init__(kv, layout, StreamMover(ShmWire()), **kwargs)

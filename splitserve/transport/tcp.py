@@ -79,7 +79,7 @@ class TcpWire:
 
 
 class TcpTransport(KVChannel):
-    """The control channel with the tcp mover."""
+    """The control channel with a StreamMover over the tcp wire."""
 
     def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
         super().__init__(kv, layout, StreamMover(TcpWire()), **kwargs)
