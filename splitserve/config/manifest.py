@@ -295,8 +295,9 @@ class ServerSection(_Section):
     max_concurrent_requests: int = Field(default=256, ge=1, le=1 << 20)  # in flight to the workers
     max_queued_requests: int = Field(default=1024, ge=0, le=1 << 20)  # waiting beyond that; more: 429
     max_n: int = Field(default=16, ge=1, le=128)
-    # tokens a streamed chunk holds at least (fewer only at the end), vLLM's --stream-interval: fewer,
-    # larger frames on every hop (docs/bench/served-path.md: on 2 cores a frame costs more than a token)
+    # tokens a streamed chunk holds at least (fewer only at the end; the first chunk is the first token
+    # alone, for TTFT), vLLM's --stream-interval: fewer, larger frames on every hop
+    # (docs/bench/served-path.md: on 2 cores a frame costs more than a token)
     stream_interval: int = Field(default=1, ge=1, le=4096)
     access_log: bool = True  # one INFO line per request (id, route, status, tokens, latency)
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off

@@ -81,6 +81,8 @@ class LLMEngine(OverlappedSteps):
         self._parents: dict[str, list[Request]] = {}
         self.transfers = KVTransfers(self, self.scheduler, self.kv_cache, self.states, cfg.vocab_size)
         self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
+        self._first_due = False  # a KV import's first token is in _ready: the next step returns it alone
+        self._ran_last = True  # the last step() ran the model (so a step returns _ready alone at most once)
         overlap = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if overlap is None else overlap
         self._inflight: _Inflight | None = None  # an overlapped step whose tokens are not read yet
@@ -202,6 +204,7 @@ class LLMEngine(OverlappedSteps):
         raised, this finds the request(s) it can be pinned on. Requests that finish here are removed."""
         keep = {id(c) for rid in request_ids for c in self._parents.get(rid, [])}
         overlap, self.async_scheduling = self.async_scheduling, False
+        self._ran_last = False  # this step runs the model, whatever is due
         try:
             with self.scheduler.only(keep):
                 return self.step()
@@ -213,6 +216,11 @@ class LLMEngine(OverlappedSteps):
         if self._compiling:
             self._admit_compiled()
         ready, self._ready = self._ready, []
+        first_due, self._first_due = self._first_due, False
+        if first_due and self._ran_last:  # out now, not after a forward pass (TTFT); it runs next call
+            self._ran_last = False
+            return ready
+        self._ran_last = True
         try:
             return ready + self._run_step(idle_wait=not ready)
         except BaseException:
@@ -367,7 +375,8 @@ class LLMEngine(OverlappedSteps):
     def adopt(self, req: Request, first_token: int, logprob: TokenLogprob | None, computed: int) -> None:
         """A request from `build_request` (registered here if it is not yet) whose KV wait ended: queue
         it first with its prompt's first `computed` tokens computed (KV loaded: all; recompute: 0) and its
-        first token sampled elsewhere. If that token already ends it, the next step() has its output."""
+        first token sampled elsewhere. The next step() returns that token's output before any forward
+        pass (the stream's first line does not wait for the second token)."""
         if not any(c is req for c in self._parents.get(req.request_id, ())):
             self._check_free_id(req.request_id)
             self.register(req)
@@ -376,8 +385,8 @@ class LLMEngine(OverlappedSteps):
         self.scheduler.kv_loaded(req, computed)
         req.first_token_time = time.monotonic()
         self._append_token(req, first_token, logprob)
-        if req.finished:
-            self._ready.append(self._output(req.request_id))
+        self._ready.append(self._output(req.request_id))
+        self._first_due = True
 
     def _check_free_id(self, request_id: str) -> None:
         if request_id in self._parents:

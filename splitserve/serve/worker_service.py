@@ -146,7 +146,7 @@ class Worker:
     async def _lines(
         self, rid: str, stream: RequestStream, text: TextStream, timings: bool
     ) -> AsyncIterator[StreamLine]:
-        """Deltas -> lines, at least `stream_interval` tokens each; closing early aborts the request.
+        """Deltas -> lines, at least `stream_interval` tokens each after the first; closing early aborts the request.
         The first line carries where the time went (this engine's queue/prefill, or the KV import)."""
         done = False
         interval = self.config.stream_interval
@@ -154,8 +154,9 @@ class Worker:
             info = await stream.accepted
             while True:
                 deltas = await stream.take()
-                while (
+                while (  # the first line goes at once (TTFT); later ones hold `interval` tokens
                     interval > 1
+                    and text.tokens > 0
                     and not deltas[-1].finished
                     and sum(len(d.token_ids) for d in deltas) < interval
                 ):

@@ -111,6 +111,24 @@ def test_export_then_import_equals_colocated(make):
     assert pc.counts["exports"] == len(PROMPTS) and pc.counts["lease_freed_blocks"] > 0
 
 
+def test_an_imported_first_token_comes_out_before_the_next_forward_pass(make):
+    """TTFT on the decode side: the step after an import returns the first token (sampled by the
+    prefill engine) alone, without running the model; the step after that runs it."""
+    (p, _), (d, _) = make(), make()
+    out = _prefill(p, PROMPTS[:1])[0]
+    first = out.outputs[0].token_ids[0]
+    d.add_request_with_kv(out.kv_export.handle, PROMPTS[0], first, GREEDY, "d0",
+                          generator_state=out.kv_export.generator_state)  # fmt: skip
+    before = d.forward_steps
+    outs = d.step()
+    assert [o.outputs[0].token_ids for o in outs] == [[first]] and d.forward_steps == before
+    outs = d.step()
+    assert d.forward_steps == before + 1 and outs[0].outputs[0].token_ids[0] == first
+    assert len(outs[0].outputs[0].token_ids) == 2
+    _run(d)
+    assert _full(d)
+
+
 def test_the_state_really_moves(make, monkeypatch):
     """Negative control: continuing from a zero recurrent state gives other tokens."""
     (p, _), (d, _) = make(), make()
