@@ -40,14 +40,21 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randint(3, hi) for _ in range(length)] for _ in range(n)]
 
 
+_CLIENTS: dict = {}
+
+
 def ttft(url: str, model: str, prompt: list[int]) -> dict:
-    """One streamed request of 4 tokens: the client's time to the first token, the router's headers."""
+    """One streamed request of 4 tokens: the client's time to the first token, the router's headers.
+    One keep-alive client for the run, as an application (or the `openai` client) holds one: making an
+    httpx client per request costs ~40 ms of SSL-context set-up on the client's side, which an earlier
+    version of this bench counted into every TTFT."""
     import httpx
 
+    client = _CLIENTS.get(url) or _CLIENTS.setdefault(url, httpx.Client(timeout=600))
     body = completion_body(model, prompt, 4)
     t0 = time.perf_counter()
     first = None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         pre = "x-splitserve-"
         h = {k.removeprefix(pre): v for k, v in r.headers.items() if k.startswith(pre)}
