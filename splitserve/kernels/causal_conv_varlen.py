@@ -20,11 +20,16 @@ host synchronization: both can run inside a captured graph.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from splitserve.kernels.gated_delta import _round_to
+
+# a program's rows, channels and warps; SPLITSERVE_CONV_TILE="r,c,w" for an A/B (bench/conv_varlen_gpu.py)
+TILE = tuple(int(v) for v in os.environ.get("SPLITSERVE_CONV_TILE", "16,128,4").split(","))
 
 
 @triton.jit
@@ -98,9 +103,11 @@ def causal_conv1d_varlen(
     token_seq: torch.Tensor,
     slots: torch.Tensor,
     out: torch.Tensor | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """silu(causal depthwise conv) over every chunk of x [T, C], reading each chunk's conv window;
-    -> out [T, C] in x's dtype. The windows are not changed (see `conv1d_varlen_update_states`)."""
+    -> out [T, C] in x's dtype. The windows are not changed (see `conv1d_varlen_update_states`).
+    `tile`: (rows, channels, warps) of a program instead of TILE (bench/conv_varlen_gpu.py sweeps it)."""
     t, c = x.shape
     weight = weight.reshape(weight.shape[0], weight.shape[-1])  # [C, K]
     kw = weight.shape[1]
@@ -109,12 +116,13 @@ def causal_conv1d_varlen(
         out = torch.empty((t, c), dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    block_t, block_c = 16, min(128, triton.next_power_of_2(c))
+    block_t, block_c, warps = tile or TILE
+    block_c = min(block_c, triton.next_power_of_2(c))
     grid = (triton.cdiv(t, block_t), triton.cdiv(c, block_c))
     _conv_varlen_kernel[grid](
         x, conv_state, weight, cu_seqlens, token_seq, slots, out, t, c,
         *x.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
-        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     return out
 
