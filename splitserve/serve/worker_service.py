@@ -146,8 +146,9 @@ class Worker:
     async def _lines(
         self, rid: str, stream: RequestStream, text: TextStream, timings: bool
     ) -> AsyncIterator[StreamLine]:
-        """Deltas -> lines, at least `stream_interval` tokens each after the first; closing early aborts the request.
-        The first line carries where the time went (this engine's queue/prefill, or the KV import)."""
+        """Deltas -> lines, at least `stream_interval` tokens each after the first; closing early aborts
+        the request. The first line carries where the time went (this engine's queue/prefill, or the
+        KV import)."""
         done = False
         interval = self.config.stream_interval
         try:
