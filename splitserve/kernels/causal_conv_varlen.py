@@ -20,16 +20,13 @@ host synchronization: both can run inside a captured graph.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from splitserve.kernels.gated_delta import _round_to
 
-# a program's rows, channels and warps; SPLITSERVE_CONV_TILE="r,c,w" for an A/B (bench/conv_varlen_gpu.py)
-TILE = tuple(int(v) for v in os.environ.get("SPLITSERVE_CONV_TILE", "16,128,4").split(","))
+TILE = (16, 128, 4)  # a program's rows, channels and warps: the fastest of bench/conv_varlen_gpu.py's sweep
 
 
 @triton.jit
