@@ -151,10 +151,13 @@ class Worker:
         KV import)."""
         done = False
         interval = self.config.stream_interval
+        held: list[wire.Delta] = []  # deltas taken with the first one, sent in the next line
         try:
             info = await stream.accepted
             while True:
-                deltas = await stream.take()
+                deltas, held = held or await stream.take(), []
+                if text.tokens == 0 and len(deltas) > 1:  # the first line carries the first delta alone
+                    deltas, held = deltas[:1], deltas[1:]
                 while (  # the first line goes at once (TTFT); later ones hold `interval` tokens
                     interval > 1
                     and text.tokens > 0
