@@ -82,7 +82,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rope, ctx)
+        a = self.self_attn(positions, self.input_layernorm(x), rope, ctx)
+        if x.device.type == "cpu" and not torch.is_grad_enabled():  # in place: no fresh [T, hidden] pages
+            x.add_(a)
+            return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
