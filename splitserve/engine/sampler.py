@@ -2,10 +2,11 @@
 
 Order of operations (vLLM's): raw logprobs are taken first (so they are the model's own distribution),
 then penalties and the min_tokens ban on stop tokens, then greedy rows take the argmax; the rest are
-divided by temperature, filtered by min_p, top_k and top_p, and sampled with the exponential-race
-trick (argmax of p / q, q ~ Exp(1)). A constrained request's row is masked by its grammar after the
-penalties (engine/grammar.py), so every filter and the draw see only the tokens it allows.
-A seeded request draws q from its own generator, so its tokens do not depend on its batch mates.
+divided by temperature, filtered by min_p, top_k and top_p, and drawn: on CUDA by the exponential race
+(argmax of p / q, q ~ Exp(1): no host wait), on CPU by inverse CDF (one uniform number a row instead of
+one per vocabulary entry). A constrained request's row is masked by its grammar after the penalties
+(engine/grammar.py), so every filter and the draw see only the tokens it allows. A seeded request
+draws from its own generator, so its tokens do not depend on its batch mates.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class Sampler:
         greedy = _on(logits.device, [r.params.greedy for r in reqs], torch.bool)
         temps = _on(logits.device, [1.0 if r.params.greedy else r.params.temperature for r in reqs])
         probs = torch.softmax(_filter(logits / temps[:, None], reqs), dim=-1)
+        if probs.device.type == "cpu":
+            sampled = _inverse_cdf(probs, [r.generator or self.generator for r in reqs])
+            return torch.where(greedy, argmax, sampled)
         q = torch.empty_like(probs)
         for i, r in enumerate(reqs):
             gen = r.generator if r.generator is not None else self.generator
@@ -100,6 +104,18 @@ class Sampler:
                 counts = torch.bincount(out_ids, minlength=logits.shape[1])[: logits.shape[1]].float()
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
+
+
+def _inverse_cdf(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """CPU: one draw of each row's categorical distribution from one uniform number, the first token
+    whose cumulative probability (fp64) passes u * the row's total. The exponential race draws a number
+    per vocabulary entry from a serial generator: ~55 ms a step at 64 rows of 49,152 (the default
+    model at temperature 1), a third of the whole decode step; this takes ~5 ms. A token of
+    probability 0 (filtered out) has an empty interval and is never drawn."""
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _on(device: torch.device, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
