@@ -114,6 +114,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, H, D]; k [T, KVH, D]
+        if q.device.type == "cpu" and q.dtype == k.dtype == self.cos.dtype == torch.float32:
+            half = self.cos.shape[-1] // 2  # the table's two halves are equal (cat(freqs, freqs))
+            cos_h, sin_h = self.cos[positions, :half].unsqueeze(1), self.sin[positions, :half].unsqueeze(1)
+            return _apply_halves(q, cos_h, sin_h), _apply_halves(k, cos_h, sin_h)
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
@@ -164,6 +168,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return (x * cos) + (_rotate_half(x) * sin)
+
+
+def _apply_halves(x: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor) -> torch.Tensor:
+    """`_apply` with the cos/sin of one half (CPU): the same products and sums, so the same bits
+    (x1 c + (-x2) s is x1 c - x2 s exactly), with two half-size temporaries instead of four full-size
+    ones and a concatenation. x [T, H, D] (a view of the QKV projection is fine) -> a fresh tensor."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.mul(x1, cos_h, out=out[..., :half]).sub_(x2 * sin_h)
+    torch.mul(x2, cos_h, out=out[..., half:]).add_(x1 * sin_h)
+    return out
 
 
 def linear(
