@@ -23,6 +23,8 @@ HF exports) still sees them. An engine that loaded its model itself (a served wo
 `drop_dense`: the projections' dense weights become meta tensors (nothing reads them any more) and the
 rest are copied out of the load's flat buffer / weight-cache mapping, which is thereby released: one
 copy of the projections (~430 MB for the default model) less per worker; the tied embedding stays.
+Where one- and two-row products read the dense weights through MKL (`gemv_dense`, Intel processors)
+nothing is dropped: they stay where the load put them (the weight cache's mapping, shared by workers).
 `SPLITSERVE_CPU_ONEDNN=0` leaves fp32 projections on `F.linear` (an A/B switch).
 """
 
@@ -31,12 +33,14 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_ONEDNN", "1") != "0"
 DROP_DENSE = os.environ.get("SPLITSERVE_CPU_KEEP_DENSE", "0") != "1"  # 1: keep them (an A/B switch)
 CPU_WEIGHTS = ("fp32", "int4")
 GROUP = 32  # int4: inputs per scale/offset pair (Q4_0/Q4_1's block)
+GEMV_ROWS = 2  # fp32 with the dense weights kept: up to this many rows through F.linear (MKL)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -53,11 +57,37 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class OneDNNMatmul:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """x @ W.T + b through the packed weight; with `dense` (the weight itself) kept, one or two rows go
+    to `F.linear` instead (MKL's GEMV, faster than oneDNN there on Intel: `gemv_dense()`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: bool = False) -> None:
         self.packed, self.bias = pack(weight), bias
+        self.dense = weight if dense else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.numel() <= GEMV_ROWS * x.shape[-1]:
+            return F.linear(x, self.dense, self.bias)
         return packed_linear(x, self.packed, self.bias)
+
+
+def gemv_dense() -> bool:
+    """Whether decode rows of one or two tokens should read the dense weight through MKL: on Intel
+    processors, where MKL runs its AVX-512 kernels (on AMD it takes its AVX2 path, slower than oneDNN).
+    Measured on a 2-vCPU Xeon with AVX-512 and AMX (`bench/cpu_engine.py`'s batch-1 row, and all 30
+    layers' projections of the default model alone): MKL 16-19 ms against oneDNN 20-22 ms at one row,
+    18 against 21 at two; oneDNN ahead from 4 rows (22 against 29) to 32. The dense weights then stay
+    beside the packed ones (+430 MB for the default model). `SPLITSERVE_CPU_GEMV=0|1` overrides."""
+    forced = os.environ.get("SPLITSERVE_CPU_GEMV")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendors = {line.split(":")[-1].strip() for line in f if line.startswith("vendor_id")}
+        return vendors == {"GenuineIntel"}
+    except OSError:
+        return False
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -114,6 +144,7 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
     unprepare_model(model)
     counts: dict[str, int] = {}
     int4 = cpu_weights == "int4"
+    dense = not int4 and gemv_dense()
 
     def usable(w: torch.Tensor) -> bool:
         return w.device.type == "cpu" and w.dtype == torch.float32 and (ENABLED or int4)
@@ -121,12 +152,15 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
     for module in model.modules():
         if isinstance(module, Linear) and usable(module.weight):
             quant = int4 and module.weight.shape[1] % GROUP == 0
-            module.cpu_matmul = (Int4Matmul if quant else OneDNNMatmul)(module.weight, module.bias)
-            kind = "int4" if quant else "onednn"
+            if quant:
+                module.cpu_matmul = Int4Matmul(module.weight, module.bias)
+            else:
+                module.cpu_matmul = OneDNNMatmul(module.weight, module.bias, dense)
+            kind = "int4" if quant else "onednn + MKL gemv" if dense else "onednn"
             counts[kind] = counts.get(kind, 0) + 1
     head = _lm_head_weight(model)
     if head is not None and usable(head):
-        model.cpu_lm_head = Int8Matmul(head) if int4 else OneDNNMatmul(head, None)
+        model.cpu_lm_head = Int8Matmul(head) if int4 else OneDNNMatmul(head, None, dense)
         counts["lm_head int8" if int4 else "lm_head onednn"] = 1
     return counts
 
@@ -141,11 +175,13 @@ def drop_dense(model: nn.Module) -> int:
     dropped = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.cpu_matmul is not None:
+            if getattr(module.cpu_matmul, "dense", None) is not None:
+                continue  # still read (a one- or two-row decode's GEMV)
             w = module.weight
             dropped += w.numel() * w.element_size()
             meta = torch.empty(w.shape, dtype=w.dtype, device="meta")
             module.weight = nn.Parameter(meta, requires_grad=False)
-    if not dropped:
+    if not dropped:  # nothing dropped (all kept for the GEMV): the weights stay where the load put them
         return 0
     with torch.no_grad():
         for module in model.modules():

@@ -36,7 +36,8 @@ def test_int4_recovers_q4_1_codes_exactly():
     torch.testing.assert_close(mm(x), ref, rtol=2e-2, atol=2e-2)  # bf16 activations and scales
 
 
-def test_prepare_and_unprepare_model():
+def test_prepare_and_unprepare_model(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_CPU_GEMV", "0")  # oneDNN for every batch, whatever this host is
     model = torch.nn.Sequential(Linear(64, 32), Linear(32, 16, bias=False))
     x = torch.randn(3, 64)
     ref = model(x)
@@ -50,10 +51,12 @@ def test_prepare_and_unprepare_model():
         cpu_linear.prepare_model(model, "int3")
 
 
-def test_drop_dense_frees_the_shared_buffer_and_keeps_the_products():
+def test_drop_dense_frees_the_shared_buffer_and_keeps_the_products(monkeypatch):
     """drop_dense: the packed projections still give the same products; their dense weights are meta;
     every other parameter (here a norm-like vector) no longer views the load's flat buffer."""
     from splitserve.model.weight_cache_entry import assign_parameters
+
+    monkeypatch.setenv("SPLITSERVE_CPU_GEMV", "0")
 
     model = torch.nn.Sequential(Linear(64, 32), Linear(32, 16, bias=False))
     model.register_parameter("scale", torch.nn.Parameter(torch.randn(16), requires_grad=False))
@@ -79,3 +82,22 @@ def test_drop_dense_frees_the_shared_buffer_and_keeps_the_products():
     assert sorted(n for n, _ in model.named_parameters()) == sorted(names)
     with pytest.raises(RuntimeError, match="dropped"):
         cpu_linear.unprepare_model(model)
+
+
+def test_gemv_rows_read_the_dense_weight_and_keep_it(monkeypatch):
+    """With the MKL GEMV on (Intel's default), one or two rows go through F.linear on the dense weight,
+    more through the packed one; drop_dense then drops nothing and leaves the weights where they were."""
+    monkeypatch.setenv("SPLITSERVE_CPU_GEMV", "1")
+    gen = torch.Generator().manual_seed(2)
+    model = torch.nn.Sequential(Linear(64, 32), Linear(32, 16, bias=False))
+    weight = model[0].weight
+    assert cpu_linear.prepare_model(model, "fp32") == {"onednn + MKL gemv": 2}
+    assert model[0].cpu_matmul.dense is weight
+    for rows in (1, 2):
+        x = torch.randn(rows, 64, generator=gen)
+        assert torch.equal(model[0](x), F.linear(x, weight, model[0].bias))
+    x = torch.randn(5, 64, generator=gen)
+    torch.testing.assert_close(model[0](x), F.linear(x, weight, model[0].bias), rtol=1e-5, atol=1e-5)
+    assert cpu_linear.drop_dense(model) == 0 and model[0].weight is weight
+    monkeypatch.setenv("SPLITSERVE_CPU_GEMV", "0")
+    assert not cpu_linear.gemv_dense()
