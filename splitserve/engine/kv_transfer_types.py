@@ -15,6 +15,7 @@ import torch
 
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request, TokenLogprob
+from splitserve.engine.sampler import replay_draw
 from splitserve.transport import KVHandle
 
 
@@ -78,10 +79,7 @@ def restore_generator(req: Request, state: bytes | None, vocab_size: int) -> Non
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"generator_state does not fit this engine's generator: {exc}") from exc
     elif not req.params.greedy:
-        # NOTE: replays the sampler's one draw for the first token (q ~ Exp(1), [vocab] fp32).
-        torch.empty(vocab_size, dtype=torch.float32, device=req.generator.device).exponential_(
-            generator=req.generator
-        )
+        replay_draw(req.generator, vocab_size)  # the sampler's one draw for the first token
 
 
 def payload_nbytes(handle: KVHandle, state: dict[str, torch.Tensor], kv: torch.Tensor) -> int:

@@ -118,6 +118,16 @@ def _inverse_cdf(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> 
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def replay_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance `generator` as one row's draw in `_sample` does: a decode engine that imports a seeded
+    request without the prefill's generator state replays the first token's draw with this."""
+    if generator.device.type == "cpu":
+        torch.rand(1, generator=generator, dtype=torch.float64)  # _inverse_cdf's one number
+    else:
+        q = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+        q.exponential_(generator=generator)  # the exponential race's [vocab] numbers
+
+
 def _on(device: torch.device, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-row parameters on the device without a host wait (a plain torch.tensor(..., device=cuda)
     synchronizes the stream: it would wait for the step that is still running)."""
