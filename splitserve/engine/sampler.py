@@ -62,7 +62,8 @@ class Sampler:
         temps = _on(logits.device, [1.0 if r.params.greedy else r.params.temperature for r in reqs])
         probs = torch.softmax(_filter(logits / temps[:, None], reqs), dim=-1)
         if probs.device.type == "cpu":
-            sampled = _inverse_cdf(probs, [r.generator or self.generator for r in reqs])
+            gens = [r.generator if r.generator is not None else self.generator for r in reqs]
+            sampled = _inverse_cdf(probs, gens)
             return torch.where(greedy, argmax, sampled)
         q = torch.empty_like(probs)
         for i, r in enumerate(reqs):
@@ -109,9 +110,9 @@ class Sampler:
 def _inverse_cdf(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """CPU: one draw of each row's categorical distribution from one uniform number, the first token
     whose cumulative probability (fp64) passes u * the row's total. The exponential race draws a number
-    per vocabulary entry from a serial generator: ~55 ms a step at 64 rows of 49,152 (the default
-    model at temperature 1), a third of the whole decode step; this takes ~5 ms. A token of
-    probability 0 (filtered out) has an empty interval and is never drawn."""
+    per vocabulary entry from a serial generator: at 64 rows of 49,152 (the default model at
+    temperature 1) 64 ms against 8 ms, softmax included (`bench/cpu_sampler.py`), where a whole decode
+    step takes ~170 ms. A token of probability 0 (filtered out) has an empty interval: never drawn."""
     cdf = probs.to(torch.float64).cumsum_(dim=-1)
     u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
     target = (u * cdf[:, -1]).unsqueeze(1)
