@@ -61,15 +61,14 @@ class Sampler:
         greedy = _on(logits.device, [r.params.greedy for r in reqs], torch.bool)
         temps = _on(logits.device, [1.0 if r.params.greedy else r.params.temperature for r in reqs])
         probs = torch.softmax(_filter(logits / temps[:, None], reqs), dim=-1)
+        gens = [r.generator if r.generator is not None else self.generator for r in reqs]
         if probs.device.type == "cpu":
-            gens = [r.generator if r.generator is not None else self.generator for r in reqs]
             sampled = _inverse_cdf(probs, gens)
-            return torch.where(greedy, argmax, sampled)
-        q = torch.empty_like(probs)
-        for i, r in enumerate(reqs):
-            gen = r.generator if r.generator is not None else self.generator
-            q[i].exponential_(generator=gen)
-        sampled = (probs / q).argmax(dim=-1)
+        else:
+            q = torch.empty_like(probs)
+            for i, gen in enumerate(gens):
+                _exponentials(q[i], gen)
+            sampled = (probs / q).argmax(dim=-1)
         return torch.where(greedy, argmax, sampled)
 
     def _apply_min_tokens(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -114,7 +113,7 @@ def _inverse_cdf(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> 
     temperature 1) 64 ms against 8 ms, softmax included (`bench/cpu_sampler.py`), where a whole decode
     step takes ~170 ms. A token of probability 0 (filtered out) has an empty interval: never drawn."""
     cdf = probs.to(torch.float64).cumsum_(dim=-1)
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    u = torch.cat([_uniform(g) for g in generators])
     target = (u * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
@@ -123,10 +122,19 @@ def replay_draw(generator: torch.Generator, vocab_size: int) -> None:
     """Advance `generator` as one row's draw in `_sample` does: a decode engine that imports a seeded
     request without the prefill's generator state replays the first token's draw with this."""
     if generator.device.type == "cpu":
-        torch.rand(1, generator=generator, dtype=torch.float64)  # _inverse_cdf's one number
+        _uniform(generator)
     else:
-        q = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
-        q.exponential_(generator=generator)  # the exponential race's [vocab] numbers
+        _exponentials(torch.empty(vocab_size, dtype=torch.float32, device=generator.device), generator)
+
+
+def _uniform(generator: torch.Generator) -> torch.Tensor:
+    """A CPU row's draw (`_inverse_cdf`): one fp64 number in [0, 1)."""
+    return torch.rand(1, generator=generator, dtype=torch.float64)
+
+
+def _exponentials(q: torch.Tensor, generator: torch.Generator) -> None:
+    """A CUDA row's draw (the exponential race): q[v] ~ Exp(1) for every vocabulary entry, in place."""
+    q.exponential_(generator=generator)
 
 
 def _on(device: torch.device, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:

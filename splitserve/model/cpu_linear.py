@@ -161,7 +161,7 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
     head = _lm_head_weight(model)
     if head is not None and usable(head):
         model.cpu_lm_head = Int8Matmul(head) if int4 else OneDNNMatmul(head, None, dense)
-        counts["lm_head int8" if int4 else "lm_head onednn"] = 1
+        counts["lm_head int8" if int4 else "lm_head onednn + MKL gemv" if dense else "lm_head onednn"] = 1
     return counts
 
 
