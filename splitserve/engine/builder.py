@@ -99,6 +99,9 @@ def build(
         dropped = cpu_linear.drop_dense(loaded.model) if owned and cpu_linear.DROP_DENSE else 0
         log.info("CPU projections (%s): %s; dense copies dropped: %.0f MB", config.cpu_weights, counts,
                  dropped / 2**20)  # fmt: skip
+        enable = getattr(loaded.model, "enable_cpu_fused", None)
+        if enable is not None and enable():
+            log.info("CPU fused ops on (RMSNorm + residual, q/k norm + rotary + KV store)")
     graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
     if device.type == "cuda" and not graphs:
         log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")

@@ -106,9 +106,11 @@ class TorchPagedAttention:
         v: torch.Tensor,  # [T, KVH, D]
         kv: torch.Tensor,  # [num_blocks, L, 2, block_size, KVH, D]
         meta: AttentionMetadata,
+        stored: bool = False,  # k and v are in the cache already (model/cpu_fused.py's rope_store)
     ) -> torch.Tensor:
         k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, block_size, KVH, D]
-        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if not stored:
+            store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         kernel = self.cpu_kernel and cpu_attention.ready() and q.device.type == "cpu"
         kernel = kernel and q.dtype == kv.dtype == torch.float32

@@ -12,27 +12,20 @@ prefetch of the next block: the pool scatters a sequence's blocks, so the hardwa
 trail at every block); elsewhere the same loops in scalar C++.
 
 On by default for CPU engines (`start()`; `SPLITSERVE_CPU_ATTN=0` turns it off): it is compiled by
-the host's C++ compiler (`$CXX`, else `c++`; ~15-20 s on 2 cores) in a background thread at the first
-engine start, the engine gathering meanwhile, and cached under `$TORCH_EXTENSIONS_DIR/splitserve` (default
-`~/.cache/torch_extensions/splitserve`), keyed by the source, the flags and torch's version; later
-starts load it in well under a second. Without a compiler, or where the build fails, `load()` answers
-None (the reason logged once) and the engine keeps the gather + SDPA path.
+the host's C++ compiler (~15-20 s on 2 cores) in a background thread at the first engine start, the
+engine gathering meanwhile, and cached (model/cpu_build.py); later starts load it in well under a
+second. Without a compiler, or where the build fails, `load()` answers None and the engine keeps the
+gather + SDPA path.
 The sums run in another order than SDPA's (fp32 either way): outputs differ by ~1e-7 relative.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from splitserve.model.cpu_build import CppOps, simd_flags
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "1") != "0"  # on by default; 0 turns it off
 _NAME = "splitserve_cpu_attn_v3"
@@ -304,86 +297,30 @@ TORCH_LIBRARY(splitserve_cpu, m) {
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
 """
 
-_lock = threading.Lock()
-_start_lock = threading.Lock()
-_state: dict[str, object] = {}
+LIB = CppOps(_NAME, _SOURCE, simd_flags(), ENABLED, "CPU paged attention kernel")
 
 
 def _flags() -> list[str]:
-    flags = ["-O3", "-fno-math-errno"]
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma"]
-    return flags
+    return simd_flags()
 
 
 def load(force: bool = False) -> object | None:
     """The op (`torch.ops.splitserve_cpu.paged_decode`), built and loaded once per process; None where
     it is off (`SPLITSERVE_CPU_ATTN=0`; `force` builds it regardless, for its tests) or cannot be built
-    (the reason is logged once)."""
-    with _lock:
-        if "op" in _state:
-            return _state["op"]
-        if not (ENABLED or force):
-            return None
-        op = None
-        try:
-            torch.ops.load_library(str(_build()))
-            op = torch.ops.splitserve_cpu.paged_decode
-        except Exception as e:  # no compiler, a failed build: keep the torch path
-            log.warning("CPU paged attention kernel unavailable (%s); gathering KV instead", e)
-        _state["op"] = op
-        return op
-
-
-def _build() -> Path:
-    """The op's shared library: from the cache when this source, these flags and this torch built it
-    before, else compiled with the host's C++ compiler (~20-40 s on 2 cores) into a temporary name and
-    renamed into place, so that concurrent builders (two workers) and a build killed half way leave no
-    lock and no partial file behind."""
-    from torch.utils import cpp_extension
-
-    # -fopenmp: at::parallel_for is inline (ATen/ParallelOpenMP.h); without it the op runs on one thread.
-    # The library then needs libgomp.so.1, which the process already has loaded from torch.
-    flags = [*_flags(), "-std=c++20", "-fPIC", "-shared", "-DNDEBUG", "-fopenmp"]
-    flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
-    key = hashlib.sha256("\0".join([_SOURCE, *flags, torch.__version__]).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    lib = root / "splitserve" / f"{_NAME}_{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    libdirs = cpp_extension.library_paths()
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        src, out = Path(tmp) / "op.cpp", Path(tmp) / "op.so"
-        src.write_text(_SOURCE)
-        cmd = [os.environ.get("CXX", "c++"), *flags]
-        cmd += [f"-isystem{p}" for p in cpp_extension.include_paths()]
-        cmd += [str(src), "-o", str(out), *[f"-L{d}" for d in libdirs], "-lc10", "-ltorch_cpu"]
-        cmd += [f"-Wl,-rpath,{d}" for d in libdirs]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cmd[0]} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(out, lib)
-    return lib
+    (the reason is logged once; the engine keeps gathering KV)."""
+    return torch.ops.splitserve_cpu.paged_decode if LIB.load(force) else None
 
 
 def start() -> bool:
     """For an engine: True where the op is on; then it is built (or loaded from torch's cache) in a
     background thread, once per process, and `ready()` says when the engine can use it: a first start
     on a host serves through the gather meanwhile instead of waiting for the compiler."""
-    if not ENABLED:
-        return False
-    with _start_lock:  # not `_lock`, which the build holds
-        if "op" not in _state and "thread" not in _state:
-            thread = threading.Thread(target=load, name="splitserve-cpu-attn-build", daemon=True)
-            _state["thread"] = thread
-            thread.start()
-    return True
+    return LIB.start()
 
 
 def ready() -> bool:
     """Whether the op is built and loaded in this process."""
-    return _state.get("op") is not None
+    return LIB.ready()
 
 
 def paged_decode(
@@ -394,6 +331,5 @@ def paged_decode(
     context_lens: torch.Tensor,  # [B] int64
     scale: float,
 ) -> torch.Tensor:
-    op = _state.get("op")
-    assert op is not None, "call load() first"
-    return op(q, k_cache, v_cache, block_tables, context_lens, scale)  # type: ignore[operator]
+    assert LIB.ready(), "call load() first"
+    return torch.ops.splitserve_cpu.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitserve.model.attention import AttentionBackend, AttentionMetadata
+from splitserve.model import cpu_fused
+from splitserve.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from splitserve.model.config import ModelConfig
 from splitserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
 from splitserve.model.weights import load_mapped_weights
@@ -53,6 +54,22 @@ class Attention(nn.Module):
         q, k = rope(positions, q, k)
         out = ctx.attn.forward(self.layer, q, k, v.contiguous(), ctx.kv_cache, ctx.meta)  # [T, H * D]
         return self.o_proj(out)
+
+    def forward_cpu(
+        self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """CPU fp32: q/k norm, rotary and the KV store in one op (model/cpu_fused.py), then attention."""
+        t, kv = x.shape[0], ctx.kv_cache
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+        norms = None
+        if self.q_norm is not None and self.k_norm is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k = cpu_fused.rope_store(
+            qkv, positions, rope.cos, rope.sin, kv[:, self.layer, 0], kv[:, self.layer, 1],
+            ctx.meta.slot_mapping, (self.h, self.kvh), norms,
+        )  # fmt: skip
+        v = qkv[:, (self.h + self.kvh) * self.d :].view(t, self.kvh, self.d)
+        return self.o_proj(ctx.attn.forward(self.layer, q, k, v, kv, ctx.meta, stored=True))  # type: ignore[call-arg]
 
     def forward_fused(
         self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
@@ -102,6 +119,7 @@ class DecoderLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.fused = False
+        self.cpu_fused = False  # set by enable_cpu_fused (CPU engines)
         self.cpu_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # CPU: see cpu_linear
 
     def enable_fused_kernels(self) -> bool:
@@ -111,13 +129,47 @@ class DecoderLM(nn.Module):
         self.fused = d >= 32 and d & (d - 1) == 0
         return self.fused
 
+    def enable_cpu_fused(self) -> bool:
+        """Use model/cpu_fused.py's ops for each layer's norms, residual adds, rotary and KV store on
+        CPU fp32 (built in the background: the plain path runs until they are ready). -> whether on."""
+        self.cpu_fused = cpu_fused.start() and self.rope.cos.shape[-1] == self.cfg.head_dim
+        return self.cpu_fused
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.fused:
             return self._forward_fused(input_ids, positions, ctx)
+        if self.cpu_fused and self._cpu_fused_applies(ctx):
+            return self._forward_cpu_fused(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
             x = layer(positions, x, self.rope, ctx)
         return self.norm(x)
+
+    def _cpu_fused_applies(self, ctx: ForwardContext) -> bool:
+        fp32 = self.embed_tokens.weight.dtype == ctx.kv_cache.dtype == self.rope.cos.dtype == torch.float32
+        return (
+            fp32
+            and cpu_fused.ready()
+            and isinstance(ctx.attn, TorchPagedAttention)
+            and not (torch.is_grad_enabled())
+        )
+
+    def _forward_cpu_fused(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """`forward` with each residual add fused into the RMSNorm after it, and each attention's
+        q/k norm, rotary and KV store in one op (`Attention.forward_cpu`); the same values."""
+        layers = self.layers
+        residual = self.embed_tokens(input_ids)  # [T, hidden], fresh: updated in place by each add
+        norm = layers[0].input_layernorm
+        h = cpu_fused.add_rms_norm(residual, None, norm.weight, norm.eps)
+        for i, layer in enumerate(layers):
+            a = layer.self_attn.forward_cpu(positions, h, self.rope, ctx)
+            post = layer.post_attention_layernorm
+            h = cpu_fused.add_rms_norm(a, residual, post.weight, post.eps)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            h = cpu_fused.add_rms_norm(layer.mlp(h), residual, nxt.weight, nxt.eps)
+        return h
 
     def _forward_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

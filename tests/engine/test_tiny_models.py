@@ -12,6 +12,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import block_bytes
+from splitserve.model import cpu_fused
 from splitserve.model.config import ModelConfig, RopeConfig
 from splitserve.model.layers import rope_inv_freq
 
@@ -129,3 +130,20 @@ def test_aborts_mid_flight_free_everything_and_leave_the_rest_exact(tiny_model_f
     assert engine.pool.num_free == engine.pool.num_blocks
     assert all(r == 0 for r in engine.pool.ref_counts)
     assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_and_plain_paths_both_generate_what_hf_does(tiny_model_factory, arch: str) -> None:
+    """Greedy tokens through the fused ops and through the torch path (`cpu_fused` off) equal HF's."""
+    if not cpu_fused.load(force=True):
+        pytest.skip("the CPU ops could not be built here (no C++ compiler)")
+    tiny = tiny_model_factory(arch)
+    llm = _make_llm(tiny, enable_prefix_caching=False)  # the second pass computes every token again
+    model = llm.engine.runner.model
+    assert model.cpu_fused and cpu_fused.ready()
+    greedy = SamplingParams(temperature=0, max_tokens=tiny.max_new, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in tiny.prompts]
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    model.cpu_fused = False
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert fused == plain == tiny.hf_greedy

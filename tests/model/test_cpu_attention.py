@@ -99,9 +99,9 @@ def test_forward_decode_and_prefill(kernel: bool, request: pytest.FixtureRequest
 
 def test_build_is_cached_and_start_is_a_noop_when_built(op: object) -> None:
     """A second build answers the cached library; with the op loaded, `start()` starts no thread."""
-    first = cpu_attention._build()
-    assert cpu_attention._build() == first and first.exists()
+    first = cpu_attention.LIB.build()
+    assert cpu_attention.LIB.build() == first and first.exists()
     assert cpu_attention.ready()
-    before = cpu_attention._state.get("thread")
+    before = cpu_attention.LIB.thread
     cpu_attention.start()
-    assert cpu_attention._state.get("thread") is before
+    assert cpu_attention.LIB.thread is before

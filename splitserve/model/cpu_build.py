@@ -1,0 +1,113 @@
+"""Small C++ CPU ops of this package, compiled by the host's C++ compiler on first use.
+
+A `CppOps` is one C++ source that registers ops with `TORCH_LIBRARY`. It is compiled (`$CXX`, else
+`c++`) into `$TORCH_EXTENSIONS_DIR/splitserve` (default `~/.cache/torch_extensions/splitserve`), keyed
+by the source, the flags and torch's version, so that later starts only load it (well under a second).
+An engine calls `start()`: the build runs in a background thread once per process, and the engine
+uses its torch path until `ready()`. Without a compiler, or where the build fails, `load()` answers
+False (the reason logged once) and the torch path stays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def simd_flags() -> list[str]:
+    """-O3, plus AVX2 and FMA where torch's own CPU capability says the host has them."""
+    flags = ["-O3", "-fno-math-errno"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+class CppOps:
+    """One C++ source of ops (`namespace`::op names), built once per host and loaded once per process.
+
+    `enabled`: False keeps the ops off (`load(force=True)` builds them anyway, for tests and benches);
+    `what`: how a failure to build reads in the log."""
+
+    def __init__(self, name: str, source: str, flags: list[str], enabled: bool, what: str) -> None:
+        self.name, self.source, self.enabled, self.what = name, source, enabled, what
+        # -fopenmp: at::parallel_for is inline (ATen/ParallelOpenMP.h); without it the ops run on one
+        # thread. The library then needs libgomp.so.1, which the process already has loaded from torch.
+        self.flags = [*flags, "-std=c++20", "-fPIC", "-shared", "-DNDEBUG", "-fopenmp"]
+        self.flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+        self.loaded: bool | None = None  # None: not tried yet in this process
+        self.thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+
+    def load(self, force: bool = False) -> bool:
+        """Build (or find) and load the library, once per process; False where it is off (unless
+        `force`) or cannot be built (the reason is logged once)."""
+        with self._lock:
+            if self.loaded is not None:
+                return self.loaded
+            if not (self.enabled or force):
+                return False
+            try:
+                torch.ops.load_library(str(self.build()))
+                self.loaded = True
+            except Exception as e:  # no compiler, a failed build: keep the torch path
+                log.warning("%s unavailable (%s); the torch path stays", self.what, e)
+                self.loaded = False
+            return self.loaded
+
+    def path(self) -> Path:
+        """Where the library is cached: keyed by this source, these flags and this torch."""
+        key = hashlib.sha256("\0".join([self.source, *self.flags, torch.__version__]).encode()).hexdigest()
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+        return root / "splitserve" / f"{self.name}_{key[:16]}.so"
+
+    def build(self) -> Path:
+        """The shared library: from the cache when this source, these flags and this torch built it
+        before, else compiled into a temporary name and renamed into place, so that concurrent builders
+        (two workers) and a build killed half way leave no lock and no partial file behind."""
+        from torch.utils import cpp_extension
+
+        lib = self.path()
+        if lib.exists():
+            return lib
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        libdirs = cpp_extension.library_paths()
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+            src, out = Path(tmp) / "op.cpp", Path(tmp) / "op.so"
+            src.write_text(self.source)
+            cmd = [os.environ.get("CXX", "c++"), *self.flags]
+            cmd += [f"-isystem{p}" for p in cpp_extension.include_paths()]
+            cmd += [str(src), "-o", str(out), *[f"-L{d}" for d in libdirs], "-lc10", "-ltorch_cpu"]
+            cmd += [f"-Wl,-rpath,{d}" for d in libdirs]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if done.returncode != 0:
+                raise RuntimeError(f"{cmd[0]} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(out, lib)
+        return lib
+
+    def start(self) -> bool:
+        """For an engine: True where the ops are on; then they are loaded now when the cache has them,
+        else built in a background thread, once per process (the engine runs its torch path until
+        `ready()`): a first start on a host does not wait for the compiler."""
+        if not self.enabled:
+            return False
+        if self.loaded is None and self.thread is None and self.path().exists():
+            self.load()
+        with self._start_lock:  # not `_lock`, which the build holds
+            if self.loaded is None and self.thread is None:
+                self.thread = threading.Thread(target=self.load, name=f"{self.name}-build", daemon=True)
+                self.thread.start()
+        return True
+
+    def ready(self) -> bool:
+        """Whether the library is built and loaded in this process."""
+        return self.loaded is True

@@ -1,0 +1,206 @@
+"""CPU fp32: the decoder's small per-layer work as single C++ ops (built on first use, model/cpu_build.py).
+
+Between its projections, a dense decoder layer runs two RMSNorms, two residual adds, the rotary
+embedding of q and k and the KV store. In torch each is several ops (`F.rms_norm` is a composite of
+six on CPU), ~25 a layer and 750 a step for the default model: at batch 1 ~5 ms of a ~33 ms decode step
+is their dispatch, and in a 2,048-token prefill they are passes over memory that one pass can do.
+Two ops replace them (the CPU analogue of kernels/fused.py's Triton kernels):
+
+- `add_rms_norm(x, residual, weight, eps)`: `residual += x` in place (skipped when `residual` is
+  empty), then `weight * (r * rsqrt(mean(r^2) + eps))` of it into a fresh tensor, row by row;
+- `rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps)`: from the QKV
+  projection's output, q and k (each head RMS-normed first where the model has q/k norms: Qwen3) rotated
+  with the neox rotary embedding, returned as fresh [T, H, D] and [T, KVH, D] tensors, while k and v
+  are written into the paged cache at the slots.
+
+Arithmetic: the same operations as the torch path in the same order, compiled with
+`-ffp-contract=off` (no fused multiply-adds), so the rotary embedding and the norm's products are
+bit-identical to it; only the norm's sum of squares runs in another order than `torch.mean`'s (16
+partial sums), ~1e-7 relative. Greedy output stays token-exact with HF (`tests/engine/test_hf_parity.py`).
+`SPLITSERVE_CPU_FUSED=0` turns them off (an A/B switch).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from splitserve.model.cpu_build import CppOps, simd_flags
+
+ENABLED = os.environ.get("SPLITSERVE_CPU_FUSED", "1") != "0"
+
+_SOURCE = r"""
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <cmath>
+#include <tuple>
+
+// 1 / sqrt(mean(x^2) + eps) of n floats: 16 independent partial sums (vector lanes), then in order
+static inline float inv_rms(const float* x, int64_t n, float eps) {
+  float acc[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (; i < n; ++i) s += x[i] * x[i];
+  return 1.f / std::sqrt(s / static_cast<float>(n) + eps);
+}
+
+// out = w * (x * r), HF's order: the normed row first, then the weight
+static inline void scale_row(const float* x, const float* w, float r, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+static at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                               double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "add_rms_norm: fp32");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous(), "add_rms_norm: x [T, N] rows");
+  const bool add = residual.numel() > 0;
+  TORCH_CHECK(!add || (residual.sizes() == x.sizes() && residual.is_contiguous() &&
+                       residual.scalar_type() == at::kFloat), "add_rms_norm: residual [T, N] contiguous");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(weight.numel() == N, "add_rms_norm: weight");
+  auto out = at::empty({T, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* rp = add ? residual.data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), grain = std::max<int64_t>(1, 16384 / N);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* src = xp + t * xs;
+      if (add) {
+        float* r = rp + t * N;
+        for (int64_t i = 0; i < N; ++i) r[i] += src[i];
+        src = r;
+      }
+      scale_row(src, wp, inv_rms(src, N, e), op + t * N, N);
+    }
+  });
+  return out;
+}
+
+// one head of D floats: optionally RMS-normed (q/k norm), then rotated by (c, s) of D / 2 each
+static inline void rope_head(const float* x, const float* nw, float eps, const float* c, const float* s,
+                             float* out, int64_t D) {
+  float tmp[512];
+  if (nw != nullptr) {
+    scale_row(x, nw, inv_rms(x, D, eps), tmp, D);
+    x = tmp;
+  }
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    out[i] = x[i] * c[i] - x[h + i] * s[i];
+    out[h + i] = x[h + i] * c[i] + x[i] * s[i];
+  }
+}
+
+static std::tuple<at::Tensor, at::Tensor> rope_store(
+    const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, int64_t H, int64_t KVH,
+    const at::Tensor& q_norm, const at::Tensor& k_norm, double eps) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "rope_store: fp32");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_store: qkv [T, (H + 2 KVH) D] rows");
+  const int64_t T = qkv.size(0), D = k_cache.size(3), BS = k_cache.size(1);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && D % 2 == 0 && D <= 512, "rope_store: head size");
+  TORCH_CHECK(k_cache.size(2) == KVH && v_cache.size(2) == KVH && k_cache.stride(3) == 1 &&
+              v_cache.stride(3) == 1 && k_cache.stride(2) == D && v_cache.stride(2) == D,
+              "rope_store: cache [blocks, block_size, KVH, D] with contiguous token rows");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D, "rope_store: tables");
+  const bool qn = q_norm.numel() > 0, kn = k_norm.numel() > 0;
+  TORCH_CHECK((!qn || q_norm.numel() == D) && (!kn || k_norm.numel() == D), "rope_store: q/k norm");
+  const auto pos = positions.to(at::kLong).contiguous();
+  const auto slot = slots.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == T && slot.numel() == T, "rope_store: positions and slots");
+  auto q = at::empty({T, H, D}, qkv.options());
+  auto k = at::empty({T, KVH, D}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  const float* qw = qn ? q_norm.data_ptr<float>() : nullptr;
+  const float* kw = kn ? k_norm.data_ptr<float>() : nullptr;
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t xs = qkv.stride(0), cs = cos.stride(0);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * xs;
+      const float* c = cp + pp[t] * cs;  // the first half of the row (the halves are equal)
+      const float* s = snp + pp[t] * cs;
+      for (int64_t h = 0; h < H; ++h) rope_head(row + h * D, qw, e, c, s, qp + (t * H + h) * D, D);
+      float* krow = kp + t * KVH * D;
+      for (int64_t h = 0; h < KVH; ++h) rope_head(row + (H + h) * D, kw, e, c, s, krow + h * D, D);
+      const int64_t blk = sp[t] / BS, off = sp[t] % BS;
+      std::copy(krow, krow + KVH * D, kc + blk * kb + off * kt);
+      const float* v = row + (H + KVH) * D;
+      std::copy(v, v + KVH * D, vc + blk * vb + off * vt);
+    }
+  });
+  return {q, k};
+}
+
+TORCH_LIBRARY(splitserve_cpu_fused, m) {
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> Tensor");
+  m.def("rope_store(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,"
+        " Tensor slots, int H, int KVH, Tensor q_norm, Tensor k_norm, float eps) -> (Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(splitserve_cpu_fused, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_store", &rope_store);
+}
+"""
+
+LIB = CppOps("splitserve_cpu_fused_v1", _SOURCE, [*simd_flags(), "-ffp-contract=off"], ENABLED,
+             "CPU fused norm/rotary ops")  # fmt: skip
+_NONE = torch.empty(0)
+
+
+def start() -> bool:
+    """For an engine: True where the ops are on (built in the background; `ready()` says when)."""
+    return LIB.start()
+
+
+def ready() -> bool:
+    return LIB.ready()
+
+
+def load(force: bool = False) -> bool:
+    return LIB.load(force)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x [T, N] (rows contiguous); residual [T, N] contiguous, updated in place to residual + x, or
+    None -> RMSNorm(residual + x or x) * weight, a fresh [T, N] tensor."""
+    res = _NONE if residual is None else residual
+    return torch.ops.splitserve_cpu_fused.add_rms_norm(x, res, weight, eps)
+
+
+def rope_store(
+    qkv: torch.Tensor,  # [T, (H + 2 KVH) * D]
+    positions: torch.Tensor,  # [T]
+    cos: torch.Tensor,  # [max_positions, D] (two equal halves)
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [T]
+    heads: tuple[int, int],  # (H, KVH)
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q weight, k weight, eps)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (q [T, H, D], k [T, KVH, D]) normed (if `qk_norm`) and rotated; k and v stored at `slots`."""
+    qn, kn, eps = qk_norm if qk_norm is not None else (_NONE, _NONE, 0.0)
+    return torch.ops.splitserve_cpu_fused.rope_store(
+        qkv, positions, cos, sin, k_cache, v_cache, slots, heads[0], heads[1], qn, kn, eps
+    )
