@@ -40,6 +40,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._held: list[tuple[list[int], Any]] = []  # freed, but still written by a late copy
+        # blocks [fresh_from, num_blocks) were never handed out: the free queue starts with them in order
+        self.fresh_from = 0
         self.hits = 0
         self.queries = 0
 
@@ -65,6 +67,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
+            self.fresh_from = max(self.fresh_from, block + 1)
             self._evict(block)
             self.ref_counts[block] = 1
             out.append(block)

@@ -29,6 +29,7 @@ from splitserve.engine.builder import build
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.intake import RequestFactory
+from splitserve.engine.kv_prefault import KVPrefault
 from splitserve.engine.kv_transfer import BlockLease, ImportOutcome, KVTransfers
 from splitserve.engine.kv_transfer_types import ImportSpec
 from splitserve.engine.overlap import OverlappedSteps, _Inflight
@@ -80,6 +81,7 @@ class LLMEngine(OverlappedSteps):
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
         self.transfers = KVTransfers(self, self.scheduler, self.kv_cache, self.states, cfg.vocab_size)
+        self.prefault = KVPrefault(self.kv_cache, self.pool)  # CPU: for a serving loop's idle turns
         self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
         self._first_due = False  # a KV import's first token is in _ready: the next step returns it alone
         self._ran_last = True  # the last step() ran the model (so a step returns _ready alone at most once)

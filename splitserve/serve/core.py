@@ -128,7 +128,8 @@ class EngineCore:
         while not self.stopping:
             busy = engine.has_unfinished_requests() and not engine.waits_for_kv_only()
             t0 = time.perf_counter()
-            self._drain(0 if busy else IDLE_WAIT_MS)
+            # idle: map the next KV pages a request will write (engine/kv_prefault.py), then look again
+            self._drain(0 if busy or engine.prefault.advance() else IDLE_WAIT_MS)
             if not busy:  # the turn's work starts when the idle wait ends
                 t0, busy = time.perf_counter(), engine.has_unfinished_requests()
             self._run_on_loop()
