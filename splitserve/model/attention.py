@@ -111,9 +111,15 @@ class TorchPagedAttention:
         k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, block_size, KVH, D]
         if not stored:
             store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
         kernel = self.cpu_kernel and cpu_attention.ready() and q.device.type == "cpu"
         kernel = kernel and q.dtype == kv.dtype == torch.float32
+        groups = meta.decode_groups
+        if kernel and not meta.prefills and len(groups) == 1 and groups[0].end - groups[0].start == len(q):
+            g = groups[0]  # a decode-only step: the op's output is the answer, no copy into `out`
+            return cpu_attention.paged_decode(
+                q, k_cache, v_cache, g.block_tables, g.context_lens, self.scale
+            ).flatten(1)
+        out = torch.empty_like(q)
         for group in meta.decode_groups:
             rows = slice(group.start, group.end)
             if kernel:

@@ -4,10 +4,12 @@ Between its projections, a dense decoder layer runs two RMSNorms, two residual a
 embedding of q and k and the KV store. In torch each is several ops (`F.rms_norm` is a composite of
 six on CPU), ~25 a layer and 750 a step for the default model: at batch 1 ~5 ms of a ~33 ms decode step
 is their dispatch, and in a 2,048-token prefill they are passes over memory that one pass can do.
-Two ops replace them (the CPU analogue of kernels/fused.py's Triton kernels):
+Three ops replace them and the MLP's activation (the CPU analogue of kernels/fused.py's Triton kernels):
 
 - `add_rms_norm(x, residual, weight, eps)`: `residual += x` in place (skipped when `residual` is
   empty), then `weight * (r * rsqrt(mean(r^2) + eps))` of it into a fresh tensor, row by row;
+- `silu_mul(x)`: the MLP's `silu(gate) * up` from its merged gate/up output, into a contiguous tensor
+  (the torch path's product is a strided view that oneDNN copies before the down projection);
 - `rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps)`: from the QKV
   projection's output, q and k (each head RMS-normed first where the model has q/k norms: Qwen3) rotated
   with the neox rotary embedding, returned as fresh [T, H, D] and [T, KVH, D] tensors, while k and v
@@ -15,8 +17,9 @@ Two ops replace them (the CPU analogue of kernels/fused.py's Triton kernels):
 
 Arithmetic: the same operations as the torch path in the same order, compiled with
 `-ffp-contract=off` (no fused multiply-adds), so the rotary embedding and the norm's products are
-bit-identical to it; only the norm's sum of squares runs in another order than `torch.mean`'s (16
-partial sums), ~1e-7 relative. Greedy output stays token-exact with HF (`tests/engine/test_hf_parity.py`).
+bit-identical to it; the norm's sum of squares runs in another order than `torch.mean`'s (16
+partial sums), and SiLU's exp is the paged decode op's (Cephes, ~1 ulp, where torch uses Sleef's):
+~1e-7 relative. Greedy output stays token-exact with HF (`tests/engine/test_hf_parity.py`).
 `SPLITSERVE_CPU_FUSED=0` turns them off (an A/B switch).
 """
 
@@ -26,11 +29,13 @@ import os
 
 import torch
 
-from splitserve.model.cpu_build import CppOps, simd_flags
+from splitserve.model.cpu_build import SIMD_HEADER, CppOps, simd_flags
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_FUSED", "1") != "0"
 
-_SOURCE = r"""
+_SOURCE = (
+    SIMD_HEADER
+    + r"""
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -150,18 +155,51 @@ static std::tuple<at::Tensor, at::Tensor> rope_store(
   return {q, k};
 }
 
+// out = silu(g) * u of x = [g | u] (the MLP's merged gate/up output) into a fresh contiguous tensor;
+// silu(g) from e = exp(-|g|), which cannot overflow: g / (1 + e) for g >= 0, g e / (1 + e) below
+static at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_mul: x [T, 2 I] fp32 rows");
+  const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  auto out = at::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *g = xp + t * xs, *u = g + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+#ifdef SS_AVX2
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.f);
+      for (; i + 8 <= I; i += 8) {
+        const __m256 v = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8(_mm256_or_ps(v, sign));  // exp(-|v|)
+        const __m256 num = _mm256_blendv_ps(v, _mm256_mul_ps(v, e), _mm256_cmp_ps(v, zero, _CMP_LT_OQ));
+        const __m256 silu = _mm256_div_ps(num, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY(splitserve_cpu_fused, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
   m.def("rope_store(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,"
         " Tensor slots, int H, int KVH, Tensor q_norm, Tensor k_norm, float eps) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(splitserve_cpu_fused, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_store", &rope_store);
+  m.impl("silu_mul", &silu_mul);
 }
 """
+)
 
-LIB = CppOps("splitserve_cpu_fused_v1", _SOURCE, [*simd_flags(), "-ffp-contract=off"], ENABLED,
+LIB = CppOps("splitserve_cpu_fused_v2", _SOURCE, [*simd_flags(), "-ffp-contract=off"], ENABLED,
              "CPU fused norm/rotary ops")  # fmt: skip
 _NONE = torch.empty(0)
 
@@ -204,3 +242,8 @@ def rope_store(
     return torch.ops.splitserve_cpu_fused.rope_store(
         qkv, positions, cos, sin, k_cache, v_cache, slots, heads[0], heads[1], qn, kn, eps
     )
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 I] = [gate | up] (rows contiguous) -> silu(gate) * up, a fresh contiguous [T, I]."""
+    return torch.ops.splitserve_cpu_fused.silu_mul(x)

@@ -157,8 +157,8 @@ class DecoderLM(nn.Module):
     def _forward_cpu_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """`forward` with each residual add fused into the RMSNorm after it, and each attention's
-        q/k norm, rotary and KV store in one op (`Attention.forward_cpu`); the same values."""
+        """`forward` with each residual add fused into the RMSNorm after it, the MLP's SiLU-and-multiply
+        in one op, and each attention's q/k norm, rotary and KV store in one (`Attention.forward_cpu`)."""
         layers = self.layers
         residual = self.embed_tokens(input_ids)  # [T, hidden], fresh: updated in place by each add
         norm = layers[0].input_layernorm
@@ -168,7 +168,9 @@ class DecoderLM(nn.Module):
             post = layer.post_attention_layernorm
             h = cpu_fused.add_rms_norm(a, residual, post.weight, post.eps)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            h = cpu_fused.add_rms_norm(layer.mlp(h), residual, nxt.weight, nxt.eps)
+            mlp = layer.mlp
+            m = mlp.down_proj(cpu_fused.silu_mul(mlp.gate_up_proj(h)))
+            h = cpu_fused.add_rms_norm(m, residual, nxt.weight, nxt.eps)
         return h
 
     def _forward_fused(
