@@ -69,7 +69,9 @@ class Attention(nn.Module):
             ctx.meta.slot_mapping, (self.h, self.kvh), norms,
         )  # fmt: skip
         v = qkv[:, (self.h + self.kvh) * self.d :].view(t, self.kvh, self.d)
-        return self.o_proj(ctx.attn.forward(self.layer, q, k, v, kv, ctx.meta, stored=True))  # type: ignore[call-arg]
+        attn = ctx.attn
+        assert isinstance(attn, TorchPagedAttention)  # DecoderLM._cpu_fused_applies
+        return self.o_proj(attn.forward(self.layer, q, k, v, kv, ctx.meta, stored=True))
 
     def forward_fused(
         self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
@@ -146,13 +148,10 @@ class DecoderLM(nn.Module):
         return self.norm(x)
 
     def _cpu_fused_applies(self, ctx: ForwardContext) -> bool:
+        """The ops are loaded, weights, cache and tables are fp32, the torch backend, no autograd."""
         fp32 = self.embed_tokens.weight.dtype == ctx.kv_cache.dtype == self.rope.cos.dtype == torch.float32
-        return (
-            fp32
-            and cpu_fused.ready()
-            and isinstance(ctx.attn, TorchPagedAttention)
-            and not (torch.is_grad_enabled())
-        )
+        torch_backend = isinstance(ctx.attn, TorchPagedAttention)
+        return fp32 and torch_backend and cpu_fused.ready() and not torch.is_grad_enabled()
 
     def _forward_cpu_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
