@@ -35,7 +35,7 @@ def main() -> int:
     h, kvh, d, bs, layers = 9, 3, 64, 16, 30
     t = time.perf_counter()
     op = cpu_attention.load(force=True)
-    print(f"op build/load: {time.perf_counter() - t:.1f} s; flags {cpu_attention._flags()}; "
+    print(f"op build/load: {time.perf_counter() - t:.1f} s; flags {cpu_attention.LIB.flags}; "
           f"{torch.get_num_threads()} threads", flush=True)  # fmt: skip
     if op is None:
         print("the op could not be built here")

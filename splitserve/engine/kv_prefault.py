@@ -38,10 +38,11 @@ class KVPrefault:
         """Zero the next chunk of never-used blocks; -> whether more remain within the limit."""
         if not self.on:
             return False
+        limit = min(self.pool.fresh_from + self.ahead, self.pool.num_blocks)
         start = max(self.next, self.pool.fresh_from)
-        end = min(start + self.chunk, self.pool.fresh_from + self.ahead, self.pool.num_blocks)
+        end = min(start + self.chunk, limit)
         if start >= end:
             return False
         self.kv[start:end].zero_()
         self.next = end
-        return end < min(self.pool.fresh_from + self.ahead, self.pool.num_blocks)
+        return end < limit

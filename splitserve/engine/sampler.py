@@ -66,7 +66,7 @@ class Sampler:
             logits = logits / _on(logits.device, temps_list)[:, None]
         probs = torch.softmax(_filter(logits, reqs), dim=-1)
         gens = [r.generator if r.generator is not None else self.generator for r in reqs]
-        if probs.device.type == "cpu":
+        if cpu:
             sampled = _inverse_cdf(probs, gens)
         else:
             q = torch.empty_like(probs)

@@ -271,10 +271,6 @@ TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decod
 LIB = CppOps(_NAME, _SOURCE, simd_flags(), ENABLED, "CPU paged attention kernel")
 
 
-def _flags() -> list[str]:
-    return simd_flags()
-
-
 def load(force: bool = False) -> object | None:
     """The op (`torch.ops.splitserve_cpu.paged_decode`), built and loaded once per process; None where
     it is off (`SPLITSERVE_CPU_ATTN=0`; `force` builds it regardless, for its tests) or cannot be built
