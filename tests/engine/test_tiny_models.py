@@ -133,17 +133,34 @@ def test_aborts_mid_flight_free_everything_and_leave_the_rest_exact(tiny_model_f
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_and_plain_paths_both_generate_what_hf_does(tiny_model_factory, arch: str) -> None:
-    """Greedy tokens through the fused ops and through the torch path (`cpu_fused` off) equal HF's."""
+def test_fused_and_plain_paths_both_generate_what_hf_does(tiny_model_factory, arch: str, monkeypatch) -> None:
+    """Greedy tokens through the fused ops and through the torch path (`cpu_fused` off) equal HF's; the
+    fused pass really ran the ops (every forward), the plain pass none of them."""
     if not cpu_fused.load(force=True):
         pytest.skip("the CPU ops could not be built here (no C++ compiler)")
     tiny = tiny_model_factory(arch)
     llm = _make_llm(tiny, enable_prefix_caching=False)  # the second pass computes every token again
     model = llm.engine.runner.model
     assert model.cpu_fused and cpu_fused.ready()
+    calls = {"rope_store": 0, "forwards": 0}
+    rope_store, forward = cpu_fused.rope_store, type(model).forward
+
+    def counted_rope_store(*args, **kwargs):
+        calls["rope_store"] += 1
+        return rope_store(*args, **kwargs)
+
+    def counted_forward(self, *args, **kwargs):
+        calls["forwards"] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_fused, "rope_store", counted_rope_store)
+    monkeypatch.setattr(type(model), "forward", counted_forward)
     greedy = SamplingParams(temperature=0, max_tokens=tiny.max_new, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in tiny.prompts]
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert calls["forwards"] > 0 and calls["rope_store"] == calls["forwards"] * model.cfg.num_layers
     model.cpu_fused = False
+    before = calls["rope_store"]
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert calls["rope_store"] == before
     assert fused == plain == tiny.hf_greedy
