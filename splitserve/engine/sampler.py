@@ -17,6 +17,7 @@ import torch
 
 from splitserve.engine.grammar import mask_logits
 from splitserve.engine.request import Request, TokenLogprob
+from splitserve.model import cpu_fused
 
 
 class Sampler:
@@ -62,10 +63,12 @@ class Sampler:
         # ~10 ms of a ~190 ms decode step); CUDA keeps one shape of work, with no host decisions
         cpu = logits.device.type == "cpu"
         temps_list = [1.0 if g else r.params.temperature for g, r in zip(greedy_rows, reqs, strict=True)]
+        gens = [r.generator if r.generator is not None else self.generator for r in reqs]
+        if cpu and logits.dtype == torch.float32 and cpu_fused.ready():
+            return _sample_cpu_op(logits, reqs, greedy_rows, temps_list, gens)
         if not (cpu and all(t == 1.0 for t in temps_list)):
             logits = logits / _on(logits.device, temps_list)[:, None]
         probs = torch.softmax(_filter(logits, reqs), dim=-1)
-        gens = [r.generator if r.generator is not None else self.generator for r in reqs]
         if cpu:
             sampled = _inverse_cdf(probs, gens)
         else:
@@ -110,6 +113,30 @@ class Sampler:
                 counts = torch.bincount(out_ids, minlength=logits.shape[1])[: logits.shape[1]].float()
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
+
+
+def _sample_cpu_op(
+    logits: torch.Tensor,
+    reqs: Sequence[Request],
+    greedy_rows: list[bool],
+    temps_list: list[float],
+    gens: Sequence[torch.Generator],
+) -> torch.Tensor:
+    """CPU fp32 with model/cpu_fused.py loaded: the same draw as `_inverse_cdf` (one uniform number a
+    row, every row: a generator moves as `replay_draw` says) in one op over the logits, without the
+    [N, V] probabilities, their fp64 cumsum and the search. With a filter (min_p, top_k, top_p) the
+    rows are divided by their temperatures and filtered in torch first, then drawn at temperature 1."""
+    u = torch.cat([_uniform(g) for g in gens])
+    temps = [0.0 if g else t for g, t in zip(greedy_rows, temps_list, strict=True)]
+    if _filters_apply(reqs):
+        logits = _filter(logits / torch.tensor(temps_list)[:, None], reqs)
+        temps = [0.0 if g else 1.0 for g in greedy_rows]
+    return cpu_fused.sample_rows(logits, torch.tensor(temps, dtype=torch.float32), u)
+
+
+def _filters_apply(reqs: Sequence[Request]) -> bool:
+    """Whether `_filter` changes any row (min_p, top_k or top_p asked for)."""
+    return any(r.params.min_p > 0 or r.params.top_k or r.params.top_p < 1 for r in reqs)
 
 
 def _inverse_cdf(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
