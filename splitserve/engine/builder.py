@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine import cpu_heap
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
@@ -95,6 +96,8 @@ def build(
     attn = attention_backend(config, cfg, loaded, device)
     linear_attention_backend(config, loaded, device)
     if device.type == "cpu":
+        if cpu_heap.keep_freed_memory():
+            log.info("CPU: malloc keeps freed blocks up to 32 MB (step temporaries reuse mapped pages)")
         counts = cpu_linear.prepare_model(loaded.model, config.cpu_weights)
         dropped = cpu_linear.drop_dense(loaded.model) if owned and cpu_linear.DROP_DENSE else 0
         log.info("CPU projections (%s): %s; dense copies dropped: %.0f MB", config.cpu_weights, counts,

@@ -192,7 +192,8 @@ static at::Tensor silu_mul(const at::Tensor& x) {
 // A token at -inf (filtered out) has weight 0 and is never drawn. The weights are kept in a row buffer
 // with fp64 sums of each 64 tokens, so the search reads the chunk sums and then one chunk.
 static at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, const at::Tensor& u) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "sample_rows: x [N, V] rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "sample_rows: x [N, V] fp32 rows");
   const int64_t N = x.size(0), V = x.size(1), xs = x.stride(0), C = 64, nc = (V + C - 1) / C;
   const auto tt = temps.to(at::kFloat).contiguous();
   const auto uu = u.to(at::kDouble).contiguous();
