@@ -69,10 +69,12 @@ def test_the_cpu_op_follows_the_distribution_and_takes_argmax_at_zero(op: None) 
     logits = torch.randn(1, 40, generator=g) * 2
     logits[0, 7] = float("-inf")
     rows = logits.expand(4000, 40).contiguous()
-    tokens = torch.cat([
-        cpu_fused.sample_rows(rows, torch.ones(4000), torch.rand(4000, generator=g, dtype=torch.float64))
-        for _ in range(20)
-    ])  # 80,000 draws
+    tokens = torch.cat(
+        [
+            cpu_fused.sample_rows(rows, torch.ones(4000), torch.rand(4000, generator=g, dtype=torch.float64))
+            for _ in range(20)
+        ]
+    )  # 80,000 draws
     probs = torch.softmax(logits[0].double(), dim=-1)
     freq = torch.bincount(tokens, minlength=40).double() / tokens.numel()
     assert freq[7] == 0
