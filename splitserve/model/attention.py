@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from splitserve.model import cpu_attention
+from splitserve.model import cpu_attention, cpu_prefill
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ class TorchPagedAttention:
         self.scale = scale
         self.fold_gqa = fold_gqa
         self.cpu_kernel = fold_gqa and cpu_attention.start()  # used once `cpu_attention.ready()`
+        self.prefill_kernel = fold_gqa and cpu_prefill.start()  # AVX-512 hosts, once `ready()`
 
     def forward(
         self,
@@ -128,9 +129,15 @@ class TorchPagedAttention:
                 )
             else:
                 out[rows] = self._decode(q[rows], k_cache, v_cache, group)
+        prefill_kernel = self.prefill_kernel and cpu_prefill.ready() and q.device.type == "cpu"
+        prefill_kernel = prefill_kernel and q.dtype == kv.dtype == torch.float32
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            if self.fold_gqa and chunk.context_len == chunk.query_len and k.dtype == kv.dtype:  # no gather
+            if prefill_kernel and chunk.block_table is not None:  # K/V read from the cache in place
+                out[rows] = cpu_prefill.prefill_attention(
+                    q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len, self.scale
+                )
+            elif self.fold_gqa and chunk.context_len == chunk.query_len and k.dtype == kv.dtype:  # no gather
                 out[rows] = self._attend_fresh(q[rows], k[rows], v[rows])
             else:
                 out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk)

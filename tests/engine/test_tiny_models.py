@@ -12,7 +12,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import block_bytes
-from splitserve.model import cpu_fused
+from splitserve.model import cpu_fused, cpu_prefill
 from splitserve.model.config import ModelConfig, RopeConfig
 from splitserve.model.layers import rope_inv_freq
 
@@ -164,3 +164,30 @@ def test_fused_and_plain_paths_both_generate_what_hf_does(tiny_model_factory, ar
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert calls["rope_store"] == before
     assert fused == plain == tiny.hf_greedy
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("budget", [2048, 16])  # 16: prompts chunked, later chunks see earlier ones
+def test_prefill_kernel_on_and_off_both_generate_what_hf_does(tiny_model_factory, arch: str, budget: int,
+                                                              monkeypatch) -> None:  # fmt: skip
+    """Greedy tokens with model/cpu_prefill.py's prompt attention and with SDPA equal HF's; the op ran
+    once a layer for every prefill chunk in the first pass, never in the second."""
+    if not cpu_prefill.load(force=True):
+        pytest.skip("the prompt attention op needs AVX-512 and a C++ compiler")
+    tiny = tiny_model_factory(arch)
+    llm = _make_llm(tiny, enable_prefix_caching=False, max_num_batched_tokens=budget)
+    calls = [0]
+    op = cpu_prefill.prefill_attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_prefill, "prefill_attention", counted)
+    with_op = _run(llm, tiny)
+    chunks = sum(-(-len(p) // budget) for p in tiny.prompts)
+    assert calls[0] >= chunks * llm.engine.runner.model.cfg.num_layers
+    monkeypatch.setattr(cpu_prefill, "ready", lambda: False)
+    before = calls[0]
+    assert _run(llm, tiny) == with_op == tiny.hf_greedy
+    assert calls[0] == before
