@@ -1,5 +1,7 @@
 """The CPU sampler's draw alone: inverse CDF (engine/sampler.py, one uniform number a row) against the
-exponential race it replaced on CPU (one Exp(1) number per vocabulary entry), in the same run.
+exponential race it replaced on CPU (one Exp(1) number per vocabulary entry), in the same run, and the
+same inverse-CDF draw as one C++ op over the logits (model/cpu_fused.py `sample_rows`, what the engine
+runs once the op is built), against the torch inverse CDF.
 
 Rows of the default model's vocabulary (49,152) at temperature 1, no filters (what `vllm bench serve`
 asks for when it names no temperature), softmax included in both; the median of `--iters` calls.
@@ -22,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from splitserve.engine.sampler import _inverse_cdf  # noqa: E402
+from splitserve.model import cpu_fused  # noqa: E402
 
 
 def exponential_race(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -54,13 +57,20 @@ def main() -> int:
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, vocabulary {args.vocab}")
-    print("| rows | exponential race (ms) | inverse CDF (ms) | ratio |")
-    print("|---|---|---|---|")
+    op = cpu_fused.load(force=True)
+    print("| rows | exponential race (ms) | inverse CDF (ms) | ratio | op (ms) | inverse CDF / op |")
+    print("|---|---|---|---|---|---|")
     for rows in args.rows:
         logits = torch.randn(rows, args.vocab, generator=gen) * 3
         race = _median_ms(lambda lg=logits: exponential_race(torch.softmax(lg, -1), gen), args.iters)
         icdf = _median_ms(lambda lg=logits: inverse_cdf(torch.softmax(lg, -1), gen), args.iters)
-        print(f"| {rows} | {race:.2f} | {icdf:.2f} | {race / icdf:.1f}x |")
+        if op:
+            temps, u = torch.ones(rows), torch.rand(rows, generator=gen, dtype=torch.float64)
+            fused = _median_ms(lambda lg=logits, t=temps, u=u: cpu_fused.sample_rows(lg, t, u), args.iters)
+            tail = f" {fused:.2f} | {icdf / fused:.1f}x |"
+        else:
+            tail = " (not built) | |"
+        print(f"| {rows} | {race:.2f} | {icdf:.2f} | {race / icdf:.1f}x |{tail}")
     probs = torch.softmax(torch.randn(1, 50, generator=gen) * 2, -1)
     batch = probs.expand(1000, 50).contiguous()
     for name, draw in (("exponential race", exponential_race), ("inverse CDF", inverse_cdf)):
