@@ -248,6 +248,10 @@ static at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, cons
         part[c] = s;
         total += s;
       }
+      if (!(total > 0.)) {  // no token has weight (all filtered out, or NaN/inf logits): the first max
+        op[r] = best;
+        continue;
+      }
       const double target = up[r] * total;
       double run = 0.;
       int64_t c = 0, last = -1;  // last: the last chunk with weight, where rounding leaves the target

@@ -109,3 +109,17 @@ def test_the_sampler_takes_the_same_tokens_with_and_without_the_op(op: None, mon
         sampler = Sampler(1000, torch.device("cpu"), seed=11)
         runs.append([sampler(logits, reqs)[0] for _ in range(30)])
     assert runs[0] == runs[1]
+
+
+def test_the_cpu_op_answers_a_token_for_rows_without_weight(op: None) -> None:
+    """A row whose every token is filtered out (a grammar and a min_tokens ban can leave none), or with
+    NaN or +inf logits, still gets an index inside the vocabulary (its first maximum), never a read
+    outside the row."""
+    x = torch.randn(4, 300)
+    x[0] = float("-inf")
+    x[1, 5] = float("nan")
+    x[2, 17] = float("inf")
+    x[3, :] = float("nan")
+    got = cpu_fused.sample_rows(x, torch.ones(4), torch.full((4,), 0.5, dtype=torch.float64))
+    assert ((got >= 0) & (got < 300)).all()
+    assert got[2] == 17
