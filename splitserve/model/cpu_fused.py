@@ -221,6 +221,10 @@ static at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, cons
         continue;
       }
       const float m = row[best] / t;  // division rounds monotonically: the max of x / t
+      if (!std::isfinite(m)) {  // +inf (that token is the limit), or every token at -inf or NaN
+        op[r] = best;
+        continue;
+      }
       double total = 0.;
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t lo = c * C, hi = std::min(V, lo + C);
@@ -248,7 +252,7 @@ static at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, cons
         part[c] = s;
         total += s;
       }
-      if (!(total > 0.)) {  // no token has weight (all filtered out, or NaN/inf logits): the first max
+      if (!(total > 0.)) {  // no weight (NaN logits beside the max): the first max
         op[r] = best;
         continue;
       }
