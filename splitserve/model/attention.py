@@ -131,6 +131,7 @@ class TorchPagedAttention:
                 out[rows] = self._decode(q[rows], k_cache, v_cache, group)
         prefill_kernel = self.prefill_kernel and cpu_prefill.ready() and q.device.type == "cpu"
         prefill_kernel = prefill_kernel and q.dtype == kv.dtype == torch.float32
+        prefill_kernel = prefill_kernel and cpu_prefill.fits(q, k_cache)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if prefill_kernel and chunk.block_table is not None:  # K/V read from the cache in place

@@ -244,6 +244,15 @@ def ready() -> bool:
     return LIB.ready()
 
 
+def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the op takes these shapes: q [T, H, D] with rows of D contiguous and heads D apart,
+    H / KVH <= 64 query heads a KV head, D a multiple of 4 up to 256 (the op's checks, answered here so
+    that an engine keeps SDPA for another model instead of failing)."""
+    d, kvh = q.shape[2], k_cache.shape[2]
+    heads_ok = q.shape[1] % kvh == 0 and q.shape[1] // kvh <= 64
+    return heads_ok and d % 4 == 0 and d <= 256 and q.stride(2) == 1 and q.stride(1) == d
+
+
 def prefill_attention(
     q: torch.Tensor,  # [T, H, D]: the chunk's query rows
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], holding the chunk's keys already

@@ -66,3 +66,12 @@ def test_prefill_attention_reads_strided_query_rows() -> None:
     v_cache.view(32, 3, 64)[:30] = v
     got = cpu_prefill.prefill_attention(q, k_cache, v_cache, table, 30, 0.125)
     torch.testing.assert_close(got, _reference(q.contiguous(), k, v, 30), rtol=2e-5, atol=2e-5)
+
+
+def test_fits_answers_the_ops_limits() -> None:
+    cache = torch.zeros(2, 16, 3, 64)
+    assert cpu_prefill.fits(torch.zeros(5, 9, 64), cache)
+    assert not cpu_prefill.fits(torch.zeros(5, 9, 128)[..., :64], cache)  # heads 128 apart
+    assert not cpu_prefill.fits(torch.zeros(5, 3 * 65, 64), cache)  # 65 query heads a KV head
+    big = torch.zeros(2, 16, 1, 512)
+    assert not cpu_prefill.fits(torch.zeros(5, 2, 512), big)  # head_dim above 256
