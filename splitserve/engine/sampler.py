@@ -183,6 +183,8 @@ def _filter(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """min_p, top_k and top_p, each applied only if some row asks for it. logits [N, V]."""
     dev = logits.device
     # which filters run is decided from the host-side parameters: no wait on the GPU
+    if not _filters_apply(reqs):
+        return logits
     if any(r.params.min_p > 0 for r in reqs):
         min_p = _on(dev, [r.params.min_p for r in reqs])
         probs = torch.softmax(logits, dim=-1)

@@ -29,6 +29,12 @@ SIMD_HEADER = r"""
 #define SS_AVX2 1
 #endif
 
+// Cephes' expf: the clamp, log2(e), ln 2 in two parts, the polynomial's coefficients
+constexpr float SS_EXP_MIN = -87.3f, SS_EXP_LOG2E = 1.44269504088896341f;
+constexpr float SS_EXP_LN2_HI = 0.693359375f, SS_EXP_LN2_LO = -2.12194440e-4f;
+constexpr float SS_EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #ifdef SS_AVX2
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -37,25 +43,40 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 // exp of x <= 0 (a score minus the row's max): Cephes' expf (range reduction by ln 2 in two parts, a
-// degree-5 polynomial), about 1 ulp; inputs below -87.3 give ~1e-38 instead of a smaller number or 0
+// degree-5 polynomial), about 1 ulp; inputs below -87.3 give ~1e-38 instead of a smaller number or 0.
+// Its constants serve every width (AVX512_HEADER's exp16 is the same steps on 16 lanes).
 static inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_max_ps(x, _mm256_set1_ps(SS_EXP_MIN));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(SS_EXP_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(SS_EXP_LN2_HI), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(SS_EXP_LN2_LO), x);
+  __m256 y = _mm256_set1_ps(SS_EXP_P[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(SS_EXP_P[i]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
 
+"""
+
+
+# for sources built with -mavx512f (after SIMD_HEADER, whose constants it uses): exp8 on 16 lanes
+AVX512_HEADER = r"""
+#include <immintrin.h>
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(SS_EXP_MIN));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(SS_EXP_LOG2E)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(SS_EXP_LN2_HI), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(SS_EXP_LN2_LO), x);
+  __m512 y = _mm512_set1_ps(SS_EXP_P[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(SS_EXP_P[i]));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
 """
 
 

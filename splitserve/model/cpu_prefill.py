@@ -28,11 +28,14 @@ import os
 
 import torch
 
-from splitserve.model.cpu_build import CppOps
+from splitserve.model.cpu_build import AVX512_HEADER, SIMD_HEADER, CppOps
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_PREFILL_ATTN", "1") != "0"
 
-_SOURCE = r"""
+_SOURCE = (
+    SIMD_HEADER
+    + AVX512_HEADER
+    + r"""
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -45,24 +48,6 @@ _SOURCE = r"""
 constexpr int NV = 4;        // vectors of 16 lanes: 64 (query row, head) pairs a task
 constexpr int LANES = 16 * NV;
 constexpr int KG = 16;       // keys a group
-
-// exp of x <= 0 (a score minus its lane's max): Cephes' expf, as the AVX2 ops' exp8
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
 
 struct Chunk {
   const float* q;  // [T, H, D] rows `qs` apart
@@ -220,6 +205,7 @@ TORCH_LIBRARY(splitserve_cpu_prefill, m) {
 }
 TORCH_LIBRARY_IMPL(splitserve_cpu_prefill, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
 """
+)
 
 
 def _supported() -> bool:
