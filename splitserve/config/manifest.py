@@ -340,6 +340,7 @@ class RuntimeSection(_Section):
     drain_timeout_s: PositiveFloat = 30.0  # SIGTERM: in-flight requests get this long to finish
     worker_args: list[str] = Field(default_factory=list)  # extra worker flags (tests, debugging)
     standby: bool = True  # local: keep a spare process with its imports done, for fast restarts
+    lend_cores: bool = True  # local: CPU workers lend idle cores to each other (serve/core_share.py)
     # local: a private CUDA MPS daemon when workers share a GPU (auto | on | off; runtime/mps.py)
     cuda_mps: Literal["auto", "on", "off"] = "auto"
     address: str | None = None  # ray: the cluster to join ("auto", "ray://...", host:port); None: auto

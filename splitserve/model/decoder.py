@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitserve.model import cpu_fused
+from splitserve.model import cpu_fused, cpu_threads
 from splitserve.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from splitserve.model.config import ModelConfig
 from splitserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
@@ -144,6 +144,7 @@ class DecoderLM(nn.Module):
             return self._forward_cpu_fused(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
+            cpu_threads.between_layers()
             x = layer(positions, x, self.rope, ctx)
         return self.norm(x)
 
@@ -163,6 +164,7 @@ class DecoderLM(nn.Module):
         norm = layers[0].input_layernorm
         h = cpu_fused.add_rms_norm(residual, None, norm.weight, norm.eps)
         for i, layer in enumerate(layers):
+            cpu_threads.between_layers()
             a = layer.self_attn.forward_cpu(positions, h, self.rope, ctx)
             post = layer.post_attention_layernorm
             h = cpu_fused.add_rms_norm(a, residual, post.weight, post.eps)

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.model import cpu_threads
 from splitserve.model.config import ModelConfig
 from splitserve.model.decoder import ForwardContext, fused_forward
 from splitserve.model.errors import ModelLoadError
@@ -292,6 +293,7 @@ class Qwen3_5LM(nn.Module):
             return self._forward_fused(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
+            cpu_threads.between_layers()
             x = layer(positions, x, self.partial_rope, ctx)
         return self.norm(x)
 

@@ -18,21 +18,26 @@ def pool_device(manifest: Manifest, role: str, index: int) -> str:
     return pool.devices[index % len(pool.devices)] if pool.devices else manifest.model.device
 
 
-def worker_argv(manifest: Manifest, role: str, index: int, secret_env: str) -> list[str]:
+def worker_argv(
+    manifest: Manifest, role: str, index: int, secret_env: str, core_share: str | None = None
+) -> list[str]:
     """The command line of one worker: its `worker_config` as JSON (`--spec`, no secret), then
     `runtime.worker_args` (flags given beside the spec override its fields). Every role gets the
     deployment's secret in the environment variable `secret_env`: it keys the KV handshake and the
-    worker API's token."""
-    spec = worker_config(manifest, role, index, "-", "127.0.0.1").to_json(include_secret=False)
+    worker API's token. `core_share`: the local runtime's file of lent cores (`lending_slots`)."""
+    config = worker_config(manifest, role, index, "-", "127.0.0.1", core_share)
+    spec = config.to_json(include_secret=False)
     argv = [sys.executable, "-m", "splitserve.serve.worker", "--spec", spec, "--kv-secret-env", secret_env,
             "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
     return argv + list(manifest.runtime.worker_args)
 
 
-def worker_config(manifest: Manifest, role: str, index: int, secret: str | None, host: str) -> WorkerConfig:
+def worker_config(
+    manifest: Manifest, role: str, index: int, secret: str | None, host: str, core_share: str | None = None
+) -> WorkerConfig:
     """One worker's config from the manifest (its engine from `engine_for(role)`): what the local
     runtime hands a worker process as `--spec` and the Ray runtime builds its replica's worker from.
-    `secret`: the deployment's (None: no worker API auth)."""
+    `secret`: the deployment's (None: no worker API auth). `core_share`: see `worker_argv`."""
     from splitserve.engine.config import EngineConfig
     from splitserve.serve.worker_config import WorkerConfig
 
@@ -76,20 +81,56 @@ def worker_config(manifest: Manifest, role: str, index: int, secret: str | None,
         kv_state_rows=t.state_rows,
         threads=e.threads if e.threads is not None else cpu_threads(manifest),
         stream_interval=manifest.server.stream_interval,
+        **_lending(manifest, role, index, core_share),
     )
+
+
+def cpu_workers(manifest: Manifest) -> list[tuple[str, int]]:
+    """(role, index) of the deployment's workers that are not on a GPU, in pool order."""
+    return [
+        (role, i)
+        for role, pool in manifest.pools().items()
+        for i in range(pool.replicas)
+        if not pool_device(manifest, role, i).startswith("cuda")
+    ]
+
+
+def lending_slots(manifest: Manifest) -> dict[tuple[str, int], int]:
+    """The CPU workers that lend each other idle cores (serve/core_share.py), each with its slot: those
+    whose threads the manifest leaves to the runtime (`cpu_threads`), when there are two or more and
+    `runtime.lend_cores` is on."""
+    if not manifest.runtime.lend_cores:
+        return {}
+    lenders = [(r, i) for r, i in cpu_workers(manifest) if manifest.engine_for(r).threads is None]
+    return {w: slot for slot, w in enumerate(lenders)} if len(lenders) > 1 else {}
+
+
+def core_share_file(manifest: Manifest) -> str | None:
+    """The local runtime's file through which its CPU workers lend idle cores (serve/core_share.py), in
+    a fresh 0700 folder; None when fewer than two workers lend."""
+    from splitserve.serve import core_share
+    from splitserve.tempdirs import owned_tempdir
+
+    slots = lending_slots(manifest)
+    if not slots:
+        return None
+    path = os.path.join(owned_tempdir("splitserve-cores-"), "cores")
+    core_share.create(path, len(slots))
+    return path
+
+
+def _lending(manifest: Manifest, role: str, index: int, core_share: str | None) -> dict:
+    slot = lending_slots(manifest).get((role, index)) if core_share else None
+    if slot is None:
+        return {}
+    return {"core_share": core_share, "core_slot": slot, "core_total": os.cpu_count() or 1}
 
 
 def cpu_threads(manifest: Manifest) -> int:
     """A CPU worker's intra-op threads when the manifest leaves them out: this host's cores shared
     evenly among the deployment's workers that are not on a GPU (colocated on 2 cores: 2; a prefill
     and a decode worker: 1 each)."""
-    workers = sum(
-        1
-        for role, pool in manifest.pools().items()
-        for i in range(pool.replicas)
-        if not pool_device(manifest, role, i).startswith("cuda")
-    )
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
+    return max(1, (os.cpu_count() or 1) // max(1, len(cpu_workers(manifest))))
 
 
-__all__ = ["pool_device", "worker_argv", "worker_config"]
+__all__ = ["core_share_file", "cpu_workers", "lending_slots", "pool_device", "worker_argv", "worker_config"]

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 import time
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from splitserve.config.manifest import Manifest
-from splitserve.runtime.common import worker_argv
+from splitserve.runtime.common import core_share_file, worker_argv
 from splitserve.runtime.mps import MpsDaemon, MpsPlan
 from splitserve.runtime.mps import plan as mps_plan
 from splitserve.serve.worker_auth import worker_headers
@@ -117,8 +118,10 @@ class LocalRuntime:
         secret = manifest.transport.secret or os.environ.get(secret_env) or secrets.token_hex(32)
         env = self.env = {**os.environ, secret_env: secret, "PYTHONUNBUFFERED": "1"}
         self.worker_headers = worker_headers(secret)  # the worker API's bearer token, from the secret
+        self.core_share = core_share_file(manifest)  # idle CPU workers lend their cores through it
+        share = self.core_share
         self.workers: list[WorkerProcess] = [
-            WorkerProcess(f"{role}-{i}", role, worker_argv(manifest, role, i, secret_env), env)
+            WorkerProcess(f"{role}-{i}", role, worker_argv(manifest, role, i, secret_env, share), env)
             for role, pool in manifest.pools().items()
             for i in range(pool.replicas)
         ]
@@ -354,6 +357,8 @@ class LocalRuntime:
             w.state = "stopped"
         if self._mps_daemon is not None:
             await asyncio.to_thread(self._mps_daemon.stop)
+        if self.core_share is not None:
+            shutil.rmtree(os.path.dirname(self.core_share), ignore_errors=True)
         await self._http.aclose()
 
     @staticmethod

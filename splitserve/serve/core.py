@@ -32,9 +32,11 @@ from typing import Any
 
 import zmq
 
+from splitserve.model import cpu_threads
 from splitserve.serve import core_protocol as wire
 from splitserve.serve.core_errors import error_info
 from splitserve.serve.core_ops import CoreOps
+from splitserve.serve.core_share import CoreShare
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,12 @@ class EngineCore:
         self.poller.register(commands, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.stopping = False
+        self.cores: CoreShare | None = None  # cores lent between this host's CPU workers
+        if config.core_share and config.core_total > config.threads:
+            self.cores = CoreShare(config.core_share, config.core_slot, config.threads, config.core_total)
+            cpu_threads.set_layer_hook(lambda: self._take_cores(True))  # given back within a layer
+        self.threads = config.threads
+        self.borrowed_steps = 0  # steps that started on more threads than the worker's own
         engine.wake_on_kv(self.wake)  # a lease ended or a fetch finished: take it at once
 
     # ---- what other threads use ------------------------------------------------------------------
@@ -128,6 +136,8 @@ class EngineCore:
         while not self.stopping:
             busy = engine.has_unfinished_requests() and not engine.waits_for_kv_only()
             t0 = time.perf_counter()
+            if not busy:
+                self._take_cores(False)  # lent while this worker waits
             # idle: map the next KV pages a request will write (engine/kv_prefault.py), then look again
             self._drain(0 if busy or engine.prefault.advance() else IDLE_WAIT_MS)
             if not busy:  # the turn's work starts when the idle wait ends
@@ -135,6 +145,9 @@ class EngineCore:
             self._run_on_loop()
             deltas, self.early = self.early, []
             if self.engine.has_unfinished_requests():
+                working = not self.engine.waits_for_kv_only()
+                self._take_cores(working)
+                self.borrowed_steps += working and self.threads > self.config.threads
                 deltas += self._step()
             else:
                 self.engine.free_released_kv()  # exports whose lease ended while idle
@@ -145,6 +158,19 @@ class EngineCore:
             if busy:
                 self.busy_seconds += time.perf_counter() - t0  # loop turns with work (stats: loop_s)
         self.close()
+
+    def _take_cores(self, busy: bool) -> None:
+        """Mark this worker busy or idle in the shared file; a busy one runs its next step (and, called
+        between layers, the rest of this one) on its own cores plus those idle workers lend
+        (serve/core_share.py)."""
+        if self.cores is None:
+            return
+        n = self.cores.threads(busy)
+        if busy and n != self.threads:
+            import torch
+
+            torch.set_num_threads(n)
+            self.threads = n
 
     def _drain(self, timeout_ms: int) -> None:
         ready = dict(self.poller.poll(timeout_ms))
@@ -296,6 +322,9 @@ class EngineCore:
 
     def close(self) -> None:
         self.call_pool.shutdown(wait=False, cancel_futures=True)
+        if self.cores is not None:
+            cpu_threads.set_layer_hook(None)
+            self.cores.close()
         if self.connector is not None:
             self.connector.close()
 

@@ -131,6 +131,11 @@ class CoreOps:
                 "step_s": st.step_seconds,
                 "loop_s": self.core.busy_seconds,
             },  # fmt: skip
+            "threads": {  # CPU: its own, its last step's, steps on lent cores (serve/core_share.py)
+                "own": self.config.threads,
+                "now": self.core.threads,
+                "borrowed_steps": self.core.borrowed_steps,
+            },
             "prefix_cache": {
                 "queries": st.prefix_queries,
                 "hits": st.prefix_hits,

@@ -36,7 +36,10 @@ class WorkerConfig:
     fault_injection: bool = False
     kv_throttle_gbps: float | None = None  # test hook: hold every fetch to this bandwidth
     http_auth: bool = False  # every endpoint but GET /health wants `Bearer worker_token(kv_secret)`
-    threads: int = 1  # the engine core's torch intra-op threads
+    threads: int = 1  # the engine core's torch intra-op threads (its own cores)
+    core_share: str | None = None  # the local runtime's file of lent cores (serve/core_share.py)
+    core_slot: int = 0  # this worker's slot in it
+    core_total: int = 0  # the host's cores the sharing workers split (at most this many threads)
     stream_interval: int = 1  # tokens a stream line holds at least (fewer only when it ends)
 
     def __post_init__(self) -> None:

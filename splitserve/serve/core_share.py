@@ -1,0 +1,74 @@
+"""Cores lent between the CPU workers of one host: a worker with nothing to do lends its cores to the
+others until work arrives.
+
+The local runtime splits a host's cores evenly among its CPU workers (runtime/common.py
+`cpu_threads`: on 2 cores, a prefill and a decode worker get one thread each). Split for good, a core
+idles whenever its worker does: the decode worker's while a prompt is prefilled before the first
+import, the prefill worker's while the last answers of a burst decode, and one of the two whenever a
+single request is in flight (its prefill, then its decode, each on half the host).
+
+With lending, the runtime makes one small shared file (`create`), a slot per worker. Each engine core
+(serve/core.py) writes into its slot, at each loop turn, the cores it owns when it has work and 0 when
+it has none; before a step it runs with its own cores plus every core the other slots leave free
+(`CoreShare.threads`), through `torch.set_num_threads`. A worker that turns busy takes its cores
+back at its next step, and the borrower returns them at its own next step: for at most one step of
+the borrower both run on the same core (the OS shares it between them).
+
+What it may cost: the results of a step must not depend on its thread count, or a request's tokens
+would depend on the other worker's timing. Every CPU op here splits its work over rows, heads or
+outputs, never over a sum (tests/serve/test_core_share.py checks a step's logits at 1 and 2 threads
+bit for bit). `runtime.lend_cores: false` turns it off; a worker given `engine.threads` explicitly
+never borrows.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+SLOT_BYTES = 4  # one int32 a worker: the cores it owns while busy, 0 while idle
+
+
+def create(path: str, slots: int) -> None:
+    """The shared file for `slots` workers, every slot idle (0600, in the runtime's own folder)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, bytes(SLOT_BYTES * max(1, slots)))
+    finally:
+        os.close(fd)
+
+
+class CoreShare:
+    """One worker's view of the shared file: `threads(busy)` marks its slot and says how many threads
+    its next step may run (its own `own`, plus the cores of `total` the other slots leave free)."""
+
+    def __init__(self, path: str, slot: int, own: int, total: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self._slots = memoryview(self._map).cast("i")
+        if not 0 <= slot < len(self._slots):
+            raise ValueError(f"core-share slot {slot} is outside {path}'s {len(self._slots)} slots")
+        self.slot, self.own, self.total = slot, max(1, own), max(1, total)
+        self._mine = -1
+
+    def threads(self, busy: bool) -> int:
+        mine = self.own if busy else 0
+        if mine != self._mine:  # an aligned int32 store: other readers see the old or the new value
+            self._slots[self.slot] = mine
+            self._mine = mine
+        others = sum(self._slots) - mine
+        return max(self.own, self.total - others)
+
+    def close(self) -> None:
+        """Idle for good: the others may take this worker's cores."""
+        try:
+            self._slots[self.slot] = 0
+        finally:
+            self._slots.release()
+            self._map.close()
+
+
+__all__ = ["CoreShare", "create"]

@@ -1,0 +1,106 @@
+"""Cores lent between the CPU workers of one host (serve/core_share.py): the shared slots' arithmetic,
+the runtime's slots from a manifest, the invariant lending rests on (a step's results do not depend
+on its thread count), and a real disaggregated deployment whose workers borrow each other's core."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from splitserve.config import parse_manifest
+from splitserve.runtime.common import core_share_file, lending_slots, worker_config
+from splitserve.serve.core_share import CoreShare, create
+
+
+def test_a_busy_worker_borrows_what_idle_ones_lend(tmp_path) -> None:
+    path = str(tmp_path / "cores")
+    create(path, 3)
+    a, b, c = (CoreShare(path, slot, own, 4) for slot, own in ((0, 2), (1, 1), (2, 1)))
+    assert a.threads(True) == 4  # the others idle: every core
+    assert b.threads(True) == 2  # a holds its 2: b gets its own and c's idle one
+    assert a.threads(True) == 3  # b busy now
+    assert c.threads(True) == 1  # everyone busy: each its own
+    assert a.threads(True) == 2
+    c.threads(False)
+    assert a.threads(True) == 3  # c lends again
+    b.close()
+    assert a.threads(True) == 4
+    a.close(), c.close()
+    with pytest.raises(ValueError, match="slot 5"):
+        CoreShare(path, 5, 1, 4)
+
+
+def test_the_runtime_gives_cpu_workers_that_leave_threads_open_a_slot_each() -> None:
+    pd = parse_manifest("mode: disaggregated\n", "test")
+    assert lending_slots(pd) == {("prefill", 0): 0, ("decode", 0): 1}
+    assert lending_slots(parse_manifest("mode: colocated\n", "test")) == {}  # one worker: nobody to lend to
+    assert lending_slots(parse_manifest("mode: disaggregated\nruntime: {lend_cores: false}\n", "test")) == {}
+    fixed = "mode: disaggregated\nprefill: {engine: {threads: 1}}\n"
+    assert lending_slots(parse_manifest(fixed, "test")) == {}  # one lender left: nothing to share
+    path = core_share_file(pd)
+    assert path is not None and oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    config = worker_config(pd, "decode", 0, None, "127.0.0.1", path)
+    assert (config.core_share, config.core_slot, config.core_total) == (path, 1, os.cpu_count())
+    assert worker_config(pd, "decode", 0, None, "127.0.0.1").core_share is None  # Ray: never
+
+
+@pytest.mark.parametrize("model", [None, "random:qwen3.5-tiny-random"])
+def test_a_steps_tokens_and_logprobs_do_not_depend_on_its_thread_count(model: str | None) -> None:
+    """What lending relies on: a worker's step may run on 1 or 2 threads depending on the other
+    worker's load (and change between layers), so its results must be bit-identical either way. The
+    default model with the CPU ops loaded (batch 1 and 2 take MKL's GEMV on Intel, larger ones oneDNN;
+    prompts the prefill attention op, decode rows the paged one), and the hybrid's torch ops."""
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+    from splitserve.engine.params import SamplingParams
+    from splitserve.model import cpu_attention, cpu_fused, cpu_prefill
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: no second thread count to compare")
+    for op in (cpu_attention, cpu_fused, cpu_prefill):
+        op.load()  # built now (or found cached), so that the engine's steps use them from the first
+    config = EngineConfig(
+        model=model, progress=False, kv_cache_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False
+    )
+    engine = LLMEngine(config, tokenizer=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5, detokenize=False)
+    before = torch.get_num_threads()
+
+    def run(threads: int, prompts: list[list[int]]) -> list[list[tuple]]:
+        torch.set_num_threads(threads)
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [[(t.token_id, t.logprob, t.top) for t in done[i].outputs[0].logprobs] for i in ids]
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    try:
+        for batch, length in ((1, 40), (2, 33), (6, 150)):
+            prompts = torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+            assert run(1, prompts) == run(2, prompts), (batch, length)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_disaggregated_deployments_workers_borrow_the_idle_ones_core(disaggregated) -> None:
+    """One request at a time: the prefill worker is idle while the answer decodes, so the decode
+    worker's steps run on its own core and the prefill worker's (and the other way round for the
+    prompt, unless the decode worker is still busy with an earlier request)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: nothing to lend")
+    disaggregated.wait_idle()
+    before = {name: s["threads"] for name, s in disaggregated.worker_stats().items()}
+    assert {t["own"] for t in before.values()} == {(os.cpu_count() or 2) // 2}
+    r = disaggregated.client().completions.create(
+        model="smollm2-135m-instruct", prompt="Count to twenty:", max_tokens=16, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert r.usage.completion_tokens == 16
+    after = {name: s["threads"] for name, s in disaggregated.worker_stats().items()}
+    decode = next(name for name in after if name.startswith("decode"))
+    assert after[decode]["borrowed_steps"] >= before[decode]["borrowed_steps"] + 14
+    assert after[decode]["now"] == os.cpu_count()
