@@ -9,16 +9,24 @@ single request is in flight (its prefill, then its decode, each on half the host
 
 With lending, the runtime makes one small shared file (`create`), a slot per worker. Each engine core
 (serve/core.py) writes into its slot, at each loop turn, the cores it owns when it has work and 0 when
-it has none; before a step it runs with its own cores plus every core the other slots leave free
-(`CoreShare.threads`), through `torch.set_num_threads`. A worker that turns busy takes its cores
-back at its next step, and the borrower returns them at its own next step: for at most one step of
-the borrower both run on the same core (the OS shares it between them).
+it has none; a busy one runs with its own cores plus every core the other slots leave free
+(`CoreShare.threads`), through `torch.set_num_threads`, looked up again between the layers of a step
+(model/cpu_threads.py). A worker that turns busy takes its cores back at once, and the borrower returns
+them before its next layer: checked only between steps, a borrower's 2,048-token prefill step kept the
+core for seconds while the decode worker shared it, and a burst ran 1.7x slower.
+
+Measured (`vllm bench serve`, 2-vCPU Xeon, the README's `splitserve serve`, lending on and off
+alternating, docs/bench/cpu-engine.md "Session 20"): one request at a time, mean TPOT 31.7 / 29.5 ms
+against 49.0 / 49.4 ms and mean TTFT 369 / 352 against 470 / 488 ms; a burst of 64 at once is within
+the noise (both workers are busy throughout, so nothing is lent).
 
 What it may cost: the results of a step must not depend on its thread count, or a request's tokens
-would depend on the other worker's timing. Every CPU op here splits its work over rows, heads or
-outputs, never over a sum (tests/serve/test_core_share.py checks a step's logits at 1 and 2 threads
-bit for bit). `runtime.lend_cores: false` turns it off; a worker given `engine.threads` explicitly
-never borrows.
+would depend on the other worker's timing. tests/serve/test_core_share.py checks that they do not:
+tokens and logprobs bit for bit at 1 and 2 threads, for the default model with every CPU op and for
+the hybrid's torch path (oneDNN, MKL's GEMV and our ops split their work over rows, heads or outputs,
+not over a sum). A new op that splits a sum by thread count would fail it.
+
+`runtime.lend_cores: false` turns it off; a worker given `engine.threads` explicitly never borrows.
 """
 
 from __future__ import annotations
