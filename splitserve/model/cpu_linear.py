@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.model import cpu_gemm
+
 ENABLED = os.environ.get("SPLITSERVE_CPU_ONEDNN", "1") != "0"
 DROP_DENSE = os.environ.get("SPLITSERVE_CPU_KEEP_DENSE", "0") != "1"  # 1: keep them (an A/B switch)
 CPU_WEIGHTS = ("fp32", "int4")
@@ -57,15 +59,22 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class OneDNNMatmul:
-    """x @ W.T + b through the packed weight; with `dense` (the weight itself) kept, one or two rows go
-    to `F.linear` instead (MKL's GEMV, faster than oneDNN there on Intel: `gemv_dense()`)."""
+    """x @ W.T + b through the packed weight; with `panels` (AVX-512 hosts) 1 to cpu_gemm.MAX_ROWS rows
+    go to model/cpu_gemm.py's op instead; else with `dense` (the weight itself) kept, one or two rows
+    go to `F.linear` (MKL's GEMV, faster than oneDNN there on Intel: `gemv_dense()`)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: bool = False,
+                 panels: bool = False) -> None:  # fmt: skip
         self.packed, self.bias = pack(weight), bias
-        self.dense = weight if dense else None
+        self.panels = cpu_gemm.pack(weight) if panels else None
+        self.n = weight.shape[0]
+        self.dense = weight if dense and not panels else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.numel() <= GEMV_ROWS * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if self.panels is not None and rows <= cpu_gemm.MAX_ROWS and cpu_gemm.ready():
+            return cpu_gemm.matmul(x, self.panels, self.n, self.bias)
+        if self.dense is not None and rows <= GEMV_ROWS:
             return F.linear(x, self.dense, self.bias)
         return packed_linear(x, self.packed, self.bias)
 
@@ -144,7 +153,9 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
     unprepare_model(model)
     counts: dict[str, int] = {}
     int4 = cpu_weights == "int4"
-    dense = not int4 and gemv_dense()
+    panels = not int4 and cpu_gemm.start()  # AVX-512: small batches through cpu_gemm (no dense kept)
+    dense = not int4 and not panels and gemv_dense()
+    fp32 = "onednn + panels" if panels else "onednn + MKL gemv" if dense else "onednn"
 
     def usable(w: torch.Tensor) -> bool:
         return w.device.type == "cpu" and w.dtype == torch.float32 and (ENABLED or int4)
@@ -155,13 +166,13 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
             if quant:
                 module.cpu_matmul = Int4Matmul(module.weight, module.bias)
             else:
-                module.cpu_matmul = OneDNNMatmul(module.weight, module.bias, dense)
-            kind = "int4" if quant else "onednn + MKL gemv" if dense else "onednn"
+                module.cpu_matmul = OneDNNMatmul(module.weight, module.bias, dense, panels)
+            kind = "int4" if quant else fp32
             counts[kind] = counts.get(kind, 0) + 1
     head = _lm_head_weight(model)
     if head is not None and usable(head):
-        model.cpu_lm_head = Int8Matmul(head) if int4 else OneDNNMatmul(head, None, dense)
-        counts["lm_head int8" if int4 else "lm_head onednn + MKL gemv" if dense else "lm_head onednn"] = 1
+        model.cpu_lm_head = Int8Matmul(head) if int4 else OneDNNMatmul(head, None, dense, panels)
+        counts["lm_head int8" if int4 else f"lm_head {fp32}"] = 1
     return counts
 
 

@@ -36,7 +36,13 @@ def test_int4_recovers_q4_1_codes_exactly():
     torch.testing.assert_close(mm(x), ref, rtol=2e-2, atol=2e-2)  # bf16 activations and scales
 
 
-def test_prepare_and_unprepare_model(monkeypatch):
+@pytest.fixture
+def no_panels(monkeypatch):
+    """Projections without model/cpu_gemm.py's op (oneDNN and MKL only), whatever this host is."""
+    monkeypatch.setattr(cpu_linear.cpu_gemm, "start", lambda: False)
+
+
+def test_prepare_and_unprepare_model(monkeypatch, no_panels):
     monkeypatch.setenv("SPLITSERVE_CPU_GEMV", "0")  # oneDNN for every batch, whatever this host is
     model = torch.nn.Sequential(Linear(64, 32), Linear(32, 16, bias=False))
     x = torch.randn(3, 64)
@@ -51,7 +57,7 @@ def test_prepare_and_unprepare_model(monkeypatch):
         cpu_linear.prepare_model(model, "int3")
 
 
-def test_drop_dense_frees_the_shared_buffer_and_keeps_the_products(monkeypatch):
+def test_drop_dense_frees_the_shared_buffer_and_keeps_the_products(monkeypatch, no_panels):
     """drop_dense: the packed projections still give the same products; their dense weights are meta;
     every other parameter (here a norm-like vector) no longer views the load's flat buffer."""
     from splitserve.model.weight_cache_entry import assign_parameters
@@ -84,7 +90,7 @@ def test_drop_dense_frees_the_shared_buffer_and_keeps_the_products(monkeypatch):
         cpu_linear.unprepare_model(model)
 
 
-def test_gemv_rows_read_the_dense_weight_and_keep_it(monkeypatch):
+def test_gemv_rows_read_the_dense_weight_and_keep_it(monkeypatch, no_panels):
     """With the MKL GEMV on (Intel's default), one or two rows go through F.linear on the dense weight,
     more through the packed one; drop_dense then drops nothing and leaves the weights where they were."""
     monkeypatch.setenv("SPLITSERVE_CPU_GEMV", "1")
@@ -101,3 +107,30 @@ def test_gemv_rows_read_the_dense_weight_and_keep_it(monkeypatch):
     assert cpu_linear.drop_dense(model) == 0 and model[0].weight is weight
     monkeypatch.setenv("SPLITSERVE_CPU_GEMV", "0")
     assert not cpu_linear.gemv_dense()
+
+
+def test_panels_take_up_to_max_rows_and_replace_the_dense_weight(monkeypatch):
+    """On an AVX-512 host: 1 to cpu_gemm.MAX_ROWS rows go through the panels (as F.linear, ~1e-6),
+    more through oneDNN; no dense weight is kept for MKL's GEMV, so drop_dense drops them all."""
+    from splitserve.model import cpu_gemm
+
+    if not cpu_gemm.load():
+        pytest.skip("no AVX-512 here (or the op is off): the projections keep oneDNN and MKL")
+    monkeypatch.setenv("SPLITSERVE_CPU_GEMV", "1")
+    gen = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(Linear(64, 40), Linear(40, 16, bias=False))
+    weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    assert cpu_linear.prepare_model(model, "fp32") == {"onednn + panels": 2}
+    mm = model[0].cpu_matmul
+    assert mm.panels is not None and mm.dense is None
+    calls = []
+    monkeypatch.setattr(
+        cpu_linear, "packed_linear", lambda *a: calls.append(a) or F.linear(a[0], weight, bias)
+    )
+    for rows in (1, 2, 13, cpu_gemm.MAX_ROWS):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(model[0](x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert not calls
+    model[0](torch.randn(cpu_gemm.MAX_ROWS + 1, 64, generator=gen))
+    assert len(calls) == 1
+    assert cpu_linear.drop_dense(model) == (64 * 40 + 40 * 16) * 4
