@@ -50,17 +50,18 @@ def test_the_runtime_gives_cpu_workers_that_leave_threads_open_a_slot_each() -> 
 def test_a_steps_tokens_and_logprobs_do_not_depend_on_its_thread_count(model: str | None) -> None:
     """What lending relies on: a worker's step may run on 1 or 2 threads depending on the other
     worker's load (and change between layers), so its results must be bit-identical either way. The
-    default model with the CPU ops loaded (batch 1 and 2 take MKL's GEMV on Intel, larger ones oneDNN;
-    prompts the prefill attention op, decode rows the paged one), and the hybrid's torch ops."""
+    default model with the CPU ops loaded (decode rows' projections through the panels of cpu_gemm on
+    AVX-512 hosts, else MKL's GEMV or oneDNN; prompts through oneDNN and the prefill attention op,
+    decode rows the paged one), and the hybrid's torch ops."""
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import LLMEngine
     from splitserve.engine.params import SamplingParams
-    from splitserve.model import cpu_attention, cpu_fused, cpu_prefill
+    from splitserve.model import cpu_attention, cpu_fused, cpu_gemm, cpu_prefill
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: no second thread count to compare")
-    for op in (cpu_attention, cpu_fused, cpu_prefill):
-        op.load()  # built now (or found cached), so that the engine's steps use them from the first
+    for op in (cpu_attention, cpu_fused, cpu_gemm, cpu_prefill):
+        op.load()  # built now (or found cached): the engine's steps use them from the first one
     config = EngineConfig(
         model=model, progress=False, kv_cache_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False
     )
