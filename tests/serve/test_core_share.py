@@ -32,6 +32,26 @@ def test_a_busy_worker_borrows_what_idle_ones_lend(tmp_path) -> None:
         CoreShare(path, 5, 1, 4)
 
 
+def test_a_worker_whose_file_is_gone_serves_on_its_own_cores(tmp_path, caplog) -> None:
+    """Lending is an optimization: a core that cannot open the runtime's file (removed, say) warns and
+    keeps its own threads instead of failing to start."""
+    from splitserve.serve.core import _core_share
+    from splitserve.serve.worker_config import WorkerConfig
+
+    path = str(tmp_path / "cores")
+    create(path, 2)
+    share = _core_share(WorkerConfig(threads=1, core_share=path, core_slot=1, core_total=2))
+    assert isinstance(share, CoreShare)
+    share.close()
+    assert (
+        _core_share(WorkerConfig(threads=2, core_share=path, core_slot=1, core_total=2)) is None
+    )  # nothing to add
+    with caplog.at_level("WARNING"):
+        assert _core_share(WorkerConfig(threads=1, core_share=str(tmp_path / "gone"), core_total=2)) is None
+        assert _core_share(WorkerConfig(threads=1, core_share=path, core_slot=7, core_total=2)) is None
+    assert caplog.text.count("no cores lent") == 2
+
+
 def test_the_runtime_gives_cpu_workers_that_leave_threads_open_a_slot_each() -> None:
     pd = parse_manifest("mode: disaggregated\n", "test")
     assert lending_slots(pd) == {("prefill", 0): 0, ("decode", 0): 1}
