@@ -202,7 +202,7 @@ def main() -> int:
     work += [(name, on, "prefill") for name, on in paths]
     bar = tqdm(total=len(work), desc="engine rows", unit="row") if tqdm else None
     gemv = os.environ.get("SPLITSERVE_CPU_GEMV", "1" if cpu_linear.gemv_dense() else "0")
-    panels = cpu_gemm.available() and cpu_gemm.load()
+    panels = cpu_gemm.load()  # False without AVX-512 or with SPLITSERVE_CPU_GEMM=0
     print(f"1-{cpu_gemm.MAX_ROWS} rows through model/cpu_gemm.py's panels: {'yes' if panels else 'no'}")
     print(f"one- and two-row products through MKL's GEMV: {'yes' if gemv == '1' and not panels else 'no'}")
     rows: dict[tuple[str, object], float] = {}

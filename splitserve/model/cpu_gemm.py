@@ -135,14 +135,10 @@ LIB = CppOps("splitserve_cpu_gemm_v1", _SOURCE, ["-O3", "-mavx512f", "-mavx512dq
              ENABLED and _supported(), "CPU small-batch matmul")  # fmt: skip
 
 
-def available() -> bool:
-    """Whether this host gets the op (AVX-512, not switched off): then projections keep panels."""
-    return ENABLED and _supported()
-
-
 def start() -> bool:
-    """For an engine: build (or load) it in the background where `available()`; -> whether so."""
-    return _supported() and LIB.start()
+    """For an engine: build (or load) it in the background on an AVX-512 host unless switched off
+    (`LIB.enabled`); -> whether so: then projections keep panels."""
+    return LIB.start()
 
 
 def ready() -> bool:
@@ -171,4 +167,4 @@ def matmul(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
-__all__ = ["MAX_ROWS", "available", "load", "matmul", "pack", "ready", "start"]
+__all__ = ["MAX_ROWS", "load", "matmul", "pack", "ready", "start"]
