@@ -125,3 +125,40 @@ def test_a_disaggregated_deployments_workers_borrow_the_idle_ones_core(disaggreg
     decode = next(name for name in after if name.startswith("decode"))
     assert after[decode]["borrowed_steps"] >= before[decode]["borrowed_steps"] + 14
     assert after[decode]["now"] == os.cpu_count()
+
+
+@pytest.mark.parametrize(
+    ("model", "fused"),
+    [("random:tiny-random", True), ("random:tiny-random", False), ("random:qwen3.5-tiny-random", False)],
+)
+def test_the_layer_hook_runs_before_every_layer(model: str, fused: bool, monkeypatch) -> None:
+    """A borrowed core comes back within one layer only if the serving loop's hook (model/cpu_threads.py)
+    runs between the layers of every forward: the decoder's fused CPU path and its plain one, and the
+    hybrid's."""
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+    from splitserve.engine.params import SamplingParams
+    from splitserve.model import cpu_fused, cpu_threads
+
+    if fused and not cpu_fused.load():
+        pytest.skip("the fused CPU ops could not be built here")
+    config = EngineConfig(model=model, progress=False, kv_cache_bytes=16 << 20, max_model_len=256)
+    engine = LLMEngine(config, tokenizer=False)
+    net = engine.runner.model
+    if hasattr(net, "cpu_fused"):
+        net.cpu_fused = fused
+    forward, counts = type(net).forward, {"forwards": 0, "hooks": 0}
+
+    def counted(self, *args, **kwargs):
+        counts["forwards"] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(net), "forward", counted)
+    cpu_threads.set_layer_hook(lambda: counts.__setitem__("hooks", counts["hooks"] + 1))
+    try:
+        engine.add_request(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        cpu_threads.set_layer_hook(None)
+    assert counts["forwards"] >= 4 and counts["hooks"] == counts["forwards"] * net.cfg.num_layers
