@@ -31,11 +31,16 @@ mapping, shared by workers).
 third layout of the weight (panels of 32 outputs), oneDNN above; MKL's GEMV is not needed, so the dense
 weights are dropped. Memory: the panels are the worker's own (~540 MB for the default model, measured
 `Pss_Anon` of a served core 2.18 GB against 1.62 GB + 0.56 GB of the shared weight-cache file before).
+The panels are a second private copy beside oneDNN's, so `prepare_model` builds them only where they
+take at most `PANELS_MEMORY_SHARE` of the host's available memory (`MemAvailable`) at load: a large
+fp32 model on a small host keeps one layout (oneDNN, and MKL's GEMV on Intel) instead of running out of
+memory; the log says so.
 `SPLITSERVE_CPU_ONEDNN=0` leaves fp32 projections on `F.linear` (an A/B switch).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -44,11 +49,14 @@ from torch import nn
 
 from splitserve.model import cpu_gemm
 
+log = logging.getLogger(__name__)
+
 ENABLED = os.environ.get("SPLITSERVE_CPU_ONEDNN", "1") != "0"
 DROP_DENSE = os.environ.get("SPLITSERVE_CPU_KEEP_DENSE", "0") != "1"  # 1: keep them (an A/B switch)
 CPU_WEIGHTS = ("fp32", "int4")
 GROUP = 32  # int4: inputs per scale/offset pair (Q4_0/Q4_1's block)
 GEMV_ROWS = 2  # fp32 with the dense weights kept: up to this many rows through F.linear (MKL)
+PANELS_MEMORY_SHARE = 0.25  # the panels' most bytes, as a share of the host's available memory
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -105,6 +113,30 @@ def gemv_dense() -> bool:
         return False
 
 
+def available_memory() -> int | None:
+    """The host's `MemAvailable` in bytes (None where /proc/meminfo does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def panels_fit(nbytes: int) -> bool:
+    """Whether `nbytes` of panels fit in `PANELS_MEMORY_SHARE` of the available memory (True where
+    that is unknown)."""
+    avail = available_memory()
+    if avail is None or nbytes <= PANELS_MEMORY_SHARE * avail:
+        return True
+    log.warning("CPU: no decode panels (model/cpu_gemm.py) for this model: they would take %.1f GB, more "
+                "than %.0f%% of the %.1f GB available; projections stay on oneDNN", nbytes / 1e9,
+                100 * PANELS_MEMORY_SHARE, avail / 1e9)  # fmt: skip
+    return False
+
+
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """[N, K] fp32 (K a multiple of GROUP) -> (codes packed for `_weight_int4pack_mm_for_cpu`,
     scales_and_zeros [K / GROUP, N, 2] fp32, the largest |w - dequantized|)."""
@@ -159,12 +191,18 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
     unprepare_model(model)
     counts: dict[str, int] = {}
     int4 = cpu_weights == "int4"
-    panels = not int4 and cpu_gemm.start()  # AVX-512: small batches through cpu_gemm (no dense kept)
-    dense = not int4 and not panels and gemv_dense()
-    fp32 = "onednn + panels" if panels else "onednn + MKL gemv" if dense else "onednn"
 
     def usable(w: torch.Tensor) -> bool:
         return w.device.type == "cpu" and w.dtype == torch.float32 and (ENABLED or int4)
+
+    head = _lm_head_weight(model)
+    weights = [m.weight for m in model.modules() if isinstance(m, Linear) and usable(m.weight)]
+    weights += [head] if head is not None and usable(head) else []
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    # AVX-512: small batches through cpu_gemm (no dense kept), where a second copy fits in memory
+    panels = not int4 and bool(weights) and panels_fit(nbytes) and cpu_gemm.start()
+    dense = not int4 and not panels and gemv_dense()
+    fp32 = "onednn + panels" if panels else "onednn + MKL gemv" if dense else "onednn"
 
     for module in model.modules():
         if isinstance(module, Linear) and usable(module.weight):
@@ -175,7 +213,6 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
                 module.cpu_matmul = OneDNNMatmul(module.weight, module.bias, dense, panels)
             kind = "int4" if quant else fp32
             counts[kind] = counts.get(kind, 0) + 1
-    head = _lm_head_weight(model)
     if head is not None and usable(head):
         model.cpu_lm_head = Int8Matmul(head) if int4 else OneDNNMatmul(head, None, dense, panels)
         counts["lm_head int8" if int4 else f"lm_head {fp32}"] = 1

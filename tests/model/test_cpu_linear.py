@@ -134,3 +134,21 @@ def test_panels_take_up_to_max_rows_and_replace_the_dense_weight(monkeypatch):
     model[0](torch.randn(cpu_gemm.MAX_ROWS + 1, 64, generator=gen))
     assert len(calls) == 1
     assert cpu_linear.drop_dense(model) == (64 * 40 + 40 * 16) * 4
+
+
+def test_no_panels_where_a_second_copy_would_not_fit(monkeypatch, caplog):
+    """The panels are built only within PANELS_MEMORY_SHARE of the available memory: past it the
+    projections keep oneDNN (and MKL's GEMV where asked) and the log says why."""
+    started = []
+    monkeypatch.setattr(cpu_linear.cpu_gemm, "start", lambda: started.append(1) or True)
+    monkeypatch.setenv("SPLITSERVE_CPU_GEMV", "0")
+    model = torch.nn.Sequential(Linear(64, 32), Linear(32, 16, bias=False))
+    room = int((64 * 32 + 32 * 16) * 4 / cpu_linear.PANELS_MEMORY_SHARE)  # just enough for the panels
+    monkeypatch.setattr(cpu_linear, "available_memory", lambda: room)
+    assert cpu_linear.prepare_model(model, "fp32") == {"onednn + panels": 2}
+    assert started == [1]
+    monkeypatch.setattr(cpu_linear, "available_memory", lambda: room - 4)
+    with caplog.at_level("WARNING", logger=cpu_linear.__name__):
+        assert cpu_linear.prepare_model(model, "fp32") == {"onednn": 2}
+    assert started == [1] and model[0].cpu_matmul.panels is None
+    assert "no decode panels" in caplog.text
