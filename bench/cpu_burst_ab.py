@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens (the CPU default)")
     args = ap.parse_args()
     print(f"{args.prompts} prompts of {args.prompt_len} at once, {args.output_len} tokens each, "
           f"budget {args.budget}; {os.cpu_count()} CPUs")  # fmt: skip

@@ -260,7 +260,7 @@ def main() -> int:
             print(f"| {b} | {name} | {itl * 1e3:.1f} | {b / itl:.0f} | {roof / itl:.0%} | {ratio} |")
     flop_per_token = 2 * mparams  # projections + LM head on every token (attention not counted)
     print(f"\nprefill, {args.prefill_prompts} prompts of {args.prefill_len} (chunked at "
-          f"{config.max_num_batched_tokens} tokens a step):")  # fmt: skip
+          f"{engine.scheduler.max_num_batched_tokens} tokens a step):")  # fmt: skip
     for name, _ in paths:
         tps = rows[(name, "prefill")]
         base = rows.get((BASE, "prefill"))

@@ -130,7 +130,8 @@ class EngineSection(_Section):
 
     block_size: int = Field(default=_ENGINE.block_size, ge=1, le=256)
     max_num_seqs: int = Field(default=_ENGINE.max_num_seqs, ge=1, le=65_536)
-    max_num_batched_tokens: int = Field(default=_ENGINE.max_num_batched_tokens, ge=16, le=1 << 22)
+    # tokens a step takes; null: 1024 on CPU, 2048 on GPU (EngineConfig.batched_tokens)
+    max_num_batched_tokens: int | None = Field(default=_ENGINE.max_num_batched_tokens, ge=16, le=1 << 22)
     kv_cache_mb: int | None = Field(default=None, ge=1, le=1 << 24)  # KV cache budget per worker
     memory_utilization: float | None = Field(  # GPU: fraction for weights + KV
         default=None, gt=0, le=1,

@@ -131,7 +131,7 @@ def build(
     scheduler = Scheduler(
         BlockManager(pool, block_size, states, checkpoints),
         config.max_num_seqs,
-        config.max_num_batched_tokens,
+        config.batched_tokens(device),
     )
     runner = ModelRunner(loaded.model, kv, attn, block_size, states.states)
     graph_capture_s = 0.0
@@ -139,7 +139,7 @@ def build(
         graph_capture_s = runner.enable_cuda_graphs(
             config.max_num_seqs, max_model_len, num_blocks, states.scratch
         )
-        prefill_tokens = graph_tokens(loaded.model, config.max_num_batched_tokens, max_model_len)
+        prefill_tokens = graph_tokens(loaded.model, config.batched_tokens(device), max_model_len)
         if prefill_tokens and states.scratch is not None:
             graph_capture_s += runner.enable_prefill_graphs(
                 prefill_tokens, max_model_len, num_blocks, states.scratch
@@ -200,7 +200,7 @@ def profile_run(
     temporary cache just big enough) plus the LM head for `max_num_seqs` rows, before the KV cache
     exists; -> bytes to hold back from the KV budget for activations and the decode graphs."""
     cfg = loaded.config
-    tokens = min(config.max_num_batched_tokens, max_model_len)
+    tokens = min(config.batched_tokens(dev), max_model_len)
     blocks = -(-tokens // config.block_size)
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
@@ -237,7 +237,7 @@ def profile_run(
     # the decode graphs keep their own logits ([max_num_seqs, vocab] fp32) and a small pool
     graphs = 2 * config.max_num_seqs * cfg.vocab_size * 4 + 256 * 2**20
     # hybrid models: the prefill graphs' pool, at most the activations of their longest chunk
-    prefill_tokens = graph_tokens(model, config.max_num_batched_tokens, max_model_len)
+    prefill_tokens = graph_tokens(model, config.batched_tokens(dev), max_model_len)
     graphs += max(0, peak) * (prefill_tokens + 64) // tokens if prefill_tokens else 0
     log.info("warm-up pass over %d tokens: %.2f GiB of activations at peak", tokens, peak / 2**30)
     return max(0, peak) + graphs

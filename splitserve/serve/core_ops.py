@@ -109,7 +109,7 @@ class CoreOps:
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "load": engine.loaded.load_stats,  # weights: method, cache status, seconds per stage
-            "engine": engine_settings(engine.config, stats),
+            "engine": engine_settings(engine.config, stats, engine.scheduler.max_num_batched_tokens),
         }
 
     def op_stats(self) -> dict:
@@ -227,12 +227,13 @@ class CoreOps:
         }
 
 
-def engine_settings(c: EngineConfig, stats: EngineStats) -> dict:
-    """The knobs the engine runs with (prefix caching as in effect: off without state checkpoints)."""
+def engine_settings(c: EngineConfig, stats: EngineStats, batched_tokens: int) -> dict:
+    """The knobs the engine runs with (prefix caching as in effect: off without state checkpoints;
+    `batched_tokens`: the step budget as resolved for the device)."""
     return {
         "block_size": c.block_size,
         "max_num_seqs": c.max_num_seqs,
-        "max_num_batched_tokens": c.max_num_batched_tokens,
+        "max_num_batched_tokens": batched_tokens,
         "gpu_memory_utilization": c.gpu_memory_utilization,
         "kv_cache_bytes": c.kv_cache_bytes,
         "enable_prefix_caching": stats.prefix_caching,
