@@ -137,8 +137,10 @@ class EngineCore:
             t0 = time.perf_counter()
             if not busy:
                 self._take_cores(False)  # lent while this worker waits
-            # idle: map the next KV pages a request will write (engine/kv_prefault.py), then look again
-            self._drain(0 if busy or engine.prefault.advance() else IDLE_WAIT_MS)
+            # idle: map the next KV pages a request will write (engine/kv_prefault.py), unless another
+            # worker of this host is busy (it may be running on this worker's lent core); look again
+            more = not busy and not (self.cores and self.cores.others_busy()) and engine.prefault.advance()
+            self._drain(0 if busy or more else IDLE_WAIT_MS)
             if not busy:  # the turn's work starts when the idle wait ends
                 t0, busy = time.perf_counter(), engine.has_unfinished_requests()
             self._run_on_loop()

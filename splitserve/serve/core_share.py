@@ -14,6 +14,8 @@ it has none; a busy one runs with its own cores plus every core the other slots 
 (model/cpu_threads.py). A worker that turns busy takes its cores back at once, and the borrower returns
 them before its next layer: checked only between steps, a borrower's 2,048-token prefill step kept the
 core for seconds while the decode worker shared it, and a burst ran 1.7x slower.
+An idle worker's own background work, the KV prefault (engine/kv_prefault.py), waits while another
+worker is busy (`others_busy`): it would run on the core it lends.
 
 Measured (`vllm bench serve`, 2-vCPU Xeon, the README's `splitserve serve`, lending on and off
 alternating, docs/bench/cpu-engine.md "Session 20"): one request at a time, mean TPOT 31.7 / 29.5 ms
@@ -69,6 +71,10 @@ class CoreShare:
             self._mine = mine
         others = sum(self._slots) - mine
         return max(self.own, self.total - others)
+
+    def others_busy(self) -> bool:
+        """Whether another worker has work (an idle one then leaves its cores alone: no KV prefault)."""
+        return sum(self._slots) - max(self._mine, 0) > 0
 
     def close(self) -> None:
         """Idle for good: the others may take this worker's cores."""

@@ -25,8 +25,12 @@ def test_a_busy_worker_borrows_what_idle_ones_lend(tmp_path) -> None:
     assert a.threads(True) == 2
     c.threads(False)
     assert a.threads(True) == 3  # c lends again
+    assert a.others_busy() and b.others_busy()
     b.close()
     assert a.threads(True) == 4
+    assert not a.others_busy() and c.others_busy()  # an idle c leaves its prefault while a works
+    a.threads(False)
+    assert not c.others_busy()
     a.close(), c.close()
     with pytest.raises(ValueError, match="slot 5"):
         CoreShare(path, 5, 1, 4)
