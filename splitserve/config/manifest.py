@@ -342,6 +342,7 @@ class RuntimeSection(_Section):
     worker_args: list[str] = Field(default_factory=list)  # extra worker flags (tests, debugging)
     standby: bool = True  # local: keep a spare process with its imports done, for fast restarts
     lend_cores: bool = True  # local: CPU workers lend idle cores to each other (serve/core_share.py)
+    warm_up: bool = True  # local: short requests through the workers before the ready line (serve/warmup.py)
     # local: a private CUDA MPS daemon when workers share a GPU (auto | on | off; runtime/mps.py)
     cuda_mps: Literal["auto", "on", "off"] = "auto"
     address: str | None = None  # ray: the cluster to join ("auto", "ray://...", host:port); None: auto

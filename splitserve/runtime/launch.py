@@ -28,6 +28,7 @@ from splitserve.serve.edge_guard import ReadLimits, guarded_protocol
 from splitserve.serve.listen import KEEP_ALIVE_S, listen
 from splitserve.serve.probe import KVProber
 from splitserve.serve.stats_log import StatsLogger
+from splitserve.serve.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         server = _Server(config)
         from splitserve.serve.heap import freeze_heap
 
+        if manifest.runtime.warm_up:
+            await warm_up(api.dispatcher, [w.role for w in runtime.workers], info.vocab_size)
         freeze_heap("router")
         pools = ", ".join(f"{w.name} {w.url}" for w in runtime.workers)
         print(f"splitserve: serving {info.served_name} at {url}/v1 ({manifest.mode}; {pools})", flush=True)

@@ -95,12 +95,13 @@ def manifest_yaml(**sections) -> dict:
     """The test deployments' manifest: the default model, small KV caches, quick health checks, and no
     standby spare worker (`runtime.standby`): it only speeds up restarts, and starting one (a front end
     and an engine core, importing torch and the engine) takes CPU from the tests of every deployment.
-    The tests that kill workers and look at restarts turn it back on."""
+    The tests that kill workers and look at restarts turn it back on. No warm-up request either
+    (`runtime.warm_up`): tests count their own requests in the workers' stats (test_warmup.py has it on)."""
     base = {
         "model": {"max_model_len": 2048},
         "engine": {"kv_cache_mb": 128, "max_num_seqs": 32},
         "server": {"port": 0},
-        "runtime": {"health_interval_s": 0.5, "restart_backoff_s": 0.5, "standby": False},
+        "runtime": {"health_interval_s": 0.5, "restart_backoff_s": 0.5, "standby": False, "warm_up": False},
     }
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
