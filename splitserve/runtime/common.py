@@ -123,7 +123,10 @@ def _lending(manifest: Manifest, role: str, index: int, core_share: str | None) 
     slot = lending_slots(manifest).get((role, index)) if core_share else None
     if slot is None:
         return {}
-    return {"core_share": core_share, "core_slot": slot, "core_total": os.cpu_count() or 1}
+    pace_ms = manifest.runtime.decode_pace_ms
+    pace_ms = manifest.slos.itl_ms if pace_ms is None else pace_ms
+    return {"core_share": core_share, "core_slot": slot, "core_total": os.cpu_count() or 1,
+            "decode_pace_s": pace_ms / 1e3 if role == "decode" else 0.0}  # fmt: skip
 
 
 def cpu_threads(manifest: Manifest) -> int:

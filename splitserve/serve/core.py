@@ -99,6 +99,8 @@ class EngineCore:
             cpu_threads.set_layer_hook(lambda: self._take_cores(True))  # given back within a layer
         self.threads = config.threads
         self.borrowed_steps = 0  # steps that started on more threads than the worker's own
+        self.paced_steps = 0  # steps after which this decode worker lent its cores until its pace ended
+        self.pace_s = config.decode_pace_s if self.cores is not None else 0.0  # serve/core_share.py
         engine.wake_on_kv(self.wake)  # a lease ended or a fetch finished: take it at once
 
     # ---- what other threads use ------------------------------------------------------------------
@@ -158,6 +160,8 @@ class EngineCore:
                 self.batches.send(wire.batch_encoder.encode(batch), copy=False)
             if busy:
                 self.busy_seconds += time.perf_counter() - t0  # loop turns with work (stats: loop_s)
+                if self.pace_s and self.cores is not None and self.cores.others_busy():
+                    self._lend_until(t0 + self.pace_s)
         self.close()
 
     def _take_cores(self, busy: bool) -> None:
@@ -172,6 +176,13 @@ class EngineCore:
 
             torch.set_num_threads(n)
             self.threads = n
+
+    def _lend_until(self, end: float) -> None:
+        """Decode pacing: idle, with this worker's cores lent, until `end`, taking commands meanwhile."""
+        self._take_cores(False)
+        self.paced_steps += 1
+        while (left := end - time.perf_counter()) > 0 and not self.stopping:
+            self._drain(max(1, int(left * 1e3)))
 
     def _drain(self, timeout_ms: int) -> None:
         ready = dict(self.poller.poll(timeout_ms))

@@ -135,6 +135,7 @@ class CoreOps:
                 "own": self.config.threads,
                 "now": self.core.threads,
                 "borrowed_steps": self.core.borrowed_steps,
+                "paced_steps": self.core.paced_steps,
             },
             "prefix_cache": {
                 "queries": st.prefix_queries,

@@ -17,6 +17,17 @@ core for seconds while the decode worker shared it, and a burst ran 1.7x slower.
 An idle worker's own background work, the KV prefault (engine/kv_prefault.py), waits while another
 worker is busy (`others_busy`): it would run on the core it lends.
 
+**Decode pacing.** Under a burst, both workers have work all the time, so nothing is lent: the decode
+worker runs small batches as fast as it can (each step reads all the weights for a handful of rows)
+while the prompts queue behind the prefill worker's one core. So while another worker is busy, a
+decode worker that lends starts at most one step per `runtime.decode_pace_ms` (default: the ITL SLO,
+`slos.itl_ms`, 200 ms) and lends its cores for the rest of that time (serve/core.py `_lend_until`):
+its steps batch more rows and the prompts get most of the host. Measured (`vllm bench serve`, 64
+prompts of 256 at once, the README's `splitserve serve`, one run each in one session): pace 0 (off)
+124.9 / 130.9 output tok/s, mean TTFT 16.1 / 15.4 s, mean TPOT 82 / 84 ms; 150 ms 127.7; 200 ms
+137.7, TTFT 13.1 s, TPOT 184 ms; 250 ms 149.6 / 143.6; 300 ms 148.8, TTFT 10.8 s, TPOT 235 ms. One
+request at a time paces nothing (the prefill worker is idle while it decodes).
+
 Measured (`vllm bench serve`, 2-vCPU Xeon, the README's `splitserve serve`, lending on and off
 alternating, docs/bench/cpu-engine.md "Session 20"): one request at a time, mean TPOT 31.7 / 29.5 ms
 against 49.0 / 49.4 ms and mean TTFT 369 / 352 against 470 / 488 ms; a burst of 64 at once is within
@@ -28,7 +39,8 @@ tokens and logprobs bit for bit at 1 and 2 threads, for the default model with e
 the hybrid's torch path (oneDNN, MKL's GEMV and our ops split their work over rows, heads or outputs,
 not over a sum). A new op that splits a sum by thread count would fail it.
 
-`runtime.lend_cores: false` turns it off; a worker given `engine.threads` explicitly never borrows.
+`runtime.lend_cores: false` turns lending (and pacing) off; `runtime.decode_pace_ms: 0` turns pacing
+off; a worker given `engine.threads` explicitly never borrows.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ class WorkerConfig:
     core_share: str | None = None  # the local runtime's file of lent cores (serve/core_share.py)
     core_slot: int = 0  # this worker's slot in it
     core_total: int = 0  # the host's cores the sharing workers split (at most this many threads)
+    decode_pace_s: float = 0.0  # lending decode worker: at most one step per this while another is busy
     stream_interval: int = 1  # tokens a stream line holds at least (fewer only when it ends)
 
     def __post_init__(self) -> None:

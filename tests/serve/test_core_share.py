@@ -5,6 +5,7 @@ on its thread count), and a real disaggregated deployment whose workers borrow e
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -68,6 +69,14 @@ def test_the_runtime_gives_cpu_workers_that_leave_threads_open_a_slot_each() -> 
     config = worker_config(pd, "decode", 0, None, "127.0.0.1", path)
     assert (config.core_share, config.core_slot, config.core_total) == (path, 1, os.cpu_count())
     assert worker_config(pd, "decode", 0, None, "127.0.0.1").core_share is None  # Ray: never
+    # decode pacing: the ITL SLO unless given; decode workers that lend only
+    assert config.decode_pace_s == pd.slos.itl_ms / 1e3 == 0.2
+    assert worker_config(pd, "prefill", 0, None, "127.0.0.1", path).decode_pace_s == 0.0
+    assert worker_config(pd, "decode", 0, None, "127.0.0.1").decode_pace_s == 0.0
+    paced = parse_manifest("mode: disaggregated\nruntime: {decode_pace_ms: 0}\nslos: {itl_ms: 50}\n", "t")
+    assert worker_config(paced, "decode", 0, None, "127.0.0.1", path).decode_pace_s == 0.0
+    paced = parse_manifest("mode: disaggregated\nslos: {itl_ms: 50}\n", "t")
+    assert worker_config(paced, "decode", 0, None, "127.0.0.1", path).decode_pace_s == 0.05
 
 
 @pytest.mark.parametrize("model", [None, "random:qwen3.5-tiny-random"])
@@ -166,3 +175,30 @@ def test_the_layer_hook_runs_before_every_layer(model: str, fused: bool, monkeyp
     finally:
         cpu_threads.set_layer_hook(None)
     assert counts["forwards"] >= 4 and counts["hooks"] == counts["forwards"] * net.cfg.num_layers
+
+
+def test_a_decode_worker_paces_its_steps_while_the_prefill_worker_is_busy(disaggregated) -> None:
+    """A long prompt prefills while another answer decodes: the decode worker lends its core between
+    steps (`paced_steps`), and the answer's tokens are the ones it gets alone."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: nothing to lend")
+    client = disaggregated.client()
+    ask = dict(model="smollm2-135m-instruct", prompt="Count to a hundred:", max_tokens=120, temperature=0,
+               extra_body={"ignore_eos": True}, logprobs=0)  # fmt: skip
+    alone = client.completions.create(**ask).choices[0].logprobs.tokens
+    disaggregated.wait_idle()
+    before = {name: s["threads"]["paced_steps"] for name, s in disaggregated.worker_stats().items()}
+    stream = client.completions.create(**ask, stream=True)
+    tokens = list(next(iter(stream)).choices[0].logprobs.tokens)
+    long_prompt = " ".join(f"item {i}," for i in range(300))  # ~1,700 tokens: seconds of prefill on 1 core
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(client.completions.create, model="smollm2-135m-instruct", prompt=long_prompt,
+                            max_tokens=1)  # fmt: skip
+        for chunk in stream:
+            tokens += chunk.choices[0].logprobs.tokens if chunk.choices else []
+        assert other.result().usage.prompt_tokens > 1000
+    assert tokens == alone
+    after = {name: s["threads"]["paced_steps"] for name, s in disaggregated.worker_stats().items()}
+    decode = next(name for name in after if name.startswith("decode"))
+    prefill = next(name for name in after if name.startswith("prefill"))
+    assert after[decode] > before[decode] and after[prefill] == before[prefill] == 0
