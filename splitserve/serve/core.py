@@ -36,7 +36,7 @@ from splitserve.model import cpu_threads
 from splitserve.serve import core_protocol as wire
 from splitserve.serve.core_errors import error_info
 from splitserve.serve.core_ops import CoreOps
-from splitserve.serve.core_share import CoreShare
+from splitserve.serve.core_share import open_share
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class EngineCore:
         self.poller.register(commands, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.stopping = False
-        self.cores = _core_share(config)  # cores lent between this host's CPU workers, or None
+        self.cores = open_share(config)  # cores lent between this host's CPU workers, or None
         if self.cores is not None:
             cpu_threads.set_layer_hook(lambda: self._take_cores(True))  # given back within a layer
         self.threads = config.threads
@@ -339,18 +339,6 @@ class EngineCore:
             self.cores.close()
         if self.connector is not None:
             self.connector.close()
-
-
-def _core_share(config: Any) -> CoreShare | None:
-    """The runtime's file of lent cores, when it gave one and the host has cores beyond this worker's;
-    a file that cannot be opened (removed, say) leaves the worker on its own threads, with a warning."""
-    if not config.core_share or config.core_total <= config.threads:
-        return None
-    try:
-        return CoreShare(config.core_share, config.core_slot, config.threads, config.core_total)
-    except (OSError, ValueError) as exc:  # lending is an optimization: serve without it
-        log.warning("no cores lent to this worker (%s): it runs on its own %d", exc, config.threads)
-        return None
 
 
 def core_params(data: dict[str, Any]) -> Any:

@@ -45,8 +45,12 @@ off; a worker given `engine.threads` explicitly never borrows.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 SLOT_BYTES = 4  # one int32 a worker: the cores it owns while busy, 0 while idle
 
@@ -97,4 +101,17 @@ class CoreShare:
             self._map.close()
 
 
-__all__ = ["CoreShare", "create"]
+def open_share(config: Any) -> CoreShare | None:
+    """A worker's view of the runtime's file (`config`: its WorkerConfig), when the runtime gave one and
+    the host has cores beyond this worker's; a file that cannot be opened (removed, say) leaves the
+    worker on its own threads, with a warning."""
+    if not config.core_share or config.core_total <= config.threads:
+        return None
+    try:
+        return CoreShare(config.core_share, config.core_slot, config.threads, config.core_total)
+    except (OSError, ValueError) as exc:  # lending is an optimization: serve without it
+        log.warning("no cores lent to this worker (%s): it runs on its own %d", exc, config.threads)
+        return None
+
+
+__all__ = ["CoreShare", "create", "open_share"]

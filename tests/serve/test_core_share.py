@@ -12,7 +12,7 @@ import torch
 
 from splitserve.config import parse_manifest
 from splitserve.runtime.common import core_share_file, lending_slots, worker_config
-from splitserve.serve.core_share import CoreShare, create
+from splitserve.serve.core_share import CoreShare, create, open_share
 
 
 def test_a_busy_worker_borrows_what_idle_ones_lend(tmp_path) -> None:
@@ -40,20 +40,19 @@ def test_a_busy_worker_borrows_what_idle_ones_lend(tmp_path) -> None:
 def test_a_worker_whose_file_is_gone_serves_on_its_own_cores(tmp_path, caplog) -> None:
     """Lending is an optimization: a core that cannot open the runtime's file (removed, say) warns and
     keeps its own threads instead of failing to start."""
-    from splitserve.serve.core import _core_share
     from splitserve.serve.worker_config import WorkerConfig
 
     path = str(tmp_path / "cores")
     create(path, 2)
-    share = _core_share(WorkerConfig(threads=1, core_share=path, core_slot=1, core_total=2))
+    share = open_share(WorkerConfig(threads=1, core_share=path, core_slot=1, core_total=2))
     assert isinstance(share, CoreShare)
     share.close()
     assert (
-        _core_share(WorkerConfig(threads=2, core_share=path, core_slot=1, core_total=2)) is None
+        open_share(WorkerConfig(threads=2, core_share=path, core_slot=1, core_total=2)) is None
     )  # nothing to add
     with caplog.at_level("WARNING"):
-        assert _core_share(WorkerConfig(threads=1, core_share=str(tmp_path / "gone"), core_total=2)) is None
-        assert _core_share(WorkerConfig(threads=1, core_share=path, core_slot=7, core_total=2)) is None
+        assert open_share(WorkerConfig(threads=1, core_share=str(tmp_path / "gone"), core_total=2)) is None
+        assert open_share(WorkerConfig(threads=1, core_share=path, core_slot=7, core_total=2)) is None
     assert caplog.text.count("no cores lent") == 2
 
 
