@@ -169,7 +169,9 @@ class UtilSampler:
             "gpu_util_pct": None,
         }
         if self._host0 and host1:
-            busy = (host1[0] - self._host0[0]) / max(host1[1] - self._host0[1], 1e-9)
+            # clamped: busy = total - idle in floats of seconds since boot, so an interval with nothing
+            # new can come out a rounding error below 0 (seen: -7e-10)
+            busy = min(1.0, max(0.0, (host1[0] - self._host0[0]) / max(host1[1] - self._host0[1], 1e-9)))
             out["cpu_host_pct"] = 100.0 * busy
         if tree1 is not None and self._tree0 is not None:
             used = sum(t - self._tree0.get(pid, 0.0) for pid, t in tree1.items())
