@@ -25,6 +25,7 @@ import torch
 from splitserve.engine.isolate import check_fault
 from splitserve.engine.prefill_graphs import PrefillGraphs
 from splitserve.engine.scheduler import ScheduledChunk
+from splitserve.model import cpu_attention
 from splitserve.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -202,14 +203,18 @@ class ModelRunner:
         return PrefillBatch(packed[0], packed[1], packed[2], self._tensor(table), int(cols[:, 1].max()))
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> tuple[DecodeGroup, ...]:
-        """Split decodes (sorted by context length) so that padding stays under ~25% per group."""
+        """Split decodes (sorted by context length) so that padding stays under ~25% per group. One group
+        where the CPU's paged decode op reads the blocks in place (model/cpu_attention.py): padding
+        costs it nothing, and one group lets a decode-only step take model/cpu_layer.py's op."""
         lens = [c.start + 1 for c in decodes]
+        in_place = getattr(self.attn, "cpu_kernel", False) and cpu_attention.ready()
+        groups = 1 if in_place else self.max_decode_groups
         bounds: list[tuple[int, int]] = []
         start, total = 0, 0
         for i, n in enumerate(lens):
             total += n
             too_padded = (i + 1 - start) * n > 1.25 * total
-            if i > start and too_padded and len(bounds) < self.max_decode_groups - 1:
+            if i > start and too_padded and len(bounds) < groups - 1:
                 bounds.append((start, i))
                 start, total = i, n
         if decodes:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitserve.model import cpu_fused, cpu_threads
+from splitserve.model import cpu_fused, cpu_gemm, cpu_layer, cpu_threads
 from splitserve.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from splitserve.model.config import ModelConfig
 from splitserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
@@ -123,6 +123,8 @@ class DecoderLM(nn.Module):
         self.fused = False
         self.cpu_fused = False  # set by enable_cpu_fused (CPU engines)
         self.cpu_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # CPU: see cpu_linear
+        self._layer_args: list[tuple] | None = None  # `_cpu_layer_args`'s cache, and its key
+        self._layer_args_key: tuple[int, int] | None = None
 
     def enable_fused_kernels(self) -> bool:
         """Use the Triton kernels of splitserve.kernels.fused (CUDA, with a backend that has
@@ -135,6 +137,8 @@ class DecoderLM(nn.Module):
         """Use model/cpu_fused.py's ops for each layer's norms, residual adds, rotary and KV store on
         CPU fp32 (built in the background: the plain path runs until they are ready). -> whether on."""
         self.cpu_fused = cpu_fused.start() and self.rope.cos.shape[-1] == self.cfg.head_dim
+        if self.cpu_fused:
+            cpu_layer.start()  # decode-only steps in one call a layer, once it and the ops it calls load
         return self.cpu_fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -163,6 +167,15 @@ class DecoderLM(nn.Module):
         residual = self.embed_tokens(input_ids)  # [T, hidden], fresh: updated in place by each add
         norm = layers[0].input_layernorm
         h = cpu_fused.add_rms_norm(residual, None, norm.weight, norm.eps)
+        args = self._cpu_layer_args(ctx, len(input_ids))
+        if args is not None:  # a decode-only step: each layer one C++ call (model/cpu_layer.py)
+            group, kv, scale = ctx.meta.decode_groups[0], ctx.kv_cache, ctx.attn.scale  # type: ignore[attr-defined]
+            dyn = (positions, ctx.meta.slot_mapping, group.block_tables, group.context_lens)
+            dyn += (self.rope.cos, self.rope.sin)
+            for i, layer_args in enumerate(args):
+                cpu_threads.between_layers()
+                h = cpu_layer.decode_layer(h, residual, dyn, kv[:, i, 0], kv[:, i, 1], layer_args, scale)
+            return h
         for i, layer in enumerate(layers):
             cpu_threads.between_layers()
             a = layer.self_attn.forward_cpu(positions, h, self.rope, ctx)
@@ -173,6 +186,26 @@ class DecoderLM(nn.Module):
             m = mlp.down_proj(cpu_fused.silu_mul(mlp.gate_up_proj(h)))
             h = cpu_fused.add_rms_norm(m, residual, nxt.weight, nxt.eps)
         return h
+
+    def _cpu_layer_args(self, ctx: ForwardContext, rows: int) -> list[tuple] | None:
+        """Each layer's constant arguments for `cpu_layer.decode_layer` where this step can take it:
+        every row decodes (one group, no prefill), the rows fit the panels, the op is loaded; else None.
+        Kept between steps while the first layer's QKV matmul and norm weight are the same objects
+        (cpu_linear's prepare_model and drop_dense replace them all at once)."""
+        meta, attn = ctx.meta, ctx.attn
+        groups = meta.decode_groups
+        if meta.prefills or len(groups) != 1 or groups[0].end - groups[0].start != rows:
+            return None
+        if rows > cpu_gemm.MAX_ROWS or not getattr(attn, "cpu_kernel", False) or not cpu_layer.ready():
+            return None
+        first = self.layers[0]
+        key = (id(first.self_attn.qkv_proj.cpu_matmul), id(first.post_attention_layernorm.weight))
+        if self._layer_args_key != key:
+            nxt = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+            args = [cpu_layer.layer_args(layer, n) for layer, n in zip(self.layers, nxt, strict=True)]
+            self._layer_args = None if any(a is None for a in args) else args
+            self._layer_args_key = key
+        return self._layer_args
 
     def _forward_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
