@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from splitserve.model import cpu_attention, cpu_fused, cpu_gemm
+from splitserve.model import cpu_attention, cpu_fused, cpu_gemm, cpu_linear
 from splitserve.model.cpu_build import CppOps
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_LAYER", "1") != "0"
@@ -30,6 +30,7 @@ ENABLED = os.environ.get("SPLITSERVE_CPU_LAYER", "1") != "0"
 _SOURCE = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <torch/library.h>
 #include <optional>
 #include <tuple>
@@ -76,22 +77,32 @@ static T paged_decode(const T& q, const T& k_cache, const T& v_cache, const T& t
   return op.call(q, k_cache, v_cache, tables, lens, scale);
 }
 
+// projection i of a layer: fp32 panels (w[i]), or int4 codes (w[2i], scales and offsets w[2i + 1]:
+// model/cpu_linear.py's Int4Matmul, bf16 activations, fp32 out)
+static T project(const T& x, bool int4, at::TensorList w, int64_t i, int64_t n, const Opt& bias) {
+  if (!int4) return panel(x, w[i], n, bias);
+  T out = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[2 * i], 32, w[2 * i + 1]).to(at::kFloat);
+  return bias.has_value() ? out.add(*bias) : out;
+}
+
 // h [B, hidden] (the layer's input, normed); residual [B, hidden], updated in place -> the next norm's
-// output. `w`: qkv, o, gate_up, down panels; `n`: their output sizes; `norms`: q_norm, k_norm (empty:
-// none), post-attention norm, the next norm; `eps`: qk, post, next.
+// output. `w`: the qkv, o, gate_up and down projections (`project`); `n`: their output sizes; `norms`:
+// q_norm, k_norm (empty: none), post-attention norm, the next norm; `eps`: qk, post, next.
 static T decode_layer(const T& h, const T& residual, const T& positions, const T& slots, const T& tables,
                       const T& lens, const T& cos, const T& sin, const T& k_cache, const T& v_cache,
                       at::TensorList w, at::IntArrayRef n, const Opt& qkv_bias, at::TensorList norms,
                       at::ArrayRef<double> eps, int64_t H, int64_t KVH, double scale) {
-  TORCH_CHECK(w.size() == 4 && n.size() == 4 && norms.size() == 4 && eps.size() == 3, "decode_layer: args");
+  const bool int4 = w.size() == 8;
+  TORCH_CHECK((w.size() == 4 || int4) && n.size() == 4 && norms.size() == 4 && eps.size() == 3,
+              "decode_layer: args");
   const int64_t B = h.size(0), D = k_cache.size(3);
-  const T qkv = panel(h, w[0], n[0], qkv_bias);
+  const T qkv = project(h, int4, w, 0, n[0], qkv_bias);
   auto [q, k] = rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, H, KVH, norms[0], norms[1],
                            eps[0]);
   const T attn = paged_decode(q, k_cache, v_cache, tables, lens, scale).view({B, H * D});
-  const T a = panel(attn, w[1], n[1], std::nullopt);
+  const T a = project(attn, int4, w, 1, n[1], std::nullopt);
   const T hp = add_norm(a, residual, norms[2], eps[1]);
-  const T m = panel(silu_mul(panel(hp, w[2], n[2], std::nullopt)), w[3], n[3], std::nullopt);
+  const T m = project(silu_mul(project(hp, int4, w, 2, n[2], std::nullopt)), int4, w, 3, n[3], std::nullopt);
   return add_norm(m, residual, norms[3], eps[2]);
 }
 
@@ -103,7 +114,7 @@ TORCH_LIBRARY(splitserve_cpu_layer, m) {
 TORCH_LIBRARY_IMPL(splitserve_cpu_layer, CPU, m) { m.impl("decode_layer", &decode_layer); }
 """
 
-LIB = CppOps("splitserve_cpu_layer_v1", _SOURCE, ["-O2"], ENABLED, "CPU decode layer op")
+LIB = CppOps("splitserve_cpu_layer_v2", _SOURCE, ["-O2"], ENABLED, "CPU decode layer op")
 _NONE = torch.empty(0)
 
 
@@ -113,8 +124,9 @@ def start() -> bool:
 
 
 def ready() -> bool:
-    """The op and the three libraries whose ops it calls are loaded."""
-    return LIB.ready() and cpu_gemm.ready() and cpu_fused.ready() and cpu_attention.ready()
+    """The op and the libraries of the norm, rotary and attention ops it calls are loaded (the panels'
+    library, where a layer has them: `layer_args`)."""
+    return LIB.ready() and cpu_fused.ready() and cpu_attention.ready()
 
 
 def load(force: bool = False) -> bool:
@@ -126,12 +138,19 @@ def load(force: bool = False) -> bool:
 
 def layer_args(layer: Any, next_norm: Any) -> tuple | None:
     """The constant arguments of `decode_layer` for a `decoder.DecoderLayer` whose next norm is
-    `next_norm` (an RMSNorm): (w, n, qkv_bias, norms, eps, H, KVH); None where a projection has no
-    panels (int4, oneDNN only) or the layer has a bias the op does not take."""
+    `next_norm` (an RMSNorm): (w, n, qkv_bias, norms, eps, H, KVH); None unless the four projections
+    are all int4 or all fp32 with panels (and the panels' op loaded), or where the layer has a bias the
+    op does not take."""
     attn, mlp = layer.self_attn, layer.mlp
     projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     mats = [getattr(p, "cpu_matmul", None) for p in projs]
-    if any(getattr(m, "panels", None) is None for m in mats):
+    if all(isinstance(m, cpu_linear.Int4Matmul) for m in mats):
+        w = [t for m in mats for t in (m.packed, m.scales_zeros)]
+    elif cpu_gemm.ready() and all(
+        isinstance(m, cpu_linear.OneDNNMatmul) and m.panels is not None for m in mats
+    ):
+        w = [m.panels for m in mats]
+    else:
         return None
     if any(m.bias is not None for m in mats[1:]):
         return None
@@ -139,8 +158,9 @@ def layer_args(layer: Any, next_norm: Any) -> tuple | None:
     kn = attn.k_norm.weight if attn.k_norm is not None else _NONE
     qk_eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
     post = layer.post_attention_layernorm
+    n = [p.out_features for p in projs]
     return (
-        [m.panels for m in mats], [m.n for m in mats], mats[0].bias,
+        w, n, mats[0].bias,
         [qn, kn, post.weight, next_norm.weight], [qk_eps, post.eps, next_norm.eps], attn.h, attn.kvh,
     )  # fmt: skip
 

@@ -124,7 +124,7 @@ class DecoderLM(nn.Module):
         self.cpu_fused = False  # set by enable_cpu_fused (CPU engines)
         self.cpu_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # CPU: see cpu_linear
         self._layer_args: list[tuple] | None = None  # `_cpu_layer_args`'s cache, and its key
-        self._layer_args_key: tuple[int, int] | None = None
+        self._layer_args_key: tuple[int, int, bool] | None = None
 
     def enable_fused_kernels(self) -> bool:
         """Use the Triton kernels of splitserve.kernels.fused (CUDA, with a backend that has
@@ -191,7 +191,8 @@ class DecoderLM(nn.Module):
         """Each layer's constant arguments for `cpu_layer.decode_layer` where this step can take it:
         every row decodes (one group, no prefill), the rows fit the panels, the op is loaded; else None.
         Kept between steps while the first layer's QKV matmul and norm weight are the same objects
-        (cpu_linear's prepare_model and drop_dense replace them all at once)."""
+        (cpu_linear's prepare_model and drop_dense replace them all at once) and the panels' op is as
+        loaded as it was."""
         meta, attn = ctx.meta, ctx.attn
         groups = meta.decode_groups
         if meta.prefills or len(groups) != 1 or groups[0].end - groups[0].start != rows:
@@ -199,7 +200,11 @@ class DecoderLM(nn.Module):
         if rows > cpu_gemm.MAX_ROWS or not getattr(attn, "cpu_kernel", False) or not cpu_layer.ready():
             return None
         first = self.layers[0]
-        key = (id(first.self_attn.qkv_proj.cpu_matmul), id(first.post_attention_layernorm.weight))
+        key = (
+            id(first.self_attn.qkv_proj.cpu_matmul),
+            id(first.post_attention_layernorm.weight),
+            cpu_gemm.ready(),
+        )
         if self._layer_args_key != key:
             nxt = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
             args = [cpu_layer.layer_args(layer, n) for layer, n in zip(self.layers, nxt, strict=True)]

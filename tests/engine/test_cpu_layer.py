@@ -1,6 +1,6 @@
 """The decode layer op (model/cpu_layer.py): a decode-only step through it gives bitwise the hidden
 states of the Python path over the same ops, on tiny random-weight Qwen2 (QKV bias), Qwen3 (QK-norm)
-and Llama checkpoints, and greedy output through it equals HF's."""
+and Llama checkpoints, fp32 (panels) and int4; greedy output through it in fp32 equals HF's."""
 
 from __future__ import annotations
 
@@ -8,9 +8,16 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.model import cpu_layer
+from splitserve.model import cpu_layer, cpu_linear
 
-ARCHS = ["qwen2", "qwen3", "llama3"]
+CASES = [
+    ("qwen2", "fp32"),
+    ("qwen3", "fp32"),
+    ("llama3", "fp32"),
+    ("qwen2", "int4"),
+    ("qwen3", "int4"),
+    ("llama3", "int4"),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -19,11 +26,12 @@ def op() -> None:
         pytest.skip("the CPU ops could not be built here (no AVX-512 or no C++ compiler)")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_decode_steps_through_the_op_are_bitwise_the_python_path(tiny_model_factory, arch: str,
+@pytest.mark.parametrize(("arch", "weights"), CASES)
+def test_decode_steps_through_the_op_are_bitwise_the_python_path(tiny_model_factory, arch: str, weights: str,
                                                                  monkeypatch) -> None:  # fmt: skip
     tiny = tiny_model_factory(arch)
-    llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20)
+    llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20,
+              cpu_weights=weights)  # fmt: skip
     model = llm.engine.runner.model
     assert model.cpu_fused
     forward, ready = type(model).forward, cpu_layer.ready
@@ -51,17 +59,19 @@ def test_decode_steps_through_the_op_are_bitwise_the_python_path(tiny_model_fact
     monkeypatch.setattr(type(model), "forward", both)
     greedy = SamplingParams(temperature=0, max_tokens=tiny.max_new, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in tiny.prompts], greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == tiny.hf_greedy
+    if weights == "fp32":
+        assert [o.outputs[0].token_ids for o in outs] == tiny.hf_greedy
     assert decode_steps[0] > 0 and layer_calls[0] == decode_steps[0] * model.cfg.num_layers
 
 
 def test_the_op_is_not_used_without_panels(tiny_model_factory, monkeypatch) -> None:
-    """int4 projections (no panels) keep the Python path: `_cpu_layer_args` answers None."""
+    """fp32 projections through oneDNN alone (no panels: a host without AVX-512, or too little memory
+    for them) keep the Python path: `_cpu_layer_args` answers None."""
+    monkeypatch.setattr(cpu_linear.cpu_gemm, "start", lambda: False)
     tiny = tiny_model_factory("llama3")
-    llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20,
-              cpu_weights="int4")  # fmt: skip
+    llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20)
     calls = [0]
     monkeypatch.setattr(cpu_layer, "decode_layer", lambda *a, **k: calls.append(1))
-    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": tiny.prompts[0]}], greedy, use_tqdm=False)
-    assert len(outs[0].outputs[0].token_ids) == 4 and calls == [0]
+    greedy = SamplingParams(temperature=0, max_tokens=tiny.max_new, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in tiny.prompts], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == tiny.hf_greedy and calls == [0]
