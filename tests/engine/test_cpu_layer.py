@@ -26,6 +26,39 @@ def op() -> None:
         pytest.skip("the CPU ops could not be built here (no AVX-512 or no C++ compiler)")
 
 
+class Checked:
+    """The model's forward, patched: each step through the op where it applies, then again through the
+    Python path (the KV it stores is the same both times); the hidden states must be the same bits.
+    Counts the decode-only steps that took the op and the op's calls."""
+
+    def __init__(self, model, monkeypatch) -> None:  # noqa: ANN001
+        self.steps = self.calls = 0
+        forward, op = type(model).forward, cpu_layer.decode_layer
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return op(*args, **kwargs)
+
+        def both(model, input_ids, positions, ctx):
+            used = model._cpu_layer_args(ctx, len(input_ids)) is not None
+            out = forward(model, input_ids, positions, ctx)
+            model.cpu_layer = False
+            reference = forward(model, input_ids, positions, ctx)
+            model.cpu_layer = True
+            self.steps += used
+            assert torch.equal(out, reference)
+            return out
+
+        monkeypatch.setattr(cpu_layer, "decode_layer", counted)
+        monkeypatch.setattr(type(model), "forward", both)
+
+
+def _generate(llm: LLM, tiny) -> list[list[int]]:  # noqa: ANN001
+    greedy = SamplingParams(temperature=0, max_tokens=tiny.max_new, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in tiny.prompts], greedy, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 @pytest.mark.parametrize(("arch", "weights"), CASES)
 def test_decode_steps_through_the_op_are_bitwise_the_python_path(tiny_model_factory, arch: str, weights: str,
                                                                  monkeypatch) -> None:  # fmt: skip
@@ -33,35 +66,27 @@ def test_decode_steps_through_the_op_are_bitwise_the_python_path(tiny_model_fact
     llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20,
               cpu_weights=weights)  # fmt: skip
     model = llm.engine.runner.model
-    assert model.cpu_fused
-    forward, ready = type(model).forward, cpu_layer.ready
-    layer_calls, decode_steps = [0], [0]
-    op = cpu_layer.decode_layer
-
-    def counted(*args, **kwargs):
-        layer_calls[0] += 1
-        return op(*args, **kwargs)
-
-    def both(self, input_ids, positions, ctx):
-        """The step through the op where it applies, then again through the Python path (the KV it
-        stores is the same both times): the hidden states must be the same bits."""
-        monkeypatch.setattr(cpu_layer, "ready", ready)
-        used = self._cpu_layer_args(ctx, len(input_ids)) is not None
-        out = forward(self, input_ids, positions, ctx)
-        monkeypatch.setattr(cpu_layer, "ready", lambda: False)
-        reference = forward(self, input_ids, positions, ctx)
-        monkeypatch.setattr(cpu_layer, "ready", ready)
-        decode_steps[0] += used
-        assert torch.equal(out, reference)
-        return out
-
-    monkeypatch.setattr(cpu_layer, "decode_layer", counted)
-    monkeypatch.setattr(type(model), "forward", both)
-    greedy = SamplingParams(temperature=0, max_tokens=tiny.max_new, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in tiny.prompts], greedy, use_tqdm=False)
+    assert model.cpu_fused and model.cpu_layer
+    checked = Checked(model, monkeypatch)
+    tokens = _generate(llm, tiny)
     if weights == "fp32":
-        assert [o.outputs[0].token_ids for o in outs] == tiny.hf_greedy
-    assert decode_steps[0] > 0 and layer_calls[0] == decode_steps[0] * model.cfg.num_layers
+        assert tokens == tiny.hf_greedy
+    assert checked.steps > 0 and checked.calls == checked.steps * model.cfg.num_layers
+
+
+def test_the_op_follows_a_model_prepared_again(tiny_model_factory, monkeypatch) -> None:
+    """fp32, then the same model's projections prepared again as int4 (the benches' A/B in one process):
+    the op's steps take the new weights, not the arguments kept from the first."""
+    monkeypatch.setattr(cpu_linear, "DROP_DENSE", False)
+    tiny = tiny_model_factory("qwen3")
+    llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20)
+    model = llm.engine.runner.model
+    checked = Checked(model, monkeypatch)
+    assert _generate(llm, tiny) == tiny.hf_greedy
+    fp32_steps = checked.steps
+    cpu_linear.prepare_model(model, "int4")
+    _generate(llm, tiny)
+    assert fp32_steps > 0 and checked.steps > fp32_steps
 
 
 def test_the_op_is_not_used_without_panels(tiny_model_factory, monkeypatch) -> None:

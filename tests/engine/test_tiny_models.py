@@ -12,7 +12,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import block_bytes
-from splitserve.model import cpu_fused, cpu_layer, cpu_prefill
+from splitserve.model import cpu_fused, cpu_prefill
 from splitserve.model.config import ModelConfig, RopeConfig
 from splitserve.model.layers import rope_inv_freq
 
@@ -139,11 +139,11 @@ def test_fused_and_plain_paths_both_generate_what_hf_does(tiny_model_factory, ar
     (model/cpu_layer.py, which calls the same ops from C++) is off here: tests/engine/test_cpu_layer.py."""
     if not cpu_fused.load(force=True):
         pytest.skip("the CPU ops could not be built here (no C++ compiler)")
-    monkeypatch.setattr(cpu_layer, "ready", lambda: False)
     tiny = tiny_model_factory(arch)
     llm = _make_llm(tiny, enable_prefix_caching=False)  # the second pass computes every token again
     model = llm.engine.runner.model
     assert model.cpu_fused and cpu_fused.ready()
+    model.cpu_layer = False
     calls = {"rope_store": 0, "forwards": 0}
     rope_store, forward = cpu_fused.rope_store, type(model).forward
 
