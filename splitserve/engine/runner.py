@@ -25,13 +25,13 @@ import torch
 from splitserve.engine.isolate import check_fault
 from splitserve.engine.prefill_graphs import PrefillGraphs
 from splitserve.engine.scheduler import ScheduledChunk
-from splitserve.model import cpu_attention
 from splitserve.model.attention import (
     AttentionBackend,
     AttentionMetadata,
     DecodeGroup,
     PrefillBatch,
     PrefillChunk,
+    TorchPagedAttention,
 )
 from splitserve.model.decoder import DecoderLM, ForwardContext
 
@@ -207,7 +207,7 @@ class ModelRunner:
         where the CPU's paged decode op reads the blocks in place (model/cpu_attention.py): padding
         costs it nothing, and one group lets a decode-only step take model/cpu_layer.py's op."""
         lens = [c.start + 1 for c in decodes]
-        in_place = getattr(self.attn, "cpu_kernel", False) and cpu_attention.ready()
+        in_place = isinstance(self.attn, TorchPagedAttention) and self.attn.reads_in_place(self.kv_cache)
         groups = 1 if in_place else self.max_decode_groups
         bounds: list[tuple[int, int]] = []
         start, total = 0, 0

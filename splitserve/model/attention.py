@@ -61,6 +61,13 @@ class AttentionMetadata:
     seq_slots: torch.Tensor | None = None  # [num_decode + num_prefill] state slots (hybrid models)
     prefill_batch: PrefillBatch | None = None  # set for backends with `batched_prefill`
 
+    def sole_decode_group(self, rows: int) -> DecodeGroup | None:
+        """The one decode group when all `rows` of the step decode in one group (no prefill), else None."""
+        groups = self.decode_groups
+        if self.prefills or len(groups) != 1 or groups[0].end - groups[0].start != rows:
+            return None
+        return groups[0]
+
 
 class AttentionBackend(Protocol):
     #: True: the backend reads `meta.prefill_batch` (one launch for all chunks), not per-chunk tables
@@ -112,11 +119,9 @@ class TorchPagedAttention:
         k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, block_size, KVH, D]
         if not stored:
             store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        kernel = self.cpu_kernel and cpu_attention.ready() and q.device.type == "cpu"
-        kernel = kernel and q.dtype == kv.dtype == torch.float32
-        groups = meta.decode_groups
-        if kernel and not meta.prefills and len(groups) == 1 and groups[0].end - groups[0].start == len(q):
-            g = groups[0]  # a decode-only step: the op's output is the answer, no copy into `out`
+        kernel = self.reads_in_place(kv) and q.dtype == kv.dtype
+        g = meta.sole_decode_group(len(q)) if kernel else None
+        if g is not None:  # a decode-only step: the op's output is the answer, no copy into `out`
             return cpu_attention.paged_decode(
                 q, k_cache, v_cache, g.block_tables, g.context_lens, self.scale
             ).flatten(1)
@@ -143,6 +148,12 @@ class TorchPagedAttention:
             else:
                 out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk)
         return out.flatten(1)  # [T, H * D]
+
+    def reads_in_place(self, kv: torch.Tensor) -> bool:
+        """Whether decode rows over this fp32 CPU cache go to model/cpu_attention.py's op (loaded, not
+        switched off), which reads each sequence's blocks in place, instead of the gather."""
+        fp32_cpu = kv.device.type == "cpu" and kv.dtype == torch.float32
+        return self.cpu_kernel and fp32_cpu and cpu_attention.ready()
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup

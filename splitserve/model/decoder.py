@@ -167,9 +167,10 @@ class DecoderLM(nn.Module):
         residual = self.embed_tokens(input_ids)  # [T, hidden], fresh: updated in place by each add
         norm = layers[0].input_layernorm
         h = cpu_fused.add_rms_norm(residual, None, norm.weight, norm.eps)
-        args = self._cpu_layer_args(ctx, len(input_ids))
-        if args is not None:  # a decode-only step: each layer one C++ call (model/cpu_layer.py)
-            group, kv, scale = ctx.meta.decode_groups[0], ctx.kv_cache, ctx.attn.scale  # type: ignore[attr-defined]
+        group = ctx.meta.sole_decode_group(len(input_ids))
+        args = self._cpu_layer_args(ctx, len(input_ids)) if group is not None else None
+        if group is not None and args is not None:  # decode only: a C++ call a layer (model/cpu_layer.py)
+            kv, scale = ctx.kv_cache, ctx.attn.scale  # type: ignore[attr-defined]
             dyn = (positions, ctx.meta.slot_mapping, group.block_tables, group.context_lens)
             dyn += (self.rope.cos, self.rope.sin)
             for i, layer_args in enumerate(args):
@@ -188,16 +189,15 @@ class DecoderLM(nn.Module):
         return h
 
     def _cpu_layer_args(self, ctx: ForwardContext, rows: int) -> list[tuple] | None:
-        """Each layer's constant arguments for `cpu_layer.decode_layer` where this step can take it:
-        every row decodes (one group, no prefill), the rows fit the panels, the op is loaded; else None.
-        Kept between steps while the first layer's QKV matmul and norm weight are the same objects
-        (cpu_linear's prepare_model and drop_dense replace them all at once) and the panels' op is as
-        loaded as it was."""
-        meta, attn = ctx.meta, ctx.attn
-        groups = meta.decode_groups
-        if not self.cpu_layer or meta.prefills or len(groups) != 1 or groups[0].end - groups[0].start != rows:
+        """Each layer's constant arguments for `cpu_layer.decode_layer` where a decode-only step of
+        `rows` can take it: the rows fit the panels, attention reads the blocks in place, the op is
+        loaded; else None. Kept between steps while the first layer's QKV matmul and norm weight are
+        the same objects (cpu_linear's prepare_model and drop_dense replace them all at once) and the
+        panels' op is as loaded as it was."""
+        if not self.cpu_layer or rows > cpu_gemm.MAX_ROWS or not cpu_layer.ready():
             return None
-        if rows > cpu_gemm.MAX_ROWS or not getattr(attn, "cpu_kernel", False) or not cpu_layer.ready():
+        attn = ctx.attn
+        if not (isinstance(attn, TorchPagedAttention) and attn.reads_in_place(ctx.kv_cache)):
             return None
         first = self.layers[0]
         key = (first.self_attn.qkv_proj.cpu_matmul, first.post_attention_layernorm.weight, cpu_gemm.ready())

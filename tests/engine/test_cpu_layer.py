@@ -40,7 +40,8 @@ class Checked:
             return op(*args, **kwargs)
 
         def both(model, input_ids, positions, ctx):
-            used = model._cpu_layer_args(ctx, len(input_ids)) is not None
+            decoding = ctx.meta.sole_decode_group(len(input_ids)) is not None
+            used = decoding and model._cpu_layer_args(ctx, len(input_ids)) is not None
             out = forward(model, input_ids, positions, ctx)
             model.cpu_layer = False
             reference = forward(model, input_ids, positions, ctx)
