@@ -4,16 +4,23 @@ One layer (another one each call, so that K/V come from memory) of the default m
 heads, 3 KV heads, head_dim 64, blocks of 16) over B sequences of `--context` tokens in scattered
 blocks; prints the median of `--iters` calls for each path, alternating call by call, the ratio, and
 the rate at which the op reads K and V (bytes of the cached rows / time) beside the host's read
-bandwidth measured in the same run; and the op's build (or cache load) time.
+bandwidth measured in the same run, and its share of it; and the op's build (or cache load) time.
+`--avx2` (an AVX-512 host): also the op's AVX2 body (model/cpu_attention.py, the one before
+model/cpu_attention_avx512.py), measured in a child process started by this run with
+SPLITSERVE_CPU_ATTN_AVX512=0 (one process loads one build of the op), and the ratio.
 
     python bench/cpu_attention_op.py
     python bench/cpu_attention_op.py --batches 1 64 --context 1024
+    python bench/cpu_attention_op.py --avx2 --batches 1 4 16 64 --iters 61
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +38,10 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=272)
     ap.add_argument("--iters", type=int, default=21)
+    ap.add_argument("--avx2", action="store_true", help="also the AVX2 body, in a child process")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # the child's answer
     args = ap.parse_args()
+    avx2 = _avx2_body(args) if args.avx2 else {}
     h, kvh, d, bs, layers = 9, 3, 64, 16, 30
     t = time.perf_counter()
     op = cpu_attention.load(force=True)
@@ -41,14 +51,18 @@ def main() -> int:
         print("the op could not be built here")
         return 1
     x = torch.ones(256 << 20)
-    read = min(_time(torch.sum, x) for _ in range(5))
-    print(f"host read bandwidth: {x.numel() * 4 / read / 1e9:.1f} GB/s")
+    host = x.numel() * 4 / min(_time(torch.sum, x) for _ in range(5)) / 1e9
+    print(f"host read bandwidth: {host:.1f} GB/s")
     del x
     nb_seq = -(-args.context // bs)
     scale = d**-0.5
     ref = TorchPagedAttention(scale)
-    print("| batch | context | gather + SDPA ms | paged op ms | ratio | op reads K+V at |")
-    print("|---|---|---|---|---|---|")
+    medians: dict[int, float] = {}
+    head = "| batch | context | gather + SDPA ms | paged op ms | ratio | op reads K+V at (share of host) |"
+    if avx2:
+        head += " AVX2 body ms | op / AVX2 body |"
+    if not args.json:
+        print(head + "\n" + "|---" * (head.count("|") - 1) + "|")
     for b in args.batches:
         num_blocks = b * nb_seq + 8
         gen = torch.Generator().manual_seed(b)
@@ -71,10 +85,31 @@ def main() -> int:
             kc, vc = kv[:, (i + 7) % layers, 0], kv[:, (i + 7 + layers // 2) % layers, 1]
             o_t.append(_time(cpu_attention.paged_decode, q, kc, vc, tables, lens, scale))
         g, o = statistics.median(g_t), statistics.median(o_t)
+        medians[b] = o
         kv_bytes = 2 * b * args.context * kvh * d * 4
         rate = kv_bytes / o / 1e9
-        print(f"| {b} | {args.context} | {g * 1e3:.2f} | {o * 1e3:.2f} | {g / o:.2f}x | {rate:.1f} GB/s |")
+        row = f"| {b} | {args.context} | {g * 1e3:.2f} | {o * 1e3:.2f} | {g / o:.2f}x "
+        row += f"| {rate:.1f} GB/s ({rate / host:.0%}) |"
+        if b in avx2:
+            row += f" {avx2[b] * 1e3:.2f} | {avx2[b] / o:.2f}x |"
+        if not args.json:
+            print(row)
+    if args.json:
+        print(json.dumps(medians))
     return 0
+
+
+def _avx2_body(args: argparse.Namespace) -> dict[int, float]:
+    """The op's median per batch with its AVX2 body, from this script in a child process."""
+    cmd = [sys.executable, __file__, "--json", "--context", str(args.context), "--iters", str(args.iters)]
+    env = {**os.environ, "SPLITSERVE_CPU_ATTN_AVX512": "0"}
+    done = subprocess.run(
+        [*cmd, "--batches", *map(str, args.batches)], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the AVX2 child failed: {done.stderr[-2000:]}")
+    print("AVX2 body (child): " + done.stdout.splitlines()[0], flush=True)
+    return {int(k): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
 def _time(fn, *args) -> float:  # noqa: ANN001, ANN002

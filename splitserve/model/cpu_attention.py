@@ -9,7 +9,8 @@ the value rows weighted into registers; nothing is written but the output. One t
 its KV heads: a block's rows are read whole) when there are at least two per thread, else one per
 (sequence, KV head). With AVX2 and FMA the inner loops are intrinsics (a vectorized exp, software
 prefetch of the next block: the pool scatters a sequence's blocks, so the hardware prefetchers lose the
-trail at every block); elsewhere the same loops in scalar C++.
+trail at every block); elsewhere the same loops in scalar C++. On an AVX-512 host, head_dim 64 or 128
+goes to the body of model/cpu_attention_avx512.py instead (1.15-1.2x at 64 rows of the default model).
 
 On by default for CPU engines (`start()`; `SPLITSERVE_CPU_ATTN=0` turns it off): it is compiled by
 the host's C++ compiler (~15-20 s on 2 cores) in a background thread at the first engine start, the
@@ -25,14 +26,19 @@ import os
 
 import torch
 
-from splitserve.model.cpu_build import SIMD_HEADER, CppOps, simd_flags
+from splitserve.model import cpu_attention_avx512
+from splitserve.model.cpu_build import AVX512_HEADER, SIMD_HEADER, CppOps, simd_flags
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "1") != "0"  # on by default; 0 turns it off
-_NAME = "splitserve_cpu_attn_v3"
+_NAME = "splitserve_cpu_attn_v4"
+# the AVX-512 body (model/cpu_attention_avx512.py) where torch reports AVX-512 on this host;
+# SPLITSERVE_CPU_ATTN_AVX512=0 keeps the AVX2 body (bench/cpu_attention_op.py --avx2 compares them)
+_AVX512 = (
+    torch.backends.cpu.get_cpu_capability() == "AVX512"
+    and os.environ.get("SPLITSERVE_CPU_ATTN_AVX512") != "0"
+)
 
-_SOURCE = (
-    SIMD_HEADER
-    + r"""
+_HEAD = r"""
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -63,7 +69,9 @@ struct Task {  // one sequence, KV heads [h0, h0 + nh): their nh * G query heads
   int64_t kb, kt, kh, vb, vt, vh;
   float scale;
 };
+"""
 
+_BODY = r"""
 #ifdef SS_AVX2
 // the dot products of one query row with 8 key rows `kt` apart (D % 8 == 0), as one vector: 8
 // independent FMA chains (the query chunk loaded once for all 8), then one transposing reduction
@@ -252,6 +260,9 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, c
         continue;
       }
       s.resize(nh * G * a.L);
+#ifdef SS_AVX512
+      if (decode_task512(a, s.data(), inv.data(), acc.data())) continue;
+#endif
       scores(a, s.data());
       for (int64_t p = 0; p < nh * G; ++p) inv[p] = softmax_row(s.data() + p * a.L, a.L);
       weighted_sum(a, s.data(), inv.data(), acc.data());
@@ -266,9 +277,14 @@ TORCH_LIBRARY(splitserve_cpu, m) {
 }
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
 """
-)
 
-LIB = CppOps(_NAME, _SOURCE, simd_flags(), ENABLED, "CPU paged attention kernel")
+if _AVX512:
+    _SOURCE = SIMD_HEADER + AVX512_HEADER + _HEAD + cpu_attention_avx512.SOURCE + _BODY
+    _FLAGS = [*simd_flags(), "-mavx512f", "-mavx512dq"]
+else:
+    _SOURCE, _FLAGS = SIMD_HEADER + _HEAD + _BODY, simd_flags()
+
+LIB = CppOps(_NAME, _SOURCE, _FLAGS, ENABLED, "CPU paged attention kernel")
 
 
 def load(force: bool = False) -> object | None:

@@ -60,6 +60,30 @@ def test_paged_decode_in_blocks_of_16(op: object, kvh: int, h: int, d: int) -> N
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bs", [4, 16, 32])
+@pytest.mark.parametrize(
+    ("kvh", "g", "d"), [(3, 3, 64), (1, 1, 64), (2, 7, 64), (1, 13, 64), (2, 2, 128), (1, 8, 128)]
+)
+@pytest.mark.parametrize("rows", [2, 9])
+def test_paged_decode_head_groups_block_sizes_and_task_splits(
+    op: object, bs: int, kvh: int, g: int, d: int, rows: int
+) -> None:
+    """The AVX-512 body's shapes (model/cpu_attention_avx512.py, where the host has it; the AVX2 body
+    elsewhere): head_dim 64 and 128; G query heads a KV head taken in passes of up to 6 (64) or 3 (128);
+    blocks shorter than, equal to and longer than its 16 rows a score pass, and partial last blocks;
+    2 rows (a task a KV head) and 9 (a task a sequence)."""
+    lens = [1, 15, 16, 33, 47, 64, 100, 5, 260][:rows]
+    gen = torch.Generator().manual_seed(bs * 100 + g * 10 + d)
+    nb = sum(-(-n // bs) for n in lens) + 4
+    kv = torch.randn((nb, 1, 2, bs, kvh, d), generator=gen)
+    tables = _tables(lens, nb, seed=bs, bs=bs)
+    q = torch.randn(len(lens), kvh * g, d, generator=gen)
+    group = DecodeGroup(0, len(lens), tables, torch.tensor(lens))
+    ref = TorchPagedAttention(d**-0.5)._decode(q, kv[:, 0, 0], kv[:, 0, 1], group)
+    out = cpu_attention.paged_decode(q, kv[:, 0, 0], kv[:, 0, 1], tables, torch.tensor(lens), d**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_forward_decode_and_prefill(kernel: bool, request: pytest.FixtureRequest) -> None:
     """A step with two decode rows, a fresh prompt and a later chunk: forward() against the reference
