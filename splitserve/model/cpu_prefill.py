@@ -9,8 +9,9 @@ its earlier K/V from the cache (`_prefill`).
 
 This op reads the chunk's keys and values where they are (the cache holds them: they are stored
 before attention), for any chunk, first or later. A task is one KV head and a tile of query rows:
-the tile's rows times the head's G query heads make 64 lanes (G <= 64; 21 rows for the default
-model's G = 3), kept transposed (d-major), so that every step below is a vector over the lanes:
+the tile's rows times the head's G query heads make 64 lanes, or 48 where that aligns the tile's rows
+with the 16-key groups (G <= 64; 16 rows of 48 lanes for the default model's G = 3, 1.24x its 21 rows
+of 64), kept transposed (d-major), so that every step below is a vector over the lanes:
 16 keys at a time, their scores against all lanes (a key's element broadcast, four keys per pass),
 the causal mask, an online softmax (running max and sum per lane, exp in AVX-512) and the weighted
 values into a d-major accumulator. Keys past a tile's last row are never read; tiles are ordered
@@ -45,8 +46,7 @@ _SOURCE = (
 #include <cmath>
 #include <vector>
 
-constexpr int NV = 4;        // vectors of 16 lanes: 64 (query row, head) pairs a task
-constexpr int LANES = 16 * NV;
+constexpr int MAX_LANES = 64;  // (query row, head) pairs a task: 4 vectors of 16, or 3 (`vectors_for`)
 constexpr int KG = 16;       // keys a group
 
 struct Chunk {
@@ -58,8 +58,11 @@ struct Chunk {
   float scale;
 };
 
-// one KV head `h` and query rows [r0, r0 + rows): lane l is row r0 + l / G, query head h * G + l % G
+// one KV head `h` and query rows [r0, r0 + rows): lane l is row r0 + l / G, query head h * G + l % G;
+// NV vectors of 16 lanes
+template <int NV>
 static void tile(const Chunk& c, int64_t h, int64_t r0, int64_t rows) {
+  constexpr int LANES = 16 * NV;
   const int64_t D = c.D, G = c.G, first = c.ctx - c.T;  // position of query row 0
   alignas(64) float qt[256 * LANES];  // [D][LANES], pre-scaled
   alignas(64) float acc[256 * LANES];  // [D][LANES]
@@ -167,6 +170,19 @@ static void tile(const Chunk& c, int64_t h, int64_t r0, int64_t rows) {
   }
 }
 
+// vectors of 16 lanes a task for G query heads a KV head: 4 (64 lanes), or 3 where that makes the
+// tile's rows a whole multiple or divisor of a key group's 16 and 4 does not (G = 3: 16 rows, not
+// 21; 1.24x on the default model's prompts, bench/cpu_prefill_op.py), or leaves fewer lanes idle
+static int64_t vectors_for(int64_t G) {
+  const auto aligned = [&](int64_t nv) {
+    const int64_t rows = 16 * nv / G;
+    return rows > 0 && (rows % KG == 0 || KG % rows == 0);
+  };
+  if (G > 48 || aligned(4)) return 4;
+  if (aligned(3)) return 3;
+  return (64 % G) * 48 <= (48 % G) * 64 ? 4 : 3;  // the smaller share of idle lanes
+}
+
 // q [T, H, D] (rows of D contiguous, heads D apart); caches [NB, BS, KVH, D] (rows contiguous);
 // table [MB] int64 -> [T, H, D]: query row r at position ctx - T + r attends to keys [0, ctx - T + r]
 static at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -178,12 +194,12 @@ static at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cac
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "prefill_attention: q rows");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.size(3) == D,
               "prefill_attention: cache");
-  TORCH_CHECK(H % KVH == 0 && H / KVH <= LANES && D % 4 == 0 && D <= 256, "prefill_attention: heads");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= MAX_LANES && D % 4 == 0 && D <= 256, "prefill_attention: heads");
   TORCH_CHECK(ctx >= T && T > 0, "prefill_attention: context");
   const auto tab = table.to(at::kLong).contiguous();
   TORCH_CHECK(tab.numel() * BS >= ctx, "prefill_attention: block table");
   auto out = at::empty({T, H, D}, q.options());
-  const int64_t G = H / KVH, rows = LANES / G, tiles = (T + rows - 1) / rows;
+  const int64_t G = H / KVH, nv = vectors_for(G), rows = 16 * nv / G, tiles = (T + rows - 1) / rows;
   const Chunk c{q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
                 v_cache.data_ptr<float>(), tab.data_ptr<int64_t>(), T, ctx, H, G, D, BS, q.stride(0),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
@@ -193,7 +209,10 @@ static at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cac
   at::parallel_for(0, KVH * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i % KVH, k = i / KVH, t = k % 2 == 0 ? k / 2 : tiles - 1 - k / 2;
-      tile(c, h, t * rows, std::min(rows, T - t * rows));
+      if (nv == 3)
+        tile<3>(c, h, t * rows, std::min(rows, T - t * rows));
+      else
+        tile<4>(c, h, t * rows, std::min(rows, T - t * rows));
     }
   });
   return out;
@@ -212,7 +231,7 @@ def _supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
-LIB = CppOps("splitserve_cpu_prefill_v1", _SOURCE, ["-O3", "-fno-math-errno", "-mavx512f", "-mavx512dq"],
+LIB = CppOps("splitserve_cpu_prefill_v2", _SOURCE, ["-O3", "-fno-math-errno", "-mavx512f", "-mavx512dq"],
              ENABLED and _supported(), "CPU prompt attention kernel")  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """model/cpu_prefill.py's prompt attention against SDPA over the same keys: a whole prompt, a later
 chunk of one (it also sees the earlier part, read from the cache), blocks scattered in the pool, and
-query/KV head ratios of 1, 3 (the default model), 4 and 7. Runs only where the host has AVX-512."""
+query/KV head ratios of 1, 3 (the default model), 4, 6 and 7 (tiles of 48 lanes for 3 and 6, else
+64). Runs only where the host has AVX-512."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> t
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "tokens", "ctx", "block"),
     [(9, 3, 256, 256, 16), (9, 3, 100, 357, 16), (8, 8, 37, 37, 16), (8, 2, 70, 200, 32), (14, 2, 50, 50, 16),
-     (9, 3, 1, 40, 16)],
+     (9, 3, 1, 40, 16), (12, 2, 45, 60, 16)],
 )  # fmt: skip
 def test_prefill_attention_is_causal_attention_over_the_cached_keys(
     heads: int, kv_heads: int, tokens: int, ctx: int, block: int
