@@ -87,13 +87,22 @@ class Run:
         self._timer = asyncio.get_running_loop().call_later(left, self.queue.put_nowait, _DEADLINE)
 
     async def _one(self, index: int, ids: list[int], params: dict, rid: str) -> None:
+        end: BaseException | int = index  # what the consumer hears last from this choice, always
         try:
             async for piece in self.s.dispatcher.run(index, ids, params, rid):
                 self.queue.put_nowait(piece)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            self.queue.put_nowait(exc)
-        else:
-            self.queue.put_nowait(index)
+            end = exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # Run.cancel's own: the consumer has gone
+            # a stray one from below (an awaited future that another task cancelled): the consumer hears it
+            # now as a 500, not at the request's deadline
+            log.warning("request %s: choice %d was cancelled inside the router", rid, index)
+            end = APIError(500, f"choice {index} was cancelled inside the router", type="server_error")
+        finally:
+            self.queue.put_nowait(end)
 
     async def cancel(self) -> None:
         if self._timer is not None:
