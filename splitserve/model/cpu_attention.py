@@ -30,7 +30,7 @@ from splitserve.model import cpu_attention_avx512
 from splitserve.model.cpu_build import AVX512_HEADER, SIMD_HEADER, CppOps, simd_flags
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "1") != "0"  # on by default; 0 turns it off
-_NAME = "splitserve_cpu_attn_v4"
+_NAME = "splitserve_cpu_attn_v5"
 # the AVX-512 body (model/cpu_attention_avx512.py) where torch reports AVX-512 on this host;
 # SPLITSERVE_CPU_ATTN_AVX512=0 keeps the AVX2 body (bench/cpu_attention_op.py --avx2 compares them)
 _AVX512 = (
@@ -271,9 +271,22 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, c
   return out;
 }
 
+// which body this build runs for head size D: 512 (AVX-512), 256 (AVX2) or 1 (scalar); for the tests
+static int64_t paged_decode_body(int64_t D) {
+#ifdef SS_AVX512
+  if (takes512(D)) return 512;
+#endif
+#ifdef SS_AVX2
+  return 256;
+#else
+  return 1;
+#endif
+}
+
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, float scale)"
         " -> Tensor");
+  m.def("paged_decode_body(int head_dim) -> int", &paged_decode_body);
 }
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
 """

@@ -84,6 +84,17 @@ def test_paged_decode_head_groups_block_sizes_and_task_splits(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_the_body_taken_is_the_hosts_widest(op: object) -> None:
+    """The cases above pass with either body; this says which one this host's build runs: the AVX-512
+    body for head_dim 64 and 128 where torch reports AVX-512 (unless SPLITSERVE_CPU_ATTN_AVX512=0),
+    the AVX2 body for other sizes and on AVX2 hosts."""
+    body = torch.ops.splitserve_cpu.paged_decode_body
+    cap = torch.backends.cpu.get_cpu_capability()
+    wide = 256 if cap in ("AVX2", "AVX512") else 1
+    top = 512 if cap == "AVX512" and cpu_attention._AVX512 else wide
+    assert (body(64), body(128), body(96)) == (top, top, wide)
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_forward_decode_and_prefill(kernel: bool, request: pytest.FixtureRequest) -> None:
     """A step with two decode rows, a fresh prompt and a later chunk: forward() against the reference
