@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from types import ModuleType
 
@@ -273,6 +273,9 @@ class Qwen3_5LM(nn.Module):
         self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+        # CPU: the head through cpu_linear's matmul, as the decoder's; F.linear (MKL) on an AMD host gave
+        # logits that depend on the thread count (tests/serve/test_core_share.py), which lending changes
+        self.cpu_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         # NOTE: its tables are built on the CPU even under `meta` and copied per device on first use
         self.partial_rope = PartialRotaryEmbedding(cfg.rope, rotary_dim, max_positions)
@@ -338,6 +341,8 @@ class Qwen3_5LM(nn.Module):
         }
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.cpu_lm_head is not None:
+            return self.cpu_lm_head(hidden).float()  # [N, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()  # [N, vocab]
 
