@@ -12,12 +12,14 @@ the model's shapes:
 * decode attention: each decode row reads its sequence's K and V for every layer (bytes at the read
   bandwidth, or its FLOPs at the matmul rate, whichever is slower).
 
-The floor is the sum, each part at the box's measured rate; the share is floor / achieved, and the
-ceiling is the output tok/s the floor allows. `--vllm TOK_S` (vLLM-CPU's rate-inf output tok/s measured
+The floor is the parts' sum, each at the box's measured rate: a serial model (compute and KV reads
+could overlap, and the weights' and the KV writes' traffic is not counted), so not a strict lower
+bound. The share is floor / achieved (the run's speed as a share of the floor's), and the ceiling is
+the output tok/s the floor allows. `--vllm TOK_S` (vLLM-CPU's rate-inf output tok/s measured
 on the same box) adds what `--goal` x that figure needs, as a share of the floor.
 
     python bench/cpu_burst_floor.py
-    python bench/cpu_burst_floor.py --runs 3 --vllm 124.3
+    python bench/cpu_burst_floor.py --runs 3 --vllm 116.7
 """
 
 from __future__ import annotations

@@ -92,11 +92,12 @@ def weight_bytes(engine: LLMEngine) -> tuple[int, int]:
     """(bytes of weights a decode step reads: every projection and the LM head; the matmul parameters
     per token: the same, as a count)."""
     model = engine.loaded.model
+    head_module = getattr(model, "lm_head", None)  # None where the head is the tied embedding
     params = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and module is not head_module:
             params += module.weight.numel()
-    head = model.embed_tokens.weight if getattr(model, "lm_head", None) is None else model.lm_head.weight
+    head = model.embed_tokens.weight if head_module is None else head_module.weight
     params += head.numel()
     return params * head.element_size(), params
 

@@ -30,7 +30,7 @@ from splitserve.model import cpu_attention_avx512
 from splitserve.model.cpu_build import AVX512_HEADER, SIMD_HEADER, CppOps, simd_flags
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "1") != "0"  # on by default; 0 turns it off
-_NAME = "splitserve_cpu_attn_v5"
+_NAME = "splitserve_cpu_attn_v6"
 # the AVX-512 body (model/cpu_attention_avx512.py) where torch reports AVX-512 on this host;
 # SPLITSERVE_CPU_ATTN_AVX512=0 keeps the AVX2 body (bench/cpu_attention_op.py --avx2 compares them)
 _AVX512 = (
@@ -44,6 +44,7 @@ _HEAD = r"""
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 // the rows of one block (n token rows `rstride` apart, nh heads `hstride` apart, d floats each) into
@@ -222,6 +223,10 @@ static void weighted_sum(const Task& a, const float* s, const float* inv, float*
 }
 
 // q [B, H, D] contiguous; k_cache, v_cache [NB, BS, KVH, D] (rows of D contiguous, any other strides);
+#ifdef SS_AVX512
+static std::atomic<int64_t> tasks512{0};  // tasks the AVX-512 body took (paged_decode_tasks512)
+#endif
+
 // tables [B, MB] int64; lens [B] int64; -> [B, H, D]. Query head h reads KV head h / (H / KVH).
 // One task per sequence (all its KV heads: a block's rows are read whole) when there are enough of
 // them for the threads, else one per (sequence, KV head).
@@ -261,7 +266,10 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, c
       }
       s.resize(nh * G * a.L);
 #ifdef SS_AVX512
-      if (decode_task512(a, s.data(), inv.data(), acc.data())) continue;
+      if (decode_task512(a, s.data(), inv.data(), acc.data())) {
+        tasks512.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
 #endif
       scores(a, s.data());
       for (int64_t p = 0; p < nh * G; ++p) inv[p] = softmax_row(s.data() + p * a.L, a.L);
@@ -271,22 +279,19 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, c
   return out;
 }
 
-// which body this build runs for head size D: 512 (AVX-512), 256 (AVX2) or 1 (scalar); for the tests
-static int64_t paged_decode_body(int64_t D) {
+// tasks the AVX-512 body has run in this process (0 where it is not built): for the tests
+static int64_t paged_decode_tasks512() {
 #ifdef SS_AVX512
-  if (takes512(D)) return 512;
-#endif
-#ifdef SS_AVX2
-  return 256;
+  return tasks512.load(std::memory_order_relaxed);
 #else
-  return 1;
+  return 0;
 #endif
 }
 
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, float scale)"
         " -> Tensor");
-  m.def("paged_decode_body(int head_dim) -> int", &paged_decode_body);
+  m.def("paged_decode_tasks512() -> int", &paged_decode_tasks512);
 }
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
 """

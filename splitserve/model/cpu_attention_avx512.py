@@ -17,7 +17,8 @@ another order than the AVX2 body's (fp32 either way): outputs differ by ~1e-7 re
 
 Compiled only with -mavx512f (cpu_attention.py passes it where torch reports AVX512); it defines
 SS_AVX512 and `decode_task512` (one task: its scores, softmax and weighted values), which answers false
-where it does not take the shape.
+where it does not take the shape; cpu_attention.py counts the tasks it takes (`paged_decode_tasks512`,
+which the tests read to know this body ran).
 """
 
 SOURCE = r"""

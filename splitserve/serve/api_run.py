@@ -76,6 +76,7 @@ class Run:
         self.pending = len(self.jobs)
         self._timer: asyncio.TimerHandle | None = None
         self.tool_format: str | None = None  # tools on: each choice's text is parsed for calls
+        self.cancelling = False  # set by cancel(): its choices' cancellations are its own
 
     def launch(self) -> None:
         for index, ids, params in self.jobs:
@@ -87,7 +88,7 @@ class Run:
         self._timer = asyncio.get_running_loop().call_later(left, self.queue.put_nowait, _DEADLINE)
 
     async def _one(self, index: int, ids: list[int], params: dict, rid: str) -> None:
-        end: BaseException | int = index  # what the consumer hears last from this choice, always
+        end: BaseException | int | None = index  # what the consumer hears last from this choice
         try:
             async for piece in self.s.dispatcher.run(index, ids, params, rid):
                 self.queue.put_nowait(piece)
@@ -95,16 +96,27 @@ class Run:
             end = exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # Run.cancel's own: the consumer has gone
+            if self.cancelling or (task is not None and task.cancelling()):
+                end = None  # Run.cancel's own: the consumer has gone
+                raise
             # a stray one from below (an awaited future that another task cancelled): the consumer hears it
             # now as a 500, not at the request's deadline
             log.warning("request %s: choice %d was cancelled inside the router", rid, index)
-            end = APIError(500, f"choice {index} was cancelled inside the router", type="server_error")
+            end = APIError(
+                500,
+                f"choice {index} was cancelled inside the router",
+                type="server_error",
+                code="choice_cancelled",
+            )
+        except BaseException:
+            end = None  # the process is going down
+            raise
         finally:
-            self.queue.put_nowait(end)
+            if end is not None:
+                self.queue.put_nowait(end)
 
     async def cancel(self) -> None:
+        self.cancelling = True
         if self._timer is not None:
             self._timer.cancel()
         for t in self.tasks:

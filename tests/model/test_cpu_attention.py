@@ -84,15 +84,18 @@ def test_paged_decode_head_groups_block_sizes_and_task_splits(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_the_body_taken_is_the_hosts_widest(op: object) -> None:
-    """The cases above pass with either body; this says which one this host's build runs: the AVX-512
-    body for head_dim 64 and 128 where torch reports AVX-512 (unless SPLITSERVE_CPU_ATTN_AVX512=0),
-    the AVX2 body for other sizes and on AVX2 hosts."""
-    body = torch.ops.splitserve_cpu.paged_decode_body
-    cap = torch.backends.cpu.get_cpu_capability()
-    wide = 256 if cap in ("AVX2", "AVX512") else 1
-    top = 512 if cap == "AVX512" and cpu_attention._AVX512 else wide
-    assert (body(64), body(128), body(96)) == (top, top, wide)
+def test_the_avx512_body_runs_where_the_host_has_it(op: object) -> None:
+    """The cases above pass with either body; this counts the tasks the AVX-512 body ran: head_dim 64
+    and 128 on hosts where torch reports AVX-512 (unless SPLITSERVE_CPU_ATTN_AVX512=0), never 96."""
+    count = torch.ops.splitserve_cpu.paged_decode_tasks512
+    lens = [5, 17, 30]
+    wide = cpu_attention._AVX512  # torch reports AVX-512 here and the switch leaves it on
+    for d, taken in ((64, wide), (128, wide), (96, False)):
+        kv = torch.randn((30, 2, BS, 2, d))
+        q = torch.randn(len(lens), 4, d)
+        before = count()
+        cpu_attention.paged_decode(q, kv[:, 0], kv[:, 1], _tables(lens, 30), torch.tensor(lens), d**-0.5)
+        assert (count() > before) == taken, d
 
 
 @pytest.mark.parametrize("kernel", [True, False])
