@@ -30,7 +30,7 @@ from splitserve.model import cpu_attention_avx512
 from splitserve.model.cpu_build import AVX512_HEADER, SIMD_HEADER, CppOps, simd_flags
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "1") != "0"  # on by default; 0 turns it off
-_NAME = "splitserve_cpu_attn_v6"
+_NAME = "splitserve_cpu_attn_v7"
 # the AVX-512 body (model/cpu_attention_avx512.py) where torch reports AVX-512 on this host;
 # SPLITSERVE_CPU_ATTN_AVX512=0 keeps the AVX2 body (bench/cpu_attention_op.py --avx2 compares them)
 _AVX512 = (
@@ -222,11 +222,11 @@ static void weighted_sum(const Task& a, const float* s, const float* inv, float*
     for (int64_t d = 0; d < a.D; ++d) a.out[p * a.D + d] = acc[p * a.D + d] * inv[p];
 }
 
-// q [B, H, D] contiguous; k_cache, v_cache [NB, BS, KVH, D] (rows of D contiguous, any other strides);
 #ifdef SS_AVX512
 static std::atomic<int64_t> tasks512{0};  // tasks the AVX-512 body took (paged_decode_tasks512)
 #endif
 
+// q [B, H, D] contiguous; k_cache, v_cache [NB, BS, KVH, D] (rows of D contiguous, any other strides);
 // tables [B, MB] int64; lens [B] int64; -> [B, H, D]. Query head h reads KV head h / (H / KVH).
 // One task per sequence (all its KV heads: a block's rows are read whole) when there are enough of
 // them for the threads, else one per (sequence, KV head).
@@ -256,6 +256,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, c
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   at::parallel_for(0, B * per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s, inv(nh * G), acc(nh * G * D);
+    [[maybe_unused]] int64_t wide = 0;  // tasks the AVX-512 body took: one shared add a range
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / per_seq, h0 = (i % per_seq) * nh;
       const Task a{qp + (b * H + h0 * G) * D, op + (b * H + h0 * G) * D, tp + b * MB, lp[b], nh, G, D, BS,
@@ -267,7 +268,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, c
       s.resize(nh * G * a.L);
 #ifdef SS_AVX512
       if (decode_task512(a, s.data(), inv.data(), acc.data())) {
-        tasks512.fetch_add(1, std::memory_order_relaxed);
+        ++wide;
         continue;
       }
 #endif
@@ -275,6 +276,9 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, c
       for (int64_t p = 0; p < nh * G; ++p) inv[p] = softmax_row(s.data() + p * a.L, a.L);
       weighted_sum(a, s.data(), inv.data(), acc.data());
     }
+#ifdef SS_AVX512
+    if (wide) tasks512.fetch_add(wide, std::memory_order_relaxed);
+#endif
   });
   return out;
 }

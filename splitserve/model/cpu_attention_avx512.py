@@ -168,13 +168,10 @@ static inline float softmax_row512(float* sp, int64_t L) {
   return 1.f / _mm512_reduce_add_ps(acc);
 }
 
-// the head sizes this body takes
-static bool takes512(int64_t D) { return D == 64 || D == 128; }
-
 // one task (a sequence's KV heads [h0, h0 + nh)); s holds nh * G * L floats, acc nh * G * D.
-// -> false where the shape is not one this body takes
+// -> false where the shape is not one this body takes (D other than 64 or 128)
 static bool decode_task512(const Task& a, float* s, float* inv, float* acc) {
-  if (!takes512(a.D)) return false;
+  if (a.D != 64 && a.D != 128) return false;
   if (a.D == 64) scores512<4>(a, s); else scores512<8>(a, s);
   for (int64_t p = 0; p < a.nh * a.G; ++p) inv[p] = softmax_row512(s + p * a.L, a.L);
   if (a.D == 64) weighted_sum512<4>(a, s, inv, acc); else weighted_sum512<8>(a, s, inv, acc);

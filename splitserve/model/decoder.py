@@ -226,10 +226,7 @@ class DecoderLM(nn.Module):
         return {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.cpu_lm_head is not None:
-            return self.cpu_lm_head(hidden).float()  # [N, vocab]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()  # [N, vocab]
+        return head_logits(self, hidden)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into this model's (merged) parameters; every parameter must be set."""
@@ -253,6 +250,16 @@ class OutProj:
 
     x: torch.Tensor  # [T, in_features]
     proj: Linear
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A model's logits [N, vocab] in fp32: through its CPU head (`cpu_lm_head`, set by
+    cpu_linear.prepare_model: results that do not depend on the thread count) where it has one, else
+    the LM head's weight (or the tied embedding's)."""
+    if model.cpu_lm_head is not None:
+        return model.cpu_lm_head(hidden).float()
+    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return linear(hidden, weight).float()
 
 
 def fused_forward(

@@ -49,7 +49,7 @@ from torch import nn
 
 from splitserve.model import cpu_threads
 from splitserve.model.config import ModelConfig
-from splitserve.model.decoder import ForwardContext, fused_forward
+from splitserve.model.decoder import ForwardContext, fused_forward, head_logits
 from splitserve.model.errors import ModelLoadError
 from splitserve.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from splitserve.model.gdn_prefill import build_linear_prefill, varlen_conv, varlen_rule
@@ -59,7 +59,6 @@ from splitserve.model.layers import (
     Linear,
     PartialRotaryEmbedding,
     ZeroCentredRMSNorm,
-    linear,
 )
 from splitserve.model.qwen3_5_weights import expected_keys, hf_named, map_name, merged_rows
 from splitserve.model.weights import load_mapped_weights
@@ -341,10 +340,7 @@ class Qwen3_5LM(nn.Module):
         }
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.cpu_lm_head is not None:
-            return self.cpu_lm_head(hidden).float()  # [N, vocab]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()  # [N, vocab]
+        return head_logits(self, hidden)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into this model's (merged) parameters; every parameter must be set.
