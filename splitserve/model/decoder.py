@@ -148,7 +148,7 @@ class DecoderLM(nn.Module):
             return self._forward_cpu_fused(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
-            cpu_threads.between_layers()
+            cpu_threads.checkpoint()
             x = layer(positions, x, self.rope, ctx)
         return self.norm(x)
 
@@ -174,17 +174,20 @@ class DecoderLM(nn.Module):
             dyn = (positions, ctx.meta.slot_mapping, group.block_tables, group.context_lens)
             dyn += (self.rope.cos, self.rope.sin)
             for i, layer_args in enumerate(args):
-                cpu_threads.between_layers()
+                cpu_threads.checkpoint()
                 h = cpu_layer.decode_layer(h, residual, dyn, kv[:, i, 0], kv[:, i, 1], layer_args, scale)
             return h
         for i, layer in enumerate(layers):
-            cpu_threads.between_layers()
+            cpu_threads.checkpoint()
             a = layer.self_attn.forward_cpu(positions, h, self.rope, ctx)
             post = layer.post_attention_layernorm
             h = cpu_fused.add_rms_norm(a, residual, post.weight, post.eps)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             mlp = layer.mlp
-            m = mlp.down_proj(cpu_fused.silu_mul(mlp.gate_up_proj(h)))
+            cpu_threads.checkpoint()  # a prompt layer's MLP products are most of its time
+            g = cpu_fused.silu_mul(mlp.gate_up_proj(h))
+            cpu_threads.checkpoint()
+            m = mlp.down_proj(g)
             h = cpu_fused.add_rms_norm(m, residual, nxt.weight, nxt.eps)
         return h
 

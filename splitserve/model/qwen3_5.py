@@ -295,7 +295,7 @@ class Qwen3_5LM(nn.Module):
             return self._forward_fused(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
-            cpu_threads.between_layers()
+            cpu_threads.checkpoint()
             x = layer(positions, x, self.partial_rope, ctx)
         return self.norm(x)
 

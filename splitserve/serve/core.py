@@ -96,7 +96,7 @@ class EngineCore:
         self.stopping = False
         self.cores = open_share(config)  # cores lent between this host's CPU workers, or None
         if self.cores is not None:
-            cpu_threads.set_layer_hook(lambda: self._take_cores(True))  # given back within a layer
+            cpu_threads.set_hook(lambda: self._take_cores(True))  # given back within a product
         self.threads = config.threads
         self.borrowed_steps = 0  # steps that started on more threads than the worker's own
         self.paced_steps = 0  # steps after which this decode worker lent its cores until its pace ended
@@ -335,7 +335,7 @@ class EngineCore:
     def close(self) -> None:
         self.call_pool.shutdown(wait=False, cancel_futures=True)
         if self.cores is not None:
-            cpu_threads.set_layer_hook(None)
+            cpu_threads.set_hook(None)
             self.cores.close()
         if self.connector is not None:
             self.connector.close()

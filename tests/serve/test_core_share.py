@@ -143,10 +143,11 @@ def test_a_disaggregated_deployments_workers_borrow_the_idle_ones_core(disaggreg
     ("model", "fused"),
     [("random:tiny-random", True), ("random:tiny-random", False), ("random:qwen3.5-tiny-random", False)],
 )
-def test_the_layer_hook_runs_before_every_layer(model: str, fused: bool, monkeypatch) -> None:
-    """A borrowed core comes back within one layer only if the serving loop's hook (model/cpu_threads.py)
-    runs between the layers of every forward: the decoder's fused CPU path and its plain one, and the
-    hybrid's."""
+def test_the_hook_runs_before_each_layer_and_mlp_product(model: str, fused: bool, monkeypatch) -> None:
+    """A borrowed core comes back within one product only if the serving loop's hook (model/cpu_threads.py)
+    runs at the checkpoints of every forward: before each layer (the decoder's fused CPU path and its
+    plain one, and the hybrid's), and in the fused path's prompt steps also before each of a layer's two
+    MLP products."""
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import LLMEngine
     from splitserve.engine.params import SamplingParams
@@ -159,21 +160,27 @@ def test_the_layer_hook_runs_before_every_layer(model: str, fused: bool, monkeyp
     net = engine.runner.model
     if hasattr(net, "cpu_fused"):
         net.cpu_fused = fused
-    forward, counts = type(net).forward, {"forwards": 0, "hooks": 0}
+    forward, hooks, per_forward = type(net).forward, [0], []
 
-    def counted(self, *args, **kwargs):
-        counts["forwards"] += 1
-        return forward(self, *args, **kwargs)
+    def counted(self, input_ids, *args, **kwargs):
+        before = hooks[0]
+        out = forward(self, input_ids, *args, **kwargs)
+        per_forward.append((len(input_ids), hooks[0] - before))
+        return out
 
     monkeypatch.setattr(type(net), "forward", counted)
-    cpu_threads.set_layer_hook(lambda: counts.__setitem__("hooks", counts["hooks"] + 1))
+    cpu_threads.set_hook(lambda: hooks.__setitem__(0, hooks[0] + 1))
     try:
         engine.add_request(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
     finally:
-        cpu_threads.set_layer_hook(None)
-    assert counts["forwards"] >= 4 and counts["hooks"] == counts["forwards"] * net.cfg.num_layers
+        cpu_threads.set_hook(None)
+    layers = net.cfg.num_layers
+    prompt = 3 * layers if fused else layers
+    assert len(per_forward) >= 4
+    assert per_forward[0] == (39, prompt)  # the prompt's step
+    assert all(n == layers for _, n in per_forward[1:])  # decode steps: one a layer
 
 
 def test_a_decode_worker_paces_its_steps_while_the_prefill_worker_is_busy(disaggregated) -> None:
