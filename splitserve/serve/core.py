@@ -96,7 +96,7 @@ class EngineCore:
         self.stopping = False
         self.cores = open_share(config)  # cores lent between this host's CPU workers, or None
         if self.cores is not None:
-            cpu_threads.set_hook(lambda: self._take_cores(True))  # given back within a product
+            cpu_threads.set_hook(lambda: self._take_cores(True))  # at each checkpoint of a step
         self.threads = config.threads
         self.borrowed_steps = 0  # steps that started on more threads than the worker's own
         self.paced_steps = 0  # steps after which this decode worker lent its cores until its pace ended
@@ -166,7 +166,7 @@ class EngineCore:
 
     def _take_cores(self, busy: bool) -> None:
         """Mark this worker busy or idle in the shared file; a busy one runs its next step (and, called
-        between layers, the rest of this one) on its own cores plus those idle workers lend
+        at its checkpoints, the rest of this one) on its own cores plus those idle workers lend
         (serve/core_share.py)."""
         if self.cores is None:
             return
