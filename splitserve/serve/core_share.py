@@ -15,10 +15,11 @@ it has none; a busy one runs with its own cores plus every core the other slots 
 busy takes its cores back at once, and the borrower returns them at its next checkpoint: checked only
 between steps, a borrower's 2,048-token prefill step kept the core for seconds while the decode worker
 shared it, and a burst ran 1.7x slower. Checked only at each layer's start, a prompt layer (~38 ms on
-two threads at 1,024 tokens, twice that on one) left a core the paced decode worker had just lent unused
-for half a layer on average; the checkpoints before the MLP's products made a P/D burst 1.09-1.29x
-faster (three alternating pairs, docs/bench/cpu-engine.md "Session 25"). Making a worker that turns busy
-also wait until the borrower has let its core go (so that the two never share one) measured no faster.
+two threads at 1,024 tokens, an estimated twice that on one) left a core the paced decode worker had
+just lent unused for, by these times, half a layer on average; the checkpoints before the MLP's products
+made a P/D burst 1.09-1.29x faster (three alternating pairs, docs/bench/cpu-engine.md "Session 25").
+Making a worker that turns busy also wait until the borrower has let its core go (so that the two never
+share one) measured no faster.
 An idle worker's own background work, the KV prefault (engine/kv_prefault.py), waits while another
 worker is busy (`others_busy`): it would run on the core it lends.
 
