@@ -5,7 +5,9 @@ The fp32 path generates greedy continuations of chat prompts; both paths then ru
 token (strict; and tied: the token's logit equals the top logit). The fp32 path against itself is the
 reference row (the same products in another shape: one forward over the sequence against one token a
 step). Also prints both paths' own greedy outputs: how many match the fp32 ones token for token, and
-the mean position of the first difference.
+the mean position of the first difference. The int4 option is run twice: as served (products of
+`cpu_linear.INT4_BF16_ROWS` rows or more through its bf16 weights) and with the int4 kernels at every
+batch ("int4 kernels").
 
     python bench/cpu_quant.py                       # the embedded default (a Q4_1 GGUF)
     python bench/cpu_quant.py --new-tokens 128 --prompts 16
@@ -94,11 +96,14 @@ def main() -> int:
     ]
     model = engine.loaded.model
     runs = {}
-    for kind in ("fp32", "int4"):
+    served_rows = cpu_linear.INT4_BF16_ROWS
+    paths = {"fp32": ("fp32", served_rows), "int4": ("int4", served_rows), "int4 kernels": ("int4", 1 << 30)}
+    for name, (kind, rows) in paths.items():
+        cpu_linear.INT4_BF16_ROWS = rows
         counts = cpu_linear.prepare_model(model, kind)
-        runs[kind] = generate(engine, prompts, args.new_tokens)
-        print(f"{kind}: {counts}; {len(prompts)} prompts x {args.new_tokens} tokens greedy in "
-              f"{runs[kind][1]:.1f} s", flush=True)  # fmt: skip
+        runs[name] = generate(engine, prompts, args.new_tokens)
+        print(f"{name}: {counts}; {len(prompts)} prompts x {args.new_tokens} tokens greedy in "
+              f"{runs[name][1]:.1f} s", flush=True)  # fmt: skip
     mats = [getattr(m, "cpu_matmul", None) for m in model.modules()]
     errs = [m.err for m in mats if isinstance(m, cpu_linear.Int4Matmul)]
     print(f"int4 codes: largest |w - dequantized| over {len(errs)} weights: {max(errs):.3g} "
@@ -108,15 +113,19 @@ def main() -> int:
     print(f"\nteacher-forced top-1 agreement with the fp32 path's greedy tokens ({n} positions):")
     print("| path | strict | with ties |")
     print("|---|---|---|")
-    for kind in ("fp32", "int4"):
+    for name, (kind, rows) in paths.items():
+        cpu_linear.INT4_BF16_ROWS = rows
         cpu_linear.prepare_model(model, kind)
         s, t, n = agreement(engine, prompts, ref)
-        print(f"| {kind} | {s / n:.2%} ({s}/{n}) | {t / n:.2%} |")
-    own = runs["int4"][0]
-    same = sum(a == b for a, b in zip(own, ref, strict=True))
-    diverge = sum(first_difference(a, b) for a, b in zip(own, ref, strict=True)) / len(ref)
-    print(f"\nint4 greedy vs fp32 greedy: {same}/{len(ref)} sequences identical; first difference at token "
-          f"{diverge:.1f} on average (of {args.new_tokens})")  # fmt: skip
+        print(f"| {name} | {s / n:.2%} ({s}/{n}) | {t / n:.2%} |")
+    print()
+    for name in ("int4", "int4 kernels"):
+        own = runs[name][0]
+        same = sum(a == b for a, b in zip(own, ref, strict=True))
+        diverge = sum(first_difference(a, b) for a, b in zip(own, ref, strict=True)) / len(ref)
+        print(f"{name} greedy vs fp32 greedy: {same}/{len(ref)} sequences identical; first difference at "
+              f"token {diverge:.1f} on average (of {args.new_tokens})")  # fmt: skip
+    cpu_linear.INT4_BF16_ROWS = served_rows
     cpu_linear.prepare_model(model, "fp32")
     return 0
 

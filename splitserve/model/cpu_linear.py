@@ -13,9 +13,16 @@ scale and an offset per group of 32 inputs (asymmetric: w = d * q + m, q in 0..1
 torch's `_weight_int4pack_mm_for_cpu`; the LM head as int8 with one scale per row, multiplied by
 `_weight_int8pack_mm`; activations enter both in bf16, the residual stream stays fp32. The codes are
 taken from the weights in memory: a Q4_1 GGUF (the embedded default) was dequantized from exactly this
-form, so its own codes come back (`quantize_int4` returns the largest reconstruction error, ~0 for
+form, so its own codes come back (`int4_codes` returns the largest reconstruction error, ~0 for
 them); the scales are rounded to bf16 (the kernels want the activations' dtype). Its top-1
 agreement with the fp32 path is measured by `bench/cpu_quant.py`.
+Products of `INT4_BF16_ROWS` rows or more (prompt steps, decode batches) do not take the int4 kernels:
+the same dequantized weights, rounded to bf16 and packed for oneDNN's bf16 matmul, run ~2x faster than
+fp32 there, while torch's int4 kernel runs at about half fp32's rate and the int8 head's at a quarter of
+bf16's from 16 rows (measured on the 2-vCPU Zen 4 box, docs/bench/cpu-engine.md "Session 26"; at one
+row the int4 kernel is as fast, reading a quarter of the bytes). The int4 option thus keeps both: the
+codes (~55 MB for the default model) and the bf16 weights (~270 MB with the head), half fp32's ~540 MB.
+`SPLITSERVE_CPU_INT4_BF16_ROWS` sets the row count (default 2; a large one keeps the int4 kernels).
 
 `prepare_model` keeps the module's dense fp32 weight beside the packed one (`Linear.cpu_matmul`,
 `DecoderLM.cpu_lm_head` are callables), so that a model shared with other readers (tests, benches,
@@ -55,6 +62,7 @@ ENABLED = os.environ.get("SPLITSERVE_CPU_ONEDNN", "1") != "0"
 DROP_DENSE = os.environ.get("SPLITSERVE_CPU_KEEP_DENSE", "0") != "1"  # 1: keep them (an A/B switch)
 CPU_WEIGHTS = ("fp32", "int4")
 GROUP = 32  # int4: inputs per scale/offset pair (Q4_0/Q4_1's block)
+INT4_BF16_ROWS = int(os.environ.get("SPLITSERVE_CPU_INT4_BF16_ROWS", "2"))  # int4 option: bf16 from here
 GEMV_ROWS = 2  # fp32 with the dense weights kept: up to this many rows through F.linear (MKL)
 PANELS_MEMORY_SHARE = 0.25  # the panels' most bytes, as a share of the host's available memory
 
@@ -137,9 +145,9 @@ def panels_fit(nbytes: int) -> bool:
     return False
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """[N, K] fp32 (K a multiple of GROUP) -> (codes packed for `_weight_int4pack_mm_for_cpu`,
-    scales_and_zeros [K / GROUP, N, 2] fp32, the largest |w - dequantized|)."""
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """[N, K] fp32 (K a multiple of GROUP) -> (codes [N, K / GROUP, GROUP] fp32 in 0..15, scales_and_zeros
+    [K / GROUP, N, 2] fp32 as `_weight_int4pack_mm_for_cpu` takes them, the largest |w - dequantized|)."""
     n, k = weight.shape
     w = weight.detach().float().view(n, k // GROUP, GROUP)
     lo, hi = w.amin(-1), w.amax(-1)  # [N, K / GROUP]
@@ -147,37 +155,54 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, flo
     d = torch.where(d > 0, d, torch.ones_like(d))  # a constant group: q = 0, w = lo
     q = torch.round((w - lo[..., None]) / d[..., None]).clamp_(0, 15)
     err = float((q * d[..., None] + lo[..., None] - w).abs().max())
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 2)
     # the kernel's dequantization: (q - 8) * scale + zero, so zero = lo + 8 d
     scales_zeros = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).contiguous()
-    return packed, scales_zeros, err
+    return q, scales_zeros, err
+
+
+def _bf16_rows(x: torch.Tensor) -> bool:
+    return x.numel() // x.shape[-1] >= INT4_BF16_ROWS
 
 
 class Int4Matmul:
-    """x @ W.T + b with W as int4 codes per group of 32 inputs; bf16 activations, fp32 out."""
+    """x @ W.T + b with W as int4 codes per group of 32 inputs; bf16 activations, fp32 out. From
+    `INT4_BF16_ROWS` rows: the same weights dequantized to bf16, through oneDNN."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.packed, sz, self.err = quantize_int4(weight)
+        q, sz, self.err = int4_codes(weight)
+        n, k = weight.shape
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 2)
         self.scales_zeros = sz.to(torch.bfloat16)
+        scale, zero = self.scales_zeros.float().transpose(0, 1).unbind(-1)  # [N, K / GROUP] each
+        dense = (q - 8) * scale[..., None] + zero[..., None]  # what the int4 kernel multiplies by
+        self.bf16 = pack(dense.view(n, k).to(torch.bfloat16))
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros).float()
+        if _bf16_rows(flat):
+            out = packed_linear(flat, self.bf16, None).float()
+        else:
+            int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            out = int4_mm(flat, self.packed, GROUP, self.scales_zeros).float()
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
 
 
 class Int8Matmul:
-    """x @ W.T with W as int8 and one scale per row (the LM head); bf16 activations, fp32 out."""
+    """x @ W.T with W as int8 and one scale per row (the LM head); bf16 activations, fp32 out. From
+    `INT4_BF16_ROWS` rows: the same weights as bf16, through oneDNN."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
         scale = w.abs().amax(-1).clamp_min(1e-12) / 127  # [N]
         self.codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         self.scales = scale.to(torch.bfloat16)
+        self.bf16 = pack((self.codes.float() * self.scales.float()[:, None]).to(torch.bfloat16))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if _bf16_rows(x):
+            return packed_linear(x.to(torch.bfloat16), self.bf16, None).float()
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).float()
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitserve.model import cpu_fused, cpu_gemm, cpu_layer, cpu_threads
+from splitserve.model import cpu_fused, cpu_gemm, cpu_layer, cpu_linear, cpu_threads
 from splitserve.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from splitserve.model.config import ModelConfig
 from splitserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
@@ -198,6 +198,9 @@ class DecoderLM(nn.Module):
         the same objects (cpu_linear's prepare_model and drop_dense replace them all at once) and the
         panels' op is as loaded as it was."""
         if not self.cpu_layer or rows > cpu_gemm.MAX_ROWS or not cpu_layer.ready():
+            return None
+        int4 = isinstance(self.layers[0].self_attn.qkv_proj.cpu_matmul, cpu_linear.Int4Matmul)
+        if int4 and rows >= cpu_linear.INT4_BF16_ROWS:  # the int4 option's bf16 products (cpu_linear.py)
             return None
         attn = ctx.attn
         if not (isinstance(attn, TorchPagedAttention) and attn.reads_in_place(ctx.kv_cache)):

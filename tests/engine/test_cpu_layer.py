@@ -63,6 +63,7 @@ def _generate(llm: LLM, tiny) -> list[list[int]]:  # noqa: ANN001
 @pytest.mark.parametrize(("arch", "weights"), CASES)
 def test_decode_steps_through_the_op_are_bitwise_the_python_path(tiny_model_factory, arch: str, weights: str,
                                                                  monkeypatch) -> None:  # fmt: skip
+    monkeypatch.setattr(cpu_linear, "INT4_BF16_ROWS", 1 << 20)  # int4: the int4 kernels at every batch
     tiny = tiny_model_factory(arch)
     llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20,
               cpu_weights=weights)  # fmt: skip
@@ -79,6 +80,7 @@ def test_the_op_follows_a_model_prepared_again(tiny_model_factory, monkeypatch) 
     """fp32, then the same model's projections prepared again as int4 (the benches' A/B in one process):
     the op's steps take the new weights, not the arguments kept from the first."""
     monkeypatch.setattr(cpu_linear, "DROP_DENSE", False)
+    monkeypatch.setattr(cpu_linear, "INT4_BF16_ROWS", 1 << 20)
     tiny = tiny_model_factory("qwen3")
     llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20)
     model = llm.engine.runner.model
@@ -101,3 +103,20 @@ def test_the_op_is_not_used_without_panels(tiny_model_factory, monkeypatch) -> N
     greedy = SamplingParams(temperature=0, max_tokens=tiny.max_new, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in tiny.prompts], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == tiny.hf_greedy and calls == [0]
+
+
+def test_int4_batches_leave_the_op_for_bf16_products(tiny_model_factory, monkeypatch) -> None:
+    """The int4 option from `INT4_BF16_ROWS` rows (cpu_linear.py): decode steps of one row take the op
+    over the int4 codes; batches of more take the Python path, whose products are the bf16 weights."""
+    tiny = tiny_model_factory("qwen3")
+    llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20,
+              cpu_weights="int4")  # fmt: skip
+    model = llm.engine.runner.model
+    checked = Checked(model, monkeypatch)
+    greedy = SamplingParams(temperature=0, max_tokens=tiny.max_new, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": tiny.prompts[0]}], greedy, use_tqdm=False)
+    alone = checked.steps
+    assert alone == tiny.max_new - 1 and checked.calls == alone * model.cfg.num_layers
+    _generate(llm, tiny)  # all prompts at once: batches of several rows
+    assert len(tiny.prompts) >= cpu_linear.INT4_BF16_ROWS
+    assert checked.steps == alone, (checked.steps, alone)  # every step decodes several rows

@@ -36,6 +36,22 @@ def test_int4_recovers_q4_1_codes_exactly():
     torch.testing.assert_close(mm(x), ref, rtol=2e-2, atol=2e-2)  # bf16 activations and scales
 
 
+def test_int4_batches_take_the_same_weights_in_bf16(monkeypatch):
+    """From INT4_BF16_ROWS rows the int4 option multiplies the int4 kernel's own dequantized weights,
+    rounded to bf16, through oneDNN: its rows match the kernel's at bf16 precision, and the LM head's
+    int8 rows the same."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 128, generator=gen) * 0.05
+    mm, head = cpu_linear.Int4Matmul(w, None), cpu_linear.Int8Matmul(w)
+    x = torch.randn(5, 128, generator=gen)
+    fast = [mm(x), head(x)]
+    monkeypatch.setattr(cpu_linear, "INT4_BF16_ROWS", 1 << 20)
+    kernels = [mm(x), head(x)]
+    for a, b in zip(fast, kernels, strict=True):
+        assert not torch.equal(a, b)  # another path was taken
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 @pytest.fixture
 def no_panels(monkeypatch):
     """Projections without model/cpu_gemm.py's op (oneDNN and MKL only), whatever this host is."""
