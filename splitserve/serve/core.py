@@ -183,6 +183,9 @@ class EngineCore:
         self.paced_steps += 1
         while (left := end - time.perf_counter()) > 0 and not self.stopping:
             self._drain(max(1, int(left * 1e3)))
+            # an import that came or a load that ended meanwhile: started, or timed, now (not at the
+            # pace's end: that wait is no part of the transfer, and the fetch can run meanwhile)
+            self.engine.free_released_kv()
 
     def _drain(self, timeout_ms: int) -> None:
         ready = dict(self.poller.poll(timeout_ms))

@@ -5,6 +5,7 @@ on its thread count), and a real disaggregated deployment whose workers borrow e
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -212,3 +213,40 @@ def test_a_decode_worker_paces_its_steps_while_the_prefill_worker_is_busy(disagg
     decode = next(name for name in after if name.startswith("decode"))
     prefill = next(name for name in after if name.startswith("prefill"))
     assert after[decode] > before[decode] and after[prefill] == before[prefill] == 0
+
+
+def test_an_import_during_a_pace_starts_and_is_timed_at_once(disaggregated) -> None:
+    """Short prompts whose prefill ends while the prefill worker goes on with a long one reach the decode
+    worker while it paces (it decodes another answer, the prefill worker is busy): their KV loads start
+    and end during the pace, so the transfer a response reports is the load, not up to a pace (200 ms)
+    of waiting for the pace to end."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: nothing to lend")
+    client = disaggregated.client()
+    model = "smollm2-135m-instruct"
+    disaggregated.wait_idle()
+    before = {name: s["threads"]["paced_steps"] for name, s in disaggregated.worker_stats().items()}
+    stream = client.completions.create(model=model, prompt="Count to a hundred:", max_tokens=250, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    next(iter(stream))
+    long_prompt = " ".join(f"item {i}," for i in range(300))  # ~1,700 tokens: two chunks of prefill
+
+    def short(i: int) -> float:
+        raw = client.completions.with_raw_response.create(model=model, prompt=f"Say {i}.", max_tokens=3)
+        return float(raw.headers["x-splitserve-ttft-transfer-ms"])
+
+    with ThreadPoolExecutor(5) as pool:
+        longs = [pool.submit(client.completions.create, model=model, prompt=long_prompt, max_tokens=1)]
+        time.sleep(0.3)  # the first long prompt's first chunk is running
+        shorts = [pool.submit(short, i) for i in range(3)]  # they join its second chunk
+        time.sleep(0.1)
+        longs.append(pool.submit(client.completions.create, model=model, prompt=f"More: {long_prompt}",
+                                 max_tokens=1))  # fmt: skip  # its chunks run while the shorts import
+        transfers = [t.result() for t in shorts]
+        assert all(f.result().usage.prompt_tokens > 1000 for f in longs)
+    for _ in stream:
+        pass
+    after = {name: s["threads"]["paced_steps"] for name, s in disaggregated.worker_stats().items()}
+    decode = next(name for name in after if name.startswith("decode"))
+    assert after[decode] > before[decode]
+    assert max(transfers) < 60, transfers  # shm, one block each: milliseconds; a pace's wait was up to 200
