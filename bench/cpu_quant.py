@@ -11,6 +11,10 @@ batch ("int4 kernels").
 
     python bench/cpu_quant.py                       # the embedded default (a Q4_1 GGUF)
     python bench/cpu_quant.py --new-tokens 128 --prompts 16
+    python bench/cpu_quant.py --llama-cpp           # also llama.cpp on the same GGUF (llama-cpp-python)
+
+`--llama-cpp` adds a row for llama.cpp itself (the `llama_cpp` package, built for this host) running
+the same GGUF file as it is, teacher-forced over the same sequences: the issue's bar for the int4 option.
 """
 
 from __future__ import annotations
@@ -77,6 +81,24 @@ def agreement(engine: LLMEngine, prompts: list[list[int]], outs: list[list[int]]
     return strict, tied, total
 
 
+def llama_cpp_agreement(path: str, prompts: list[list[int]], outs: list[list[int]]) -> tuple[int, int, int]:
+    """`agreement`, with llama.cpp's logits over each sequence (the GGUF's own quantized kernels)."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=1024, n_batch=1024, logits_all=True, n_threads=torch.get_num_threads(),
+                verbose=False)  # fmt: skip
+    strict = tied = total = 0
+    for p, o in zip(prompts, outs, strict=True):
+        ids = p + o
+        llm.reset()
+        llm.eval(ids)
+        logits = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))[len(p) - 1 : -1]
+        s, t = top1_counts(logits, torch.tensor(o))
+        strict, tied, total = strict + s, tied + t, total + len(o)
+    return strict, tied, total
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
@@ -86,6 +108,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF (Q4_1)")
     ap.add_argument("--prompts", type=int, default=len(QUESTIONS))
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's row (needs llama-cpp-python)")
     args = ap.parse_args()
     cpu_linear.DROP_DENSE = False  # each path is prepared from the dense weights
     engine = LLMEngine(EngineConfig(model=args.model, progress=False, kv_cache_bytes=1 << 30))
@@ -118,6 +141,11 @@ def main() -> int:
         cpu_linear.prepare_model(model, kind)
         s, t, n = agreement(engine, prompts, ref)
         print(f"| {name} | {s / n:.2%} ({s}/{n}) | {t / n:.2%} |")
+    if args.llama_cpp:
+        from splitserve.model.checkpoint import tokenizer_path
+
+        s, t, n = llama_cpp_agreement(str(tokenizer_path(args.model)), prompts, ref)
+        print(f"| llama.cpp, the GGUF as it is | {s / n:.2%} ({s}/{n}) | {t / n:.2%} |")
     print()
     for name in ("int4", "int4 kernels"):
         own = runs[name][0]

@@ -16,13 +16,15 @@ taken from the weights in memory: a Q4_1 GGUF (the embedded default) was dequant
 form, so its own codes come back (`int4_codes` returns the largest reconstruction error, ~0 for
 them); the scales are rounded to bf16 (the kernels want the activations' dtype). Its top-1
 agreement with the fp32 path is measured by `bench/cpu_quant.py`.
-Products of `INT4_BF16_ROWS` rows or more (prompt steps, decode batches) do not take the int4 kernels:
-the same dequantized weights, rounded to bf16 and packed for oneDNN's bf16 matmul, run ~2x faster than
-fp32 there, while torch's int4 kernel runs at about half fp32's rate and the int8 head's at a quarter of
-bf16's from 16 rows (measured on the 2-vCPU Zen 4 box, docs/bench/cpu-engine.md "Session 26"; at one
-row the int4 kernel is as fast, reading a quarter of the bytes). The int4 option thus keeps both: the
-codes (~55 MB for the default model) and the bf16 weights (~270 MB with the head), half fp32's ~540 MB.
-`SPLITSERVE_CPU_INT4_BF16_ROWS` sets the row count (default 2; a large one keeps the int4 kernels).
+Products of `INT4_BF16_ROWS` rows or more (prompt steps, larger decode batches) do not take the int4
+kernels: the same dequantized weights, rounded to bf16 and packed for oneDNN's bf16 matmul, run at ~2x
+fp32's rate there, while torch's int4 kernel runs at about two thirds of it (the 30 layers' products
+of a 256-token prompt: 193 ms bf16, 364 fp32, 566 int4). Below that the int4 codes win: a decode step
+reads a quarter of bf16's bytes (decode steps of the default model, on the 2-vCPU Zen 4 box: 8 rows
+26.8 ms int4 against 29.8 bf16, 12 rows 41.3 against 37.4, 16 rows 58.4 against 39.9;
+docs/bench/cpu-engine.md "Session 26"). So the int4 option keeps both: the codes (~55 MB for the
+default model) and the bf16 weights (~270 MB with the head), half fp32's ~540 MB.
+`SPLITSERVE_CPU_INT4_BF16_ROWS` sets the row count (default 10; a large one keeps the int4 kernels).
 
 `prepare_model` keeps the module's dense fp32 weight beside the packed one (`Linear.cpu_matmul`,
 `DecoderLM.cpu_lm_head` are callables), so that a model shared with other readers (tests, benches,
@@ -62,7 +64,7 @@ ENABLED = os.environ.get("SPLITSERVE_CPU_ONEDNN", "1") != "0"
 DROP_DENSE = os.environ.get("SPLITSERVE_CPU_KEEP_DENSE", "0") != "1"  # 1: keep them (an A/B switch)
 CPU_WEIGHTS = ("fp32", "int4")
 GROUP = 32  # int4: inputs per scale/offset pair (Q4_0/Q4_1's block)
-INT4_BF16_ROWS = int(os.environ.get("SPLITSERVE_CPU_INT4_BF16_ROWS", "2"))  # int4 option: bf16 from here
+INT4_BF16_ROWS = int(os.environ.get("SPLITSERVE_CPU_INT4_BF16_ROWS", "10"))  # int4 option: bf16 from here
 GEMV_ROWS = 2  # fp32 with the dense weights kept: up to this many rows through F.linear (MKL)
 PANELS_MEMORY_SHARE = 0.25  # the panels' most bytes, as a share of the host's available memory
 
