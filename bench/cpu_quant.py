@@ -153,6 +153,9 @@ def main() -> int:
         diverge = sum(first_difference(a, b) for a, b in zip(own, ref, strict=True)) / len(ref)
         print(f"{name} greedy vs fp32 greedy: {same}/{len(ref)} sequences identical; first difference at "
               f"token {diverge:.1f} on average (of {args.new_tokens})")  # fmt: skip
+    a, b = runs["int4"][0], runs["int4 kernels"][0]
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    print(f"int4 greedy vs int4 kernels greedy: {same}/{len(a)} sequences identical (its two products)")
     cpu_linear.INT4_BF16_ROWS = served_rows
     cpu_linear.prepare_model(model, "fp32")
     return 0
