@@ -241,42 +241,42 @@ class Dispatcher:
         self, worker: WorkerEndpoint, path: str, body: BaseModel, index: int, rid: str, first_timeout_s: float
     ) -> AsyncIterator[Piece]:
         """POST an NDJSON-streaming endpoint; each line -> a Piece. Deadlines: `first_timeout_s` for
-        the first line, `inter_token_s` between lines."""
+        the first line (the worker's status and headers included: a worker answers them only with its
+        first line), `inter_token_s` between lines."""
         t = self.config.timeouts
         stage = "kv transfer" if path == "/decode" else "prefill"
         worker.inflight += 1
-        done = first = False
+        done, first = False, True
         decode = LINE_DECODER.decode
         try:
-            async with self.http.post(f"{worker.url}{path}", data=_json(body)) as resp:
-                if resp.status != 200:
-                    raise _worker_error(worker, resp.status, await resp.read())
-                lines, first = _lines(resp.content), True
-                try:
-                    # One deadline context for the whole stream, re-armed lazily (idle_deadline.py).
-                    # NOTE: it stays armed across `yield`: the one consumer (`Run._one`) never awaits
-                    # between two pieces, so it can only fire while a line is awaited, as before.
-                    async with asyncio.timeout(None) as cm:
-                        idle = IdleDeadline(cm, first_timeout_s)
-                        try:
-                            async for raw in lines:
+            try:
+                # One deadline context for the whole stream, re-armed lazily (idle_deadline.py).
+                # NOTE: it stays armed across `yield`: the one consumer (`Run._one`) never awaits
+                # between two pieces, so it can only fire while the answer or a line is awaited.
+                async with asyncio.timeout(None) as cm:
+                    idle = IdleDeadline(cm, first_timeout_s)
+                    try:
+                        async with self.http.post(f"{worker.url}{path}", data=_json(body)) as resp:
+                            if resp.status != 200:
+                                raise _worker_error(worker, resp.status, await resp.read())
+                            async for raw in _lines(resp.content):
                                 line = decode(raw)
                                 idle.touch(t.inter_token_s)
                                 first, done = False, line.finished
                                 yield _piece(worker, line, index)  # raises for an unfinished end
                                 if done:
                                     return
-                        finally:
-                            idle.stop()
-                except TimeoutError:
-                    what = f"the {stage} stage" if first else "the next token"
-                    span = first_timeout_s if first else t.inter_token_s
-                    raise APIError(
-                        504,
-                        f"{what} ran past its deadline ({span:g}s) on {worker.name}",
-                        type="timeout",
-                        code="worker_timeout",
-                    ) from None
+                    finally:
+                        idle.stop()
+            except TimeoutError:
+                what = f"the {stage} stage" if first else "the next token"
+                span = first_timeout_s if first else t.inter_token_s
+                raise APIError(
+                    504,
+                    f"{what} ran past its deadline ({span:g}s) on {worker.name}",
+                    type="timeout",
+                    code="worker_timeout",
+                ) from None
             raise APIError(
                 502,
                 f"worker {worker.name} closed the stream before the request finished (it may have died)",
