@@ -60,17 +60,17 @@ async def _round(dep: Deployment, victim: str, process: str, straggler_s: float)
     before = {w["name"]: w for w in dep.admin()["workers"]}
     info = before[victim] if process == "front end" else before[victim]["info"]
     prompt, max_tokens = VICTIMS[victim]
-    client = dep.async_client(timeout=120)
-    jobs = [asyncio.create_task(_stream(client, prompt, max_tokens)) for _ in range(4)]
-    await asyncio.to_thread(_wait_role_busy, dep, victim.split("-")[0])
-    if victim.startswith("decode"):
-        await asyncio.sleep(1.0)
-    os.kill(info[PROCESS_KEY[process]], signal.SIGKILL)
-    killed = time.monotonic()
-    _, pending = await asyncio.wait(jobs, timeout=straggler_s)
-    if pending:
-        await asyncio.to_thread(_stacks, dep)
-    ends = [(outcome, round(t - killed, 2)) for outcome, t in await asyncio.gather(*jobs)]
+    async with dep.async_client(timeout=120) as client:
+        jobs = [asyncio.create_task(_stream(client, prompt, max_tokens)) for _ in range(4)]
+        await asyncio.to_thread(_wait_role_busy, dep, victim.split("-")[0])
+        if victim.startswith("decode"):
+            await asyncio.sleep(1.0)
+        os.kill(info[PROCESS_KEY[process]], signal.SIGKILL)
+        killed = time.monotonic()
+        _, pending = await asyncio.wait(jobs, timeout=straggler_s)
+        if pending:
+            await asyncio.to_thread(_stacks, dep)
+        ends = [(outcome, round(t - killed, 2)) for outcome, t in await asyncio.gather(*jobs)]
     deadline = time.monotonic() + 90
     while True:  # the worker is back
         h = dep.health()
