@@ -23,17 +23,37 @@ def sweep_stale(prefix: str, before_removal: Callable[[str], None] | None = None
         if not name.startswith(prefix):
             continue
         pid = name[len(prefix) :].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if pid.isdigit() and _gone(int(pid)):
             path = os.path.join(root, name)
             if before_removal is not None:
                 before_removal(path)
             shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            pass  # another user's live process
 
 
-__all__ = ["owned_tempdir", "sweep_stale"]
+def remove_if_orphaned(path: str, prefix: str) -> bool:
+    """Remove `path`, an `owned_tempdir(prefix)` folder of another process, if that process is gone
+    (a worker whose runtime was SIGKILLed removes the runtime's folder on its way out); -> removed."""
+    name = os.path.basename(os.path.normpath(path))
+    pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
+    if not pid.isdigit() or not _gone(int(pid)):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited: no such pid, or a zombie its parent has not reaped yet."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # another user's live process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[:1] == ["Z"]
+    except OSError:
+        return False
+
+
+__all__ = ["owned_tempdir", "remove_if_orphaned", "sweep_stale"]

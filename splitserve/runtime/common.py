@@ -114,7 +114,7 @@ def core_share_file(manifest: Manifest) -> str | None:
     slots = lending_slots(manifest)
     if not slots:
         return None
-    path = os.path.join(owned_tempdir("splitserve-cores-"), "cores")
+    path = os.path.join(owned_tempdir(core_share.CORES_PREFIX), "cores")
     core_share.create(path, len(slots))
     return path
 

@@ -58,6 +58,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+CORES_PREFIX = "splitserve-cores-"  # the runtime's folder of the shared file (tempdirs.owned_tempdir)
+
 SLOT_BYTES = 4  # one int32 a worker: the cores it owns while busy, 0 while idle
 
 
@@ -120,4 +122,4 @@ def open_share(config: Any) -> CoreShare | None:
         return None
 
 
-__all__ = ["CoreShare", "create", "open_share"]
+__all__ = ["CORES_PREFIX", "CoreShare", "create", "open_share"]

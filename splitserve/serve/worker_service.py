@@ -18,6 +18,7 @@ from splitserve.engine.grammar import check_grammar
 from splitserve.serve import core_protocol as wire
 from splitserve.serve.core_client import CoreClient, RequestStream
 from splitserve.serve.core_ops import RoleError
+from splitserve.serve.core_share import CORES_PREFIX
 from splitserve.serve.schemas import (
     DecodeRequest,
     FaultsRequest,
@@ -31,6 +32,7 @@ from splitserve.serve.schemas import (
 )
 from splitserve.serve.text_stream import TextStream
 from splitserve.serve.worker_config import WorkerConfig
+from splitserve.tempdirs import remove_if_orphaned
 
 
 class Worker:
@@ -224,3 +226,5 @@ class Worker:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.client.close)
+        if self.config.core_share:  # a runtime that was SIGKILLed cannot remove its folder of lent cores
+            remove_if_orphaned(os.path.dirname(self.config.core_share), CORES_PREFIX)

@@ -62,3 +62,35 @@ def test_a_stopped_core_is_seen() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_dead_or_zombie_owners_folder_is_removed_and_a_live_ones_kept() -> None:
+    """A worker whose runtime was SIGKILLed removes the runtime's folder of lent cores on its way out
+    (`remove_if_orphaned`; the full chaos suite's "kill -9 router" found it left behind). The runtime
+    may not be reaped yet when its workers go: a zombie counts as gone, for the sweep too."""
+    import time
+
+    from splitserve.tempdirs import remove_if_orphaned, sweep_stale
+
+    prefix = "splitserve-cores-"
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits; not reaped until wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    root = Path(tempfile.gettempdir())
+    live, dead, swept = (root / f"{prefix}{os.getpid()}-test", root / f"{prefix}{zombie.pid}-test",
+                         root / f"splitserve-kv-{zombie.pid}-test")  # fmt: skip
+    try:
+        for d in (live, dead, swept):
+            d.mkdir(exist_ok=True)
+        assert not remove_if_orphaned(str(live), prefix) and live.exists()
+        assert remove_if_orphaned(str(dead), prefix) and not dead.exists()
+        assert not remove_if_orphaned(str(swept), prefix)  # not a folder of that kind
+        sweep_stale("splitserve-kv-")
+        assert not swept.exists()
+    finally:
+        zombie.wait()
+        for d in (live, dead, swept):
+            if d.exists():
+                d.rmdir()
