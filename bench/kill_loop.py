@@ -46,8 +46,9 @@ async def _stream(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> t
 def _stacks(dep: Deployment) -> None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     workers = dep.admin()["workers"]
-    pids = [dep.proc.pid] + [w["pid"] for w in workers] + [w["info"]["core_pid"] for w in workers]
-    for pid in pids:
+    cores = [(w.get("info") or {}).get("core_pid") for w in workers]  # a restarting worker has no info
+    pids = [dep.proc.pid] + [w["pid"] for w in workers] + cores
+    for pid in filter(None, pids):
         if Path(spy).exists():
             out = subprocess.run(
                 [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, check=False
@@ -56,7 +57,9 @@ def _stacks(dep: Deployment) -> None:
     print("\n".join(list(dep.log)[-120:]))
 
 
-async def _round(dep: Deployment, victim: str, process: str, straggler_s: float) -> tuple[list, bool]:
+async def _round(
+    dep: Deployment, victim: str, process: str, straggler_s: float
+) -> tuple[list[tuple[str, float]], bool]:
     before = {w["name"]: w for w in dep.admin()["workers"]}
     info = before[victim] if process == "front end" else before[victim]["info"]
     prompt, max_tokens = VICTIMS[victim]

@@ -271,7 +271,7 @@ class TimeoutsSection(_Section):
     """A deadline per stage of a request, seconds."""
 
     queue_s: PositiveFloat = 30.0  # waiting for a free slot in the router's bounded queue
-    prefill_s: PositiveFloat = 120.0  # the prefill worker's answer (its queue + the prompt)
+    prefill_s: PositiveFloat = 120.0  # the prefill (colocated: first) token's answer: queue + prompt
     kv_transfer_s: PositiveFloat = 30.0  # room on the decode worker + the KV fetch
     inter_token_s: PositiveFloat = 30.0  # the longest gap between two streamed chunks
     request_s: PositiveFloat = 600.0  # the whole request

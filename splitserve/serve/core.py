@@ -154,9 +154,7 @@ class EngineCore:
                 deltas += self._step()
             else:
                 self.engine.free_released_kv()  # exports whose lease ended while idle
-                # imports that ended outside a step (a stats call or a pace's poll took their load's
-                # outcome, and nothing was left to step): told now, or their streams would wait forever
-                self._imports_ended()
+                self._imports_ended()  # outcomes a poll outside a step took (stats, a pace): told now
             if deltas or self.events:
                 batch = wire.Batch(deltas, self.events)
                 self.events = []

@@ -191,6 +191,8 @@ class Dispatcher:
             async with asyncio.timeout(t.prefill_s):
                 async with self.http.post(f"{pf.url}/prefill", data=_json(body)) as resp:
                     status, content = resp.status, await resp.read()
+        except aiohttp.ClientError as exc:  # first: aiohttp's connect timeout is a TimeoutError too
+            raise _worker_failed(pf, "prefill", exc) from None
         except TimeoutError:
             self._later(self._post_quietly(pf, "/abort", AbortRequest(request_id=rid)))
             raise APIError(
@@ -202,8 +204,6 @@ class Dispatcher:
         except asyncio.CancelledError:
             self._later(self._post_quietly(pf, "/abort", AbortRequest(request_id=rid)))
             raise
-        except aiohttp.ClientError as exc:
-            raise _worker_failed(pf, "prefill", exc) from None
         finally:
             pf.inflight -= 1
         if status != 200:
@@ -268,6 +268,8 @@ class Dispatcher:
                                     return
                     finally:
                         idle.stop()
+            except aiohttp.ClientError:
+                raise  # aiohttp's own connect timeout is a TimeoutError too: a failed worker, not a deadline
             except TimeoutError:
                 what = f"the {stage} stage" if first else "the next token"
                 span = first_timeout_s if first else t.inter_token_s

@@ -8,11 +8,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from splitserve.tempdirs import owned_tempdir
+from splitserve.tempdirs import owned_tempdir, remove_if_orphaned, sweep_stale
 
 
 @pytest.mark.parametrize("prefix", ["splitserve-core-", "splitserve-kv-"])
@@ -68,10 +69,6 @@ def test_a_dead_or_zombie_owners_folder_is_removed_and_a_live_ones_kept() -> Non
     """A worker whose runtime was SIGKILLed removes the runtime's folder of lent cores on its way out
     (`remove_if_orphaned`; the full chaos suite's "kill -9 router" found it left behind). The runtime
     may not be reaped yet when its workers go: a zombie counts as gone, for the sweep too."""
-    import time
-
-    from splitserve.tempdirs import remove_if_orphaned, sweep_stale
-
     prefix = "splitserve-cores-"
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits; not reaped until wait()
     deadline = time.monotonic() + 10
