@@ -20,10 +20,8 @@ def owned_tempdir(prefix: str, before_removal: Callable[[str], None] | None = No
 def sweep_stale(prefix: str, before_removal: Callable[[str], None] | None = None) -> None:
     root = tempfile.gettempdir()
     for name in os.listdir(root):
-        if not name.startswith(prefix):
-            continue
-        pid = name[len(prefix) :].split("-", 1)[0]
-        if pid.isdigit() and _gone(int(pid)):
+        pid = _owner(name, prefix)
+        if pid is not None and process_gone(pid):
             path = os.path.join(root, name)
             if before_removal is not None:
                 before_removal(path)
@@ -33,15 +31,20 @@ def sweep_stale(prefix: str, before_removal: Callable[[str], None] | None = None
 def remove_if_orphaned(path: str, prefix: str) -> bool:
     """Remove `path`, an `owned_tempdir(prefix)` folder of another process, if that process is gone
     (a worker whose runtime was SIGKILLed removes the runtime's folder on its way out); -> removed."""
-    name = os.path.basename(os.path.normpath(path))
-    pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
-    if not pid.isdigit() or not _gone(int(pid)):
+    pid = _owner(os.path.basename(os.path.normpath(path)), prefix)
+    if pid is None or not process_gone(pid):
         return False
     shutil.rmtree(path, ignore_errors=True)
     return True
 
 
-def _gone(pid: int) -> bool:
+def _owner(name: str, prefix: str) -> int | None:
+    """The owner's pid of a folder named `<prefix><pid>-XXXX`; None for any other name."""
+    pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
+    return int(pid) if pid.isdigit() else None
+
+
+def process_gone(pid: int) -> bool:
     """The process has exited: no such pid, or a zombie its parent has not reaped yet."""
     try:
         os.kill(pid, 0)
@@ -49,11 +52,17 @@ def _gone(pid: int) -> bool:
         return True
     except PermissionError:
         return False  # another user's live process
+    return process_state(pid) == "Z"
+
+
+def process_state(pid: int) -> str | None:
+    """/proc/PID/stat's state letter ("R", "S", "T" stopped, "Z" zombie, ...); None if unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[:1] == ["Z"]
+            fields = f.read().rsplit(")", 1)[-1].split()  # after the command name, which may hold ")"
     except OSError:
-        return False
+        return None
+    return fields[0] if fields else None
 
 
-__all__ = ["owned_tempdir", "remove_if_orphaned", "sweep_stale"]
+__all__ = ["owned_tempdir", "process_gone", "process_state", "remove_if_orphaned", "sweep_stale"]

@@ -79,6 +79,7 @@ from splitserve.model.weight_cache_entry import (
     read_entry,
     stream_entry,
 )
+from splitserve.tempdirs import process_gone
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class WeightCache:
         """Temporary files of builders that died."""
         for p in self.directory.glob(f".*{SUFFIX}.*.tmp"):
             pid = p.name.rsplit(".", 2)[-2]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if pid.isdigit() and process_gone(int(pid)):
                 log.info("weight cache: removing %s (its builder, pid %s, is gone)", p.name, pid)
                 self.remove(p)
 
@@ -324,16 +325,6 @@ class WeightCache:
             self.remove(tmp)
             raise
         return Entry(path, footer, layout)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------------------- opening, memoized

@@ -26,13 +26,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import zmq
 
 from splitserve.serve import core_protocol as wire
-from splitserve.tempdirs import owned_tempdir
+from splitserve.tempdirs import owned_tempdir, process_state
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +114,7 @@ class CoreClient:
     def stopped(self) -> bool:
         """The core is alive but stopped (SIGSTOP, a cgroup freezer): it answers nothing, yet its front
         end would look healthy. /proc/PID/stat's state "T"."""
-        try:
-            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
-        except OSError:
-            return False
-        return stat.rsplit(")", 1)[-1].split()[:1] == ["T"]
+        return process_state(self.proc.pid) == "T"
 
     @classmethod
     def spawn(cls) -> CoreClient:
