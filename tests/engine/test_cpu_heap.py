@@ -1,7 +1,9 @@
 """engine/cpu_heap.py: with freed memory kept, a step's large temporaries reuse mapped pages. A probe
 process allocates what prefill steps of varying sizes do (each layer's outputs, written, then freed);
 after a first round, glibc's defaults still fault in ~90,000 pages over three more rounds (it maps and
-trims them anew), with the memory kept ~4,000."""
+trims them anew), with the memory kept ~4,000. Where the kernel does not count a fresh mapping's
+faults page by page (a sandbox that reports none, or transparent huge pages on every mapping: one CI
+machine printed (0, 0)), the measure says nothing and the test skips."""
 
 from __future__ import annotations
 
@@ -33,11 +35,25 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 """
 
 
+_CALIBRATE = """
+import mmap, resource
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+m = mmap.mmap(-1, 64 << 20)
+for i in range(0, 64 << 20, 4096):
+    m[i] = 1
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+
+
+def _run(code: str, *args: str) -> int:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_kept_memory_is_reused_without_page_faults() -> None:
-    def faults(keep: str) -> int:
-        out = subprocess.run([sys.executable, "-c", _PROBE, keep], capture_output=True, text=True, check=True)
-        return int(out.stdout.strip())
-
-    kept, default = faults("1"), faults("0")
+    touched = _run(_CALIBRATE)  # 16,384 pages written once
+    if touched < 4096:
+        pytest.skip(f"this kernel counted {touched} minor faults for 16,384 fresh pages")
+    kept, default = _run(_PROBE, "1"), _run(_PROBE, "0")
     assert kept * 5 < default, (kept, default)
