@@ -1,8 +1,9 @@
 #!/bin/bash
 # Issue #25's A/B: one server at a time, vLLM's own client (`vllm bench serve`), results in $AB_WORK/results.
-# Usage: ab.sh TAG STEP...  with STEP = vllm|ss|vpd|sspd:ROWS, ROWS from a,b,c (the issue's rows:
-# a = 64 prompts at rate inf, b = 16 one at a time, c = 32 at 0.25 req/s). README_Q=1 asks the README's
-# first question six times of sspd (the README's own `splitserve serve`). Run it under flock /tmp/ss-cpu.lock.
+# Usage: ab.sh TAG STEP...  with STEP = NAME:ROWS; NAME one of vllm, ss (splitserve colocated), ss4 (the
+# same with the int4 option), vpd (vLLM's P/D through proxy.py), sspd (the README's `splitserve serve`);
+# ROWS from a, b, c (the issue's: a = 64 prompts at rate inf, b = 16 one at a time, c = 32 at 0.25 req/s).
+# README_Q=1 asks the README's first question six times of sspd. Run it under flock /tmp/ss-cpu.lock.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/../.." && pwd); W=${AB_WORK:-/work/ab}; cd "$W"
 V=$W/vvenv/bin/python; S=${SPLITSERVE:-$REPO/.venv/bin/splitserve}; TAG=$1; shift
@@ -33,6 +34,8 @@ for step in "$@"; do
       wait_ready 8310; wait_ready 8311
       setsid $V $HERE/proxy.py http://127.0.0.1:8310 http://127.0.0.1:8311 8300 > results/$TAG-proxy.log 2>&1 & pid=$!; port=8300;;
     ss) setsid $S serve --mode colocated --port 8301 > results/$TAG-ss-server.log 2>&1 & pid=$!; port=8301;;
+    ss4) printf 'mode: colocated\nserver: {port: 8301}\nengine: {cpu_weights: int4}\n' > int4.yaml
+      setsid $S serve int4.yaml > results/$TAG-ss4-server.log 2>&1 & pid=$!; port=8301;;
     sspd) setsid $S serve --port 8301 > results/$TAG-sspd-server.log 2>&1 & pid=$!; port=8301;;
   esac
   wait_ready $port || echo "$name not ready" >> results/summary.txt
