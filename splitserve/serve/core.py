@@ -185,8 +185,13 @@ class EngineCore:
         while (left := end - time.perf_counter()) > 0 and not self.stopping:
             self._drain(max(1, int(left * 1e3)))
             # an import that came or a load that ended meanwhile: started, or timed, now (not at the
-            # pace's end: that wait is no part of the transfer, and the fetch can run meanwhile)
+            # pace's end: that wait is no part of the transfer, and the fetch can run meanwhile); an
+            # ended one is told now too (a refusal's 502 need not wait for the next step)
             self.engine.free_released_kv()
+            self._imports_ended()
+            if self.events:
+                self.batches.send(wire.batch_encoder.encode(wire.Batch([], self.events)), copy=False)
+                self.events = []
 
     def _drain(self, timeout_ms: int) -> None:
         ready = dict(self.poller.poll(timeout_ms))

@@ -6,13 +6,16 @@ after a step, so an import that failed while nothing else was left to step was n
 /decode stream waited for good (CI: a prefill worker's engine core was killed, the decode worker's
 fetch from it was refused, the client timed out at 120 s). Here the real engine core, in this
 process, takes a failed load's outcome through `engine.stats()` before its loop runs: the loop must
-still send the refusal."""
+still send the refusal. And a decode pace (the core idle with its cores lent, `_lend_until`) that takes
+one tells it during the pace, not after it."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,9 +29,21 @@ from splitserve.serve.worker_config import WorkerConfig
 pytestmark = pytest.mark.slow
 
 
-def test_an_import_that_fails_outside_a_step_is_refused(tmp_path: Path, monkeypatch) -> None:
+@dataclass
+class Core:
+    core: EngineCore
+    out: zmq.Socket
+    feed: zmq.Socket  # commands, as the front end sends them
+    gone: str
+    closed: bool = False  # by run() on its way out
+
+
+@pytest.fixture
+def core(tmp_path: Path, monkeypatch) -> Iterator[Core]:
+    """The real engine core of a decode worker (shm), its batches read from `out`; `gone` is a dead
+    exporter's socket (its file stays, nobody listens): a fetch from it is refused."""
     monkeypatch.setattr("splitserve.serve.heap.freeze_heap", lambda what: None)  # not pytest's heap
-    gone = str(tmp_path / "gone.sock")  # a dead exporter's socket: its file stays, nobody listens
+    gone = str(tmp_path / "gone.sock")
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(gone)
     config = WorkerConfig(
@@ -42,38 +57,76 @@ def test_an_import_that_fails_outside_a_step_is_refused(tmp_path: Path, monkeypa
     feed.connect("inproc://commands")
     out.bind("inproc://batches")
     batches.connect("inproc://batches")
-    core = EngineCore(config, commands, batches)
-    assert core.connector is not None and core.connector.transport is not None
-    handle = {
-        "backend": "shm", "address": f"unix:{gone}",  # an exporter that died: refused
-        "request_id": "r1", "lease_id": "l1", "block_ids": [0], "num_tokens": 4,
-        "layout_fingerprint": core.connector.layout.fingerprint, "lease_expires_at": time.time() + 30,
-    }  # fmt: skip
-    runner: threading.Thread | None = None
+    engine_core = EngineCore(config, commands, batches)
+    assert engine_core.connector is not None and engine_core.connector.transport is not None
+    c = Core(engine_core, out, feed, gone)
     try:
-        core._apply(wire.Import("r1", [1, 2, 3, 4], 5, {"handle": handle}, {"max_tokens": 4}, timeout_s=5))
-        deadline = time.monotonic() + 10
-        while core.engine.has_unfinished_requests():  # the load starts, fails; a stats call takes it
-            assert time.monotonic() < deadline, "the load never ended"
-            core.engine.stats()
-            time.sleep(0.01)
-        runner = threading.Thread(target=core.run, daemon=True)
-        runner.start()
-        got: list[wire.Event] = []
-        while not any(isinstance(e, wire.Refused) for e in got):
-            assert out.poll(5000), f"no refusal for the failed import; events: {got}"
-            got += wire.batch_decoder.decode(out.recv()).events
-        refused = next(e for e in got if isinstance(e, wire.Refused))
-        assert refused.request_id == "r1" and refused.error.status == 502, refused
-        assert "Connection refused" in refused.error.message, refused
+        yield c
     finally:
-        core.stopping = True
-        core.wake()
-        if runner is None:
-            core.close()  # run() closes it on its way out
-        else:
-            runner.join(10)
-            assert not runner.is_alive()
+        if not c.closed:
+            engine_core.close()
         for s in (commands, feed, batches, out):
             s.close(0)
         ctx.term()
+
+
+def _import_from_the_dead(c: Core, request_id: str, sent: bool = False) -> None:
+    """An import of KV from the dead exporter: applied in this thread, or `sent` on the command socket."""
+    assert c.core.connector is not None
+    handle = {
+        "backend": "shm", "address": f"unix:{c.gone}", "request_id": request_id, "lease_id": "l1",
+        "block_ids": [0], "num_tokens": 4, "layout_fingerprint": c.core.connector.layout.fingerprint,
+        "lease_expires_at": time.time() + 30,
+    }  # fmt: skip
+    cmd = wire.Import(request_id, [1, 2, 3, 4], 5, {"handle": handle}, {"max_tokens": 4}, timeout_s=5)
+    if sent:
+        c.feed.send(wire.command_encoder.encode(cmd))
+    else:
+        c.core._apply(cmd)
+
+
+def _refusal(c: Core, request_id: str, within_s: float) -> wire.Refused:
+    got: list[wire.Event] = []
+    deadline = time.monotonic() + within_s
+    while not any(isinstance(e, wire.Refused) for e in got):
+        left = deadline - time.monotonic()
+        assert left > 0 and c.out.poll(int(left * 1e3)), f"no refusal within {within_s} s; events: {got}"
+        got += wire.batch_decoder.decode(c.out.recv()).events
+    refused = next(e for e in got if isinstance(e, wire.Refused))
+    assert refused.request_id == request_id and refused.error.status == 502, refused
+    assert "Connection refused" in refused.error.message, refused
+    return refused
+
+
+def test_an_import_that_fails_outside_a_step_is_refused(core: Core) -> None:
+    _import_from_the_dead(core, "r1")
+    deadline = time.monotonic() + 10
+    while core.core.engine.has_unfinished_requests():  # the load starts, fails; a stats call takes it
+        assert time.monotonic() < deadline, "the load never ended"
+        core.core.engine.stats()
+        time.sleep(0.01)
+    runner = threading.Thread(target=core.core.run, daemon=True)
+    runner.start()
+    try:
+        _refusal(core, "r1", 5)
+    finally:
+        core.core.stopping = True
+        core.core.wake()
+        runner.join(10)
+        assert not runner.is_alive()
+        core.closed = True
+
+
+def test_an_import_that_fails_during_a_pace_is_refused_in_it(core: Core) -> None:
+    pace = threading.Thread(target=core.core._lend_until, args=(time.perf_counter() + 8,), daemon=True)
+    t0 = time.monotonic()
+    pace.start()
+    _import_from_the_dead(core, "r2", sent=True)  # it comes during the pace
+    try:
+        _refusal(core, "r2", 5)  # the pace runs 8 s: the refusal comes during it
+        assert pace.is_alive(), f"the pace ended before the refusal came ({time.monotonic() - t0:.1f} s)"
+    finally:
+        core.core.stopping = True  # ends the pace
+        core.core.wake()
+        pace.join(10)
+        assert not pace.is_alive()
