@@ -368,7 +368,13 @@ CASES = [
     *[_worker_case(v, p, signal.SIGKILL) for v, p in PROCESSES if (v, p) != ("prefill-0", "engine core")],
     *[_worker_case(v, p, signal.SIGSTOP) for v, p in PROCESSES],
     Case("SIGSTOP router 3s", "every stream finishes exact", router_stop),
-    Case("kill -9 router", "clients end < 5 s; every process gone; nothing left", router_kill, shared=False),
+    Case(
+        "kill -9 router",
+        "clients end < 5 s; every process gone; nothing left",
+        router_kill,
+        fast=True,
+        shared=False,
+    ),
     Case("SIGTERM under load", "drained or server_shutdown; exit 0; nothing left", sigterm, shared=False),
 ]
 

@@ -1,7 +1,9 @@
 """The chaos suite's fast part, in CI: manifest bombs, slowloris, poison requests beside innocent ones,
-and a prefill worker's engine core killed under streaming load (its shared KV unmapped by the decode
-worker afterwards). `python bench/chaos.py` runs every case (kill -9 and SIGSTOP of each process, the
-bad-input battery, the router killed, SIGTERM under load) and prints the summary table."""
+a prefill worker's engine core killed under streaming load (its shared KV unmapped by the decode
+worker afterwards), and the router killed under load (every process gone, nothing left in /tmp: the
+runtime's folder of lent cores is removed by the last worker out). `python bench/chaos.py` runs every
+case (kill -9 and SIGSTOP of each process, the bad-input battery, SIGTERM under load) and prints the
+summary table."""
 
 from __future__ import annotations
 
