@@ -2,8 +2,10 @@
 process allocates what prefill steps of varying sizes do (each layer's outputs, written, then freed);
 after a first round, glibc's defaults still fault in ~90,000 pages over three more rounds (it maps and
 trims them anew), with the memory kept ~4,000. Where the kernel does not count a fresh mapping's
-faults page by page (a sandbox that reports none, or transparent huge pages on every mapping: one CI
-machine printed (0, 0)), the measure says nothing and the test skips."""
+faults page by page (a sandbox that reports none, or transparent huge pages on every mapping), or where
+glibc's own defaults already reuse the freed blocks for this pattern (a CI run printed (0, 0): its
+dynamic mmap threshold rose after the first round and no heap top was trimmed), the measure says
+nothing and the test skips."""
 
 from __future__ import annotations
 
@@ -56,4 +58,6 @@ def test_kept_memory_is_reused_without_page_faults() -> None:
     if touched < 4096:
         pytest.skip(f"this kernel counted {touched} minor faults for 16,384 fresh pages")
     kept, default = _run(_PROBE, "1"), _run(_PROBE, "0")
+    if default < 4096:
+        pytest.skip(f"glibc's defaults faulted in only {default} pages here: nothing to save")
     assert kept * 5 < default, (kept, default)
