@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.model import cpu_gemm
+from splitserve.model import cpu_amx, cpu_gemm
 
 log = logging.getLogger(__name__)
 
@@ -84,19 +84,30 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class OneDNNMatmul:
-    """x @ W.T + b through the packed weight; with `panels` (AVX-512 hosts) 1 to cpu_gemm.MAX_ROWS rows
-    go to model/cpu_gemm.py's op instead; else with `dense` (the weight itself) kept, one or two rows
-    go to `F.linear` (MKL's GEMV, faster than oneDNN there on Intel: `gemv_dense()`)."""
+    """x @ W.T + b through the packed weight; with `amx` (a block-quantized weight on an AMX host)
+    products of cpu_amx.MIN_ROWS rows or more (the LM head's: HEAD_MIN_ROWS) go to model/cpu_amx.py's
+    op; with `panels` (AVX-512 hosts) 1 to cpu_gemm.MAX_ROWS rows go to model/cpu_gemm.py's op; else
+    with `dense` (the weight itself) kept, one or two rows go to `F.linear` (MKL's GEMV, faster than
+    oneDNN there on Intel: `gemv_dense()`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: bool = False,
-                 panels: bool = False) -> None:  # fmt: skip
+                 panels: bool = False, amx: bool = False, head: bool = False) -> None:  # fmt: skip
         self.packed, self.bias = pack(weight), bias
+        self.head = head  # the LM head: model/cpu_amx.py's op from fewer rows
         self.panels = cpu_gemm.pack(weight) if panels else None
+        self.amx = cpu_amx.blocks(weight) if amx else None
         self.n = weight.shape[0]
         self.dense = weight if dense and not panels else None
 
+    def takes_amx(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs on model/cpu_amx.py's op now."""
+        least = cpu_amx.HEAD_MIN_ROWS if self.head else cpu_amx.MIN_ROWS
+        return self.amx is not None and rows >= least and cpu_amx.ready()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        if self.takes_amx(rows):
+            return cpu_amx.matmul(x, self.amx, self.bias)
         if self.panels is not None and rows <= cpu_gemm.MAX_ROWS and cpu_gemm.ready():
             return cpu_gemm.matmul(x, self.panels, self.n, self.bias)
         if self.dense is not None and rows <= GEMV_ROWS:
@@ -231,6 +242,9 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
     panels = not int4 and bool(weights) and panels_fit(nbytes) and cpu_gemm.start()
     dense = not int4 and not panels and gemv_dense()
     fp32 = "onednn + panels" if panels else "onednn + MKL gemv" if dense else "onednn"
+    # AMX hosts: block-quantized weights' codes as bf16 (half the fp32 bytes) for larger products
+    amx = not int4 and bool(weights) and cpu_amx.ENABLED and cpu_amx.supported() and panels_fit(nbytes // 2)
+    amx = amx and cpu_amx.start()
 
     for module in model.modules():
         if isinstance(module, Linear) and usable(module.weight):
@@ -238,12 +252,14 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
             if quant:
                 module.cpu_matmul = Int4Matmul(module.weight, module.bias)
             else:
-                module.cpu_matmul = OneDNNMatmul(module.weight, module.bias, dense, panels)
-            kind = "int4" if quant else fp32
+                module.cpu_matmul = OneDNNMatmul(module.weight, module.bias, dense, panels, amx)
+            kind = "int4" if quant else fp32 + (" + amx" if module.cpu_matmul.amx is not None else "")
             counts[kind] = counts.get(kind, 0) + 1
     if head is not None and usable(head):
-        model.cpu_lm_head = Int8Matmul(head) if int4 else OneDNNMatmul(head, None, dense, panels)
-        counts["lm_head int8" if int4 else f"lm_head {fp32}"] = 1
+        fp32_head = OneDNNMatmul(head, None, dense, panels, amx, head=True) if not int4 else None
+        model.cpu_lm_head = Int8Matmul(head) if int4 else fp32_head
+        on_amx = not int4 and model.cpu_lm_head.amx is not None
+        counts["lm_head int8" if int4 else f"lm_head {fp32}" + (" + amx" if on_amx else "")] = 1
     return counts
 
 

@@ -199,6 +199,9 @@ class DecoderLM(nn.Module):
         panels' op is as loaded as it was."""
         if not self.cpu_layer or rows > cpu_gemm.MAX_ROWS or not cpu_layer.ready():
             return None
+        qkv = self.layers[0].self_attn.qkv_proj.cpu_matmul
+        if isinstance(qkv, cpu_linear.OneDNNMatmul) and qkv.takes_amx(rows):  # model/cpu_amx.py's products
+            return None
         int4 = isinstance(self.layers[0].self_attn.qkv_proj.cpu_matmul, cpu_linear.Int4Matmul)
         if int4 and rows >= cpu_linear.INT4_BF16_ROWS:  # the int4 option's bf16 products (cpu_linear.py)
             return None
