@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,6 +17,19 @@ from splitserve.model.loader import load_model
 from splitserve.model.tokenizer import Tokenizer
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs the CLI in-process (`splitserve.logs.setup_logging`) points the root logger at
+    that test's captured stderr; restored after it, so that a later test's log lines (say a background
+    release's warning) do not go to a closed stream ("--- Logging error ---" in CI's output)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
