@@ -44,9 +44,9 @@ from pydantic import (
     model_validator,
 )
 
+from splitserve.config.engine import EngineConfig
 from splitserve.config.manifest_errors import ManifestError, describe
 from splitserve.config.manifest_yaml import ManifestYAMLError, load_yaml
-from splitserve.engine.config import EngineConfig
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
 NixlBackend = Literal["UCX", "LIBFABRIC"]  # NIXL's network backends (the plugins it instantiates)

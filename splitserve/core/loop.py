@@ -307,7 +307,7 @@ class EngineCore:
 
     def _start_import(self, cmd: wire.Import) -> None:
         from splitserve.engine.kv_transfer_types import ImportSpec, KVExport
-        from splitserve.engine.request import TokenLogprob
+        from splitserve.sampling.logprobs import TokenLogprob
 
         try:
             if self.connector is None or self.config.role != "decode":
@@ -352,7 +352,7 @@ class EngineCore:
 
 def core_params(data: dict[str, Any]) -> Any:
     """SamplingParams for the engine core: no text (the front end detokenizes and cuts stop strings)."""
-    from splitserve.engine.params import SamplingParams
+    from splitserve.sampling.params import SamplingParams
 
     data = {k: v for k, v in data.items() if k not in ("stop", "include_stop_str_in_output")}
     return SamplingParams(**{**data, "detokenize": False})

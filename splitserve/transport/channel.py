@@ -34,7 +34,6 @@ from typing import Protocol
 
 import torch
 
-from splitserve.transport import trace
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.client import ConnectionPool, SyncChannel
 from splitserve.transport.errors import (
@@ -46,7 +45,6 @@ from splitserve.transport.errors import (
     error_to_wire,
 )
 from splitserve.transport.fault_plan import Fault, FaultPlan
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import FreeCallback, LeaseManager
 from splitserve.transport.payload import (
@@ -59,7 +57,9 @@ from splitserve.transport.payload import (
 )
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect, resolve_secret
 from splitserve.transport.server import AsyncChannel, ExportServer, ListenSpec
+from splitserve.transport.trace import mark
 from splitserve.transport.transport import KVTransport, TransportOptions, TransportStats
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class KVChannel(KVTransport):
         return False
 
     async def _serve_fetch(self, chan: AsyncChannel, header: dict) -> bool:
-        trace.mark("e.request")
+        mark("e.request")
         asked = float(header.get("timeout_s", self.options.fetch_timeout_s))
         deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
         try:

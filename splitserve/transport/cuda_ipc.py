@@ -57,7 +57,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from splitserve.transport import trace
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import Export, KVChannel
 from splitserve.transport.client import SyncChannel
@@ -66,12 +65,13 @@ from splitserve.transport.errors import PeerRefused, TransferTimeout, TransportE
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.gpu_blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
 from splitserve.transport.gpu_two_sided import GpuTwoSided, NoClose
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import empty_state, snapshot_state
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
 from splitserve.transport.state_arena import StateArena, open_arena, unpack
+from splitserve.transport.trace import gpu_mark, mark
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -294,14 +294,14 @@ class CudaIpcMover:
             return None
         if handle.state_row is not None and peer.state_rows is None:
             return None
-        trace.mark("f.one_sided")
+        mark("f.one_sided")
         how, done = self._copy(peer, ids, into)
         state: dict[str, torch.Tensor] = {}
         if handle.state_row is not None:  # behind the blocks on our side stream: its wait covers both
             state = self.pull_state(NoClose(peer), handle.state_row, deadline)
-        trace.mark("f.copy_queued")
+        mark("f.copy_queued")
         self._wait_copies(handle.address, deadline, done)
-        trace.mark("f.copied")
+        mark("f.copied")
         if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
             self.stats.count("one_sided_lost")
             return None
@@ -390,9 +390,9 @@ class CudaIpcMover:
         """Queue the copy on our side stream; -> (how it was done, the CUDA event after it or None)."""
         try:
             with self.two_sided.on_device():
-                trace.gpu_mark("f.copy_start", self.kv_cache.device)
+                gpu_mark("f.copy_start", self.kv_cache.device)
                 how = copy_blocks(mapped.rows, self.rows, src_ids, into)
-                trace.gpu_mark("f.copy_end", self.kv_cache.device)
+                gpu_mark("f.copy_end", self.kv_cache.device)
                 if not self.two_sided.on_cuda:
                     return how, None
                 done = torch.cuda.Event()

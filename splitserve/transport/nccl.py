@@ -55,7 +55,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from splitserve.transport import trace
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import Export, KVChannel
 from splitserve.transport.client import SyncChannel, parse_address
@@ -63,7 +62,6 @@ from splitserve.transport.errors import PeerRefused, TransportError
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.gpu_blocks import consecutive_start, host_id, index_tensor, wide
 from splitserve.transport.gpu_two_sided import GpuTwoSided
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.nccl_group import (
     PairGroup,
@@ -76,6 +74,8 @@ from splitserve.transport.nccl_group import (
 from splitserve.transport.payload import snapshot_state
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.trace import gpu_mark, mark
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -296,10 +296,10 @@ class NcclMover:
                         src, out = wide(self.rows, chunk)
                         torch.index_select(src, 0, index[a:b], out=out)
                     start = time.perf_counter()
-                    trace.gpu_mark("e.send_queued", self.kv_cache.device)
+                    gpu_mark("e.send_queued", self.kv_cache.device)
                     works.append(pair.group.send([chunk], 1, 0))
                     calls += time.perf_counter() - start
-                    trace.mark("e.send_called")
+                    mark("e.send_called")
                 self.send_calls.append(calls)
                 return [w for i, w in enumerate(works) if i not in waited]  # Gloo: a work waits once
             except RuntimeError as exc:
@@ -423,7 +423,7 @@ class NcclMover:
             staged += 1
         while pending:
             scatter_oldest()
-        trace.mark("f.recv_called")
+        mark("f.recv_called")
         return works, staged
 
     def describe(self) -> dict:

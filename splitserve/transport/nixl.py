@@ -53,7 +53,6 @@ from splitserve.transport.channel import Export, KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import PeerRefused, TransportError
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout, torch_dtype
 from splitserve.transport.nixl_agent import (
     NixlAgent,
@@ -75,6 +74,7 @@ from splitserve.transport.payload import (
 )
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
