@@ -82,7 +82,7 @@ def show_ttft(tag: str, rows: list[dict]) -> dict:
 def worker_stats(url: str) -> dict:
     import httpx
 
-    from splitserve.serve.worker_auth import worker_headers
+    from splitserve.wire.auth import worker_headers
 
     headers = worker_headers(os.environ["SPLITSERVE_KV_SECRET"])
     out = {}

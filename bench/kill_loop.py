@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "serve"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in (".", "router")]
 
 import openai  # noqa: E402
 from serve_harness import MODEL, Deployment, manifest_yaml, start_deployment  # noqa: E402

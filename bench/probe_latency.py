@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 async def measure(url: str, repeats: int, sizes: list[int]) -> None:
     import httpx
 
-    from splitserve.serve.probe import probe_pair
-    from splitserve.serve.worker_auth import worker_headers
+    from splitserve.router.probe import probe_pair
+    from splitserve.wire.auth import worker_headers
 
     async with httpx.AsyncClient(
         timeout=60, headers=worker_headers(os.environ["SPLITSERVE_KV_SECRET"])
