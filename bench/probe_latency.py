@@ -1,5 +1,5 @@
-"""verify's one-block latency taken apart (issue 21: `verify` measured 4.64 ms for one 512 KiB block over
-cuda_ipc, goal <= 1 ms). verify times one probe of one block, once, first: the decode worker times
+"""verify's one-block latency taken apart (the goal: one 512 KiB block over cuda_ipc in <= 1 ms).
+verify times one probe of one block, once, first: the decode worker times
 `transport.fetch` of a probe export (the prefill worker leases free blocks and, for a hybrid model, a
 copy of one state slot). Here the same probe is repeated (the first apart: connection, handles and
 kernels on first use), and probes of more blocks give the per-fetch fixed cost against the per-byte.
