@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import (
     BackendUnavailable,
@@ -31,6 +31,7 @@ from splitserve.transport.errors import (
     TransportError,
     error_to_wire,
 )
+from splitserve.transport.export_requests import Export
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.gpu_blocks import (
     as_ids,

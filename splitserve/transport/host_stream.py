@@ -23,7 +23,8 @@ from splitserve.transport.server import AsyncChannel, ListenSpec
 from splitserve.wire.kv_handle import KVHandle
 
 if TYPE_CHECKING:
-    from splitserve.transport.channel import Export, KVChannel
+    from splitserve.transport.channel import KVChannel
+    from splitserve.transport.export_requests import Export
 
 
 class StreamWire(Protocol):
