@@ -125,7 +125,7 @@ def test_peer_without_the_secret_gets_nothing(make, first):
 
 
 def test_a_peer_of_another_protocol_version_learns_nothing_of_our_layout(make):
-    """issue 26 F12: such a peer got the exporter's whole KV layout before it proved the secret."""
+    """Such a peer is refused before it proves the secret, without seeing the exporter's KV layout."""
     exporter = make("tcp")
     with _raw_connect(export_some(exporter).address) as sock:
         assert _read_frame(sock)[0]["op"] == "challenge"
