@@ -33,14 +33,14 @@ from typing import Protocol
 import torch
 
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.client import ConnectionPool, SyncChannel
+from splitserve.transport.client import ConnectionPool, SyncChannel, counted_failures, fetch_request
 from splitserve.transport.errors import (
     CorruptTransfer,
     PeerRefused,
     TransportError,
 )
-from splitserve.transport.export_requests import Export, ExportRequests
-from splitserve.transport.fault_plan import Fault, FaultPlan
+from splitserve.transport.export_requests import Export, ExportRequests, PayloadCall
+from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import FreeCallback, LeaseManager
 from splitserve.transport.payload import (
@@ -53,7 +53,7 @@ from splitserve.transport.payload import (
 )
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect, resolve_secret
 from splitserve.transport.server import AsyncChannel, ExportServer, ListenSpec
-from splitserve.transport.transport import KVTransport, TransportOptions, TransportStats
+from splitserve.transport.transport import ExportRequest, KVTransport, TransportOptions, TransportStats
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -73,11 +73,11 @@ class PayloadMover(Protocol):
                 close()                           after the channel closed its server, pool and leases
       exporter  listen_spec() -> ListenSpec       where the server listens (tcp host:port, unix path)
                 make_board() -> LeaseBoard|None   a lease board for one-sided reads (board.py), or None
-                export(...) -> KVHandle           check the ids, then `ch.lease_export` (or its own lease)
+                export(request) -> KVHandle       check the ids, then `ch.lease_export` (or its own lease)
                 keep_state(state) -> dict         what a lease keeps of the state (`ch.lease_export` asks)
                 serve_op(chan, header) -> bool|None   a request only this backend knows (its open
                                                   exchange); None: not ours, the channel serves it
-                send_payload(chan, export, block_ids, meta, fault, deadline) -> int
+                send_payload(call: PayloadCall) -> int
                                                   move the pinned lease's blocks and state; -> bytes
       fetcher   fetch(handle, into_block_ids, timeout_s, into_state) -> state
                                                   stream movers: `ch.stream_fetch(..., recv_payload)`
@@ -102,27 +102,13 @@ class PayloadMover(Protocol):
 
     def make_board(self) -> LeaseBoard | None: ...
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None,
-    ) -> KVHandle: ...
+    def export(self, request: ExportRequest) -> KVHandle: ...
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]: ...
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None: ...
 
-    async def send_payload(
-        self,
-        chan: AsyncChannel,
-        export: Export,
-        block_ids: tuple[int, ...],
-        meta: dict,
-        fault: Fault,
-        deadline: Deadline,
-    ) -> int: ...
+    async def send_payload(self, call: PayloadCall) -> int: ...
 
     def fetch(
         self,
@@ -186,27 +172,16 @@ class KVChannel(KVTransport):
                 self._server = server
             return self._server.address
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.mover.export(request_id, block_ids, num_tokens, state)
+    def export_request(self, request: ExportRequest) -> KVHandle:
+        return self.mover.export(request)
 
-    def lease_export(
-        self,
-        request_id: str,
-        ids: tuple[int, ...],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None,
-    ) -> KVHandle:
-        """A mover's `export`, once it has checked `ids`: keep the state (the mover's `keep_state`),
-        the checksum, the lease, the handle."""
+    def lease_export(self, request: ExportRequest, ids: tuple[int, ...]) -> KVHandle:
+        """A mover's `export`, once it has checked the request's block ids (-> `ids`): keep the state
+        (the mover's `keep_state`), the checksum, the lease, the handle."""
+        request_id, num_tokens = request.request_id, request.num_tokens
         if not 0 < num_tokens <= len(ids) * self.layout.block_size:
             raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
-        snapshot = self.mover.keep_state(state)
+        snapshot = self.mover.keep_state(request.state)
         address = self.listen()
         digest = None
         if self.options.checksum:
@@ -270,22 +245,12 @@ class KVChannel(KVTransport):
         sink, state = BlockSink(self.kv_cache, into), empty_state(self.layout)
         stream = ByteStream(sink.pieces + state_pieces(state, self.layout))
         start = time.perf_counter()
-        try:
-            with self.pool.connection(handle.address, deadline) as chan:
-                if chan.peer_layout is not None and chan.peer_layout.fingerprint != handle.layout_fingerprint:
-                    raise PeerRefused(f"handle {handle.request_id} was made for another layout")
-                request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
-                chan.send({**request, "timeout_s": deadline.remaining("fetch")}, deadline)
+        with counted_failures(self.stats, handle.address):
+            with self.pool.for_handle(handle, deadline) as chan:
+                chan.send(fetch_request(handle, deadline), deadline)
                 meta = recv_payload(chan, stream, deadline)
             self.verify(handle, meta, stream)
             sink.commit()
-        except TransportError as exc:
-            self.stats.error(exc)
-            raise
-        except (KeyError, TypeError, ValueError) as exc:  # a field missing or mistyped in an answer
-            malformed = TransportError(f"malformed answer from {handle.address}: {exc!r}")
-            self.stats.error(malformed)
-            raise malformed from exc
         self.stats.fetched(stream.nbytes, time.perf_counter() - start, handle.address)
         return state
 

@@ -63,8 +63,7 @@ from splitserve.transport.client import SyncChannel
 from splitserve.transport.cuda_ipc_copy import queue_copy, queue_state_copy, wait_copies
 from splitserve.transport.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
 from splitserve.transport.errors import PeerRefused, TransportError
-from splitserve.transport.export_requests import Export
-from splitserve.transport.fault_plan import Fault
+from splitserve.transport.export_requests import Export, PayloadCall
 from splitserve.transport.gpu_blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
 from splitserve.transport.gpu_two_sided import GpuTwoSided, NoClose
 from splitserve.transport.layout import KVLayout
@@ -73,6 +72,7 @@ from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
 from splitserve.transport.state_arena import StateArena, open_arena
 from splitserve.transport.trace import mark
+from splitserve.transport.transport import ExportRequest
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -124,11 +124,8 @@ class CudaIpcMover:
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return await self.two_sided.serve_op(chan, header)
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
-        return await self.two_sided.send_payload(chan, export, block_ids, meta, fault, deadline)
+    async def send_payload(self, call: PayloadCall) -> int:
+        return await self.two_sided.send_payload(call)
 
     # -- GpuTwoSided's hooks (gpu_two_sided.GpuBackend) with nothing to do here --------------------
     def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
@@ -163,32 +160,26 @@ class CudaIpcMover:
                 self._share["state"] = self.arena.share() if self.arena is not None else None
             return self._share
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
+    def export(self, request: ExportRequest) -> KVHandle:
         """As GpuTwoSided.export, with the state copied into a row of our GPU's state arena (a
         device copy per state tensor) rather than to the host, when there is a free row."""
-        row = None
+        row, state, num_tokens = None, request.state, request.num_tokens
         if self.arena is not None and state:
             self.two_sided.sync_stream()  # the prefill's writes land before we copy the state
             row = self.arena.put(state)
         if row is None:
-            return self.two_sided.export(request_id, block_ids, num_tokens, state)
+            return self.two_sided.export(request)
         self.two_sided.sync_stream()  # the copy is done: the engine may reuse its state slot at once
-        ids = self.two_sided.check_ids(block_ids, "block_ids")
+        ids = self.two_sided.check_ids(request.block_ids, "block_ids")
         if not 0 < num_tokens <= len(ids) * self.layout.block_size:
             self.arena.free(row)
             raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
         address = self.ch.listen()
-        lease = self.leases.grant(ids, Export(request_id, {}, None, state_row=row))
+        lease = self.leases.grant(ids, Export(request.request_id, {}, None, state_row=row))
         self.stats.count("exports")
         self.stats.count("state_in_arena")
         return KVHandle(
-            backend=self.backend, address=address, request_id=request_id, lease_id=lease.lease_id,
+            backend=self.backend, address=address, request_id=request.request_id, lease_id=lease.lease_id,
             block_ids=ids, num_tokens=num_tokens, layout_fingerprint=self.layout.fingerprint,
             lease_expires_at=time.time() + self.options.lease_s, lease_slot=lease.slot, state_row=row,
         )  # fmt: skip

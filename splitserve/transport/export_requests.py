@@ -38,20 +38,29 @@ class Export:
     state_row: int | None = None  # cuda_ipc: the state waits in this row of the exporter's arena
 
 
+@dataclass(frozen=True)
+class PayloadCall:
+    """One fetch for a mover to answer (`send_payload`): the fetcher's connection, what the pinned
+    lease keeps, its block ids, the payload header's common fields (`meta`: blocks, checksum), the
+    fault drawn from the plan (tests; `Fault.NONE` in production) and the fetch's deadline."""
+
+    chan: AsyncChannel
+    export: Export
+    block_ids: tuple[int, ...]
+    meta: dict
+    fault: Fault
+    deadline: Deadline
+
+    def unpack(self) -> tuple[AsyncChannel, Export, tuple[int, ...], dict, Fault, Deadline]:
+        return self.chan, self.export, self.block_ids, self.meta, self.fault, self.deadline
+
+
 class ServingMover(Protocol):
     """What the exporter's requests use of a mover (channel.py's `PayloadMover` has the whole contract)."""
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None: ...
 
-    async def send_payload(
-        self,
-        chan: AsyncChannel,
-        export: Export,
-        block_ids: tuple[int, ...],
-        meta: dict,
-        fault: Fault,
-        deadline: Deadline,
-    ) -> int: ...
+    async def send_payload(self, call: PayloadCall) -> int: ...
 
 
 class ExportRequests:
@@ -106,9 +115,8 @@ class ExportRequests:
                     await asyncio.sleep(plan.knobs.delay_s)
                 meta = {"blocks": len(lease.block_ids), "checksum": lease.payload.checksum}
                 start = time.perf_counter()
-                nbytes = await self.mover.send_payload(
-                    chan, lease.payload, lease.block_ids, meta, fault, deadline
-                )
+                call = PayloadCall(chan, lease.payload, lease.block_ids, meta, fault, deadline)
+                nbytes = await self.mover.send_payload(call)
                 self.stats.served(nbytes, time.perf_counter() - start)
                 return fault is not Fault.KILL
         except (LeaseExpired, UnknownLease) as exc:
@@ -120,4 +128,4 @@ class ExportRequests:
             raise
 
 
-__all__ = ["Export", "ExportRequests", "ServingMover"]
+__all__ = ["Export", "ExportRequests", "PayloadCall", "ServingMover"]

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from splitserve.transport.channel import KVChannel
-from splitserve.transport.client import SyncChannel
+from splitserve.transport.client import SyncChannel, counted_failures, fetch_request
 from splitserve.transport.errors import (
     BackendUnavailable,
     CorruptTransfer,
@@ -31,7 +31,7 @@ from splitserve.transport.errors import (
     TransportError,
     error_to_wire,
 )
-from splitserve.transport.export_requests import Export
+from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.gpu_blocks import (
     as_ids,
@@ -46,6 +46,7 @@ from splitserve.transport.payload import ByteStream, empty_state, source_pieces,
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect
 from splitserve.transport.server import AsyncChannel
 from splitserve.transport.trace import mark
+from splitserve.transport.transport import ExportRequest
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -199,15 +200,9 @@ class GpuTwoSided:
         return into
 
     # -- exporter side -----------------------------------------------------------------------------
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
+    def export(self, request: ExportRequest) -> KVHandle:
         self.sync_stream()  # the prefill's writes to these blocks land before anyone reads them
-        return self.ch.lease_export(request_id, self.check_ids(block_ids, "block_ids"), num_tokens, state)
+        return self.ch.lease_export(request, self.check_ids(request.block_ids, "block_ids"))
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         if header["op"] == "fetch":
@@ -222,10 +217,8 @@ class GpuTwoSided:
             await chan.send(error_to_wire(exc), Deadline.after(self.options.connect_timeout_s))
             return False
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
+    async def send_payload(self, call: PayloadCall) -> int:
+        chan, export, block_ids, meta, fault, deadline = call.unpack()
         if self.open_op not in chan.notes:
             exc = TransportError(f"{self.backend}: fetch before {self.open_op} on this connection")
             await chan.send(error_to_wire(exc), deadline)
@@ -274,15 +267,12 @@ class GpuTwoSided:
         state = empty_state(self.layout)
         body = ByteStream(state_pieces(state, self.layout))
         start = time.perf_counter()
-        try:
-            with self.pool.connection(handle.address, deadline) as chan:
-                if chan.peer_layout is not None and chan.peer_layout.fingerprint != handle.layout_fingerprint:
-                    raise PeerRefused(f"handle {handle.request_id} was made for another layout")
+        with counted_failures(self.stats, handle.address):
+            with self.pool.for_handle(handle, deadline) as chan:
                 attached = chan.attached.get(self.backend)
                 if attached is None:
                     attached = chan.attached[self.backend] = self.hooks.attach(chan, handle, deadline)
-                request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
-                request.update(self.hooks.fetch_fields(into), timeout_s=deadline.remaining("fetch"))
+                request = fetch_request(handle, deadline, self.hooks.fetch_fields(into))
                 sent = time.perf_counter()
                 mark("f.request")
                 chan.send(request, deadline)
@@ -311,13 +301,6 @@ class GpuTwoSided:
                 deadline.remaining("copy out of the exporter's KV")  # past it the exporter may unpin
                 chan.send({"op": "done"}, deadline)
             self.verify_blocks(handle, meta, into, state)
-        except TransportError as exc:
-            self.stats.error(exc)
-            raise
-        except (KeyError, TypeError, ValueError) as exc:  # a field missing or mistyped in an answer
-            malformed = TransportError(f"malformed answer from {handle.address}: {exc!r}")
-            self.stats.error(malformed)
-            raise malformed from exc
         nbytes = len(into) * self.layout.block_nbytes + body.nbytes
         end = time.perf_counter()
         self.phases.append((sent - start, answered - sent, pulled - answered))

@@ -16,15 +16,15 @@ import torch
 
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.client import SyncChannel
-from splitserve.transport.fault_plan import Fault
 from splitserve.transport.payload import ByteStream, snapshot_state
 from splitserve.transport.protocol import Deadline
 from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.transport import ExportRequest
 from splitserve.wire.kv_handle import KVHandle
 
 if TYPE_CHECKING:
     from splitserve.transport.channel import KVChannel
-    from splitserve.transport.export_requests import Export
+    from splitserve.transport.export_requests import PayloadCall
 
 
 class StreamWire(Protocol):
@@ -40,10 +40,7 @@ class StreamWire(Protocol):
         """Exporter: where the control server listens."""
         ...
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
+    async def send_payload(self, call: PayloadCall) -> int:
         """Exporter: the pinned lease's blocks and state (the `meta` header first); -> bytes sent."""
         ...
 
@@ -78,14 +75,8 @@ class StreamMover:
     def listen_spec(self) -> ListenSpec:
         return self.wire.listen_spec()
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.ch.lease_export(request_id, self.ch.check_ids(block_ids, "block_ids"), num_tokens, state)
+    def export(self, request: ExportRequest) -> KVHandle:
+        return self.ch.lease_export(request, self.ch.check_ids(request.block_ids, "block_ids"))
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies (the engine reuses its slot at once)."""
@@ -94,11 +85,8 @@ class StreamMover:
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return None  # no open exchange
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
-        return await self.wire.send_payload(chan, export, block_ids, meta, fault, deadline)
+    async def send_payload(self, call: PayloadCall) -> int:
+        return await self.wire.send_payload(call)
 
     def fetch(
         self,

@@ -59,14 +59,14 @@ from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel, parse_address
 from splitserve.transport.errors import PeerRefused, TransportError
-from splitserve.transport.export_requests import Export
-from splitserve.transport.fault_plan import Fault
+from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.gpu_blocks import consecutive_start, host_id
 from splitserve.transport.gpu_two_sided import GpuTwoSided
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.nccl_chunks import queue_recvs, queue_sends
 from splitserve.transport.nccl_group import (
     PairGroup,
+    aborting,
     chunk_spans,
     make_group,
     nccl_version,
@@ -76,6 +76,7 @@ from splitserve.transport.nccl_group import (
 from splitserve.transport.payload import snapshot_state
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.transport import ExportRequest
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -137,23 +138,14 @@ class NcclMover:
     def make_board(self) -> LeaseBoard | None:
         return None  # every fetch asks the exporter
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.two_sided.export(request_id, block_ids, num_tokens, state)
+    def export(self, request: ExportRequest) -> KVHandle:
+        return self.two_sided.export(request)
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return await self.two_sided.serve_op(chan, header)
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
-        return await self.two_sided.send_payload(chan, export, block_ids, meta, fault, deadline)
+    async def send_payload(self, call: PayloadCall) -> int:
+        return await self.two_sided.send_payload(call)
 
     def fetch(
         self,
@@ -207,15 +199,9 @@ class NcclMover:
     def _warmup_send(self, pair: PairGroup, deadline: Deadline, gone: Callable[[], bool]) -> None:
         with self._send_lock, self.two_sided.on_device(after_current=False):
             byte = torch.full((1,), WARMUP_BYTE, dtype=torch.uint8, device=self.kv_cache.device)
-            try:
+            with aborting(pair, "nccl warm-up send"):
                 work = pair.group.send([byte], 1, 0)
                 wait_done([work], pair, self.kv_cache.device, deadline, gone, "nccl warm-up")
-            except TransportError:
-                pair.abort()
-                raise
-            except RuntimeError as exc:
-                pair.abort()
-                raise TransportError(f"nccl warm-up send failed: {exc}") from exc
 
     def chunk_for(self, chan: AsyncChannel, ids: np.ndarray) -> int:
         """Blocks per message for this fetch (`blocks_per_message`)."""
@@ -267,27 +253,16 @@ class NcclMover:
 
     def _enqueue_sends(self, pair: PairGroup, ids: np.ndarray, per: int) -> list[Any]:
         """Queue the gathers and sends of every chunk; -> the works not waited for yet."""
-        with self.two_sided.on_device(after_current=False):
-            try:
-                works, calls = queue_sends(pair.group, self.rows, ids, per)
-            except RuntimeError as exc:
-                pair.abort()
-                raise TransportError(f"nccl send failed: {exc}") from exc
+        with self.two_sided.on_device(after_current=False), aborting(pair, "nccl send"):
+            works, calls = queue_sends(pair.group, self.rows, ids, per)
         self.send_calls.append(calls)
         return works
 
     def _finish_sends(
         self, pair: PairGroup, works: list[Any], deadline: Deadline, gone: Callable[[], bool]
     ) -> None:
-        with self.two_sided.on_device(after_current=False):
-            try:
-                wait_done(works, pair, self.kv_cache.device, deadline, gone, "nccl send")
-            except TransportError:
-                pair.abort()
-                raise
-            except RuntimeError as exc:
-                pair.abort()
-                raise TransportError(f"nccl send failed: {exc}") from exc
+        with self.two_sided.on_device(after_current=False), aborting(pair, "nccl send"):
+            wait_done(works, pair, self.kv_cache.device, deadline, gone, "nccl send")
 
     # -- fetcher ---------------------------------------------------------------------------------
     def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
@@ -313,23 +288,18 @@ class NcclMover:
             raise TransportError(f"nccl rendezvous with {handle.address} failed: {exc}") from exc
         pair = PairGroup(group, store)
         try:
-            with self.two_sided.on_device():
-                byte = torch.zeros(1, dtype=torch.uint8, device=self.kv_cache.device)
-                work = group.recv([byte], 0, 0)
-                wait_done(
-                    [work], pair, self.kv_cache.device, deadline, lambda: not chan.alive(), "nccl warm-up"
-                )
-                if int(byte.item()) != WARMUP_BYTE:
-                    raise TransportError(f"nccl warm-up from {handle.address} delivered the wrong byte")
-            chan.send({"op": "nccl_ready"}, deadline)
-        except TransportError:
-            pair.abort()
-            raise
-        except RuntimeError as exc:
-            pair.abort()
-            raise TransportError(f"nccl warm-up with {handle.address} failed: {exc}") from exc
+            with aborting(pair, f"nccl warm-up with {handle.address}"):
+                with self.two_sided.on_device():
+                    byte = torch.zeros(1, dtype=torch.uint8, device=self.kv_cache.device)
+                    work = group.recv([byte], 0, 0)
+                    wait_done(
+                        [work], pair, self.kv_cache.device, deadline, lambda: not chan.alive(), "nccl warm-up"
+                    )
+                    if int(byte.item()) != WARMUP_BYTE:
+                        raise TransportError(f"nccl warm-up from {handle.address} delivered the wrong byte")
+                chan.send({"op": "nccl_ready"}, deadline)
         except BaseException:
-            pair.abort()
+            pair.abort()  # anything else that stops the open exchange (aborting twice is harmless)
             raise
         self.stats.count("nccl_groups")
         return pair
@@ -345,16 +315,9 @@ class NcclMover:
         per = int(meta["chunk_blocks"])
         if per <= 0:
             raise TransportError(f"exporter announced chunks of {per} blocks")
-        try:
-            with self.two_sided.on_device():
-                works, staged = queue_recvs(pair.group, self.rows, into, per)
-                wait_done(works, pair, self.kv_cache.device, deadline, lambda: not chan.alive(), "nccl recv")
-        except TransportError:
-            pair.abort()
-            raise
-        except RuntimeError as exc:
-            pair.abort()
-            raise TransportError(f"nccl recv from {chan.address} failed: {exc}") from exc
+        with aborting(pair, f"nccl recv from {chan.address}"), self.two_sided.on_device():
+            works, staged = queue_recvs(pair.group, self.rows, into, per)
+            wait_done(works, pair, self.kv_cache.device, deadline, lambda: not chan.alive(), "nccl recv")
         self.gpu_counts["chunks"] += len(chunk_spans(len(into), per))
         self.gpu_counts["chunks_staged"] += staged
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -68,6 +68,21 @@ class PairGroup:
 
     def close(self) -> None:
         self.abort()
+
+
+@contextlib.contextmanager
+def aborting(pair: PairGroup, what: str) -> Iterator[None]:
+    """Abort the pair's group when the NCCL work inside fails (its peer may be half-way through a
+    send or receive: the group cannot be trusted again); c10d's RuntimeError becomes a TransportError
+    "`what` failed: ..."."""
+    try:
+        yield
+    except TransportError:
+        pair.abort()
+        raise
+    except RuntimeError as exc:
+        pair.abort()
+        raise TransportError(f"{what} failed: {exc}") from exc
 
 
 def chunk_spans(n: int, per: int) -> list[tuple[int, int]]:

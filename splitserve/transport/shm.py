@@ -21,13 +21,12 @@ import torch
 from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
-from splitserve.transport.export_requests import Export
-from splitserve.transport.fault_plan import Fault
+from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.host_stream import StreamMover
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
 from splitserve.transport.protocol import Deadline, expect
-from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
+from splitserve.transport.server import ListenSpec, UnixSocketPath
 from splitserve.transport.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
 from splitserve.transport.shm_staged import SEGMENT_PREFIX, recv_staged, send_staged
 
@@ -52,10 +51,8 @@ class ShmWire:
     def listen_spec(self) -> ListenSpec:
         return self.socket_path.listen_spec(self.options.socket_dir)
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
+    async def send_payload(self, call: PayloadCall) -> int:
+        chan, export, block_ids, meta, fault, deadline = call.unpack()
         shared = shared_kv_of(self.kv_cache)
         if shared is not None:
             state = ByteStream(state_pieces(export.state, self.layout))

@@ -23,13 +23,13 @@ import torch
 from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
-from splitserve.transport.export_requests import Export
+from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.host_stream import StreamMover
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
 from splitserve.transport.protocol import Deadline, encode_frame, expect
-from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.server import ListenSpec
 
 
 class TcpWire:
@@ -43,15 +43,8 @@ class TcpWire:
     def listen_spec(self) -> ListenSpec:
         return ListenSpec("tcp", host=self.options.host, port=self.options.port)
 
-    async def send_payload(
-        self,
-        chan: AsyncChannel,
-        export: Export,
-        block_ids: tuple[int, ...],
-        meta: dict,
-        fault: Fault,
-        deadline: Deadline,
-    ) -> int:
+    async def send_payload(self, call: PayloadCall) -> int:
+        chan, export, block_ids, meta, fault, deadline = call.unpack()
         body = ByteStream(source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout))
         if fault is Fault.CORRUPT and self.ch.faults is not None:
             body = self.ch.faults.corrupted(body)

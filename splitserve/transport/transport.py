@@ -52,6 +52,17 @@ class TransportOptions:
     state_wire_dtype: str = "float32"
 
 
+@dataclass(frozen=True)
+class ExportRequest:
+    """One request's KV to put under a lease, as `KVTransport.export` is asked for it: the blocks
+    holding its first `num_tokens` tokens, and its state tensors (hybrid models) or None."""
+
+    request_id: str
+    block_ids: Sequence[int]
+    num_tokens: int
+    state: Mapping[str, torch.Tensor] | None = None
+
+
 class TransportStats:
     """Thread-safe counters and recent transfer rates, for describe()."""
 
@@ -119,6 +130,7 @@ class KVTransport(ABC):
 
     The whole contract a caller may use, by side:
         exporter   listen() -> address; export(...) -> KVHandle; release(handle); address
+                   (a transport implements export_request(ExportRequest), which export builds)
         fetcher    fetch(handle, into_block_ids, ...) -> state; release(handle); check_peer(address)
         both       register_states(states); describe(); close(); stats; install_faults(plan) (tests)
     channel.py's `KVChannel` implements it for every backend (a control channel holding the backend's
@@ -131,7 +143,6 @@ class KVTransport(ABC):
     stats: TransportStats
 
     # -- exporter side ---------------------------------------------------------------------------
-    @abstractmethod
     def export(
         self,
         request_id: str,
@@ -141,6 +152,11 @@ class KVTransport(ABC):
     ) -> KVHandle:
         """Lease the blocks (and copy the small state tensors, or keep them in their registered slot:
         `register_states`) and return a handle to fetch them by."""
+        return self.export_request(ExportRequest(request_id, block_ids, num_tokens, state))
+
+    @abstractmethod
+    def export_request(self, request: ExportRequest) -> KVHandle:
+        """`export`, the request as one record: what a transport implements."""
 
     @abstractmethod
     def release(self, handle: KVHandle) -> None:

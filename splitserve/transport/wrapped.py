@@ -10,7 +10,7 @@ import torch
 
 from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.layout import KVLayout
-from splitserve.transport.transport import KVTransport
+from splitserve.transport.transport import ExportRequest, KVTransport
 from splitserve.wire.kv_handle import KVHandle
 
 
@@ -24,14 +24,8 @@ class WrappedTransport(KVTransport):
             inner.stats,
         )
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.inner.export(request_id, block_ids, num_tokens, state)
+    def export_request(self, request: ExportRequest) -> KVHandle:
+        return self.inner.export_request(request)
 
     def release(self, handle: KVHandle) -> None:
         self.inner.release(handle)
