@@ -418,7 +418,7 @@ def ce_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwen_bl
         fetcher.fetch(handle, into)  # maps the exporter's KV
         (peer,) = list(fetcher.mover._peers.values())[-1:]
         block = layout_of(fetchers.caches[name][0]).block_nbytes
-        src0, dst0 = peer.rows.data_ptr(), fetcher.mover.rows.data_ptr()
+        src0, dst0 = peer.rows.data_ptr(), fetcher.mover.two_sided.rows.data_ptr()
         if pattern == "contiguous":
             pieces = [(src0 + ids[0] * block, dst0 + into[0] * block, n * block)]
         else:

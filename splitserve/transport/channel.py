@@ -51,6 +51,7 @@ from splitserve.transport.payload import (
     source_pieces,
     state_pieces,
 )
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect, resolve_secret
 from splitserve.transport.server import AsyncChannel, ExportServer, ListenSpec
 from splitserve.transport.transport import ExportRequest, KVTransport, TransportOptions, TransportStats
@@ -63,24 +64,24 @@ class PayloadMover(Protocol):
     """What one backend adds to the control channel, and nothing else.
 
     A `KVChannel` holds one mover and calls it; a mover never subclasses the channel, another backend's
-    mover or a shared base. Its contract, by side (the channel calls these; the mover may call the
-    channel back: `ch`):
+    mover or a shared base. Its contract, by side (the channel calls these; the mover may use the
+    channel's parts and steps on the `MoverPort` it is bound to, port.py: `port`):
 
       both      backend                           the backend's name, carried in handles
-                bind(ch)                          once, when the channel is made: keep it, set up devices
+                bind(port)                        once, when the channel is made: keep it, set up devices
                 register_states(states) -> bool   the engine's state slots, once (True: moved in place)
                 describe() -> dict                fields merged into the channel's describe()
                 close()                           after the channel closed its server, pool and leases
       exporter  listen_spec() -> ListenSpec       where the server listens (tcp host:port, unix path)
                 make_board() -> LeaseBoard|None   a lease board for one-sided reads (board.py), or None
-                export(request) -> KVHandle       check the ids, then `ch.lease_export` (or its own lease)
-                keep_state(state) -> dict         what a lease keeps of the state (`ch.lease_export` asks)
+                export(request) -> KVHandle       check the ids, then `port.lease_export` (or its own lease)
+                keep_state(state) -> dict         what a lease keeps of the state (`lease_export` asks)
                 serve_op(chan, header) -> bool|None   a request only this backend knows (its open
                                                   exchange); None: not ours, the channel serves it
                 send_payload(call: PayloadCall) -> int
                                                   move the pinned lease's blocks and state; -> bytes
       fetcher   fetch(handle, into_block_ids, timeout_s, into_state) -> state
-                                                  stream movers: `ch.stream_fetch(..., recv_payload)`
+                                                  stream movers: `port.stream_fetch(..., recv_payload)`
 
     The backends: tcp.py, shm.py (a host_stream.StreamMover over the backend's StreamWire), cuda_ipc.py and
     nccl.py (GPU movers, each holding a gpu_two_sided.GpuTwoSided: the two-sided GPU fetch they share,
@@ -90,7 +91,7 @@ class PayloadMover(Protocol):
 
     backend: str
 
-    def bind(self, ch: KVChannel) -> None: ...
+    def bind(self, port: MoverPort) -> None: ...
 
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool: ...
 
@@ -147,7 +148,11 @@ class KVChannel(KVTransport):
         self._lock = threading.Lock()
         self._closed = False
         self.requests = ExportRequests(mover, self.leases, self.options, self.stats, lambda: self.faults)
-        mover.bind(self)
+        self.port = MoverPort(
+            kv, layout, self.options, self.stats, self.leases, self.pool, self.listen, self.lease_export,
+            self.check_ids, self.check_fetch, self.verify, self.stream_fetch,
+        )  # fmt: skip
+        mover.bind(self.port)
 
     # -- exporter side ---------------------------------------------------------------------------
     def listen(self) -> str:

@@ -68,6 +68,7 @@ from splitserve.transport.gpu_blocks import copy_blocks, handle_ids, host_id, kv
 from splitserve.transport.gpu_two_sided import GpuTwoSided, NoClose
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import empty_state, snapshot_state
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
 from splitserve.transport.state_arena import StateArena, open_arena
@@ -88,30 +89,26 @@ class CudaIpcMover:
     payload_op = "kv_cuda"
 
     def __init__(self, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
-        self.cpu_test_double = cpu_test_double
         self.socket_path = UnixSocketPath()
         self.two_sided = GpuTwoSided(self, kv_cache, cpu_test_double)  # checks the KV cache's device
 
-    def bind(self, ch: KVChannel) -> None:
-        two_sided = self.two_sided
-        two_sided.bind(ch)
-        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
-        self.stats, self.leases, self.pool = ch.stats, ch.leases, ch.pool
-        self.rows, self.gpu, self.gpu_counts = two_sided.rows, two_sided.gpu, two_sided.gpu_counts
-        kv, layout = self.kv_cache, self.layout
+    def bind(self, port: MoverPort) -> None:
+        self.port, self.device = port, port.kv_cache.device
+        self.two_sided.bind(port)
+        kv, layout = self.port.kv_cache, self.port.layout
         self._key = f"{os.getpid()}-{secrets.token_hex(8)}"
         self._share: dict | None = None
         self._share_lock = threading.Lock()
         self._peers: OrderedDict[str, PeerKV] = OrderedDict()  # share key -> the opened mapping
         self._peers_lock = threading.Lock()
         self.arena: StateArena | None = None  # exported state on our GPU (not with checksums: host copies)
-        rows = self.options.state_arena_rows
-        if layout.state_shapes and rows > 0 and not self.options.checksum:
-            self.arena = StateArena(layout, kv.device, rows, self.options.state_wire_dtype)
-            self.leases.on_end = self._lease_ended
+        rows = self.port.options.state_arena_rows
+        if layout.state_shapes and rows > 0 and not self.port.options.checksum:
+            self.arena = StateArena(layout, kv.device, rows, self.port.options.state_wire_dtype)
+            self.port.leases.on_end = self._lease_ended
 
     def listen_spec(self) -> ListenSpec:
-        return self.socket_path.listen_spec(self.options.socket_dir)
+        return self.socket_path.listen_spec(self.port.options.socket_dir)
 
     # -- the mover contract (channel.py), the shared part held in self.two_sided -------------------
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
@@ -119,7 +116,7 @@ class CudaIpcMover:
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.layout, state)
+        return snapshot_state(self.port.layout, state)
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return await self.two_sided.serve_op(chan, header)
@@ -146,7 +143,7 @@ class CudaIpcMover:
     # -- exporter --------------------------------------------------------------------------------
     def make_board(self) -> LeaseBoard | None:
         try:  # in the socket directory when one is configured: fetchers can see it by construction
-            return LeaseBoard(directory=self.options.socket_dir)
+            return LeaseBoard(directory=self.port.options.socket_dir)
         except OSError as exc:
             log.warning("cuda_ipc: no lease board (%s): every fetch will ask the exporter first", exc)
             return None
@@ -154,8 +151,8 @@ class CudaIpcMover:
     def share(self) -> dict:
         with self._share_lock:
             if self._share is None:
-                self._share = share_kv(self.kv_cache, self.rows, self._key)
-                board = self.leases.board
+                self._share = share_kv(self.port.kv_cache, self.two_sided.rows, self._key)
+                board = self.port.leases.board
                 self._share["board"] = board.share() if board is not None else None
                 self._share["state"] = self.arena.share() if self.arena is not None else None
             return self._share
@@ -171,17 +168,17 @@ class CudaIpcMover:
             return self.two_sided.export(request)
         self.two_sided.sync_stream()  # the copy is done: the engine may reuse its state slot at once
         ids = self.two_sided.check_ids(request.block_ids, "block_ids")
-        if not 0 < num_tokens <= len(ids) * self.layout.block_size:
+        if not 0 < num_tokens <= len(ids) * self.port.layout.block_size:
             self.arena.free(row)
             raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
-        address = self.ch.listen()
-        lease = self.leases.grant(ids, Export(request.request_id, {}, None, state_row=row))
-        self.stats.count("exports")
-        self.stats.count("state_in_arena")
+        address = self.port.listen()
+        lease = self.port.leases.grant(ids, Export(request.request_id, {}, None, state_row=row))
+        self.port.stats.count("exports")
+        self.port.stats.count("state_in_arena")
         return KVHandle(
             backend=self.backend, address=address, request_id=request.request_id, lease_id=lease.lease_id,
-            block_ids=ids, num_tokens=num_tokens, layout_fingerprint=self.layout.fingerprint,
-            lease_expires_at=time.time() + self.options.lease_s, lease_slot=lease.slot, state_row=row,
+            block_ids=ids, num_tokens=num_tokens, layout_fingerprint=self.port.layout.fingerprint,
+            lease_expires_at=time.time() + self.port.options.lease_s, lease_slot=lease.slot, state_row=row,
         )  # fmt: skip
 
     def _lease_ended(self, lease: Any) -> None:
@@ -194,15 +191,15 @@ class CudaIpcMover:
             raise PeerRefused("cuda_ipc needs both workers on one host",
                               [f"host: exporter {host_id()}, fetcher {header.get('host')}"])  # fmt: skip
         await chan.send(
-            {"op": "cuda_ipc_handle", **self.share()}, Deadline.after(self.options.connect_timeout_s)
+            {"op": "cuda_ipc_handle", **self.share()}, Deadline.after(self.port.options.connect_timeout_s)
         )
         chan.notes.add(self.open_op)
-        self.stats.count("ipc_handles_sent")
+        self.port.stats.count("ipc_handles_sent")
         return True
 
     # -- fetcher ---------------------------------------------------------------------------------
     def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
-        hello = {"op": self.open_op, "host": host_id(), "pid": os.getpid(), "gpu": self.gpu}
+        hello = {"op": self.open_op, "host": host_id(), "pid": os.getpid(), "gpu": self.two_sided.gpu}
         chan.send(hello, deadline)
         try:
             share = expect(chan.recv(deadline)[0], "cuda_ipc_handle")
@@ -212,9 +209,9 @@ class CudaIpcMover:
         with self._peers_lock:
             peer = self._peers.get(key)
             if peer is None:
-                device = self.kv_cache.device
+                device = self.device
                 with torch.cuda.device(device) if self.two_sided.on_cuda else contextlib.nullcontext():
-                    peer = open_peer(share, device, self.layout)
+                    peer = open_peer(share, device, self.port.layout)
                 peer.board = open_board(share.get("board"), chan.address)
                 if share.get("state") is not None:
                     index = peer.rows.device.index if peer.rows.is_cuda else None
@@ -225,7 +222,7 @@ class CudaIpcMover:
                         log.warning("cuda_ipc: cannot map %s's state arena: %s", chan.address, exc)
                 peer.layout_fingerprint = chan.peer_layout.fingerprint if chan.peer_layout else ""
                 self._peers[key] = peer
-                self.stats.count("ipc_handles_opened")
+                self.port.stats.count("ipc_handles_opened")
                 while len(self._peers) > PEERS_MAX:
                     self._peers.popitem(last=False)
             self._peers.move_to_end(key)
@@ -242,29 +239,29 @@ class CudaIpcMover:
         """Read the blocks straight out of the exporter's mapped KV when its lease board says the
         lease is live before and after the copy (no round trip; board.py); else, or for a payload
         with state, the request/answer fetch of GpuTwoSided."""
-        stateful = bool(self.layout.state_shapes)
+        stateful = bool(self.port.layout.state_shapes)
         two_sided = handle.lease_slot is None or (stateful and handle.state_row is None)
         if two_sided or handle.backend != self.backend:
             return self.two_sided.fetch(handle, into_block_ids, timeout_s)
         into = self.two_sided.check_into(handle, into_block_ids)
-        deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
+        deadline = Deadline.after(timeout_s if timeout_s is not None else self.port.options.fetch_timeout_s)
         start = time.perf_counter()
         try:  # a pooled connection: its first use attaches; `alive` says the exporter still runs
-            with self.pool.connection(handle.address, deadline) as chan:
+            with self.port.pool.connection(handle.address, deadline) as chan:
                 peer = self._mapped(chan, handle, deadline)
                 state = None if peer is None else self._read_one_sided(peer, handle, into, deadline)
                 done = state is not None and chan.alive()
         except TransportError as exc:
-            self.stats.error(exc)
+            self.port.stats.error(exc)
             raise
         if not done:  # the exporter says what became of the lease
             return self.two_sided.fetch(handle, into, deadline.remaining("fetch"))
         end = time.perf_counter()
         self.two_sided.verify_blocks(handle, {}, into, {})
         self.two_sided.phases.append((0.0, 0.0, end - start))
-        self.stats.fetched(len(into) * self.layout.block_nbytes, end - start, handle.address)
-        self.stats.count("one_sided_fetches")
-        return state if state else empty_state(self.layout)
+        self.port.stats.fetched(len(into) * self.port.layout.block_nbytes, end - start, handle.address)
+        self.port.stats.count("one_sided_fetches")
+        return state if state else empty_state(self.port.layout)
 
     def _mapped(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> PeerKV | None:
         """The exporter's mapping (attached on the connection's first use), if it has a board."""
@@ -296,9 +293,9 @@ class CudaIpcMover:
         self._wait_copies(handle.address, deadline, done)
         mark("f.copied")
         if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
-            self.stats.count("one_sided_lost")
+            self.port.stats.count("one_sided_lost")
             return None
-        self.gpu_counts[f"{peer.mode}_{how}"] += 1
+        self.two_sided.gpu_counts[f"{peer.mode}_{how}"] += 1
         return state
 
     def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
@@ -328,21 +325,21 @@ class CudaIpcMover:
             early = src_ids, self._copy(mapped, src_ids, into)
         how, done = early[1]
         self._wait_copies(chan.address, deadline, done)
-        self.gpu_counts[f"{mapped.mode}_{how}"] += 1
+        self.two_sided.gpu_counts[f"{mapped.mode}_{how}"] += 1
 
     def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
         """One device copy of the exporter's arena row into a buffer on our GPU, waited for; -> the
         state tensors (views of it, or fp32 copies when it travelled in bf16)."""
-        state, done = queue_state_copy(self.two_sided, peer.value, row, self.layout, self.kv_cache.device)
+        state, done = queue_state_copy(self.two_sided, peer.value, row, self.port.layout, self.device)
         self._wait_copies("the exporter's state arena", deadline, done)
-        self.stats.count("state_rows_read")
+        self.port.stats.count("state_rows_read")
         return state
 
     def _wait_copies(self, address: str, deadline: Deadline, done: Any) -> None:
-        wait_copies(self.two_sided, self.stats, self.kv_cache.device, address, deadline, done)
+        wait_copies(self.two_sided, self.port.stats, self.device, address, deadline, done)
 
     def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> tuple[str, Any]:
-        return queue_copy(self.two_sided, mapped, self.rows, src_ids, into)
+        return queue_copy(self.two_sided, mapped, self.two_sided.rows, src_ids, into)
 
     def describe(self) -> dict:
         out = self.two_sided.describe()
@@ -350,13 +347,13 @@ class CudaIpcMover:
             peers = [p.describe() for p in self._peers.values()]
         p2p = None
         if self.two_sided.on_cuda and torch.cuda.device_count() > 1:
-            index = self.kv_cache.device.index or 0
+            index = self.device.index or 0
             p2p = {
                 str(i): torch.cuda.can_device_access_peer(index, i)
                 for i in range(torch.cuda.device_count())
                 if i != index
             }
-        board = self.leases.board
+        board = self.port.leases.board
         out["cuda_ipc"] = {"peers": peers, "p2p_access": p2p, "checksum_on": "host copies",
                            "lease_board": None if board is None else board.describe()}  # fmt: skip
         return out

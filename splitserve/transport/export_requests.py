@@ -42,7 +42,7 @@ class Export:
 class PayloadCall:
     """One fetch for a mover to answer (`send_payload`): the fetcher's connection, what the pinned
     lease keeps, its block ids, the payload header's common fields (`meta`: blocks, checksum), the
-    fault drawn from the plan (tests; `Fault.NONE` in production) and the fetch's deadline."""
+    fault drawn from the plan (tests; `Fault.NONE` in production), the fetch's deadline, the plan."""
 
     chan: AsyncChannel
     export: Export
@@ -50,6 +50,7 @@ class PayloadCall:
     meta: dict
     fault: Fault
     deadline: Deadline
+    plan: FaultPlan | None = None  # the plan `fault` was drawn from (tests; None in production)
 
     def unpack(self) -> tuple[AsyncChannel, Export, tuple[int, ...], dict, Fault, Deadline]:
         return self.chan, self.export, self.block_ids, self.meta, self.fault, self.deadline
@@ -115,7 +116,7 @@ class ExportRequests:
                     await asyncio.sleep(plan.knobs.delay_s)
                 meta = {"blocks": len(lease.block_ids), "checksum": lease.payload.checksum}
                 start = time.perf_counter()
-                call = PayloadCall(chan, lease.payload, lease.block_ids, meta, fault, deadline)
+                call = PayloadCall(chan, lease.payload, lease.block_ids, meta, fault, deadline, plan)
                 nbytes = await self.mover.send_payload(call)
                 self.stats.served(nbytes, time.perf_counter() - start)
                 return fault is not Fault.KILL

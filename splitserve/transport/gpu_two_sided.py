@@ -7,7 +7,8 @@ then gets {"op": payload_op, block_ids (base64 int32), blocks, checksum, ...} + 
 frame body, the backend's `push`, and waits for the fetcher's "done" with the lease pinned. Fetcher:
 `attach` once per connection, then the request, the backend's `prefetch` (work that may start before
 the answer), the header and state, its `pull`, "done". The state tensors are small and travel on the
-control channel (channel.py), which holds the mover and owns the connection, the lease and the deadline.
+control channel (channel.py), which holds the mover and owns the connection, the lease and the deadline
+(the mover sees them through its `MoverPort`, port.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel, counted_failures, fetch_request
 from splitserve.transport.errors import (
     BackendUnavailable,
@@ -43,6 +43,7 @@ from splitserve.transport.gpu_blocks import (
     kv_rows,
 )
 from splitserve.transport.payload import ByteStream, empty_state, source_pieces, state_pieces
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect
 from splitserve.transport.server import AsyncChannel
 from splitserve.transport.trace import mark
@@ -138,9 +139,9 @@ class GpuTwoSided:
         if not kv_cache.is_contiguous():
             raise ValueError(f"{self.backend}: the KV cache tensor must be contiguous")
 
-    def bind(self, ch: KVChannel) -> None:
-        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
-        self.stats, self.leases, self.pool = ch.stats, ch.leases, ch.pool
+    def bind(self, port: MoverPort) -> None:
+        self.port, self.kv_cache, self.layout, self.options = port, port.kv_cache, port.layout, port.options
+        self.stats, self.leases, self.pool = port.stats, port.leases, port.pool
         kv = self.kv_cache
         self.rows = kv_rows(kv)
         self.gpu = gpu_uuid(kv.device)
@@ -202,7 +203,7 @@ class GpuTwoSided:
     # -- exporter side -----------------------------------------------------------------------------
     def export(self, request: ExportRequest) -> KVHandle:
         self.sync_stream()  # the prefill's writes to these blocks land before anyone reads them
-        return self.ch.lease_export(request, self.check_ids(request.block_ids, "block_ids"))
+        return self.port.lease_export(request, self.check_ids(request.block_ids, "block_ids"))
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         if header["op"] == "fetch":

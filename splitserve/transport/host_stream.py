@@ -23,8 +23,8 @@ from splitserve.transport.transport import ExportRequest
 from splitserve.wire.kv_handle import KVHandle
 
 if TYPE_CHECKING:
-    from splitserve.transport.channel import KVChannel
     from splitserve.transport.export_requests import PayloadCall
+    from splitserve.transport.port import MoverPort
 
 
 class StreamWire(Protocol):
@@ -32,7 +32,7 @@ class StreamWire(Protocol):
 
     backend: str
 
-    def bind(self, ch: KVChannel) -> None:
+    def bind(self, port: MoverPort) -> None:
         """Once, when the channel is made."""
         ...
 
@@ -61,9 +61,9 @@ class StreamMover:
         self.wire = wire
         self.backend = wire.backend
 
-    def bind(self, ch: KVChannel) -> None:
-        self.ch = ch
-        self.wire.bind(ch)
+    def bind(self, port: MoverPort) -> None:
+        self.port = port
+        self.wire.bind(port)
 
     # -- the mover contract (channel.py) -----------------------------------------------------------
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
@@ -76,11 +76,11 @@ class StreamMover:
         return self.wire.listen_spec()
 
     def export(self, request: ExportRequest) -> KVHandle:
-        return self.ch.lease_export(request, self.ch.check_ids(request.block_ids, "block_ids"))
+        return self.port.lease_export(request, self.port.check_ids(request.block_ids, "block_ids"))
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.ch.layout, state)
+        return snapshot_state(self.port.layout, state)
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return None  # no open exchange
@@ -95,7 +95,7 @@ class StreamMover:
         timeout_s: float | None = None,
         into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        return self.ch.stream_fetch(handle, into_block_ids, timeout_s, self.wire.recv_payload)
+        return self.port.stream_fetch(handle, into_block_ids, timeout_s, self.wire.recv_payload)
 
     def describe(self) -> dict:
         return self.wire.describe()

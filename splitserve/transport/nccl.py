@@ -74,6 +74,7 @@ from splitserve.transport.nccl_group import (
     wait_done,
 )
 from splitserve.transport.payload import snapshot_state
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
 from splitserve.transport.transport import ExportRequest
@@ -97,33 +98,29 @@ class NcclMover:
     payload_op = "kv_nccl"
 
     def __init__(self, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
-        self.cpu_test_double = cpu_test_double
         self.two_sided = GpuTwoSided(self, kv_cache, cpu_test_double)  # checks the KV cache's device
 
-    def bind(self, ch: KVChannel) -> None:
-        two_sided = self.two_sided
-        two_sided.bind(ch)
-        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
-        self.stats, self.leases, self.pool = ch.stats, ch.leases, ch.pool
-        self.rows, self.gpu, self.gpu_counts = two_sided.rows, two_sided.gpu, two_sided.gpu_counts
-        layout = self.layout
+    def bind(self, port: MoverPort) -> None:
+        self.port, self.device = port, port.kv_cache.device
+        self.two_sided.bind(port)
+        layout = self.port.layout
         self.chunk_blocks = max(1, CHUNK_BYTES // layout.block_nbytes)
         self._send_lock = threading.Lock()
         self.send_calls: deque[float] = deque(maxlen=64)  # seconds in c10d's send calls, per transfer
 
     def listen_spec(self) -> ListenSpec:
-        return ListenSpec("tcp", host=self.options.host, port=self.options.port)
+        return ListenSpec("tcp", host=self.port.options.host, port=self.port.options.port)
 
     @property
     def group_timeout_s(self) -> float:
-        return self.options.max_fetch_s + 60.0
+        return self.port.options.max_fetch_s + 60.0
 
     def blocks_per_message(self, ids: np.ndarray, into_run: bool) -> int:
         """How many blocks each message carries: all of them when they are one run on both sides (no
         staging anywhere) or fit in ONE_MESSAGE_BYTES; else `chunk_blocks`."""
         n = len(ids)
         one_run = into_run and consecutive_start(ids) is not None
-        if one_run or n * self.layout.block_nbytes <= ONE_MESSAGE_BYTES:
+        if one_run or n * self.port.layout.block_nbytes <= ONE_MESSAGE_BYTES:
             return n
         return self.chunk_blocks
 
@@ -133,7 +130,7 @@ class NcclMover:
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.layout, state)
+        return snapshot_state(self.port.layout, state)
 
     def make_board(self) -> LeaseBoard | None:
         return None  # every fetch asks the exporter
@@ -169,39 +166,43 @@ class NcclMover:
     def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
         raise TransportError(f"{self.backend}: the exporter named a state arena row, which we cannot read")
 
+    def _refuse_own_gpu(self, peer_gpu: str) -> None:
+        """NCCL cannot pair a GPU with itself: refuse a peer on ours (CPU test doubles excepted)."""
+        gpu = self.two_sided.gpu
+        if peer_gpu == gpu and self.two_sided.on_cuda:
+            both = f"gpu: exporter and fetcher both on {gpu}"
+            raise PeerRefused("nccl cannot pair a GPU with itself", [both])
+
     # -- exporter --------------------------------------------------------------------------------
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
-        asked = float(header.get("timeout_s", self.options.connect_timeout_s))
-        deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
-        if str(header.get("gpu")) == self.gpu and self.two_sided.on_cuda:
-            raise PeerRefused(
-                "nccl cannot pair a GPU with itself", [f"gpu: exporter and fetcher both on {self.gpu}"]
-            )
-        host = self.options.host if self.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        asked = float(header.get("timeout_s", self.port.options.connect_timeout_s))
+        deadline = Deadline.after(min(max(asked, 0.001), self.port.options.max_fetch_s))
+        self._refuse_own_gpu(str(header.get("gpu")))
+        host = self.port.options.host if self.port.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         store = await asyncio.to_thread(
             dist.TCPStore, host, 0, None, True, timedelta(seconds=deadline.remaining("rendezvous")), False
         )
         prefix = f"splitserve-kv/{secrets.token_hex(16)}"
-        answer = {"op": "nccl_rendezvous", "port": store.port, "prefix": prefix, "gpu": self.gpu,
+        answer = {"op": "nccl_rendezvous", "port": store.port, "prefix": prefix, "gpu": self.two_sided.gpu,
                   "host": host_id(), "nccl": nccl_version()}  # fmt: skip
         await chan.send(answer, deadline)
         try:
-            group = make_group(dist.PrefixStore(prefix, store), 0, self.kv_cache.device, self.group_timeout_s)
+            group = make_group(dist.PrefixStore(prefix, store), 0, self.device, self.group_timeout_s)
         except (RuntimeError, ValueError) as exc:
             raise TransportError(f"nccl: cannot make a process group: {exc}") from exc
         pair = chan.attached["nccl"] = PairGroup(group, store)
         await asyncio.to_thread(self._warmup_send, pair, deadline, lambda: sock_gone(chan.sock))
         expect(await chan.recv(deadline), "nccl_ready")
         chan.notes.add(self.open_op)
-        self.stats.count("nccl_groups")
+        self.port.stats.count("nccl_groups")
         return True
 
     def _warmup_send(self, pair: PairGroup, deadline: Deadline, gone: Callable[[], bool]) -> None:
         with self._send_lock, self.two_sided.on_device(after_current=False):
-            byte = torch.full((1,), WARMUP_BYTE, dtype=torch.uint8, device=self.kv_cache.device)
+            byte = torch.full((1,), WARMUP_BYTE, dtype=torch.uint8, device=self.device)
             with aborting(pair, "nccl warm-up send"):
                 work = pair.group.send([byte], 1, 0)
-                wait_done([work], pair, self.kv_cache.device, deadline, gone, "nccl warm-up")
+                wait_done([work], pair, self.device, deadline, gone, "nccl warm-up")
 
     def chunk_for(self, chan: AsyncChannel, ids: np.ndarray) -> int:
         """Blocks per message for this fetch (`blocks_per_message`)."""
@@ -254,7 +255,7 @@ class NcclMover:
     def _enqueue_sends(self, pair: PairGroup, ids: np.ndarray, per: int) -> list[Any]:
         """Queue the gathers and sends of every chunk; -> the works not waited for yet."""
         with self.two_sided.on_device(after_current=False), aborting(pair, "nccl send"):
-            works, calls = queue_sends(pair.group, self.rows, ids, per)
+            works, calls = queue_sends(pair.group, self.two_sided.rows, ids, per)
         self.send_calls.append(calls)
         return works
 
@@ -262,27 +263,24 @@ class NcclMover:
         self, pair: PairGroup, works: list[Any], deadline: Deadline, gone: Callable[[], bool]
     ) -> None:
         with self.two_sided.on_device(after_current=False), aborting(pair, "nccl send"):
-            wait_done(works, pair, self.kv_cache.device, deadline, gone, "nccl send")
+            wait_done(works, pair, self.device, deadline, gone, "nccl send")
 
     # -- fetcher ---------------------------------------------------------------------------------
     def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
-        chan.send({"op": self.open_op, "gpu": self.gpu, "host": host_id(),
+        chan.send({"op": self.open_op, "gpu": self.two_sided.gpu, "host": host_id(),
                    "timeout_s": deadline.remaining("nccl open")}, deadline)  # fmt: skip
         try:
             answer = expect(chan.recv(deadline)[0], "nccl_rendezvous")
         except PeerRefused as exc:
             raise PeerRefused(f"nccl exporter {handle.address} refused us", exc.mismatches) from exc
-        if str(answer["gpu"]) == self.gpu and self.two_sided.on_cuda:
-            raise PeerRefused(
-                "nccl cannot pair a GPU with itself", [f"gpu: exporter and fetcher both on {self.gpu}"]
-            )
+        self._refuse_own_gpu(str(answer["gpu"]))
         family, target = parse_address(handle.address)
         if family == socket.AF_UNIX:
             raise TransportError(f"nccl needs a tcp exporter address, got {handle.address}")
         try:
             store = dist.TCPStore(str(target[0]), int(answer["port"]), None, False,
                                   timedelta(seconds=deadline.remaining("rendezvous")), False)  # fmt: skip
-            group = make_group(dist.PrefixStore(str(answer["prefix"]), store), 1, self.kv_cache.device,
+            group = make_group(dist.PrefixStore(str(answer["prefix"]), store), 1, self.device,
                                self.group_timeout_s)  # fmt: skip
         except (RuntimeError, ValueError) as exc:
             raise TransportError(f"nccl rendezvous with {handle.address} failed: {exc}") from exc
@@ -290,10 +288,15 @@ class NcclMover:
         try:
             with aborting(pair, f"nccl warm-up with {handle.address}"):
                 with self.two_sided.on_device():
-                    byte = torch.zeros(1, dtype=torch.uint8, device=self.kv_cache.device)
+                    byte = torch.zeros(1, dtype=torch.uint8, device=self.device)
                     work = group.recv([byte], 0, 0)
                     wait_done(
-                        [work], pair, self.kv_cache.device, deadline, lambda: not chan.alive(), "nccl warm-up"
+                        [work],
+                        pair,
+                        self.device,
+                        deadline,
+                        lambda: not chan.alive(),
+                        "nccl warm-up",
                     )
                     if int(byte.item()) != WARMUP_BYTE:
                         raise TransportError(f"nccl warm-up from {handle.address} delivered the wrong byte")
@@ -301,7 +304,7 @@ class NcclMover:
         except BaseException:
             pair.abort()  # anything else that stops the open exchange (aborting twice is harmless)
             raise
-        self.stats.count("nccl_groups")
+        self.port.stats.count("nccl_groups")
         return pair
 
     def fetch_fields(self, into: np.ndarray) -> dict:
@@ -316,10 +319,10 @@ class NcclMover:
         if per <= 0:
             raise TransportError(f"exporter announced chunks of {per} blocks")
         with aborting(pair, f"nccl recv from {chan.address}"), self.two_sided.on_device():
-            works, staged = queue_recvs(pair.group, self.rows, into, per)
-            wait_done(works, pair, self.kv_cache.device, deadline, lambda: not chan.alive(), "nccl recv")
-        self.gpu_counts["chunks"] += len(chunk_spans(len(into), per))
-        self.gpu_counts["chunks_staged"] += staged
+            works, staged = queue_recvs(pair.group, self.two_sided.rows, into, per)
+            wait_done(works, pair, self.device, deadline, lambda: not chan.alive(), "nccl recv")
+        self.two_sided.gpu_counts["chunks"] += len(chunk_spans(len(into), per))
+        self.two_sided.gpu_counts["chunks_staged"] += staged
 
     def describe(self) -> dict:
         out = self.two_sided.describe()

@@ -67,6 +67,7 @@ from splitserve.transport.payload import (
     source_pieces,
     state_pieces,
 )
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
 from splitserve.transport.transport import ExportRequest
@@ -82,9 +83,9 @@ class NixlMover:
 
     backend = "nixl"
 
-    def bind(self, ch: KVChannel) -> None:
-        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
-        self.stats, self.pool = ch.stats, ch.pool
+    def bind(self, port: MoverPort) -> None:
+        self.port, self.kv_cache, self.layout, self.options = port, port.kv_cache, port.layout, port.options
+        self.stats, self.pool = port.stats, port.pool
         kv = self.kv_cache
         if not kv.is_contiguous():
             raise ValueError("nixl needs a contiguous KV tensor (it registers the whole pool)")
@@ -111,7 +112,7 @@ class NixlMover:
         return None
 
     def export(self, request: ExportRequest) -> KVHandle:
-        return self.ch.lease_export(request, self.ch.check_ids(request.block_ids, "block_ids"))
+        return self.port.lease_export(request, self.port.check_ids(request.block_ids, "block_ids"))
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return None  # no open exchange: the agent's metadata rides the first answer
@@ -177,7 +178,7 @@ class NixlMover:
         timeout_s: float | None = None,
         into_state: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        into = self.ch.check_fetch(handle, into_block_ids)
+        into = self.port.check_fetch(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         start = time.perf_counter()
         with counted_failures(self.stats, handle.address):
@@ -186,7 +187,7 @@ class NixlMover:
                 meta, state = self._read(chan, handle, into, into_state, deadline)
             if handle.checksum or meta.get("checksum"):  # over host views (CPU KV) or copies (CUDA KV)
                 landed = source_pieces(self.kv_cache, into) + host_state_pieces(state, self.layout)
-                self.ch.verify(handle, meta, ByteStream(landed))
+                self.port.verify(handle, meta, ByteStream(landed))
         nbytes = len(into) * self.layout.block_nbytes + self.layout.state_nbytes
         self.stats.fetched(nbytes, time.perf_counter() - start, handle.address)
         return state
