@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.client import ConnectionPool, SyncChannel, counted_failures, fetch_request
+from splitserve.transport.client import ConnectionPool, SyncChannel, counted_failures, fetch_header
 from splitserve.transport.errors import (
     CorruptTransfer,
     PeerRefused,
@@ -54,7 +54,13 @@ from splitserve.transport.payload import (
 from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect, resolve_secret
 from splitserve.transport.server import AsyncChannel, ExportServer, ListenSpec
-from splitserve.transport.transport import ExportRequest, KVTransport, TransportOptions, TransportStats
+from splitserve.transport.transport import (
+    ExportRequest,
+    FetchRequest,
+    KVTransport,
+    TransportOptions,
+    TransportStats,
+)
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -80,7 +86,7 @@ class PayloadMover(Protocol):
                                                   exchange); None: not ours, the channel serves it
                 send_payload(call: PayloadCall) -> int
                                                   move the pinned lease's blocks and state; -> bytes
-      fetcher   fetch(handle, into_block_ids, timeout_s, into_state) -> state
+      fetcher   fetch(request: FetchRequest) -> state
                                                   stream movers: `port.stream_fetch(..., recv_payload)`
 
     The backends: tcp.py, shm.py (a host_stream.StreamMover over the backend's StreamWire), cuda_ipc.py and
@@ -111,13 +117,7 @@ class PayloadMover(Protocol):
 
     async def send_payload(self, call: PayloadCall) -> int: ...
 
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None,
-        into_state: Mapping[str, torch.Tensor] | None,
-    ) -> dict[str, torch.Tensor]: ...
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]: ...
 
 
 class KVChannel(KVTransport):
@@ -227,32 +227,23 @@ class KVChannel(KVTransport):
             )
 
     # -- fetcher side ----------------------------------------------------------------------------
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return self.mover.fetch(handle, into_block_ids, timeout_s, into_state)
+    def fetch_request(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        return self.mover.fetch(request)
 
     def stream_fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None,
-        recv_payload: Callable[[SyncChannel, ByteStream, Deadline], dict],
+        self, request: FetchRequest, recv_payload: Callable[[SyncChannel, ByteStream, Deadline], dict]
     ) -> dict[str, torch.Tensor]:
         """A stream mover's `fetch`: `recv_payload(chan, stream, deadline)` fills our blocks' views and
         fresh state tensors; -> the exporter's payload header."""
-        into = self.check_fetch(handle, into_block_ids)
+        handle, timeout_s = request.handle, request.timeout_s
+        into = self.check_fetch(handle, request.into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         sink, state = BlockSink(self.kv_cache, into), empty_state(self.layout)
         stream = ByteStream(sink.pieces + state_pieces(state, self.layout))
         start = time.perf_counter()
         with counted_failures(self.stats, handle.address):
             with self.pool.for_handle(handle, deadline) as chan:
-                chan.send(fetch_request(handle, deadline), deadline)
+                chan.send(fetch_header(handle, deadline), deadline)
                 meta = recv_payload(chan, stream, deadline)
             self.verify(handle, meta, stream)
             sink.commit()

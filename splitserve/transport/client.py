@@ -10,7 +10,7 @@ Life of a fetch on the wire (see protocol.py for the frames):
      in the middle of a frame is unknown.
 
 Every mover's fetch takes its connection with `ConnectionPool.for_handle` (which refuses an exporter
-whose layout is not the handle's), asks with `fetch_request`, and counts its failures with
+whose layout is not the handle's), asks with `fetch_header`, and counts its failures with
 `counted_failures`.
 """
 
@@ -291,8 +291,8 @@ class ConnectionPool:
             chan.close()
 
 
-def fetch_request(handle: KVHandle, deadline: Deadline, fields: dict | None = None) -> dict:
-    """The fetch request for the handle's lease: the backend's `fields`, and the time left to answer."""
+def fetch_header(handle: KVHandle, deadline: Deadline, fields: dict | None = None) -> dict:
+    """The fetch request's header for the handle's lease: the backend's `fields`, and the time left."""
     request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
     return {**request, **(fields or {}), "timeout_s": deadline.remaining("fetch")}
 

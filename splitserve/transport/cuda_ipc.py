@@ -51,7 +51,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -73,7 +73,7 @@ from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
 from splitserve.transport.state_arena import StateArena, open_arena
 from splitserve.transport.trace import mark
-from splitserve.transport.transport import ExportRequest
+from splitserve.transport.transport import ExportRequest, FetchRequest
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -229,16 +229,11 @@ class CudaIpcMover:
         return NoClose(peer)
 
     # -- one-sided fetches -----------------------------------------------------------------------
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
         """Read the blocks straight out of the exporter's mapped KV when its lease board says the
         lease is live before and after the copy (no round trip; board.py); else, or for a payload
         with state, the request/answer fetch of GpuTwoSided."""
+        handle, into_block_ids, timeout_s = request.handle, request.into_block_ids, request.timeout_s
         stateful = bool(self.port.layout.state_shapes)
         two_sided = handle.lease_slot is None or (stateful and handle.state_row is None)
         if two_sided or handle.backend != self.backend:

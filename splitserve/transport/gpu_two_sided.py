@@ -17,13 +17,13 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from splitserve.transport.client import SyncChannel, counted_failures, fetch_request
+from splitserve.transport.client import SyncChannel, counted_failures, fetch_header
 from splitserve.transport.errors import (
     BackendUnavailable,
     CorruptTransfer,
@@ -257,11 +257,7 @@ class GpuTwoSided:
 
     # -- fetcher side ------------------------------------------------------------------------------
     def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
+        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
     ) -> dict[str, torch.Tensor]:
         into = self.check_into(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
@@ -273,7 +269,7 @@ class GpuTwoSided:
                 attached = chan.attached.get(self.backend)
                 if attached is None:
                     attached = chan.attached[self.backend] = self.hooks.attach(chan, handle, deadline)
-                request = fetch_request(handle, deadline, self.hooks.fetch_fields(into))
+                request = fetch_header(handle, deadline, self.hooks.fetch_fields(into))
                 sent = time.perf_counter()
                 mark("f.request")
                 chan.send(request, deadline)

@@ -9,7 +9,7 @@ change, and neither subclasses anything.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -19,7 +19,7 @@ from splitserve.transport.client import SyncChannel
 from splitserve.transport.payload import ByteStream, snapshot_state
 from splitserve.transport.protocol import Deadline
 from splitserve.transport.server import AsyncChannel, ListenSpec
-from splitserve.transport.transport import ExportRequest
+from splitserve.transport.transport import ExportRequest, FetchRequest
 from splitserve.wire.kv_handle import KVHandle
 
 if TYPE_CHECKING:
@@ -88,14 +88,8 @@ class StreamMover:
     async def send_payload(self, call: PayloadCall) -> int:
         return await self.wire.send_payload(call)
 
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return self.port.stream_fetch(handle, into_block_ids, timeout_s, self.wire.recv_payload)
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        return self.port.stream_fetch(request, self.wire.recv_payload)
 
     def describe(self) -> dict:
         return self.wire.describe()

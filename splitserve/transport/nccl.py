@@ -47,7 +47,7 @@ import secrets
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -77,7 +77,7 @@ from splitserve.transport.payload import snapshot_state
 from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
-from splitserve.transport.transport import ExportRequest
+from splitserve.transport.transport import ExportRequest, FetchRequest
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -144,14 +144,8 @@ class NcclMover:
     async def send_payload(self, call: PayloadCall) -> int:
         return await self.two_sided.send_payload(call)
 
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return self.two_sided.fetch(handle, into_block_ids, timeout_s)
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        return self.two_sided.fetch(request.handle, request.into_block_ids, request.timeout_s)
 
     def close(self) -> None:
         pass

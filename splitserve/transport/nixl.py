@@ -42,7 +42,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -50,7 +50,7 @@ import torch
 
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import KVChannel
-from splitserve.transport.client import SyncChannel, counted_failures, fetch_request
+from splitserve.transport.client import SyncChannel, counted_failures, fetch_header
 from splitserve.transport.errors import TransportError
 from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
@@ -70,7 +70,7 @@ from splitserve.transport.payload import (
 from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
-from splitserve.transport.transport import ExportRequest
+from splitserve.transport.transport import ExportRequest, FetchRequest
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -171,19 +171,14 @@ class NixlMover:
             await asyncio.sleep(PUMP_S)
 
     # -- fetcher side ----------------------------------------------------------------------------
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        into = self.port.check_fetch(handle, into_block_ids)
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        handle, timeout_s, into_state = request.handle, request.timeout_s, request.into_state
+        into = self.port.check_fetch(handle, request.into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         start = time.perf_counter()
         with counted_failures(self.stats, handle.address):
             with self.pool.for_handle(handle, deadline) as chan:
-                chan.send(fetch_request(handle, deadline), deadline)
+                chan.send(fetch_header(handle, deadline), deadline)
                 meta, state = self._read(chan, handle, into, into_state, deadline)
             if handle.checksum or meta.get("checksum"):  # over host views (CPU KV) or copies (CUDA KV)
                 landed = source_pieces(self.kv_cache, into) + host_state_pieces(state, self.layout)

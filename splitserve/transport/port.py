@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from splitserve.transport.lease import LeaseManager
     from splitserve.transport.payload import ByteStream
     from splitserve.transport.protocol import Deadline
-    from splitserve.transport.transport import ExportRequest, TransportOptions, TransportStats
+    from splitserve.transport.transport import ExportRequest, FetchRequest, TransportOptions, TransportStats
     from splitserve.wire.kv_handle import KVHandle
 
     RecvPayload = Callable[[SyncChannel, ByteStream, Deadline], dict]
@@ -48,7 +48,7 @@ class MoverPort:
     # fetcher: the payload's checksum against the handle's (CorruptTransfer)
     verify: Callable[[KVHandle, dict, ByteStream], None]
     # fetcher, stream movers: the whole fetch around their `recv_payload`
-    stream_fetch: Callable[[KVHandle, Sequence[int], float | None, RecvPayload], dict[str, torch.Tensor]]
+    stream_fetch: Callable[[FetchRequest, RecvPayload], dict[str, torch.Tensor]]
 
 
 __all__ = ["MoverPort"]

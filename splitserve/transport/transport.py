@@ -63,6 +63,18 @@ class ExportRequest:
     state: Mapping[str, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class FetchRequest:
+    """One handle's KV to fetch, as `KVTransport.fetch` is asked for it: our blocks to write it into,
+    the deadline in seconds (None: `fetch_timeout_s`), and the engine's state slot views to write the
+    state into where the backend moves it in place (else None)."""
+
+    handle: KVHandle
+    into_block_ids: Sequence[int]
+    timeout_s: float | None = None
+    into_state: Mapping[str, torch.Tensor] | None = None
+
+
 class TransportStats:
     """Thread-safe counters and recent transfer rates, for describe()."""
 
@@ -130,7 +142,8 @@ class KVTransport(ABC):
 
     The whole contract a caller may use, by side:
         exporter   listen() -> address; export(...) -> KVHandle; release(handle); address
-                   (a transport implements export_request(ExportRequest), which export builds)
+                   (a transport implements export_request(ExportRequest) and fetch_request(FetchRequest),
+                   which export and fetch build)
         fetcher    fetch(handle, into_block_ids, ...) -> state; release(handle); check_peer(address)
         both       register_states(states); describe(); close(); stats; install_faults(plan) (tests)
     channel.py's `KVChannel` implements it for every backend (a control channel holding the backend's
@@ -163,7 +176,6 @@ class KVTransport(ABC):
         """End the handle's lease (locally or at the exporter). Twice, or after expiry, is harmless."""
 
     # -- fetcher side ----------------------------------------------------------------------------
-    @abstractmethod
     def fetch(
         self,
         handle: KVHandle,
@@ -173,6 +185,11 @@ class KVTransport(ABC):
     ) -> dict[str, torch.Tensor]:
         """Write the handle's blocks into our kv[into_block_ids]; return its state tensors: CPU copies,
         or `into_state` itself (views of the engine's slot) where the transport wrote them in place."""
+        return self.fetch_request(FetchRequest(handle, into_block_ids, timeout_s, into_state))
+
+    @abstractmethod
+    def fetch_request(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        """`fetch`, the request as one record: what a transport implements."""
 
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
         """Offer the engine's state-slot tensors ([num_slots, *shape] each), once, at start. True: this
