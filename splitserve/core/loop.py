@@ -73,12 +73,11 @@ class EngineCore:
             assert self.connector.transport is not None  # open() made it
             if config.role == "prefill":
                 self.kv_address = self.connector.transport.listen()
-            if config.kv_throttle_gbps:
-                from splitserve.transport.throttle import ThrottledTransport
+            if config.kv_throttle_gbps or config.kv_fetch_fraction is not None:
+                from splitserve.transport.partial import with_test_hooks
 
-                log.warning("kv fetches throttled to %.3f GB/s (a test hook)", config.kv_throttle_gbps)
-                self.connector.transport = ThrottledTransport(
-                    self.connector.transport, config.kv_throttle_gbps
+                self.connector.transport = with_test_hooks(
+                    self.connector.transport, config.kv_throttle_gbps, config.kv_fetch_fraction
                 )
         self.ops = CoreOps(self)
         self.sent: dict[str, int] = {}  # tokens sent per request in flight

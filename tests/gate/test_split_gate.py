@@ -74,3 +74,73 @@ def test_a_broken_handoff_under_the_recompute_policy_fails_as_recomputation(tmp_
     assert not ok and detail.startswith("RECOMPUTED: decode workers recomputed"), report.table()
     assert facts["prefill pool"][0], report.table()  # the prefill pool did prefill (then lost the KV)
     assert not facts["handoff bytes"][0] and "no prompt KV was handed off" in facts["handoff bytes"][1]
+
+
+def test_a_transfer_that_lands_half_the_blocks_fails_on_bytes_per_token(tmp_path):
+    manifest = _manifest(tmp_path, runtime={"worker_args": ["--kv-fetch-fraction", "0.5"]})
+    with start_serve(manifest) as sp:
+        report = asyncio.run(verify_url(sp.url))
+    facts = _facts(report)
+    assert not report.ok
+    ok, detail = facts["handoff bytes"]
+    assert not ok and detail.startswith("SHORT: "), report.table()
+    (check,) = (c for c in report.checks if c.name == "handoff bytes")
+    layout = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: K and V, 30 layers, 3 KV heads of 64, fp32: B/token
+    assert check.value < 0.75 * layout  # half the blocks (rounded down) of prompts of a few blocks
+    assert facts["prefill pool"][0] and facts["decode recompute"][0], report.table()
+
+
+async def _verify_behind_a_router_that_skips_prefill(url: str):
+    """A router in front of the same workers that sends every completion straight to a decode worker's
+    /generate (it prefills the prompt itself), as a gateway whose defaults bypass the prefill pool
+    would; everything else it passes to the deployment's own router."""
+    from aiohttp import ClientSession, web
+
+    headers = worker_headers(SECRET)
+    async with ClientSession(headers=headers) as http:
+        decode = _workers(url, "decode")[0]
+
+        async def passthrough(request: web.Request) -> web.Response:
+            async with http.get(f"{url}{request.path}") as r:
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+
+        async def completions(request: web.Request) -> web.Response:
+            body = await request.json()
+            async with http.post(
+                f"{url}/tokenize", json={"model": body["model"], "prompt": body["prompt"]}
+            ) as r:
+                ids = (await r.json())["tokens"]
+            params = {"max_tokens": body["max_tokens"], "temperature": 0, "ignore_eos": True}
+            gen = {"prompt_token_ids": ids, "sampling_params": params, "stream": False}
+            async with http.post(f"{decode}/generate", json=gen) as r:
+                line = await r.json()
+            usage = {"prompt_tokens": len(ids), "completion_tokens": len(line["token_ids"])}
+            return web.json_response({"choices": [{"index": 0, "text": line["text"]}], "usage": usage})
+
+        app = web.Application()
+        app.router.add_get("/admin/deployment", passthrough)
+        app.router.add_get("/v1/models", passthrough)
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            return await verify_url(f"http://127.0.0.1:{port}")
+        finally:
+            await runner.cleanup()
+
+
+def test_a_router_that_bypasses_the_prefill_pool_fails_as_not_prefilled(tmp_path):
+    with start_serve(_manifest(tmp_path)) as sp:
+        report = asyncio.run(_verify_behind_a_router_that_skips_prefill(sp.url))
+    facts = _facts(report)
+    assert not report.ok
+    ok, detail = facts["prefill pool"]
+    assert not ok and detail.startswith("NOT PREFILLED: the prefill pool computed 0 of"), report.table()
+    assert "the router did not send the prompts to the prefill pool" in detail
+    assert "no prompt KV was handed off" in facts["handoff bytes"][1]
+    assert facts["decode recompute"][0]  # nothing was handed off, so nothing was recomputed
+    # the pair checks, which talk to the workers directly, still pass: only the split facts see it
+    assert all(c.ok for c in report.checks if c.name in ("round trip", "bandwidth", "handshake"))
