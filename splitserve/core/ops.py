@@ -126,6 +126,7 @@ class CoreOps:
             "state_slots": {"total": st.state_slots_total, "free": st.state_slots_free},
             "preemptions": st.preemptions,
             "prompt_tokens_computed": st.prompt_tokens_computed,
+            "kv_bytes_per_token": st.block_bytes // engine.block_size,
             "steps": {
                 "forward": st.forward_steps,
                 "overlapped": st.overlapped_steps,

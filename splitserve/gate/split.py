@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 
-if TYPE_CHECKING:
-    from splitserve.gate.verify import Report
+
+class Report(Protocol):
+    """What these checks need of verify.py's report: adding a check."""
+
+    def add(self, name: str, scope: str, ok: bool, detail: str, value: Any = None) -> None: ...
+
 
 PROBES = 3  # requests sent through the router
 PROBE_REPEAT = 8  # the verify prompt, repeated: a prompt of several KV blocks
