@@ -46,6 +46,14 @@ def _workers(url: str, role: str) -> list[str]:
     return [w["url"] for w in dep["workers"] if w["role"] == role]
 
 
+def _metric(url: str, name: str, selector: str) -> float:
+    """The sum of a metric's samples whose labels contain `selector`, from the router's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    lines = [x for x in text.splitlines() if x.startswith(name + "{") and selector in x]
+    assert lines, f"{name} {{{selector}}} not exported"
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+
+
 def test_a_correct_deployment_proves_its_split(tmp_path):
     with start_serve(_manifest(tmp_path)) as sp:
         report = asyncio.run(verify_url(sp.url))
@@ -68,6 +76,8 @@ def test_a_broken_handoff_under_the_recompute_policy_fails_as_recomputation(tmp_
             )
             assert r.status_code == 200, r.text
         report = asyncio.run(verify_url(sp.url))
+        metrics = _metric(sp.url, "splitserve:kv_recomputed_tokens_total", 'role="decode"')
+    assert metrics > 0  # the alert's counter saw it too
     facts = _facts(report)
     assert not report.ok
     ok, detail = facts["decode recompute"]
@@ -80,6 +90,10 @@ def test_a_transfer_that_lands_half_the_blocks_fails_on_bytes_per_token(tmp_path
     manifest = _manifest(tmp_path, runtime={"worker_args": ["--kv-fetch-fraction", "0.5"]})
     with start_serve(manifest) as sp:
         report = asyncio.run(verify_url(sp.url))
+        fetched = _metric(sp.url, "splitserve:kv_fetched_bytes_total", 'role="decode"')
+        imported = _metric(sp.url, "splitserve:kv_imported_tokens_total", 'role="decode"')
+        layout = _metric(sp.url, "splitserve:kv_layout_bytes_per_token", 'role="decode"')
+    assert fetched > 0 and imported > 0 and layout == 2 * 30 * 3 * 64 * 4  # the alert's three series
     facts = _facts(report)
     assert not report.ok
     ok, detail = facts["handoff bytes"]
