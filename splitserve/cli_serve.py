@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import splitserve
-from splitserve.config.manifest import ModelSection
+from splitserve.config.manifest_sections import ModelSection
 
 # flag(s), manifest field, type (None: a switch), help
 _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.transport import TransportOptions
 
 ROLES = ("prefill", "decode", "colocated")

@@ -21,8 +21,8 @@ from splitserve.core.errors import error_info
 from splitserve.wire import core as wire
 
 if TYPE_CHECKING:
+    from splitserve.config.engine import EngineConfig
     from splitserve.config.worker import WorkerConfig
-    from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import LLMEngine
     from splitserve.engine.kv_connector import KVConnector
     from splitserve.engine.stats import EngineStats

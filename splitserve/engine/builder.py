@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.config.engine import EngineConfig
 from splitserve.engine import cpu_heap
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.block_pool import BlockPool
-from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
+from splitserve.engine.config import allocate_kv_cache, block_bytes, kv_budget_bytes
 from splitserve.engine.prefill_graphs import graph_tokens
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.scheduler import Scheduler

@@ -21,9 +21,9 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
-from splitserve.engine.params import SamplingParams
 from splitserve.plan.cost import chunk_pairs
 from splitserve.plan.profile import Profile, StepPoint, TransferPoint, fitted_cost
+from splitserve.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A worker's command line: `--spec` (a runtime's WorkerConfig as JSON) and flags over it.
 
 The engine's flags are made from `EngineConfig`'s fields (one flag per field, its default and type read
-from the dataclass), so an engine knob is declared once, in engine/config.py. Every flag that sets a
+from the dataclass), so an engine knob is declared once, in config/engine.py. Every flag that sets a
 config field is left out of the namespace unless given, so that what is given overrides the spec (or
 the declared defaults when there is no spec) and nothing else does.
 """
@@ -14,8 +14,8 @@ import os
 import types
 import typing
 
+from splitserve.config.engine import EngineConfig
 from splitserve.config.worker import ROLES, WorkerConfig
-from splitserve.engine.config import EngineConfig
 
 _DEFAULTS, _ENGINE_DEFAULTS = WorkerConfig(), EngineConfig()
 # EngineConfig fields a worker sets itself (or through --kv-cache-mb), not flags

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitserve.config.engine import EngineConfig
 from splitserve.engine import config as engine_config
-from splitserve.engine.config import CUDA_CONTEXT_BYTES, EngineConfig, kv_budget_bytes
+from splitserve.engine.config import CUDA_CONTEXT_BYTES, kv_budget_bytes
 
 GIB = 2**30
 TOTAL = 140 * GIB
