@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from splitserve.ab.metrics import SLO
+from splitserve.config.engine import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
 from splitserve.config.manifest import Manifest, dump_manifest, parse_manifest
-from splitserve.engine.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
 from splitserve.plan.profile import Profile
 from splitserve.plan.replica import EngineLimits
 from splitserve.plan.simulator import Deployment

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.plan.cost import chunk_pairs
 from splitserve.plan.profile import Profile, StepPoint, TransferPoint, fitted_cost

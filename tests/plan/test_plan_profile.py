@@ -74,7 +74,7 @@ def test_a_profile_survives_save_and_load(tmp_path):
 
 
 def test_profiling_the_real_engine_times_the_grid_it_asks_for():
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine import EngineConfig
     from splitserve.plan.measure import Grid, profile_engine
 
     grid = Grid(
