@@ -20,6 +20,7 @@ import json
 import math
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
@@ -55,7 +56,10 @@ def compare(folder: Path, profile: Profile, limits: EngineLimits) -> list[dict]:
     for target in report["targets"]:
         dep = deployment_of(target, limits)
         for i, point in enumerate(target["points"]):
-            trace = load_trace(folder / f"trace-{i}.jsonl", max_model_len=1 << 20)
+            path = folder / f"trace-{i}.jsonl"
+            trace = load_trace(path, max_model_len=1 << 20)  # arrivals from its first request's ...
+            t0 = json.loads(path.read_text().splitlines()[0])["timestamp"]
+            trace = [replace(r, arrival_s=r.arrival_s + t0) for r in trace]  # ... back to the run's start
             fig = figures(simulate(trace, dep, profile.cost), slo, 0.0)
             measured = point["metrics"]
             for name, pred, meas in CELLS:
