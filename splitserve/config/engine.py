@@ -33,7 +33,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
     kv_cache_bytes: int | None = None  # explicit KV budget; wins over the fraction
-    gpu_memory_utilization: float = 0.9  # CUDA: this worker's share of the device (weights + KV + rest)
+    # CUDA: the share of the device this whole worker process may hold (weights, KV, state, activations,
+    # graphs, buffers: engine/memory_plan.py)
+    gpu_memory_utilization: float = 0.9
     cpu_kv_cache_fraction: float = 0.1  # CPU: fraction of host memory for KV when no bytes given
     enable_prefix_caching: bool = True
     state_checkpoints: int = 8  # hybrid models' prefix caching: recurrent states kept (engine/state_cache.py)

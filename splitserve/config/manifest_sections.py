@@ -106,7 +106,7 @@ class EngineSection(Section):
     # tokens a step takes; null: 1024 on CPU, 2048 on GPU (EngineConfig.batched_tokens)
     max_num_batched_tokens: int | None = Field(default=_ENGINE.max_num_batched_tokens, ge=16, le=1 << 22)
     kv_cache_mb: int | None = Field(default=None, ge=1, le=1 << 24)  # KV cache budget per worker
-    memory_utilization: float | None = Field(  # GPU: fraction for weights + KV
+    memory_utilization: float | None = Field(  # GPU: share of the device a worker may hold
         default=None, gt=0, le=1,
         validation_alias=AliasChoices("memory_utilization", "gpu_memory_utilization"),
     )  # fmt: skip

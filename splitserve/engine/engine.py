@@ -72,6 +72,7 @@ class LLMEngine(OverlappedSteps):
             p.pool,
         )  # the KV cache, state slots, blocks
         self.scheduler, self.runner, self.graph_capture_s = p.scheduler, p.runner, p.graph_capture_s
+        self.memory_plan = p.memory_plan  # CUDA: the worker's share, piece by piece (engine/memory_plan.py)
         cfg = self.model_config
         self.intake = RequestFactory(self.tokenizer, cfg.vocab_size, self.eos_token_ids, self.max_model_len,
                                      self.pool.num_blocks, self.block_size, self.device)  # fmt: skip

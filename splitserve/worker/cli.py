@@ -23,7 +23,7 @@ _ENGINE_INTERNAL = {"progress", "kv_shared_memory", "kv_cache_bytes"}
 _ENGINE_HELP = {
     "model": "HF directory, GGUF file or random:SHAPE; None: the embedded SmolLM2-135M",
     "tokenizer": "HF directory or GGUF file; None: the model's",
-    "gpu_memory_utilization": "CUDA: fraction of the device for weights + KV",
+    "gpu_memory_utilization": "CUDA: the share of the device this worker may hold",
     "enforce_eager": "CUDA: no decode CUDA graphs",
     "async_scheduling": "overlap the host's and the GPU's work in decode (auto: on for CUDA)",
     "weight_cache_dir": '"auto", a path, or "off"',
