@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     from splitserve.ab.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from splitserve.plan.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     render = sub.add_parser("render", help="render a manifest for another platform (kuberay: a RayService)")
     render.add_argument("target", choices=["kuberay"])
     render.add_argument("manifest", nargs="?", default=None)
@@ -93,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from splitserve.ab.cli import run as run_bench
 
             return run_bench(args)
+        if args.command == "plan":
+            from splitserve.plan.cli import run as run_plan
+
+            return run_plan(args)
         if args.command == "verify":
             return _verify(args)
         if args.command == "render":

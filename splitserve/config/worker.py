@@ -35,6 +35,7 @@ class WorkerConfig:
     kv_state_rows: int = 8
     fault_injection: bool = False
     kv_throttle_gbps: float | None = None  # test hook: hold every fetch to this bandwidth
+    kv_fetch_fraction: float | None = None  # test hook: fetches write only this share of their blocks
     http_auth: bool = False  # every endpoint but GET /health wants `Bearer worker_token(kv_secret)`
     threads: int = 1  # the engine core's torch intra-op threads (its own cores)
     core_share: str | None = None  # the local runtime's file of lent cores (core/share.py)

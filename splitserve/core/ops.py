@@ -125,6 +125,8 @@ class CoreOps:
             "blocks": {"total": st.blocks.total, "free": st.blocks.free, "held": st.blocks.held},
             "state_slots": {"total": st.state_slots_total, "free": st.state_slots_free},
             "preemptions": st.preemptions,
+            "prompt_tokens_computed": st.prompt_tokens_computed,
+            "kv_bytes_per_token": st.block_bytes // engine.block_size,
             "steps": {
                 "forward": st.forward_steps,
                 "overlapped": st.overlapped_steps,

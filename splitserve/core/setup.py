@@ -41,11 +41,12 @@ def open_engine(config: Any) -> tuple[LLMEngine, KVConnector | None, str | None]
     )  # fmt: skip
     assert connector.transport is not None  # open() made it
     kv_address = connector.transport.listen() if config.role == "prefill" else None
-    if config.kv_throttle_gbps:
-        from splitserve.transport.throttle import ThrottledTransport
+    if config.kv_throttle_gbps or config.kv_fetch_fraction is not None:  # test hooks
+        from splitserve.transport.partial import with_test_hooks
 
-        log.warning("kv fetches throttled to %.3f GB/s (a test hook)", config.kv_throttle_gbps)
-        connector.transport = ThrottledTransport(connector.transport, config.kv_throttle_gbps)
+        connector.transport = with_test_hooks(
+            connector.transport, config.kv_throttle_gbps, config.kv_fetch_fraction
+        )
     return engine, connector, kv_address
 
 

@@ -310,7 +310,10 @@ class KVTransfers:
                 self._fail(req, KVTransferFailed(rid, error), info)
                 return
             conn.count("recomputed")
+            conn.count("recomputed_tokens", req.num_prompt_tokens)
             computed = 0
+        else:
+            conn.count("imported_tokens", req.num_prompt_tokens)
         try:
             if error is None:
                 self._load_state(req, done.state)

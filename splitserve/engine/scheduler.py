@@ -60,6 +60,9 @@ class Scheduler:
         # prefix_cache_queries / prefix_cache_hits)
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # prompt tokens this engine computed (prefix-cache hits and imported KV excluded): a prefill
+        # worker's share of the split, and, on a decode worker, prompts it prefilled itself
+        self.prompt_tokens_computed = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -176,7 +179,10 @@ class Scheduler:
     def advance(self, out: SchedulerOutput) -> None:
         """After the model ran `out`: each scheduled chunk's tokens are computed."""
         for chunk in out.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+            req = chunk.request
+            if chunk.start < req.num_prompt_tokens:
+                self.prompt_tokens_computed += min(chunk.num_tokens, req.num_prompt_tokens - chunk.start)
+            req.num_computed_tokens += chunk.num_tokens
 
     def cache_filled_blocks(self, out: SchedulerOutput) -> None:
         """After the step's tokens were taken: offer the blocks `out` filled to the prefix cache (a

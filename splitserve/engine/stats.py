@@ -47,6 +47,7 @@ class EngineStats:
     prefix_caching: bool  # as in effect (hybrid models: off without state checkpoints)
     prefix_queries: int
     prefix_hits: int
+    prompt_tokens_computed: int  # prompt tokens run through the model (not cached, not imported)
     state_checkpoints: CheckpointStats | None
 
     @classmethod
@@ -80,6 +81,7 @@ class EngineStats:
             prefix_caching=pool.enable_prefix_caching,
             prefix_queries=scheduler.prefix_queries,
             prefix_hits=scheduler.prefix_hits,
+            prompt_tokens_computed=scheduler.prompt_tokens_computed,
             state_checkpoints=checkpoints,
         )
 

@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="require a bearer token derived from the KV secret on every endpoint but /health",
     )
     w.add_argument("--kv-throttle-gbps", type=float, default=keep, help="test hook: fetches at this GB/s")
+    w.add_argument("--kv-fetch-fraction", type=float, default=keep, help="test hook: fetches land this share")
     _engine_flags(p.add_argument_group("engine (EngineConfig's fields)"))
     return p
 
