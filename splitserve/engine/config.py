@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.model.config import ModelConfig
 from splitserve.model.weight_cache import WeightCache, resolve_cache_dir
 
@@ -59,6 +60,9 @@ class EngineConfig:
     weight_cache_dir: str | None = "auto"
     weight_cache_max_gb: float | None = 64.0  # least recently used entries are evicted beyond this
     weight_cache_verify: bool = True  # CRC32 of every chunk on load (see weight_cache.py for the cost)
+    # Speculative decoding (engine/spec/): a SpeculativeConfig, a dict of its fields (vLLM's
+    # --speculative-config: {"method": "ngram", "num_speculative_tokens": 4, ...}) or None (off)
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -113,7 +113,8 @@ class ModelRunner:
     def execute(
         self, chunks: list[ScheduledChunk], feed: Feed | None = None
     ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to. `feed`: the
+        """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to (a chunk with
+        drafts has 1 + len(drafts) consecutive rows, the others one each). `feed`: the
         input tokens of some decode chunks come from the previous step's sampled tokens on the device
         (their host copy is a placeholder until that step is resolved: the engine's overlap)."""
         check_fault(chunks)  # a test hook (isolate.py); a no-op in production
@@ -158,7 +159,8 @@ class ModelRunner:
                 fed.append((start, feed[1][id(req)]))
                 ids.append(0)  # the token is on the device: set below
             else:
-                ids.extend(req.token_ids(c.start, c.start + c.num_tokens))
+                ids.extend(req.token_ids(c.start, c.start + c.num_tokens - len(c.drafts)))
+                ids.extend(c.drafts)
             pos = np.arange(c.start, c.start + c.num_tokens, dtype=np.int64)
             blocks = np.asarray(req.block_ids, dtype=np.int64)
             positions.append(pos)
@@ -172,8 +174,8 @@ class ModelRunner:
                 prefills.append(PrefillChunk(start, c.num_tokens, ctx_len, table))
                 prefill_blocks.append(used)
                 prefills_chunks.append(c)
-            if c.samples:
-                sample_rows.append(len(ids) - 1)
+            if c.samples:  # with drafts: a row at the last known token and at each draft
+                sample_rows.extend(range(len(ids) - 1 - len(c.drafts), len(ids)))
                 sample_chunks.append(c)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(np.concatenate(slots)),

@@ -9,6 +9,7 @@ import torch
 
 from splitserve.engine.kv_transfer import KVTransfers
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.spec.verify import SpecStats
 from splitserve.engine.state_pool import StatePool
 
 
@@ -48,6 +49,7 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     state_checkpoints: CheckpointStats | None
+    spec_decode: SpecStats | None = None  # speculative decoding's counters, when it is on
 
     @classmethod
     def collect(
@@ -59,6 +61,7 @@ class EngineStats:
         *,
         unfinished: int,
         steps: tuple[int, int, float],
+        spec: SpecStats | None = None,
     ) -> EngineStats:
         pool, ckpt = scheduler.block_manager.pool, scheduler.block_manager.checkpoints
         checkpoints = None
@@ -81,6 +84,7 @@ class EngineStats:
             prefix_queries=scheduler.prefix_queries,
             prefix_hits=scheduler.prefix_hits,
             state_checkpoints=checkpoints,
+            spec_decode=spec,
         )
 
 
