@@ -158,3 +158,24 @@ def test_speculative_config_parsing():
     assert EngineConfig(
         speculative_config={"num_speculative_tokens": 2}
     ).speculative_config  # parsed by the engine
+
+
+def test_sampled_requests_verify_drafts(tiny_model_factory):
+    """Sampled requests (temperature, top_k) go through rejection sampling: a low temperature accepts
+    greedy-continuation drafts; a seeded request repeats itself; greedy rows beside them stay exact."""
+    tiny = tiny_model_factory("qwen3")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+    runs = []
+    for _ in range(2):
+        llm = _llm(tiny, speculative_config=spec)
+        _oracle(tiny, llm, wrong_every=100)
+        sampled = SamplingParams(temperature=0.3, top_k=50, seed=7, max_tokens=tiny.max_new, ignore_eos=True)
+        greedy = SamplingParams(temperature=0, max_tokens=tiny.max_new, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in tiny.prompts[:4]]
+        outs = llm.generate(prompts, [sampled, greedy, sampled, greedy], use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        stats = llm.engine.stats().spec_decode
+        assert stats.num_accepted_tokens > stats.num_draft_tokens // 4  # the greedy rows accept all
+    assert runs[0] == runs[1]
+    assert runs[0][1] == tiny.hf_greedy[1] and runs[0][3] == tiny.hf_greedy[3]
+    assert all(len(t) == tiny.max_new for t in runs[0])
