@@ -3,7 +3,7 @@
     model:     {source, tokenizer, served_name, dtype, device, max_model_len, tensor_parallel_size}
     engine:    {block_size, max_num_seqs, max_num_batched_tokens, kv_cache_mb, memory_utilization,
                 enable_prefix_caching, enforce_eager, async_scheduling, threads, cpu_weights, seed,
-                weight_cache_*}
+                weight_cache_*, speculative_config}
     (vLLM's names are accepted beside ours: model.served_model_name, engine.gpu_memory_utilization)
     mode:      colocated | disaggregated          (one key switches the same manifest between them)
     prefill / decode / colocated:  pools {replicas, devices, placement, engine}; a pool's `engine` overrides
@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BaseModel,
     ConfigDict,
@@ -47,6 +48,7 @@ from pydantic import (
 from splitserve.config.manifest_errors import ManifestError, describe
 from splitserve.config.manifest_yaml import ManifestYAMLError, load_yaml
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.spec.config import speculative_config
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
 NixlBackend = Literal["UCX", "LIBFABRIC"]  # NIXL's network backends (the plugins it instantiates)
@@ -125,6 +127,12 @@ class ModelSection(_Section):
 _ENGINE = EngineConfig()
 
 
+def _checked_spec(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None:
+        speculative_config(value)  # a ValueError names the bad field
+    return value
+
+
 class EngineSection(_Section):
     """The engine's knobs as the manifest names them; their defaults are EngineConfig's (declared once)."""
 
@@ -150,6 +158,9 @@ class EngineSection(_Section):
     weight_cache_dir: str | None = _ENGINE.weight_cache_dir
     weight_cache_max_gb: float | None = Field(default=_ENGINE.weight_cache_max_gb, gt=0)
     weight_cache_verify: bool = _ENGINE.weight_cache_verify  # a CRC32 of every 32 MiB chunk on load
+    # speculative decoding, as vLLM's --speculative-config: {method: ngram, num_speculative_tokens: 4,
+    # prompt_lookup_min, prompt_lookup_max, disable_by_batch_size} (engine/spec/config.py); null: off
+    speculative_config: Annotated[dict[str, Any] | None, AfterValidator(_checked_spec)] = None
 
     @model_validator(mode="after")
     def _one_budget(self) -> EngineSection:

@@ -143,6 +143,7 @@ class CoreOps:
                 "state_checkpoints": ckpt,
             },
             "kv_transfer": {**conn.stats(), "importing": st.waiting_for_kv} if conn else None,
+            "spec_decode": dataclasses.asdict(st.spec_decode) if st.spec_decode is not None else None,
         }
 
     def op_release(self, kv_export: dict) -> dict:

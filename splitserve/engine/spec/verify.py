@@ -28,20 +28,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from splitserve.engine.request import Request, RequestOutput
-from splitserve.engine.sampler import target_probs
+from splitserve.engine.request import Request, RequestOutput, TokenLogprob
+from splitserve.engine.sampler import Sampler, target_probs
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from splitserve.engine.spec.accept import accept_greedy, accept_sampled
 from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.engine.spec.ngram import NgramDrafter
-
-if TYPE_CHECKING:
-    from splitserve.engine.engine import LLMEngine
 
 MAX_PAUSE = 32  # steps a request that keeps missing waits before drafting again, at most
 
@@ -85,6 +82,18 @@ class SpecStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+class Engine(Protocol):
+    """What a verify step uses of the engine (engine.py's LLMEngine)."""
+
+    runner: Any  # runner.ModelRunner (not imported: runner -> isolate -> engine)
+    sampler: Sampler
+    scheduler: Scheduler
+
+    def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> None: ...
+
+    def _output(self, parent_id: str) -> RequestOutput: ...
+
+
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, states: dict[str, torch.Tensor]) -> None:
         self.config = config
@@ -116,7 +125,7 @@ class SpecDecoder:
 
     # ---- the verify step --------------------------------------------------------------------------
 
-    def run(self, engine: LLMEngine, sched: SchedulerOutput) -> list[RequestOutput]:
+    def run(self, engine: Engine, sched: SchedulerOutput) -> list[RequestOutput]:
         """Run a step in which some chunks carry drafts, take its tokens; -> the outputs that changed."""
         saved = self._save_states(sched)
         logits, sample_chunks = engine.runner.execute(sched.chunks)
@@ -148,7 +157,7 @@ class SpecDecoder:
         return [engine._output(pid) for pid in changed]
 
     def _take_run(
-        self, engine: LLMEngine, c: ScheduledChunk, rows: torch.Tensor, saved: dict[str, torch.Tensor] | None
+        self, engine: Engine, c: ScheduledChunk, rows: torch.Tensor, saved: dict[str, torch.Tensor] | None
     ) -> None:
         """Accept `c`'s drafts against its logits `rows` [1 + k, V], append the tokens, roll back."""
         req = c.request
