@@ -48,7 +48,7 @@ from pydantic import (
 from splitserve.config.manifest_errors import ManifestError, describe
 from splitserve.config.manifest_yaml import ManifestYAMLError, load_yaml
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.spec.config import speculative_config
+from splitserve.engine.spec.config import checked_dict
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
 NixlBackend = Literal["UCX", "LIBFABRIC"]  # NIXL's network backends (the plugins it instantiates)
@@ -127,12 +127,6 @@ class ModelSection(_Section):
 _ENGINE = EngineConfig()
 
 
-def _checked_spec(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    if value is not None:
-        speculative_config(value)  # a ValueError names the bad field
-    return value
-
-
 class EngineSection(_Section):
     """The engine's knobs as the manifest names them; their defaults are EngineConfig's (declared once)."""
 
@@ -160,7 +154,7 @@ class EngineSection(_Section):
     weight_cache_verify: bool = _ENGINE.weight_cache_verify  # a CRC32 of every 32 MiB chunk on load
     # speculative decoding, as vLLM's --speculative-config: {method: ngram, num_speculative_tokens: 4,
     # prompt_lookup_min, prompt_lookup_max, disable_by_batch_size} (engine/spec/config.py); null: off
-    speculative_config: Annotated[dict[str, Any] | None, AfterValidator(_checked_spec)] = None
+    speculative_config: Annotated[dict[str, Any] | None, AfterValidator(checked_dict)] = None
 
     @model_validator(mode="after")
     def _one_budget(self) -> EngineSection:

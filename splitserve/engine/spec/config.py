@@ -72,3 +72,11 @@ def speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) -
     if unknown:
         raise ValueError(f"unknown speculative config fields {unknown}; known: {sorted(known)}")
     return SpeculativeConfig(**value)
+
+
+def checked_dict(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`value` as given where it makes a valid `SpeculativeConfig` (or is None); else the ValueError
+    that names the bad field (the manifest keeps the dict, the engine parses it again)."""
+    if value is not None:
+        speculative_config(value)
+    return value

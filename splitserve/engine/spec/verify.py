@@ -112,9 +112,11 @@ class SpecDecoder:
     def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
         """Set the drafts of each running request that drafts this step (see the module docstring)."""
         cap = self.config.disable_by_batch_size
-        if cap is not None and len(scheduler.running) >= cap:
-            return
+        capped = cap is not None and len(scheduler.running) >= cap
         for req in scheduler.running:
+            req.draft_token_ids = []  # none left from a step that did not schedule it
+            if capped:
+                continue
             if req.draft_pause > 0:
                 req.draft_pause -= 1
                 continue
