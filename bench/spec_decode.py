@@ -6,13 +6,14 @@ The default model (SmolLM2-135M-Instruct, fp32 GGUF) on the CPU, greedy, two tra
   whose answer quotes it (retrieval-augmented generation / summarization);
 * nothing to quote: open-ended requests whose prompts hold nothing to copy.
 
-Each request runs alone (single stream), with and without drafts, alternating which goes first; the
+Each request runs alone (single stream), with and without drafts (one engine, its drafter detached
+for the plain runs: the same weights and KV cache), alternating which goes first; the
 script prints the median time per output token (TPOT) of each mode, the ratio, output tok/s, the
 acceptance rate (accepted / proposed draft tokens) and the mean tokens a verify step produced, and
 whether both modes gave the same tokens (greedy: they must). `--burst N` adds N nothing-to-quote
 requests at once (rate inf), output tok/s with and without drafts.
 
-    python bench/spec_decode.py                               # k = 4, n-grams 2..5, 6 + 6 requests
+    python bench/spec_decode.py                               # k = 8, n-grams 2..5, 6 + 6 requests
     python bench/spec_decode.py --k 3 --max-tokens 96 --burst 16
 """
 
@@ -22,6 +23,8 @@ import argparse
 import re
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -89,24 +92,33 @@ def burst(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float
     return n / (time.perf_counter() - t0)
 
 
-def run_trace(
-    name: str, plain: LLMEngine, spec: LLMEngine, prompts: list[list[int]], max_tokens: int
-) -> None:
-    assert spec.spec is not None
-    before = spec.spec.stats()
+@contextmanager
+def drafting(engine: LLMEngine, on: bool) -> Iterator[None]:
+    """Inside: `engine` drafts (on) or decodes plainly (its drafter detached)."""
+    spec = engine.spec
+    engine.spec = spec if on else None
+    try:
+        yield
+    finally:
+        engine.spec = spec
+
+
+def run_trace(name: str, engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
+    assert engine.spec is not None
+    before = engine.spec.stats()
     rows: dict[str, list[tuple[float, float]]] = {"off": [], "ngram": []}
     same = 0
     for i, ids in enumerate(prompts):
-        order = [("off", plain), ("ngram", spec)]
         outs = {}
-        for mode, engine in order if i % 2 == 0 else order[::-1]:
-            tokens, tpot, tps = single(engine, ids, max_tokens)
+        for mode in ("off", "ngram") if i % 2 == 0 else ("ngram", "off"):
+            with drafting(engine, mode == "ngram"):
+                tokens, tpot, tps = single(engine, ids, max_tokens)
             rows[mode].append((tpot, tps))
             outs[mode] = tokens
         same += outs["off"] == outs["ngram"]
         print(f"  {name} #{i}: prompt {len(ids)} tok, output {len(outs['off'])} tok, TPOT off "
               f"{rows['off'][-1][0] * 1e3:.1f} ms, ngram {rows['ngram'][-1][0] * 1e3:.1f} ms")  # fmt: skip
-    after = spec.spec.stats()
+    after = engine.spec.stats()
     drafted = after.num_draft_tokens - before.num_draft_tokens
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     runs = after.num_drafts - before.num_drafts
@@ -121,7 +133,7 @@ def run_trace(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--min-n", type=int, default=2, help="prompt_lookup_min")
     ap.add_argument("--max-n", type=int, default=5, help="prompt_lookup_max")
     ap.add_argument("--requests", type=int, default=6, help="requests of each trace")
@@ -131,17 +143,18 @@ def main() -> None:
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.min_n,
                 "prompt_lookup_max": args.max_n}  # fmt: skip
     knobs = dict(device="cpu", progress=False, max_model_len=2048, kv_cache_bytes=256 << 20)
-    plain = LLMEngine(EngineConfig(**knobs))
-    spec = LLMEngine(EngineConfig(**knobs, speculative_config=spec_cfg), loaded=plain.loaded)
-    print(f"model {plain.model_path}, {torch.get_num_threads()} threads; speculative config {spec_cfg}")
-    quoting = [prompt_ids(plain, f"{p}\n\n{QUESTION}") for p in passages(args.requests)]
-    open_ended = [prompt_ids(plain, OPEN_ENDED[i % len(OPEN_ENDED)]) for i in range(args.requests)]
-    single(plain, quoting[0], 8), single(spec, quoting[0], 8)  # warm-up: the CPU ops load
-    run_trace("quoting", plain, spec, quoting, args.max_tokens)
-    run_trace("nothing to quote", plain, spec, open_ended, args.max_tokens)
+    engine = LLMEngine(EngineConfig(**knobs, speculative_config=spec_cfg))
+    print(f"model {engine.model_path}, {torch.get_num_threads()} threads; speculative config {spec_cfg}")
+    quoting = [prompt_ids(engine, f"{p}\n\n{QUESTION}") for p in passages(args.requests)]
+    open_ended = [prompt_ids(engine, OPEN_ENDED[i % len(OPEN_ENDED)]) for i in range(args.requests)]
+    single(engine, quoting[0], 16)  # warm-up: the CPU ops load
+    run_trace("quoting", engine, quoting, args.max_tokens)
+    run_trace("nothing to quote", engine, open_ended, args.max_tokens)
     if args.burst:
-        prompts = [prompt_ids(plain, OPEN_ENDED[i % len(OPEN_ENDED)]) for i in range(args.burst)]
-        off, on = burst(plain, prompts, args.max_tokens), burst(spec, prompts, args.max_tokens)
+        prompts = [prompt_ids(engine, OPEN_ENDED[i % len(OPEN_ENDED)]) for i in range(args.burst)]
+        with drafting(engine, False):
+            off = burst(engine, prompts, args.max_tokens)
+        on = burst(engine, prompts, args.max_tokens)
         print(f"burst of {args.burst} (rate inf), nothing to quote: output tok/s off {off:.1f}, ngram "
               f"{on:.1f} ({on / off:.2f}x)")  # fmt: skip
 
