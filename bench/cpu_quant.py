@@ -14,7 +14,7 @@ batch ("int4 kernels").
     python bench/cpu_quant.py --llama-cpp           # also llama.cpp on the same GGUF (llama-cpp-python)
 
 `--llama-cpp` adds a row for llama.cpp itself (the `llama_cpp` package, built for this host) running
-the same GGUF file as it is, teacher-forced over the same sequences: the issue's bar for the int4 option.
+the same GGUF file as it is, teacher-forced over the same sequences: the bar for the int4 option.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model import cpu_linear  # noqa: E402
 from splitserve.model.agreement import top1_counts  # noqa: E402
 from splitserve.model.attention import AttentionMetadata, PrefillChunk  # noqa: E402
 from splitserve.model.decoder import ForwardContext  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
-from splitserve.engine.params import SamplingParams
+from splitserve.sampling.params import SamplingParams
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 QUESTION = "Which sentences of the passage explain what it is about? Answer by quoting them word for word."

@@ -22,11 +22,11 @@ from splitserve.transport.errors import (
     UnknownLease,
 )
 from splitserve.transport.faults import FaultyTransport
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import LeaseManager
 from splitserve.transport.shm_direct import allocate_shared_kv
 from splitserve.transport.transport import KVTransport, TransportOptions
+from splitserve.wire.kv_handle import KVHandle
 
 __all__ = [
     "AuthError",

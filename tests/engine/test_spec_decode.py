@@ -11,8 +11,9 @@ import torch
 from spec_helpers import OracleDrafter, trace
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.config import EngineConfig, block_bytes
-from splitserve.engine.spec.config import SpeculativeConfig, speculative_config
+from splitserve.config.engine import EngineConfig
+from splitserve.config.speculative import SpeculativeConfig, speculative_config
+from splitserve.engine.config import block_bytes
 from splitserve.engine.spec.ngram import NgramDrafter
 from splitserve.model.config import ModelConfig
 

@@ -12,7 +12,7 @@ from spec_helpers import OracleDrafter, trace
 from tiny_configs import TINY_QWEN3_5
 
 from splitserve import SamplingParams
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.llm import LLM
 from splitserve.model.loader import load_model

@@ -33,11 +33,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from splitserve.config.speculative import SpeculativeConfig
 from splitserve.engine.request import Request, RequestOutput, TokenLogprob
 from splitserve.engine.sampler import Sampler, target_probs
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from splitserve.engine.spec.accept import accept_greedy, accept_sampled
-from splitserve.engine.spec.config import SpeculativeConfig
 from splitserve.engine.spec.ngram import NgramDrafter
 
 MAX_PAUSE = 32  # steps a request that keeps missing waits before drafting again, at most

@@ -1,0 +1,294 @@
+"""Structured outputs and forced tool calls through real deployments of a random-weight tiny model (its
+free text is noise, so only the grammar makes an answer parse): colocated and disaggregated, streamed and
+not, over the official `openai` SDK. Also: bad grammars are 400s, an unsatisfiable one ends by length,
+and the pools are full afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import openai
+import pytest
+from serve_harness import manifest_yaml, start_deployment
+
+MODEL = "random:tiny-chat"
+SCHEMAS = [
+    {  # nesting, enums, arrays, required
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "kind": {"enum": ["cat", "dog", "fish"]},
+            "owner": {
+                "type": "object",
+                "properties": {
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                    "vip": {"type": "boolean"},
+                },
+                "required": ["age", "vip"],
+            },
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        },
+        "required": ["name", "kind", "owner", "tags"],
+    },
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 5},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "score": {"type": "integer", "minimum": 0, "maximum": 9},
+            "level": {"enum": ["low", "mid", "high"]},
+        },
+        "required": ["ok", "score", "level"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "integer", "minimum": 1, "maximum": 99},
+                        "label": {"type": "string", "maxLength": 4},
+                    },
+                    "required": ["id", "label"],
+                },
+            }
+        },
+        "required": ["items"],
+    },
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 999},
+                },
+                "required": ["a", "b"],
+            },
+        },
+    },
+]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "Give me the answer."}]
+
+
+@pytest.fixture(scope="module", params=["colocated", "disaggregated"])
+def dep(request):
+    d = start_deployment(
+        manifest_yaml(
+            mode=request.param,
+            model={"source": MODEL, "max_model_len": 512},
+            engine={"kv_cache_mb": 16, "max_num_seqs": 32},
+        )
+    )
+    yield d
+    assert d.stop() == 0, "\n".join(d.log)
+
+
+async def _answer(client: openai.AsyncOpenAI, stream: bool, **kw) -> tuple[str, str | None, list]:
+    """-> (content, finish_reason, tool calls as [(name, arguments)]), streamed or not."""
+    if not stream:
+        r = await client.chat.completions.create(model=MODEL, messages=MESSAGES, **kw)
+        msg = r.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
+        return msg.content or "", r.choices[0].finish_reason, calls
+    text, reason, calls = "", None, {}
+    async for chunk in await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True, **kw
+    ):
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                name, args = calls.get(tc.index, ("", ""))
+                calls[tc.index] = (name + (tc.function.name or ""), args + (tc.function.arguments or ""))
+            reason = ch.finish_reason or reason
+    return text, reason, [calls[i] for i in sorted(calls)]
+
+
+def test_json_schema_answers_validate(dep):
+    """100 seeded json_schema requests (4 schemas x 25 seeds), half streamed: every answer validates."""
+    client = dep.async_client(timeout=300)
+
+    async def one(i: int) -> tuple[int, str, str | None]:
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i % 4}", "schema": schema, "strict": True}}
+        text, reason, _ = await _answer(
+            client, i % 2 == 1, response_format=fmt, max_tokens=160, seed=i, temperature=1.0
+        )
+        return i, text, reason
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(100)))
+
+    bad = []
+    for i, text, reason in asyncio.run(main()):
+        try:
+            jsonschema.validate(json.loads(text), SCHEMAS[i % len(SCHEMAS)])
+            assert reason == "stop"
+        except (ValueError, AssertionError, jsonschema.ValidationError) as exc:
+            bad.append((i, reason, text[:120], str(exc)[:80]))
+    assert not bad, bad
+    stats = dep.wait_idle()
+    assert all(s["blocks"]["free"] == s["blocks"]["total"] for s in stats.values()), stats
+
+
+def test_forced_tool_calls_validate(dep):
+    """tool_choice required (parallel or not) and a named function: always a call whose arguments
+    validate against the tool's parameters, finish_reason tool_calls (or length, amid parallel calls)."""
+    client = dep.async_client(timeout=300)
+    named = {"type": "function", "function": {"name": "add"}}
+    cases = [
+        (choice, parallel, stream)
+        for choice in ("required", named)
+        for parallel in (True, False)
+        for stream in (False, True)
+    ]
+
+    async def one(i: int):
+        choice, parallel, stream = cases[i % len(cases)]
+        out = await _answer(
+            client,
+            stream,
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
+            max_tokens=120,
+            seed=i,
+        )
+        return choice, parallel, out
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    for choice, parallel, (_, reason, calls) in asyncio.run(main()):
+        assert calls, (choice, reason)
+        # parallel calls: the model decides how many, so max_tokens may end them ("length")
+        assert reason == "tool_calls" or (parallel and choice == "required" and reason == "length")
+        assert parallel or len(calls) == 1
+        for name, args in calls:
+            assert choice == "required" or name == "add"
+            jsonschema.validate(json.loads(args), PARAMS[name])
+
+
+def test_vllm_guided_fields(dep):
+    client = dep.client()
+    kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "seed": 3}
+    r = client.chat.completions.create(**kw, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.chat.completions.create(
+        **kw, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}}
+    )
+    assert len(r.choices[0].message.content) == 6 and r.choices[0].message.content[3] == "-"
+    r = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=60, seed=1, extra_body={"guided_json": SCHEMAS[2]}
+    )
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMAS[2])
+    r = client.chat.completions.create(**{**kw, "max_tokens": 60}, response_format={"type": "json_object"})
+    text = r.choices[0].message.content  # free keys and strings: noise may run past max_tokens
+    assert text.startswith("{") and (
+        r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                }
+            },
+            "nope",
+        ),
+        ({"guided_regex": "(ab"}, "guided_regex"),
+        ({"guided_grammar": "root ::= undefined_rule"}, "undefined_rule"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "one structured output"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "'g'",
+        ),
+    ],
+)
+def test_bad_grammars_are_400s(dep, extra, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        dep.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, extra_body=extra)
+    assert err.value.status_code == 400 and words in err.value.message, err.value.message
+
+
+def test_unsatisfiable_grammar_ends_by_length(dep):
+    """A grammar that cannot be met within max_tokens ends with `length`, streamed or not; nothing leaks."""
+    client = dep.client()
+    kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "extra_body": {"guided_regex": "a{200}"}}
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "length" and set(r.choices[0].message.content) <= {"a"}
+    reasons = [
+        c.choices[0].finish_reason for c in client.chat.completions.create(**kw, stream=True) if c.choices
+    ]
+    assert reasons[-1] == "length"
+    stats = dep.wait_idle()
+    assert all(s["blocks"]["free"] == s["blocks"]["total"] for s in stats.values()), stats
+
+
+@pytest.fixture(scope="module")
+def engine_answers():
+    """The in-process engine's answers to seeded constrained requests: what both deployments must give."""
+    from splitserve import LLM, SamplingParams
+    from splitserve.sampling.params import GrammarSpec
+
+    llm = LLM(model=MODEL, max_model_len=512, kv_cache_bytes=16 << 20, progress=False)
+    prompts = [[100 + i, 200, 300 + i] for i in range(8)]
+    out = []
+    for i, ids in enumerate(prompts):
+        spec = GrammarSpec("json", json.dumps(SCHEMAS[i % len(SCHEMAS)]))
+        (o,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=160, seed=i, grammar=spec))
+        out.append((ids, o.outputs[0].text))
+    return out
+
+
+def test_constrained_output_equals_the_engine(dep, engine_answers):
+    """Seeded json_schema answers over HTTP equal the engine's, token for token, colocated and
+    disaggregated alike (the decode worker replays the prefill's first token into its matcher)."""
+    client = dep.client()
+    for i, (ids, text) in enumerate(engine_answers):
+        r = client.completions.create(
+            model=MODEL,
+            prompt=ids,
+            max_tokens=160,
+            seed=i,
+            extra_body={"guided_json": SCHEMAS[i % len(SCHEMAS)]},
+        )
+        assert r.choices[0].text == text
