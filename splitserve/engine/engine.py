@@ -26,7 +26,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
 from splitserve.config.engine import EngineConfig
-from splitserve.config.speculative import speculative_config
 from splitserve.engine.builder import build
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.intake import RequestFactory
@@ -85,10 +84,9 @@ class LLMEngine(OverlappedSteps):
         self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
         self._first_due = False  # a KV import's first token is in _ready: the next step returns it alone
         self._ran_last = True  # the last step() ran the model (so a step returns _ready alone at most once)
-        spec = speculative_config(config.speculative_config)  # spec/verify.py; its steps do not overlap
-        self.spec = SpecDecoder(spec, self.states.states) if spec is not None else None
-        overlap = config.async_scheduling
-        self.async_scheduling = (self.device.type == "cuda" if overlap is None else overlap) and not spec
+        self.spec = SpecDecoder.create(config.speculative_config, self.states.states)  # None: off
+        overlap = config.async_scheduling  # (verify steps do not overlap)
+        self.async_scheduling = (self.device.type == "cuda" if overlap is None else overlap) and not self.spec
         self._inflight: _Inflight | None = None  # an overlapped step whose tokens are not read yet
         self.overlapped_steps = 0
         self.forward_steps = 0  # steps that ran the model (overlapped or not)

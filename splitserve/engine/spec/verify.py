@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from splitserve.config.speculative import SpeculativeConfig
+from splitserve.config.speculative import SpeculativeConfig, speculative_config
 from splitserve.engine.request import Request, RequestOutput, TokenLogprob
 from splitserve.engine.sampler import Sampler, target_probs
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -101,6 +101,14 @@ class SpecDecoder:
         self.drafter = NgramDrafter(*config.ngram_range)
         self.states = states  # hybrid models' state pools ({} for others)
         self.counters = SpecCounters()
+
+    @classmethod
+    def create(
+        cls, config: SpeculativeConfig | dict | str | None, states: dict[str, torch.Tensor]
+    ) -> SpecDecoder | None:
+        """The decoder `config` asks for (parsed as `speculative_config` does), or None when it is off."""
+        parsed = speculative_config(config)
+        return None if parsed is None else cls(parsed, states)
 
     def stats(self) -> SpecStats:
         c = self.counters
