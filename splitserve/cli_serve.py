@@ -16,6 +16,7 @@ manifest, or else the environment variable SPLITSERVE_API_KEY (or vLLM's VLLM_AP
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--max-concurrent-requests",), "server.max_concurrent_requests", int, "in flight to the workers"),
     (("--stream-interval",), "server.stream_interval", int, "tokens a streamed chunk holds at least"),
     (("--log-stats-interval",), "server.log_stats_interval_s", float, "seconds between stats lines; 0: off"),
+    (
+        ("--speculative-config",),
+        "engine.speculative_config",
+        json.loads,
+        'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4}',
+    ),
 ]
 # switches: flag, manifest field, value it sets
 _SWITCHES: list[tuple[tuple[str, ...], str, Any, str]] = [

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from splitserve.config.speculative import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -63,6 +65,9 @@ class EngineConfig:
     weight_cache_dir: str | None = "auto"
     weight_cache_max_gb: float | None = 64.0  # least recently used entries are evicted beyond this
     weight_cache_verify: bool = True  # CRC32 of every chunk on load (see weight_cache.py for the cost)
+    # Speculative decoding (engine/spec/): a SpeculativeConfig, a dict of its fields (vLLM's
+    # --speculative-config: {"method": "ngram", "num_speculative_tokens": 4, ...}) or None (off)
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def torch_device(self) -> torch.device:
         import torch

@@ -3,7 +3,7 @@
     model:     {source, tokenizer, served_name, dtype, device, max_model_len, tensor_parallel_size}
     engine:    {block_size, max_num_seqs, max_num_batched_tokens, kv_cache_mb, memory_utilization,
                 enable_prefix_caching, enforce_eager, async_scheduling, threads, cpu_weights, seed,
-                weight_cache_*}
+                weight_cache_*, speculative_config}
     (vLLM's names are accepted beside ours: model.served_model_name, engine.gpu_memory_utilization)
     mode:      colocated | disaggregated          (one key switches the same manifest between them)
     prefill / decode / colocated:  pools {replicas, devices, placement, engine}; a pool's `engine` overrides

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BaseModel,
     ConfigDict,
@@ -21,6 +22,7 @@ from pydantic import (
 )
 
 from splitserve.config.engine import EngineConfig
+from splitserve.config.speculative import checked_dict
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
 NixlBackend = Literal["UCX", "LIBFABRIC"]  # NIXL's network backends (the plugins it instantiates)
@@ -123,6 +125,9 @@ class EngineSection(Section):
     weight_cache_dir: str | None = _ENGINE.weight_cache_dir
     weight_cache_max_gb: float | None = Field(default=_ENGINE.weight_cache_max_gb, gt=0)
     weight_cache_verify: bool = _ENGINE.weight_cache_verify  # a CRC32 of every 32 MiB chunk on load
+    # speculative decoding, as vLLM's --speculative-config: {method: ngram, num_speculative_tokens: 4,
+    # prompt_lookup_min, prompt_lookup_max, disable_by_batch_size} (config/speculative.py); null: off
+    speculative_config: Annotated[dict[str, Any] | None, AfterValidator(checked_dict)] = None
 
     @model_validator(mode="after")
     def _one_budget(self) -> EngineSection:

@@ -146,6 +146,7 @@ class CoreOps:
             },
             "kv_transfer": {**conn.stats(), "importing": st.waiting_for_kv} if conn else None,
             "memory": _memory(engine),
+            "spec_decode": dataclasses.asdict(st.spec_decode) if st.spec_decode is not None else None,
         }
 
     def op_release(self, kv_export: dict) -> dict:

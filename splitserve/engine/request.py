@@ -81,6 +81,9 @@ class Request:
     )
     grammar: Matcher | None = None  # a constrained request's matcher (engine/grammar.py)
     kv_wait: KVWait | None = None  # decode role: set while WAITING_FOR_KV
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative: to verify next step
+    draft_pause: int = 0  # speculative back-off: steps left without drafting
+    draft_misses: int = 0  # speculative back-off: verify steps in a row that accepted nothing
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -135,6 +135,13 @@ def _sample_cpu_op(
     return cpu_fused.sample_rows(logits, torch.tensor(temps, dtype=torch.float32), u)
 
 
+def target_probs(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """The distribution a sampled (non-greedy) row is drawn from, as `_sample` draws it: softmax of the
+    logits [N, V] over the temperature, filtered by min_p, top_k and top_p. -> [N, V] fp32."""
+    temps = _on(logits.device, [r.params.temperature for r in reqs])
+    return torch.softmax(_filter(logits / temps[:, None], reqs), dim=-1)
+
+
 def _filters_apply(reqs: Sequence[Request]) -> bool:
     """Whether `_filter` changes any row (min_p, top_k or top_p asked for)."""
     return any(r.params.min_p > 0 or r.params.top_k or r.params.top_p < 1 for r in reqs)

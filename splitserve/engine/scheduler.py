@@ -29,12 +29,14 @@ from splitserve.engine.request import Request, Status
 class ScheduledChunk:
     request: Request
     start: int  # first token position computed in this step
-    num_tokens: int
+    num_tokens: int  # the request's own tokens, then its drafts
+    drafts: tuple[int, ...] = ()  # speculative decoding: draft tokens verified after the known ones
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's known tokens, so a token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        """True when this chunk reaches the end of the request's known tokens, so a token is sampled
+        (with drafts: one at each draft's position too)."""
+        return self.start + self.num_tokens - len(self.drafts) == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -121,14 +123,24 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             n = self.block_manager.chunk_tokens(req, req.num_computed_tokens, n)
-            if not self._allocate_or_preempt(req, n, preempted):
+            drafts = self._drafts(req, n, budget)
+            if not drafts and not self._allocate_or_preempt(req, n, preempted):
                 break  # `req` itself was preempted: everything after it already was
-            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            budget -= n
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n + len(drafts), drafts))
+            budget -= n + len(drafts)
             i += 1
         if not preempted:
             budget = self._admit(chunks, budget)
         return SchedulerOutput(chunks, preempted)
+
+    def _drafts(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
+        """Speculative decoding: the request's draft tokens (taken: a draft is verified once) that fit
+        after its `n` scheduled tokens, where those reach its end, in the budget and in free blocks
+        (allocated here); () for none."""
+        drafts, req.draft_token_ids = req.draft_token_ids[: budget - n], []
+        if not drafts or req.num_computed_tokens + n != req.num_tokens:
+            return ()
+        return tuple(drafts) if self.block_manager.allocate(req, n + len(drafts)) else ()
 
     def _allocate_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
         while not self.block_manager.allocate(req, n):

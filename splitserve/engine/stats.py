@@ -9,6 +9,7 @@ import torch
 
 from splitserve.engine.kv_transfer import KVTransfers
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.spec.verify import SpecStats
 from splitserve.engine.state_pool import StatePool
 
 
@@ -49,6 +50,7 @@ class EngineStats:
     prefix_hits: int
     prompt_tokens_computed: int  # prompt tokens run through the model (not cached, not imported)
     state_checkpoints: CheckpointStats | None
+    spec_decode: SpecStats | None = None  # speculative decoding's counters, when it is on
 
     @classmethod
     def collect(
@@ -60,6 +62,7 @@ class EngineStats:
         *,
         unfinished: int,
         steps: tuple[int, int, float],
+        spec: SpecStats | None = None,
     ) -> EngineStats:
         pool, ckpt = scheduler.block_manager.pool, scheduler.block_manager.checkpoints
         checkpoints = None
@@ -83,6 +86,7 @@ class EngineStats:
             prefix_hits=scheduler.prefix_hits,
             prompt_tokens_computed=scheduler.prompt_tokens_computed,
             state_checkpoints=checkpoints,
+            spec_decode=spec,
         )
 
 

@@ -61,6 +61,7 @@ def worker_config(
         enable_prefix_caching=e.enable_prefix_caching,
         async_scheduling=e.async_scheduling,
         cpu_weights=e.cpu_weights,
+        speculative_config=e.speculative_config,
         progress=False,
     )
     return WorkerConfig(

@@ -27,6 +27,10 @@ def test_a_model_argument_and_vllm_flags_fill_the_manifest():
     assert m.model.source == "default" and m.model.tokenizer == "/tok"
     assert m.model.served_names() == ["a", "b"] and m.model.resolved_served_name() == "a"
     assert _manifest("--enable-prefix-caching").engine.enable_prefix_caching is True
+    spec = _manifest("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}').engine
+    assert spec.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(ManifestError, match="speculative method"):
+        _manifest("--speculative-config", '{"method": "eagle"}')
 
 
 def test_a_model_path_is_served_under_its_own_name_as_vllm_does(tmp_path):
