@@ -1,20 +1,26 @@
-"""Engine knobs, and sizing of the KV block pool from a memory budget."""
+"""Engine knobs, and sizing of the KV block pool from a memory budget.
+
+torch is imported where a method needs it, not at the top: the manifest and the workers' command line
+read `EngineConfig`'s fields in processes that never load torch (the router, the front ends).
+"""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from splitserve.model.config import ModelConfig
-from splitserve.model.weight_cache import WeightCache, resolve_cache_dir
+
+if TYPE_CHECKING:
+    import torch
+
+    from splitserve.model.weight_cache import WeightCache
 
 CPU_BATCHED_TOKENS = 1024
 GPU_BATCHED_TOKENS = 2048
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,8 @@ class EngineConfig:
     weight_cache_verify: bool = True  # CRC32 of every chunk on load (see weight_cache.py for the cost)
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -72,14 +80,18 @@ class EngineConfig:
         return CPU_BATCHED_TOKENS if device.type == "cpu" else GPU_BATCHED_TOKENS
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(_DTYPES)}")
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def weight_cache(self) -> WeightCache | None:
         """The weight cache these knobs describe, or None when it is off."""
+        from splitserve.model.weight_cache import WeightCache, resolve_cache_dir
+
         directory = resolve_cache_dir(self.weight_cache_dir)
         if directory is None:
             return None
@@ -99,6 +111,8 @@ class EngineConfig:
 
 def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block across all layers (K and V)."""
+    import torch
+
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
@@ -119,6 +133,8 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device, reserve_bytes: i
         return config.kv_cache_bytes
     if device.type != "cuda":
         return int(_host_memory_bytes() * config.cpu_kv_cache_fraction)
+    import torch
+
     free, total = torch.cuda.mem_get_info(device)
     own = torch.cuda.memory_reserved(device) + CUDA_CONTEXT_BYTES
     share = int(total * config.gpu_memory_utilization)
@@ -150,6 +166,9 @@ def allocate_kv_cache(
 
     NOTE: it must be zeros, not garbage: attention masks padded slots to weight 0, and 0 * NaN is NaN.
     """
+    import numpy as np
+    import torch
+
     if shared and device.type == "cpu":
         from splitserve.transport.shm_direct import allocate_shared_kv
 

@@ -20,11 +20,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from splitserve.engine.params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from splitserve.engine.grammar import Matcher
 
 

@@ -49,6 +49,8 @@ class ModelInfo:
     root: str  # the checkpoint path
     created: int = field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()  # more names a request may give (--served-model-name A B)
+    # sampling defaults for the fields a request leaves unset (model/generation_defaults.py)
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 class OpenAIServer:

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from splitserve.engine.grammar import GrammarError, check_grammar
+from splitserve.engine.grammar_check import GrammarError, check_grammar
 from splitserve.engine.params import GrammarSpec
 from splitserve.serve.openai_protocol import APIError, JSONSchemaFormat, StructuredOutputs
 

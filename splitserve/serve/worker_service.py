@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from splitserve.engine.grammar import check_grammar
+from splitserve.engine.grammar_check import check_grammar
 from splitserve.serve import core_protocol as wire
 from splitserve.serve.core_client import CoreClient, RequestStream
 from splitserve.serve.core_ops import RoleError

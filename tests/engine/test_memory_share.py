@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine import config as engine_config
 from splitserve.engine.config import CUDA_CONTEXT_BYTES, EngineConfig, kv_budget_bytes
 
 GIB = 2**30
@@ -17,8 +16,8 @@ CUDA = torch.device("cuda", 0)
 
 
 def _fake_device(monkeypatch, free: int, reserved: int) -> None:
-    monkeypatch.setattr(engine_config.torch.cuda, "mem_get_info", lambda device=None: (free, TOTAL))
-    monkeypatch.setattr(engine_config.torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, TOTAL))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
 
 
 def test_two_workers_on_one_gpu_get_their_shares(monkeypatch):
