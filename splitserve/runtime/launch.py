@@ -25,15 +25,15 @@ from splitserve.config.manifest import Manifest
 from splitserve.model.generation_defaults import describe as describe_defaults
 from splitserve.model.generation_defaults import generation_defaults
 from splitserve.model.tokenizer import load_tokenizer
+from splitserve.router.probe import KVProber
+from splitserve.router.routes import build_api
+from splitserve.router.server import ModelInfo, OpenAIServer
+from splitserve.router.stats_log import StatsLogger
+from splitserve.router.warmup import warm_up
 from splitserve.runtime.local import LocalRuntime
 from splitserve.runtime.start_gate import StartGate
-from splitserve.serve.api import ModelInfo, OpenAIServer
-from splitserve.serve.api_routes import build_api
-from splitserve.serve.edge_guard import ReadLimits, guarded_protocol
-from splitserve.serve.listen import KEEP_ALIVE_S, listen
-from splitserve.serve.probe import KVProber
-from splitserve.serve.stats_log import StatsLogger
-from splitserve.serve.warmup import warm_up
+from splitserve.web.edge_guard import ReadLimits, guarded_protocol
+from splitserve.web.listen import KEEP_ALIVE_S, listen
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ async def _start(
 
     if manifest.runtime.warm_up:
         await warm_up(api.dispatcher, [w.role for w in runtime.workers], info.vocab_size)
-    from splitserve.serve.heap import freeze_heap
+    from splitserve.heap import freeze_heap
 
     freeze_heap("router")
     return api, lifespan
