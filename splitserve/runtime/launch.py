@@ -30,8 +30,11 @@ from splitserve.router.routes import build_api
 from splitserve.router.server import ModelInfo, OpenAIServer
 from splitserve.router.stats_log import StatsLogger
 from splitserve.router.warmup import warm_up
+from splitserve.runtime import startup_report
 from splitserve.runtime.local import LocalRuntime
 from splitserve.runtime.start_gate import StartGate
+from splitserve.runtime.startup_report import phases
+from splitserve.startup_clock import mark, marks, process_age_s
 from splitserve.web.edge_guard import ReadLimits, guarded_protocol
 from splitserve.web.listen import KEEP_ALIVE_S, listen
 
@@ -85,6 +88,7 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
     gate = StartGate(manifest.mode)
     server = _Server(_uvicorn_config(manifest, gate))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
+    mark("imports")  # start-up phases, in the ready line (runtime/startup_report.py)
 
     def on_event(kind: str, worker: object) -> None:
         if api is not None:
@@ -103,6 +107,7 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         async with lifespan():
             gate.open(build_api(api))
             _print_ready(manifest, runtime, api, url)
+            runtime.start_standby()  # the warm spare for restarts: its imports wait until now
             await serving
         return 0
     finally:
@@ -128,8 +133,10 @@ async def _start(
     """Start the workers, load the tokenizer, make the API and warm the path up; -> the API and the
     context its background tasks (KV prober, stats line) run in while it serves."""
     await runtime.start(progress=progress)
+    mark("workers")
     first = runtime.workers[0].info
     tokenizer = await asyncio.to_thread(load_tokenizer, first["model"], first.get("tokenizer"))
+    mark("tokenizer")
     defaults, source = generation_defaults(manifest.model.generation_config, first["model"])
     log.info("%s", describe_defaults(defaults, source))
     names = manifest.model.served_names()
@@ -156,6 +163,7 @@ async def _start(
 
     if manifest.runtime.warm_up:
         await warm_up(api.dispatcher, [w.role for w in runtime.workers], info.vocab_size)
+        mark("warm_up")
     from splitserve.heap import freeze_heap
 
     freeze_heap("router")
@@ -165,10 +173,12 @@ async def _start(
 def _print_ready(manifest: Manifest, runtime: LocalRuntime, api: OpenAIServer, url: str) -> None:
     name = api.info.served_name
     pools = ", ".join(f"{w.name} {w.url}" for w in runtime.workers)
+    startup = startup_report.report(process_age_s(), phases(marks()), runtime.describe())
     print(f"splitserve: serving {name} at {url}/v1 ({manifest.mode}; {pools})", flush=True)
+    print(startup_report.line(startup), flush=True)
     print(json.dumps({"event": "ready", "url": url, "model": name, "mode": manifest.mode,
                       "workers": runtime.describe(), "cuda_mps": runtime.mps_state(),
-                      "generation_defaults": api.info.generation_defaults}),
+                      "generation_defaults": api.info.generation_defaults, "startup": startup}),
           file=sys.stderr, flush=True)  # fmt: skip
 
 

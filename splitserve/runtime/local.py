@@ -128,6 +128,7 @@ class LocalRuntime:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._standby: _Standby | None = None  # a warm spare process for the next restart
+        self._making: asyncio.Task | None = None  # the spare being started (its imports under way)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self.worker_headers)
         self.mps: MpsPlan | None = None  # what start() decided about CUDA MPS (runtime/mps.py)
         self._mps_daemon: MpsDaemon | None = None
@@ -160,8 +161,12 @@ class LocalRuntime:
             bar.close()
         for w in self.workers:
             self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{w.name}"))
-        if self.rt.standby:
-            self._tasks.append(asyncio.create_task(self._make_standby(), name="standby"))
+
+    def start_standby(self) -> None:
+        """Start the warm spare (`runtime.standby`); `splitserve serve` calls it once the deployment is
+        ready, so that the spare's imports take no CPU from the start itself."""
+        if self.rt.standby and not self._stopping and self._making is None:
+            self._making = asyncio.create_task(self._make_standby(), name="standby")
 
     def _start_mps(self) -> None:
         """Workers that share a GPU get a private CUDA MPS daemon (`runtime.cuda_mps`), through the
@@ -184,6 +189,8 @@ class LocalRuntime:
     async def _spawn(self, w: WorkerProcess) -> None:
         w.state, w.url, w.kv_address = "starting", None, None
         w.started_at = time.monotonic()
+        if self._standby is None and self._making is not None:  # a spare half way is still ahead
+            await asyncio.wait({self._making}, timeout=self.rt.startup_timeout_s)
         spare, self._standby = self._standby, None
         adopted = spare is not None and spare.proc.returncode is None
         if spare is not None and adopted:
@@ -193,8 +200,8 @@ class LocalRuntime:
             assert w.proc.stdin is not None
             w.proc.stdin.write(json.dumps({"argv": w.argv[3:]}).encode() + b"\n")
             await w.proc.stdin.drain()
-            if self.rt.standby and not self._stopping:
-                asyncio.create_task(self._make_standby())
+            self._making = None
+            self.start_standby()
         else:
             w.proc = await asyncio.create_subprocess_exec(
                 *w.argv,
@@ -292,21 +299,11 @@ class LocalRuntime:
             self.on_event("died", w)
             if w.restarts >= self.rt.max_restarts:
                 w.state = "failed"
-                log.error(
-                    "worker %s exited (%s) and has used its %d restarts; it stays down",
-                    w.name,
-                    code,
-                    self.rt.max_restarts,
-                )
+                log.error("worker %s exited (%s) and has used its %d restarts; it stays down", w.name, code,
+                          self.rt.max_restarts)  # fmt: skip
                 return
-            log.error(
-                "worker %s (pid %s) exited with %s after %.1fs; restarting in %.1fs",
-                w.name,
-                w.pid,
-                code,
-                up,
-                backoff,
-            )
+            log.error("worker %s (pid %s) exited with %s after %.1fs; restarting in %.1fs", w.name, w.pid,
+                      code, up, backoff)  # fmt: skip
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.rt.restart_backoff_max_s)
             w.restarts += 1
@@ -347,7 +344,7 @@ class LocalRuntime:
 
     async def stop(self, grace_s: float = 10.0) -> None:
         self._stopping = True
-        for task in self._tasks:
+        for task in [*self._tasks, *([self._making] if self._making else [])]:
             task.cancel()
         procs = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
         if self._standby is not None:
