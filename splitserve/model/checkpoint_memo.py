@@ -5,7 +5,14 @@ file has a new inode). No torch here: the router reads a memo's fingerprint to f
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Where converted artifacts live: $SPLITSERVE_CACHE_DIR, else ~/.cache/splitserve."""
+    env = os.environ.get("SPLITSERVE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "splitserve"
 
 
 def signature(path: Path) -> list[str | int]:
@@ -20,4 +27,4 @@ def memo_file(path: Path, directory: Path) -> Path:
     return directory / "checkpoints" / f"{hashlib.sha256(str(p).encode()).hexdigest()[:24]}.json"
 
 
-__all__ = ["memo_file", "signature"]
+__all__ = ["cache_root", "memo_file", "signature"]

@@ -62,11 +62,10 @@ def _pick(config: dict[str, Any]) -> dict[str, float | int]:
 
 def _gguf_defaults(path: Path) -> dict[str, float | int]:
     """From the header memo (written when a worker opened the file); {} without one."""
-    from splitserve.model.checkpoint_memo import memo_file, signature
-    from splitserve.model.tokenizer import cache_dir
+    from splitserve.model.checkpoint_memo import cache_root, memo_file, signature
 
     try:
-        data = json.loads(memo_file(path, cache_dir() / "weights").read_text(encoding="utf-8"))
+        data = json.loads(memo_file(path, cache_root() / "weights").read_text(encoding="utf-8"))
         if data["sig"] == signature(path):
             return dict(data["hf_config"].get(GGUF_CONFIG_KEY) or {})
     except (OSError, ValueError, KeyError, TypeError):

@@ -61,10 +61,9 @@ class Tokenizer:
         path = Path(path)
         try:
             if path.is_file():
-                cached = _cached_gguf_dir(cache_key)
-                if cached is not None and (light := LightTokenizer.open(cached, eos_ids)) is not None:
+                if (light := _open_cached(_cached_gguf_dir(cache_key), eos_ids)) is not None:
                     return light
-                tok = _load_gguf_tokenizer(path, cache_key)
+                tok = _load_gguf_tokenizer(path, cache_key)  # converts it (again, when corrupt)
             elif any((path / f).exists() for f in _TOKENIZER_FILES):
                 light = LightTokenizer.open(path, eos_ids + _generation_eos(path))
                 if light is not None:
@@ -228,12 +227,24 @@ def gguf_fingerprint(path: Path) -> str:
 
 def cache_dir() -> Path:
     """Where converted artifacts live: $SPLITSERVE_CACHE_DIR, else ~/.cache/splitserve."""
-    env = os.environ.get("SPLITSERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "splitserve"
+    from splitserve.model.checkpoint_memo import cache_root
+
+    return cache_root()
 
 
 def _cached_gguf_dir(cache_key: str | None) -> Path | None:
     return cache_dir() / "tokenizers" / cache_key if cache_key else None
+
+
+def _open_cached(cached: Path | None, eos_ids: tuple[int, ...]) -> LightTokenizer | None:
+    """A GGUF's converted tokenizer from the cache; None when there is none, or it is unreadable."""
+    if cached is None or not (cached / "tokenizer.json").exists():
+        return None
+    try:
+        return LightTokenizer.open(cached, eos_ids)
+    except Exception:  # noqa: BLE001 - a corrupt cache entry is converted again
+        log.warning("tokenizer cache %s is unreadable; rebuilding it", cached)
+        return None
 
 
 def _load_gguf_tokenizer(path: Path, cache_key: str | None) -> Any:

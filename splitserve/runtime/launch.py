@@ -1,12 +1,12 @@
 """`splitserve serve`: start a manifest's workers (local runtime), then the OpenAI API in front of them.
 
-Order of events: the port is bound and answers at once, every request a 503 "starting" with
-Retry-After (runtime/start_gate.py) -> workers spawn and load weights (a progress bar over workers;
-each worker's log lines are prefixed with its name) -> the tokenizer loads in this process -> a
-warm-up request -> the API takes the port over and prints `splitserve: serving MODEL at URL` (tests
-read it) -> requests. SIGTERM or SIGINT: the API stops
-accepting, in-flight requests get `runtime.drain_timeout_s` to finish, then the workers are stopped
-(SIGTERM, then SIGKILL). A second signal skips the drain.
+Order of events: the tokenizer loads in this process -> the port is bound and answers at once, every
+request a 503 "starting" with Retry-After (runtime/start_gate.py) -> workers spawn and load weights (a
+progress bar over workers; each worker's log lines are prefixed with its name) -> a warm-up request ->
+the API takes the port over and prints `splitserve: serving MODEL at URL` (tests read it) and where
+the start's time went per process (runtime/startup_report.py) -> the warm spare starts -> requests.
+SIGTERM or SIGINT: the API stops accepting, in-flight requests get `runtime.drain_timeout_s` to finish,
+then the workers are stopped (SIGTERM, then SIGKILL). A second signal skips the drain.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import uvicorn
 from splitserve.config.manifest import Manifest
 from splitserve.model.generation_defaults import describe as describe_defaults
 from splitserve.model.generation_defaults import generation_defaults
-from splitserve.model.tokenizer import load_tokenizer
+from splitserve.model.tokenizer import Tokenizer, load_tokenizer
 from splitserve.router.probe import KVProber
 from splitserve.router.routes import build_api
 from splitserve.router.server import ModelInfo, OpenAIServer
@@ -83,12 +83,16 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
 
-    # bind first (a busy port fails fast), and answer on it at once: 503 "starting" until ready
+    mark("imports")  # start-up phases, in the ready line (runtime/startup_report.py)
+    # the tokenizer before the port: parsing it holds the interpreter for ~0.1 s, which would hold up
+    # the 503s below (the converted tokenizer is cached by setup's `prepare`, or by a worker)
+    tokenizer = load_tokenizer(manifest.model.source, manifest.model.tokenizer)
+    mark("tokenizer")
+    # bind (a busy port fails fast), and answer on it at once: 503 "starting" until ready
     sock, url = listen(manifest.server.host, manifest.server.port, backlog=1024)
     gate = StartGate(manifest.mode)
     server = _Server(_uvicorn_config(manifest, gate))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
-    mark("imports")  # start-up phases, in the ready line (runtime/startup_report.py)
 
     def on_event(kind: str, worker: object) -> None:
         if api is not None:
@@ -96,7 +100,7 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
 
     runtime = LocalRuntime(manifest, on_event)
     try:
-        starting = asyncio.create_task(_start(manifest, runtime, progress))
+        starting = asyncio.create_task(_start(manifest, runtime, tokenizer, progress))
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
@@ -128,15 +132,13 @@ def _uvicorn_config(manifest: Manifest, app: StartGate) -> uvicorn.Config:
 
 
 async def _start(
-    manifest: Manifest, runtime: LocalRuntime, progress: bool
+    manifest: Manifest, runtime: LocalRuntime, tokenizer: Tokenizer | None, progress: bool
 ) -> tuple[OpenAIServer, Callable[[], contextlib.AbstractAsyncContextManager[None]]]:
-    """Start the workers, load the tokenizer, make the API and warm the path up; -> the API and the
-    context its background tasks (KV prober, stats line) run in while it serves."""
+    """Start the workers, make the API and warm the path up; -> the API and the context its background
+    tasks (KV prober, stats line) run in while it serves."""
     await runtime.start(progress=progress)
     mark("workers")
     first = runtime.workers[0].info
-    tokenizer = await asyncio.to_thread(load_tokenizer, first["model"], first.get("tokenizer"))
-    mark("tokenizer")
     defaults, source = generation_defaults(manifest.model.generation_config, first["model"])
     log.info("%s", describe_defaults(defaults, source))
     names = manifest.model.served_names()

@@ -1,12 +1,12 @@
 """Where a start's time went, per process: the line `splitserve serve` prints when it is ready, and the
 same figures in its ready event (`"startup"`).
 
-    splitserve: ready in 2.6 s; router: imports 0.5, workers 1.8, tokenizer 0.1, warm-up 0.2 |
+    splitserve: ready in 2.6 s; router: imports 0.5, tokenizer 0.1, workers 1.8, warm-up 0.2 |
       prefill-0 1.8: front end imports 0.4, tokenizer 0.1; core imports 1.3, weights 0.2, engine 0.2 | ...
 
 Each process notes its age at the end of each phase (startup_clock.py); a phase's seconds are the
-difference from the previous mark. Router: `imports` (interpreter start-up and imports, until it
-serves 503s), `workers` (spawn to every worker ready), `tokenizer`, `warm-up`. A worker (its figure:
+difference from the previous mark. Router: `imports` (interpreter start-up and imports), `tokenizer`
+(then it serves 503s), `workers` (spawn to every worker ready), `warm-up`. A worker (its figure:
 spawn to ready, as the router saw it): its front end's `imports` and `tokenizer`; its engine core's
 `imports` (torch, the engine), `weights` (the load, from its load stats) and `engine` (the rest: the
 KV cache, CPU ops, the warm-up forward). A worker adopted from the warm spare shows `(spare)`: its

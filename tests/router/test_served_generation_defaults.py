@@ -52,7 +52,9 @@ def test_auto_applies_the_checkpoint_defaults_to_unset_fields_and_logs_them(chec
         assert any("generation defaults from" in line and "top_k=3" in line for line in dep.log), dep.log
         unset = _text(dep)
         explicit = _text(dep, temperature=0.5, top_p=0.9, extra={"top_k": 3, "repetition_penalty": 1.2})
-        openai_defaults = _text(dep, temperature=1.0, top_p=1.0)
+        # every default overridden: the OpenAI defaults (a field left unset would take its default)
+        plain = {"top_k": -1, "repetition_penalty": 1.0}
+        openai_defaults = _text(dep, temperature=1.0, top_p=1.0, extra=plain)
         assert unset == explicit
         assert unset != openai_defaults  # top_k 3 of 49152 near-uniform tokens: another draw
         # a field the request sets wins over the default
