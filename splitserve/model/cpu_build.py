@@ -136,7 +136,7 @@ class CppOps:
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
         return root / "splitserve" / f"{self.name}_{key[:16]}.so"
 
-    def build(self) -> Path:
+    def build(self, announce: bool = True) -> Path:
         """The shared library: from the cache when this source, these flags and this torch built it
         before, else compiled into a temporary name and renamed into place, so that concurrent builders
         (two workers) and a build killed half way leave no lock and no partial file behind."""
@@ -146,8 +146,9 @@ class CppOps:
         if lib.exists():
             return lib
         lib.parent.mkdir(parents=True, exist_ok=True)
-        log.warning("compiling %s (%s); `python -m splitserve.model.prepare` builds it ahead", self.what,
-                    lib.name)  # fmt: skip
+        if announce:  # at run time: a start that compiles is one that setup did not prepare
+            log.warning("compiling %s (%s); `python -m splitserve.model.prepare` builds it ahead",
+                        self.what, lib.name)  # fmt: skip
         libdirs = cpp_extension.library_paths()
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             src, out = Path(tmp) / "op.cpp", Path(tmp) / "op.so"

@@ -50,7 +50,7 @@ def build_ops() -> tuple[list[str], list[str]]:
 
     def one(ops: CppOps) -> bool:
         try:
-            ops.build()
+            ops.build(announce=False)
             return True
         except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: reported, not fatal
             logging.getLogger(__name__).warning("%s did not build: %s", ops.what, exc)

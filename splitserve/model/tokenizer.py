@@ -49,6 +49,11 @@ class Tokenizer:
     def hf(self) -> Any:
         return self._hf
 
+    @property
+    def chat_template(self) -> str | dict | None:
+        """The checkpoint's chat template (a dict of named ones where it has several), or None."""
+        return getattr(self._hf, "chat_template", None)
+
     @classmethod
     def from_checkpoint(
         cls, path: str | os.PathLike, eos_ids: tuple[int, ...] = (), cache_key: str | None = None
@@ -142,6 +147,10 @@ class LightTokenizer(Tokenizer):
             return None
         backend = RustTokenizer.from_file(str(folder / "tokenizer.json"))
         return cls(folder, backend, config, template, extra_eos_ids)
+
+    @property
+    def chat_template(self) -> str | dict | None:
+        return self.template
 
     @property
     def hf(self) -> Any:

@@ -85,7 +85,7 @@ class OpenAIServer:
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.metrics.prime(manifest.transport.backend)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
-        template = getattr(getattr(tokenizer, "hf", None), "chat_template", None)
+        template = getattr(tokenizer, "chat_template", None)  # not `.hf`: that loads transformers
         self.tool_format = parser_for(template)  # the model family's tool-call syntax (tools.py)
         self.native_tools = template_knows_tools(template)
         # the per-token metrics, bound to their labels once (a .labels() lookup per token adds up)

@@ -40,6 +40,8 @@ from splitserve.web.listen import KEEP_ALIVE_S, listen
 
 log = logging.getLogger(__name__)
 
+SPARE_DELAY_S = 5.0  # after ready, before the warm spare worker starts
+
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
@@ -111,7 +113,8 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         async with lifespan():
             gate.open(build_api(api))
             _print_ready(manifest, runtime, api, url)
-            runtime.start_standby()  # the warm spare for restarts: its imports wait until now
+            # the warm spare for restarts, once the first requests had the CPU (its imports: seconds)
+            loop.call_later(SPARE_DELAY_S, runtime.start_standby)
             await serving
         return 0
     finally:

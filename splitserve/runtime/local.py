@@ -163,9 +163,11 @@ class LocalRuntime:
             self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{w.name}"))
 
     def start_standby(self) -> None:
-        """Start the warm spare (`runtime.standby`); `splitserve serve` calls it once the deployment is
-        ready, so that the spare's imports take no CPU from the start itself."""
-        if self.rt.standby and not self._stopping and self._making is None:
+        """Start the warm spare (`runtime.standby`) unless there is one; `splitserve serve` calls it a
+        little after ready, so that the spare's imports take no CPU from the start and first requests
+        (a restart before then starts it at once, and adopts it)."""
+        idle = self._standby is None and (self._making is None or self._making.done())
+        if self.rt.standby and not self._stopping and idle:
             self._making = asyncio.create_task(self._make_standby(), name="standby")
 
     def _start_mps(self) -> None:
@@ -186,11 +188,13 @@ class LocalRuntime:
         bar.update(1)  # type: ignore[attr-defined]
         bar.set_postfix_str(f"{w.name} ready in {w.startup_s:.1f}s")  # type: ignore[attr-defined]
 
-    async def _spawn(self, w: WorkerProcess) -> None:
+    async def _spawn(self, w: WorkerProcess, restart: bool = False) -> None:
         w.state, w.url, w.kv_address = "starting", None, None
         w.started_at = time.monotonic()
-        if self._standby is None and self._making is not None:  # a spare half way is still ahead
-            await asyncio.wait({self._making}, timeout=self.rt.startup_timeout_s)
+        if restart:  # the spare, or one half way (still ahead of a fresh process)
+            self.start_standby()
+            if self._standby is None and self._making is not None:
+                await asyncio.wait({self._making}, timeout=self.rt.startup_timeout_s)
         spare, self._standby = self._standby, None
         adopted = spare is not None and spare.proc.returncode is None
         if spare is not None and adopted:
@@ -200,7 +204,6 @@ class LocalRuntime:
             assert w.proc.stdin is not None
             w.proc.stdin.write(json.dumps({"argv": w.argv[3:]}).encode() + b"\n")
             await w.proc.stdin.drain()
-            self._making = None
             self.start_standby()
         else:
             w.proc = await asyncio.create_subprocess_exec(
@@ -308,7 +311,7 @@ class LocalRuntime:
             backoff = min(backoff * 2, self.rt.restart_backoff_max_s)
             w.restarts += 1
             try:
-                await self._spawn(w)
+                await self._spawn(w, restart=True)
             except StartupError as exc:
                 log.error("%s", exc)
                 w.state = "restarting"
