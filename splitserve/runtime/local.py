@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+from tqdm.auto import tqdm  # here, not at start(): an import there would hold up the router's 503s
 
 from splitserve.config.manifest import Manifest
 from splitserve.runtime.common import core_share_file, worker_argv
@@ -140,8 +141,6 @@ class LocalRuntime:
 
     async def start(self, progress: bool = True) -> None:
         """Spawn every worker and wait until all are ready; raises StartupError if one fails."""
-        from tqdm.auto import tqdm
-
         self._start_mps()
         bar = tqdm(
             total=len(self.workers),
