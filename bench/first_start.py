@@ -140,7 +140,7 @@ def show(mode: str, kind: str, r: dict[str, Any]) -> None:
           f" | first token {1e3 * r['ttft_s']:4.0f} ms after ready, {r['first_token_from_spawn_s']:5.2f} s"
           f" from spawn | 503s while starting: {r['starting_503s']} (slowest {r['slowest_503_ms']:.0f} ms)"
           f" | answer {r['answer'][:60]!r}")  # fmt: skip
-    print("    " + line(r["startup"]).removeprefix("splitserve: "))
+    print("    " + line(r["startup"]))
 
 
 def main() -> None:

@@ -179,8 +179,9 @@ def _print_ready(manifest: Manifest, runtime: LocalRuntime, api: OpenAIServer, u
     name = api.info.served_name
     pools = ", ".join(f"{w.name} {w.url}" for w in runtime.workers)
     startup = startup_report.report(process_age_s(), phases(marks()), runtime.describe())
-    print(f"splitserve: serving {name} at {url}/v1 ({manifest.mode}; {pools})", flush=True)
-    print(startup_report.line(startup), flush=True)
+    # one line (with --log-format json, the only one not JSON): the banner, then where the time went
+    took = startup_report.line(startup)
+    print(f"splitserve: serving {name} at {url}/v1 ({manifest.mode}; {pools}); {took}", flush=True)
     print(json.dumps({"event": "ready", "url": url, "model": name, "mode": manifest.mode,
                       "workers": runtime.describe(), "cuda_mps": runtime.mps_state(),
                       "generation_defaults": api.info.generation_defaults, "startup": startup}),

@@ -1,8 +1,9 @@
-"""Where a start's time went, per process: the line `splitserve serve` prints when it is ready, and the
-same figures in its ready event (`"startup"`).
+"""Where a start's time went, per process: the end of the line `splitserve serve` prints when it is ready,
+and the same figures in its ready event (`"startup"`).
 
-    splitserve: ready in 2.6 s; router: imports 0.5, tokenizer 0.1, workers 1.8, warm-up 0.2 |
-      prefill-0 1.8: front end imports 0.4, tokenizer 0.1; core imports 1.3, weights 0.2, engine 0.2 | ...
+    splitserve: serving ... at ...; ready in 2.6 s; router: imports 0.5, tokenizer 0.1, workers 1.8,
+      warm-up 0.2 | prefill-0 1.8: front end imports 0.4, tokenizer 0.1; core imports 1.3, weights 0.2,
+      engine 0.2 | ...
 
 Each process notes its age at the end of each phase (startup_clock.py); a phase's seconds are the
 difference from the previous mark. Router: `imports` (interpreter start-up and imports), `tokenizer`
@@ -58,7 +59,7 @@ def line(rep: dict[str, Any]) -> str:
         head = f"{name} {w['ready_s']:.2f}{spare}" if w["ready_s"] is not None else name
         body = f"front end {fmt(w['front_end'])}" + (f"; core {fmt(w['core'])}" if "core" in w else "")
         parts.append(f"{head}: {body}")
-    return f"splitserve: ready in {rep['ready_s']:.2f} s; " + " | ".join(parts)
+    return f"ready in {rep['ready_s']:.2f} s; " + " | ".join(parts)
 
 
 __all__ = ["line", "phases", "report", "worker_phases"]
