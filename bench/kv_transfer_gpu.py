@@ -458,10 +458,10 @@ def ce_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwen_bl
 
 # -- prefill at Qwen3-8B shape --------------------------------------------------------------------
 def prefill_seconds(tokens: int, reps: int, device: str) -> dict:
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine import EngineConfig
     from splitserve.engine.engine import LLMEngine
-    from splitserve.engine.params import SamplingParams
     from splitserve.model.random_weights import random_model, random_model_config
+    from splitserve.sampling.params import SamplingParams
 
     t0 = time.perf_counter()
     loaded = random_model(random_model_config("qwen3-8b-random"), device, torch.bfloat16, tokens + 64)

@@ -1,33 +1,25 @@
 """splitserve: prefill/decode disaggregated LLM serving on an engine of its own."""
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from splitserve.engine.async_engine import AsyncLLM
-    from splitserve.engine.config import EngineConfig
-    from splitserve.engine.llm import LLM
-    from splitserve.engine.params import SamplingParams
-    from splitserve.engine.request import CompletionOutput, RequestOutput
+from splitserve.sampling.params import SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
-# the public names' modules, imported on first use: `import splitserve` (the router, the workers' front
-# ends) stays free of torch, which only the engine needs
+# The engine's names load on first use: every process imports this package first, and the router's
+# must not pay for torch and the engine (tests/test_import_graph.py keeps the router off them).
 _LAZY = {
     "LLM": "splitserve.engine.llm",
     "AsyncLLM": "splitserve.engine.async_engine",
-    "EngineConfig": "splitserve.engine.config",
-    "SamplingParams": "splitserve.engine.params",
+    "EngineConfig": "splitserve.config.engine",
     "RequestOutput": "splitserve.engine.request",
     "CompletionOutput": "splitserve.engine.request",
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(name)
+def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import splitserve` light
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import splitserve
 from splitserve.cli_serve import add_serve_parser, serve_overrides
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.params import SamplingParams
+from splitserve.config.engine import EngineConfig
 from splitserve.logs import setup_logging
 from splitserve.model.errors import ModelLoadError
 from splitserve.runtime.kuberay import KubeRayOptions
+from splitserve.sampling.params import SamplingParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import splitserve
-from splitserve.config.manifest import ModelSection
+from splitserve.config.manifest_sections import ModelSection
 
 # flag(s), manifest field, type (None: a switch), help
 _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
@@ -38,7 +38,7 @@ _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
         str,
         "auto (the checkpoint's sampling defaults) | vllm (none) | a folder with generation_config.json",
     ),
-    (("--gpu-memory-utilization",), "engine.memory_utilization", float, "GPU: fraction for weights + KV"),
+    (("--gpu-memory-utilization",), "engine.memory_utilization", float, "GPU: a worker's device share"),
     (("--kv-cache-mb",), "engine.kv_cache_mb", int, "KV cache budget per worker, MiB"),
     (("--max-num-seqs",), "engine.max_num_seqs", int, "sequences per engine step"),
     (("--max-num-batched-tokens",), "engine.max_num_batched_tokens", int, "tokens per engine step"),

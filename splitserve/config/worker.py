@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 
 if TYPE_CHECKING:
     from splitserve.transport.transport import TransportOptions

@@ -22,8 +22,8 @@ from splitserve.startup_clock import marks
 from splitserve.wire import core as wire
 
 if TYPE_CHECKING:
+    from splitserve.config.engine import EngineConfig
     from splitserve.config.worker import WorkerConfig
-    from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import LLMEngine
     from splitserve.engine.kv_connector import KVConnector
     from splitserve.engine.stats import EngineStats
@@ -145,6 +145,7 @@ class CoreOps:
                 "state_checkpoints": ckpt,
             },
             "kv_transfer": {**conn.stats(), "importing": st.waiting_for_kv} if conn else None,
+            "memory": _memory(engine),
         }
 
     def op_release(self, kv_export: dict) -> dict:
@@ -228,6 +229,18 @@ class CoreOps:
             "backend": conn.backend_name,
             "peer": handle.address,
         }
+
+
+def _memory(engine: Any) -> dict | None:
+    """CUDA: the worker's memory plan (bytes, engine/memory_plan.py) and what torch holds now and at peak."""
+    plan = engine.memory_plan
+    if plan is None:
+        return None
+    import torch
+
+    dev = engine.device
+    return {**plan.as_dict(), "torch_reserved": torch.cuda.memory_reserved(dev),
+            "torch_peak_reserved": torch.cuda.max_memory_reserved(dev)}  # fmt: skip
 
 
 def engine_settings(c: EngineConfig, stats: EngineStats, batched_tokens: int) -> dict:

@@ -25,28 +25,29 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.builder import build
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.intake import RequestFactory
 from splitserve.engine.kv_prefault import KVPrefault
 from splitserve.engine.kv_transfer import BlockLease, ImportOutcome, KVTransfers
 from splitserve.engine.kv_transfer_types import ImportSpec
 from splitserve.engine.overlap import OverlappedSteps, _Inflight
-from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, output_of
+from splitserve.engine.request import Request, RequestOutput, Status, output_of
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.stats import EngineStats
 from splitserve.engine.stop import check_stop
 from splitserve.model.loader import LoadedModel
 from splitserve.model.tokenizer import Tokenizer
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from splitserve.engine.kv_transfer_hooks import KVConnectorBase
-    from splitserve.transport.handle import KVHandle
+    from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class LLMEngine(OverlappedSteps):
             p.pool,
         )  # the KV cache, state slots, blocks
         self.scheduler, self.runner, self.graph_capture_s = p.scheduler, p.runner, p.graph_capture_s
+        self.memory_plan = p.memory_plan  # CUDA: the worker's share, piece by piece (engine/memory_plan.py)
         cfg = self.model_config
         self.intake = RequestFactory(self.tokenizer, cfg.vocab_size, self.eos_token_ids, self.max_model_len,
                                      self.pool.num_blocks, self.block_size, self.device)  # fmt: skip

@@ -19,7 +19,7 @@ A constrained request's life in the engine:
   compiles the same spec (it travels in the sampling params), and `adopt` replays the first token into
   a fresh matcher before the request joins the batch: its state is the prefill's, token for token.
 
-`check_grammar(spec)` (engine/grammar_check.py) parses a spec without a tokenizer (cheap, cached): the
+`check_grammar(spec)` (sampling/grammar_check.py) parses a spec without a tokenizer (cheap, cached): the
 router and the worker front end call it to answer a bad schema, regex or grammar with a 400 before
 anything reaches an engine.
 """
@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from splitserve.engine.grammar_check import GrammarError, build_grammar, check_grammar, clean_error
-from splitserve.engine.params import GrammarSpec
+from splitserve.sampling.grammar_check import build_grammar
+from splitserve.sampling.params import GrammarSpec
 
 if TYPE_CHECKING:
     import xgrammar
@@ -237,12 +237,4 @@ def _batch_matcher() -> Any:
     return xgr.BatchGrammarMatcher()
 
 
-__all__ = [
-    "GrammarError",
-    "Grammars",
-    "Matcher",
-    "build_grammar",
-    "check_grammar",
-    "clean_error",
-    "mask_logits",
-]
+__all__ = ["Grammars", "Matcher", "mask_logits"]

@@ -20,11 +20,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from splitserve.engine.params import SamplingParams
+import torch
+
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from splitserve.engine.grammar import Matcher
 
 
@@ -33,14 +34,6 @@ class Status(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"  # its prompt's KV is being fetched from another engine
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: tuple[tuple[int, float], ...]  # the top alternatives, most likely first
 
 
 @dataclass

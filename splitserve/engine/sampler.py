@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.engine.grammar import mask_logits
-from splitserve.engine.request import Request, TokenLogprob
+from splitserve.engine.request import Request
 from splitserve.model import cpu_fused
+from splitserve.sampling.logprobs import TokenLogprob
 
 
 class Sampler:

@@ -71,7 +71,7 @@ def prepare_tokenizer(model: str | None) -> str:
 
 def prepare_weights(model: str | None) -> str:
     """Load the model once through the weight cache, as a CPU worker does; -> the cache's status."""
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine import EngineConfig
     from splitserve.model.checkpoint import is_random_source
     from splitserve.model.loader import load_model, resolve_model_path
 

@@ -17,7 +17,6 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from splitserve.engine.params import GrammarSpec
 from splitserve.router.chat_template import render_chat, template_kwargs
 from splitserve.router.openai_protocol import (
     APIError,
@@ -30,6 +29,7 @@ from splitserve.router.responses import ResponseEvents, ResponsesRequest, respon
 from splitserve.router.server import OpenAIServer
 from splitserve.router.structured import checked, requested_grammar
 from splitserve.router.tools import chosen_tools, render_messages, tool_grammar
+from splitserve.sampling.params import GrammarSpec
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from splitserve.transport.errors import (
     TransportError,
     UnknownLease,
 )
-from splitserve.transport.handle import KVHandle
+from splitserve.wire.kv_handle import KVHandle
 
 if TYPE_CHECKING:
     from splitserve.transport.backends import available_backends, make_transport
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from splitserve.transport.shm_direct import allocate_shared_kv
     from splitserve.transport.transport import KVTransport, TransportOptions
 
-# imported on first use: the errors and the handle (what the router and the front ends need) stay free
-# of torch, which the transports' modules load
+# imported on first use: the errors and the handle (what the workers' front ends need) stay free of
+# torch, which the transports' modules load
 _LAZY = {
     "available_backends": "splitserve.transport.backends",
     "make_transport": "splitserve.transport.backends",

@@ -9,9 +9,9 @@ Exporter side, for one request:
   1. `export` -> the mover's `export`, which checks the ids and calls back `lease_export`: the state
      the mover keeps (`keep_state`: host copies, or a slot/arena row), the checksum if enabled, and a
      lease whose payload is an `Export` record; the server starts on first use (`listen`).
-  2. A request arrives on the server loop: `handle` offers it to the mover first (`serve_op`: its
-     open exchange), else a fetch pins the lease (so it cannot end mid-read), draws a fault from the
-     plan when one is installed, and calls the mover's `send_payload`.
+  2. A request arrives on the server loop: `ExportRequests.handle` (export_requests.py) offers it to
+     the mover first (`serve_op`: its open exchange), else a fetch pins the lease (so it cannot end
+     mid-read), draws a fault from the plan when one is installed, and calls the mover's `send_payload`.
   3. A release request (or `release` of our own handle) ends the lease: `on_free(block_ids)` once.
 
 Fetcher side, for one request:
@@ -24,29 +24,23 @@ Fetcher side, for one request:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from splitserve.transport import trace
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.client import ConnectionPool, SyncChannel
 from splitserve.transport.errors import (
     CorruptTransfer,
-    LeaseExpired,
     PeerRefused,
     TransportError,
-    UnknownLease,
-    error_to_wire,
 )
+from splitserve.transport.export_requests import Export, ExportRequests
 from splitserve.transport.fault_plan import Fault, FaultPlan
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import FreeCallback, LeaseManager
 from splitserve.transport.payload import (
@@ -60,18 +54,9 @@ from splitserve.transport.payload import (
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect, resolve_secret
 from splitserve.transport.server import AsyncChannel, ExportServer, ListenSpec
 from splitserve.transport.transport import KVTransport, TransportOptions, TransportStats
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Export:
-    """What the exporter keeps under a lease besides the block ids."""
-
-    request_id: str
-    state: dict[str, torch.Tensor]
-    checksum: str | None
-    state_row: int | None = None  # cuda_ipc: the state waits in this row of the exporter's arena
 
 
 class PayloadMover(Protocol):
@@ -175,6 +160,7 @@ class KVChannel(KVTransport):
         self._server: ExportServer | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.requests = ExportRequests(mover, self.leases, self.options, self.stats, lambda: self.faults)
         mover.bind(self)
 
     # -- exporter side ---------------------------------------------------------------------------
@@ -192,7 +178,7 @@ class KVChannel(KVTransport):
                     self.mover.listen_spec(),
                     self.layout,
                     self._secret,
-                    self,
+                    self.requests,
                     self.options.connect_timeout_s,
                     self.options.idle_timeout_s,
                 )
@@ -259,54 +245,6 @@ class KVChannel(KVTransport):
                 handle.address,
                 exc,
             )
-
-    async def handle(self, chan: AsyncChannel, header: dict) -> bool:
-        """Server loop: serve one request (RequestHandler); the mover's own ops first."""
-        served = await self.mover.serve_op(chan, header)
-        if served is not None:
-            return served
-        op = header["op"]
-        if op == "fetch":
-            return await self._serve_fetch(chan, header)
-        if op == "release":
-            released = self.leases.release(str(header.get("lease_id")))
-            deadline = Deadline.after(self.options.connect_timeout_s)
-            await chan.send({"op": "ok", "released": released}, deadline)
-            return True
-        if op == "error":
-            log.warning("kv fetcher %s refused us: %s", chan.peer, header.get("message"))
-            return False
-        bad = TransportError(f"unknown request {op!r}")
-        await chan.send(error_to_wire(bad), Deadline.after(self.options.connect_timeout_s))
-        return False
-
-    async def _serve_fetch(self, chan: AsyncChannel, header: dict) -> bool:
-        trace.mark("e.request")
-        asked = float(header.get("timeout_s", self.options.fetch_timeout_s))
-        deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
-        try:
-            with self.leases.pinned(str(header.get("lease_id"))) as lease:
-                plan = self.faults  # tests only: None in production
-                fault = plan.draw() if plan is not None else Fault.NONE
-                if fault is Fault.DROP:  # never answer; hold on until the fetcher gives up
-                    await chan.wait_closed(Deadline.after(self.options.idle_timeout_s))
-                    return False
-                if fault is Fault.DELAY and plan is not None:
-                    await asyncio.sleep(plan.knobs.delay_s)
-                meta = {"blocks": len(lease.block_ids), "checksum": lease.payload.checksum}
-                start = time.perf_counter()
-                nbytes = await self.mover.send_payload(
-                    chan, lease.payload, lease.block_ids, meta, fault, deadline
-                )
-                self.stats.served(nbytes, time.perf_counter() - start)
-                return fault is not Fault.KILL
-        except (LeaseExpired, UnknownLease) as exc:
-            self.stats.error(exc)
-            await chan.send(error_to_wire(exc), deadline)
-            return True
-        except (TransportError, ConnectionError):
-            self.stats.count("serve_failures")
-            raise
 
     # -- fetcher side ----------------------------------------------------------------------------
     def fetch(

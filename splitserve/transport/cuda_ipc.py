@@ -57,21 +57,23 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from splitserve.transport import trace
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
+from splitserve.transport.cuda_ipc_copy import queue_copy, queue_state_copy, wait_copies
 from splitserve.transport.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
-from splitserve.transport.errors import PeerRefused, TransferTimeout, TransportError
+from splitserve.transport.errors import PeerRefused, TransportError
+from splitserve.transport.export_requests import Export
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.gpu_blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
 from splitserve.transport.gpu_two_sided import GpuTwoSided, NoClose
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import empty_state, snapshot_state
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
-from splitserve.transport.state_arena import StateArena, open_arena, unpack
+from splitserve.transport.state_arena import StateArena, open_arena
+from splitserve.transport.trace import mark
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -294,14 +296,14 @@ class CudaIpcMover:
             return None
         if handle.state_row is not None and peer.state_rows is None:
             return None
-        trace.mark("f.one_sided")
+        mark("f.one_sided")
         how, done = self._copy(peer, ids, into)
         state: dict[str, torch.Tensor] = {}
         if handle.state_row is not None:  # behind the blocks on our side stream: its wait covers both
             state = self.pull_state(NoClose(peer), handle.state_row, deadline)
-        trace.mark("f.copy_queued")
+        mark("f.copy_queued")
         self._wait_copies(handle.address, deadline, done)
-        trace.mark("f.copied")
+        mark("f.copied")
         if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
             self.stats.count("one_sided_lost")
             return None
@@ -340,66 +342,16 @@ class CudaIpcMover:
     def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
         """One device copy of the exporter's arena row into a buffer on our GPU, waited for; -> the
         state tensors (views of it, or fp32 copies when it travelled in bf16)."""
-        mapped: PeerKV = peer.value
-        if mapped.state_rows is None:
-            raise TransportError(
-                "cuda_ipc: the exporter keeps the state in its GPU arena, which we could not map "
-                "(see the log); set transport.state_rows: 0 to send the state the host way"
-            )
-        if not 0 <= row < mapped.state_rows.shape[0]:
-            raise TransportError(f"exporter named state arena row {row}, outside its arena")
-        try:
-            with self.two_sided.on_device():
-                buf = torch.empty(mapped.state_rows.shape[1], dtype=torch.uint8, device=self.kv_cache.device)
-                buf.copy_(mapped.state_rows[row], non_blocking=True)
-                state = unpack(buf, self.layout, mapped.state_wire)
-                done = None
-                if self.two_sided.on_cuda:
-                    done = torch.cuda.Event()
-                    done.record()
-        except torch.cuda.OutOfMemoryError as exc:
-            raise TransportError(
-                f"cuda_ipc: no room on this GPU for a {mapped.state_rows.shape[1] >> 20} MiB state row: "
-                "lower engine.memory_utilization (the workers' shares on one GPU should leave room for "
-                "the transport) or give engine.kv_cache_mb"
-            ) from exc
-        except RuntimeError as exc:  # a CUDA error
-            raise TransportError(f"cuda_ipc state copy failed: {exc}") from exc
+        state, done = queue_state_copy(self.two_sided, peer.value, row, self.layout, self.kv_cache.device)
         self._wait_copies("the exporter's state arena", deadline, done)
         self.stats.count("state_rows_read")
         return state
 
     def _wait_copies(self, address: str, deadline: Deadline, done: Any) -> None:
-        """Wait for this fetch's copies (`done`: the CUDA event after them; None: they were
-        synchronous) until the fetch's deadline, polling (`wait_event`), so a copy that never ends
-        cannot hang the fetch. Past the deadline: TransferTimeout carrying the copy's event
-        (`pending`: the blocks stay out of use until it has happened). A CUDA error is the transfer's."""
-        if done is None:
-            return
-        try:
-            with torch.cuda.device(self.kv_cache.device):
-                wait_event(done, deadline, f"cuda_ipc copy from {address}")
-        except TransferTimeout as exc:  # (a RuntimeError too: before the clause for CUDA's errors)
-            self.stats.count("copy_deadline_missed")
-            self.two_sided.hand_over(exc, done)
-            raise
-        except RuntimeError as exc:
-            raise TransportError(f"cuda_ipc copy from {address} failed: {exc}") from exc
+        wait_copies(self.two_sided, self.stats, self.kv_cache.device, address, deadline, done)
 
     def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> tuple[str, Any]:
-        """Queue the copy on our side stream; -> (how it was done, the CUDA event after it or None)."""
-        try:
-            with self.two_sided.on_device():
-                trace.gpu_mark("f.copy_start", self.kv_cache.device)
-                how = copy_blocks(mapped.rows, self.rows, src_ids, into)
-                trace.gpu_mark("f.copy_end", self.kv_cache.device)
-                if not self.two_sided.on_cuda:
-                    return how, None
-                done = torch.cuda.Event()
-                done.record()
-                return how, done
-        except RuntimeError as exc:  # a CUDA error
-            raise TransportError(f"cuda_ipc copy failed: {exc}") from exc
+        return queue_copy(self.two_sided, mapped, self.rows, src_ids, into)
 
     def describe(self) -> dict:
         out = self.two_sided.describe()

@@ -22,8 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from splitserve.transport import trace
-from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import (
     BackendUnavailable,
@@ -32,6 +31,7 @@ from splitserve.transport.errors import (
     TransportError,
     error_to_wire,
 )
+from splitserve.transport.export_requests import Export
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.gpu_blocks import (
     as_ids,
@@ -42,10 +42,11 @@ from splitserve.transport.gpu_blocks import (
     ids_to_wire,
     kv_rows,
 )
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.payload import ByteStream, empty_state, source_pieces, state_pieces
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect
 from splitserve.transport.server import AsyncChannel
+from splitserve.transport.trace import mark
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -232,14 +233,14 @@ class GpuTwoSided:
         if fault is Fault.KILL:
             return 0  # hang up instead of answering: the fetcher must fail, not hang
         start = time.perf_counter()
-        trace.mark("e.serve")
+        mark("e.serve")
         ids = cached_ids(block_ids)
         if fault is Fault.CORRUPT:
             ids = np.roll(ids, -1)  # the wrong blocks in each place: the checksum must notice
         in_row = export.state_row is not None  # the state waits in the arena: the fetcher copies it
         state = ByteStream([] if in_row else state_pieces(export.state, self.layout))
         early = self.hooks.start_push(chan, ids)
-        trace.mark("e.queued")
+        mark("e.queued")
         try:
             fields = self.hooks.payload_fields(chan, ids)
             header = {"op": self.payload_op, **meta, "block_ids": ids_to_wire(ids), **fields}
@@ -251,12 +252,12 @@ class GpuTwoSided:
             self.hooks.cancel_push(chan, early)
             raise
         answered = time.perf_counter()
-        trace.mark("e.answered")
+        mark("e.answered")
         await self.hooks.push(chan, ids, deadline, early)
         pushed = time.perf_counter()
-        trace.mark("e.pushed")
+        mark("e.pushed")
         expect(await chan.recv(deadline), "done")
-        trace.mark("e.done")
+        mark("e.done")
         self.serve_phases.append((answered - start, pushed - answered, time.perf_counter() - pushed))
         return len(ids) * self.layout.block_nbytes + state.nbytes
 
@@ -283,13 +284,13 @@ class GpuTwoSided:
                 request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
                 request.update(self.hooks.fetch_fields(into), timeout_s=deadline.remaining("fetch"))
                 sent = time.perf_counter()
-                trace.mark("f.request")
+                mark("f.request")
                 chan.send(request, deadline)
                 early = self.hooks.prefetch(attached, handle, into)
                 try:
                     header, body_nbytes = chan.recv(deadline)
                     answered = time.perf_counter()
-                    trace.mark("f.answer")
+                    mark("f.answer")
                     meta = expect(header, self.payload_op)
                     src_ids = self._peer_ids(meta, len(into))
                     in_row = meta.get("state_row") is not None
@@ -303,7 +304,7 @@ class GpuTwoSided:
                         chan.recv_stream(body, deadline)
                     self.hooks.pull(chan, attached, meta, src_ids, into, deadline, early)
                     pulled = time.perf_counter()
-                    trace.mark("f.pulled")
+                    mark("f.pulled")
                 except BaseException as exc:
                     self.hooks.settle(early, exc)
                     raise

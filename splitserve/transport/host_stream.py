@@ -17,13 +17,14 @@ import torch
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.payload import ByteStream, snapshot_state
 from splitserve.transport.protocol import Deadline
 from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.wire.kv_handle import KVHandle
 
 if TYPE_CHECKING:
-    from splitserve.transport.channel import Export, KVChannel
+    from splitserve.transport.channel import KVChannel
+    from splitserve.transport.export_requests import Export
 
 
 class StreamWire(Protocol):

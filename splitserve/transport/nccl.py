@@ -20,7 +20,8 @@ Life of a connection and of one fetch:
      at most ONE_MESSAGE_BYTES, else about CHUNK_BYTES each. The sends are queued on the server's
      loop thread before the answer goes out (`start_push`; a worker thread then waits for them). A
      chunk whose ids are consecutive is sent straight from the cache; any other is gathered into one
-     of up to STAGING_BUFS staging buffers first (gathering chunk k+1 overlaps sending chunk k).
+     of up to STAGING_BUFS staging buffers first (gathering chunk k+1 overlaps sending chunk k;
+     nccl_chunks.py).
   3. fetcher: receives each chunk straight into kv[into] when its ids there are consecutive, else into
      a staging buffer and scatters it (receives run ahead of scatters); waits for all of it within
      its deadline -> {"op": "done"}.
@@ -45,7 +46,6 @@ import logging
 import secrets
 import socket
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -55,16 +55,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from splitserve.transport import trace
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel, parse_address
 from splitserve.transport.errors import PeerRefused, TransportError
+from splitserve.transport.export_requests import Export
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.gpu_blocks import consecutive_start, host_id, index_tensor, wide
+from splitserve.transport.gpu_blocks import consecutive_start, host_id
 from splitserve.transport.gpu_two_sided import GpuTwoSided
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
+from splitserve.transport.nccl_chunks import queue_recvs, queue_sends
 from splitserve.transport.nccl_group import (
     PairGroup,
     chunk_spans,
@@ -76,14 +76,14 @@ from splitserve.transport.nccl_group import (
 from splitserve.transport.payload import snapshot_state
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 32 << 20  # blocks go in chunks of about this much (at least one block)
-STAGING_BUFS = 3  # staged chunks in flight per transfer side (gathering / sending / scattering)
 # A transfer up to this size is one message (one NCCL send and receive), gathered whole into one
 # staging buffer where its blocks are not one run: per-message costs (c10d's calls, NCCL's launch and
-# rendezvous) are paid once. Larger ones go in CHUNK_BYTES chunks through STAGING_BUFS buffers.
+# rendezvous) are paid once. Larger ones go in CHUNK_BYTES chunks (nccl_chunks.py stages them).
 ONE_MESSAGE_BYTES = 1 << 30
 WARMUP_BYTE = 0x5A
 
@@ -116,12 +116,6 @@ class NcclMover:
     @property
     def group_timeout_s(self) -> float:
         return self.options.max_fetch_s + 60.0
-
-    def staging(self, per: int, count: int = STAGING_BUFS) -> torch.Tensor:
-        """`count` chunk-sized buffers [count, per, block_nbytes] on our device, for one transfer (the
-        caching allocator makes them cheap; concurrent fetches each get their own)."""
-        shape = (count, per, self.rows.shape[1])
-        return torch.empty(shape, dtype=torch.uint8, device=self.kv_cache.device)
 
     def blocks_per_message(self, ids: np.ndarray, into_run: bool) -> int:
         """How many blocks each message carries: all of them when they are one run on both sides (no
@@ -275,36 +269,12 @@ class NcclMover:
         """Queue the gathers and sends of every chunk; -> the works not waited for yet."""
         with self.two_sided.on_device(after_current=False):
             try:
-                works: list[Any] = []
-                waited: set[int] = set()
-                index = bufs = None
-                spans = chunk_spans(len(ids), per)
-                calls = 0.0
-                for k, (a, b) in enumerate(spans):
-                    first = consecutive_start(ids[a:b])
-                    if first is not None:
-                        chunk = self.rows[first : first + b - a]
-                    else:
-                        if index is None or bufs is None:
-                            index = index_tensor(ids, self.kv_cache.device)
-                            bufs = self.staging(per, min(STAGING_BUFS, len(spans)))
-                        reuse = k - len(bufs)
-                        if reuse >= 0 and reuse not in waited:
-                            works[reuse].wait()  # the buffer's last send is done before we refill it
-                            waited.add(reuse)
-                        chunk = bufs[k % len(bufs)][: b - a]
-                        src, out = wide(self.rows, chunk)
-                        torch.index_select(src, 0, index[a:b], out=out)
-                    start = time.perf_counter()
-                    trace.gpu_mark("e.send_queued", self.kv_cache.device)
-                    works.append(pair.group.send([chunk], 1, 0))
-                    calls += time.perf_counter() - start
-                    trace.mark("e.send_called")
-                self.send_calls.append(calls)
-                return [w for i, w in enumerate(works) if i not in waited]  # Gloo: a work waits once
+                works, calls = queue_sends(pair.group, self.rows, ids, per)
             except RuntimeError as exc:
                 pair.abort()
                 raise TransportError(f"nccl send failed: {exc}") from exc
+        self.send_calls.append(calls)
+        return works
 
     def _finish_sends(
         self, pair: PairGroup, works: list[Any], deadline: Deadline, gone: Callable[[], bool]
@@ -377,7 +347,7 @@ class NcclMover:
             raise TransportError(f"exporter announced chunks of {per} blocks")
         try:
             with self.two_sided.on_device():
-                works, staged = self._recv_chunks(pair, into, per)
+                works, staged = queue_recvs(pair.group, self.rows, into, per)
                 wait_done(works, pair, self.kv_cache.device, deadline, lambda: not chan.alive(), "nccl recv")
         except TransportError:
             pair.abort()
@@ -387,44 +357,6 @@ class NcclMover:
             raise TransportError(f"nccl recv from {chan.address} failed: {exc}") from exc
         self.gpu_counts["chunks"] += len(chunk_spans(len(into), per))
         self.gpu_counts["chunks_staged"] += staged
-
-    def _recv_chunks(self, pair: PairGroup, ids: np.ndarray, per: int) -> tuple[list[Any], int]:
-        """Queue the receives (and scatters) of every chunk on our side stream; -> the works to wait
-        for, and how many chunks went through staging.
-
-        A chunk whose ids are one run lands in place. Others land in one of (up to) STAGING_BUFS
-        buffers and are scattered from there; a chunk's scatter is queued only when its buffer is
-        needed again, so receives run ahead of scatters and the two overlap (a receive waits for our
-        stream as it is when queued, which then holds the scatter of the buffer's last chunk)."""
-        spans = chunk_spans(len(ids), per)
-        works: list[Any] = []
-        index = bufs = None
-        pending: list[tuple[Any, torch.Tensor, int, int]] = []  # received, not yet scattered
-        staged = 0
-
-        def scatter_oldest() -> None:
-            work, chunk, a, b = pending.pop(0)
-            work.wait()  # our stream waits for the receive (Gloo: it is done)
-            dst, src = wide(self.rows, chunk)
-            dst.index_copy_(0, index[a:b], src)
-
-        for a, b in spans:
-            first = consecutive_start(ids[a:b])
-            if first is not None:
-                works.append(pair.group.recv([self.rows[first : first + b - a]], 0, 0))
-                continue
-            if index is None or bufs is None:
-                index = index_tensor(ids, self.kv_cache.device)
-                bufs = self.staging(per, min(STAGING_BUFS, len(spans)))
-            if len(pending) == len(bufs):
-                scatter_oldest()  # before this receive is queued: it frees the buffer it reuses
-            chunk = bufs[staged % len(bufs)][: b - a]
-            pending.append((pair.group.recv([chunk], 0, 0), chunk, a, b))
-            staged += 1
-        while pending:
-            scatter_oldest()
-        trace.mark("f.recv_called")
-        return works, staged
 
     def describe(self) -> dict:
         out = self.two_sided.describe()

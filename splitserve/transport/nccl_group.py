@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from splitserve.transport import trace
 from splitserve.transport.errors import TransferTimeout, TransportError
 from splitserve.transport.protocol import Deadline
+from splitserve.transport.trace import gpu_mark, mark
 
 POLL_PEER_S = 0.01  # how often a waiting side checks that the control connection is still up
 
@@ -90,11 +90,11 @@ def wait_done(
         return
     for work in works:
         work.wait()  # our stream waits for NCCL's (no CPU wait)
-    trace.gpu_mark(f"{what} finished", device)
+    gpu_mark(f"{what} finished", device)
     done = torch.cuda.Event()
     done.record()
     start = checked = time.monotonic()
-    trace.mark(f"{what}: waiting")
+    mark(f"{what}: waiting")
     while not done.query():
         now = time.monotonic()
         if now >= deadline.at:
@@ -106,7 +106,7 @@ def wait_done(
                 pair.abort()
                 raise TransportError(f"{what}: the peer closed the connection")
         time.sleep(0 if now - start < SPIN_S else 20e-6)
-    trace.mark(f"{what}: seen done")
+    mark(f"{what}: seen done")
 
 
 def sock_gone(sock: socket.socket) -> bool:

@@ -49,20 +49,14 @@ import numpy as np
 import torch
 
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import PeerRefused, TransportError
+from splitserve.transport.export_requests import Export
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout, torch_dtype
-from splitserve.transport.nixl_agent import (
-    NixlAgent,
-    Region,
-    descriptors,
-    enable_cuda_ipc_get,
-    paired_runs,
-    ucx_error_mode,
-)
+from splitserve.transport.nixl_agent import NixlAgent, Region, descriptors, paired_runs
+from splitserve.transport.nixl_env import enable_cuda_ipc_get, ucx_error_mode
 from splitserve.transport.nixl_state import StateSlots, peer_regions, remote_descs
 from splitserve.transport.payload import (
     ByteStream,
@@ -75,6 +69,7 @@ from splitserve.transport.payload import (
 )
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
+from splitserve.transport.export_requests import Export
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.host_stream import StreamMover
 from splitserve.transport.layout import KVLayout

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.transport import KVTransport
 from splitserve.transport.wrapped import WrappedTransport
+from splitserve.wire.kv_handle import KVHandle
 
 
 class ThrottledTransport(WrappedTransport):

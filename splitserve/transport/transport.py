@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.transport.fault_plan import FaultPlan
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 

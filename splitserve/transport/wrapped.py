@@ -9,9 +9,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from splitserve.transport.fault_plan import FaultPlan
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.transport import KVTransport
+from splitserve.wire.kv_handle import KVHandle
 
 
 class WrappedTransport(KVTransport):

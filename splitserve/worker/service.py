@@ -17,8 +17,7 @@ from typing import Any
 from splitserve.config.worker import WorkerConfig
 from splitserve.core.ops import RoleError
 from splitserve.core.share import CORES_PREFIX
-from splitserve.engine.grammar_check import check_grammar
-from splitserve.startup_clock import mark
+from splitserve.sampling.grammar_check import check_grammar
 from splitserve.tempdirs import remove_if_orphaned
 from splitserve.wire import core as wire
 from splitserve.wire.http import (
@@ -50,12 +49,10 @@ class Worker:
         try:
             # while the core loads the weights
             self.tokenizer = load_tokenizer(config.engine.model, config.engine.tokenizer)
-            mark("tokenizer")
         except Exception:
             self.client.close()
             raise
         self.info = self.client.wait_ready()
-        mark("core")  # the engine core said it is ready
         self.kv_address: str | None = self.info.get("kv_address")
         self._ids = itertools.count()
         self._tag = secrets.token_hex(4)  # request ids unique across workers: decode keeps them

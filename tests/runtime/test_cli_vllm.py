@@ -44,7 +44,7 @@ def test_refusals_say_why(capsys, tmp_path):
     assert "no such manifest file" in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "missing-model")]) == 2
     assert "no such model file or directory" in capsys.readouterr().err
-    assert main(["serve", "--api-key", ""]) == 2  # issue 26 F5: an empty key would admit an empty token
+    assert main(["serve", "--api-key", ""]) == 2  # an empty key would admit an empty token
     assert "an API key must not be empty" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["--version"])

@@ -1,8 +1,7 @@
-"""Parse a grammar spec without a tokenizer: `check_grammar` answers a bad JSON schema, regex, choice list,
-EBNF grammar or structural tag with a `GrammarError` naming the problem (xgrammar's words), cached per
-spec. The router and the worker front end call it before anything reaches an engine; xgrammar (which
-loads torch) is imported on the first check, so that a process that never checks one stays light.
-Compiling and matching against a vocabulary is engine/grammar.py's.
+"""Whether a grammar spec parses, without a tokenizer: the router and the worker front end call
+`check_grammar` to answer a bad schema, regex or grammar with a 400 before anything reaches an engine;
+the engine compiles a spec with `build_grammar` (engine/grammar.py). Needs xgrammar (imported when a
+spec is first built), not torch or the engine.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import functools
 import json
 from typing import TYPE_CHECKING
 
-from splitserve.engine.params import GrammarSpec
+from splitserve.sampling.params import GrammarSpec
 
 if TYPE_CHECKING:
     import xgrammar
