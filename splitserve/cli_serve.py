@@ -33,6 +33,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--dtype",), "model.dtype", str, "auto | float32 | bfloat16 | float16"),
     (("--device",), "model.device", str, "auto | cpu | cuda"),
     (("--max-model-len",), "model.max_model_len", int, "context length (prompt + completion)"),
+    (
+        ("--generation-config",),
+        "model.generation_config",
+        str,
+        "auto (the checkpoint's sampling defaults) | vllm (none) | a folder with generation_config.json",
+    ),
     (("--gpu-memory-utilization",), "engine.memory_utilization", float, "GPU: a worker's device share"),
     (("--kv-cache-mb",), "engine.kv_cache_mb", int, "KV cache budget per worker, MiB"),
     (("--max-num-seqs",), "engine.max_num_seqs", int, "sequences per engine step"),

@@ -62,6 +62,9 @@ class ModelSection(Section):
     device: str = "auto"  # auto | cpu | cuda (each pool's `devices` pins replicas to cuda:N)
     max_model_len: int | None = Field(default=None, ge=16)
     tensor_parallel_size: int = 1  # vLLM's name; only 1 until tensor parallelism exists
+    # sampling defaults for the fields a request leaves unset (vLLM's --generation-config): "auto" takes the
+    # checkpoint's generation_config.json (a GGUF's general.sampling metadata), "vllm" none, or a folder's
+    generation_config: str = "auto"
 
     @field_validator("tensor_parallel_size")
     @classmethod

@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitserve.config.engine import EngineConfig
-from splitserve.transport import TransportOptions
+
+if TYPE_CHECKING:
+    from splitserve.transport.transport import TransportOptions
 
 ROLES = ("prefill", "decode", "colocated")
 DECODE_STAGING_ROWS = 4  # cuda_ipc: state rows a decode worker may stage at once (fetches in flight)
@@ -67,6 +70,8 @@ class WorkerConfig:
         )
 
     def transport_options(self) -> TransportOptions:
+        from splitserve.transport.transport import TransportOptions  # the engine core's: it loads torch
+
         return TransportOptions(
             host=self.kv_host,
             lease_s=self.kv_lease_s,

@@ -19,6 +19,7 @@ the front end notices the core's death (worker/main.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -37,6 +38,7 @@ from splitserve.core.ops import CoreOps
 from splitserve.core.setup import open_engine
 from splitserve.core.share import open_share
 from splitserve.model import cpu_threads
+from splitserve.startup_clock import mark
 from splitserve.wire import core as wire
 
 log = logging.getLogger(__name__)
@@ -329,10 +331,8 @@ def core_params(data: dict[str, Any]) -> Any:
 
 
 def _die_with_parent() -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
     if os.getppid() == 1:
         raise SystemExit(0)
 
@@ -347,6 +347,7 @@ def main() -> int:
 
     if torch.cuda.is_available():
         torch.cuda.init()
+    mark("imports")  # start-up phases, in the worker's ready line (startup_clock.py)
     line = sys.stdin.readline()
     if not line:
         return 0  # the front end went away before handing us a spec
@@ -370,6 +371,7 @@ def main() -> int:
     except (ValueError, OSError, ModelLoadError, TransportError) as exc:
         print(f"splitserve worker: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    mark("engine")
     core.run()
     return 0
 

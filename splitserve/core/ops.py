@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from splitserve.core.errors import error_info
+from splitserve.startup_clock import marks
 from splitserve.wire import core as wire
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ class CoreOps:
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "load": engine.loaded.load_stats,  # weights: method, cache status, seconds per stage
+            "startup": marks(),  # this process's age at the end of each start-up phase
             "engine": engine_settings(engine.config, stats, engine.scheduler.max_num_batched_tokens),
         }
 

@@ -37,6 +37,7 @@ from splitserve.model.attention import (
 )
 from splitserve.model.checkpoint import is_random_source
 from splitserve.model.config import ModelConfig
+from splitserve.model.cpu_build import wait_started
 from splitserve.model.gdn_prefill import resolve_backend as resolve_linear_backend
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
 from splitserve.model.random_weights import random_model, random_source_config
@@ -104,6 +105,9 @@ def build(
         enable = getattr(loaded.model, "enable_cpu_fused", None)
         if enable is not None and enable():
             log.info("CPU fused ops on (RMSNorm + residual, q/k norm + rotary + KV store)")
+        if built := wait_started():  # the engine is built once its ops are: no request waits on a compiler
+            log.warning("CPU ops compiled at start (`python -m splitserve.model.prepare` builds them "
+                        "ahead): %s", ", ".join(built))  # fmt: skip
     graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
     if device.type == "cuda" and not graphs:
         log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")

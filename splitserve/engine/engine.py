@@ -74,8 +74,8 @@ class LLMEngine(OverlappedSteps):
         self.intake = RequestFactory(self.tokenizer, cfg.vocab_size, self.eos_token_ids, self.max_model_len,
                                      self.pool.num_blocks, self.block_size, self.device)  # fmt: skip
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
-        hf = self.tokenizer.hf if self.tokenizer is not None else None
-        self.grammars = Grammars(hf, cfg.vocab_size, self.eos_token_ids)
+        tok = self.tokenizer  # its transformers tokenizer (`hf`) is loaded on the first grammar
+        self.grammars = Grammars(None, cfg.vocab_size, self.eos_token_ids, (lambda: tok.hf) if tok else None)
         self._compiling: list[tuple[Future, list[Request]]] = []  # waiting for their grammar
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}

@@ -30,7 +30,7 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -52,8 +52,17 @@ CACHE_SIZE = 256  # compiled grammars kept per engine
 class Grammars:
     """One engine's grammar compiler: compiled grammars cached per spec, compiled on a worker thread."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
-        self._hf = hf_tokenizer
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        load: Callable[[], Any] | None = None,
+    ) -> None:
+        """`hf_tokenizer`: transformers' tokenizer of the vocabulary, or None with `load`, which gives it
+        on the first compile (loading transformers costs seconds an engine that never constrains
+        output need not pay)."""
+        self._hf, self._load = hf_tokenizer, load
         self.vocab_size = vocab_size
         self._stop = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
@@ -62,9 +71,14 @@ class Grammars:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
+    def _tokenizer(self) -> Any:
+        if self._hf is None and self._load is not None:
+            self._hf = self._load()
+        return self._hf
+
     def compile(self, spec: GrammarSpec) -> Future:
         """-> a Future of the compiled grammar (done at once if cached). Its exception: GrammarError."""
-        if self._hf is None:
+        if self._hf is None and self._load is None:
             raise ValueError("this engine has no tokenizer: it cannot constrain output to a grammar")
         with self._lock:
             fut = self._cache.get(spec.key)
@@ -94,7 +108,7 @@ class Grammars:
             import xgrammar as xgr
 
             info = xgr.TokenizerInfo.from_huggingface(
-                self._hf, vocab_size=self.vocab_size, stop_token_ids=self._stop
+                self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self._stop
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
             self._json_safe = _without_control_bytes(info.decoded_vocab, self.vocab_size, self._stop)

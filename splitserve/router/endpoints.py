@@ -70,7 +70,7 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
         server.tokenizer, messages, req.add_generation_prompt, req.continue_final_message, kwargs
     )
     server.check_length(len(prompt_ids), req.max_new(), "messages")
-    params = req.sampling(req.max_new(), req.logprobs_k())
+    params = req.sampling(req.max_new(), req.logprobs_k(), server.info.generation_defaults)
     asked = requested_grammar(req)
     forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, server.tool_format)
     if forced is not None and asked is not None:
@@ -113,7 +113,7 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
             )
         server.check_length(len(ids), req.max_tokens, "prompt")
         prompts.append((ids, text if req.echo else ""))
-    params = req.sampling(req.max_tokens, req.logprobs)
+    params = req.sampling(req.max_tokens, req.logprobs, server.info.generation_defaults)
     asked = requested_grammar(req)
     if asked is not None:
         params["grammar"] = await checked(*asked)
