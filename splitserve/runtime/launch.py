@@ -113,8 +113,9 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         async with lifespan():
             gate.open(build_api(api))
             _print_ready(manifest, runtime, api, url)
-            # the warm spare for restarts, once the first requests had the CPU (its imports: seconds)
-            loop.call_later(SPARE_DELAY_S, runtime.start_standby)
+            # the warm spare for restarts, once the first requests had the CPU (its imports: seconds);
+            # none once a drain has begun
+            loop.call_later(SPARE_DELAY_S, lambda: stop.is_set() or runtime.start_standby())
             await serving
         return 0
     finally:
