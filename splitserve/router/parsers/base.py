@@ -90,6 +90,28 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+class ContentTrim:
+    """Content as a stream sends it, trimmed as the unstreamed parse trims it: white space is held back
+    until more text follows it, so the white space that leads the answer, comes before a call or ends
+    the answer is never sent (`drop` forgets what is held)."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._sent = False
+
+    def __call__(self, text: str) -> str:
+        body = text.rstrip()
+        if not body:
+            self._held += text
+            return ""
+        out = (self._held + body) if self._sent else body.lstrip()
+        self._sent, self._held = True, text[len(body) :]
+        return out
+
+    def drop(self) -> None:
+        self._held = ""
+
+
 class CallDeltas:
     """One streamed choice's chat deltas from a parser: content runs, each call announced once (id, type,
     name, arguments "") with the next `index`, then its argument fragments under that index."""
@@ -125,5 +147,5 @@ class CallDeltas:
         return out
 
 
-__all__ = ["CallArgs", "CallDeltas", "CallStart", "Event", "Text", "ToolCall", "ToolCallParser", "collect",
-           "new_call_id", "partial_suffix"]  # fmt: skip
+__all__ = ["CallArgs", "CallDeltas", "CallStart", "ContentTrim", "Event", "Text", "ToolCall",
+           "ToolCallParser", "collect", "new_call_id", "partial_suffix"]  # fmt: skip

@@ -18,6 +18,7 @@ from typing import Any
 from splitserve.router.parsers.base import (
     CallArgs,
     CallStart,
+    ContentTrim,
     Event,
     Text,
     ToolCall,
@@ -198,6 +199,7 @@ class JsonCallParser:
         self.tools = ToolParser(fmt)
         self._open: str | None = None  # the announced call's id
         self._sent = ""  # its arguments sent so far
+        self._trim = ContentTrim()
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return self.tools.parse(text)
@@ -211,7 +213,10 @@ class JsonCallParser:
         return self._events(rest, calls, finished=True)
 
     def _events(self, content: str, calls: list[ToolCall], finished: bool) -> list[Event]:
+        content = self._trim(content)
         out: list[Event] = [Text(content)] if content else []
+        if calls or finished or self.tools.open_call() is not None:
+            self._trim.drop()  # white space before a call, or at the end, is no content
         for call in calls:
             if call.id == self._open:  # the announced call, now whole: the rest of its arguments
                 if call.arguments.startswith(self._sent) and len(call.arguments) > len(self._sent):

@@ -31,6 +31,7 @@ from typing import Any
 from splitserve.router.parsers.base import (
     CallArgs,
     CallStart,
+    ContentTrim,
     Event,
     Text,
     ToolCall,
@@ -59,8 +60,7 @@ class Qwen3XmlParser:
         }
         self._buf = ""  # text not yet consumed
         self._state = "text"  # text | params | pname | value | tail
-        self._ws = ""  # white space held back: sent only if more content follows
-        self._sent_text = False  # some content has been sent (leading white space is dropped)
+        self._trim = ContentTrim()
         self._call: str | None = None  # the open call's id
         self._name = ""
         self._params = 0  # parameters sent for the open call
@@ -84,7 +84,8 @@ class Qwen3XmlParser:
             self._text(self._buf, out)
         elif self._call is not None:  # cut inside a block whose head was whole: close the call
             self._close_call(out)
-        self._buf, self._ws = "", ""
+        self._buf = ""
+        self._trim.drop()
         return out
 
     # ---- one step per state: consume what can be decided, say whether to go on ------------------------
@@ -107,7 +108,7 @@ class Qwen3XmlParser:
             return True
         name, end = head
         self._text(self._buf[:start], out)
-        self._ws = ""  # white space before a call is no content
+        self._trim.drop()  # white space before a call is no content
         self._buf = self._buf[start + len(OPEN) + end :]
         self._call, self._name, self._params = new_call_id(), name, 0
         out.append(CallStart(self._call, name))
@@ -175,16 +176,8 @@ class Qwen3XmlParser:
         self._call = None
 
     def _text(self, text: str, out: list[Event]) -> None:
-        """Content, less white space that may turn out to lead or trail it (held until text follows)."""
-        if not text:
-            return
-        body = text.rstrip()
-        if not body:
-            self._ws += text
-            return
-        lead = self._ws if self._sent_text else ""
-        out.append(Text(lead + (body if self._sent_text else body.lstrip())))
-        self._sent_text, self._ws = True, text[len(body) :]
+        if sent := self._trim(text):
+            out.append(Text(sent))
 
 
 def _head(rest: str) -> tuple[str, int] | bool | None:
