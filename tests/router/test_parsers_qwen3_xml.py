@@ -152,3 +152,23 @@ def test_content_between_and_after_calls():
     parsed = check_streams(output(), text)
     assert parsed.content == "First.\nThen.\nDone."
     assert len(parsed.calls) == 2
+
+
+def test_a_string_value_streams_before_its_end_tag():
+    out = output()()
+    text = call("write_file", path="a.txt", text="line one\nline two")
+    cut = text.index("two") + 2
+    sent = joined([d for ch in text[:cut] for d in out.deltas(ch, False)])
+    assert sent["calls"] == [("write_file", '{"path": "a.txt", "text": "line one\\nline tw')]
+
+
+def test_a_string_value_cut_short_keeps_what_came():
+    text = call("write_file", path="a.txt", text="partial body")
+    parsed = check_streams(output(), text[: text.index(" body")])
+    assert args(parsed) == [("write_file", {"path": "a.txt", "text": "partial"})]
+
+
+@pytest.mark.parametrize("raw", ["", "\n", "\n\n"])
+def test_empty_string_values(raw):
+    text = f"<tool_call>\n<function=write_file>\n<parameter=text>{raw}</parameter>\n</function>\n</tool_call>"
+    assert args(check_streams(output(), text)) == [("write_file", {"text": ""})]

@@ -10,16 +10,18 @@
 
 What the parser decides, streamed and unstreamed alike:
   - A block is a call once `<tool_call>`, white space and `<function=NAME>` are whole; the call is then
-    announced (id, name) and each parameter is sent as a fragment of its `arguments` JSON when its
-    `</parameter>` arrives: `{"city": "Paris"` then `, "days": 3` ... and `}` when `</function>` closes
-    it. Values take the type the tool's schema declares (`xml_values.py`); a value loses exactly one
-    leading and one trailing newline (the ones the format puts around it), nothing more.
+    announced (id, name) and its parameters follow as fragments of its `arguments` JSON: `{"city": `,
+    `"Par`, `is"`, then `, "days": 3` ... and `}` when `</function>` closes it. A value that stays text
+    (declared a string, or not typed) is sent as the model writes it; a typed one when its
+    `</parameter>` arrives, as the type the tool's schema declares (`xml_values.py`). A value loses
+    exactly one leading and one trailing newline (the ones the format puts around it), nothing more.
   - `<tool_call>` that is not followed by that head (prose that names the tag) is text: it is sent as
     content as soon as a character rules the head out, so a stream never waits on it.
   - A block cut before `</tool_call>` (max_tokens): a block whose head was whole is still a call,
-    since a stream has already announced it; its `arguments` hold the parameters that were closed
-    (a value cut short is dropped) and are closed with `}`, so they stay valid JSON; the request's
-    `finish_reason` (`length`) says it was cut. A block cut inside its head is content.
+    since a stream has already announced it; its `arguments` hold the parameters that came (a text
+    value cut short keeps what came of it, a typed one is dropped) and are closed with `}`, so they
+    stay valid JSON; the request's `finish_reason` (`length`) says it was cut. A block cut inside its
+    head is content.
   - White space before the first content, between calls and after the last one is not content.
 """
 
@@ -39,7 +41,7 @@ from splitserve.router.parsers.base import (
     new_call_id,
     partial_suffix,
 )
-from splitserve.router.parsers.xml_values import convert
+from splitserve.router.parsers.xml_values import convert, declared_types
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -65,6 +67,9 @@ class Qwen3XmlParser:
         self._name = ""
         self._params = 0  # parameters sent for the open call
         self._param = ""  # the parameter whose value is being read
+        self._schema: Any = None  # its schema (None: not declared)
+        self._text_value = True  # its value stays text: sent as it comes
+        self._value_open = False  # its `"name": ` has been sent
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return collect(self.feed(text) + self.finish())
@@ -83,6 +88,9 @@ class Qwen3XmlParser:
         if self._state == "text":
             self._text(self._buf, out)
         elif self._call is not None:  # cut inside a block whose head was whole: close the call
+            if self._value_open:  # a text value cut short keeps what came of it
+                out.append(CallArgs(self._call, '"'))
+                self._params += 1
             self._close_call(out)
         self._buf = ""
         self._trim.drop()
@@ -140,24 +148,53 @@ class Qwen3XmlParser:
                 return True
             return False
         self._param, self._buf = self._buf[:end].strip(), self._buf[end + 1 :]
+        schema = (self._schemas.get(self._name) or {}).get("properties") or {}
+        self._schema = schema.get(self._param) if self._param in schema else None
+        self._text_value = all(kind == "string" for kind in declared_types(self._schema))
+        self._value_open = False
         self._state = "value"
         return True
 
     def _in_value(self, out: list[Event]) -> bool:
+        """A parameter's value up to `</parameter>`. A value that stays text (declared a string, or with
+        no type) is sent as it comes, less a tail that may be the closing newline or tag."""
         end = self._buf.find(PARAM_END)
         if end == -1:
+            if self._text_value:
+                ready = len(self._buf) - partial_suffix(self._buf, PARAM_END)
+                ready -= self._buf[:ready].endswith("\n")  # the newline the format puts before the tag
+                self._send_text_value(self._buf[:ready], out)
+                self._buf = self._buf[ready:]
             return False
         raw, self._buf = self._buf[:end], self._buf[end + len(PARAM_END) :]
-        raw = raw.removeprefix("\n").removesuffix("\n")
-        schema = (self._schemas.get(self._name) or {}).get("properties") or {}
-        value = convert(raw, schema.get(self._param)) if self._param in schema else raw
-        sep = "{" if self._params == 0 else ", "
-        assert self._call is not None  # set with the head, the only way into this state
-        out.append(CallArgs(self._call, f"{sep}{json.dumps(self._param, ensure_ascii=False)}: "
-                                        f"{json.dumps(value, ensure_ascii=False)}"))  # fmt: skip
+        if self._text_value:
+            self._send_text_value(raw.removesuffix("\n"), out)
+            self._send_value_part('"' if self._value_open else '""', out)
+        else:
+            raw = raw.removeprefix("\n").removesuffix("\n")
+            self._send_value_part(json.dumps(convert(raw, self._schema), ensure_ascii=False), out)
+        self._value_open = False
         self._params += 1
         self._state = "params"
         return True
+
+    def _send_text_value(self, text: str, out: list[Event]) -> None:
+        if not self._value_open:  # the value's first characters: less the newline opening it
+            if not text:
+                return
+            text = text.removeprefix("\n")
+            self._send_value_part('"', out)
+        if text:
+            self._send_value_part(json.dumps(text, ensure_ascii=False)[1:-1], out)
+
+    def _send_value_part(self, part: str, out: list[Event]) -> None:
+        """The next piece of the open parameter's `"name": value` in the arguments."""
+        assert self._call is not None  # set with the head, the only way into a value
+        if not self._value_open:
+            sep = "{" if self._params == 0 else ", "
+            part = f"{sep}{json.dumps(self._param, ensure_ascii=False)}: {part}"
+            self._value_open = True
+        out.append(CallArgs(self._call, part))
 
     def _in_tail(self, out: list[Event]) -> bool:
         """After `</function>`: white space and `</tool_call>`; anything else is content again."""
