@@ -18,8 +18,8 @@ from splitserve.router.parsers import (
     tool_parser_for_template,
 )
 from splitserve.router.parsers.reasoning import starts_in_reasoning
-from splitserve.serve.openai_protocol import ChatMessage
-from splitserve.serve.tools import render_messages, template_knows_tools
+from splitserve.router.openai_protocol import ChatMessage
+from splitserve.router.tools import render_messages, template_knows_tools
 
 TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "qwen3_5" / "chat_template.jinja").read_text()
 TOOLS = [{"type": "function", "function": {
