@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
+from splitserve.router.openai_protocol import ChatMessage
 from splitserve.router.parsers import (
     ChatOutput,
     reasoning_parser,
@@ -18,7 +19,6 @@ from splitserve.router.parsers import (
     tool_parser_for_template,
 )
 from splitserve.router.parsers.reasoning import starts_in_reasoning
-from splitserve.router.openai_protocol import ChatMessage
 from splitserve.router.tools import render_messages, template_knows_tools
 
 TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "qwen3_5" / "chat_template.jinja").read_text()
