@@ -13,6 +13,7 @@ Which parser a model needs is read off its chat template (`tool_parser_for_templ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from splitserve.router.parsers.base import ToolCall, ToolCallParser
@@ -86,6 +87,34 @@ def check_reasoning_parser(name: str, template: str | None) -> str:
     return name
 
 
+def chosen_parsers(tool: str | None, reasoning: str | None, template: str | None) -> tuple[str, str | None]:
+    """The server's parsers: (tool-call parser, reasoning parser or None) as configured (`reasoning`
+    "none": off), each read off the template when not given; ValueError when a given one does not fit."""
+    tool_name = check_tool_parser(tool, template) if tool else tool_parser_for_template(template)
+    if reasoning == "none":
+        return tool_name, None
+    return tool_name, (check_reasoning_parser(reasoning, template) if reasoning
+                       else reasoning_parser_for_template(template))  # fmt: skip
+
+
+def chat_outputs(
+    tool_format: str | None, tools: list[dict[str, Any]] | None, reasoning: str | None, prompt_tail: str
+) -> Callable[[], ChatOutput] | None:
+    """A request's maker of per-choice output parsers (None when there is nothing to parse): calls in
+    `tool_format` when tools are on, thinking of the `reasoning` shape after a prompt ending in
+    `prompt_tail`."""
+    if tool_format is None and reasoning is None:
+        return None
+
+    def make() -> ChatOutput:
+        return ChatOutput(
+            reasoning_parser(reasoning, prompt_tail) if reasoning is not None else None,
+            tool_parser(tool_format, tools) if tool_format is not None else None,
+        )
+
+    return make
+
+
 def tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolCallParser:
     """A fresh parser of one answer's calls; `tools` (the request's) type the XML parser's values."""
     name = canonical_tool_parser(name)
@@ -99,6 +128,6 @@ def reasoning_parser(name: str, prompt_tail: str) -> ReasoningParser:
 
 
 __all__ = ["DEEPSEEK_R1", "HERMES", "LLAMA3", "QWEN3", "QWEN3_CODER", "REASONING_PARSERS", "TOOL_PARSERS",
-           "ChatOutput", "Parsed", "ToolCall", "ToolCallParser", "canonical_tool_parser",
-           "check_reasoning_parser", "check_tool_parser", "reasoning_parser", "reasoning_parser_for_template",
-           "tool_parser", "tool_parser_for_template"]  # fmt: skip
+           "ChatOutput", "Parsed", "ToolCall", "ToolCallParser", "canonical_tool_parser", "chat_outputs",
+           "check_reasoning_parser", "check_tool_parser", "chosen_parsers", "reasoning_parser",
+           "reasoning_parser_for_template", "tool_parser", "tool_parser_for_template"]  # fmt: skip
