@@ -113,3 +113,22 @@ def test_a_parser_that_does_not_fit_the_template_is_refused_at_start(qwen_dir):
                              server={"port": 0, "tool_call_parser": "hermes"})  # fmt: skip
     with pytest.raises(RuntimeError, match="use --tool-call-parser qwen3_coder"):
         start_serve(parse_manifest(json.dumps(manifest), "test manifest"), timeout_s=180)
+
+
+def test_responses_give_reasoning_items(served):
+    client = served.client(timeout=120)
+    kw = {
+        "model": client.models.list().data[0].id,
+        "input": "Weather?",
+        "temperature": 0,
+        "max_output_tokens": 12,
+    }
+    whole = client.responses.create(**kw).model_dump()
+    (item,) = [i for i in whole["output"] if i["type"] == "reasoning"]
+    text = item["content"][0]["text"]
+    assert text and item["content"][0]["type"] == "reasoning_text"
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    final = events[-1].response.model_dump()
+    streamed = [i for i in final["output"] if i["type"] == "reasoning"]
+    assert deltas == text and streamed[0]["content"][0]["text"] == text
