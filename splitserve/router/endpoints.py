@@ -25,7 +25,7 @@ from splitserve.router.openai_protocol import (
     CompletionRequest,
     validate_body,
 )
-from splitserve.router.parsers import HERMES, QWEN3_CODER, chat_outputs
+from splitserve.router.parsers import chat_outputs
 from splitserve.router.respond import CleanupStream, respond
 from splitserve.router.responses import ResponseEvents, ResponsesRequest, response_object
 from splitserve.router.server import OpenAIServer
@@ -77,9 +77,7 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
         raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice',
                        param="tool_choice")  # fmt: skip
     fmt = server.tool_format if tools else None
-    if fmt == QWEN3_CODER and mode in ("required", "named"):
-        fmt = HERMES  # a forced call is written as JSON, which its grammar admits (see tools.py)
-    forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, fmt or server.tool_format)
+    forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, server.tool_format)
     if forced is not None and asked is not None:
         raise APIError(400, f"tool_choice {mode} and {asked[1]} each constrain the answer: give one",
                        param="tool_choice")  # fmt: skip

@@ -7,8 +7,9 @@ A chat request with `tools` passes here three times:
      does not (SmolLM2's) gets them as Hermes text: a `# Tools` system block, calls as `<tool_call>`
      blocks, results as `<tool_response>` blocks.
   2. `tool_grammar`: `tool_choice` "required" or a named function becomes a structural-tag grammar
-     (xgrammar) that admits only calls of the right shape, arguments valid against the tool's
-     parameters, so the call always parses; "auto" leaves the text free and "none" drops the tools.
+     (xgrammar) that admits only calls of the right shape, in the model's own format (JSON, or
+     Qwen3.5's XML parameters), arguments valid against the tool's parameters, so the call always
+     parses; "auto" leaves the text free and "none" drops the tools.
   3. The calls are read out of the text by the parser of the model family (`parsers/`, chosen from the
      template or by `--tool-call-parser`): `hermes`, `llama3_json`, `qwen3_coder` (Qwen3.5's XML).
 """
@@ -19,7 +20,7 @@ import json
 from typing import Any
 
 from splitserve.router.openai_protocol import APIError
-from splitserve.router.parsers import HERMES, LLAMA3, ToolCall, tool_parser_for_template
+from splitserve.router.parsers import HERMES, LLAMA3, QWEN3_CODER, ToolCall, tool_parser_for_template
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -108,19 +109,29 @@ def tool_grammar(tools: list[dict], mode: str, parallel: bool, fmt: str) -> str 
     """xgrammar structural-tag JSON admitting only calls of `tools` ("required", "named"), else None."""
     if mode not in ("required", "named"):
         return None
-    from xgrammar.structural_tag import GrammarFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
+    from xgrammar.structural_tag import (
+        GrammarFormat,
+        JSONSchemaFormat,
+        StructuralTag,
+        TagFormat,
+        TagsWithSeparatorFormat,
+    )
 
     tags = []
     for i, t in enumerate(tools):
         fn = t["function"]
-        if fmt == LLAMA3:
+        arguments = _arguments_ebnf(fn.get("parameters"), f"tools[{i}].function.parameters")
+        content: Any = GrammarFormat(grammar=arguments)
+        if fmt == QWEN3_CODER:  # Qwen3.5's XML: each parameter a <parameter=NAME> block, typed by its schema
+            begin, end = f"{_HERMES_OPEN}\n<function={fn['name']}>\n", f"</function>\n{_HERMES_CLOSE}"
+            schema = {"additionalProperties": False, **(fn.get("parameters") or {"type": "object"})}
+            # one blank at a time outside strings, as the template writes it (and the parser reads it)
+            content = JSONSchemaFormat(json_schema=schema, style="qwen_xml", max_whitespace_cnt=1)
+        elif fmt == LLAMA3:
             begin, end = f'{{"name": {json.dumps(fn["name"])}, "parameters": ', "}"
         else:
             begin = f'{_HERMES_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": '
             end = f"}}\n{_HERMES_CLOSE}"
-        content = GrammarFormat(
-            grammar=_arguments_ebnf(fn.get("parameters"), f"tools[{i}].function.parameters")
-        )
         tags.append(TagFormat(begin=begin, content=content, end=end))
     sep = "; " if fmt == LLAMA3 else "\n"
     one = mode == "named" or not parallel

@@ -172,3 +172,27 @@ def test_a_string_value_cut_short_keeps_what_came():
 def test_empty_string_values(raw):
     text = f"<tool_call>\n<function=write_file>\n<parameter=text>{raw}</parameter>\n</function>\n</tool_call>"
     assert args(check_streams(output(), text)) == [("write_file", {"text": ""})]
+
+
+def test_a_forced_call_is_held_to_the_xml_format_and_the_schema():
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from splitserve.router.tools import tool_grammar
+
+    grammar = xgr.Grammar.from_structural_tag(tool_grammar(TOOLS[:1], "required", False, "qwen3_coder"))
+    good = call("get_weather", city="Paris", days="3")
+    assert accepts(grammar, good)
+    assert args(check_streams(output(), good)) == [("get_weather", {"city": "Paris", "days": 3})]
+    assert not accepts(grammar, call("get_weather", city="Paris", days="three"))
+    assert not accepts(grammar, call("get_weather", city="Paris", zip="1"))  # not declared
+    assert not accepts(grammar, '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"), [(" Paris ", "Paris"), ("\r\nParis\n", "\nParis"), ("\n  x\n\n", "  x\n")]
+)
+def test_one_blank_at_each_end_is_the_formats(raw, value):
+    """As the forcing grammar (xgrammar's qwen_xml) reads a value: one blank each side is the format's."""
+    text = f"<tool_call>\n<function=write_file>\n<parameter=text>{raw}</parameter>\n</function>\n</tool_call>"
+    assert args(check_streams(output(), text)) == [("write_file", {"text": value})]

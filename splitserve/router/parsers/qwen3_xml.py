@@ -14,7 +14,8 @@ What the parser decides, streamed and unstreamed alike:
     `"Par`, `is"`, then `, "days": 3` ... and `}` when `</function>` closes it. A value that stays text
     (declared a string, or not typed) is sent as the model writes it; a typed one when its
     `</parameter>` arrives, as the type the tool's schema declares (`xml_values.py`). A value loses
-    exactly one leading and one trailing newline (the ones the format puts around it), nothing more.
+    exactly one leading and one trailing blank (the newlines the format puts around it), no more:
+    code's indentation and a string's own blank lines stay.
   - `<tool_call>` that is not followed by that head (prose that names the tag) is text: it is sent as
     content as soon as a character rules the head out, so a stream never waits on it.
   - A block cut before `</tool_call>` (max_tokens): a block whose head was whole is still a call,
@@ -48,6 +49,9 @@ FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAM, PARAM_END = "<parameter=", "</parameter>"
 MAX_NAME = 256  # a name longer than this (or with a newline or '<' in it) means the text is no call
 MAX_GAP = 64  # white space allowed between `<tool_call>` and `<function=`
+# one of these at each end of a value is the format's (a newline, as Qwen's template writes it), not
+# the value's; xgrammar's `qwen_xml` style, which forces calls (tools.py), reads values the same way
+BLANK = (" ", "\t", "\r", "\n")
 
 
 class Qwen3XmlParser:
@@ -162,16 +166,17 @@ class Qwen3XmlParser:
         if end == -1:
             if self._text_value:
                 ready = len(self._buf) - partial_suffix(self._buf, PARAM_END)
-                ready -= self._buf[:ready].endswith("\n")  # the newline the format puts before the tag
+                ready -= self._buf[:ready][-1:] in BLANK  # may be the blank the format puts before the tag
                 self._send_text_value(self._buf[:ready], out)
                 self._buf = self._buf[ready:]
             return False
         raw, self._buf = self._buf[:end], self._buf[end + len(PARAM_END) :]
         if self._text_value:
-            self._send_text_value(raw.removesuffix("\n"), out)
+            self._send_text_value(raw[:-1] if raw[-1:] in BLANK else raw, out)
             self._send_value_part('"' if self._value_open else '""', out)
         else:
-            raw = raw.removeprefix("\n").removesuffix("\n")
+            raw = raw[raw[:1] in BLANK :]
+            raw = raw[:-1] if raw[-1:] in BLANK else raw
             self._send_value_part(json.dumps(convert(raw, self._schema), ensure_ascii=False), out)
         self._value_open = False
         self._params += 1
@@ -182,7 +187,7 @@ class Qwen3XmlParser:
         if not self._value_open:  # the value's first characters: less the newline opening it
             if not text:
                 return
-            text = text.removeprefix("\n")
+            text = text[text[:1] in BLANK :]
             self._send_value_part('"', out)
         if text:
             self._send_value_part(json.dumps(text, ensure_ascii=False)[1:-1], out)

@@ -53,7 +53,7 @@ def declared_types(schema: Any) -> list[str]:
 
 
 def convert(text: str, schema: Any) -> Any:
-    """`text` (one leading and one trailing newline already taken off) as its declared type."""
+    """`text` (the blank at each end the format puts there already taken off) as its declared type."""
     types = declared_types(schema)
     for kind in types:
         if kind == "string":
