@@ -16,11 +16,12 @@ manifest, or else the environment variable SPLITSERVE_API_KEY (or vLLM's VLLM_AP
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
 import splitserve
-from splitserve.config.manifest import ModelSection
+from splitserve.config.manifest_sections import ModelSection
 
 # flag(s), manifest field, type (None: a switch), help
 _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
@@ -32,7 +33,13 @@ _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--dtype",), "model.dtype", str, "auto | float32 | bfloat16 | float16"),
     (("--device",), "model.device", str, "auto | cpu | cuda"),
     (("--max-model-len",), "model.max_model_len", int, "context length (prompt + completion)"),
-    (("--gpu-memory-utilization",), "engine.memory_utilization", float, "GPU: fraction for weights + KV"),
+    (
+        ("--generation-config",),
+        "model.generation_config",
+        str,
+        "auto (the checkpoint's sampling defaults) | vllm (none) | a folder with generation_config.json",
+    ),
+    (("--gpu-memory-utilization",), "engine.memory_utilization", float, "GPU: a worker's device share"),
     (("--kv-cache-mb",), "engine.kv_cache_mb", int, "KV cache budget per worker, MiB"),
     (("--max-num-seqs",), "engine.max_num_seqs", int, "sequences per engine step"),
     (("--max-num-batched-tokens",), "engine.max_num_batched_tokens", int, "tokens per engine step"),
@@ -57,6 +64,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
         "server.reasoning_parser",
         str,
         "qwen3 | deepseek_r1 | none (default: from the chat template)",
+    ),
+    (
+        ("--speculative-config",),
+        "engine.speculative_config",
+        json.loads,
+        'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4}',
     ),
 ]
 # switches: flag, manifest field, value it sets

@@ -12,7 +12,7 @@ import pytest
 import torch
 from serve_harness import API_KEY, SCHEMA_PATHS, Deployment, manifest_yaml, start_deployment
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.llm import LLM
 from splitserve.model.checkpoint import default_model_path

@@ -17,7 +17,6 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from splitserve.engine.params import GrammarSpec
 from splitserve.router.chat_template import render_chat, template_kwargs
 from splitserve.router.openai_protocol import (
     APIError,
@@ -31,6 +30,7 @@ from splitserve.router.responses import ResponseEvents, ResponsesRequest, respon
 from splitserve.router.server import OpenAIServer
 from splitserve.router.structured import checked, requested_grammar
 from splitserve.router.tools import chosen_tools, render_messages, tool_grammar
+from splitserve.sampling.params import GrammarSpec
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
         server.tokenizer, messages, req.add_generation_prompt, req.continue_final_message, kwargs
     )
     server.check_length(len(prompt_ids), req.max_new(), "messages")
-    params = req.sampling(req.max_new(), req.logprobs_k())
+    params = req.sampling(req.max_new(), req.logprobs_k(), server.info.generation_defaults)
     asked = requested_grammar(req)
     if tools and mode == "auto" and not server.manifest.server.enable_auto_tool_choice:
         raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice',
@@ -121,7 +121,7 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
             )
         server.check_length(len(ids), req.max_tokens, "prompt")
         prompts.append((ids, text if req.echo else ""))
-    params = req.sampling(req.max_tokens, req.logprobs)
+    params = req.sampling(req.max_tokens, req.logprobs, server.info.generation_defaults)
     asked = requested_grammar(req)
     if asked is not None:
         params["grammar"] = await checked(*asked)

@@ -50,6 +50,8 @@ class ModelInfo:
     root: str  # the checkpoint path
     created: int = field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()  # more names a request may give (--served-model-name A B)
+    # sampling defaults for the fields a request leaves unset (model/generation_defaults.py)
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 class OpenAIServer:
@@ -84,7 +86,7 @@ class OpenAIServer:
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.metrics.prime(manifest.transport.backend)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
-        template = getattr(getattr(tokenizer, "hf", None), "chat_template", None)
+        template = getattr(tokenizer, "chat_template", None)  # not `.hf`: that loads transformers
         # the model family's tool-call syntax and thinking shape (parsers/): as configured, else read
         # off the template; one that does not fit the template stops the start with the right name
         self.tool_format, self.reasoning_format = chosen_parsers(

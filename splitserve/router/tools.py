@@ -143,7 +143,7 @@ def _arguments_ebnf(params: dict | None, where: str) -> str:
     """The arguments' grammar: compact JSON valid against the parameters (strict, as for json_schema)."""
     import xgrammar as xgr
 
-    from splitserve.engine.grammar import clean_error
+    from splitserve.sampling.grammar_check import clean_error
 
     schema = params or {"type": "object", "properties": {}}
     try:

@@ -37,12 +37,16 @@ HISTORY = [
 
 
 @pytest.fixture(scope="module")
-def qwen_tokenizer() -> Tokenizer:
-    """The default model's vocabulary (it has ChatML's tokens) carrying Qwen3.5's template, as a
-    checkpoint's tokenizer_config.json would give it (tiny random Qwen3.5 checkpoints do the same)."""
-    tok = load_tokenizer(None)
-    assert tok is not None
-    tok.hf.chat_template = TEMPLATE
+def qwen_tokenizer(tmp_path_factory) -> Tokenizer:
+    """The default model's vocabulary (it has ChatML's tokens) saved with Qwen3.5's template beside it,
+    as a checkpoint ships it (tiny random Qwen3.5 checkpoints do the same), and loaded as the server does."""
+    folder = tmp_path_factory.mktemp("qwen3_5-tokenizer")
+    base = load_tokenizer(None)
+    assert base is not None
+    base.hf.save_pretrained(str(folder))
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    tok = load_tokenizer(str(folder))
+    assert tok is not None and tok.chat_template == TEMPLATE
     return tok
 
 

@@ -233,8 +233,8 @@ def test_sigterm_drains_and_stops_workers():
 
 
 def test_streams_open_at_the_drain_deadline_end_with_an_error_event_and_done():
-    """issue 26 F11: a stream still running when `drain_timeout_s` ends was cut mid-body (no SSE error
-    event, no [DONE]); now it ends with both, and the server stops at the deadline."""
+    """A stream still running when `drain_timeout_s` ends is not cut mid-body: it ends with an SSE
+    error event and [DONE], and the server stops at the deadline."""
     dep = start_deployment(manifest_yaml(mode="colocated", runtime={"drain_timeout_s": 2}))
     body = {**LONG, "max_tokens": 1500, "stream": True}
     lines: list[str] = []

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from splitserve.engine.grammar import GrammarError, check_grammar
-from splitserve.engine.params import GrammarSpec, SamplingParams
 from splitserve.router.openai_protocol import APIError, ChatCompletionRequest
 from splitserve.router.parsers.base import CallDeltas
 from splitserve.router.parsers.json_calls import HERMES, LLAMA3, JsonCallParser, ToolParser
 from splitserve.router.structured import requested_grammar
 from splitserve.router.tools import chosen_tools, parser_for, tool_grammar
+from splitserve.sampling.grammar_check import GrammarError, check_grammar
+from splitserve.sampling.params import GrammarSpec, SamplingParams
 
 HERMES_TEXT = (
     'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
