@@ -54,6 +54,18 @@ _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--stream-interval",), "server.stream_interval", int, "tokens a streamed chunk holds at least"),
     (("--log-stats-interval",), "server.log_stats_interval_s", float, "seconds between stats lines; 0: off"),
     (
+        ("--tool-call-parser",),
+        "server.tool_call_parser",
+        str,
+        "hermes | llama3_json | qwen3_coder | qwen3_xml (default: from the chat template)",
+    ),
+    (
+        ("--reasoning-parser",),
+        "server.reasoning_parser",
+        str,
+        "qwen3 | deepseek_r1 | none (default: from the chat template)",
+    ),
+    (
         ("--speculative-config",),
         "engine.speculative_config",
         json.loads,
@@ -86,6 +98,10 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--enable-prefix-caching", dest="engine.enable_prefix_caching", default=None,
                        action=argparse.BooleanOptionalAction,
                        help="reuse KV of shared prompt prefixes (engine.enable_prefix_caching)")  # fmt: skip
+    serve.add_argument("--enable-auto-tool-choice", dest="server.enable_auto_tool_choice", default=None,
+                       action=argparse.BooleanOptionalAction,
+                       help="the model may choose to call tools (tool_choice auto); on unless "
+                       "--no-enable-auto-tool-choice (server.enable_auto_tool_choice)")  # fmt: skip
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the model's id in the API; more names are aliases")  # fmt: skip
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
@@ -104,8 +120,9 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any
     for _, field, _, _ in _FLAGS + _SWITCHES:
         if getattr(args, field) is not None:
             o[field] = getattr(args, field)
-    if getattr(args, "engine.enable_prefix_caching") is not None:
-        o["engine.enable_prefix_caching"] = getattr(args, "engine.enable_prefix_caching")
+    for field in ("engine.enable_prefix_caching", "server.enable_auto_tool_choice"):
+        if getattr(args, field) is not None:
+            o[field] = getattr(args, field)
     tp = args.tensor_parallel_size
     if tp is not None and tp != 1:
         raise ValueError(

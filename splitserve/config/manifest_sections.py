@@ -285,6 +285,10 @@ class ServerSection(Section):
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
     metrics_auth: bool = True  # with api keys set, /metrics wants one too; false: open to a scraper
     trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template may be used
+    # the model's output parsers, by vLLM's flags and names; None: read off the chat template
+    tool_call_parser: Literal["hermes", "llama3_json", "qwen3_coder", "qwen3_xml"] | None = None
+    reasoning_parser: Literal["qwen3", "deepseek_r1", "none"] | None = None  # "none": thinking stays content
+    enable_auto_tool_choice: bool = True  # false: tool_choice "auto" is refused, as vLLM without the flag
     # slow or huge requests (slowloris): headers must arrive within this of their first byte ...
     header_timeout_s: float = Field(default=10.0, ge=0.1, le=600, allow_inf_nan=False)
     body_timeout_s: float = Field(default=60.0, ge=0.1, le=3600, allow_inf_nan=False)  # ... a body, of them

@@ -24,6 +24,7 @@ from splitserve.router.openai_protocol import (
     CompletionRequest,
     validate_body,
 )
+from splitserve.router.parsers import chat_outputs
 from splitserve.router.respond import CleanupStream, respond
 from splitserve.router.responses import ResponseEvents, ResponsesRequest, response_object
 from splitserve.router.server import OpenAIServer
@@ -72,6 +73,10 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     server.check_length(len(prompt_ids), req.max_new(), "messages")
     params = req.sampling(req.max_new(), req.logprobs_k(), server.info.generation_defaults)
     asked = requested_grammar(req)
+    if tools and mode == "auto" and not server.manifest.server.enable_auto_tool_choice:
+        raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice',
+                       param="tool_choice")  # fmt: skip
+    fmt = server.tool_format if tools else None
     forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, server.tool_format)
     if forced is not None and asked is not None:
         raise APIError(400, f"tool_choice {mode} and {asked[1]} each constrain the answer: give one",
@@ -81,8 +86,11 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     elif asked is not None:
         params["grammar"] = await checked(*asked)
     prompts = [(prompt_ids, "")]
-    fmt = server.tool_format if tools else None
-    return await respond(server, "chat", req, prompts, params, start, request, fmt)
+    # a grammar constrains the answer from its first token: no thinking block can come before it
+    reasoning = server.reasoning_format if "grammar" not in params else None
+    tail = server.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False) if reasoning else ""
+    output = chat_outputs(fmt, tools, reasoning, tail)
+    return await respond(server, "chat", req, prompts, params, start, request, output)
 
 
 async def completions(server: OpenAIServer, request: Request) -> Response:

@@ -214,6 +214,10 @@ class ChatMessage(_Req):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallIn] | None = None
+    # an earlier answer's thinking, as this server returns it (vLLM's two names): a template that
+    # keeps earlier thinking (Qwen3.5's, after the last user query) renders it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     # what an SDK's assistant message carries when a client appends it back as is: nothing to use
     refusal: str | None = None
     annotations: list[Any] | None = None
