@@ -18,12 +18,13 @@ def error_info(exc: BaseException) -> wire.ErrorInfo:
         return 502
 
     if isinstance(exc, KVTransferFailed):
-        extra = {"kind": exc.kind, "request_id": exc.request_id,
-                 "mismatches": getattr(exc.cause, "mismatches", None)}  # fmt: skip
-        return wire.ErrorInfo(transfer_status(exc.cause), "kv_transfer_failed", str(exc), extra)
+        mismatches = getattr(exc.cause, "mismatches", None)
+        return wire.ErrorInfo(transfer_status(exc.cause), "kv_transfer_failed", str(exc), exc.kind,
+                              exc.request_id, None if mismatches is None else list(mismatches))  # fmt: skip
     if isinstance(exc, TransportError):
-        extra = {"kind": type(exc).__name__, "mismatches": getattr(exc, "mismatches", None)}
-        return wire.ErrorInfo(transfer_status(exc), "kv_transport", str(exc), extra)
+        mismatches = getattr(exc, "mismatches", None)
+        return wire.ErrorInfo(transfer_status(exc), "kv_transport", str(exc), type(exc).__name__, None,
+                              None if mismatches is None else list(mismatches))  # fmt: skip
     if isinstance(exc, NoRoom):
         return wire.ErrorInfo(503, "no_room", str(exc))
     if isinstance(exc, ValueError):

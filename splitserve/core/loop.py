@@ -6,7 +6,7 @@ tight loop; its front end (worker/main.py) holds HTTP, tokenization, detokenizat
 The loop (`EngineCore.run`), one turn per engine step:
   1. drain the command socket without blocking (block up to 100 ms only when there is no work):
      `Add` queues a request (a refusal goes back as `Refused`), `Import` starts a KV import,
-     `Abort` stops a request, `Call` runs a worker operation (ops.py);
+     `Abort` stops a request, an operation of wire/ops.py runs (ops.py) and its `Reply` follows;
   2. `engine.step()` (a KV import waits inside the engine, in WAITING_FOR_KV: each step reserves its
      room and takes the connector's messages; a finished fetch wakes the loop), then one `Batch` to
      the front end with every request's new token ids and the events of this turn: the imports that
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import queue
@@ -31,6 +30,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 import zmq
 
 from splitserve.core.errors import error_info
@@ -40,6 +40,8 @@ from splitserve.core.share import open_share
 from splitserve.model import cpu_threads
 from splitserve.startup_clock import mark
 from splitserve.wire import core as wire
+from splitserve.wire.http import Timings
+from splitserve.wire.stats import Health
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ class EngineCore:
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def info(self) -> dict:
+    def info(self) -> Health:
         return self.ops.health()
 
     def run(self) -> None:
@@ -192,10 +194,10 @@ class EngineCore:
             self._start_import(cmd)
         elif isinstance(cmd, wire.Abort):
             self._abort(cmd.request_id)
-        elif isinstance(cmd, wire.Call):
-            self.ops.call(cmd)
         elif isinstance(cmd, wire.Shutdown):
             self.stopping = True
+        else:
+            self.ops.call(cmd)
 
     def _run_on_loop(self) -> None:
         while True:
@@ -212,9 +214,8 @@ class EngineCore:
 
     def _add(self, cmd: wire.Add) -> None:
         try:
-            params = core_params(cmd.params)
             self.engine.add_request(
-                cmd.prompt_token_ids, params, cmd.request_id, kv_transfer="export" if cmd.export else None
+                cmd.prompt_token_ids, cmd.params, cmd.request_id, kv_transfer="export" if cmd.export else None
             )
         except Exception as exc:  # noqa: BLE001 - the refusal goes back to the caller
             self.events.append(wire.Refused(cmd.request_id, error_info(exc)))
@@ -258,45 +259,33 @@ class EngineCore:
             return None  # aborted meanwhile
         comp = out.outputs[0]
         new = comp.token_ids[sent:]
-        lps = None
-        if comp.logprobs is not None:
-            lps = [[x.token_id, x.logprob, x.rank, x.top] for x in comp.logprobs[sent:]]
-        metrics = None
+        lps = None if comp.logprobs is None else list(comp.logprobs[sent:])
+        timings = None
         if sent == 0:
             m = out.metrics
             arrival, sched, first = m.get("arrival_time"), m.get("scheduled_time"), m.get("first_token_time")
             if arrival is not None and sched is not None and first is not None:
-                metrics = {"queue_s": max(0.0, sched - arrival), "prefill_s": max(0.0, first - sched)}
-        kv_export = out.kv_export.to_dict() if out.kv_export is not None else None
+                timings = Timings(queue_s=max(0.0, sched - arrival), prefill_s=max(0.0, first - sched))
         if out.finished:
             del self.sent[rid]
         else:
             self.sent[rid] = len(comp.token_ids)
-        return wire.Delta(rid, new, out.finished, comp.finish_reason, comp.stop_reason, lps, kv_export,
-                          metrics, out.num_cached_tokens)  # fmt: skip
+        return wire.Delta(rid, new, out.finished, comp.finish_reason, comp.stop_reason, lps, out.kv_export,
+                          timings, out.num_cached_tokens)  # fmt: skip
 
     # ---- KV imports (decode role) ---------------------------------------------------------------
 
     def _start_import(self, cmd: wire.Import) -> None:
-        from splitserve.engine.kv_transfer_types import ImportSpec, KVExport
-        from splitserve.sampling.logprobs import TokenLogprob
+        from splitserve.engine.kv_transfer_types import ImportSpec
 
         try:
             if self.connector is None or self.config.role != "decode":
                 raise ValueError(f"this is a {self.config.role} worker: only a decode worker imports KV")
-            export = KVExport.from_dict(cmd.kv_export)
-            lp = cmd.first_logprob
-            first_lp = None
-            if lp is not None:
-                first_lp = TokenLogprob(
-                    int(lp[0]), float(lp[1]), int(lp[2]), tuple((int(t), float(v)) for t, v in lp[3])
-                )
+            export = cmd.kv_export
             spec = ImportSpec(
                 handle=export.handle, prompt_token_ids=cmd.prompt_token_ids, first_token=cmd.first_token,
-                params=core_params(cmd.params), request_id=cmd.request_id,
-                generator_state=export.generator_state,
-                first_logprob=first_lp,
-                policy=cmd.policy, timeout_s=cmd.timeout_s,
+                params=cmd.params, request_id=cmd.request_id, generator_state=export.generator_state,
+                first_logprob=cmd.first_logprob, policy=cmd.policy, timeout_s=cmd.timeout_s,
             )  # fmt: skip
             self.engine.import_request(spec)
         except Exception as exc:  # noqa: BLE001
@@ -310,7 +299,7 @@ class EngineCore:
                 self.events.append(wire.Refused(out.request_id, error_info(out.error)))
                 continue
             backend = self.connector.backend_name if self.connector is not None else None
-            self.events.append(wire.Accepted(out.request_id, {**out.info, "kv_backend": backend}))
+            self.events.append(wire.Accepted(out.request_id, Timings(**out.info, kv_backend=backend)))
             self.sent[out.request_id] = 0
 
     def close(self) -> None:
@@ -320,14 +309,6 @@ class EngineCore:
             self.cores.close()
         if self.connector is not None:
             self.connector.close()
-
-
-def core_params(data: dict[str, Any]) -> Any:
-    """SamplingParams for the engine core: no text (the front end detokenizes and cuts stop strings)."""
-    from splitserve.sampling.params import SamplingParams
-
-    data = {k: v for k, v in data.items() if k not in ("stop", "include_stop_str_in_output")}
-    return SamplingParams(**{**data, "detokenize": False})
 
 
 def _die_with_parent() -> None:
@@ -351,23 +332,23 @@ def main() -> int:
     line = sys.stdin.readline()
     if not line:
         return 0  # the front end went away before handing us a spec
-    spec = json.loads(line)
+    spec = msgspec.json.decode(line, type=wire.CoreSpec)
     from splitserve.logs import setup_logging
 
-    setup_logging(spec.get("log_level", "WARNING"))  # text or JSON, as the front end ($SPLITSERVE_LOG_FORMAT)
-    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
+    setup_logging(spec.log_level)  # text or JSON, as the front end ($SPLITSERVE_LOG_FORMAT)
+    torch.set_num_threads(max(1, spec.threads))
     from splitserve.config.worker import WorkerConfig
     from splitserve.model.errors import ModelLoadError
     from splitserve.transport import TransportError
 
     ctx = zmq.Context(io_threads=1)
     commands = ctx.socket(zmq.PULL)
-    commands.connect(spec["commands"])
+    commands.connect(spec.commands)
     batches = ctx.socket(zmq.PUSH)
     batches.setsockopt(zmq.SNDHWM, 0)
-    batches.connect(spec["batches"])
+    batches.connect(spec.batches)
     try:
-        core = EngineCore(WorkerConfig.from_json(spec["config"]), commands, batches)
+        core = EngineCore(WorkerConfig.from_json(spec.config), commands, batches)
     except (ValueError, OSError, ModelLoadError, TransportError) as exc:
         print(f"splitserve worker: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -1,14 +1,12 @@
 """The records a disaggregated request travels with, and the errors of a KV import.
 
-    KVExport      prefill -> (router) -> decode: the KV handle and the sampler's generator state
-    ImportSpec    what a decode engine is asked to continue (prompt, first token, params, handle)
-
-All of it is plain data; the JSON form of a KVExport is what crosses the network (no pickle).
+KVExport      prefill -> (router) -> decode: the KV handle and the sampler's generator state
+              (wire/kv_handle.py: the one struct on every wire)
+ImportSpec    what a decode engine is asked to continue (prompt, first token, params, handle)
 """
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +16,7 @@ from splitserve.engine.sampler import replay_draw
 from splitserve.sampling.logprobs import TokenLogprob
 from splitserve.sampling.params import SamplingParams
 from splitserve.transport import KVHandle
+from splitserve.wire.kv_handle import KVExport
 
 
 class KVTransferFailed(RuntimeError):
@@ -32,27 +31,6 @@ class KVTransferFailed(RuntimeError):
 
 class NoRoom(TimeoutError):
     """The decode engine had no free blocks (or state slot) for the prompt before the deadline."""
-
-
-@dataclass(frozen=True)
-class KVExport:
-    """What a prefill engine hands on: where the KV is, and the sampler's generator after draw one."""
-
-    handle: KVHandle
-    generator_state: bytes | None = None  # torch.Generator.get_state() of a seeded request
-
-    def to_dict(self) -> dict:
-        state = None if self.generator_state is None else base64.b64encode(self.generator_state).decode()
-        return {"handle": self.handle.to_dict(), "generator_state": state}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> KVExport:
-        state = data.get("generator_state")
-        try:
-            raw = None if state is None else base64.b64decode(state, validate=True)
-        except ValueError as exc:
-            raise ValueError(f"malformed generator_state: {exc}") from exc
-        return cls(KVHandle.from_dict(data["handle"]), raw)
 
 
 @dataclass(frozen=True)
@@ -86,3 +64,6 @@ def restore_generator(req: Request, state: bytes | None, vocab_size: int) -> Non
 def payload_nbytes(handle: KVHandle, state: dict[str, torch.Tensor], kv: torch.Tensor) -> int:
     block = kv[0].numel() * kv.element_size()
     return handle.num_blocks * block + sum(t.numel() * t.element_size() for t in state.values())
+
+
+__all__ = ["ImportSpec", "KVExport", "KVTransferFailed", "NoRoom", "payload_nbytes", "restore_generator"]

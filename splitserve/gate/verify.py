@@ -33,19 +33,25 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
 
 from splitserve.config.manifest import Manifest
 from splitserve.gate.split import check_split
 from splitserve.router.probe import ProbeError, blocks_for, probe_pair
+from splitserve.sampling.params import SamplingParams
 from splitserve.wire.auth import worker_headers
 from splitserve.wire.http import (
     LINE_DECODER,
     DecodeRequest,
     GenerateRequest,
+    PeerRequest,
     PrefillRequest,
     PrefillResponse,
+    Timings,
 )
 
+_encode = msgspec.json.Encoder().encode
+_JSON = {"Content-Type": "application/json"}
 LATENCY_PROBES = 5  # one-block probes timed after the pair's first (which pays set-up: 5.71 ms, then 0.71)
 
 
@@ -186,7 +192,8 @@ async def _check_pair(
     http: httpx.AsyncClient, p: dict, d: dict, v: dict, report: Report, timeout_s: float
 ) -> None:
     scope = f"{p['name']} -> {d['name']}"
-    r = await http.post(f"{d['url']}/kv/connect", json={"address": p["kv_address"], "timeout_s": 10})
+    peer = PeerRequest(address=p["kv_address"], timeout_s=10)
+    r = await http.post(f"{d['url']}/kv/connect", content=_encode(peer), headers=_JSON)
     if r.status_code != 200:
         report.add("handshake", scope, False, _err(r))
         return
@@ -197,15 +204,15 @@ async def _check_pair(
         # the pair's first fetch pays for first use (connection, IPC handles, kernels): apart, untimed
         first = await probe_pair(http, p["url"], d["url"], 1, timeout_s)
         ones = [await probe_pair(http, p["url"], d["url"], 1, timeout_s) for _ in range(LATENCY_PROBES)]
-        small = sorted(ones, key=lambda x: x["seconds"])[len(ones) // 2]  # the median
+        small = sorted(ones, key=lambda x: x.seconds)[len(ones) // 2]  # the median
         report.add(
             "latency",
             scope,
             True,
-            f"{small['seconds'] * 1e3:.2f} ms for one block ({block_bytes / 1024:.0f} KiB) over "
-            f"{small['backend']}, median of {len(ones)} (the pair's first fetch: "
-            f"{first['seconds'] * 1e3:.2f} ms)",
-            small["seconds"],
+            f"{small.seconds * 1e3:.2f} ms for one block ({block_bytes / 1024:.0f} KiB) over "
+            f"{small.backend}, median of {len(ones)} (the pair's first fetch: "
+            f"{first.seconds * 1e3:.2f} ms)",
+            small.seconds,
         )
         n = min(
             blocks_for(v["probe_mb"], block_bytes),
@@ -213,15 +220,15 @@ async def _check_pair(
             int(d["info"]["num_blocks"]) // 2,
         )
         runs = [await probe_pair(http, p["url"], d["url"], n, timeout_s) for _ in range(3)]
-        best = max(runs, key=lambda x: x["gbps"])
-        ok = best["gbps"] >= v["min_gbps"] and best["backend"] == small["backend"]
+        best = max(runs, key=lambda x: x.gbps)
+        ok = best.gbps >= v["min_gbps"] and best.backend == small.backend
         report.add(
             "bandwidth",
             scope,
             ok,
-            f"{best['gbps']:.3f} GB/s over {best['backend']} "
-            f"({best['bytes'] / 2**20:.0f} MiB, best of 3; floor {v['min_gbps']} GB/s)",
-            best["gbps"],
+            f"{best.gbps:.3f} GB/s over {best.backend} "
+            f"({best.bytes / 2**20:.0f} MiB, best of 3; floor {v['min_gbps']} GB/s)",
+            best.gbps,
         )
     except (ProbeError, httpx.HTTPError) as exc:
         report.add("bandwidth", scope, False, f"probe failed: {exc}")
@@ -231,20 +238,20 @@ async def _check_pair(
 async def _round_trip(
     http: httpx.AsyncClient, p: dict, d: dict, v: dict, scope: str, report: Report, timeout_s: float
 ) -> None:
-    params = {"temperature": 0, "max_tokens": v["max_tokens"], "ignore_eos": True}
+    params = SamplingParams(temperature=0, max_tokens=v["max_tokens"], ignore_eos=True)
     whole = GenerateRequest(prompt=v["prompt"], sampling_params=params, stream=False)
-    ref = await http.post(f"{p['url']}/generate", json=whole.model_dump())
+    ref = await http.post(f"{p['url']}/generate", content=_encode(whole), headers=_JSON)
     if ref.status_code != 200:
         report.add("round trip", scope, False, f"the colocated reference failed: {_err(ref)}")
         return
     expected = LINE_DECODER.decode(ref.content)
     start = time.perf_counter()
     ask = PrefillRequest(prompt=v["prompt"], sampling_params=params)
-    pre = await http.post(f"{p['url']}/prefill", json=ask.model_dump())
+    pre = await http.post(f"{p['url']}/prefill", content=_encode(ask), headers=_JSON)
     if pre.status_code != 200:
         report.add("round trip", scope, False, f"prefill failed: {_err(pre)}")
         return
-    pj = PrefillResponse.model_validate_json(pre.content)
+    pj = msgspec.json.decode(pre.content, type=PrefillResponse)
     if pj.kv_export is None:
         report.add("round trip", scope, False, "the prompt finished at its first token: nothing to move")
         return
@@ -253,8 +260,8 @@ async def _round_trip(
         sampling_params=params, stream=True, timeout_s=timeout_s,
     )  # fmt: skip
     tokens: list[int] = []
-    text, ttft, metrics = "", None, {}
-    async with http.stream("POST", f"{d['url']}/decode", json=body.model_dump()) as resp:
+    text, ttft, timings = "", None, Timings()
+    async with http.stream("POST", f"{d['url']}/decode", content=_encode(body), headers=_JSON) as resp:
         if resp.status_code != 200:
             report.add(
                 "round trip",
@@ -268,7 +275,7 @@ async def _round_trip(
                 continue
             line = LINE_DECODER.decode(raw)
             if ttft is None:
-                ttft, metrics = time.perf_counter() - start, line.metrics or {}
+                ttft, timings = time.perf_counter() - start, line.timings or Timings()
             tokens += line.token_ids
             text += line.text
     same = tokens == expected.token_ids and text == expected.text
@@ -278,15 +285,15 @@ async def _round_trip(
         else f"DIFFERS: {text!r} vs colocated {expected.text!r}"
     )
     report.add("round trip", scope, same, detail, text)
-    kv_s = float(metrics.get("kv_fetch_s") or 0.0) + float(metrics.get("kv_wait_s") or 0.0)
+    kv_s = (timings.kv_fetch_s or 0.0) + (timings.kv_wait_s or 0.0)
     share = kv_s / ttft if ttft else 1.0
     report.add(
         "transfer share",
         scope,
         share <= v["max_transfer_share"],
         f"KV {kv_s * 1e3:.2f} ms of TTFT {ttft * 1e3 if ttft else 0:.1f} ms = {share:.1%} "
-        f"(max {v['max_transfer_share']:.0%}; {metrics.get('kv_bytes', 0) / 1024:.0f} KiB over "
-        f"{metrics.get('kv_backend')})",
+        f"(max {v['max_transfer_share']:.0%}; {(timings.kv_bytes or 0) / 1024:.0f} KiB over "
+        f"{timings.kv_backend})",
         share,
     )
 

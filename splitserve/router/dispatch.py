@@ -28,11 +28,12 @@ from typing import Any, Protocol
 
 import aiohttp
 import msgspec
-from pydantic import BaseModel
 
 from splitserve.config.manifest_sections import RouterSection
 from splitserve.router.idle_deadline import IdleDeadline
 from splitserve.router.openai_protocol import APIError
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 from splitserve.wire.http import (
     LINE_DECODER,
     AbortRequest,
@@ -42,6 +43,7 @@ from splitserve.wire.http import (
     PrefillResponse,
     ReleaseRequest,
     StreamLine,
+    Timings,
 )
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ class Piece:
     index: int
     token_ids: list[int]
     text: str
-    logprobs: list[dict] | None = None
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     finished: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)  # the first piece: where the time went
@@ -157,7 +159,7 @@ class Dispatcher:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _post_quietly(self, worker: WorkerEndpoint, path: str, body: BaseModel) -> None:
+    async def _post_quietly(self, worker: WorkerEndpoint, path: str, body: msgspec.Struct) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.timeouts.connect_s)
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with self.http.post(f"{worker.url}{path}", data=_json(body), timeout=timeout) as r:
@@ -166,7 +168,7 @@ class Dispatcher:
     # ---- one choice -----------------------------------------------------------------------------
 
     async def run(
-        self, index: int, prompt_ids: list[int], params: dict[str, Any], request_id: str
+        self, index: int, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[Piece]:
         if self.mode == "colocated":
             worker = self.picker.pick(self.workers.ready("colocated"), "colocated", prompt_ids)
@@ -180,7 +182,7 @@ class Dispatcher:
             yield piece
 
     async def _disaggregated(
-        self, index: int, prompt_ids: list[int], params: dict[str, Any], rid: str
+        self, index: int, prompt_ids: list[int], params: SamplingParams, rid: str
     ) -> AsyncIterator[Piece]:
         t = self.config.timeouts
         pf = self.picker.pick(self.workers.ready("prefill"), "prefill", prompt_ids)
@@ -208,9 +210,9 @@ class Dispatcher:
             pf.inflight -= 1
         if status != 200:
             raise _worker_error(pf, status, content)
-        pre = PrefillResponse.model_validate_json(content)
+        pre = msgspec.json.decode(content, type=PrefillResponse)
         prefill_wall = time.perf_counter() - start
-        metrics = {**pre.metrics, "prefill_wall_s": prefill_wall, "prefill_worker": pf.name}
+        metrics = {**_timings(pre.timings), "prefill_wall_s": prefill_wall, "prefill_worker": pf.name}
         if pre.kv_export is None:  # the first token ended it
             lps = None if pre.logprob is None else [pre.logprob]
             yield Piece(index, [pre.first_token], pre.text, lps, pre.finish_reason, True, metrics)
@@ -238,7 +240,13 @@ class Dispatcher:
                 self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv_export=kv_export)))
 
     async def _stream(
-        self, worker: WorkerEndpoint, path: str, body: BaseModel, index: int, rid: str, first_timeout_s: float
+        self,
+        worker: WorkerEndpoint,
+        path: str,
+        body: msgspec.Struct,
+        index: int,
+        rid: str,
+        first_timeout_s: float,
     ) -> AsyncIterator[Piece]:
         """POST an NDJSON-streaming endpoint; each line -> a Piece. Deadlines: `first_timeout_s` for
         the first line (the worker's status and headers included: a worker answers them only with its
@@ -320,15 +328,15 @@ def _piece(worker: WorkerEndpoint, line: StreamLine, index: int) -> Piece:
             code="worker_aborted",
         )
     return Piece(index, line.token_ids, line.text, line.logprobs, line.finish_reason, line.finished,
-                 line.metrics or {})  # fmt: skip
+                 _timings(line.timings))  # fmt: skip
 
 
-def _json(body: BaseModel) -> bytes:
-    return body.model_dump_json().encode()
+def _timings(t: Timings | None) -> dict[str, Any]:
+    """A worker's timings as the router's metrics read them (the fields it measured)."""
+    return {} if t is None else msgspec.to_builtins(t)
 
 
-def _one(lp: dict | None) -> list[dict] | None:
-    return None if lp is None else [lp]
+_json = msgspec.json.Encoder().encode
 
 
 def _worker_failed(worker: WorkerEndpoint, stage: str, exc: BaseException) -> APIError:

@@ -16,6 +16,7 @@ import time
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from msgspec.structs import replace
 
 from splitserve.router.chat_template import render_chat, template_kwargs
 from splitserve.router.openai_protocol import (
@@ -82,12 +83,12 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
         raise APIError(400, f"tool_choice {mode} and {asked[1]} each constrain the answer: give one",
                        param="tool_choice")  # fmt: skip
     if forced is not None:
-        params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools")
+        params = replace(params, grammar=await checked(GrammarSpec("structural_tag", forced), "tools"))
     elif asked is not None:
-        params["grammar"] = await checked(*asked)
+        params = replace(params, grammar=await checked(*asked))
     prompts = [(prompt_ids, "")]
     # a grammar constrains the answer from its first token: no thinking block can come before it
-    reasoning = server.reasoning_format if "grammar" not in params else None
+    reasoning = server.reasoning_format if params.grammar is None else None
     tail = server.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False) if reasoning else ""
     output = chat_outputs(fmt, tools, reasoning, tail)
     return await respond(server, "chat", req, prompts, params, start, request, output)
@@ -124,7 +125,7 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
     params = req.sampling(req.max_tokens, req.logprobs, server.info.generation_defaults)
     asked = requested_grammar(req)
     if asked is not None:
-        params["grammar"] = await checked(*asked)
+        params = replace(params, grammar=await checked(*asked))
     return await respond(server, "completion", req, prompts, params, start, request)
 
 

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from splitserve.sampling.params import SamplingParams
+
 
 class APIError(Exception):
     """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
@@ -152,9 +154,10 @@ class _Sampling(_Req):
 
     def sampling(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
+    ) -> SamplingParams:
         """The worker's sampling params for one choice (n = 1; the router fans out n). `defaults`: the
-        model's (its generation_config) for the sampling fields this request leaves unset."""
+        model's (its generation_config) for the sampling fields this request leaves unset. Values
+        `SamplingParams` refuses are a 400."""
         defaults = defaults or {}
         out: dict[str, Any] = {
             "temperature": defaults.get("temperature", 1.0) if self.temperature is None else self.temperature,
@@ -175,7 +178,10 @@ class _Sampling(_Req):
             value = getattr(self, key)
             if value is not None or key in defaults:
                 out[key] = defaults[key] if value is None else value
-        return out
+        try:
+            return SamplingParams(**out)
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, str(exc)) from None
 
 
 class TextPart(_Req):

@@ -17,9 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
+import msgspec
 
 from splitserve.config.manifest import Manifest
-from splitserve.wire.http import ProbeExportRequest, ProbeExportResponse, ProbeRequest, ReleaseRequest
+from splitserve.wire.http import ProbeExportRequest, ProbeRequest, ReleaseRequest
+from splitserve.wire.ops import ProbeExported, ProbeResult
 
 log = logging.getLogger(__name__)
 
@@ -28,23 +30,26 @@ class ProbeError(RuntimeError):
     pass
 
 
+_encode = msgspec.json.Encoder().encode
+_JSON = {"Content-Type": "application/json"}
+
+
 async def probe_pair(
     http: httpx.AsyncClient, prefill_url: str, decode_url: str, num_blocks: int, timeout_s: float = 30.0
-) -> dict[str, Any]:
-    ask = ProbeExportRequest(num_blocks=num_blocks).model_dump()
-    r = await http.post(f"{prefill_url}/kv/probe/export", json=ask, timeout=timeout_s)
+) -> ProbeResult:
+    ask = _encode(ProbeExportRequest(num_blocks=num_blocks))
+    r = await http.post(f"{prefill_url}/kv/probe/export", content=ask, headers=_JSON, timeout=timeout_s)
     if r.status_code != 200:
         raise ProbeError(f"probe export on {prefill_url} failed ({r.status_code}): {_message(r)}")
-    kv_export = ProbeExportResponse.model_validate_json(r.content).kv_export
-    body = ProbeRequest(kv_export=kv_export, timeout_s=timeout_s).model_dump()
-    r = await http.post(f"{decode_url}/kv/probe", json=body, timeout=timeout_s + 5)
+    kv_export = msgspec.json.decode(r.content, type=ProbeExported).kv_export
+    body = _encode(ProbeRequest(kv_export=kv_export, timeout_s=timeout_s))
+    r = await http.post(f"{decode_url}/kv/probe", content=body, headers=_JSON, timeout=timeout_s + 5)
     if r.status_code != 200:
         with contextlib.suppress(httpx.HTTPError):
-            await http.post(
-                f"{prefill_url}/kv/release", json=ReleaseRequest(kv_export=kv_export).model_dump(), timeout=5
-            )
+            release = _encode(ReleaseRequest(kv_export=kv_export))
+            await http.post(f"{prefill_url}/kv/release", content=release, headers=_JSON, timeout=5)
         raise ProbeError(f"probe fetch on {decode_url} failed ({r.status_code}): {_message(r)}")
-    return r.json()
+    return msgspec.json.decode(r.content, type=ProbeResult)
 
 
 def blocks_for(mb: float, block_bytes: int) -> int:
@@ -66,7 +71,7 @@ class KVProber:
         self,
         manifest: Manifest,
         workers: Callable[[str], Sequence[Any]],
-        on_result: Callable[[str, str, dict | None, str | None], None],
+        on_result: Callable[[str, str, ProbeResult | None, str | None], None],
         headers: dict[str, str] | None = None,
     ) -> None:
         self.manifest = manifest

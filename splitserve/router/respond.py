@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.run import Run
+from splitserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from splitserve.router.parsers import ChatOutput
@@ -72,7 +73,7 @@ async def respond(
     kind: str,
     req: Any,
     prompts: list[tuple[list[int], str]],
-    params: dict,
+    params: SamplingParams,
     start: float,
     request: Request,
     output: Callable[[], ChatOutput] | None = None,

@@ -18,6 +18,8 @@ import msgspec
 from splitserve.router.dispatch import Piece
 from splitserve.router.metrics import ttft_breakdown
 from splitserve.router.openai_protocol import APIError
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from splitserve.router.parsers import ChatOutput
@@ -32,7 +34,7 @@ class _Choice:
     prompt_len: int
     tokens: int = 0
     text: str = ""
-    logprobs: list[dict] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     last_time: float = 0.0
 
@@ -49,7 +51,7 @@ class Run:
         kind: str,
         req: Any,
         prompts: list[tuple[list[int], str]],
-        params: dict,
+        params: SamplingParams,
         rid: str,
         start: float,
     ) -> None:
@@ -58,13 +60,11 @@ class Run:
         self.deadline = start + server.manifest.router.timeouts.request_s
         self.choices: list[_Choice] = []
         self.echo: list[str] = []
-        self.jobs: list[tuple[int, list[int], dict]] = []
+        self.jobs: list[tuple[int, list[int], SamplingParams]] = []
         for p_idx, (ids, echo) in enumerate(prompts):
             for i in range(req.n):
                 index = p_idx * req.n + i
-                choice_params = dict(params)
-                if params.get("seed") is not None:
-                    choice_params["seed"] = params["seed"] + i  # as SamplingParams.for_child
+                choice_params = params.for_child(i)  # a distinct seed per choice
                 self.choices.append(_Choice(index, len(ids)))
                 self.echo.append(echo)
                 self.jobs.append((index, ids, choice_params))
@@ -88,7 +88,7 @@ class Run:
         left = max(self.deadline - time.perf_counter(), 0.0)
         self._timer = asyncio.get_running_loop().call_later(left, self.queue.put_nowait, _DEADLINE)
 
-    async def _one(self, index: int, ids: list[int], params: dict, rid: str) -> None:
+    async def _one(self, index: int, ids: list[int], params: SamplingParams, rid: str) -> None:
         end: BaseException | int | None = index  # what the consumer hears last from this choice
         try:
             async for piece in self.s.dispatcher.run(index, ids, params, rid):
@@ -206,7 +206,7 @@ class Run:
         self._finish_metrics()
         choices = []
         for c, echo in zip(self.choices, self.echo, strict=True):
-            lp = self._logprobs(c.logprobs) if self.params.get("logprobs") is not None else None
+            lp = self._logprobs(c.logprobs) if self.params.logprobs is not None else None
             if self.kind == "chat":
                 msg: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
                 reason = c.finish_reason
@@ -242,27 +242,27 @@ class Run:
 
     # ---- logprobs -------------------------------------------------------------------------------
 
-    def _logprobs(self, entries: list[dict], offset: int = 0) -> dict:
+    def _logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict:
         tt = self.s.token_text
         if self.kind == "chat":
             content = []
             for e in entries:
-                tok = tt(e["token_id"])
-                top = [{"token": tt(t), "logprob": lp, "bytes": list(tt(t).encode())} for t, lp in e["top"]]
+                tok = tt(e.token_id)
+                top = [{"token": tt(t), "logprob": lp, "bytes": list(tt(t).encode())} for t, lp in e.top]
                 content.append(
-                    {"token": tok, "logprob": e["logprob"], "bytes": list(tok.encode()), "top_logprobs": top}
+                    {"token": tok, "logprob": e.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
                 )
             return {"content": content, "refusal": None}
         tokens, offsets = [], []
         for e in entries:
             offsets.append(offset)
-            tok = tt(e["token_id"])
+            tok = tt(e.token_id)
             tokens.append(tok)
             offset += len(tok)
         return {
             "tokens": tokens,
-            "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{tt(t): lp for t, lp in e["top"]} for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{tt(t): lp for t, lp in e.top} for e in entries],
             "text_offset": offsets,
         }
 
@@ -291,10 +291,10 @@ class Run:
             while piece is not None:
                 c = self.choices[piece.index]
                 lp = None
-                if self.params.get("logprobs") is not None:
+                if self.params.logprobs is not None:
                     lp = self._logprobs(piece.logprobs or [], offsets[piece.index])
                     offsets[piece.index] += sum(
-                        len(self.s.token_text(e["token_id"])) for e in piece.logprobs or []
+                        len(self.s.token_text(e.token_id)) for e in piece.logprobs or []
                     )
                 text = piece.text
                 if tools is not None:

@@ -38,6 +38,7 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.parsers import chosen_parsers
 from splitserve.router.tools import template_knows_tools
+from splitserve.wire.ops import ProbeResult
 
 log = logging.getLogger(__name__)
 
@@ -245,19 +246,19 @@ class OpenAIServer:
 
     # ---- run-time signals -----------------------------------------------------------------------
 
-    def on_probe(self, prefill: str, decode: str, result: dict | None, error: str | None) -> None:
+    def on_probe(self, prefill: str, decode: str, result: ProbeResult | None, error: str | None) -> None:
         m, name = self.metrics, self.info.served_name
         if result is None:
             m.kv_probe_failures.labels(name, prefill, decode).inc()
             m.kv_bandwidth_low.labels(name, prefill, decode).set(1)
             return
-        m.kv_probe_gbps.labels(name, prefill, decode, result["backend"]).set(result["gbps"])
-        low = result["gbps"] < self.manifest.verify.min_gbps
+        m.kv_probe_gbps.labels(name, prefill, decode, result.backend).set(result.gbps)
+        low = result.gbps < self.manifest.verify.min_gbps
         m.kv_bandwidth_low.labels(name, prefill, decode).set(1 if low else 0)
         if low:
             log.warning(
                 "kv probe %s -> %s: %.3f GB/s over %s, below verify.min_gbps %.3f",
-                prefill, decode, result["gbps"], result["backend"], self.manifest.verify.min_gbps,
+                prefill, decode, result.gbps, result.backend, self.manifest.verify.min_gbps,
             )  # fmt: skip
 
     def on_worker_event(self, kind: str, worker: Any) -> None:

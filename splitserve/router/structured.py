@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict
 from typing import Any
 
 from splitserve.router.openai_protocol import APIError, JSONSchemaFormat, StructuredOutputs
@@ -87,13 +86,13 @@ def _spec(kind: str, value: Any, param: str) -> tuple[GrammarSpec, str]:
     return GrammarSpec("ebnf" if kind == "grammar" else kind, value), param
 
 
-async def checked(spec: GrammarSpec, param: str) -> dict[str, Any]:
-    """The spec as sampling params carry it, once it parses; else a 400 naming the problem."""
+async def checked(spec: GrammarSpec, param: str) -> GrammarSpec:
+    """The spec, once it parses; else a 400 naming the problem."""
     try:
         await asyncio.to_thread(check_grammar, spec)
     except GrammarError as exc:
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_grammar") from None
-    return asdict(spec)
+    return spec
 
 
 __all__ = ["checked", "requested_grammar"]

@@ -22,6 +22,7 @@ import time
 from collections import Counter
 
 from splitserve.router.dispatch import Dispatcher
+from splitserve.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ async def warm_up(dispatcher: Dispatcher, roles: list[str], vocab_size: int, tim
     n = max(Counter(roles).values(), default=0)
     if n == 0:
         return False
-    params = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     t0 = time.perf_counter()
 
     async def one(i: int) -> None:

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import httpx
+import msgspec
 import ray
 from fastapi import FastAPI
 from ray import serve
@@ -116,7 +117,7 @@ class WorkerReplica:
             "node_ip": host,
             "pid": os.getpid(),
             "started": time.time(),
-            "info": health,
+            "info": msgspec.to_builtins(health),  # as GET /health answers it
         }
         self.registry = ray.get_actor(registry, namespace=namespace)
         ray.get(self.registry.register.remote(self.entry))

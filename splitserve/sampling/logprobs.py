@@ -1,17 +1,17 @@
 """One sampled token's log-probability, its rank and the top alternatives: what the engine records per
-token and what the worker's stream lines and the router's answers carry."""
+token, and the one shape that carries it on every wire (the engine core's batches, the worker's
+stream lines and /prefill answer, the router's reading of them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, frozen=True):
     token_id: int
     logprob: float
     rank: int  # 1 = the most likely token
-    top: tuple[tuple[int, float], ...]  # the top alternatives, most likely first
+    top: tuple[tuple[int, float], ...]  # the top alternatives (token id, logprob), most likely first
 
 
 __all__ = ["TokenLogprob"]

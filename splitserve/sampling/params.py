@@ -1,14 +1,19 @@
 """Per-request sampling parameters, in vLLM's spelling, validated at construction.
 
 `SamplingParams.grammar` (a `GrammarSpec`) constrains a request's output (structured outputs, forced
-tool calls): plain data here; compiling and matching it is engine/grammar.py's. On the wire (the
-router's and the worker's JSON, the engine core's msgpack) it travels as the dict of its fields.
+tool calls): plain data here; compiling and matching it is engine/grammar.py's.
+
+Both are frozen msgspec structs: the one type inside every process and on every wire (the router's
+and the worker's JSON, the engine core's msgpack). Decoding runs the same checks as construction
+(`__post_init__`), so a body that decodes is a valid request; unknown fields are refused.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+
+import msgspec
+from msgspec.structs import force_setattr, replace
 
 _EPS = 1e-5
 _INT32 = 2**31 - 1  # counts and ids: what the sampler's tensors and the scheduler take
@@ -22,8 +27,7 @@ def _int_in(value: object, lo: int, hi: int) -> bool:
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "ebnf", "structural_tag")
 
 
-@dataclass(frozen=True)
-class GrammarSpec:
+class GrammarSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a constrained request's output must match. `spec` by kind: json: a JSON schema (text);
     json_object: unused (any JSON object); regex; choice: a JSON list of the allowed strings; ebnf:
     xgrammar's EBNF (GBNF) text; structural_tag: xgrammar's structural-tag JSON (tool calls).
@@ -47,8 +51,7 @@ class GrammarSpec:
         return (self.kind, self.spec, self.strict)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -60,26 +63,25 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] | str = ()  # a lone string is taken as one stop string
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top alternatives per token (0: only the sampled token)
     skip_special_tokens: bool = True
     detokenize: bool = True
-    grammar: GrammarSpec | None = None  # a dict of its fields is taken too (the wire form)
-    extra: dict = field(default_factory=dict, compare=False)
+    grammar: GrammarSpec | None = None  # a dict of its fields is taken too
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+            force_setattr(self, "stop", (self.stop,))
+        force_setattr(self, "stop", tuple(self.stop))
+        force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k < 0:
-            object.__setattr__(self, "top_k", 0)
+            force_setattr(self, "top_k", 0)
         if isinstance(self.grammar, dict):
             try:
-                object.__setattr__(self, "grammar", GrammarSpec(**self.grammar))
+                force_setattr(self, "grammar", GrammarSpec(**self.grammar))
             except TypeError as exc:
                 raise ValueError(f"bad grammar: {exc}") from None
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):

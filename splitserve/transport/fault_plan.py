@@ -15,12 +15,12 @@ from __future__ import annotations
 import random
 import threading
 from collections import Counter
-from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
 
 from splitserve.transport.payload import ByteStream
+from splitserve.wire.ops import FaultKnobs  # the knobs as /debug/faults takes them
 
 
 class Fault(StrEnum):
@@ -29,21 +29,6 @@ class Fault(StrEnum):
     DELAY = "delay"
     CORRUPT = "corrupt"
     KILL = "kill"
-
-
-@dataclass(frozen=True)
-class FaultKnobs:
-    drop: float = 0.0  # probabilities, each in [0, 1], summing to at most 1
-    delay: float = 0.0
-    corrupt: float = 0.0
-    kill: float = 0.0
-    delay_s: float = 5.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        probs = (self.drop, self.delay, self.corrupt, self.kill)
-        if any(p < 0 for p in probs) or sum(probs) > 1 + 1e-9:
-            raise ValueError(f"fault probabilities must be >= 0 and sum to <= 1, got {probs}")
 
 
 class FaultPlan:

@@ -10,7 +10,7 @@ behave as they would in production.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from msgspec.structs import asdict
 
 from splitserve.transport.fault_plan import Fault, FaultKnobs, FaultPlan
 from splitserve.transport.transport import KVTransport

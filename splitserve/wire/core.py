@@ -2,29 +2,46 @@
 
 Both sides import this module; nothing on the channel is pickled.
 
-    front end ──Add / Import / Abort / Call / Shutdown──▶ engine core      (one PUSH socket)
+    front end ──CoreSpec (one JSON line on the core's stdin, first)──▶ engine core
+    front end ──Add / Import / Abort / an Op / Shutdown──▶ engine core     (one PUSH socket)
     front end ◀──────────── Batch (one per engine step) ── engine core    (one PUSH socket)
 
 A `Batch` carries every request's new token ids of one step (`Delta`, never text: the front end
-detokenizes) and the events since the last batch: a request accepted or refused, a call's reply, the
-core's readiness. Errors travel as `ErrorInfo` with the HTTP status the front end answers with.
+detokenizes) and the events since the last batch: a request accepted or refused, an operation's
+`Reply` (wire/ops.py), the core's readiness. Errors travel as `ErrorInfo` with the HTTP status the
+front end answers with.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
+
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
+from splitserve.wire.http import Timings
+from splitserve.wire.kv_handle import KVExport
+from splitserve.wire.ops import Op, OpResult
+from splitserve.wire.stats import Health
 
 # ---- front end -> core ---------------------------------------------------------------------------
 
 
+class CoreSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """The one JSON line the front end writes on the core's stdin before anything else."""
+
+    config: str  # the WorkerConfig, as its own JSON (config/worker.py: checked field by field)
+    threads: int
+    log_level: str
+    commands: str  # the ZMQ address of the command socket (the front end binds it)
+    batches: str  # the ZMQ address of the batch socket
+
+
 class Add(msgspec.Struct, tag=True, array_like=True):
-    """Run a prompt. `params`: SamplingParams fields (already validated by the front end)."""
+    """Run a prompt. `params`: checked by the front end, with stop strings left to it (it detokenizes)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]
+    params: SamplingParams
     export: bool = False  # prefill role: lease the KV after the first token
 
 
@@ -34,9 +51,9 @@ class Import(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     first_token: int
-    kv_export: dict[str, Any]  # KVExport.to_dict()
-    params: dict[str, Any]
-    first_logprob: list[Any] | None = None  # Logprob row (see `Delta.logprobs`)
+    kv_export: KVExport
+    params: SamplingParams
+    first_logprob: TokenLogprob | None = None
     policy: str | None = None
     timeout_s: float | None = None
 
@@ -45,19 +62,11 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
     request_id: str
 
 
-class Call(msgspec.Struct, tag=True, array_like=True):
-    """A worker operation on the engine (stats, probe, release, faults, check_peer)."""
-
-    call_id: int
-    method: str
-    args: dict[str, Any] = {}
-
-
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = Add | Import | Abort | Call | Shutdown
+Command = Add | Import | Abort | Shutdown | Op
 
 # ---- core -> front end ---------------------------------------------------------------------------
 
@@ -66,7 +75,10 @@ class ErrorInfo(msgspec.Struct, array_like=True):
     status: int  # the HTTP status the worker answers with
     type: str
     message: str
-    extra: dict[str, Any] = {}
+    # a KV transfer's failure: the error class, the request, and a refused peer's layout differences
+    kind: str | None = None
+    request_id: str | None = None
+    mismatches: list[str] | None = None
 
 
 class Delta(msgspec.Struct, array_like=True):
@@ -78,16 +90,15 @@ class Delta(msgspec.Struct, array_like=True):
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # one row per token: [token_id, logprob, rank, [[token_id, logprob], ...]]
-    logprobs: list[list[Any]] | None = None
-    kv_export: dict[str, Any] | None = None  # KVExport.to_dict() of an exported prefill
-    metrics: dict[str, float] | None = None  # first delta: queue_s, prefill_s
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
+    kv_export: KVExport | None = None  # an exported prefill's
+    timings: Timings | None = None  # the first delta: queue_s, prefill_s
     num_cached_tokens: int = 0
 
 
 class Accepted(msgspec.Struct, tag=True, array_like=True):
     request_id: str
-    info: dict[str, Any] = {}  # an import's kv_wait_s, kv_fetch_s, kv_bytes, kv_backend, kv_error
+    timings: Timings | None = None  # an import's: kv_wait_s, kv_fetch_s, kv_bytes, kv_backend, kv_error
 
 
 class Refused(msgspec.Struct, tag=True, array_like=True):
@@ -98,13 +109,15 @@ class Refused(msgspec.Struct, tag=True, array_like=True):
 
 
 class Reply(msgspec.Struct, tag=True, array_like=True):
+    """An operation's answer: its `Result`, or the error it raised."""
+
     call_id: int
-    result: Any = None
+    result: OpResult | None = None
     error: ErrorInfo | None = None
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
-    info: dict[str, Any]  # what /health reports (static), kv_address included
+    info: Health  # what /health reports (static), kv_address included
 
 
 Event = Accepted | Refused | Reply | Ready

@@ -1,91 +1,66 @@
-"""The worker service's HTTP bodies (pydantic at the edge), and sampling params from JSON.
+"""The worker HTTP API's bodies (router <-> worker, and the gate and the runtimes as clients): msgspec
+structs, JSON on the wire, the same definition on both sides.
 
-A KV handle travels as `KVExportBody` (`{"handle": KVHandleBody, "generator_state": base64 | null}`, the
-wire form of `splitserve.engine.kv_transfer_types.KVExport`): plain JSON, typed on both sides, never pickled.
+    POST /prefill          PrefillRequest  -> PrefillResponse (its `kv_export` is what /decode needs)
+    POST /decode           DecodeRequest   -> NDJSON StreamLines (stream) or one StreamLine
+    POST /generate         GenerateRequest -> NDJSON StreamLines (stream) or one StreamLine
+    POST /abort            AbortRequest    -> Ok (wire/ops.py)
+    POST /kv/release       ReleaseRequest  -> Ok (wire/ops.py)
+    POST /kv/connect       PeerRequest     -> PeerChecked (wire/ops.py)
+    POST /kv/probe/export  ProbeExportRequest -> ProbeExported (wire/ops.py)
+    POST /kv/probe         ProbeRequest    -> ProbeResult (wire/ops.py)
+    POST /debug/faults     FaultKnobs (wire/ops.py) -> FaultsSet
+    GET  /stats            WorkerStats (wire/stats.py);  GET /health: Health (wire/stats.py)
+
+Decoding checks every field (types, ranges, no unknown field; sampling params by `SamplingParams`'s
+own checks), and a body that fails is a 400 with msgspec's message naming the field.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.sampling.logprobs import TokenLogprob
 from splitserve.sampling.params import SamplingParams
-from splitserve.wire.kv_handle import KVHandle
+from splitserve.wire.kv_handle import KVExport
 
-_PARAM_FIELDS = {f.name for f in fields(SamplingParams)} - {"extra"}
-
-
-def sampling_params(data: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from a JSON object of its fields (vLLM's names); unknown keys are an error."""
-    unknown = set(data) - _PARAM_FIELDS
-    if unknown:
-        raise ValueError(f"unknown sampling params {sorted(unknown)}; known: {sorted(_PARAM_FIELDS)}")
-    try:
-        return SamplingParams(**data)
-    except TypeError as exc:
-        raise ValueError(f"bad sampling params: {exc}") from exc
+NonEmptyIds = Annotated[list[int], msgspec.Meta(min_length=1)]
+Positive = Annotated[float, msgspec.Meta(gt=0)]
 
 
-def logprob_to_dict(lp: TokenLogprob) -> dict[str, Any]:
-    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
+    pass
 
 
-def logprob_from_dict(data: dict[str, Any]) -> TokenLogprob:
-    try:
-        top = tuple((int(t), float(v)) for t, v in data.get("top", []))
-        return TokenLogprob(int(data["token_id"]), float(data["logprob"]), int(data["rank"]), top)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"malformed logprob {data!r}: {exc}") from exc
+class Timings(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Where a request's time went before its first token: this engine's queue and prefill
+    (/prefill, /generate), or the KV import (/decode). Fields not measured are left out."""
+
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    kv_wait_s: float | None = None  # waiting for room (free blocks, a state slot) on the decode worker
+    kv_fetch_s: float | None = None
+    kv_bytes: int | None = None
+    kv_backend: str | None = None
+    kv_error: str | None = None  # the fetch's error class, when the prompt was recomputed instead
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class KVHandleBody(_Body):
-    """The wire form of `kv.KVHandle`, field for field (a test keeps the two in step)."""
-
-    backend: str
-    address: str
-    request_id: str
-    lease_id: str
-    block_ids: list[int]
-    num_tokens: int = Field(ge=0)
-    layout_fingerprint: str
-    lease_expires_at: float
-    checksum: str | None = None
-    lease_slot: int | None = None
-    state_row: int | None = None
-
-    @classmethod
-    def of(cls, handle: KVHandle) -> KVHandleBody:
-        return cls.model_validate(handle.to_dict())
-
-    def to_handle(self) -> KVHandle:
-        return KVHandle.from_dict(self.model_dump())
-
-
-class KVExportBody(_Body):
-    """What /prefill hands on and /decode, /kv/release, /kv/probe take: the handle and the sampler state."""
-
-    handle: KVHandleBody
-    generator_state: str | None = None  # base64 of torch.Generator.get_state() (seeded requests)
+def _prompt_input(prompt: str | None, ids: list[int] | None) -> str | list[int]:
+    if (prompt is None) == (ids is None):
+        raise ValueError("give exactly one of prompt and prompt_token_ids")
+    return prompt if prompt is not None else list(ids or [])
 
 
 class PrefillRequest(_Body):
-    prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
+    prompt_token_ids: NonEmptyIds | None = None
     prompt: str | None = None  # tokenized by the worker (the answer carries the ids)
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: SamplingParams = SamplingParams()
     request_id: str | None = None
 
     def prompt_input(self) -> str | list[int]:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt and prompt_token_ids")
-        return self.prompt if self.prompt is not None else list(self.prompt_token_ids or [])
+        return _prompt_input(self.prompt, self.prompt_token_ids)
 
 
 class PrefillResponse(_Body):
@@ -94,36 +69,34 @@ class PrefillResponse(_Body):
     text: str
     # Set when the first token already ends the request (EOS, stop, max_tokens=1): kv_export is then null.
     finish_reason: str | None
-    kv_export: KVExportBody | None  # what /decode needs besides the prompt
+    kv_export: KVExport | None  # what /decode needs besides the prompt
     seconds: float
-    logprob: dict[str, Any] | None = None  # the first token's (logprob_to_dict), when asked for
-    prompt_token_ids: list[int] = Field(default_factory=list)
-    metrics: dict[str, float] = Field(default_factory=dict)  # queue_s, prefill_s (request_timings)
+    logprob: TokenLogprob | None = None  # the first token's, when asked for
+    prompt_token_ids: list[int] = []
+    timings: Timings = Timings()
 
 
 class DecodeRequest(_Body):
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: NonEmptyIds
     first_token: int
-    first_logprob: dict[str, Any] | None = None  # as /prefill returned it
-    kv_export: KVExportBody
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    kv_export: KVExport
+    first_logprob: TokenLogprob | None = None  # as /prefill returned it
+    sampling_params: SamplingParams = SamplingParams()
     request_id: str | None = None  # default: the handle's (the prefill worker's id)
     kv_policy: Literal["fail", "recompute"] | None = None  # default: the worker's --kv-policy
-    timeout_s: float | None = Field(default=None, gt=0)  # room + fetch; default --kv-fetch-timeout-s
+    timeout_s: Positive | None = None  # room + fetch; default --kv-fetch-timeout-s
     stream: bool = True
 
 
 class GenerateRequest(_Body):
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: SamplingParams = SamplingParams()
     request_id: str | None = None
     stream: bool = True
 
     def prompt_input(self) -> str | list[int]:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt and prompt_token_ids")
-        return self.prompt if self.prompt is not None else list(self.prompt_token_ids or [])
+        return _prompt_input(self.prompt, self.prompt_token_ids)
 
 
 class AbortRequest(_Body):
@@ -133,41 +106,25 @@ class AbortRequest(_Body):
 class ReleaseRequest(_Body):
     """Give back an export's blocks now (e.g. its decode peer was refused and cannot release it)."""
 
-    kv_export: KVExportBody  # as /prefill returned it
+    kv_export: KVExport  # as /prefill returned it
 
 
 class PeerRequest(_Body):
     address: str  # a prefill worker's kv_address (from its /health)
-    timeout_s: float = Field(default=5.0, gt=0)
+    timeout_s: Positive = 5.0
 
 
 class ProbeExportRequest(_Body):
-    num_blocks: int = Field(default=64, ge=1)
-
-
-class ProbeExportResponse(_Body):
-    kv_export: KVExportBody  # N free blocks of the prefill worker, leased as an export
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)] = 64
 
 
 class ProbeRequest(_Body):
-    kv_export: KVExportBody  # as /kv/probe/export returned it
-    timeout_s: float = Field(default=30.0, gt=0)
-
-
-class FaultsRequest(_Body):
-    """Test-only (--enable-fault-injection): how this exporter misbehaves on each fetch it serves."""
-
-    drop: float = 0.0
-    delay: float = 0.0
-    corrupt: float = 0.0
-    kill: float = 0.0
-    delay_s: float = 5.0
-    seed: int = 0
+    kv_export: KVExport  # as /kv/probe/export returned it
+    timeout_s: Positive = 30.0
 
 
 class StreamLine(msgspec.Struct, omit_defaults=False):
-    """One NDJSON line of /generate and /decode: the tokens new since the previous line. Encoded by the
-    worker and decoded by the router with msgspec (`LINE_DECODER`): the one definition both sides use."""
+    """One NDJSON line of /generate and /decode: the tokens new since the previous line."""
 
     request_id: str
     offset: int  # index of token_ids[0] in the completion (a /decode stream starts with the first token)
@@ -175,9 +132,8 @@ class StreamLine(msgspec.Struct, omit_defaults=False):
     text: str  # new text
     finished: bool
     finish_reason: str | None = None
-    logprobs: list[dict[str, Any]] | None = None  # one per token of token_ids, when asked for
-    # The first line only: where the time went (queue_s, prefill_s on /generate; kv_* on /decode).
-    metrics: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
+    timings: Timings | None = None  # the first line only: where the time went
 
 
 LINE_ENCODER = msgspec.json.Encoder()

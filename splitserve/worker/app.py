@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import uvicorn
@@ -33,17 +33,15 @@ from splitserve.wire.http import (
     LINE_ENCODER,
     AbortRequest,
     DecodeRequest,
-    FaultsRequest,
     GenerateRequest,
     PeerRequest,
     PrefillRequest,
-    PrefillResponse,
     ProbeExportRequest,
-    ProbeExportResponse,
     ProbeRequest,
     ReleaseRequest,
     StreamLine,
 )
+from splitserve.wire.ops import FaultKnobs, Ok
 from splitserve.worker.core_client import CoreDead
 from splitserve.worker.metrics import render_worker_metrics
 from splitserve.worker.service import Worker
@@ -51,6 +49,16 @@ from splitserve.worker.service import Worker
 log = logging.getLogger(__name__)
 
 NDJSON = "application/x-ndjson"
+B = TypeVar("B")
+
+
+async def _body(request: Request, kind: type[B]) -> B:
+    """The request's JSON body as `kind`; a malformed one raises msgspec's error (a ValueError: 400)."""
+    return msgspec.json.decode(await request.body(), type=kind)
+
+
+def _json(body: object, status: int = 200) -> Response:
+    return Response(LINE_ENCODER.encode(body), status_code=status, media_type="application/json")
 
 
 def _error(status: int, error_type: str, message: str, **extra: object) -> JSONResponse:
@@ -61,7 +69,10 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(CoreError)
     async def core_error(_: Request, exc: CoreError) -> JSONResponse:
         info = exc.info
-        return _error(info.status, info.type, info.message, **info.extra)
+        extra = {} if info.kind is None else {"kind": info.kind, "mismatches": info.mismatches}
+        if info.request_id is not None:
+            extra["request_id"] = info.request_id
+        return _error(info.status, info.type, info.message, **extra)
 
     @app.exception_handler(CoreDead)
     async def core_dead(_: Request, exc: CoreDead) -> JSONResponse:
@@ -88,7 +99,7 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
         tokens = [t for line in got for t in line.token_ids]
         lps = None if got[-1].logprobs is None else [x for line in got for x in line.logprobs or []]
         body = msgspec.structs.replace(got[-1], offset=0, token_ids=tokens, logprobs=lps,
-                                       text="".join(x.text for x in got), metrics=got[0].metrics)  # fmt: skip
+                                       text="".join(x.text for x in got), timings=got[0].timings)  # fmt: skip
         return Response(LINE_ENCODER.encode(body), media_type="application/json")
 
     async def body() -> AsyncIterator[bytes]:
@@ -152,58 +163,63 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
     if worker.config.http_auth:
         app.add_middleware(_RequireToken, token=worker_token(worker.config.kv_secret or ""))
 
-    @app.post("/prefill", response_model=PrefillResponse)
-    async def prefill(req: PrefillRequest) -> PrefillResponse:
-        return await worker.prefill(req)
+    # Bodies are wire/http.py's msgspec structs, decoded and encoded here (not by FastAPI's pydantic).
+    @app.post("/prefill")
+    async def prefill(request: Request) -> Response:
+        return _json(await worker.prefill(await _body(request, PrefillRequest)))
 
-    @app.post("/decode", response_model=None)
-    async def decode(req: DecodeRequest) -> StreamingResponse | Response:
+    @app.post("/decode")
+    async def decode(request: Request) -> StreamingResponse | Response:
+        req = await _body(request, DecodeRequest)
         return await _ndjson(worker.decode(req), req.stream)
 
-    @app.post("/generate", response_model=None)
-    async def generate(req: GenerateRequest) -> StreamingResponse | Response:
+    @app.post("/generate")
+    async def generate(request: Request) -> StreamingResponse | Response:
+        req = await _body(request, GenerateRequest)
         return await _ndjson(worker.generate(req), req.stream)
 
     @app.post("/abort")
-    async def abort(req: AbortRequest) -> dict:
-        worker.abort(req.request_id)
-        return {"ok": True}
+    async def abort(request: Request) -> Response:
+        worker.abort((await _body(request, AbortRequest)).request_id)
+        return _json(Ok())
 
     @app.get("/health")
     async def health() -> Response:
         body = worker.health()
-        return JSONResponse(body, status_code=503 if body["status"] == "engine_stopped" else 200)
+        return _json(body, status=503 if body.status == "engine_stopped" else 200)
 
     @app.get("/stats")
-    async def stats() -> dict:
-        return await worker.stats()
+    async def stats() -> Response:
+        return _json(await worker.stats())
 
     @app.get("/metrics")
     async def metrics() -> Response:
         c = worker.config
-        name = c.served_name or str(worker.info.get("model", "model")).rstrip("/").rsplit("/", 1)[-1]
+        name = c.served_name or str(worker.info.model or "model").rstrip("/").rsplit("/", 1)[-1]
         body = render_worker_metrics(await worker.stats(), name, c.engine.block_size)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/kv/connect")
-    async def connect(req: PeerRequest) -> dict:
-        return await worker.check_peer(req.address, req.timeout_s)
+    async def connect(request: Request) -> Response:
+        req = await _body(request, PeerRequest)
+        return _json(await worker.check_peer(req.address, req.timeout_s))
 
     @app.post("/kv/release")
-    async def release(req: ReleaseRequest) -> dict:
-        return await worker.release(req.kv_export)
+    async def release(request: Request) -> Response:
+        return _json(await worker.release((await _body(request, ReleaseRequest)).kv_export))
 
-    @app.post("/kv/probe/export", response_model=ProbeExportResponse)
-    async def probe_export(req: ProbeExportRequest) -> ProbeExportResponse:
-        return ProbeExportResponse.model_validate(await worker.probe_export(req.num_blocks))
+    @app.post("/kv/probe/export")
+    async def probe_export(request: Request) -> Response:
+        return _json(await worker.probe_export((await _body(request, ProbeExportRequest)).num_blocks))
 
     @app.post("/kv/probe")
-    async def probe(req: ProbeRequest) -> dict:
-        return await worker.probe(req.kv_export, req.timeout_s)
+    async def probe(request: Request) -> Response:
+        req = await _body(request, ProbeRequest)
+        return _json(await worker.probe(req.kv_export, req.timeout_s))
 
     @app.post("/debug/faults")
-    async def faults(req: FaultsRequest) -> dict:
-        return await worker.set_faults(req)
+    async def faults(request: Request) -> Response:
+        return _json(await worker.set_faults(await _body(request, FaultKnobs)))
 
     return app
 

@@ -5,6 +5,7 @@ its per-step batches to the requests waiting on them, and notice when it dies.
     info = client.start(config)          # hand it the spec; blocks until it is ready (or died)
     client.attach(loop)                  # from the event loop that serves HTTP
     stream = client.add(rid, ids, params)        # or client.import_kv(...)
+    result = await client.call(op)               # an operation of wire/ops.py
     await stream.accepted                        # the core's refusal is raised here (CoreError)
     deltas = await stream.take()                 # every delta since the last take, at least one
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -28,10 +28,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
+from splitserve.sampling.params import SamplingParams
 from splitserve.tempdirs import owned_tempdir, process_state
 from splitserve.wire import core as wire
+from splitserve.wire import ops
+from splitserve.wire.http import Timings
+from splitserve.wire.stats import Health
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +63,16 @@ class RequestStream:
         self.accepted: asyncio.Future = loop.create_future()
         self.items: list[wire.Delta] = []
         self.error: BaseException | None = None
-        self.info: dict[str, Any] = {}
+        self.timings: Timings | None = None  # an import's, from its Accepted
 
     def push(self, delta: wire.Delta) -> None:
         self.items.append(delta)
         self._wake()
 
-    def accept(self, info: dict[str, Any]) -> None:
-        self.info = info
+    def accept(self, timings: Timings | None) -> None:
+        self.timings = timings
         if not self.accepted.done():
-            self.accepted.set_result(info)
+            self.accepted.set_result(timings)
 
     def fail(self, exc: BaseException) -> None:
         if not self.accepted.done():
@@ -132,20 +137,20 @@ class CoreClient:
 
     def begin(self, config: Any, log_level: str = "WARNING") -> None:
         """Hand the core its spec (a WorkerConfig); it starts loading at once."""
-        spec = {
-            "config": config.to_json(), "threads": config.threads, "log_level": log_level,
-            "commands": f"ipc://{self.sockdir}/commands", "batches": f"ipc://{self.sockdir}/batches",
-        }  # fmt: skip
+        spec = wire.CoreSpec(
+            config=config.to_json(), threads=config.threads, log_level=log_level,
+            commands=f"ipc://{self.sockdir}/commands", batches=f"ipc://{self.sockdir}/batches",
+        )  # fmt: skip
 
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps(spec) + "\n")
+            self.proc.stdin.write(msgspec.json.encode(spec).decode() + "\n")
             self.proc.stdin.flush()
             self.proc.stdin.close()
         except BrokenPipeError:
             pass
 
-    def wait_ready(self, timeout_s: float = 3600.0) -> dict:
+    def wait_ready(self, timeout_s: float = 3600.0) -> Health:
         """Wait for the core's Ready; -> the worker's static health info. Raises CoreDead with the
         core's exit status if it died first (its own error is on the stderr we share)."""
         deadline = time.monotonic() + timeout_s
@@ -185,7 +190,7 @@ class CoreClient:
         return stream
 
     def add(
-        self, rid: str, prompt_ids: list[int], params: dict[str, Any], export: bool = False
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, export: bool = False
     ) -> RequestStream:
         stream = self._open(rid)
         self._send(wire.Add(rid, prompt_ids, params, export))
@@ -209,13 +214,18 @@ class CoreClient:
     def forget(self, rid: str) -> None:
         self.streams.pop(rid, None)
 
-    async def call(self, method: str, wait_s: float = 60.0, **args: Any) -> Any:
+    def call_id(self) -> int:
+        """A fresh id for an operation (wire/ops.py) to be sent with `call`."""
+        return next(self._ids)
+
+    async def call(self, op: ops.Op, wait_s: float = 60.0) -> ops.OpResult:
+        """Send `op` (made with `call_id()`); -> its result, or its error raised as CoreError."""
         if self.dead is not None:
             raise CoreDead(self.dead)
         assert self.loop is not None, "attach() first"
-        call_id = next(self._ids)
+        call_id = op.call_id
         fut = self.calls[call_id] = self.loop.create_future()
-        self._send(wire.Call(call_id, method, args))
+        self._send(op)
         try:
             return await asyncio.wait_for(fut, wait_s)
         finally:
@@ -244,7 +254,7 @@ class CoreClient:
             if isinstance(ev, wire.Accepted):
                 s = streams.get(ev.request_id)
                 if s is not None:
-                    s.accept(ev.info)
+                    s.accept(ev.timings)
             elif isinstance(ev, wire.Refused):
                 s = streams.pop(ev.request_id, None)
                 if s is not None:

@@ -13,6 +13,8 @@ and, like /health, needs no worker token.
 
 from __future__ import annotations
 
+from splitserve.wire.stats import SpecDecodeCounts, WorkerStats
+
 _GAUGES = (
     ("vllm:num_requests_running", "Requests in the engine's running batch"),
     ("vllm:num_requests_waiting", "Requests waiting in the engine's queue"),
@@ -35,48 +37,47 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_worker_metrics(stats: dict, model_name: str, block_size: int) -> bytes:
+def render_worker_metrics(stats: WorkerStats, model_name: str, block_size: int) -> bytes:
     """Prometheus text exposition of one worker's `/stats`."""
-    blocks = stats.get("blocks") or {}
-    usage = 1 - blocks["free"] / blocks["total"] if blocks.get("total") else 0.0
-    prefix = stats.get("prefix_cache") or {}
+    blocks = stats.blocks
+    usage = 1 - blocks.free / blocks.total if blocks.total else 0.0
+    prefix = stats.prefix_cache
     values = {
-        "vllm:num_requests_running": stats.get("running", 0),
-        "vllm:num_requests_waiting": stats.get("waiting", 0),
+        "vllm:num_requests_running": stats.running,
+        "vllm:num_requests_waiting": stats.waiting,
         "vllm:kv_cache_usage_perc": usage,
         "vllm:gpu_cache_usage_perc": usage,
-        "vllm:num_preemptions": stats.get("preemptions", 0),
-        "vllm:prefix_cache_queries": prefix.get("queries", 0),
-        "vllm:prefix_cache_hits": prefix.get("hits", 0),
+        "vllm:num_preemptions": stats.preemptions,
+        "vllm:prefix_cache_queries": prefix.queries,
+        "vllm:prefix_cache_hits": prefix.hits,
     }
-    role = _escape(str(stats.get("role", "")))
-    labels = f'model_name="{_escape(model_name)}",role="{role}"'
+    labels = f'model_name="{_escape(model_name)}",role="{_escape(stats.role)}"'
     lines = []
     for name, help_text in _GAUGES:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name}{{{labels}}} {values[name]}"]
     for name, help_text in _COUNTERS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter",
                   f"{name}_total{{{labels}}} {values[name]}"]  # fmt: skip
-    lines += _spec_lines(stats.get("spec_decode"), labels)
-    info = f'{labels},block_size="{block_size}",num_gpu_blocks="{blocks.get("total", 0)}"'
+    lines += _spec_lines(stats.spec_decode, labels)
+    info = f'{labels},block_size="{block_size}",num_gpu_blocks="{blocks.total}"'
     lines += ["# HELP vllm:cache_config_info The KV cache's configuration",
               "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{info}}} 1"]  # fmt: skip
     return ("\n".join(lines) + "\n").encode()
 
 
-def _spec_lines(spec: dict | None, labels: str) -> list[str]:
+def _spec_lines(spec: SpecDecodeCounts | None, labels: str) -> list[str]:
     """vLLM's spec_decode counters (and accepted drafts by position, `position` labelled)."""
-    if not spec:
+    if spec is None:
         return []
-    labels = f'{labels},method="{_escape(str(spec.get("method", "")))}"'
+    labels = f'{labels},method="{_escape(spec.method)}"'
     lines = []
     for name, key, help_text in _SPEC_COUNTERS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter",
-                  f"{name}_total{{{labels}}} {spec.get(key, 0)}"]  # fmt: skip
+                  f"{name}_total{{{labels}}} {getattr(spec, key)}"]  # fmt: skip
     name = "vllm:spec_decode_num_accepted_tokens_per_pos"
     lines += [f"# HELP {name} Draft tokens accepted, by their position in the draft (0: the first)",
               f"# TYPE {name} counter"]  # fmt: skip
-    for pos, n in enumerate(spec.get("accepted_per_pos") or ()):
+    for pos, n in enumerate(spec.accepted_per_pos):
         lines.append(f'{name}_total{{{labels},position="{pos}"}} {n}')
     return lines
 

@@ -12,27 +12,32 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TypeVar
+
+from msgspec.structs import replace
 
 from splitserve.config.worker import WorkerConfig
 from splitserve.core.ops import RoleError
 from splitserve.core.share import CORES_PREFIX
 from splitserve.sampling.grammar_check import check_grammar
+from splitserve.sampling.params import SamplingParams
 from splitserve.tempdirs import remove_if_orphaned
 from splitserve.wire import core as wire
+from splitserve.wire import ops
 from splitserve.wire.http import (
     DecodeRequest,
-    FaultsRequest,
     GenerateRequest,
-    KVExportBody,
     PrefillRequest,
     PrefillResponse,
     StreamLine,
-    logprob_from_dict,
-    sampling_params,
+    Timings,
 )
+from splitserve.wire.kv_handle import KVExport
+from splitserve.wire.stats import Health, WorkerStats
 from splitserve.worker.core_client import CoreClient, RequestStream
 from splitserve.worker.text_stream import TextStream
+
+R = TypeVar("R")
 
 
 class Worker:
@@ -53,7 +58,7 @@ class Worker:
             self.client.close()
             raise
         self.info = self.client.wait_ready()
-        self.kv_address: str | None = self.info.get("kv_address")
+        self.kv_address: str | None = self.info.kv_address
         self._ids = itertools.count()
         self._tag = secrets.token_hex(4)  # request ids unique across workers: decode keeps them
 
@@ -79,9 +84,8 @@ class Worker:
         return self.tokenizer.encode(prompt)
 
     @staticmethod
-    async def _params(data: dict[str, Any]) -> Any:
+    async def _params(params: SamplingParams) -> SamplingParams:
         """Checked whole here (a grammar parsed off the loop, cached): the core gets nothing bad."""
-        params = sampling_params(data)
         if params.n != 1:
             raise ValueError("a worker serves one sample per request (n = 1): the router fans out n")
         if params.grammar is not None:
@@ -96,7 +100,7 @@ class Worker:
         ids = self._prompt_ids(req.prompt_input())
         rid = req.request_id or self._new_id("pf")
         start = time.perf_counter()
-        stream = self.client.add(rid, ids, req.sampling_params, export=True)
+        stream = self.client.add(rid, ids, core_params(params), export=True)
         deltas: list[wire.Delta] = []
         try:
             await stream.accepted
@@ -113,13 +117,13 @@ class Worker:
         assert line is not None and line.token_ids
         kv_export = last.kv_export
         if text.finished and kv_export is not None:  # a stop string ended it at once: nothing to hand on
-            await self.client.call("release", kv_export=kv_export)
+            await self.client.call(ops.Release(self.client.call_id(), kv_export))
             kv_export = None
         return PrefillResponse(
             request_id=rid, first_token=line.token_ids[0], text=line.text,
             finish_reason=text.finish_reason if text.finished else None, kv_export=kv_export,
             seconds=time.perf_counter() - start, logprob=line.logprobs[0] if line.logprobs else None,
-            prompt_token_ids=ids, metrics=deltas[0].metrics or {},
+            prompt_token_ids=ids, timings=deltas[0].timings or Timings(),
         )  # fmt: skip
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[StreamLine]:
@@ -127,12 +131,8 @@ class Worker:
         self._need("decode")
         params = await self._params(req.sampling_params)
         rid = req.request_id or req.kv_export.handle.request_id or self._new_id("dc")
-        lp = None
-        if req.first_logprob is not None:
-            x = logprob_from_dict(req.first_logprob)
-            lp = [x.token_id, x.logprob, x.rank, [list(t) for t in x.top]]
-        cmd = wire.Import(rid, list(req.prompt_token_ids), req.first_token, req.kv_export.model_dump(),
-                          req.sampling_params, lp, req.kv_policy, req.timeout_s)  # fmt: skip
+        cmd = wire.Import(rid, list(req.prompt_token_ids), req.first_token, req.kv_export,
+                          core_params(params), req.first_logprob, req.kv_policy, req.timeout_s)  # fmt: skip
         stream = self.client.import_kv(cmd)
         async for line in self._lines(rid, stream, TextStream(rid, params, self.tokenizer), timings=False):
             yield line
@@ -141,7 +141,7 @@ class Worker:
         params = await self._params(req.sampling_params)
         ids = self._prompt_ids(req.prompt_input())
         rid = req.request_id or self._new_id("gen")
-        stream = self.client.add(rid, ids, req.sampling_params)
+        stream = self.client.add(rid, ids, core_params(params))
         async for line in self._lines(rid, stream, TextStream(rid, params, self.tokenizer), timings=True):
             yield line
 
@@ -155,7 +155,7 @@ class Worker:
         interval = self.config.stream_interval
         held: list[wire.Delta] = []  # deltas taken with the first one, sent in the next line
         try:
-            info = await stream.accepted
+            imported = await stream.accepted
             while True:
                 deltas, held = held or await stream.take(), []
                 if text.tokens == 0 and len(deltas) > 1:  # the first line carries the first delta alone
@@ -167,10 +167,10 @@ class Worker:
                     and sum(len(d.token_ids) for d in deltas) < interval
                 ):
                     deltas += await stream.take()
-                metrics = None
+                first = None
                 if text.tokens == 0:
-                    metrics = (deltas[0].metrics or {}) if timings else dict(info)
-                line = text.feed(deltas, metrics)
+                    first = (deltas[0].timings if timings else imported) or Timings()
+                line = text.feed(deltas, first)
                 if text.stopped_early:
                     self.client.cancel(rid)
                 if line is None:
@@ -190,41 +190,52 @@ class Worker:
 
     # ---- operations ------------------------------------------------------------------------------
 
-    def health(self) -> dict:
+    def health(self) -> Health:
         status = "ok" if self.alive() else "engine_dead"
         if status == "ok" and self.client.stopped():
             status = "engine_stopped"  # answered with a 503: missed health checks get it replaced
-        return {**self.info, "status": status, "pid": os.getpid()}
+        return replace(self.info, status=status, pid=os.getpid())
 
-    async def stats(self) -> dict:
-        return await self.client.call("stats")
+    async def stats(self) -> WorkerStats:
+        return _expect(await self.client.call(ops.GetStats(self.client.call_id())), WorkerStats)
 
-    async def check_peer(self, address: str, timeout_s: float) -> dict:
+    async def check_peer(self, address: str, timeout_s: float) -> ops.PeerChecked:
         """Handshake with an exporter now (decode side); refused pairs raise CoreError (403 / 409)."""
         if self.config.role == "colocated":
             raise RoleError("a colocated worker has no KV transport")
-        return await self.client.call(
-            "check_peer", wait_s=timeout_s + 5, address=address, timeout_s=timeout_s
-        )
+        op = ops.CheckPeer(self.client.call_id(), address, timeout_s)
+        return _expect(await self.client.call(op, wait_s=timeout_s + 5), ops.PeerChecked)
 
-    async def release(self, kv_export: KVExportBody) -> dict:
+    async def release(self, kv_export: KVExport) -> ops.Ok:
         self._need("prefill")
-        return await self.client.call("release", kv_export=kv_export.model_dump())
+        return _expect(await self.client.call(ops.Release(self.client.call_id(), kv_export)), ops.Ok)
 
-    async def probe_export(self, num_blocks: int) -> dict:
+    async def probe_export(self, num_blocks: int) -> ops.ProbeExported:
         self._need("prefill")
-        return await self.client.call("probe_export", num_blocks=num_blocks)
+        op = ops.ProbeExport(self.client.call_id(), num_blocks)
+        return _expect(await self.client.call(op), ops.ProbeExported)
 
-    async def probe(self, kv_export: KVExportBody, timeout_s: float) -> dict:
+    async def probe(self, kv_export: KVExport, timeout_s: float) -> ops.ProbeResult:
         self._need("decode")
-        return await self.client.call(
-            "probe", wait_s=timeout_s + 5, kv_export=kv_export.model_dump(), timeout_s=timeout_s
-        )
+        op = ops.Probe(self.client.call_id(), kv_export, timeout_s)
+        return _expect(await self.client.call(op, wait_s=timeout_s + 5), ops.ProbeResult)
 
-    async def set_faults(self, knobs: FaultsRequest) -> dict:
-        return await self.client.call("set_faults", **knobs.model_dump())
+    async def set_faults(self, knobs: ops.FaultKnobs) -> ops.FaultsSet:
+        return _expect(await self.client.call(ops.SetFaults(self.client.call_id(), knobs)), ops.FaultsSet)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.client.close)
         if self.config.core_share:  # a runtime that was SIGKILLed cannot remove its folder of lent cores
             remove_if_orphaned(os.path.dirname(self.config.core_share), CORES_PREFIX)
+
+
+def core_params(params: SamplingParams) -> SamplingParams:
+    """What the engine core runs with: no text (this front end detokenizes and cuts stop strings)."""
+    return replace(params, stop=(), include_stop_str_in_output=False, detokenize=False)
+
+
+def _expect(result: ops.OpResult, kind: type[R]) -> R:
+    """An operation's result, of the type its operation answers with."""
+    if not isinstance(result, kind):
+        raise TypeError(f"the engine core answered {type(result).__name__}, expected {kind.__name__}")
+    return result

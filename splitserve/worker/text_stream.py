@@ -12,14 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from splitserve.sampling.logprobs import TokenLogprob
 from splitserve.sampling.params import SamplingParams
 from splitserve.sampling.stop_strings import cut_text, find_stop_string
 from splitserve.wire.core import Delta
-from splitserve.wire.http import StreamLine
-
-
-def logprob_row_to_dict(row: list[Any]) -> dict[str, Any]:
-    return {"token_id": row[0], "logprob": row[1], "rank": row[2], "top": [list(t) for t in row[3]]}
+from splitserve.wire.http import StreamLine, Timings
 
 
 class TextStream:
@@ -41,11 +38,11 @@ class TextStream:
         self.stop_reason: int | str | None = None
         self.stopped_early = False  # a stop string ended it before the core did
 
-    def feed(self, deltas: list[Delta], metrics: dict[str, Any] | None = None) -> StreamLine | None:
-        """The line for `deltas` (None if nothing can be sent yet); `metrics` rides on the first line."""
+    def feed(self, deltas: list[Delta], timings: Timings | None = None) -> StreamLine | None:
+        """The line for `deltas` (None if nothing can be sent yet); `timings` rides on the first line."""
         first = self.tokens == 0
         new_ids: list[int] = []
-        lps: list[dict[str, Any]] | None = [] if self.params.logprobs is not None else None
+        lps: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
         for d in deltas:
             last = len(d.token_ids) - 1
             for i, tok in enumerate(d.token_ids):
@@ -53,7 +50,7 @@ class TextStream:
                     break
                 new_ids.append(tok)
                 if lps is not None and d.logprobs is not None and i < len(d.logprobs):
-                    lps.append(logprob_row_to_dict(d.logprobs[i]))
+                    lps.append(d.logprobs[i])
                 self._take(tok, d if i == last else None)
             if not d.token_ids and d.finished and not self.finished and d.finish_reason is not None:
                 self._finish(d.finish_reason, d.stop_reason)  # e.g. aborted with nothing new
@@ -66,7 +63,7 @@ class TextStream:
         line = StreamLine(
             request_id=self.request_id, offset=self.tokens, token_ids=new_ids, text=text,
             finished=self.finished, finish_reason=self.finish_reason, logprobs=lps,
-            metrics=(metrics or {}) if first else None,
+            timings=(timings or Timings()) if first else None,
         )  # fmt: skip
         self.tokens += len(new_ids)
         self.emitted = max(self.emitted, visible)

@@ -24,7 +24,9 @@ import zmq
 from splitserve.config.engine import EngineConfig
 from splitserve.config.worker import WorkerConfig
 from splitserve.core.loop import EngineCore
+from splitserve.sampling.params import SamplingParams
 from splitserve.wire import core as wire
+from splitserve.wire.kv_handle import KVExport, KVHandle
 
 pytestmark = pytest.mark.slow
 
@@ -73,12 +75,13 @@ def core(tmp_path: Path, monkeypatch) -> Iterator[Core]:
 def _import_from_the_dead(c: Core, request_id: str, sent: bool = False) -> None:
     """An import of KV from the dead exporter: applied in this thread, or `sent` on the command socket."""
     assert c.core.connector is not None
-    handle = {
-        "backend": "shm", "address": f"unix:{c.gone}", "request_id": request_id, "lease_id": "l1",
-        "block_ids": [0], "num_tokens": 4, "layout_fingerprint": c.core.connector.layout.fingerprint,
-        "lease_expires_at": time.time() + 30,
-    }  # fmt: skip
-    cmd = wire.Import(request_id, [1, 2, 3, 4], 5, {"handle": handle}, {"max_tokens": 4}, timeout_s=5)
+    handle = KVHandle(
+        backend="shm", address=f"unix:{c.gone}", request_id=request_id, lease_id="l1", block_ids=(0,),
+        num_tokens=4, layout_fingerprint=c.core.connector.layout.fingerprint,
+        lease_expires_at=time.time() + 30,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=4, detokenize=False)
+    cmd = wire.Import(request_id, [1, 2, 3, 4], 5, KVExport(handle), params, timeout_s=5)
     if sent:
         c.feed.send(wire.command_encoder.encode(cmd))
     else:

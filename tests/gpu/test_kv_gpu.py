@@ -16,6 +16,7 @@ import multiprocessing as mp
 import time
 from dataclasses import asdict, dataclass
 
+import msgspec
 import pytest
 import torch
 
@@ -76,7 +77,7 @@ def _exporter_main(conn, spec_dict: dict) -> None:
             handle = transports[backend].export(
                 request_id, ids, len(ids) * spec.block_size, spec.state(request_id)
             )
-            conn.send(handle.to_dict())
+            conn.send(msgspec.msgpack.encode(handle))
         elif cmd == "freed":
             conn.send(list(freed))
         elif cmd == "stop":
@@ -103,7 +104,7 @@ class Exporter:
         return self.conn.recv()
 
     def export(self, backend: str, request_id: str, ids: list[int]) -> KVHandle:
-        return KVHandle.from_dict(self.call("export", backend, request_id, ids))
+        return msgspec.msgpack.decode(self.call("export", backend, request_id, ids), type=KVHandle)
 
     def stop(self) -> None:
         try:

@@ -10,6 +10,7 @@ pin the HTTP answers (403, 409) of /decode and /kv/connect.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from kv_transfer_helpers import (
     SECRET,
@@ -55,7 +56,7 @@ def _engine(model, secret: str = SECRET, **knobs) -> tuple[LLMEngine, KVConnecto
 
 
 def _import(engine: LLMEngine, pre: dict) -> KVTransferFailed:
-    export = KVExport.from_dict(pre["kv_export"])
+    export = msgspec.convert(pre["kv_export"], KVExport)
     with pytest.raises(KVTransferFailed) as info:
         engine.add_request_with_kv(export.handle, PROMPT, pre["first_token"], SamplingParams(**GREEDY),
                                    generator_state=export.generator_state)  # fmt: skip

@@ -10,6 +10,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.logs import TEXT_FORMAT, JsonFormatter
 from splitserve.runtime.local import worker_line
+from splitserve.wire.stats import (
+    BlockCounts,
+    PrefixCacheCounts,
+    SlotCounts,
+    StepCounts,
+    ThreadCounts,
+    WorkerStats,
+)
 from splitserve.worker.metrics import render_worker_metrics
 
 
@@ -39,8 +47,12 @@ def test_a_workers_json_line_stays_json_and_a_text_line_gets_its_name():
 
 
 def test_worker_metrics_are_what_an_inference_gateway_scrapes():
-    stats = {"role": "decode", "running": 3, "waiting": 2, "blocks": {"total": 100, "free": 75},
-             "preemptions": 4, "prefix_cache": {"queries": 90, "hits": 30}}  # fmt: skip
+    stats = WorkerStats(
+        role="decode", running=3, waiting=2, importing=0, unfinished=5, blocks=BlockCounts(100, 75, 0),
+        state_slots=SlotCounts(4, 4), preemptions=4, prompt_tokens_computed=0, kv_bytes_per_token=1,
+        steps=StepCounts(0, 0, 0.0, 0.0), threads=ThreadCounts(1, 1, 0, 0),
+        prefix_cache=PrefixCacheCounts(90, 30, None), kv_transfer=None, memory=None, spec_decode=None,
+    )  # fmt: skip
     text = render_worker_metrics(stats, "smol", 16).decode()
     got = {s.name: s for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert got["vllm:num_requests_waiting"].value == 2 and got["vllm:num_requests_running"].value == 3

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import zlib
 from dataclasses import asdict, dataclass, field
 
+import msgspec
 import torch
 
 from splitserve.transport import KVHandle, KVLayout, TransportOptions, make_transport
@@ -74,7 +75,9 @@ def _serve(conn, spec_dict: dict) -> None:
         if cmd == "export":
             backend, request_id, block_ids, num_tokens = args
             state = make_state(spec, request_id) if spec.state_shapes else None
-            conn.send(transports[backend].export(request_id, block_ids, num_tokens, state).to_dict())
+            conn.send(
+                msgspec.msgpack.encode(transports[backend].export(request_id, block_ids, num_tokens, state))
+            )
         elif cmd == "freed":
             conn.send(list(freed))
         elif cmd == "describe":
@@ -104,7 +107,9 @@ class ExporterProcess:
         return self.conn.recv()
 
     def export(self, backend: str, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
-        return KVHandle.from_dict(self.call("export", backend, request_id, block_ids, num_tokens))
+        return msgspec.msgpack.decode(
+            self.call("export", backend, request_id, block_ids, num_tokens), type=KVHandle
+        )
 
     def freed(self) -> list[list[int]]:
         return self.call("freed")

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 from kv_helpers import HAVE_LIBFABRIC, HAVE_NIXL, NIXL, SECRET, layout_of, needs_nixl, our_segments, small_kv
@@ -230,7 +231,7 @@ def test_fetch_after_lease_expiry(make, backend):
 def test_unknown_lease(make):
     exporter = make("tcp")
     handle = export_some(exporter)
-    forged = KVHandle.from_dict({**handle.to_dict(), "lease_id": "nope"})
+    forged = msgspec.structs.replace(handle, lease_id="nope")
     with pytest.raises(UnknownLease):
         make("tcp").fetch(forged, [0, 1, 2, 3], timeout_s=5)
 

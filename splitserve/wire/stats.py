@@ -1,0 +1,171 @@
+"""What a worker says about itself: `Health` (GET /health, and the engine core's `Ready`) and
+`WorkerStats` (GET /stats, the core's answer to `GetStats`). Read by the runtimes, the router's probes
+and metrics, and the worker's own GET /metrics.
+
+Two fields are open diagnostic trees, typed `Diagnostics`: the transport's self-description
+(`KVTransferCounts.transport`: per backend, what an operator reads when a transfer is slow) and the
+weight loader's report (`Health.load`). No code reads their fields; everything that is read is typed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+import msgspec
+
+from splitserve.wire.result import Result
+
+# An operator's diagnostic tree, free in shape per backend (see the module docstring); nothing reads it.
+Diagnostics: TypeAlias = dict[str, Any]
+
+
+class EngineSettings(msgspec.Struct):
+    """The knobs the engine runs with (prefix caching as in effect; the step budget as resolved)."""
+
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    kv_cache_bytes: int | None
+    enable_prefix_caching: bool
+    enforce_eager: bool
+    seed: int | None
+    tokenizer: str | None
+
+
+class Health(msgspec.Struct):
+    status: str  # ok | engine_dead | engine_stopped (a 503: missed health checks get it replaced)
+    role: str
+    model: str
+    tokenizer: str | None
+    core_pid: int
+    kv_backend: str | None
+    kv_address: str | None
+    layout_fingerprint: str | None
+    kv_requested: str | None
+    max_model_len: int
+    block_bytes: int
+    num_blocks: int
+    vocab_size: int
+    device: str
+    dtype: str
+    load: Diagnostics  # weights: method, cache status, seconds per stage (model/loader.py)
+    startup: dict[str, float]  # this process's age at the end of each start-up phase, by phase
+    engine: EngineSettings
+    pid: int | None = None  # the front end's (set by the worker, not the core)
+
+
+class BlockCounts(msgspec.Struct):
+    total: int
+    free: int
+    held: int  # freed, but a late KV copy may still write them
+
+
+class SlotCounts(msgspec.Struct):
+    total: int
+    free: int
+
+
+class StepCounts(msgspec.Struct):
+    forward: int  # steps that ran the model (overlapped or not)
+    overlapped: int
+    step_s: float  # host wall time inside step()
+    loop_s: float  # wall time of the core's loop turns that had work
+
+
+class ThreadCounts(msgspec.Struct):
+    """CPU: the worker's own threads, its last step's, steps on lent cores and paced steps."""
+
+    own: int
+    now: int
+    borrowed_steps: int
+    paced_steps: int
+
+
+class CheckpointCounts(msgspec.Struct):
+    """Hybrid models' prefix caching: state checkpoints held, their capacity, saved and restored."""
+
+    entries: int
+    capacity: int
+    saved: int
+    restored: int
+
+
+class PrefixCacheCounts(msgspec.Struct):
+    queries: int
+    hits: int
+    state_checkpoints: CheckpointCounts | None
+
+
+class SpecDecodeCounts(msgspec.Struct):
+    method: str
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]
+
+
+class KVTransferCounts(msgspec.Struct):
+    backend: str | None
+    policy: str
+    importing: int
+    counts: dict[str, float]  # running totals by name (exports, fetches, fetched_bytes, fetch_seconds, ...)
+    failures: dict[str, int]  # failed fetches by error class
+    transport: Diagnostics  # the transport's self-description (see the module docstring)
+
+
+class MemoryBytes(msgspec.Struct):
+    """CUDA: the worker's memory plan (bytes, engine/memory_plan.py) and what torch holds now and at peak."""
+
+    share: int | None
+    weights: int
+    non_torch: int
+    activations: int
+    graphs: int
+    transfer: int
+    grammar: int
+    checkpoints: int
+    margin: int
+    state_slots: int
+    state_bytes: int
+    num_blocks: int
+    kv_bytes: int
+    total: int
+    torch_reserved: int
+    torch_peak_reserved: int
+
+
+class WorkerStats(Result):
+    role: str
+    running: int
+    waiting: int
+    importing: int
+    unfinished: int
+    blocks: BlockCounts
+    state_slots: SlotCounts
+    preemptions: int
+    prompt_tokens_computed: int
+    kv_bytes_per_token: int
+    steps: StepCounts
+    threads: ThreadCounts
+    prefix_cache: PrefixCacheCounts
+    kv_transfer: KVTransferCounts | None
+    memory: MemoryBytes | None
+    spec_decode: SpecDecodeCounts | None
+
+
+__all__ = [
+    "BlockCounts",
+    "CheckpointCounts",
+    "Diagnostics",
+    "EngineSettings",
+    "Health",
+    "KVTransferCounts",
+    "MemoryBytes",
+    "PrefixCacheCounts",
+    "SlotCounts",
+    "SpecDecodeCounts",
+    "StepCounts",
+    "ThreadCounts",
+    "WorkerStats",
+]
