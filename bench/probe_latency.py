@@ -36,17 +36,17 @@ async def measure(url: str, repeats: int, sizes: list[int]) -> None:
         ones = []
         for _ in range(repeats):
             ones.append(await probe_pair(http, p["url"], d["url"], 1))
-        ms = [x["seconds"] * 1e3 for x in ones]
+        ms = [x.seconds * 1e3 for x in ones]
         rest = ms[1:]
-        print(f"1 block over {ones[0]['backend']}: first {ms[0]:.2f} ms, then median "
+        print(f"1 block over {ones[0].backend}: first {ms[0]:.2f} ms, then median "
               f"{statistics.median(rest):.2f} (min {min(rest):.2f}, max {max(rest):.2f}) ms; "
-              f"{ones[0]['bytes']} bytes counted")  # fmt: skip
+              f"{ones[0].bytes} bytes counted")  # fmt: skip
         print(f"  each: {[round(x, 2) for x in ms]}")
         for n in sizes:
             runs = [await probe_pair(http, p["url"], d["url"], n) for _ in range(5)]
-            t = statistics.median(x["seconds"] for x in runs)
-            print(f"{n:5d} blocks ({runs[0]['bytes'] / 2**20:8.1f} MiB): median {t * 1e3:8.2f} ms, "
-                  f"{runs[0]['bytes'] / t / 1e9:7.1f} GB/s", flush=True)  # fmt: skip
+            t = statistics.median(x.seconds for x in runs)
+            print(f"{n:5d} blocks ({runs[0].bytes / 2**20:8.1f} MiB): median {t * 1e3:8.2f} ms, "
+                  f"{runs[0].bytes / t / 1e9:7.1f} GB/s", flush=True)  # fmt: skip
         s = (await http.get(f"{d['url']}/stats")).json()
         print("decode worker kv_transfer stats:", s.get("kv_transfer"))
 

@@ -1,2 +1,12 @@
-"""What crosses a process edge: the worker HTTP API's bodies (http.py, router <-> worker), the front end <->
-engine core messages (core.py), and the worker API's auth headers (auth.py)."""
+"""What crosses a process edge, as msgspec structs both sides import (one module per edge):
+
+    http.py       router (and gate, runtimes) <-> worker: the HTTP bodies, stream lines, timings
+    core.py       worker front end <-> its engine core: commands, per-step batches, events (msgpack)
+    ops.py        the operations a front end asks of its core, and their answers (also HTTP bodies)
+    stats.py      a worker's health and stats
+    kv_handle.py  the KV handle, the one type from the prefill engine to the decode engine
+    auth.py       the worker API's bearer token
+
+Sampling parameters and token logprobs are the sampling leaf's own structs (splitserve/sampling), used
+as they are on every wire. tests/wire/test_wire_types.py keeps every field typed.
+"""

@@ -168,12 +168,12 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
     async def prefill(request: Request) -> Response:
         return _json(await worker.prefill(await _body(request, PrefillRequest)))
 
-    @app.post("/decode")
+    @app.post("/decode", response_model=None)
     async def decode(request: Request) -> StreamingResponse | Response:
         req = await _body(request, DecodeRequest)
         return await _ndjson(worker.decode(req), req.stream)
 
-    @app.post("/generate")
+    @app.post("/generate", response_model=None)
     async def generate(request: Request) -> StreamingResponse | Response:
         req = await _body(request, GenerateRequest)
         return await _ndjson(worker.generate(req), req.stream)

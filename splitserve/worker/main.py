@@ -13,8 +13,8 @@ too, so that the runtime restarts the worker.
 Roles and the life of a disaggregated request through two workers (the router drives it):
   1. prefill worker, POST /prefill {prompt_token_ids, sampling_params}: the core runs the prompt,
      samples the first token, leases the blocks (and hybrid state) to the KV transport, and the answer
-     is {first_token, kv: {handle, generator_state}}. Unclaimed, the lease ends after --kv-lease-s.
-  2. decode worker, POST /decode {prompt_token_ids, first_token, kv, sampling_params}: the core
+     is {first_token, kv_export: {handle, generator_state}}. Unclaimed, the lease ends after --kv-lease-s.
+  2. decode worker, POST /decode {prompt_token_ids, first_token, kv_export, sampling_params}: the core
      reserves blocks, fetches (the transport's handshake checks the layout and the shared secret on
      first contact), has the prefill lease released, joins the batch, and this process streams NDJSON
      lines from the first token on. A failed fetch follows --kv-policy (or the body's kv_policy):
