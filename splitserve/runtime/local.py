@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 from tqdm.auto import tqdm  # here, not at start(): an import there would hold up the router's 503s
 
 from splitserve.config.manifest import Manifest
@@ -38,6 +39,7 @@ from splitserve.runtime.common import core_share_file, worker_argv
 from splitserve.runtime.mps import MpsDaemon, MpsPlan
 from splitserve.runtime.mps import plan as mps_plan
 from splitserve.wire.auth import worker_headers
+from splitserve.wire.lifecycle import Launch, Standby
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +203,7 @@ class LocalRuntime:
             spare.owner = w
             w.proc = spare.proc
             assert w.proc.stdin is not None
-            w.proc.stdin.write(json.dumps({"argv": w.argv[3:]}).encode() + b"\n")
+            w.proc.stdin.write(msgspec.json.encode(Launch(w.argv[3:])) + b"\n")
             await w.proc.stdin.drain()
             self.start_standby()
         else:
@@ -269,8 +271,10 @@ class LocalRuntime:
         assert proc.stdout is not None
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), 300)
-            if json.loads(line or b"{}").get("event") != "standby":
-                raise ValueError(f"unexpected first line {line[:100]!r}")
+            try:
+                msgspec.json.decode(line, type=Standby)
+            except msgspec.DecodeError:
+                raise ValueError(f"unexpected first line {line[:100]!r}") from None
         except (TimeoutError, ValueError) as exc:
             log.warning("the standby worker process did not start (%s); restarts spawn afresh", exc)
             await self._kill(proc)

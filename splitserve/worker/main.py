@@ -28,12 +28,13 @@ POST /kv/release (prefill: end an export's lease now), POST /debug/faults (--ena
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
+
+import msgspec
 
 from splitserve.config.worker import ROLES, WorkerConfig
 from splitserve.core.ops import RoleError
@@ -41,6 +42,7 @@ from splitserve.model.errors import ModelLoadError
 from splitserve.startup_clock import mark, marks
 from splitserve.transport import TransportError
 from splitserve.wire.auth import worker_headers, worker_token  # noqa: F401 - re-exported
+from splitserve.wire.lifecycle import Launch, ReadyLine, Standby
 from splitserve.worker.cli import build_parser, config_from_args
 from splitserve.worker.core_client import CoreClient, CoreDead
 from splitserve.worker.service import Worker
@@ -64,14 +66,14 @@ def standby() -> list[str]:
     import splitserve.model.tokenizer  # noqa: F401 - the import is the point
     import splitserve.worker.app  # noqa: F401
 
-    print(json.dumps({"event": "standby", "pid": os.getpid()}), flush=True)
+    print(msgspec.json.encode(Standby(pid=os.getpid())).decode(), flush=True)
     line = sys.stdin.readline()
     if not line:
         raise SystemExit(0)  # the runtime went away
-    argv = json.loads(line)["argv"]
-    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
-        raise SystemExit('splitserve worker: a standby wants {"argv": [str, ...]}')
-    return argv
+    try:
+        return msgspec.json.decode(line, type=Launch).argv
+    except msgspec.DecodeError:
+        raise SystemExit('splitserve worker: a standby wants {"argv": [str, ...]}') from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,8 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         freeze_heap("worker front end")
         mark("ready")
-        info = {"event": "ready", "url": url, **worker.health(), "front_end": marks()}
-        print(json.dumps(info), flush=True)
+        line = ReadyLine(**msgspec.structs.asdict(worker.health()), url=url, front_end=marks())
+        print(msgspec.json.encode(line).decode(), flush=True)
 
     serve(worker, config.kv_host, args.port, ready)
     return 0

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[2] / "splitserve"
 # Fields whose type is a dict: keys that are data (names of phases, counters, error classes), not fields.
 MAPS: dict[str, str] = {
     "Health.startup": "start-up phase -> the process's age when it ended",
+    "ReadyLine.startup": "the same, in the ready line (which carries the health)",
+    "ReadyLine.front_end": "the front end's start-up phase -> its age when it ended",
     "KVTransferCounts.counts": "counter name -> running total (the connector adds counters as it grows)",
     "KVTransferCounts.failures": "error class -> failed fetches",
 }
@@ -41,6 +43,7 @@ MAPS: dict[str, str] = {
 # never grow it.
 OPEN: dict[str, str] = {
     "Health.load": "the weight loader's report: stages and reader statistics vary by load method",
+    "ReadyLine.load": "the same, in the ready line",
     "KVTransferCounts.transport": "each transport backend's self-description, for operators",
 }
 # Modules whose decodes of bodies from another process are scanned for their target types.
