@@ -72,6 +72,7 @@ class OpenAIServer:
         self.describe_workers = describe_workers
         self.worker_stats = worker_stats
         self.keys = [k.encode() for k in manifest.server.keys()]
+        self.grammar_limits = manifest.server.structured.limits()  # structured.py checks specs on them
         self.dispatcher = Dispatcher(
             workers, manifest.router, manifest.mode, manifest.engine.block_size, worker_headers
         )

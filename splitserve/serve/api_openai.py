@@ -23,7 +23,7 @@ from splitserve.serve.api_respond import CleanupStream, respond
 from splitserve.serve.chat_template import render_chat, template_kwargs
 from splitserve.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validate_body
 from splitserve.serve.responses import ResponseEvents, ResponsesRequest, response_object
-from splitserve.serve.structured import checked, requested_grammar
+from splitserve.serve.structured import check_tool_limits, checked, requested_grammar
 from splitserve.serve.tools import chosen_tools, render_messages, tool_grammar
 
 log = logging.getLogger(__name__)
@@ -67,14 +67,17 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     server.check_length(len(prompt_ids), req.max_new(), "messages")
     params = req.sampling(req.max_new(), req.logprobs_k())
     asked = requested_grammar(req)
+    limits = server.grammar_limits
+    if mode in ("required", "named"):
+        check_tool_limits(tools, limits)
     forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, server.tool_format)
     if forced is not None and asked is not None:
         raise APIError(400, f"tool_choice {mode} and {asked[1]} each constrain the answer: give one",
                        param="tool_choice")  # fmt: skip
     if forced is not None:
-        params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools")
+        params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools", limits)
     elif asked is not None:
-        params["grammar"] = await checked(*asked)
+        params["grammar"] = await checked(*asked, limits)
     prompts = [(prompt_ids, "")]
     fmt = server.tool_format if tools else None
     return await respond(server, "chat", req, prompts, params, start, request, fmt)
@@ -111,7 +114,7 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
     params = req.sampling(req.max_tokens, req.logprobs)
     asked = requested_grammar(req)
     if asked is not None:
-        params["grammar"] = await checked(*asked)
+        params["grammar"] = await checked(*asked, server.grammar_limits)
     return await respond(server, "completion", req, prompts, params, start, request)
 
 

@@ -5,7 +5,9 @@ OpenAI's `response_format`: `text`, `json_object` (any JSON object), `json_schem
 `strict`). vLLM's extras, on chat and completions alike: `structured_outputs` ({json | regex | choice |
 grammar | json_object | structural_tag}) and the older `guided_json`, `guided_regex`, `guided_choice`,
 `guided_grammar`. At most one of them per request. The grammar is compiled by each engine
-(engine/grammar.py); here it is only parsed, off the event loop and cached per spec.
+(engine/grammar.py); here it is checked against the manifest's limits (`server.structured`,
+engine/grammar_limits.py: enum and choice counts, nesting, size, regex repetition) and parsed, off the
+event loop and cached per spec, so that a costly or bad one is a 400 before anything is queued.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from splitserve.engine.grammar import GrammarError, check_grammar
+from splitserve.engine.grammar_limits import GrammarLimitError, GrammarLimits, check_limits, check_schema
 from splitserve.engine.params import GrammarSpec
 from splitserve.serve.openai_protocol import APIError, JSONSchemaFormat, StructuredOutputs
 
@@ -87,13 +90,31 @@ def _spec(kind: str, value: Any, param: str) -> tuple[GrammarSpec, str]:
     return GrammarSpec("ebnf" if kind == "grammar" else kind, value), param
 
 
-async def checked(spec: GrammarSpec, param: str) -> dict[str, Any]:
-    """The spec as sampling params carry it, once it parses; else a 400 naming the problem."""
+async def checked(spec: GrammarSpec, param: str, limits: GrammarLimits) -> dict[str, Any]:
+    """The spec as sampling params carry it, once it is within `limits` and parses; else a 400 naming
+    the limit or the problem."""
     try:
-        await asyncio.to_thread(check_grammar, spec)
+        await asyncio.to_thread(_check, spec, param, limits)
+    except GrammarLimitError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="grammar_too_complex") from None
     except GrammarError as exc:
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_grammar") from None
     return asdict(spec)
 
 
-__all__ = ["checked", "requested_grammar"]
+def _check(spec: GrammarSpec, param: str, limits: GrammarLimits) -> None:
+    check_limits(spec, param, limits)
+    check_grammar(spec)
+
+
+def check_tool_limits(tools: list[dict], limits: GrammarLimits) -> None:
+    """The forced tools' parameter schemas within `limits` (a 400 naming the tool's field)."""
+    for i, tool in enumerate(tools):
+        schema = (tool.get("function") or {}).get("parameters")
+        try:
+            check_schema(schema, f"tools[{i}].function.parameters", limits)
+        except GrammarLimitError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="grammar_too_complex") from None
+
+
+__all__ = ["check_tool_limits", "checked", "requested_grammar"]
