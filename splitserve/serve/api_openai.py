@@ -53,6 +53,8 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     req = validate_body(ChatCompletionRequest, body)
     server.check_model(req.model)
     check_n(server, req.n)
+    limits = server.grammar_limits
+    asked = requested_grammar(req, limits)  # a costly grammar refused before the prompt is rendered
     if server.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
     offered = [t.model_dump(exclude_none=True) for t in req.tools or []]
@@ -66,8 +68,6 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     )
     server.check_length(len(prompt_ids), req.max_new(), "messages")
     params = req.sampling(req.max_new(), req.logprobs_k())
-    asked = requested_grammar(req)
-    limits = server.grammar_limits
     if mode in ("required", "named"):
         check_tool_limits(tools, limits)
     forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, server.tool_format)
@@ -112,7 +112,7 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
         server.check_length(len(ids), req.max_tokens, "prompt")
         prompts.append((ids, text if req.echo else ""))
     params = req.sampling(req.max_tokens, req.logprobs)
-    asked = requested_grammar(req)
+    asked = requested_grammar(req, server.grammar_limits)
     if asked is not None:
         params["grammar"] = await checked(*asked, server.grammar_limits)
     return await respond(server, "completion", req, prompts, params, start, request)
