@@ -105,13 +105,13 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
     return StreamingResponse(body(), media_type=NDJSON)
 
 
-_OPEN = ("/health", "/metrics")  # no token wanted
+_OPEN = ("/health",)  # no token wanted (/metrics tells load and timings: a scraper sends the token)
 _UNAUTHORIZED = b'{"error":{"type":"unauthorized","message":"this worker wants the worker token"}}'
 
 
 class _RequireToken:
-    """Every endpoint but GET /health and GET /metrics (vLLM's names, for inference gateways) answers
-    401 without `Authorization: Bearer <token>`. A plain ASGI middleware: starlette's
+    """Every endpoint but GET /health answers 401 without `Authorization: Bearer <token>` (/metrics,
+    in vLLM's names, as /stats: a gateway that scrapes the workers sends the token). A plain ASGI middleware: starlette's
     BaseHTTPMiddleware would put a memory stream under every chunk."""
 
     def __init__(self, app: Any, token: str) -> None:
