@@ -1,4 +1,4 @@
-"""bf16 top-1 agreement with HF transformers at the Qwen3.5-9B hybrid shape (issue 21, item 2): random
+"""bf16 top-1 agreement with HF transformers at the Qwen3.5-9B hybrid shape: random
 weights (HF's own initializer, `bench/hybrid_gpu.py`'s models: ours loads HF's tensors), our engine's
 bf16 greedy tokens (the fla varlen prefill and the fused decode kernels in CUDA graphs), teacher-forced
 through HF's bf16 forward and its fp32 forward (HF's torch fallback for the Gated DeltaNet: fla hidden

@@ -14,7 +14,7 @@ batch ("int4 kernels").
     python bench/cpu_quant.py --llama-cpp           # also llama.cpp on the same GGUF (llama-cpp-python)
 
 `--llama-cpp` adds a row for llama.cpp itself (the `llama_cpp` package, built for this host) running
-the same GGUF file as it is, teacher-forced over the same sequences: the issue's bar for the int4 option.
+the same GGUF file as it is, teacher-forced over the same sequences: the bar for the int4 option.
 """
 
 from __future__ import annotations

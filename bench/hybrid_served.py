@@ -1,4 +1,4 @@
-"""Issue 21 item 3 (and item 4 on the GPU): the reference model served, measured at its endpoint.
+"""The reference hybrid model (Qwen3.5-9B shape) served, measured at its endpoint.
 
     python bench/hybrid_served.py --tokenizer TOKDIR                      # random:qwen3.5-9b, both modes
     python bench/hybrid_served.py --model random:qwen3.5-tiny --modes disaggregated --kv-backend tcp \
@@ -82,7 +82,7 @@ def show_ttft(tag: str, rows: list[dict]) -> dict:
 def worker_stats(url: str) -> dict:
     import httpx
 
-    from splitserve.serve.worker_auth import worker_headers
+    from splitserve.wire.auth import worker_headers
 
     headers = worker_headers(os.environ["SPLITSERVE_KV_SECRET"])
     out = {}

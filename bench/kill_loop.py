@@ -8,7 +8,8 @@ standby spare on). Each round starts four streams (1,500-token prompts for a pre
 of decoding for a decode victim), SIGKILLs the process once its role is busy, waits for every stream to
 end, then for the worker to come back. A stream still open `--straggler-s` after the kill is a hang:
 the script prints every process's Python stacks (py-spy, where installed) and the deployment's last log
-lines, then stops. This is the loop that reproduced the 1-in-5 hang of session 27 (docs/bench/chaos.md).
+lines, then stops. It reproduced a hang in 1 of 5 kills, an import refused outside a step
+(docs/bench/chaos.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "serve"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in (".", "router")]
 
 import openai  # noqa: E402
 from serve_harness import MODEL, Deployment, manifest_yaml, start_deployment  # noqa: E402

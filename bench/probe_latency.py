@@ -1,5 +1,5 @@
-"""verify's one-block latency taken apart (issue 21: `verify` measured 4.64 ms for one 512 KiB block over
-cuda_ipc, goal <= 1 ms). verify times one probe of one block, once, first: the decode worker times
+"""verify's one-block latency taken apart (the goal: one 512 KiB block over cuda_ipc in <= 1 ms).
+verify times one probe of one block, once, first: the decode worker times
 `transport.fetch` of a probe export (the prefill worker leases free blocks and, for a hybrid model, a
 copy of one state slot). Here the same probe is repeated (the first apart: connection, handles and
 kernels on first use), and probes of more blocks give the per-fetch fixed cost against the per-byte.
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 async def measure(url: str, repeats: int, sizes: list[int]) -> None:
     import httpx
 
-    from splitserve.serve.probe import probe_pair
-    from splitserve.serve.worker_auth import worker_headers
+    from splitserve.router.probe import probe_pair
+    from splitserve.wire.auth import worker_headers
 
     async with httpx.AsyncClient(
         timeout=60, headers=worker_headers(os.environ["SPLITSERVE_KV_SECRET"])

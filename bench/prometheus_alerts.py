@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from splitserve.config import parse_manifest  # noqa: E402
 from splitserve.runtime.process import ServeProcess, start_serve  # noqa: E402
-from splitserve.serve.worker_auth import worker_headers  # noqa: E402
+from splitserve.wire.auth import worker_headers  # noqa: E402
 
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yaml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "splitserve-dashboard.json"

@@ -147,7 +147,7 @@ def worker_steps(url: str) -> dict[str, dict[str, float]]:
     """Each worker's engine step counters (its /stats), through the deployment's worker token."""
     import httpx
 
-    from splitserve.serve.worker_auth import worker_headers
+    from splitserve.wire.auth import worker_headers
 
     headers = worker_headers(os.environ["SPLITSERVE_KV_SECRET"])
     out = {}

@@ -1,13 +1,16 @@
-"""Shared fixtures: the real default model (loaded once), its HF transformers twin, tiny random models."""
+"""Shared fixtures: the real default model (loaded once), its HF transformers twin, tiny random models, and
+the serving tests' session deployments (one disaggregated, one colocated; built by serve_harness.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+from serve_harness import API_KEY, SCHEMA_PATHS, Deployment, manifest_yaml, start_deployment
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
@@ -108,3 +111,28 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: tuple[
 @pytest.fixture(scope="session")
 def hf_smol_greedy(hf_smol, chat_prompt_ids, smol_tokenizer) -> list[list[int]]:
     return [hf_greedy(hf_smol, ids, 64, smol_tokenizer.eos_token_ids) for ids in chat_prompt_ids]
+
+
+@pytest.fixture(scope="session")
+def disaggregated() -> Deployment:
+    """Disaggregated (1 prefill + 1 decode over shm), API keys on."""
+    dep = start_deployment(manifest_yaml(mode="disaggregated"), API_KEY)
+    yield dep
+    assert dep.stop() == 0, "\n".join(dep.log)
+
+
+@pytest.fixture(scope="session")
+def colocated() -> Deployment:
+    """Colocated (1 worker), no keys, a small bounded queue (2 running + 1 queued) for the overload test."""
+    manifest = manifest_yaml(
+        mode="colocated", server={"port": 0, "max_concurrent_requests": 2, "max_queued_requests": 1}
+    )
+    dep = start_deployment(manifest)
+    yield dep
+    assert dep.stop() == 0, "\n".join(dep.log)
+
+
+@pytest.fixture(scope="session")
+def openai_schema() -> dict:
+    path = next(p for p in SCHEMA_PATHS if p.exists())
+    return json.loads(path.read_text())

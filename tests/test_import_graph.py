@@ -147,7 +147,7 @@ def test_the_graph_sees_the_imports():
     assert "splitserve.transport.channel" in edges and "splitserve" in edges
     runtime = _graph(with_type_only=False)
     assert "splitserve.transport.channel" in runtime["splitserve.transport.tcp"]  # module level
-    assert "splitserve.serve.worker_app" in runtime["splitserve.serve.worker"]  # inside a function
+    assert "splitserve.worker.app" in runtime["splitserve.worker.main"]  # inside a function
     assert "splitserve.engine.engine" in _graph(with_type_only=True)["splitserve.engine.kv_connector"]
 
 

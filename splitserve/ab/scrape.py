@@ -1,6 +1,6 @@
 """What the servers say about a run: /metrics before and after it, and CPU/GPU use while it ran.
 
-From splitserve's Prometheus metrics (splitserve/serve/metrics.py), differenced over the run:
+From splitserve's Prometheus metrics (router/metrics.py), differenced over the run:
     TTFT as the router saw it and its parts: queue on the prefill worker, prefill, first decode;
     KV transfer seconds, bytes and transfers per backend (`kv_transfer_seconds{backend}`), and its share
     of TTFT = sum of KV fetch seconds / sum of TTFT seconds; "transfer incl. wait" = TTFT - queue -

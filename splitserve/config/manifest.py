@@ -344,11 +344,11 @@ class RuntimeSection(_Section):
     drain_timeout_s: PositiveFloat = 30.0  # SIGTERM: in-flight requests get this long to finish
     worker_args: list[str] = Field(default_factory=list)  # extra worker flags (tests, debugging)
     standby: bool = True  # local: keep a spare process with its imports done, for fast restarts
-    lend_cores: bool = True  # local: CPU workers lend idle cores to each other (serve/core_share.py)
+    lend_cores: bool = True  # local: CPU workers lend idle cores to each other (core/share.py)
     # local, lending: while another worker of the host is busy, a decode worker starts at most one step
-    # per this many ms and lends its cores in between (serve/core_share.py); null: slos.itl_ms; 0: off
+    # per this many ms and lends its cores in between (core/share.py); null: slos.itl_ms; 0: off
     decode_pace_ms: float | None = Field(default=None, ge=0, le=60_000)
-    warm_up: bool = True  # local: short requests through the workers before the ready line (serve/warmup.py)
+    warm_up: bool = True  # local: short requests through the workers before the ready line (router/warmup.py)
     # local: a private CUDA MPS daemon when workers share a GPU (auto | on | off; runtime/mps.py)
     cuda_mps: Literal["auto", "on", "off"] = "auto"
     address: str | None = None  # ray: the cluster to join ("auto", "ray://...", host:port); None: auto

@@ -1,5 +1,5 @@
 """What an engine reports about itself (`LLMEngine.stats()`), read by the worker's operations
-(serve/core_ops.py) instead of the engine's pool, scheduler and state slots."""
+(core/ops.py) instead of the engine's pool, scheduler and state slots."""
 
 from __future__ import annotations
 

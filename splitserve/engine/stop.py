@@ -34,7 +34,7 @@ def _finish(req: Request, reason: str, stop_reason: int | str | None) -> str:
 def find_stop_string(text: str, stop: tuple[str, ...], new_chars: int) -> tuple[int, str] | None:
     """The earliest stop string in `text` that overlaps its last `new_chars` characters (only such a
     match can be new), as (where it starts, which); None if there is none. The engine and the worker
-    front end (serve/text_stream.py) both cut with this."""
+    front end (worker/text_stream.py) both cut with this."""
     start = max(0, len(text) - new_chars - max(len(s) for s in stop) + 1)
     best: tuple[int, str] | None = None
     for s in stop:

@@ -32,15 +32,15 @@ from typing import Any
 import httpx
 
 from splitserve.config.manifest import Manifest
-from splitserve.serve.probe import ProbeError, blocks_for, probe_pair
-from splitserve.serve.schemas import (
+from splitserve.router.probe import ProbeError, blocks_for, probe_pair
+from splitserve.wire.auth import worker_headers
+from splitserve.wire.http import (
     LINE_DECODER,
     DecodeRequest,
     GenerateRequest,
     PrefillRequest,
     PrefillResponse,
 )
-from splitserve.serve.worker_auth import worker_headers
 
 LATENCY_PROBES = 5  # one-block probes timed after the pair's first (issue 21: 5.71 ms first, 0.71 ms after)
 

@@ -1,5 +1,5 @@
 """A hook at checkpoints of a forward pass, through which a serving loop may change the number of threads
-the rest of the step runs on (serve/core_share.py: CPU workers that lend each other idle cores).
+the rest of the step runs on (core/share.py: CPU workers that lend each other idle cores).
 
 A CPU prefill step can take seconds: checked only between steps, a worker that borrowed a core would
 keep it that long after its owner wants it back, both then sharing it (measured: a burst's prefill three

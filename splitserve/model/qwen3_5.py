@@ -273,7 +273,7 @@ class Qwen3_5LM(nn.Module):
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
         # CPU: the head through cpu_linear's matmul, as the decoder's; F.linear (MKL) on an AMD host gave
-        # logits that depend on the thread count (tests/serve/test_core_share.py), which lending changes
+        # logits that depend on the thread count (tests/core/test_core_share.py), which lending changes
         self.cpu_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         # NOTE: its tables are built on the CPU even under `meta` and copied per device on first use

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from splitserve.config.manifest import Manifest
 
 if TYPE_CHECKING:
-    from splitserve.serve.worker_config import WorkerConfig
+    from splitserve.config.worker import WorkerConfig
 
 
 def pool_device(manifest: Manifest, role: str, index: int) -> str:
@@ -27,7 +27,7 @@ def worker_argv(
     worker API's token. `core_share`: the local runtime's file of lent cores (`lending_slots`)."""
     config = worker_config(manifest, role, index, "-", "127.0.0.1", core_share)
     spec = config.to_json(include_secret=False)
-    argv = [sys.executable, "-m", "splitserve.serve.worker", "--spec", spec, "--kv-secret-env", secret_env,
+    argv = [sys.executable, "-m", "splitserve.worker.main", "--spec", spec, "--kv-secret-env", secret_env,
             "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
     return argv + list(manifest.runtime.worker_args)
 
@@ -38,8 +38,8 @@ def worker_config(
     """One worker's config from the manifest (its engine from `engine_for(role)`): what the local
     runtime hands a worker process as `--spec` and the Ray runtime builds its replica's worker from.
     `secret`: the deployment's (None: no worker API auth). `core_share`: see `worker_argv`."""
+    from splitserve.config.worker import WorkerConfig
     from splitserve.engine.config import EngineConfig
-    from splitserve.serve.worker_config import WorkerConfig
 
     m, e, t = manifest.model, manifest.engine_for(role), manifest.transport
     engine = EngineConfig(
@@ -98,7 +98,7 @@ def cpu_workers(manifest: Manifest) -> list[tuple[str, int]]:
 
 
 def lending_slots(manifest: Manifest) -> dict[tuple[str, int], int]:
-    """The CPU workers that lend each other idle cores (serve/core_share.py), each with its slot: those
+    """The CPU workers that lend each other idle cores (core/share.py), each with its slot: those
     whose threads the manifest leaves to the runtime (`cpu_threads`), when there are two or more and
     `runtime.lend_cores` is on."""
     if not manifest.runtime.lend_cores:
@@ -108,9 +108,9 @@ def lending_slots(manifest: Manifest) -> dict[tuple[str, int], int]:
 
 
 def core_share_file(manifest: Manifest) -> str | None:
-    """The local runtime's file through which its CPU workers lend idle cores (serve/core_share.py), in
+    """The local runtime's file through which its CPU workers lend idle cores (core/share.py), in
     a fresh 0700 folder; None when fewer than two workers lend."""
-    from splitserve.serve import core_share
+    from splitserve.core import share as core_share
     from splitserve.tempdirs import owned_tempdir
 
     slots = lending_slots(manifest)

@@ -21,14 +21,14 @@ import uvicorn
 
 from splitserve.config.manifest import Manifest
 from splitserve.model.tokenizer import load_tokenizer
+from splitserve.router.probe import KVProber
+from splitserve.router.routes import build_api
+from splitserve.router.server import ModelInfo, OpenAIServer
+from splitserve.router.stats_log import StatsLogger
+from splitserve.router.warmup import warm_up
 from splitserve.runtime.local import LocalRuntime
-from splitserve.serve.api import ModelInfo, OpenAIServer
-from splitserve.serve.api_routes import build_api
-from splitserve.serve.edge_guard import ReadLimits, guarded_protocol
-from splitserve.serve.listen import KEEP_ALIVE_S, listen
-from splitserve.serve.probe import KVProber
-from splitserve.serve.stats_log import StatsLogger
-from splitserve.serve.warmup import warm_up
+from splitserve.web.edge_guard import ReadLimits, guarded_protocol
+from splitserve.web.listen import KEEP_ALIVE_S, listen
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
                                 timeout_graceful_shutdown=int(manifest.runtime.drain_timeout_s),
                                 timeout_keep_alive=KEEP_ALIVE_S, http=guarded_protocol(limits))  # fmt: skip
         server = _Server(config)
-        from splitserve.serve.heap import freeze_heap
+        from splitserve.heap import freeze_heap
 
         if manifest.runtime.warm_up:
             await warm_up(api.dispatcher, [w.role for w in runtime.workers], info.vocab_size)

@@ -1,7 +1,7 @@
 """The local runtime (the embedded default): every worker its own OS process on this host.
 
 Life of a worker:
-  1. spawned as `python -m splitserve.serve.worker --role ... --port 0` (the OS picks every port; the
+  1. spawned as `python -m splitserve.worker.main --role ... --port 0` (the OS picks every port; the
      shm socket lives in a fresh temp dir), with the deployment's KV secret in its environment and
      PR_SET_PDEATHSIG set, so that no worker outlives a runtime that was killed;
   2. ready when it prints its `{"event": "ready", ...}` line (weights loaded, HTTP listening); its
@@ -36,7 +36,7 @@ from splitserve.config.manifest import Manifest
 from splitserve.runtime.common import core_share_file, worker_argv
 from splitserve.runtime.mps import MpsDaemon, MpsPlan
 from splitserve.runtime.mps import plan as mps_plan
-from splitserve.serve.worker_auth import worker_headers
+from splitserve.wire.auth import worker_headers
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class LocalRuntime:
 
     async def _make_standby(self) -> None:
         """Start a spare worker process that has done its imports and waits for a command line."""
-        argv = [sys.executable, "-m", "splitserve.serve.worker", "--standby"]
+        argv = [sys.executable, "-m", "splitserve.worker.main", "--standby"]
         proc = await asyncio.create_subprocess_exec(
             *argv,
             env=self.env,

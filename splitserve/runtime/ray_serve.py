@@ -39,10 +39,10 @@ from fastapi import FastAPI
 from ray import serve
 
 from splitserve.config.manifest import Manifest, PlacementSection
+from splitserve.router.routes import install_routes
+from splitserve.router.server import ModelInfo, OpenAIServer
 from splitserve.runtime.common import worker_config
-from splitserve.serve.api import ModelInfo, OpenAIServer
-from splitserve.serve.api_routes import install_routes
-from splitserve.serve.worker_auth import worker_headers
+from splitserve.wire.auth import worker_headers
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,8 @@ class WorkerReplica:
     """A Serve replica of a prefill, decode or colocated pool: one engine and its worker HTTP API."""
 
     def __init__(self, manifest_json: str, role: str, registry: str, namespace: str) -> None:
-        from splitserve.serve.worker import Worker
-        from splitserve.serve.worker_app import serve as serve_http
+        from splitserve.worker.app import serve as serve_http
+        from splitserve.worker.main import Worker
 
         manifest = Manifest.model_validate_json(manifest_json)
         secret = os.environ.get(manifest.transport.secret_env)
@@ -92,7 +92,7 @@ class WorkerReplica:
         ready, url = threading.Event(), []
 
         def on_ready(u: str) -> None:
-            from splitserve.serve.heap import freeze_heap
+            from splitserve.heap import freeze_heap
 
             freeze_heap(f"{role} replica front end")
             url.append(u)
@@ -133,7 +133,7 @@ class WorkerReplica:
 
 @dataclass
 class RayEndpoint:
-    """A worker as the router sees it (the `WorkerEndpoint` protocol of splitserve.serve.router)."""
+    """A worker as the router sees it (the `WorkerEndpoint` protocol of splitserve.router.dispatch)."""
 
     id: str
     name: str
@@ -252,8 +252,8 @@ class Router:
     async def _start(self) -> None:
         global _SERVER
         from splitserve.model.tokenizer import load_tokenizer
-        from splitserve.serve.probe import KVProber
-        from splitserve.serve.stats_log import StatsLogger
+        from splitserve.router.probe import KVProber
+        from splitserve.router.stats_log import StatsLogger
 
         m = self.manifest
         deadline = time.monotonic() + m.runtime.startup_timeout_s

@@ -15,7 +15,7 @@ from splitserve.ab.runner import manifest_hardware, url_hardware
 from splitserve.ab.scrape import UtilSampler, delta, parse_metrics, server_breakdown, workers
 from splitserve.ab.workload import BenchRequest
 from splitserve.config.manifest import load_manifest
-from splitserve.serve.metrics import RouterMetrics
+from splitserve.router.metrics import RouterMetrics
 
 
 def test_breakdown_from_the_routers_metrics():

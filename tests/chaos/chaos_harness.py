@@ -1,7 +1,7 @@
 """The chaos suite's harness: a deployment under streaming load, the checks every case ends with, and
-the summary table. The deployment helpers are the serving tests' own (tests/serve/serve_harness.py,
-test_resilience.py), loaded by path: this folder has no conftest of its own, so that `bench/chaos.py`
-can use the same code outside pytest.
+the summary table. The deployment helpers are the serving tests' own (tests/serve_harness.py,
+tests/router/test_resilience.py), loaded by path: this folder has no conftest of its own, so that
+`bench/chaos.py` can use the same code outside pytest.
 
 Checks (`Context.check_after`): 0 hung (every client ended before its deadline), 0 wrong (a finished
 stream equals the greedy reference taken on the fresh deployment before any fault; a cut-off one is a
@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-SERVE = Path(__file__).resolve().parents[1] / "serve"
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def _load(name: str, path: Path) -> ModuleType:
@@ -38,8 +38,8 @@ def _load(name: str, path: Path) -> ModuleType:
 
 
 # under its own name, which the serving tests import it by (test_resilience: `from serve_harness import`)
-serve = sys.modules.get("serve_harness") or _load("serve_harness", SERVE / "serve_harness.py")
-resilience = _load("chaos_serve_resilience", SERVE / "test_resilience.py")
+serve = sys.modules.get("serve_harness") or _load("serve_harness", TESTS / "serve_harness.py")
+resilience = _load("chaos_serve_resilience", TESTS / "router" / "test_resilience.py")
 
 MODEL: str = serve.MODEL
 PROMPTS = [f"Count from {i} to {i + 40}, one number a line:" for i in range(6)]

@@ -77,7 +77,7 @@ def test_a_bad_grammar_is_refused_at_add(llm):
 def test_seeded_samples_and_an_adopted_first_token_follow_the_grammar(llm):
     """n = 3 seeded samples each validate; a request adopted with a first token sampled elsewhere (the
     decode side's path) has it replayed into its matcher and goes on under the grammar. (Token-exact
-    equality through the split, generator state included: tests/serve/test_structured.py.)"""
+    equality through the split, generator state included: tests/router/test_structured.py.)"""
     (out,) = llm.generate(
         [{"prompt_token_ids": [11, 12, 13]}], SamplingParams(n=3, seed=5, max_tokens=60, grammar=SPEC)
     )

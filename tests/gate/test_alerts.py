@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitserve.serve.metrics import RouterMetrics
+from splitserve.router.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yaml"

@@ -1,5 +1,5 @@
 """Helpers for the prefill/decode tests (a uniquely named module: tests/ has several conftests):
-worker processes started with `python -m splitserve.serve.worker`, an HTTP client for them, the
+worker processes started with `python -m splitserve.worker.main`, an HTTP client for them, the
 tiny Qwen3.5 checkpoint, and the disaggregated round trip prefill -> decode."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class WorkerProcess:
     def __init__(self, role: str, *args: str, backend: str = "tcp", secret: str = SECRET) -> None:
         self.role = role
         env = {**os.environ, "OMP_NUM_THREADS": "1", SECRET_ENV: secret}
-        cmd = [sys.executable, "-m", "splitserve.serve.worker", "--role", role, "--port", "0",
+        cmd = [sys.executable, "-m", "splitserve.worker.main", "--role", role, "--port", "0",
                "--kv-backend", backend, "--kv-secret-env", SECRET_ENV, "--threads", "1", *args]  # fmt: skip
         self.stderr = tempfile.NamedTemporaryFile("w+", prefix=f"pd-{role}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True)

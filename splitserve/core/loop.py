@@ -1,0 +1,411 @@
+"""The engine-core process of a worker: owns the device, the engine and the KV transport, and runs a
+tight loop; its front end (worker/main.py) holds HTTP, tokenization, detokenization and streams.
+
+    python -m splitserve.core.loop     # started by the front end; reads its spec as one JSON line
+
+The loop (`EngineCore.run`), one turn per engine step:
+  1. drain the command socket without blocking (block up to 100 ms only when there is no work):
+     `Add` queues a request (a refusal goes back as `Refused`), `Import` starts a KV import,
+     `Abort` stops a request, `Call` runs a worker operation (ops.py);
+  2. `engine.step()` (a KV import waits inside the engine, in WAITING_FOR_KV: each step reserves its
+     room and takes the connector's messages; a finished fetch wakes the loop), then one `Batch` to
+     the front end with every request's new token ids and the events of this turn: the imports that
+     ended (`Accepted` with their timings, or `Refused` per their policy) before the tokens. Nothing
+     here waits on HTTP, JSON or text.
+If a step raises, each request in flight is stepped alone (engine/isolate.py): those whose own step
+raises are refused with a 5xx, the others go on. The core dies with its front end (PR_SET_PDEATHSIG);
+the front end notices the core's death (worker/main.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from splitserve.core.errors import error_info
+from splitserve.core.ops import CoreOps
+from splitserve.core.share import open_share
+from splitserve.model import cpu_threads
+from splitserve.wire import core as wire
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_MS = 100  # the longest the loop sleeps with nothing to do (an import waiting for room too)
+
+
+class EngineCore:
+    def __init__(self, config: Any, commands: zmq.Socket, batches: zmq.Socket) -> None:
+        from splitserve.engine.engine import LLMEngine
+        from splitserve.engine.kv_connector import KVConnector
+        from splitserve.transport.backends import preflight
+
+        self.config = config
+        self.commands, self.batches = commands, batches
+        if config.role != "colocated" and not config.kv_fallback:  # fail before the model loads
+            preflight(config.kv_backend, config.transport_options())
+        self.engine = engine = LLMEngine(config.engine_config())
+        num_blocks = engine.stats().blocks.total
+        capacity = num_blocks * engine.block_size
+        if capacity < engine.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                f"{engine.block_size}), fewer than max_model_len ({engine.max_model_len}): a long request "
+                "could never run. Give the worker more KV cache (--kv-cache-mb / engine.kv_cache_mb) or "
+                "lower max_model_len"
+            )
+        self.connector: KVConnector | None = None
+        self.kv_address: str | None = None
+        if config.role != "colocated":
+            self.connector = KVConnector.open(
+                engine, config.kv_backend, secret=config.kv_secret,
+                options=config.transport_options(), policy=config.kv_policy, fallback=config.kv_fallback,
+            )  # fmt: skip
+            assert self.connector.transport is not None  # open() made it
+            if config.role == "prefill":
+                self.kv_address = self.connector.transport.listen()
+            if config.kv_throttle_gbps:
+                from splitserve.transport.throttle import ThrottledTransport
+
+                log.warning("kv fetches throttled to %.3f GB/s (a test hook)", config.kv_throttle_gbps)
+                self.connector.transport = ThrottledTransport(
+                    self.connector.transport, config.kv_throttle_gbps
+                )
+        self.ops = CoreOps(self)
+        self.sent: dict[str, int] = {}  # tokens sent per request in flight
+        self.events: list[wire.Event] = []
+        self.early: list[wire.Delta] = []  # deltas made outside a step, sent with this turn's batch
+        self.busy_seconds = 0.0  # wall time of loop turns that had work (engine.step_seconds of it)
+        self.call_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="core-call")
+        self._on_loop: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.poller = zmq.Poller()
+        self.poller.register(commands, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self.stopping = False
+        self.cores = open_share(config)  # cores lent between this host's CPU workers, or None
+        if self.cores is not None:
+            cpu_threads.set_hook(lambda: self._take_cores(True))  # at each checkpoint of a step
+        self.threads = config.threads
+        self.borrowed_steps = 0  # steps that started on more threads than the worker's own
+        self.paced_steps = 0  # steps after which this decode worker lent its cores until its pace ended
+        self.pace_s = config.decode_pace_s if self.cores is not None else 0.0  # core/share.py
+        engine.wake_on_kv(self.wake)  # a lease ended or a fetch finished: take it at once
+
+    # ---- what other threads use ------------------------------------------------------------------
+
+    def wake(self, *_: object) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the loop is awake anyway
+
+    def on_loop(self, fn: Any, timeout_s: float = 60.0) -> Any:
+        """From a call thread: run `fn` on the engine's thread between steps; -> its result."""
+        fut: Future = Future()
+        self._on_loop.put((fn, fut))
+        self.wake()
+        return fut.result(timeout_s)
+
+    def on_loop_nowait(self, fn: Any) -> None:
+        """From any thread: run `fn` on the engine's thread between steps; its result is dropped."""
+        self._on_loop.put((fn, Future()))
+        self.wake()
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def info(self) -> dict:
+        return self.ops.health()
+
+    def run(self) -> None:
+        from splitserve.heap import freeze_heap
+
+        freeze_heap("engine core")  # loaded and warmed up: what lives now lives for good
+        self.batches.send(wire.batch_encoder.encode(wire.Batch(events=[wire.Ready(self.info())])))
+        engine = self.engine
+        while not self.stopping:
+            busy = engine.has_unfinished_requests() and not engine.waits_for_kv_only()
+            t0 = time.perf_counter()
+            if not busy:
+                self._take_cores(False)  # lent while this worker waits
+            # idle: map the next KV pages a request will write (engine/kv_prefault.py), unless another
+            # worker of this host is busy (it may be running on this worker's lent core); look again
+            more = not busy and not (self.cores and self.cores.others_busy()) and engine.prefault.advance()
+            self._drain(0 if busy or more else IDLE_WAIT_MS)
+            if not busy:  # the turn's work starts when the idle wait ends
+                t0, busy = time.perf_counter(), engine.has_unfinished_requests()
+            self._run_on_loop()
+            deltas, self.early = self.early, []
+            if self.engine.has_unfinished_requests():
+                working = not self.engine.waits_for_kv_only()
+                self._take_cores(working)
+                self.borrowed_steps += working and self.threads > self.config.threads
+                deltas += self._step()
+            else:
+                self.engine.free_released_kv()  # exports whose lease ended while idle
+                self._imports_ended()  # outcomes a poll outside a step took (stats, a pace): told now
+            if deltas or self.events:
+                batch = wire.Batch(deltas, self.events)
+                self.events = []
+                self.batches.send(wire.batch_encoder.encode(batch), copy=False)
+            if busy:
+                self.busy_seconds += time.perf_counter() - t0  # loop turns with work (stats: loop_s)
+                if self.pace_s and self.cores is not None and self.cores.others_busy():
+                    self._lend_until(t0 + self.pace_s)
+        self.close()
+
+    def _take_cores(self, busy: bool) -> None:
+        """Mark this worker busy or idle in the shared file; a busy one runs its next step (and, called
+        at its checkpoints, the rest of this one) on its own cores plus those idle workers lend
+        (core/share.py)."""
+        if self.cores is None:
+            return
+        n = self.cores.threads(busy)
+        if busy and n != self.threads:
+            import torch
+
+            torch.set_num_threads(n)
+            self.threads = n
+
+    def _lend_until(self, end: float) -> None:
+        """Decode pacing: idle, with this worker's cores lent, until `end`, taking commands meanwhile."""
+        self._take_cores(False)
+        self.paced_steps += 1
+        while (left := end - time.perf_counter()) > 0 and not self.stopping:
+            self._drain(max(1, int(left * 1e3)))
+            # an import that came or a load that ended meanwhile: started, or timed, now (not at the
+            # pace's end: that wait is no part of the transfer, and the fetch can run meanwhile); an
+            # ended one is told now too (a refusal's 502 need not wait for the next step)
+            self.engine.free_released_kv()
+            self._imports_ended()
+            if self.events:
+                self.batches.send(wire.batch_encoder.encode(wire.Batch([], self.events)), copy=False)
+                self.events = []
+
+    def _drain(self, timeout_ms: int) -> None:
+        ready = dict(self.poller.poll(timeout_ms))
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self.commands not in ready:
+            return
+        while True:
+            try:
+                raw = self.commands.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._apply(wire.command_decoder.decode(raw.buffer))
+            except Exception:  # noqa: BLE001 - one bad command must not stop the engine
+                log.exception("engine core: a command failed")
+
+    def _apply(self, cmd: wire.Command) -> None:
+        if isinstance(cmd, wire.Add):
+            self._add(cmd)
+        elif isinstance(cmd, wire.Import):
+            self._start_import(cmd)
+        elif isinstance(cmd, wire.Abort):
+            self._abort(cmd.request_id)
+        elif isinstance(cmd, wire.Call):
+            self.ops.call(cmd)
+        elif isinstance(cmd, wire.Shutdown):
+            self.stopping = True
+
+    def _run_on_loop(self) -> None:
+        while True:
+            try:
+                fn, fut = self._on_loop.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+                fut.set_exception(exc)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def _add(self, cmd: wire.Add) -> None:
+        try:
+            params = core_params(cmd.params)
+            self.engine.add_request(
+                cmd.prompt_token_ids, params, cmd.request_id, kv_transfer="export" if cmd.export else None
+            )
+        except Exception as exc:  # noqa: BLE001 - the refusal goes back to the caller
+            self.events.append(wire.Refused(cmd.request_id, error_info(exc)))
+            return
+        self.sent[cmd.request_id] = 0
+        self.events.append(wire.Accepted(cmd.request_id))
+
+    def _abort(self, rid: str) -> None:
+        self.engine.abort(rid)  # an import: its outcome and its "abort" output come from a step
+        if self.sent.pop(rid, None) is not None:  # tell its stream (the front end may still read it)
+            self.early.append(wire.Delta(rid, [], True, "abort"))
+
+    def _step(self) -> list[wire.Delta]:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001 - pinned on the request(s) that cause it (isolate.py)
+            log.exception("engine step failed; re-running its requests one by one")
+            outputs = self._rerun_alone()
+        self._imports_ended()  # before their first tokens: a stream starts with its Accepted
+        for rid, exc in self.engine.take_grammar_failures():  # a 400 or 503, not an "abort" line
+            if self.sent.pop(rid, None) is not None:
+                self.events.append(wire.Refused(rid, error_info(exc)))
+        return [d for out in outputs if (d := self._delta(out)) is not None]
+
+    def _rerun_alone(self) -> list[Any]:
+        """Step each request in flight alone: those whose own step raises fail with a 500, the others
+        go on (their outputs returned) and are never told their request was at fault."""
+        from splitserve.engine.isolate import rerun_alone
+
+        outputs, culprits = rerun_alone(self.engine, list(self.sent))
+        for rid, exc in culprits.items():
+            self.sent.pop(rid, None)
+            info = error_info(exc)  # a transport's own 5xx stays; anything else is our fault, never a 4xx
+            if info.status < 500 or info.type == "internal":
+                message = f"the engine failed while running this request ({type(exc).__name__}: {exc})"
+                info = wire.ErrorInfo(500, "internal", message)
+            self.events.append(wire.Refused(rid, info))
+        return outputs
+
+    def _delta(self, out: Any) -> wire.Delta | None:
+        rid = out.request_id
+        sent = self.sent.get(rid)
+        if sent is None:
+            return None  # aborted meanwhile
+        comp = out.outputs[0]
+        new = comp.token_ids[sent:]
+        lps = None
+        if comp.logprobs is not None:
+            lps = [[x.token_id, x.logprob, x.rank, x.top] for x in comp.logprobs[sent:]]
+        metrics = None
+        if sent == 0:
+            m = out.metrics
+            arrival, sched, first = m.get("arrival_time"), m.get("scheduled_time"), m.get("first_token_time")
+            if arrival is not None and sched is not None and first is not None:
+                metrics = {"queue_s": max(0.0, sched - arrival), "prefill_s": max(0.0, first - sched)}
+        kv_export = out.kv_export.to_dict() if out.kv_export is not None else None
+        if out.finished:
+            del self.sent[rid]
+        else:
+            self.sent[rid] = len(comp.token_ids)
+        return wire.Delta(rid, new, out.finished, comp.finish_reason, comp.stop_reason, lps, kv_export,
+                          metrics, out.num_cached_tokens)  # fmt: skip
+
+    # ---- KV imports (decode role) ---------------------------------------------------------------
+
+    def _start_import(self, cmd: wire.Import) -> None:
+        from splitserve.engine.kv_transfer_types import ImportSpec, KVExport
+        from splitserve.engine.request import TokenLogprob
+
+        try:
+            if self.connector is None or self.config.role != "decode":
+                raise ValueError(f"this is a {self.config.role} worker: only a decode worker imports KV")
+            export = KVExport.from_dict(cmd.kv_export)
+            lp = cmd.first_logprob
+            first_lp = None
+            if lp is not None:
+                first_lp = TokenLogprob(
+                    int(lp[0]), float(lp[1]), int(lp[2]), tuple((int(t), float(v)) for t, v in lp[3])
+                )
+            spec = ImportSpec(
+                handle=export.handle, prompt_token_ids=cmd.prompt_token_ids, first_token=cmd.first_token,
+                params=core_params(cmd.params), request_id=cmd.request_id,
+                generator_state=export.generator_state,
+                first_logprob=first_lp,
+                policy=cmd.policy, timeout_s=cmd.timeout_s,
+            )  # fmt: skip
+            self.engine.import_request(spec)
+        except Exception as exc:  # noqa: BLE001
+            self.events.append(wire.Refused(cmd.request_id, error_info(exc)))
+
+    def _imports_ended(self) -> None:
+        """Each import that ended: `Accepted` (its stream starts; an already finished output follows
+        from the step) or `Refused` per its policy."""
+        for out in self.engine.take_import_outcomes():
+            if out.error is not None:
+                self.events.append(wire.Refused(out.request_id, error_info(out.error)))
+                continue
+            backend = self.connector.backend_name if self.connector is not None else None
+            self.events.append(wire.Accepted(out.request_id, {**out.info, "kv_backend": backend}))
+            self.sent[out.request_id] = 0
+
+    def close(self) -> None:
+        self.call_pool.shutdown(wait=False, cancel_futures=True)
+        if self.cores is not None:
+            cpu_threads.set_hook(None)
+            self.cores.close()
+        if self.connector is not None:
+            self.connector.close()
+
+
+def core_params(data: dict[str, Any]) -> Any:
+    """SamplingParams for the engine core: no text (the front end detokenizes and cuts stop strings)."""
+    from splitserve.engine.params import SamplingParams
+
+    data = {k: v for k, v in data.items() if k not in ("stop", "include_stop_str_in_output")}
+    return SamplingParams(**{**data, "detokenize": False})
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        raise SystemExit(0)
+
+
+def main() -> int:
+    """Import what the engine needs first (so a spare core waits warm), then read the spec line."""
+    _die_with_parent()
+    import torch
+
+    from splitserve.engine import engine as _engine  # noqa: F401 - the import is the point
+    from splitserve.model import loader as _loader  # noqa: F401
+
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    line = sys.stdin.readline()
+    if not line:
+        return 0  # the front end went away before handing us a spec
+    spec = json.loads(line)
+    from splitserve.logs import setup_logging
+
+    setup_logging(spec.get("log_level", "WARNING"))  # text or JSON, as the front end ($SPLITSERVE_LOG_FORMAT)
+    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
+    from splitserve.config.worker import WorkerConfig
+    from splitserve.model.errors import ModelLoadError
+    from splitserve.transport import TransportError
+
+    ctx = zmq.Context(io_threads=1)
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(spec["commands"])
+    batches = ctx.socket(zmq.PUSH)
+    batches.setsockopt(zmq.SNDHWM, 0)
+    batches.connect(spec["batches"])
+    try:
+        core = EngineCore(WorkerConfig.from_json(spec["config"]), commands, batches)
+    except (ValueError, OSError, ModelLoadError, TransportError) as exc:
+        print(f"splitserve worker: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    core.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The API's routes and error handlers on a FastAPI app: the generating routes (endpoints.py), the
+utility routes (utility_routes.py: tokenize, detokenize, ...), models, /admin/deployment, /health and
+/metrics, behind the access log, the docs guard and error containment. Errors: an `APIError` answers
+its own status and OpenAI-style body; any other exception is a 500 that names only its type.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from splitserve.router import endpoints
+from splitserve.router.access_log import AccessLog
+from splitserve.router.contain import ContainErrors
+from splitserve.router.guard import DocsGuard
+from splitserve.router.openai_protocol import APIError
+from splitserve.router.server import OpenAIServer
+from splitserve.router.utility_routes import install_utility_routes
+
+log = logging.getLogger(__name__)
+
+
+def build_api(server: OpenAIServer, lifespan: Any = None) -> FastAPI:
+    app = FastAPI(title="splitserve", lifespan=lifespan)
+    install_routes(app, lambda: server)
+    return app
+
+
+def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
+    """The API's routes and error handlers on `app`, over the server `get()` returns (the Ray ingress
+    builds its app at import time and its server later, in the replica)."""
+    app.add_middleware(ContainErrors)  # inside the access log: a 500 answered here keeps the connection
+    app.add_middleware(DocsGuard, get=get)  # /docs, /redoc, /openapi.json behind the API key
+    app.add_middleware(AccessLog, get=get)  # the access log line, and errors counted by status
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(
+            APIError(exc.status_code, str(exc.detail), code=kind).body(), status_code=exc.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        body = APIError(500, f"internal error ({type(exc).__name__})", type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        get().check_auth(request)
+        return get().models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        get().check_auth(request)
+        get().check_model(model_id)
+        return get().model_card(model_id)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Response:
+        return await endpoints.chat(get(), request)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        return await endpoints.completions(get(), request)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(request: Request) -> Response:
+        return await endpoints.responses(get(), request)
+
+    install_utility_routes(app, get)
+
+    @app.get("/admin/deployment")
+    async def deployment(request: Request) -> dict:
+        get().check_auth(request)
+        return get().deployment()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = get().health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        server = get()
+        if server.manifest.server.metrics_auth:  # with API keys set, a key (or metrics_auth: false)
+            server.check_auth(request)
+        body = await server.metrics_cache.get()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+__all__ = ["build_api", "install_routes"]

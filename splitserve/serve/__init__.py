@@ -1,1 +1,0 @@
-"""Serving: the worker service around one engine (worker.py, worker_app.py) and its HTTP bodies."""

@@ -1,0 +1,117 @@
+"""The worker service's front end: one engine-core process (core/loop.py) behind HTTP (app.py), the
+worker's operations in service.py; this module is the process's entry point.
+
+    python -m splitserve.worker.main --role prefill --model PATH --port 0 --kv-backend tcp \
+        --kv-secret-env SPLITSERVE_KV_SECRET
+
+prints one JSON line `{"event": "ready", "url": ..., "kv_address": ..., ...}` once it serves (ports
+come from the OS), then logs to stderr. Two processes: this one (HTTP, tokenization, detokenization,
+stop strings, streams) and the engine core it starts (the device, the engine, the KV transport), joined
+by wire/core.py. If the core dies, every request in flight fails at once and this process exits
+too, so that the runtime restarts the worker.
+
+Roles and the life of a disaggregated request through two workers (the router drives it):
+  1. prefill worker, POST /prefill {prompt_token_ids, sampling_params}: the core runs the prompt,
+     samples the first token, leases the blocks (and hybrid state) to the KV transport, and the answer
+     is {first_token, kv: {handle, generator_state}}. Unclaimed, the lease ends after --kv-lease-s.
+  2. decode worker, POST /decode {prompt_token_ids, first_token, kv, sampling_params}: the core
+     reserves blocks, fetches (the transport's handshake checks the layout and the shared secret on
+     first contact), has the prefill lease released, joins the batch, and this process streams NDJSON
+     lines from the first token on. A failed fetch follows --kv-policy (or the body's kv_policy):
+     "fail" answers an HTTP error before any line; "recompute" recomputes the prompt and streams the
+     same tokens.
+  colocated worker: POST /generate only (every role serves /generate: a whole request on one engine).
+All roles: POST /abort, GET /health, GET /stats (queues, free blocks and state slots, KV counters).
+KV plumbing: POST /kv/connect (decode: handshake with a prefill worker now, to check a pair),
+POST /kv/release (prefill: end an export's lease now), POST /debug/faults (--enable-fault-injection).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from splitserve.config.worker import ROLES, WorkerConfig
+from splitserve.core.ops import RoleError
+from splitserve.model.errors import ModelLoadError
+from splitserve.transport import TransportError
+from splitserve.wire.auth import worker_headers, worker_token  # noqa: F401 - re-exported
+from splitserve.worker.cli import build_parser, config_from_args
+from splitserve.worker.core_client import CoreClient, CoreDead
+from splitserve.worker.service import Worker
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ROLES", "RoleError", "Worker", "WorkerConfig"]
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+STANDBY = "--standby"
+
+
+def standby() -> list[str]:
+    """A warm spare: import what the front end needs (the HTTP stack, the tokenizer) while its engine
+    core, already started, imports torch and the engine (and makes a CUDA context where there is a
+    GPU); say so, and wait for the worker's command line as one JSON line on stdin. The local runtime
+    keeps one, so that a restart skips interpreter start-up and imports (seconds)."""
+    import splitserve.model.tokenizer  # noqa: F401 - the import is the point
+    import splitserve.worker.app  # noqa: F401
+
+    print(json.dumps({"event": "standby", "pid": os.getpid()}), flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit(0)  # the runtime went away
+    argv = json.loads(line)["argv"]
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise SystemExit('splitserve worker: a standby wants {"argv": [str, ...]}')
+    return argv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # SIGTERM before serving (a standby told to go): unwind, so that the core and its sockets go too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    client = CoreClient.spawn()  # the core imports torch and the engine meanwhile
+    try:
+        if argv == [STANDBY]:
+            argv = standby()
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        client.close(1)
+        raise
+    from splitserve.logs import setup_logging
+
+    setup_logging(logging.INFO if args.verbose else logging.WARNING)  # as the router: text or JSON
+    from splitserve.worker.app import serve
+
+    try:
+        config = config_from_args(args)
+        worker = Worker(config, client)
+    except SystemExit:  # SIGTERM while loading
+        client.close(1)
+        raise
+    except (ValueError, OSError, ModelLoadError, TransportError, CoreDead) as exc:
+        client.close(1)
+        if not isinstance(exc, CoreDead):  # the core said why itself, on our stderr
+            print(f"splitserve worker: error: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(url: str) -> None:
+        from splitserve.heap import freeze_heap
+
+        freeze_heap("worker front end")
+        info = {"event": "ready", "url": url, **worker.health()}
+        print(json.dumps(info), flush=True)
+
+    serve(worker, config.kv_host, args.port, ready)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

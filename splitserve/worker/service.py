@@ -1,0 +1,230 @@
+"""`Worker`: a worker's operations (prefill / decode / generate / abort / health / stats) over its engine
+core, with tokenization, detokenization and stop strings on this side. app.py puts it behind HTTP,
+runtime/ray_serve.py behind a Ray deployment; main.py is the process's entry point (roles and the life of
+a disaggregated request are told there)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from splitserve.config.worker import WorkerConfig
+from splitserve.core.ops import RoleError
+from splitserve.core.share import CORES_PREFIX
+from splitserve.engine.grammar import check_grammar
+from splitserve.tempdirs import remove_if_orphaned
+from splitserve.wire import core as wire
+from splitserve.wire.http import (
+    DecodeRequest,
+    FaultsRequest,
+    GenerateRequest,
+    KVExportBody,
+    PrefillRequest,
+    PrefillResponse,
+    StreamLine,
+    logprob_from_dict,
+    sampling_params,
+)
+from splitserve.worker.core_client import CoreClient, RequestStream
+from splitserve.worker.text_stream import TextStream
+
+
+class Worker:
+    """prefill / decode / generate / abort / health / stats over one engine core (the same class a Ray
+    deployment wraps)."""
+
+    def __init__(self, config: WorkerConfig, client: CoreClient | None = None) -> None:
+        from splitserve.model.tokenizer import load_tokenizer
+
+        self.config = config
+        self.client = client or CoreClient.spawn()
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self.client.begin(config, log_level=level)
+        try:
+            # while the core loads the weights
+            self.tokenizer = load_tokenizer(config.engine.model, config.engine.tokenizer)
+        except Exception:
+            self.client.close()
+            raise
+        self.info = self.client.wait_ready()
+        self.kv_address: str | None = self.info.get("kv_address")
+        self._ids = itertools.count()
+        self._tag = secrets.token_hex(4)  # request ids unique across workers: decode keeps them
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """From the event loop that serves HTTP, before the first request."""
+        self.client.attach(loop)
+
+    def alive(self) -> bool:
+        return self.client.dead is None
+
+    def _new_id(self, kind: str) -> str:
+        return f"{kind}-{self._tag}-{next(self._ids)}"
+
+    def _need(self, role: str) -> None:
+        if self.config.role != role:
+            raise RoleError(f"this is a {self.config.role} worker: only a {role} worker serves that")
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ValueError("this worker has no tokenizer: pass prompt token ids")
+        return self.tokenizer.encode(prompt)
+
+    @staticmethod
+    async def _params(data: dict[str, Any]) -> Any:
+        """Checked whole here (a grammar parsed off the loop, cached): the core gets nothing bad."""
+        params = sampling_params(data)
+        if params.n != 1:
+            raise ValueError("a worker serves one sample per request (n = 1): the router fans out n")
+        if params.grammar is not None:
+            await asyncio.to_thread(check_grammar, params.grammar)  # GrammarError: a 400
+        return params
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        self._need("prefill")
+        params = await self._params(req.sampling_params)
+        ids = self._prompt_ids(req.prompt_input())
+        rid = req.request_id or self._new_id("pf")
+        start = time.perf_counter()
+        stream = self.client.add(rid, ids, req.sampling_params, export=True)
+        deltas: list[wire.Delta] = []
+        try:
+            await stream.accepted
+            while not (deltas and deltas[-1].finished):
+                deltas += await stream.take()
+        except BaseException:
+            self.client.cancel(rid)
+            raise
+        last = deltas[-1]
+        if last.finish_reason in ("error", "abort"):
+            raise RuntimeError(f"prefill of {rid} ended without a first token ({last.finish_reason})")
+        text = TextStream(rid, params, self.tokenizer)
+        line = text.feed(deltas)
+        assert line is not None and line.token_ids
+        kv_export = last.kv_export
+        if text.finished and kv_export is not None:  # a stop string ended it at once: nothing to hand on
+            await self.client.call("release", kv_export=kv_export)
+            kv_export = None
+        return PrefillResponse(
+            request_id=rid, first_token=line.token_ids[0], text=line.text,
+            finish_reason=text.finish_reason if text.finished else None, kv_export=kv_export,
+            seconds=time.perf_counter() - start, logprob=line.logprobs[0] if line.logprobs else None,
+            prompt_token_ids=ids, metrics=deltas[0].metrics or {},
+        )  # fmt: skip
+
+    async def decode(self, req: DecodeRequest) -> AsyncIterator[StreamLine]:
+        """Lines from the first token on; a failed import (CoreError) comes before the first line."""
+        self._need("decode")
+        params = await self._params(req.sampling_params)
+        rid = req.request_id or req.kv_export.handle.request_id or self._new_id("dc")
+        lp = None
+        if req.first_logprob is not None:
+            x = logprob_from_dict(req.first_logprob)
+            lp = [x.token_id, x.logprob, x.rank, [list(t) for t in x.top]]
+        cmd = wire.Import(rid, list(req.prompt_token_ids), req.first_token, req.kv_export.model_dump(),
+                          req.sampling_params, lp, req.kv_policy, req.timeout_s)  # fmt: skip
+        stream = self.client.import_kv(cmd)
+        async for line in self._lines(rid, stream, TextStream(rid, params, self.tokenizer), timings=False):
+            yield line
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamLine]:
+        params = await self._params(req.sampling_params)
+        ids = self._prompt_ids(req.prompt_input())
+        rid = req.request_id or self._new_id("gen")
+        stream = self.client.add(rid, ids, req.sampling_params)
+        async for line in self._lines(rid, stream, TextStream(rid, params, self.tokenizer), timings=True):
+            yield line
+
+    async def _lines(
+        self, rid: str, stream: RequestStream, text: TextStream, timings: bool
+    ) -> AsyncIterator[StreamLine]:
+        """Deltas -> lines, at least `stream_interval` tokens each after the first; closing early aborts
+        the request. The first line carries where the time went (this engine's queue/prefill, or the
+        KV import)."""
+        done = False
+        interval = self.config.stream_interval
+        held: list[wire.Delta] = []  # deltas taken with the first one, sent in the next line
+        try:
+            info = await stream.accepted
+            while True:
+                deltas, held = held or await stream.take(), []
+                if text.tokens == 0 and len(deltas) > 1:  # the first line carries the first delta alone
+                    deltas, held = deltas[:1], deltas[1:]
+                while (  # the first line goes at once (TTFT); later ones hold `interval` tokens
+                    interval > 1
+                    and text.tokens > 0
+                    and not deltas[-1].finished
+                    and sum(len(d.token_ids) for d in deltas) < interval
+                ):
+                    deltas += await stream.take()
+                metrics = None
+                if text.tokens == 0:
+                    metrics = (deltas[0].metrics or {}) if timings else dict(info)
+                line = text.feed(deltas, metrics)
+                if text.stopped_early:
+                    self.client.cancel(rid)
+                if line is None:
+                    continue
+                done = line.finished
+                yield line
+                if done:
+                    return
+        finally:
+            if not done:
+                self.client.cancel(rid)  # the caller went away, or the stream failed
+            elif not text.stopped_early:
+                self.client.forget(rid)
+
+    def abort(self, request_id: str) -> None:
+        self.client.abort(request_id)
+
+    # ---- operations ------------------------------------------------------------------------------
+
+    def health(self) -> dict:
+        status = "ok" if self.alive() else "engine_dead"
+        if status == "ok" and self.client.stopped():
+            status = "engine_stopped"  # answered with a 503: missed health checks get it replaced
+        return {**self.info, "status": status, "pid": os.getpid()}
+
+    async def stats(self) -> dict:
+        return await self.client.call("stats")
+
+    async def check_peer(self, address: str, timeout_s: float) -> dict:
+        """Handshake with an exporter now (decode side); refused pairs raise CoreError (403 / 409)."""
+        if self.config.role == "colocated":
+            raise RoleError("a colocated worker has no KV transport")
+        return await self.client.call(
+            "check_peer", wait_s=timeout_s + 5, address=address, timeout_s=timeout_s
+        )
+
+    async def release(self, kv_export: KVExportBody) -> dict:
+        self._need("prefill")
+        return await self.client.call("release", kv_export=kv_export.model_dump())
+
+    async def probe_export(self, num_blocks: int) -> dict:
+        self._need("prefill")
+        return await self.client.call("probe_export", num_blocks=num_blocks)
+
+    async def probe(self, kv_export: KVExportBody, timeout_s: float) -> dict:
+        self._need("decode")
+        return await self.client.call(
+            "probe", wait_s=timeout_s + 5, kv_export=kv_export.model_dump(), timeout_s=timeout_s
+        )
+
+    async def set_faults(self, knobs: FaultsRequest) -> dict:
+        return await self.client.call("set_faults", **knobs.model_dump())
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.client.close)
+        if self.config.core_share:  # a runtime that was SIGKILLed cannot remove its folder of lent cores
+            remove_if_orphaned(os.path.dirname(self.config.core_share), CORES_PREFIX)
