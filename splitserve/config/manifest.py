@@ -15,7 +15,7 @@
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
                 max_queued_requests, stream_interval, access_log, log_stats_interval_s, metrics_auth,
                 trust_request_chat_template, header_timeout_s, body_timeout_s, max_header_bytes,
-                structured: grammar limits (config/manifest_limits.py)}
+                structured, rate_limit: grammar limits, per-client rate (config/manifest_limits.py)}
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
     verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)
     slos, prices: read by `splitserve bench` (goodput and cost per accepted response)
@@ -46,7 +46,7 @@ from pydantic import (
 )
 
 from splitserve.config.manifest_errors import ManifestError, describe
-from splitserve.config.manifest_limits import StructuredSection
+from splitserve.config.manifest_limits import RateLimitSection, StructuredSection
 from splitserve.config.manifest_yaml import ManifestYAMLError, load_yaml
 from splitserve.engine.config import EngineConfig
 
@@ -311,6 +311,7 @@ class ServerSection(_Section):
     body_timeout_s: float = Field(default=60.0, ge=0.1, le=3600, allow_inf_nan=False)  # ... a body, of them
     max_header_bytes: int = Field(default=64 << 10, ge=1024, le=16 << 20)  # more: 431
     structured: StructuredSection = Field(default_factory=StructuredSection)  # grammar limits
+    rate_limit: RateLimitSection | None = None  # a token bucket per client (router/gate.py); null: none
 
     @field_validator("api_keys")
     @classmethod

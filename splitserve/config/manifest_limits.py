@@ -1,14 +1,18 @@
-"""The manifest's `server.structured` section: what a grammar may cost (engine/grammar_limits.py checks a
-request's spec against it at the router; the engines compile within its deadline and thread count).
+"""The manifest's limits on what a request may cost: `server.structured`, what a grammar may cost
+(engine/grammar_limits.py checks a request's spec against it at the router; the engines compile within
+its deadline and thread count), and `server.rate_limit`, a token bucket per client (router/gate.py).
 
     server:
       structured: {max_enum_values, max_choices, max_schema_depth, max_schema_bytes, max_pattern_chars,
                    max_repetition, allow_nested_quantifiers, compile_timeout_s, compile_threads}
+      rate_limit: {requests_per_s, burst}      # null (the default): no rate limit
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitserve.engine.grammar_limits import GrammarLimits
 
@@ -34,4 +38,19 @@ class StructuredSection(BaseModel):
         return GrammarLimits(**{k: v for k, v in self.model_dump().items() if k in names})
 
 
-__all__ = ["StructuredSection"]
+class RateLimitSection(BaseModel):
+    """Per client (its API key, else its address): `burst` requests at once, `requests_per_s` after."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    requests_per_s: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    burst: int | None = Field(default=None, ge=1, le=1 << 20)  # null: requests_per_s, at least 1
+
+    @model_validator(mode="after")
+    def _burst(self) -> RateLimitSection:
+        if self.burst is None:
+            object.__setattr__(self, "burst", max(1, math.ceil(self.requests_per_s)))
+        return self
+
+
+__all__ = ["RateLimitSection", "StructuredSection"]
