@@ -3,8 +3,8 @@ answered from its headers alone, before its body is read or parsed and before an
 worker, so that a flood of refusals costs the router little and the workers nothing.
 
 `EdgeGate` (edge_gate.py) is a plain ASGI middleware in front of everything, the access log included:
-each refusal is counted (`splitserve:request_errors`) but only `LOG_LINES_PER_S` of them a second get an access line
-(a line costs more than the refusal); the next line logged says how many were not.
+each refusal is counted (`splitserve:request_errors`) but only `LOG_LINES_PER_S` of them a second get
+an access line (a line costs more than the refusal); the next line logged says how many were not.
 
 `Gate` holds the keys and the per-client token buckets (`server.rate_limit: {requests_per_s, burst}`,
 off by default): a client is its API key when keys are set, else its address. A bucket holds `burst`
