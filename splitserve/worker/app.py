@@ -98,6 +98,10 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
                 yield encode(first) + b"\n"
             async for line in lines:
                 yield encode(line) + b"\n"
+        except (CoreDead, CoreError) as exc:  # the core died (or failed it) mid-stream: one line, no
+            # traceback; the stream ends without a finished line, which the router counts as a cut
+            rid = first.request_id if first is not None else "-"
+            log.warning("stream of %s cut: %s: %s", rid, type(exc).__name__, exc)
         finally:
             with contextlib.suppress(Exception):
                 await lines.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request
