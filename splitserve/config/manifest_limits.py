@@ -1,5 +1,5 @@
 """The manifest's limits on what a request may cost: `server.structured`, what a grammar may cost
-(engine/grammar_limits.py checks a request's spec against it at the router; the engines compile within
+(sampling/grammar_limits.py checks a request's spec against it at the router; the engines compile within
 its deadline and thread count), and `server.rate_limit`, a token bucket per client (router/gate.py).
 
     server:
@@ -14,7 +14,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from splitserve.engine.grammar_limits import GrammarLimits
+from splitserve.sampling.grammar_limits import GrammarLimits
 
 _LIMITS = GrammarLimits()
 

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.builder import build
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.grammar_wait import GrammarWaits
 from splitserve.engine.intake import RequestFactory
@@ -35,20 +35,22 @@ from splitserve.engine.kv_prefault import KVPrefault
 from splitserve.engine.kv_transfer import BlockLease, ImportOutcome, KVTransfers
 from splitserve.engine.kv_transfer_types import ImportSpec
 from splitserve.engine.overlap import OverlappedSteps, _Inflight
-from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, output_of
+from splitserve.engine.request import Request, RequestOutput, Status, output_of
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.spec.verify import SpecDecoder, has_drafts
 from splitserve.engine.stats import EngineStats
 from splitserve.engine.stop import check_stop
 from splitserve.model.loader import LoadedModel
 from splitserve.model.tokenizer import Tokenizer
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from splitserve.engine.kv_transfer_hooks import KVConnectorBase
-    from splitserve.transport.handle import KVHandle
+    from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +69,17 @@ class LLMEngine(OverlappedSteps):
         self.model_config, self.max_model_len = p.loaded.config, p.max_model_len
         self.tokenizer: Tokenizer | None = p.tokenizer
         self.eos_token_ids, self.block_size = p.eos_token_ids, config.block_size
-        self.kv_cache, self.states, self.pool = p.kv_cache, p.states, p.pool  # KV cache, state slots, blocks
+        self.kv_cache, self.states, self.pool = p.kv_cache, p.states, p.pool  # KV, state slots, blocks
         self.scheduler, self.runner, self.graph_capture_s = p.scheduler, p.runner, p.graph_capture_s
+        self.memory_plan = p.memory_plan  # CUDA: the worker's share, piece by piece (engine/memory_plan.py)
         cfg = self.model_config
         self.intake = RequestFactory(self.tokenizer, cfg.vocab_size, self.eos_token_ids, self.max_model_len,
                                      self.pool.num_blocks, self.block_size, self.device)  # fmt: skip
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
-        hf = self.tokenizer.hf if self.tokenizer is not None else None
-        self.grammars = Grammars(hf, cfg.vocab_size, self.eos_token_ids, config.grammar_threads)
+        tok = self.tokenizer  # its transformers tokenizer (`hf`) is loaded on the first grammar
+        self.grammars = Grammars(None, cfg.vocab_size, self.eos_token_ids, (lambda: tok.hf) if tok else None,
+                                 config.grammar_threads)  # fmt: skip
         self._compiling = GrammarWaits(self.grammars, config.grammar_timeout_s)  # waiting for a grammar
-        self._grammar_failures: list[tuple[str, Exception]] = []  # (request id, why), until taken
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
         self.transfers = KVTransfers(self, self.scheduler, self.kv_cache, self.states, cfg.vocab_size,
@@ -85,8 +88,9 @@ class LLMEngine(OverlappedSteps):
         self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
         self._first_due = False  # a KV import's first token is in _ready: the next step returns it alone
         self._ran_last = True  # the last step() ran the model (so a step returns _ready alone at most once)
-        overlap = config.async_scheduling
-        self.async_scheduling = self.device.type == "cuda" if overlap is None else overlap
+        self.spec = SpecDecoder.create(config.speculative_config, self.states.states)  # None: off
+        overlap = config.async_scheduling  # (verify steps do not overlap)
+        self.async_scheduling = (self.device.type == "cuda" if overlap is None else overlap) and not self.spec
         self._inflight: _Inflight | None = None  # an overlapped step whose tokens are not read yet
         self.overlapped_steps = 0
         self.forward_steps = 0  # steps that ran the model (overlapped or not)
@@ -136,14 +140,12 @@ class LLMEngine(OverlappedSteps):
         by this step, and its failure is kept for `take_grammar_failures`."""
         for rid, error in self._compiling.admit(self.scheduler.add):
             log.warning("grammar of %s failed: %s", rid, error)
-            self._grammar_failures.append((rid, error))
             self._ready.append(self._output(rid))
 
     def take_grammar_failures(self) -> list[tuple[str, Exception]]:
         """(request id, GrammarError or GrammarTimeout) of each request whose grammar failed since the
         last call; its output ended with "abort" (a serving core answers the failure instead)."""
-        out, self._grammar_failures = self._grammar_failures, []
-        return out
+        return self._compiling.take_failures()
 
     def grammar_compiling(self, req: Request) -> Future | None:
         """The compile `req`'s grammar still waits for, if any."""
@@ -186,8 +188,9 @@ class LLMEngine(OverlappedSteps):
         """Queues, blocks, slots, steps and the prefix cache, as of now (leases that ended taken first)."""
         self.free_released_kv()
         steps = (self.forward_steps, self.overlapped_steps, self.step_seconds)
+        spec = self.spec.stats() if self.spec is not None else None
         return EngineStats.collect(self.scheduler, self.states, self.transfers, self.kv_cache,
-                                   unfinished=len(self._parents), steps=steps)  # fmt: skip
+                                   unfinished=len(self._parents), steps=steps, spec=spec)  # fmt: skip
 
     def lease_blocks(self, n: int, *, touch: bool = False) -> BlockLease:
         """Lend `n` free blocks outside any request (the KV probe): `KVTransfers.lease_blocks`."""
@@ -239,12 +242,16 @@ class LLMEngine(OverlappedSteps):
         if inflight is not None and not self._may_continue():
             self._inflight = None
             return self._resolve(inflight)  # read it now; the next step runs as usual
+        if self.spec is not None:
+            self.spec.propose(self.scheduler, self.max_model_len)
         sched = self.scheduler.schedule()
         if not sched.chunks:
             if self._compiling and idle_wait:  # nothing else to do: wait for a grammar, not spin
                 wait(self._compiling.futures(), timeout=0.005, return_when=FIRST_COMPLETED)
             return []
         self.forward_steps += 1
+        if self.spec is not None and has_drafts(sched):
+            return self.spec.run(self, sched)  # verify the drafts (spec/verify.py)
         if inflight is not None or self._may_overlap(sched):  # overlap.py
             return self._overlapped_step(sched, inflight)
         logits, sample_chunks = self.runner.execute(sched.chunks)
@@ -252,23 +259,13 @@ class LLMEngine(OverlappedSteps):
         tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
         return self._update(sched, reqs, tokens, logprobs)
 
-    def _update(
-        self,
-        sched: SchedulerOutput,
-        reqs: list[Request],
-        tokens: list[int],
-        logprobs: list[TokenLogprob | None],
-    ) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
+                logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:  # fmt: skip
         self.scheduler.advance(sched)
         return self._take_tokens(sched, reqs, tokens, logprobs)
 
-    def _take_tokens(
-        self,
-        sched: SchedulerOutput,
-        reqs: list[Request],
-        tokens: list[int],
-        logprobs: list[TokenLogprob | None],
-    ) -> list[RequestOutput]:
+    def _take_tokens(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
+                     logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:  # fmt: skip
         """Append each sampled token (stop checks, KV export), cache the blocks the step filled, and
         return the outputs of the requests that changed."""
         now = time.monotonic()

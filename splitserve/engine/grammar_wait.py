@@ -8,14 +8,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from splitserve.engine.grammar import GrammarError, Grammars, GrammarTimeout
+from splitserve.engine.grammar import Grammars, GrammarTimeout
 from splitserve.engine.request import Request, Status
+from splitserve.sampling.grammar_check import GrammarError
 
 
 class GrammarWaits:
     def __init__(self, grammars: Grammars, timeout_s: float) -> None:
         self.grammars, self.timeout_s = grammars, timeout_s
-        self._waiting: list[tuple[Future, list[Request], float]] = []  # (compile, children, deadline)
+        self._waiting: list[tuple[Future, list[Request], float]] = []  # (compile, children, asked at)
+        self.failures: list[tuple[str, Exception]] = []  # (request id, why) of `admit`, until taken
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        out, self.failures = self.failures, []
+        return out
 
     def __bool__(self) -> bool:
         return bool(self._waiting)
@@ -24,19 +30,18 @@ class GrammarWaits:
         return [f for f, _, _ in self._waiting]
 
     def add(self, compiled: Future, children: list[Request]) -> None:
-        self._waiting.append((compiled, children, time.monotonic() + self.timeout_s))
+        self._waiting.append((compiled, children, time.monotonic()))
 
     def admit(self, queue: Callable[[Request], None]) -> list[tuple[str, Exception]]:
         """`queue` each child whose grammar compiled (its matcher set); end the others that are due
         with "abort". -> (parent request id, GrammarError or GrammarTimeout) of each that failed."""
         waiting, failed = [], []
-        now = time.monotonic()
-        for fut, children, deadline in self._waiting:
+        for fut, children, since in self._waiting:
             live = [c for c in children if not c.finished]  # not aborted while it compiled
             if not live:
                 continue
-            if not fut.done() and now < deadline:
-                waiting.append((fut, children, deadline))
+            if not fut.done() and not self.grammars.late(since, self.timeout_s):
+                waiting.append((fut, children, since))
                 continue
             error = self._error(fut)
             for child in live:
@@ -48,6 +53,7 @@ class GrammarWaits:
             if error is not None:
                 failed.append((live[0].parent_id or live[0].request_id, error))
         self._waiting = waiting
+        self.failures += failed
         return failed
 
     def _error(self, fut: Future) -> Exception | None:

@@ -29,13 +29,14 @@ from typing import Protocol
 
 import torch
 
-from splitserve.engine.grammar import GrammarTimeout
+from splitserve.engine.grammar import Grammars, GrammarTimeout
 from splitserve.engine.kv_transfer_hooks import Inbox, KVConnectorBase, KVLoad, LeaseEnded, LoadDone
 from splitserve.engine.kv_transfer_types import ImportSpec, KVTransferFailed, NoRoom, restore_generator
-from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import KVWait, Request, RequestOutput, Status, TokenLogprob, completion_of
+from splitserve.engine.request import KVWait, Request, RequestOutput, Status, completion_of
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_pool import StatePool
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 from splitserve.transport.errors import AuthError, PeerRefused
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ REFUSALS = (PeerRefused, AuthError)  # configuration errors: never recomputed ov
 
 class _Engine(Protocol):
     """What the transfers use of their engine (LLMEngine): requests are its to build and queue."""
+
+    grammars: Grammars
 
     def build_request(self, prompt: Sequence[int], params: SamplingParams, request_id: str) -> Request: ...
 
@@ -295,7 +298,8 @@ class KVTransfers:
         for rid, done in list(self._after_grammar.items()):
             imp = self.imports[rid]
             compiling = self.engine.grammar_compiling(imp.request) is not None
-            late = time.perf_counter() - imp.start > self.grammar_timeout_s
+            since = time.monotonic() - (time.perf_counter() - imp.start)  # the compile clock's time
+            late = self.engine.grammars.late(since, self.grammar_timeout_s)
             if compiling and not late and not imp.aborted:
                 continue
             del self._after_grammar[rid]
@@ -341,7 +345,10 @@ class KVTransfers:
                 self._fail(req, KVTransferFailed(rid, error), info)
                 return
             conn.count("recomputed")
+            conn.count("recomputed_tokens", req.num_prompt_tokens)
             computed = 0
+        else:
+            conn.count("imported_tokens", req.num_prompt_tokens)
         try:
             if error is None:
                 self._load_state(req, done.state)

@@ -9,6 +9,7 @@ import torch
 
 from splitserve.engine.kv_transfer import KVTransfers
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.spec.verify import SpecStats
 from splitserve.engine.state_pool import StatePool
 
 
@@ -47,7 +48,9 @@ class EngineStats:
     prefix_caching: bool  # as in effect (hybrid models: off without state checkpoints)
     prefix_queries: int
     prefix_hits: int
+    prompt_tokens_computed: int  # prompt tokens run through the model (not cached, not imported)
     state_checkpoints: CheckpointStats | None
+    spec_decode: SpecStats | None = None  # speculative decoding's counters, when it is on
 
     @classmethod
     def collect(
@@ -59,6 +62,7 @@ class EngineStats:
         *,
         unfinished: int,
         steps: tuple[int, int, float],
+        spec: SpecStats | None = None,
     ) -> EngineStats:
         pool, ckpt = scheduler.block_manager.pool, scheduler.block_manager.checkpoints
         checkpoints = None
@@ -80,7 +84,9 @@ class EngineStats:
             prefix_caching=pool.enable_prefix_caching,
             prefix_queries=scheduler.prefix_queries,
             prefix_hits=scheduler.prefix_hits,
+            prompt_tokens_computed=scheduler.prompt_tokens_computed,
             state_checkpoints=checkpoints,
+            spec_decode=spec,
         )
 
 

@@ -1,4 +1,4 @@
-"""What the router serves besides the API, kept behind the API key and cheap (issue 26 F6).
+"""What the router serves besides the API, kept behind the API key and cheap.
 
 `DocsGuard`: with API keys set, FastAPI's /docs, /redoc and /openapi.json want a key too (they
 describe the deployment). `MetricsCache`: /metrics is rendered at most once per `ttl_s`, however many

@@ -6,7 +6,7 @@ OpenAI's `response_format`: `text`, `json_object` (any JSON object), `json_schem
 grammar | json_object | structural_tag}) and the older `guided_json`, `guided_regex`, `guided_choice`,
 `guided_grammar`. At most one of them per request. The grammar is compiled by each engine
 (engine/grammar.py); here it is checked against the manifest's limits (`server.structured`,
-engine/grammar_limits.py: enum and choice counts, nesting, size, regex repetition) and parsed, off the
+sampling/grammar_limits.py: enum and choice counts, nesting, size, regex repetition) and parsed, off the
 event loop and cached per spec, so that a costly or bad one is a 400 before anything is queued.
 """
 
@@ -17,16 +17,16 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from splitserve.engine.grammar import GrammarError, check_grammar
-from splitserve.engine.grammar_limits import (
+from splitserve.router.openai_protocol import APIError, JSONSchemaFormat, StructuredOutputs
+from splitserve.sampling.grammar_check import GrammarError, check_grammar
+from splitserve.sampling.grammar_limits import (
     GrammarLimitError,
     GrammarLimits,
     check_limits,
     check_regex,
     check_schema,
 )
-from splitserve.engine.params import GrammarSpec
-from splitserve.router.openai_protocol import APIError, JSONSchemaFormat, StructuredOutputs
+from splitserve.sampling.params import GrammarSpec
 
 
 def _json_text(schema: Any, param: str) -> str:

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.engine.params import GrammarSpec
+from splitserve.sampling.params import GrammarSpec
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The static grammar limits (engine/grammar_limits.py): hostile specs are refused naming the limit and
+"""The static grammar limits (sampling/grammar_limits.py): hostile specs are refused naming the limit and
 the field; ordinary ones (the structured-output tests' schemas and patterns) pass."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from splitserve.engine.grammar_limits import GrammarLimitError, GrammarLimits, check_limits, check_regex
-from splitserve.engine.params import GrammarSpec
+from splitserve.sampling.grammar_limits import GrammarLimitError, GrammarLimits, check_limits, check_regex
+from splitserve.sampling.params import GrammarSpec
 
 LIMITS = GrammarLimits()
 
