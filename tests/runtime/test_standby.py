@@ -31,6 +31,7 @@ def test_a_killed_standby_is_replaced_within_the_backoff():
     async def main() -> list[tuple[float, float]]:
         rt = LocalRuntime(manifest)
         await rt.start(progress=False)
+        rt.start_standby()  # `splitserve serve` starts it a little after ready
         timings = []
         try:
             for round_ in range(3):
