@@ -14,7 +14,7 @@ import msgspec
 from splitserve.wire.stats import Health
 
 
-class Standby(msgspec.Struct):
+class StandbyLine(msgspec.Struct):
     event: Literal["standby"] = "standby"
     pid: int = 0
 
@@ -29,4 +29,4 @@ class ReadyLine(Health, kw_only=True):
     front_end: dict[str, float]  # the front end's age at the end of each start-up phase, by phase
 
 
-__all__ = ["Launch", "ReadyLine", "Standby"]
+__all__ = ["Launch", "ReadyLine", "StandbyLine"]

@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from splitserve.sampling.params import SamplingParams
-from splitserve.tempdirs import owned_tempdir, process_state
+from splitserve.tempdirs import CORE_SOCKETS, owned_tempdir, process_state
 from splitserve.wire import core as wire
 from splitserve.wire import ops
 from splitserve.wire.http import Timings
@@ -41,7 +41,7 @@ from splitserve.wire.stats import Health
 log = logging.getLogger(__name__)
 
 
-_PREFIX = "splitserve-core-"
+_PREFIX = CORE_SOCKETS
 
 
 class CoreDead(RuntimeError):

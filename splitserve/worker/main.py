@@ -42,7 +42,7 @@ from splitserve.model.errors import ModelLoadError
 from splitserve.startup_clock import mark, marks
 from splitserve.transport import TransportError
 from splitserve.wire.auth import worker_headers, worker_token  # noqa: F401 - re-exported
-from splitserve.wire.lifecycle import Launch, ReadyLine, Standby
+from splitserve.wire.lifecycle import Launch, ReadyLine, StandbyLine
 from splitserve.worker.cli import build_parser, config_from_args
 from splitserve.worker.core_client import CoreClient, CoreDead
 from splitserve.worker.service import Worker
@@ -66,7 +66,7 @@ def standby() -> list[str]:
     import splitserve.model.tokenizer  # noqa: F401 - the import is the point
     import splitserve.worker.app  # noqa: F401
 
-    print(msgspec.json.encode(Standby(pid=os.getpid())).decode(), flush=True)
+    print(msgspec.json.encode(StandbyLine(pid=os.getpid())).decode(), flush=True)
     line = sys.stdin.readline()
     if not line:
         raise SystemExit(0)  # the runtime went away
