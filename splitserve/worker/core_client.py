@@ -55,7 +55,7 @@ def _dead_info(why: str) -> wire.ErrorInfo:
 class RequestStream:
     """One request's deltas, as the reader hands them over."""
 
-    __slots__ = ("_loop", "_waiter", "accepted", "error", "info", "items")
+    __slots__ = ("_loop", "_waiter", "accepted", "error", "items", "timings")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
