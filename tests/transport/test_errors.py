@@ -320,7 +320,7 @@ def test_nixl_libfabric_alone_refuses_to_start_with_nixls_own_error():
 @needs_nixl
 @pytest.mark.skipif(HAVE_LIBFABRIC, reason="libfabric is installed here: LIBFABRIC may instantiate")
 def test_nixl_declared_fallback_serves_logs_loudly_and_is_counted(make, caplog):
-    with caplog.at_level(logging.ERROR, logger="splitserve.transport.nixl"):
+    with caplog.at_level(logging.ERROR, logger="splitserve.transport.nixl.mover"):
         exporter = make("nixl", nixl_backends=("LIBFABRIC", "UCX"), checksum="crc32")
     info = exporter.describe()
     assert info["backend"] == "nixl/UCX" and info["requested"] == "nixl/LIBFABRIC", info
@@ -336,7 +336,7 @@ def test_nixl_declared_fallback_serves_logs_loudly_and_is_counted(make, caplog):
 
 
 def test_nixl_ucx_error_mode_is_none_for_gpu_memory_and_peer_for_host(monkeypatch):
-    from splitserve.transport.nixl_env import UCX_ERROR_ENV, ucx_error_mode
+    from splitserve.transport.nixl.env import UCX_ERROR_ENV, ucx_error_mode
 
     monkeypatch.delenv(UCX_ERROR_ENV, raising=False)
     assert ucx_error_mode(torch.device("cpu")) == "peer"  # NIXL's default: a dead peer is reported
@@ -347,7 +347,7 @@ def test_nixl_ucx_error_mode_is_none_for_gpu_memory_and_peer_for_host(monkeypatc
 
 @needs_nixl
 def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(make, monkeypatch):
-    from splitserve.transport.nixl_env import UCX_ERROR_ENV
+    from splitserve.transport.nixl.env import UCX_ERROR_ENV
 
     monkeypatch.setenv(UCX_ERROR_ENV, "none")  # what a GPU pool gets, here on host memory
     exporter = make("nixl")
@@ -362,10 +362,11 @@ def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(ma
 
 
 def test_nixl_turns_cuda_ipc_gets_on_for_gpu_pools_unless_the_operator_chose(monkeypatch):
-    from splitserve.transport.nixl_env import CUDA_IPC_GET_ENV, enable_cuda_ipc_get
+    from splitserve.transport.nixl.env import CUDA_IPC_GET_ENV, enable_cuda_ipc_get
 
     monkeypatch.delenv(CUDA_IPC_GET_ENV, raising=False)
     assert enable_cuda_ipc_get(torch.device("cpu")) is None and CUDA_IPC_GET_ENV not in os.environ
     assert enable_cuda_ipc_get(torch.device("cuda", 0)) == "on" == os.environ[CUDA_IPC_GET_ENV]
     monkeypatch.setenv(CUDA_IPC_GET_ENV, "auto")  # UCX's default, asked for explicitly: kept
     assert enable_cuda_ipc_get(torch.device("cuda", 0)) == "auto"
+

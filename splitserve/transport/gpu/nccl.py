@@ -1,7 +1,8 @@
 """nccl: GPU KV between workers on any hosts, sent with NCCL send/recv between the two GPUs.
 
 The control channel is tcp's (the authenticated protocol of protocol.py on `options.host:port`); each
-connection gets its own two-rank NCCL process group, and the blocks go over it.
+connection gets its own two-rank NCCL process group, and the blocks go over it. `NcclLink` is this
+backend's link of the GPU mover (mover.py runs the protocol, link.py says what a link does).
 
 Life of a connection and of one fetch:
   0. start-up: both workers keep their KV on a GPU; no CUDA, no NCCL in this torch, or a KV on the
@@ -18,7 +19,7 @@ Life of a connection and of one fetch:
      body, then sends the blocks in chunks of `chunk_blocks` (the last may be shorter): all blocks
      in one message when they are one run on both sides (`into_run`: the fetcher's are) or come to
      at most ONE_MESSAGE_BYTES, else about CHUNK_BYTES each. The sends are queued on the server's
-     loop thread before the answer goes out (`start_push`; a worker thread then waits for them). A
+     loop thread before the answer goes out (`start_push`; a worker thread then waits for them, `NcclPush`). A
      chunk whose ids are consecutive is sent straight from the cache; any other is gathered into one
      of up to STAGING_BUFS staging buffers first (gathering chunk k+1 overlaps sending chunk k;
      nccl_chunks.py).
@@ -47,7 +48,7 @@ import secrets
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -59,12 +60,11 @@ from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel, parse_address
 from splitserve.transport.errors import PeerRefused, TransportError
-from splitserve.transport.export_requests import PayloadCall
-from splitserve.transport.gpu_blocks import consecutive_start, host_id
-from splitserve.transport.gpu_two_sided import GpuTwoSided
-from splitserve.transport.layout import KVLayout
-from splitserve.transport.nccl_chunks import queue_recvs, queue_sends
-from splitserve.transport.nccl_group import (
+from splitserve.transport.gpu.blocks import consecutive_start, host_id
+from splitserve.transport.gpu.link import QueuedCopy
+from splitserve.transport.gpu.mover import GpuMover
+from splitserve.transport.gpu.nccl_chunks import queue_recvs, queue_sends
+from splitserve.transport.gpu.nccl_group import (
     PairGroup,
     aborting,
     chunk_spans,
@@ -73,11 +73,10 @@ from splitserve.transport.nccl_group import (
     sock_gone,
     wait_done,
 )
-from splitserve.transport.payload import snapshot_state
-from splitserve.transport.port import MoverPort
+from splitserve.transport.layout import KVLayout
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
-from splitserve.transport.transport import ExportRequest, FetchRequest
+from splitserve.transport.transport import ExportRequest
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -90,94 +89,59 @@ ONE_MESSAGE_BYTES = 1 << 30
 WARMUP_BYTE = 0x5A
 
 
-class NcclMover:
+class NcclLink:
     """The blocks over a two-rank NCCL group per connection (the module docstring)."""
 
     backend = "nccl"
     open_op = "nccl_open"
     payload_op = "kv_nccl"
 
-    def __init__(self, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
-        self.two_sided = GpuTwoSided(self, kv_cache, cpu_test_double)  # checks the KV cache's device
-
-    def bind(self, port: MoverPort) -> None:
-        self.port, self.device = port, port.kv_cache.device
-        self.two_sided.bind(port)
-        layout = self.port.layout
-        self.chunk_blocks = max(1, CHUNK_BYTES // layout.block_nbytes)
-        self._send_lock = threading.Lock()
+    def bind(self, mover: GpuMover) -> None:
+        self.mover, self.device, self.options = mover, mover.device, mover.options
+        self.chunk_blocks = max(1, CHUNK_BYTES // mover.layout.block_nbytes)
+        self.send_lock = threading.Lock()  # one NCCL operation in flight per exporter
         self.send_calls: deque[float] = deque(maxlen=64)  # seconds in c10d's send calls, per transfer
 
     def listen_spec(self) -> ListenSpec:
-        return ListenSpec("tcp", host=self.port.options.host, port=self.port.options.port)
+        return ListenSpec("tcp", host=self.options.host, port=self.options.port)
+
+    def make_board(self) -> LeaseBoard | None:
+        return None  # every fetch asks the exporter
+
+    def export(self, request: ExportRequest) -> KVHandle | None:
+        return None  # the usual lease; the state goes as host copies
 
     @property
     def group_timeout_s(self) -> float:
-        return self.port.options.max_fetch_s + 60.0
+        return self.options.max_fetch_s + 60.0
 
     def blocks_per_message(self, ids: np.ndarray, into_run: bool) -> int:
         """How many blocks each message carries: all of them when they are one run on both sides (no
         staging anywhere) or fit in ONE_MESSAGE_BYTES; else `chunk_blocks`."""
         n = len(ids)
         one_run = into_run and consecutive_start(ids) is not None
-        if one_run or n * self.port.layout.block_nbytes <= ONE_MESSAGE_BYTES:
+        if one_run or n * self.mover.layout.block_nbytes <= ONE_MESSAGE_BYTES:
             return n
         return self.chunk_blocks
 
-    # -- the mover contract (channel.py), the shared part held in self.two_sided -------------------
-    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
-        return False  # the state travels as host copies
-
-    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """Host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.port.layout, state)
-
-    def make_board(self) -> LeaseBoard | None:
-        return None  # every fetch asks the exporter
-
-    def export(self, request: ExportRequest) -> KVHandle:
-        return self.two_sided.export(request)
-
-    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
-        return await self.two_sided.serve_op(chan, header)
-
-    async def send_payload(self, call: PayloadCall) -> int:
-        return await self.two_sided.send_payload(call)
-
-    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
-        return self.two_sided.fetch(request.handle, request.into_block_ids, request.timeout_s)
-
-    def close(self) -> None:
-        pass
-
-    # -- GpuTwoSided's hooks (gpu_two_sided.GpuBackend) with nothing to do here --------------------
-    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
-        return None  # nothing starts before the exporter answers
-
-    def settle(self, early: Any, exc: BaseException) -> None:
-        pass
-
-    def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
-        raise TransportError(f"{self.backend}: the exporter named a state arena row, which we cannot read")
-
     def _refuse_own_gpu(self, peer_gpu: str) -> None:
         """NCCL cannot pair a GPU with itself: refuse a peer on ours (CPU test doubles excepted)."""
-        gpu = self.two_sided.gpu
-        if peer_gpu == gpu and self.two_sided.on_cuda:
+        gpu = self.mover.gpu
+        if peer_gpu == gpu and self.mover.on_cuda:
             both = f"gpu: exporter and fetcher both on {gpu}"
             raise PeerRefused("nccl cannot pair a GPU with itself", [both])
 
     # -- exporter --------------------------------------------------------------------------------
-    async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
-        asked = float(header.get("timeout_s", self.port.options.connect_timeout_s))
-        deadline = Deadline.after(min(max(asked, 0.001), self.port.options.max_fetch_s))
+    async def serve_open(self, chan: AsyncChannel, header: dict) -> None:
+        asked = float(header.get("timeout_s", self.options.connect_timeout_s))
+        deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
         self._refuse_own_gpu(str(header.get("gpu")))
-        host = self.port.options.host if self.port.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        host = self.options.host if self.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         store = await asyncio.to_thread(
             dist.TCPStore, host, 0, None, True, timedelta(seconds=deadline.remaining("rendezvous")), False
         )
         prefix = f"splitserve-kv/{secrets.token_hex(16)}"
-        answer = {"op": "nccl_rendezvous", "port": store.port, "prefix": prefix, "gpu": self.two_sided.gpu,
+        answer = {"op": "nccl_rendezvous", "port": store.port, "prefix": prefix, "gpu": self.mover.gpu,
                   "host": host_id(), "nccl": nccl_version()}  # fmt: skip
         await chan.send(answer, deadline)
         try:
@@ -187,81 +151,35 @@ class NcclMover:
         pair = chan.attached["nccl"] = PairGroup(group, store)
         await asyncio.to_thread(self._warmup_send, pair, deadline, lambda: sock_gone(chan.sock))
         expect(await chan.recv(deadline), "nccl_ready")
-        chan.notes.add(self.open_op)
-        self.port.stats.count("nccl_groups")
-        return True
+        self.mover.stats.count("nccl_groups")
 
     def _warmup_send(self, pair: PairGroup, deadline: Deadline, gone: Callable[[], bool]) -> None:
-        with self._send_lock, self.two_sided.on_device(after_current=False):
+        with self.send_lock, self.mover.on_device(after_current=False):
             byte = torch.full((1,), WARMUP_BYTE, dtype=torch.uint8, device=self.device)
             with aborting(pair, "nccl warm-up send"):
                 work = pair.group.send([byte], 1, 0)
                 wait_done([work], pair, self.device, deadline, gone, "nccl warm-up")
 
-    def chunk_for(self, chan: AsyncChannel, ids: np.ndarray) -> int:
-        """Blocks per message for this fetch (`blocks_per_message`)."""
-        request = chan.attached.get("fetch_request")
-        into_run = bool(request.value.get("into_run")) if request is not None else False
-        return self.blocks_per_message(ids, into_run)
+    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray, request: dict) -> NcclPush:
+        per = self.blocks_per_message(block_ids, bool(request.get("into_run")))
+        return NcclPush(self, chan, block_ids, per)
 
-    def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
-        return {"chunk_blocks": self.chunk_for(chan, block_ids)}
-
-    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray) -> Any:
-        """Fast path (GPU, no other transfer of ours in flight): queue the gathers and sends on the
-        loop thread before the answer goes out, so that they are waiting when the fetcher posts its
-        receives; the send lock stays held until `push` or `cancel_push`. Else None: `push` does it
-        all on a worker thread."""
-        if not self.two_sided.on_cuda or not self._send_lock.acquire(blocking=False):
-            return None
-        try:
-            return self._enqueue_sends(chan.attached["nccl"], block_ids, self.chunk_for(chan, block_ids))
-        except BaseException:
-            self._send_lock.release()
-            raise
-
-    def cancel_push(self, chan: AsyncChannel, early: Any) -> None:
-        if early is not None:
-            chan.attached["nccl"].abort()  # sends queued that nobody will receive
-            self._send_lock.release()
-
-    async def push(self, chan: AsyncChannel, block_ids: np.ndarray, deadline: Deadline, early: Any) -> None:
-        pair: PairGroup = chan.attached["nccl"]
-
-        def gone() -> bool:
-            return sock_gone(chan.sock)
-
-        if early is not None:
-            try:
-                await asyncio.to_thread(self._finish_sends, pair, early, deadline, gone)
-            finally:
-                self._send_lock.release()
-            return
-        per = self.chunk_for(chan, block_ids)
-        await asyncio.to_thread(self._send_blocks, pair, block_ids, per, deadline, gone)
-
-    def _send_blocks(
-        self, pair: PairGroup, ids: np.ndarray, per: int, deadline: Deadline, gone: Callable[[], bool]
-    ) -> None:
-        with self._send_lock:
-            self._finish_sends(pair, self._enqueue_sends(pair, ids, per), deadline, gone)
-
-    def _enqueue_sends(self, pair: PairGroup, ids: np.ndarray, per: int) -> list[Any]:
+    def enqueue_sends(self, pair: PairGroup, ids: np.ndarray, per: int) -> list[Any]:
         """Queue the gathers and sends of every chunk; -> the works not waited for yet."""
-        with self.two_sided.on_device(after_current=False), aborting(pair, "nccl send"):
-            works, calls = queue_sends(pair.group, self.two_sided.rows, ids, per)
+        with self.mover.on_device(after_current=False), aborting(pair, "nccl send"):
+            works, calls = queue_sends(pair.group, self.mover.rows, ids, per)
         self.send_calls.append(calls)
         return works
 
-    def _finish_sends(
+    def finish_sends(
         self, pair: PairGroup, works: list[Any], deadline: Deadline, gone: Callable[[], bool]
     ) -> None:
-        with self.two_sided.on_device(after_current=False), aborting(pair, "nccl send"):
+        with self.mover.on_device(after_current=False), aborting(pair, "nccl send"):
             wait_done(works, pair, self.device, deadline, gone, "nccl send")
 
     # -- fetcher ---------------------------------------------------------------------------------
-    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
-        chan.send({"op": self.open_op, "gpu": self.two_sided.gpu, "host": host_id(),
+    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> PairGroup:
+        chan.send({"op": self.open_op, "gpu": self.mover.gpu, "host": host_id(),
                    "timeout_s": deadline.remaining("nccl open")}, deadline)  # fmt: skip
         try:
             answer = expect(chan.recv(deadline)[0], "nccl_rendezvous")
@@ -280,62 +198,102 @@ class NcclMover:
             raise TransportError(f"nccl rendezvous with {handle.address} failed: {exc}") from exc
         pair = PairGroup(group, store)
         try:
-            with aborting(pair, f"nccl warm-up with {handle.address}"):
-                with self.two_sided.on_device():
-                    byte = torch.zeros(1, dtype=torch.uint8, device=self.device)
-                    work = group.recv([byte], 0, 0)
-                    wait_done(
-                        [work],
-                        pair,
-                        self.device,
-                        deadline,
-                        lambda: not chan.alive(),
-                        "nccl warm-up",
-                    )
-                    if int(byte.item()) != WARMUP_BYTE:
-                        raise TransportError(f"nccl warm-up from {handle.address} delivered the wrong byte")
-                chan.send({"op": "nccl_ready"}, deadline)
+            self._warmup_recv(chan, pair, handle, deadline)
         except BaseException:
             pair.abort()  # anything else that stops the open exchange (aborting twice is harmless)
             raise
-        self.port.stats.count("nccl_groups")
+        self.mover.stats.count("nccl_groups")
         return pair
 
-    def fetch_fields(self, into: np.ndarray) -> dict:
-        return {"into_run": consecutive_start(into) is not None}
+    def _warmup_recv(self, chan: SyncChannel, pair: PairGroup, handle: KVHandle, deadline: Deadline) -> None:
+        """The one-byte warm-up proves the pair works; then {"op": "nccl_ready"}."""
+        with aborting(pair, f"nccl warm-up with {handle.address}"), self.mover.on_device():
+            byte = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            work = pair.group.recv([byte], 0, 0)
+            wait_done([work], pair, self.device, deadline, lambda: not chan.alive(), "nccl warm-up")
+            if int(byte.item()) != WARMUP_BYTE:
+                raise TransportError(f"nccl warm-up from {handle.address} delivered the wrong byte")
+        chan.send({"op": "nccl_ready"}, deadline)
+
+    def read(self, handle: KVHandle, into: np.ndarray, deadline: Deadline) -> None:
+        return None  # every fetch asks the exporter, which sends
+
+    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> QueuedCopy | None:
+        return None  # nothing arrives before the exporter answers
 
     def pull(
         self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
-        deadline: Deadline, early: Any,
+        deadline: Deadline, early: QueuedCopy | None,
     ) -> None:  # fmt: skip
+        if meta.get("state_row") is not None:
+            raise TransportError("nccl: the exporter named a state arena row, which we cannot read")
         pair: PairGroup = peer
         per = int(meta["chunk_blocks"])
         if per <= 0:
             raise TransportError(f"exporter announced chunks of {per} blocks")
-        with aborting(pair, f"nccl recv from {chan.address}"), self.two_sided.on_device():
-            works, staged = queue_recvs(pair.group, self.two_sided.rows, into, per)
+        with aborting(pair, f"nccl recv from {chan.address}"), self.mover.on_device():
+            works, staged = queue_recvs(pair.group, self.mover.rows, into, per)
             wait_done(works, pair, self.device, deadline, lambda: not chan.alive(), "nccl recv")
-        self.two_sided.gpu_counts["chunks"] += len(chunk_spans(len(into), per))
-        self.two_sided.gpu_counts["chunks_staged"] += staged
+        self.mover.gpu_counts["chunks"] += len(chunk_spans(len(into), per))
+        self.mover.gpu_counts["chunks_staged"] += staged
 
     def describe(self) -> dict:
-        out = self.two_sided.describe()
         calls = sorted(self.send_calls)
-        out["nccl"] = {"version": nccl_version(), "chunk_blocks": self.chunk_blocks,
-                       "send_calls_ms": round(1e3 * calls[len(calls) // 2], 3) if calls else None,
-                       "checksum_on": "host copies"}  # fmt: skip
-        return out
+        return {"version": nccl_version(), "chunk_blocks": self.chunk_blocks,
+                "send_calls_ms": round(1e3 * calls[len(calls) // 2], 3) if calls else None,
+                "checksum_on": "host copies"}  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+class NcclPush:
+    """Exporter: one fetch's sends. Fast path (GPU, no other transfer of ours in flight): the gathers
+    and sends are queued on the loop thread before the answer goes out, so that they are waiting when
+    the fetcher posts its receives; the send lock stays held until `finish` or `cancel`. Else
+    `finish` does it all on a worker thread."""
+
+    def __init__(self, link: NcclLink, chan: AsyncChannel, ids: np.ndarray, per: int) -> None:
+        self.link, self.pair, self.ids, self.per = link, chan.attached["nccl"], ids, per
+        self.fields = {"chunk_blocks": per}
+        self.gone: Callable[[], bool] = lambda: sock_gone(chan.sock)
+        self.early: list[Any] | None = None
+        if link.mover.on_cuda and link.send_lock.acquire(blocking=False):
+            try:
+                self.early = link.enqueue_sends(self.pair, ids, per)
+            except BaseException:
+                link.send_lock.release()
+                raise
+
+    def cancel(self) -> None:
+        if self.early is not None:
+            self.pair.abort()  # sends queued that nobody will receive
+            self.link.send_lock.release()
+
+    async def finish(self, deadline: Deadline) -> None:
+        if self.early is None:
+            await asyncio.to_thread(self._send_all, deadline)
+            return
+        try:
+            await asyncio.to_thread(self.link.finish_sends, self.pair, self.early, deadline, self.gone)
+        finally:
+            self.link.send_lock.release()
+
+    def _send_all(self, deadline: Deadline) -> None:
+        with self.link.send_lock:
+            works = self.link.enqueue_sends(self.pair, self.ids, self.per)
+            self.link.finish_sends(self.pair, works, deadline, self.gone)
 
 
 class NcclTransport(KVChannel):
-    """The control channel (tcp) with the nccl mover."""
+    """The control channel (tcp) with the GPU mover over an nccl link."""
 
     # NOTE: tests only: let a CPU KV through, to exercise the protocol on a machine without a GPU
     # (Gloo in place of NCCL). Never set in production.
     cpu_test_double: ClassVar[bool] = False
 
     def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
-        super().__init__(kv, layout, NcclMover(kv, self.cpu_test_double), **kwargs)
+        super().__init__(kv, layout, GpuMover(NcclLink(), kv, self.cpu_test_double), **kwargs)
 
 
-__all__ = ["NcclMover", "NcclTransport", "chunk_spans", "make_group"]
+__all__ = ["NcclLink", "NcclPush", "NcclTransport", "chunk_spans", "make_group"]

@@ -1,12 +1,13 @@
 """cuda_ipc: GPU KV between two processes of one host, copied device to device (NVLink or PCIe P2P).
 
-The control channel is shm's (shm.py): the authenticated protocol of protocol.py on a unix socket whose
+The control channel is shm's (stream/shm.py): the authenticated protocol of protocol.py on a unix socket whose
 path is new for each exporter, so the two ends share a host by construction. Only the payload moves
-differently: the fetcher's GPU copies the blocks straight out of the exporter's KV cache.
+differently: the fetcher's GPU copies the blocks straight out of the exporter's KV cache. `CudaIpcLink`
+is this backend's link of the GPU mover (mover.py runs the protocol, link.py says what a link does).
 
 Life of a connection and of one fetch:
   0. start-up: both workers keep their KV on a GPU. Asking for cuda_ipc on a host without CUDA, or with
-     a KV on the CPU, is `BackendUnavailable` (backends.py, `GpuTwoSided.__init__`).
+     a KV on the CPU, is `BackendUnavailable` (backends.py, `GpuMover.__init__`).
   1. handshake (layouts + shared secret), then on the connection's first fetch the fetcher asks
      {"op": "cuda_ipc_open", host, pid, gpu}. The exporter answers {"op": "cuda_ipc_handle", ...}: a
      CUDA IPC handle of its whole KV storage (torch's `UntypedStorage._share_cuda_()`, made once; its
@@ -51,7 +52,6 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -60,20 +60,19 @@ import torch
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
-from splitserve.transport.cuda_ipc_copy import queue_copy, queue_state_copy, wait_copies
-from splitserve.transport.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
 from splitserve.transport.errors import PeerRefused, TransportError
-from splitserve.transport.export_requests import Export, PayloadCall
-from splitserve.transport.gpu_blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
-from splitserve.transport.gpu_two_sided import GpuTwoSided, NoClose
+from splitserve.transport.export_requests import Export
+from splitserve.transport.gpu.blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
+from splitserve.transport.gpu.cuda_ipc_copy import queue_copy, queue_state_copy, wait_copies
+from splitserve.transport.gpu.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
+from splitserve.transport.gpu.link import QueuedCopy
+from splitserve.transport.gpu.mover import GpuMover, NoClose
+from splitserve.transport.gpu.state_arena import StateArena, open_arena
 from splitserve.transport.layout import KVLayout
-from splitserve.transport.payload import empty_state, snapshot_state
-from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
-from splitserve.transport.state_arena import StateArena, open_arena
 from splitserve.transport.trace import mark
-from splitserve.transport.transport import ExportRequest, FetchRequest
+from splitserve.transport.transport import ExportRequest
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -81,64 +80,31 @@ log = logging.getLogger(__name__)
 PEERS_MAX = 64  # exporters whose KV mapping a fetcher keeps open
 
 
-class CudaIpcMover:
+class CudaIpcLink:
     """The fetcher's GPU copies the blocks out of the exporter's mapped KV (the module docstring)."""
 
     backend = "cuda_ipc"
     open_op = "cuda_ipc_open"
     payload_op = "kv_cuda"
 
-    def __init__(self, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
+    def __init__(self) -> None:
         self.socket_path = UnixSocketPath()
-        self.two_sided = GpuTwoSided(self, kv_cache, cpu_test_double)  # checks the KV cache's device
 
-    def bind(self, port: MoverPort) -> None:
-        self.port, self.device = port, port.kv_cache.device
-        self.two_sided.bind(port)
-        kv, layout = self.port.kv_cache, self.port.layout
+    def bind(self, mover: GpuMover) -> None:
+        self.mover, self.port, self.device = mover, mover.port, mover.device
+        options, layout = self.port.options, self.port.layout
         self._key = f"{os.getpid()}-{secrets.token_hex(8)}"
         self._share: dict | None = None
         self._share_lock = threading.Lock()
         self._peers: OrderedDict[str, PeerKV] = OrderedDict()  # share key -> the opened mapping
         self._peers_lock = threading.Lock()
         self.arena: StateArena | None = None  # exported state on our GPU (not with checksums: host copies)
-        rows = self.port.options.state_arena_rows
-        if layout.state_shapes and rows > 0 and not self.port.options.checksum:
-            self.arena = StateArena(layout, kv.device, rows, self.port.options.state_wire_dtype)
+        if layout.state_shapes and options.state_arena_rows > 0 and not options.checksum:
+            self.arena = StateArena(layout, self.device, options.state_arena_rows, options.state_wire_dtype)
             self.port.leases.on_end = self._lease_ended
 
     def listen_spec(self) -> ListenSpec:
         return self.socket_path.listen_spec(self.port.options.socket_dir)
-
-    # -- the mover contract (channel.py), the shared part held in self.two_sided -------------------
-    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
-        return False  # the state travels as host copies (or through the arena)
-
-    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """Host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.port.layout, state)
-
-    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
-        return await self.two_sided.serve_op(chan, header)
-
-    async def send_payload(self, call: PayloadCall) -> int:
-        return await self.two_sided.send_payload(call)
-
-    # -- GpuTwoSided's hooks (gpu_two_sided.GpuBackend) with nothing to do here --------------------
-    def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
-        return {}
-
-    def fetch_fields(self, into: np.ndarray) -> dict:
-        return {}
-
-    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray) -> Any:
-        return None  # the fetcher's GPU copies: nothing to send
-
-    def cancel_push(self, chan: AsyncChannel, early: Any) -> None:
-        pass
-
-    async def push(self, chan: AsyncChannel, block_ids: np.ndarray, deadline: Deadline, early: Any) -> None:
-        pass
 
     # -- exporter --------------------------------------------------------------------------------
     def make_board(self) -> LeaseBoard | None:
@@ -151,23 +117,23 @@ class CudaIpcMover:
     def share(self) -> dict:
         with self._share_lock:
             if self._share is None:
-                self._share = share_kv(self.port.kv_cache, self.two_sided.rows, self._key)
+                self._share = share_kv(self.port.kv_cache, self.mover.rows, self._key)
                 board = self.port.leases.board
                 self._share["board"] = board.share() if board is not None else None
                 self._share["state"] = self.arena.share() if self.arena is not None else None
             return self._share
 
-    def export(self, request: ExportRequest) -> KVHandle:
-        """As GpuTwoSided.export, with the state copied into a row of our GPU's state arena (a
-        device copy per state tensor) rather than to the host, when there is a free row."""
+    def export(self, request: ExportRequest) -> KVHandle | None:
+        """The state copied into a row of our GPU's state arena (a device copy per state tensor)
+        rather than to the host, when there is a free row; else None: the mover's usual export."""
         row, state, num_tokens = None, request.state, request.num_tokens
         if self.arena is not None and state:
-            self.two_sided.sync_stream()  # the prefill's writes land before we copy the state
+            self.mover.sync_stream()  # the prefill's writes land before we copy the state
             row = self.arena.put(state)
         if row is None:
-            return self.two_sided.export(request)
-        self.two_sided.sync_stream()  # the copy is done: the engine may reuse its state slot at once
-        ids = self.two_sided.check_ids(request.block_ids, "block_ids")
+            return None
+        self.mover.sync_stream()  # the copy is done: the engine may reuse its state slot at once
+        ids = self.mover.check_ids(request.block_ids, "block_ids")
         if not 0 < num_tokens <= len(ids) * self.port.layout.block_size:
             self.arena.free(row)
             raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
@@ -186,20 +152,21 @@ class CudaIpcMover:
         if self.arena is not None and isinstance(export, Export) and export.state_row is not None:
             self.arena.free(export.state_row)
 
-    async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
+    async def serve_open(self, chan: AsyncChannel, header: dict) -> None:
         if header.get("host") != host_id():
             raise PeerRefused("cuda_ipc needs both workers on one host",
                               [f"host: exporter {host_id()}, fetcher {header.get('host')}"])  # fmt: skip
         await chan.send(
             {"op": "cuda_ipc_handle", **self.share()}, Deadline.after(self.port.options.connect_timeout_s)
         )
-        chan.notes.add(self.open_op)
         self.port.stats.count("ipc_handles_sent")
-        return True
+
+    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray, request: dict) -> None:
+        return None  # the fetcher's GPU copies: nothing to send
 
     # -- fetcher ---------------------------------------------------------------------------------
-    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
-        hello = {"op": self.open_op, "host": host_id(), "pid": os.getpid(), "gpu": self.two_sided.gpu}
+    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> NoClose:
+        hello = {"op": self.open_op, "host": host_id(), "pid": os.getpid(), "gpu": self.mover.gpu}
         chan.send(hello, deadline)
         try:
             share = expect(chan.recv(deadline)[0], "cuda_ipc_handle")
@@ -209,61 +176,45 @@ class CudaIpcMover:
         with self._peers_lock:
             peer = self._peers.get(key)
             if peer is None:
-                device = self.device
-                with torch.cuda.device(device) if self.two_sided.on_cuda else contextlib.nullcontext():
-                    peer = open_peer(share, device, self.port.layout)
-                peer.board = open_board(share.get("board"), chan.address)
-                if share.get("state") is not None:
-                    index = peer.rows.device.index if peer.rows.is_cuda else None
-                    try:
-                        peer.state_rows = open_arena(share["state"], index)
-                        peer.state_wire = str(share["state"]["wire_dtype"])
-                    except TransportError as exc:  # its fetches with state then fail, saying why
-                        log.warning("cuda_ipc: cannot map %s's state arena: %s", chan.address, exc)
-                peer.layout_fingerprint = chan.peer_layout.fingerprint if chan.peer_layout else ""
+                peer = self._open(chan, share)
                 self._peers[key] = peer
-                self.port.stats.count("ipc_handles_opened")
                 while len(self._peers) > PEERS_MAX:
                     self._peers.popitem(last=False)
             self._peers.move_to_end(key)
         return NoClose(peer)
 
-    # -- one-sided fetches -----------------------------------------------------------------------
-    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
-        """Read the blocks straight out of the exporter's mapped KV when its lease board says the
-        lease is live before and after the copy (no round trip; board.py); else, or for a payload
-        with state, the request/answer fetch of GpuTwoSided."""
-        handle, into_block_ids, timeout_s = request.handle, request.into_block_ids, request.timeout_s
+    def _open(self, chan: SyncChannel, share: dict) -> PeerKV:
+        """Map an exporter's KV, its lease board and its state arena (once per exporter)."""
+        with torch.cuda.device(self.device) if self.mover.on_cuda else contextlib.nullcontext():
+            peer = open_peer(share, self.device, self.port.layout)
+        peer.board = open_board(share.get("board"), chan.address)
+        if share.get("state") is not None:
+            index = peer.rows.device.index if peer.rows.is_cuda else None
+            try:
+                peer.state_rows = open_arena(share["state"], index)
+                peer.state_wire = str(share["state"]["wire_dtype"])
+            except TransportError as exc:  # its fetches with state then fail, saying why
+                log.warning("cuda_ipc: cannot map %s's state arena: %s", chan.address, exc)
+        peer.layout_fingerprint = chan.peer_layout.fingerprint if chan.peer_layout else ""
+        self.port.stats.count("ipc_handles_opened")
+        return peer
+
+    def read(self, handle: KVHandle, into: np.ndarray, deadline: Deadline) -> dict[str, torch.Tensor] | None:
+        """The one-sided read: the blocks straight out of the exporter's mapped KV when its lease board
+        says the lease is live before and after the copy (no round trip; board.py). None (ask the
+        exporter): no board slot, a state not in the arena, or the board says otherwise."""
         stateful = bool(self.port.layout.state_shapes)
-        two_sided = handle.lease_slot is None or (stateful and handle.state_row is None)
-        if two_sided or handle.backend != self.backend:
-            return self.two_sided.fetch(handle, into_block_ids, timeout_s)
-        into = self.two_sided.check_into(handle, into_block_ids)
-        deadline = Deadline.after(timeout_s if timeout_s is not None else self.port.options.fetch_timeout_s)
-        start = time.perf_counter()
-        try:  # a pooled connection: its first use attaches; `alive` says the exporter still runs
-            with self.port.pool.connection(handle.address, deadline) as chan:
-                peer = self._mapped(chan, handle, deadline)
-                state = None if peer is None else self._read_one_sided(peer, handle, into, deadline)
-                done = state is not None and chan.alive()
-        except TransportError as exc:
-            self.port.stats.error(exc)
-            raise
-        if not done:  # the exporter says what became of the lease
-            return self.two_sided.fetch(handle, into, deadline.remaining("fetch"))
-        end = time.perf_counter()
-        self.two_sided.verify_blocks(handle, {}, into, {})
-        self.two_sided.phases.append((0.0, 0.0, end - start))
-        self.port.stats.fetched(len(into) * self.port.layout.block_nbytes, end - start, handle.address)
-        self.port.stats.count("one_sided_fetches")
-        return state if state else empty_state(self.port.layout)
+        if handle.lease_slot is None or (stateful and handle.state_row is None):
+            return None
+        # a pooled connection: its first use attaches; `alive` says the exporter still runs
+        with self.port.pool.connection(handle.address, deadline) as chan:
+            peer = self._mapped(chan, handle, deadline)
+            state = None if peer is None else self._read_one_sided(peer, handle, into, deadline)
+            return state if state is not None and chan.alive() else None
 
     def _mapped(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> PeerKV | None:
         """The exporter's mapping (attached on the connection's first use), if it has a board."""
-        attached = chan.attached.get(self.backend)
-        if attached is None:
-            attached = chan.attached[self.backend] = self.attach(chan, handle, deadline)
-        peer: PeerKV = attached.value
+        peer: PeerKV = self.mover.peer(chan, handle, deadline).value
         if peer.board is None or peer.layout_fingerprint != handle.layout_fingerprint:
             return None  # no board, or another layout: the exporter's answer says what is wrong
         return peer
@@ -280,20 +231,20 @@ class CudaIpcMover:
         if handle.state_row is not None and peer.state_rows is None:
             return None
         mark("f.one_sided")
-        how, done = self._copy(peer, ids, into)
+        copy = self._copy(peer, ids, into)
         state: dict[str, torch.Tensor] = {}
         if handle.state_row is not None:  # behind the blocks on our side stream: its wait covers both
-            state = self.pull_state(NoClose(peer), handle.state_row, deadline)
+            state = self._pull_state(peer, handle.state_row, deadline)
         mark("f.copy_queued")
-        self._wait_copies(handle.address, deadline, done)
+        self._wait_copies(handle.address, deadline, copy.done)
         mark("f.copied")
         if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
             self.port.stats.count("one_sided_lost")
             return None
-        self.two_sided.gpu_counts[f"{peer.mode}_{how}"] += 1
+        self.mover.gpu_counts[f"{peer.mode}_{copy.how}"] += 1
         return state
 
-    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
+    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> QueuedCopy | None:
         """Start copying the handle's blocks before the exporter confirms the lease: if the lease is
         live when the exporter pins it, it was live all along (a lease never comes back), so the
         bytes read meanwhile are good; if not, the answer is an error and they are dropped. Saves a
@@ -302,46 +253,45 @@ class CudaIpcMover:
         ids = handle_ids(handle)
         if ids.min() < 0 or ids.max() >= mapped.rows.shape[0]:
             return None  # let the exporter's answer say what is wrong
-        return ids, self._copy(mapped, ids, into)
-
-    def settle(self, early: Any, exc: BaseException) -> None:
-        if early is not None:  # on the way out of a failed fetch: no wait
-            self.two_sided.hand_over(exc, early[1][1])
+        return self._copy(mapped, ids, into)
 
     def pull(
         self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
-        deadline: Deadline, early: Any,
-    ) -> None:  # fmt: skip
+        deadline: Deadline, early: QueuedCopy | None,
+    ) -> dict[str, torch.Tensor] | None:  # fmt: skip
         mapped: PeerKV = peer.value
         if src_ids.min() < 0 or src_ids.max() >= mapped.rows.shape[0]:
             raise TransportError(f"exporter named blocks outside its cache: {src_ids[:16].tolist()}")
-        if early is None or not np.array_equal(early[0], src_ids):  # not what we guessed: copy again
-            # (behind the first copy on our side stream, so its bytes land last)
-            early = src_ids, self._copy(mapped, src_ids, into)
-        how, done = early[1]
-        self._wait_copies(chan.address, deadline, done)
-        self.two_sided.gpu_counts[f"{mapped.mode}_{how}"] += 1
+        state = None
+        if meta.get("state_row") is not None:  # on the exporter's GPU: copied with the blocks
+            state = self._pull_state(mapped, int(meta["state_row"]), deadline)
+        if early is None or not np.array_equal(early.src_ids, src_ids):  # not what we guessed: copy
+            # again (behind the first copy on our side stream, so its bytes land last)
+            early = self._copy(mapped, src_ids, into)
+        self._wait_copies(chan.address, deadline, early.done)
+        self.mover.gpu_counts[f"{mapped.mode}_{early.how}"] += 1
+        return state
 
-    def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
+    def _pull_state(self, mapped: PeerKV, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
         """One device copy of the exporter's arena row into a buffer on our GPU, waited for; -> the
         state tensors (views of it, or fp32 copies when it travelled in bf16)."""
-        state, done = queue_state_copy(self.two_sided, peer.value, row, self.port.layout, self.device)
+        state, done = queue_state_copy(self.mover, mapped, row, self.port.layout, self.device)
         self._wait_copies("the exporter's state arena", deadline, done)
         self.port.stats.count("state_rows_read")
         return state
 
     def _wait_copies(self, address: str, deadline: Deadline, done: Any) -> None:
-        wait_copies(self.two_sided, self.port.stats, self.device, address, deadline, done)
+        wait_copies(self.mover, self.port.stats, self.device, address, deadline, done)
 
-    def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> tuple[str, Any]:
-        return queue_copy(self.two_sided, mapped, self.two_sided.rows, src_ids, into)
+    def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> QueuedCopy:
+        how, done = queue_copy(self.mover, mapped, self.mover.rows, src_ids, into)
+        return QueuedCopy(src_ids, how, done)
 
     def describe(self) -> dict:
-        out = self.two_sided.describe()
         with self._peers_lock:
             peers = [p.describe() for p in self._peers.values()]
         p2p = None
-        if self.two_sided.on_cuda and torch.cuda.device_count() > 1:
+        if self.mover.on_cuda and torch.cuda.device_count() > 1:
             index = self.device.index or 0
             p2p = {
                 str(i): torch.cuda.can_device_access_peer(index, i)
@@ -349,9 +299,8 @@ class CudaIpcMover:
                 if i != index
             }
         board = self.port.leases.board
-        out["cuda_ipc"] = {"peers": peers, "p2p_access": p2p, "checksum_on": "host copies",
-                           "lease_board": None if board is None else board.describe()}  # fmt: skip
-        return out
+        return {"peers": peers, "p2p_access": p2p, "checksum_on": "host copies",
+                "lease_board": None if board is None else board.describe()}  # fmt: skip
 
     def close(self) -> None:
         with self._peers_lock:
@@ -360,18 +309,18 @@ class CudaIpcMover:
 
 
 class CudaIpcTransport(KVChannel):
-    """The control channel (on a unix socket) with the cuda_ipc mover."""
+    """The control channel (on a unix socket) with the GPU mover over a cuda_ipc link."""
 
     # NOTE: tests only: let a CPU KV through, to exercise the protocol on a machine without a GPU
     # (same-process reads). Never set in production.
     cpu_test_double: ClassVar[bool] = False
 
     def __init__(self, kv: torch.Tensor, layout: KVLayout, **kwargs: Any) -> None:
-        super().__init__(kv, layout, CudaIpcMover(kv, self.cpu_test_double), **kwargs)
+        super().__init__(kv, layout, GpuMover(CudaIpcLink(), kv, self.cpu_test_double), **kwargs)
 
 
 __all__ = [
-    "CudaIpcMover",
+    "CudaIpcLink",
     "CudaIpcTransport",
     "copy_blocks",
     "handle_ids",

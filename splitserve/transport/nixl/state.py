@@ -25,7 +25,7 @@ import torch
 
 from splitserve.transport.errors import TransportError
 from splitserve.transport.layout import KVLayout, itemsize, torch_dtype
-from splitserve.transport.nixl_agent import NixlAgent, Region, descriptors
+from splitserve.transport.nixl.agent import NixlAgent, Region, descriptors
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ into) the cache itself; any other goes through one of up to STAGING_BUFS staging
 it before its send (gathering chunk k+1 overlaps sending chunk k), or received into it and scattered
 from there (receives run ahead of scatters).
 
-`rows` is the KV cache seen as one row of bytes per block ([num_blocks, block_nbytes], gpu_blocks.py).
-The caller holds the device and stream (GpuTwoSided.on_device) and turns a RuntimeError into the
+`rows` is the KV cache seen as one row of bytes per block ([num_blocks, block_nbytes], blocks.py).
+The caller holds the device and stream (GpuMover.on_device) and turns a RuntimeError into the
 transfer's error.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from splitserve.transport.gpu_blocks import consecutive_start, index_tensor, wide
-from splitserve.transport.nccl_group import chunk_spans
+from splitserve.transport.gpu.blocks import consecutive_start, index_tensor, wide
+from splitserve.transport.gpu.nccl_group import chunk_spans
 from splitserve.transport.trace import gpu_mark, mark
 
 STAGING_BUFS = 3  # staged chunks in flight per transfer side (gathering / sending / scattering)

@@ -2,14 +2,14 @@
 authenticated channel.
 
 The control channel is tcp's (handshake with layouts + shared secret, leases, deadlines, errors:
-protocol.py); only the bytes move through NIXL (nixl_agent.py), one-sided, fetcher-initiated.
+protocol.py); only the bytes move through NIXL (agent.py), one-sided, fetcher-initiated.
 
 Life of a transport and of one fetch:
   0. start-up (both roles): an agent with the first of `options.nixl_backends` that NIXL can
      instantiate (a later one is a fallback: logged as an error, counted in `fallbacks`, reported as
      requested "nixl/LIBFABRIC", running "nixl/UCX"); none: BackendUnavailable with NIXL's own
      errors, and the worker does not start. The whole KV pool is registered once (DRAM or VRAM), and
-     so are the engine's state-slot tensors (`register_states`, nixl_state.py) for a hybrid model.
+     so are the engine's state-slot tensors (`register_states`, state.py) for a hybrid model.
   1. fetcher -> {"op": "fetch", lease_id, timeout_s}; exporter (lease pinned) -> {"op": "kv_nixl",
      agent, region (base address, size, block size, memory kind, device), block_ids, blocks,
      checksum} and the state: where the export's state is a registered slot (the engine keeps it
@@ -55,9 +55,9 @@ from splitserve.transport.errors import TransportError
 from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.layout import KVLayout, torch_dtype
-from splitserve.transport.nixl_agent import NixlAgent, Region, descriptors, paired_runs
-from splitserve.transport.nixl_env import enable_cuda_ipc_get, ucx_error_mode
-from splitserve.transport.nixl_state import StateSlots, peer_regions, remote_descs
+from splitserve.transport.nixl.agent import NixlAgent, Region, descriptors, paired_runs
+from splitserve.transport.nixl.env import enable_cuda_ipc_get, ucx_error_mode
+from splitserve.transport.nixl.state import StateSlots, peer_regions, remote_descs
 from splitserve.transport.payload import (
     ByteStream,
     check_state,
@@ -121,7 +121,7 @@ class NixlMover:
         return ListenSpec("tcp", host=self.options.host, port=self.options.port)
 
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
-        """Register the engine's state tensors [num_slots, *shape] with NIXL, once (nixl_state.py)."""
+        """Register the engine's state tensors [num_slots, *shape] with NIXL, once (state.py)."""
         if not self.layout.state_shapes:
             return False
         self.state_slots = StateSlots.register(self.agent, self.layout, states, self.kv_cache.device)

@@ -25,12 +25,12 @@ from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.host_stream import StreamMover
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
 from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, encode_frame, expect
 from splitserve.transport.server import ListenSpec
+from splitserve.transport.stream.mover import StreamMover
 
 
 class TcpWire:

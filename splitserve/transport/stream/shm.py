@@ -22,14 +22,14 @@ from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.export_requests import PayloadCall
-from splitserve.transport.host_stream import StreamMover
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
 from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import ListenSpec, UnixSocketPath
-from splitserve.transport.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
-from splitserve.transport.shm_staged import SEGMENT_PREFIX, recv_staged, send_staged
+from splitserve.transport.stream.mover import StreamMover
+from splitserve.transport.stream.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
+from splitserve.transport.stream.shm_staged import SEGMENT_PREFIX, recv_staged, send_staged
 
 __all__ = ["SEGMENT_PREFIX", "ShmWire", "ShmTransport", "allocate_shared_kv"]
 

@@ -7,7 +7,7 @@ Life of a `NixlAgent`:
      failed is kept with NIXL's own error (its exception and what its C++ log wrote to stderr) and,
      where the plugin cannot even be loaded, the loader's reason (`libfabric.so.1: cannot open ...`).
      None instantiated: `BackendUnavailable` with all of that. Before the agent, on a CUDA machine,
-     the CUDA 12 runtime that nixl-cu12's UCX links is loaded (`preload_cuda_runtime`, nixl_env.py).
+     the CUDA 12 runtime that nixl-cu12's UCX links is loaded (`preload_cuda_runtime`, env.py).
   2. `register(kv)`: the whole KV pool once (DRAM for a CPU tensor, VRAM for a CUDA one); a VRAM
      registration that UCX refuses says which library was missing.
   3. exporter: `metadata()` goes to each fetcher over the authenticated channel; while a fetch is
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from splitserve.transport.errors import BackendUnavailable, TransferTimeout, TransportError
-from splitserve.transport.nixl_env import (
+from splitserve.transport.nixl.env import (
     CUDART,
     load_nixl,
     plugin_load_error,

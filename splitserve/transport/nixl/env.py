@@ -1,4 +1,4 @@
-"""Loading NIXL and the environment it needs, before an agent is made (nixl_agent.py): its Python API
+"""Loading NIXL and the environment it needs, before an agent is made (agent.py): its Python API
 under either distribution name, UCX's error-handling mode and cuda_ipc GETs for a KV pool's device, the
 CUDA 12 runtime nixl-cu12's UCX links, why a backend's plugin cannot load, and what NIXL's C++ code
 writes to stderr.

@@ -1,6 +1,6 @@
 """nccl's process groups: one two-rank group per connection (`make_group`, `PairGroup`), waiting on its
 work against a deadline and the control socket (`wait_done`), and how a transfer is cut into chunks.
-Moved out of nccl.py as they were; nccl.py tells the life of a connection."""
+Its life of a connection is in nccl.py."""
 
 from __future__ import annotations
 

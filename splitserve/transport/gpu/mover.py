@@ -1,14 +1,15 @@
-"""GpuTwoSided: the two-sided fetch the GPU movers share, a component each of them holds (cuda_ipc.py
-and nccl.py: `self.two_sided`); no mover subclasses it or another mover, and neither backend imports the
-other. It calls back its backend's hooks (`GpuBackend`, the contract, a Protocol).
+"""GpuMover: the payload mover of the GPU backends, one class over each backend's link (link.py:
+cuda_ipc.py's mapping of the exporter's KV, nccl.py's two-rank NCCL group). The mover is what the
+control channel (channel.py) holds and calls; the link is called where the backends differ.
 
-Exporter: a backend's open request sets up the connection ("cuda_ipc_open" / "nccl_open"); each fetch
+Exporter: a link's open request sets up the connection ("cuda_ipc_open" / "nccl_open"); each fetch
 then gets {"op": payload_op, block_ids (base64 int32), blocks, checksum, ...} + the state tensors as the
-frame body, the backend's `push`, and waits for the fetcher's "done" with the lease pinned. Fetcher:
-`attach` once per connection, then the request, the backend's `prefetch` (work that may start before
-the answer), the header and state, its `pull`, "done". The state tensors are small and travel on the
-control channel (channel.py), which holds the mover and owns the connection, the lease and the deadline
-(the mover sees them through its `MoverPort`, port.py).
+frame body, the link's push (nccl sends the blocks; cuda_ipc has none), and waits for the fetcher's
+"done" with the lease pinned. Fetcher: the link's one-sided read when it has one, else `attach` once
+per connection, then the request, the link's `prefetch` (a copy that may start before the answer),
+the header and state, its `pull`, "done". The state tensors are small and travel on the control
+channel, which owns the connection, the lease and the deadline (the mover sees them through its
+`MoverPort`, port.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from splitserve.transport.board import LeaseBoard
 from splitserve.transport.client import SyncChannel, counted_failures, fetch_header
 from splitserve.transport.errors import (
     BackendUnavailable,
@@ -33,21 +35,23 @@ from splitserve.transport.errors import (
 )
 from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.gpu_blocks import (
+from splitserve.transport.gpu.blocks import (
     as_ids,
     cached_ids,
     check_ids,
+    consecutive_start,
     gpu_uuid,
     ids_from_wire,
     ids_to_wire,
     kv_rows,
 )
-from splitserve.transport.payload import ByteStream, empty_state, source_pieces, state_pieces
+from splitserve.transport.gpu.link import GpuLink
+from splitserve.transport.payload import ByteStream, empty_state, snapshot_state, source_pieces, state_pieces
 from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect
-from splitserve.transport.server import AsyncChannel
+from splitserve.transport.server import AsyncChannel, ListenSpec
 from splitserve.transport.trace import mark
-from splitserve.transport.transport import ExportRequest
+from splitserve.transport.transport import ExportRequest, FetchRequest
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -62,75 +66,15 @@ class NoClose:
     def close(self) -> None: ...
 
 
-class GpuBackend(Protocol):
-    """What a GPU mover (cuda_ipc.py, nccl.py) gives the `GpuTwoSided` it holds: its names and the
-    hooks below, each called at one point of the two-sided fetch (the module docstring)."""
+class GpuMover:
+    """The blocks moved GPU to GPU under the control channel's leases and auth (the module docstring),
+    over one backend's `link`. It keeps what every link needs: the device, a side stream, the checks,
+    the counters."""
 
-    backend: str
-    open_op: str
-    payload_op: str
-
-    async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
-        """Exporter: answer the backend's open request; add `open_op` to chan.notes when done."""
-        ...
-
-    def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
-        """Exporter: extra fields of the payload header (`chan.notes`/`request_of(chan)` say more)."""
-        ...
-
-    def fetch_fields(self, into: np.ndarray) -> dict:
-        """Fetcher: extra fields of the fetch request."""
-        ...
-
-    def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
-        """Fetcher: work that may start as soon as the request is out (before the exporter answers);
-        -> what `pull` and `settle` get."""
-        ...
-
-    def settle(self, early: Any, exc: BaseException) -> None:
-        """Fetcher: a fetch failed with `exc` after `prefetch`: say on `exc` if a copy may still
-        write our blocks (`TransportError.pending`)."""
-        ...
-
-    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray) -> Any:
-        """Exporter, on the server loop: queue what can start before the answer goes out; -> what
-        `push` (or, if the answer cannot be sent, `cancel_push`) gets."""
-        ...
-
-    def cancel_push(self, chan: AsyncChannel, early: Any) -> None:
-        """Exporter: the answer did not go out after `start_push`."""
-        ...
-
-    async def push(self, chan: AsyncChannel, block_ids: np.ndarray, deadline: Deadline, early: Any) -> None:
-        """Exporter: after the header and state went out, send the blocks (if the backend sends)."""
-        ...
-
-    def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
-        """Fetcher: the open exchange on a fresh connection; -> what `pull` needs (kept on chan)."""
-        ...
-
-    def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
-        deadline: Deadline, early: Any,
-    ) -> None:  # fmt: skip
-        """Fetcher: move the blocks into kv_cache[into], synchronized, within the deadline."""
-        ...
-
-    def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
-        """Fetcher: the state of row `row` of the exporter's state arena (queued before `pull`, which
-        waits for our side stream); a backend without an arena raises TransportError."""
-        ...
-
-
-class GpuTwoSided:
-    """The blocks moved GPU to GPU under the control channel's leases and auth (the module docstring):
-    the part cuda_ipc and nccl share, held by each (`mover.two_sided`), never subclassed. It calls its
-    backend's hooks (`GpuBackend`) and keeps what both need: the device, a side stream, the counters."""
-
-    def __init__(self, backend: GpuBackend, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
+    def __init__(self, link: GpuLink, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
         """Checks made before the channel exists (a KV cache on the CPU is a start-up error)."""
-        self.hooks = backend
-        self.backend, self.open_op, self.payload_op = backend.backend, backend.open_op, backend.payload_op
+        self.link = link
+        self.backend = link.backend
         if kv_cache.device.type != "cuda" and not cpu_test_double:
             raise BackendUnavailable(
                 f"{self.backend} moves KV from GPU to GPU: it needs the KV cache on a CUDA device, "
@@ -141,19 +85,19 @@ class GpuTwoSided:
 
     def bind(self, port: MoverPort) -> None:
         self.port, self.kv_cache, self.layout, self.options = port, port.kv_cache, port.layout, port.options
-        self.stats, self.leases, self.pool = port.stats, port.leases, port.pool
-        kv = self.kv_cache
-        self.rows = kv_rows(kv)
-        self.gpu = gpu_uuid(kv.device)
+        self.stats, self.pool, self.device = port.stats, port.pool, port.kv_cache.device
+        self.rows = kv_rows(self.kv_cache)
+        self.gpu = gpu_uuid(self.device)
         self.gpu_counts: Counter[str] = Counter()
         self.phases: deque[tuple[float, float, float]] = deque(maxlen=64)  # fetcher: see describe()
         self.serve_phases: deque[tuple[float, float, float]] = deque(maxlen=64)  # exporter: likewise
-        self._stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.link.bind(self)
 
-    # -- device helpers ----------------------------------------------------------------------------
+    # -- device helpers (the links use them too) ---------------------------------------------------
     @property
     def on_cuda(self) -> bool:
-        return self.kv_cache.device.type == "cuda"
+        return self.device.type == "cuda"
 
     @contextlib.contextmanager
     def on_device(self, after_current: bool = True) -> Iterator[None]:
@@ -165,15 +109,15 @@ class GpuTwoSided:
             yield
             return
         assert self._stream is not None
-        with torch.cuda.device(self.kv_cache.device):
+        with torch.cuda.device(self.device):
             if after_current:
-                self._stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 yield
 
     def sync_stream(self) -> None:
         if self.on_cuda:
-            torch.cuda.current_stream(self.kv_cache.device).synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
 
     def hand_over(self, exc: BaseException, done: Any) -> None:
         """A fetch fails while the copy that `done` (its CUDA event) marks may still write its
@@ -200,28 +144,48 @@ class GpuTwoSided:
             raise ValueError(f"the handle has {handle.num_blocks} blocks, into_block_ids has {into.size}")
         return into
 
-    # -- exporter side -----------------------------------------------------------------------------
+    # -- the mover contract (channel.py): both sides -----------------------------------------------
+    def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
+        return False  # the state travels as host copies (or through cuda_ipc's arena)
+
+    def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Host copies (the engine reuses its slot at once)."""
+        return snapshot_state(self.layout, state)
+
+    def listen_spec(self) -> ListenSpec:
+        return self.link.listen_spec()
+
+    def make_board(self) -> LeaseBoard | None:
+        return self.link.make_board()
+
+    def close(self) -> None:
+        self.link.close()
+
+    # -- exporter ----------------------------------------------------------------------------------
     def export(self, request: ExportRequest) -> KVHandle:
+        handle = self.link.export(request)
+        if handle is not None:
+            return handle
         self.sync_stream()  # the prefill's writes to these blocks land before anyone reads them
         return self.port.lease_export(request, self.check_ids(request.block_ids, "block_ids"))
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
-        if header["op"] == "fetch":
-            chan.attached["fetch_request"] = NoClose(header)  # what the fetcher asked, for the hooks
-        if header["op"] != self.open_op:
+        if header["op"] != self.link.open_op:
             return None  # the channel's
         try:
-            return await self.hooks.serve_open(chan, header)
+            await self.link.serve_open(chan, header)
         except PeerRefused as exc:
             self.stats.error(exc)
             log.warning("kv %s exporter refused %s: %s", self.backend, chan.peer, exc)
             await chan.send(error_to_wire(exc), Deadline.after(self.options.connect_timeout_s))
             return False
+        chan.notes.add(self.link.open_op)
+        return True
 
     async def send_payload(self, call: PayloadCall) -> int:
         chan, export, block_ids, meta, fault, deadline = call.unpack()
-        if self.open_op not in chan.notes:
-            exc = TransportError(f"{self.backend}: fetch before {self.open_op} on this connection")
+        if self.link.open_op not in chan.notes:
+            exc = TransportError(f"{self.backend}: fetch before {self.link.open_op} on this connection")
             await chan.send(error_to_wire(exc), deadline)
             raise exc
         if fault is Fault.KILL:
@@ -233,21 +197,23 @@ class GpuTwoSided:
             ids = np.roll(ids, -1)  # the wrong blocks in each place: the checksum must notice
         in_row = export.state_row is not None  # the state waits in the arena: the fetcher copies it
         state = ByteStream([] if in_row else state_pieces(export.state, self.layout))
-        early = self.hooks.start_push(chan, ids)
+        push = self.link.start_push(chan, ids, call.request)
         mark("e.queued")
         try:
-            fields = self.hooks.payload_fields(chan, ids)
-            header = {"op": self.payload_op, **meta, "block_ids": ids_to_wire(ids), **fields}
+            header = {"op": self.link.payload_op, **meta, "block_ids": ids_to_wire(ids)}
+            header.update(push.fields if push is not None else {})
             if in_row:
                 header["state_row"] = export.state_row
             await chan.send(header, deadline, state.nbytes)
             await chan.send_stream(state, deadline)
         except BaseException:
-            self.hooks.cancel_push(chan, early)
+            if push is not None:
+                push.cancel()
             raise
         answered = time.perf_counter()
         mark("e.answered")
-        await self.hooks.push(chan, ids, deadline, early)
+        if push is not None:
+            await push.finish(deadline)
         pushed = time.perf_counter()
         mark("e.pushed")
         expect(await chan.recv(deadline), "done")
@@ -255,45 +221,61 @@ class GpuTwoSided:
         self.serve_phases.append((answered - start, pushed - answered, time.perf_counter() - pushed))
         return len(ids) * self.layout.block_nbytes + state.nbytes
 
-    # -- fetcher side ------------------------------------------------------------------------------
-    def fetch(
-        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
-    ) -> dict[str, torch.Tensor]:
-        into = self.check_into(handle, into_block_ids)
+    # -- fetcher -----------------------------------------------------------------------------------
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        """The link's one-sided read when it has one and it succeeds, else ask the exporter."""
+        handle, timeout_s = request.handle, request.timeout_s
+        into = self.check_into(handle, request.into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
+        start = time.perf_counter()
+        try:
+            state = self.link.read(handle, into, deadline)
+        except TransportError as exc:
+            self.stats.error(exc)
+            raise
+        if state is None:
+            return self._ask(handle, into, deadline)
+        end = time.perf_counter()
+        self.verify_blocks(handle, {}, into, {})
+        self.phases.append((0.0, 0.0, end - start))
+        self.stats.fetched(len(into) * self.layout.block_nbytes, end - start, handle.address)
+        self.stats.count("one_sided_fetches")
+        return state if state else empty_state(self.layout)
+
+    def _ask(self, handle: KVHandle, into: np.ndarray, deadline: Deadline) -> dict[str, torch.Tensor]:
+        """The two-sided fetch: request, answer (header and state), the link's pull, "done"."""
         state = empty_state(self.layout)
         body = ByteStream(state_pieces(state, self.layout))
         start = time.perf_counter()
         with counted_failures(self.stats, handle.address):
             with self.pool.for_handle(handle, deadline) as chan:
-                attached = chan.attached.get(self.backend)
-                if attached is None:
-                    attached = chan.attached[self.backend] = self.hooks.attach(chan, handle, deadline)
-                request = fetch_header(handle, deadline, self.hooks.fetch_fields(into))
+                peer = self.peer(chan, handle, deadline)
+                request = fetch_header(handle, deadline, {"into_run": consecutive_start(into) is not None})
                 sent = time.perf_counter()
                 mark("f.request")
                 chan.send(request, deadline)
-                early = self.hooks.prefetch(attached, handle, into)
+                early = self.link.prefetch(peer, handle, into)
                 try:
                     header, body_nbytes = chan.recv(deadline)
                     answered = time.perf_counter()
                     mark("f.answer")
-                    meta = expect(header, self.payload_op)
+                    meta = expect(header, self.link.payload_op)
                     src_ids = self._peer_ids(meta, len(into))
                     in_row = meta.get("state_row") is not None
                     if body_nbytes != (0 if in_row else body.nbytes):
                         raise TransportError(
                             f"exporter sends {body_nbytes} bytes of state, we expect {body.nbytes}"
                         )
-                    if in_row:  # on the exporter's GPU: copied with the blocks
-                        state = self.hooks.pull_state(attached, int(meta["state_row"]), deadline)
-                    else:
+                    if not in_row:
                         chan.recv_stream(body, deadline)
-                    self.hooks.pull(chan, attached, meta, src_ids, into, deadline, early)
+                    in_arena = self.link.pull(chan, peer, meta, src_ids, into, deadline, early)
+                    if in_arena is not None:  # the state was in the exporter's arena
+                        state = in_arena
                     pulled = time.perf_counter()
                     mark("f.pulled")
                 except BaseException as exc:
-                    self.hooks.settle(early, exc)
+                    if early is not None:  # on the way out of a failed fetch: no wait
+                        self.hand_over(exc, early.done)
                     raise
                 deadline.remaining("copy out of the exporter's KV")  # past it the exporter may unpin
                 chan.send({"op": "done"}, deadline)
@@ -303,6 +285,13 @@ class GpuTwoSided:
         self.phases.append((sent - start, answered - sent, pulled - answered))
         self.stats.fetched(nbytes, end - start, handle.address)
         return state
+
+    def peer(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
+        """The link's peer on this connection: its open exchange on the connection's first use."""
+        attached = chan.attached.get(self.backend)
+        if attached is None:
+            attached = chan.attached[self.backend] = self.link.attach(chan, handle, deadline)
+        return attached
 
     def _peer_ids(self, meta: dict, n: int) -> np.ndarray:
         ids = ids_from_wire(meta["block_ids"])
@@ -323,7 +312,7 @@ class GpuTwoSided:
 
     def describe(self) -> dict:
         out: dict[str, Any] = {}
-        out["device"] = str(self.kv_cache.device)
+        out["device"] = str(self.device)
         out["gpu"] = self.gpu
         out["copies"] = dict(self.gpu_counts)
         # medians of recent transfers, ms. Fetcher: setup (checks, connection), request -> answer,
@@ -331,6 +320,7 @@ class GpuTwoSided:
         # (nccl: until its sends completed), then until the fetcher's "done".
         out["fetch_phases_ms"] = _medians(self.phases, ("setup", "answer", "pull"))
         out["serve_phases_ms"] = _medians(self.serve_phases, ("answer", "push", "until_done"))
+        out[self.backend] = self.link.describe()
         return out
 
 
@@ -339,3 +329,6 @@ def _medians(samples: deque, names: tuple[str, ...]) -> dict[str, float] | None:
         return None
     cols = zip(*samples, strict=True)
     return {n: round(1e3 * float(np.median(c)), 3) for n, c in zip(names, cols, strict=True)}
+
+
+__all__ = ["GpuMover", "NoClose"]

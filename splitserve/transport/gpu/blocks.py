@@ -1,5 +1,5 @@
-"""Block ids and block copies for the GPU movers (cuda_ipc.py, nccl.py, gpu_two_sided.py), and which
-host and GPU this is. Moved out of cuda_ipc.py as they were; nothing here knows a transport."""
+"""Block ids and block copies for the GPU movers (mover.py, cuda_ipc.py, nccl.py), and which
+host and GPU this is; nothing here knows a transport."""
 
 from __future__ import annotations
 

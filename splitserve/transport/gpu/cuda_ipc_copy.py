@@ -10,28 +10,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from splitserve.transport.cuda_ipc_share import PeerKV
 from splitserve.transport.errors import TransferTimeout, TransportError
-from splitserve.transport.gpu_blocks import copy_blocks, wait_event
-from splitserve.transport.gpu_two_sided import GpuTwoSided
+from splitserve.transport.gpu.blocks import copy_blocks, wait_event
+from splitserve.transport.gpu.cuda_ipc_share import PeerKV
+from splitserve.transport.gpu.mover import GpuMover
+from splitserve.transport.gpu.state_arena import unpack
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.protocol import Deadline
-from splitserve.transport.state_arena import unpack
 from splitserve.transport.trace import gpu_mark
 from splitserve.transport.transport import TransportStats
 
 
 def queue_copy(
-    two_sided: GpuTwoSided, mapped: PeerKV, rows: torch.Tensor, src_ids: np.ndarray, into: np.ndarray
+    mover: GpuMover, mapped: PeerKV, rows: torch.Tensor, src_ids: np.ndarray, into: np.ndarray
 ) -> tuple[str, Any]:
     """Queue the copy of the exporter's blocks `src_ids` into our `into` on our side stream; -> (how it
     was done, the CUDA event after it or None when it was synchronous)."""
     try:
-        with two_sided.on_device():
+        with mover.on_device():
             gpu_mark("f.copy_start", rows.device)
             how = copy_blocks(mapped.rows, rows, src_ids, into)
             gpu_mark("f.copy_end", rows.device)
-            if not two_sided.on_cuda:
+            if not mover.on_cuda:
                 return how, None
             done = torch.cuda.Event()
             done.record()
@@ -41,7 +41,7 @@ def queue_copy(
 
 
 def queue_state_copy(
-    two_sided: GpuTwoSided, mapped: PeerKV, row: int, layout: KVLayout, device: torch.device
+    mover: GpuMover, mapped: PeerKV, row: int, layout: KVLayout, device: torch.device
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """One device copy of the exporter's arena row into a buffer on our GPU; -> (the state tensors,
     views of it or fp32 copies when it travelled in bf16; the CUDA event after the copy or None)."""
@@ -53,12 +53,12 @@ def queue_state_copy(
     if not 0 <= row < mapped.state_rows.shape[0]:
         raise TransportError(f"exporter named state arena row {row}, outside its arena")
     try:
-        with two_sided.on_device():
+        with mover.on_device():
             buf = torch.empty(mapped.state_rows.shape[1], dtype=torch.uint8, device=device)
             buf.copy_(mapped.state_rows[row], non_blocking=True)
             state = unpack(buf, layout, mapped.state_wire)
             done = None
-            if two_sided.on_cuda:
+            if mover.on_cuda:
                 done = torch.cuda.Event()
                 done.record()
             return state, done
@@ -73,7 +73,7 @@ def queue_state_copy(
 
 
 def wait_copies(
-    two_sided: GpuTwoSided, stats: TransportStats, device: torch.device, address: str, deadline: Deadline,
+    mover: GpuMover, stats: TransportStats, device: torch.device, address: str, deadline: Deadline,
     done: Any,
 ) -> None:  # fmt: skip
     """Wait for a fetch's copies (`done`: the CUDA event after them; None: they were synchronous) until
@@ -86,7 +86,7 @@ def wait_copies(
             wait_event(done, deadline, f"cuda_ipc copy from {address}")
     except TransferTimeout as exc:  # (a RuntimeError too: before the clause for CUDA's errors)
         stats.count("copy_deadline_missed")
-        two_sided.hand_over(exc, done)
+        mover.hand_over(exc, done)
         raise
     except RuntimeError as exc:
         raise TransportError(f"cuda_ipc copy from {address} failed: {exc}") from exc

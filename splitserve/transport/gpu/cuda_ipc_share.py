@@ -15,7 +15,7 @@ import torch
 
 from splitserve.transport.board import BoardView
 from splitserve.transport.errors import BackendUnavailable, PeerRefused, TransportError
-from splitserve.transport.gpu_blocks import gpu_uuid, host_id, local_gpu
+from splitserve.transport.gpu.blocks import gpu_uuid, host_id, local_gpu
 from splitserve.transport.layout import KVLayout
 
 log = logging.getLogger(__name__)
