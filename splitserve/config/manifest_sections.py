@@ -120,7 +120,7 @@ class EngineSection(Section):
     async_scheduling: bool | None = _ENGINE.async_scheduling  # overlapped decode steps; null: on for GPUs
     # CPU: torch intra-op threads per worker; null: this host's cores shared among its CPU workers
     threads: int | None = Field(default=None, ge=1, le=1024)
-    cpu_weights: Literal["fp32", "int4"] = "fp32"  # CPU: int4 = weight-only int4 (model/cpu_linear.py)
+    cpu_weights: Literal["fp32", "int4"] = "fp32"  # CPU: int4 = weight-only int4 (kernels/cpu/linear.py)
     seed: int = _ENGINE.seed
     # Host-side cache of converted weights, shared by the workers of a host and kept across restarts:
     # "auto" = $SPLITSERVE_CACHE_DIR/weights or ~/.cache/splitserve/weights; a path (/dev/shm/... keeps

@@ -37,7 +37,7 @@ from splitserve.core.errors import error_info
 from splitserve.core.ops import CoreOps
 from splitserve.core.setup import open_engine
 from splitserve.core.share import open_share
-from splitserve.model import cpu_threads
+from splitserve.kernels.cpu import threads as cpu_threads
 from splitserve.startup_clock import mark
 from splitserve.wire import core as wire
 

@@ -11,7 +11,7 @@ With lending, the runtime makes one small shared file (`create`), a slot per wor
 (core/loop.py) writes into its slot, at each loop turn, the cores it owns when it has work and 0 when
 it has none; a busy one runs with its own cores plus every core the other slots leave free
 (`CoreShare.threads`), through `torch.set_num_threads`, looked up again at the checkpoints of a step
-(model/cpu_threads.py: each layer's start, and in a prompt step each MLP product's). A worker that turns
+(kernels/cpu/threads.py: each layer's start, and in a prompt step each MLP product's). A worker that turns
 busy takes its cores back at once, and the borrower returns them at its next checkpoint: checked only
 between steps, a borrower's 2,048-token prefill step kept the core for seconds while the decode worker
 shared it, and a burst ran 1.7x slower. Checked only at each layer's start, a prompt layer (~38 ms on

@@ -28,7 +28,8 @@ from splitserve.engine.runner import ModelRunner
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
-from splitserve.model import cpu_linear
+from splitserve.kernels.cpu import linear as cpu_linear
+from splitserve.kernels.cpu.build import wait_started
 from splitserve.model.attention import (
     AttentionBackend,
     TorchPagedAttention,
@@ -37,7 +38,6 @@ from splitserve.model.attention import (
 )
 from splitserve.model.checkpoint import is_random_source
 from splitserve.model.config import ModelConfig
-from splitserve.model.cpu_build import wait_started
 from splitserve.model.gdn_prefill import resolve_backend as resolve_linear_backend
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
 from splitserve.model.random_weights import random_model, random_source_config

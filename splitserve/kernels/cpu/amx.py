@@ -25,7 +25,7 @@ head's of any size, where the host has AMX-BF16 and the kernel grants the tile s
 the default model's weights (docs/bench/cpu-engine.md): 1.2-1.6x oneDNN's fp32 at 1,024
 rows, 1.3-1.8x the panels at 32-128; at 1-8 rows the small projections run slower than the panels,
 the head (its codes half fp32's bytes) 1.5-2.2x faster. A decode step of `MIN_ROWS` rows or more
-leaves model/cpu_layer.py's op for the Python path, whose products come here. Memory: the codes as
+leaves kernels/cpu/layer.py's op for the Python path, whose products come here. Memory: the codes as
 bf16, half the fp32 weight's bytes, beside the other layouts; recovering the blocks adds ~0.7 s to a
 worker's start. `SPLITSERVE_CPU_AMX=0` turns it off.
 """
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.model.cpu_build import CppOps
+from splitserve.kernels.cpu.build import CppOps
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_AMX", "1") != "0"
 MIN_ROWS = int(os.environ.get("SPLITSERVE_CPU_AMX_ROWS", "32"))  # a layer's products: below, the panels

@@ -10,11 +10,11 @@ its KV heads: a block's rows are read whole) when there are at least two per thr
 (sequence, KV head). With AVX2 and FMA the inner loops are intrinsics (a vectorized exp, software
 prefetch of the next block: the pool scatters a sequence's blocks, so the hardware prefetchers lose the
 trail at every block); elsewhere the same loops in scalar C++. On an AVX-512 host, head_dim 64 or 128
-goes to the body of model/cpu_attention_avx512.py instead (1.15-1.2x at 64 rows of the default model).
+goes to the body of kernels/cpu/attention_avx512.py instead (1.15-1.2x at 64 rows of the default model).
 
 On by default for CPU engines (`start()`; `SPLITSERVE_CPU_ATTN=0` turns it off): it is compiled by
 the host's C++ compiler (~15-20 s on 2 cores) in a background thread at the first engine start, the
-engine gathering meanwhile, and cached (model/cpu_build.py); later starts load it in well under a
+engine gathering meanwhile, and cached (kernels/cpu/build.py); later starts load it in well under a
 second. Without a compiler, or where the build fails, `load()` answers None and the engine keeps the
 gather + SDPA path.
 The sums run in another order than SDPA's (fp32 either way): outputs differ by ~1e-7 relative.
@@ -26,12 +26,12 @@ import os
 
 import torch
 
-from splitserve.model import cpu_attention_avx512
-from splitserve.model.cpu_build import AVX512_HEADER, SIMD_HEADER, CppOps, simd_flags
+from splitserve.kernels.cpu import attention_avx512 as cpu_attention_avx512
+from splitserve.kernels.cpu.build import AVX512_HEADER, SIMD_HEADER, CppOps, simd_flags
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_ATTN", "1") != "0"  # on by default; 0 turns it off
 _NAME = "splitserve_cpu_attn_v7"
-# the AVX-512 body (model/cpu_attention_avx512.py) where torch reports AVX-512 on this host;
+# the AVX-512 body (kernels/cpu/attention_avx512.py) where torch reports AVX-512 on this host;
 # SPLITSERVE_CPU_ATTN_AVX512=0 keeps the AVX2 body (bench/cpu_attention_op.py --avx2 compares them)
 _AVX512 = (
     torch.backends.cpu.get_cpu_capability() == "AVX512"

@@ -1,4 +1,4 @@
-"""The AVX-512 body of the CPU paged decode op (model/cpu_attention.py), for hosts that have it.
+"""The AVX-512 body of the CPU paged decode op (kernels/cpu/attention.py), for hosts that have it.
 
 The AVX2 body scores one query head at a time against 8 key rows, reads each value row once per query
 head, and keeps the weighted sums in memory between blocks: on an AVX-512 host, hot in cache, it ran
@@ -15,9 +15,9 @@ This body does the same arithmetic in 16-lane vectors, with fewer instructions b
 Taken where D is 64 or 128 (4 or 8 vectors a row); other shapes keep the AVX2 body. The sums run in
 another order than the AVX2 body's (fp32 either way): outputs differ by ~1e-7 relative.
 
-Compiled only with -mavx512f (cpu_attention.py passes it where torch reports AVX512); it defines
+Compiled only with -mavx512f (attention.py passes it where torch reports AVX512); it defines
 SS_AVX512 and `decode_task512` (one task: its scores, softmax and weighted values), which answers false
-where it does not take the shape; cpu_attention.py counts the tasks it takes (`paged_decode_tasks512`,
+where it does not take the shape; attention.py counts the tasks it takes (`paged_decode_tasks512`,
 which the tests read to know this body ran).
 """
 

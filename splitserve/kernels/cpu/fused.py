@@ -1,4 +1,4 @@
-"""CPU fp32: the decoder's small per-layer work as single C++ ops (built on first use, model/cpu_build.py).
+"""CPU fp32: the decoder's small per-layer work as single C++ ops (built on first use, kernels/cpu/build.py).
 
 Between its projections, a dense decoder layer runs two RMSNorms, two residual adds, the rotary
 embedding of q and k and the KV store. In torch each is several ops (`F.rms_norm` is a composite of
@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from splitserve.model.cpu_build import SIMD_HEADER, CppOps, simd_flags
+from splitserve.kernels.cpu.build import SIMD_HEADER, CppOps, simd_flags
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_FUSED", "1") != "0"
 

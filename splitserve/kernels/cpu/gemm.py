@@ -16,7 +16,7 @@ stays token-exact with HF on the parity tests.
 
 Used by `cpu_linear.OneDNNMatmul` for 1 to `MAX_ROWS` rows on hosts with AVX-512 (torch's CPU
 capability), beyond that oneDNN; it replaces MKL's GEMV for one and two rows (as fast, measured) and
-thereby the dense weights kept for it. Built on first use like the other CPU ops (model/cpu_build.py);
+thereby the dense weights kept for it. Built on first use like the other CPU ops (kernels/cpu/build.py);
 until it is loaded the projections take oneDNN. `SPLITSERVE_CPU_GEMM=0` turns it off.
 """
 
@@ -27,7 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from splitserve.model.cpu_build import CppOps
+from splitserve.kernels.cpu.build import CppOps
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_GEMM", "1") != "0"
 PANEL = 32  # output columns a panel (two 16-float vectors)

@@ -4,8 +4,8 @@ Python between them.
 In a decode-only step of a few rows every op is short: at one row the 30 layers' projections read the
 weights in ~22 ms, and the ~9 op calls a layer spent ~4 ms more in Python and torch's dispatch
 (`bench/profile_cpu_step.py --prompts 1`). This op runs one layer's sequence from C++ through
-torch's dispatcher: the QKV panels (model/cpu_gemm.py), q/k norm + rotary + KV store (model/cpu_fused.py),
-the paged decode attention (model/cpu_attention.py), the output panels, the residual add + RMSNorm, the
+torch's dispatcher: the QKV panels (kernels/cpu/gemm.py), q/k norm + rotary + KV store (kernels/cpu/fused.py),
+the paged decode attention (kernels/cpu/attention.py), the output panels, the residual add + RMSNorm, the
 gate/up panels, SiLU-and-multiply, the down panels and the next residual add + RMSNorm: the calls of
 `DecoderLM._forward_cpu_fused`, so that the outputs are bitwise the same (tests/engine/test_cpu_layer.py).
 With `cpu_weights: int4` the projections are torch's int4 kernel, called as `cpu_linear.Int4Matmul` calls
@@ -14,7 +14,7 @@ it (bf16 activations, fp32 out).
 Used by `DecoderLM._forward_cpu_fused` (while `DecoderLM.cpu_layer`) for steps where every row decodes
 (one decode group, no prefill) in at most `cpu_gemm.MAX_ROWS` rows, the four projections of every layer
 are all fp32 with panels or all int4, and the ops' libraries are loaded. Built on first use like them
-(model/cpu_build.py); `SPLITSERVE_CPU_LAYER=0` turns it off (an A/B switch). Measured
+(kernels/cpu/build.py); `SPLITSERVE_CPU_LAYER=0` turns it off (an A/B switch). Measured
 (docs/bench/cpu-engine.md): batch 1 22.4 against 27.5 ms a step, int4 9.0-9.2 against 11.8-12.1 ms.
 """
 
@@ -25,8 +25,11 @@ from typing import Any
 
 import torch
 
-from splitserve.model import cpu_attention, cpu_fused, cpu_gemm, cpu_linear
-from splitserve.model.cpu_build import CppOps
+from splitserve.kernels.cpu import attention as cpu_attention
+from splitserve.kernels.cpu import fused as cpu_fused
+from splitserve.kernels.cpu import gemm as cpu_gemm
+from splitserve.kernels.cpu import linear as cpu_linear
+from splitserve.kernels.cpu.build import CppOps
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_LAYER", "1") != "0"
 
@@ -81,7 +84,7 @@ static T paged_decode(const T& q, const T& k_cache, const T& v_cache, const T& t
 }
 
 // projection i of a layer: fp32 panels (w[i]), or int4 codes (w[2i], scales and offsets w[2i + 1]:
-// model/cpu_linear.py's Int4Matmul, bf16 activations, fp32 out)
+// kernels/cpu/linear.py's Int4Matmul, bf16 activations, fp32 out)
 static T project(const T& x, bool int4, at::TensorList w, int64_t i, int64_t n, const Opt& bias) {
   if (!int4) return panel(x, w[i], n, bias);
   T out = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[2 * i], 32, w[2 * i + 1]).to(at::kFloat);

@@ -37,7 +37,7 @@ Where one- and two-row products read the dense weights through MKL (`gemv_dense`
 without AVX-512 panels) nothing is dropped: they stay where the load put them (the weight cache's
 mapping, shared by workers).
 
-**Decode batches on AVX-512 hosts.** 1 to `cpu_gemm.MAX_ROWS` rows go to model/cpu_gemm.py's op over a
+**Decode batches on AVX-512 hosts.** 1 to `cpu_gemm.MAX_ROWS` rows go to kernels/cpu/gemm.py's op over a
 third layout of the weight (panels of 32 outputs), oneDNN above; MKL's GEMV is not needed, so the dense
 weights are dropped. Memory: the panels are the worker's own (~540 MB for the default model, measured
 `Pss_Anon` of a served core 2.18 GB against 1.62 GB + 0.56 GB of the shared weight-cache file before).
@@ -57,7 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.model import cpu_amx, cpu_gemm
+from splitserve.kernels.cpu import amx as cpu_amx
+from splitserve.kernels.cpu import gemm as cpu_gemm
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +86,22 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class OneDNNMatmul:
     """x @ W.T + b through the packed weight; with `amx` (a block-quantized weight on an AMX host)
-    products of cpu_amx.MIN_ROWS rows or more (the LM head's: HEAD_MIN_ROWS) go to model/cpu_amx.py's
-    op; with `panels` (AVX-512 hosts) 1 to cpu_gemm.MAX_ROWS rows go to model/cpu_gemm.py's op; else
+    products of cpu_amx.MIN_ROWS rows or more (the LM head's: HEAD_MIN_ROWS) go to kernels/cpu/amx.py's
+    op; with `panels` (AVX-512 hosts) 1 to cpu_gemm.MAX_ROWS rows go to kernels/cpu/gemm.py's op; else
     with `dense` (the weight itself) kept, one or two rows go to `F.linear` (MKL's GEMV, faster than
     oneDNN there on Intel: `gemv_dense()`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: bool = False,
                  panels: bool = False, amx: bool = False, head: bool = False) -> None:  # fmt: skip
         self.packed, self.bias = pack(weight), bias
-        self.head = head  # the LM head: model/cpu_amx.py's op from fewer rows
+        self.head = head  # the LM head: kernels/cpu/amx.py's op from fewer rows
         self.panels = cpu_gemm.pack(weight) if panels else None
         self.amx = cpu_amx.blocks(weight) if amx else None
         self.n = weight.shape[0]
         self.dense = weight if dense and not panels else None
 
     def takes_amx(self, rows: int) -> bool:
-        """Whether a product of `rows` rows runs on model/cpu_amx.py's op now."""
+        """Whether a product of `rows` rows runs on kernels/cpu/amx.py's op now."""
         least = cpu_amx.HEAD_MIN_ROWS if self.head else cpu_amx.MIN_ROWS
         return self.amx is not None and rows >= least and cpu_amx.ready()
 
@@ -153,7 +154,7 @@ def panels_fit(nbytes: int) -> bool:
     avail = available_memory()
     if avail is None or nbytes <= PANELS_MEMORY_SHARE * avail:
         return True
-    log.warning("CPU: no decode panels (model/cpu_gemm.py) for this model: they would take %.1f GB, more "
+    log.warning("CPU: no decode panels (kernels/cpu/gemm.py) for this model: they would take %.1f GB, more "
                 "than %.0f%% of the %.1f GB available; projections stay on oneDNN", nbytes / 1e9,
                 100 * PANELS_MEMORY_SHARE, avail / 1e9)  # fmt: skip
     return False

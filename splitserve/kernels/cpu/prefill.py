@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from splitserve.model.cpu_build import AVX512_HEADER, SIMD_HEADER, CppOps
+from splitserve.kernels.cpu.build import AVX512_HEADER, SIMD_HEADER, CppOps
 
 ENABLED = os.environ.get("SPLITSERVE_CPU_PREFILL_ATTN", "1") != "0"
 
