@@ -159,7 +159,7 @@ def build(
             )
     if graphs and plan is not None:
         held = torch.cuda.memory_reserved(device) - before_graphs
-        log.info("CUDA graphs hold %.2f GiB (planned %.2f GiB)", held / 2**30, plan.graphs / 2**30)
+        log.info("CUDA graphs hold %.2f GiB (planned %.2f GiB)", held / 2**30, plan.costs.graphs / 2**30)
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s", num_blocks, block_size,
              kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
     return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,
