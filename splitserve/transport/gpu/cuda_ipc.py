@@ -65,7 +65,7 @@ from splitserve.transport.export_requests import Export
 from splitserve.transport.gpu.blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
 from splitserve.transport.gpu.cuda_ipc_copy import queue_copy, queue_state_copy, wait_copies
 from splitserve.transport.gpu.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
-from splitserve.transport.gpu.link import QueuedCopy
+from splitserve.transport.gpu.link import GpuSide, QueuedCopy
 from splitserve.transport.gpu.mover import GpuMover, NoClose
 from splitserve.transport.gpu.state_arena import StateArena, open_arena
 from splitserve.transport.layout import KVLayout
@@ -90,7 +90,7 @@ class CudaIpcLink:
     def __init__(self) -> None:
         self.socket_path = UnixSocketPath()
 
-    def bind(self, mover: GpuMover) -> None:
+    def bind(self, mover: GpuSide) -> None:
         self.mover, self.port, self.device = mover, mover.port, mover.device
         options, layout = self.port.options, self.port.layout
         self._key = f"{os.getpid()}-{secrets.token_hex(8)}"

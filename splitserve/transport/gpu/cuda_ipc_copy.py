@@ -13,7 +13,7 @@ import torch
 from splitserve.transport.errors import TransferTimeout, TransportError
 from splitserve.transport.gpu.blocks import copy_blocks, wait_event
 from splitserve.transport.gpu.cuda_ipc_share import PeerKV
-from splitserve.transport.gpu.mover import GpuMover
+from splitserve.transport.gpu.link import GpuSide
 from splitserve.transport.gpu.state_arena import unpack
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.protocol import Deadline
@@ -22,7 +22,7 @@ from splitserve.transport.transport import TransportStats
 
 
 def queue_copy(
-    mover: GpuMover, mapped: PeerKV, rows: torch.Tensor, src_ids: np.ndarray, into: np.ndarray
+    mover: GpuSide, mapped: PeerKV, rows: torch.Tensor, src_ids: np.ndarray, into: np.ndarray
 ) -> tuple[str, Any]:
     """Queue the copy of the exporter's blocks `src_ids` into our `into` on our side stream; -> (how it
     was done, the CUDA event after it or None when it was synchronous)."""
@@ -41,7 +41,7 @@ def queue_copy(
 
 
 def queue_state_copy(
-    mover: GpuMover, mapped: PeerKV, row: int, layout: KVLayout, device: torch.device
+    mover: GpuSide, mapped: PeerKV, row: int, layout: KVLayout, device: torch.device
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """One device copy of the exporter's arena row into a buffer on our GPU; -> (the state tensors,
     views of it or fp32 copies when it travelled in bf16; the CUDA event after the copy or None)."""
@@ -73,7 +73,7 @@ def queue_state_copy(
 
 
 def wait_copies(
-    mover: GpuMover, stats: TransportStats, device: torch.device, address: str, deadline: Deadline,
+    mover: GpuSide, stats: TransportStats, device: torch.device, address: str, deadline: Deadline,
     done: Any,
 ) -> None:  # fmt: skip
     """Wait for a fetch's copies (`done`: the CUDA event after them; None: they were synchronous) until

@@ -11,6 +11,9 @@ do, its method answers None.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -20,10 +23,11 @@ import torch
 if TYPE_CHECKING:
     from splitserve.transport.board import LeaseBoard
     from splitserve.transport.client import SyncChannel
-    from splitserve.transport.gpu.mover import GpuMover
+    from splitserve.transport.layout import KVLayout
+    from splitserve.transport.port import MoverPort
     from splitserve.transport.protocol import Deadline
     from splitserve.transport.server import AsyncChannel, ListenSpec
-    from splitserve.transport.transport import ExportRequest
+    from splitserve.transport.transport import ExportRequest, TransportOptions, TransportStats
     from splitserve.wire.kv_handle import KVHandle
 
 
@@ -35,6 +39,36 @@ class QueuedCopy:
     src_ids: np.ndarray
     how: str
     done: Any
+
+
+class GpuSide(Protocol):
+    """What a link uses of the GPU mover that holds it (mover.py's GpuMover)."""
+
+    port: MoverPort
+    layout: KVLayout
+    options: TransportOptions
+    stats: TransportStats
+    device: torch.device
+    gpu: str  # this GPU's UUID
+    rows: torch.Tensor  # the KV cache as one row of bytes per block
+    gpu_counts: Counter[str]  # how the blocks moved, for describe()
+
+    @property
+    def on_cuda(self) -> bool: ...
+
+    def on_device(self, after_current: bool = True) -> AbstractContextManager[None]:
+        """Our GPU and the mover's side stream current (GpuMover.on_device)."""
+        ...
+
+    def sync_stream(self) -> None: ...
+
+    def hand_over(self, exc: BaseException, done: Any) -> None: ...
+
+    def check_ids(self, block_ids: Sequence[int], what: str) -> tuple[int, ...]: ...
+
+    def peer(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
+        """The link's peer on this connection (`attach` on its first use)."""
+        ...
 
 
 class Push(Protocol):
@@ -58,7 +92,7 @@ class GpuLink(Protocol):
     open_op: str  # the fetcher's open request on a fresh connection
     payload_op: str  # the exporter's answer to a fetch
 
-    def bind(self, mover: GpuMover) -> None:
+    def bind(self, mover: GpuSide) -> None:
         """Once, when the channel is made: the mover's device, side stream, port and counters."""
         ...
 
@@ -108,4 +142,4 @@ class GpuLink(Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["GpuLink", "Push", "QueuedCopy"]
+__all__ = ["GpuLink", "GpuSide", "Push", "QueuedCopy"]

@@ -61,7 +61,7 @@ from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel, parse_address
 from splitserve.transport.errors import PeerRefused, TransportError
 from splitserve.transport.gpu.blocks import consecutive_start, host_id
-from splitserve.transport.gpu.link import QueuedCopy
+from splitserve.transport.gpu.link import GpuSide, QueuedCopy
 from splitserve.transport.gpu.mover import GpuMover
 from splitserve.transport.gpu.nccl_chunks import queue_recvs, queue_sends
 from splitserve.transport.gpu.nccl_group import (
@@ -96,7 +96,7 @@ class NcclLink:
     open_op = "nccl_open"
     payload_op = "kv_nccl"
 
-    def bind(self, mover: GpuMover) -> None:
+    def bind(self, mover: GpuSide) -> None:
         self.mover, self.device, self.options = mover, mover.device, mover.options
         self.chunk_blocks = max(1, CHUNK_BYTES // mover.layout.block_nbytes)
         self.send_lock = threading.Lock()  # one NCCL operation in flight per exporter
