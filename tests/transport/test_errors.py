@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -370,3 +372,38 @@ def test_nixl_turns_cuda_ipc_gets_on_for_gpu_pools_unless_the_operator_chose(mon
     monkeypatch.setenv(CUDA_IPC_GET_ENV, "auto")  # UCX's default, asked for explicitly: kept
     assert enable_cuda_ipc_get(torch.device("cuda", 0)) == "auto"
 
+
+def test_nixl_leaves_ucx_efa_module_out_where_the_host_has_no_efa_device(monkeypatch, tmp_path):
+    from splitserve.transport.nixl.env import UCX_MODULES_ENV, efa_devices, skip_efa_without_device
+
+    drivers = tmp_path / "drivers"
+    for name in ("efa", "mlx5_core"):
+        (drivers / name).mkdir(parents=True)
+    root = tmp_path / "infiniband"
+    (root / "mlx5_0" / "device").mkdir(parents=True)
+    (root / "mlx5_0" / "device" / "driver").symlink_to(drivers / "mlx5_core")
+    monkeypatch.delenv(UCX_MODULES_ENV, raising=False)
+    assert efa_devices(str(root)) == []
+    assert skip_efa_without_device(str(root)) == "^efa" == os.environ[UCX_MODULES_ENV]
+    monkeypatch.delenv(UCX_MODULES_ENV)
+    (root / "rdmap0s31" / "device").mkdir(parents=True)
+    (root / "rdmap0s31" / "device" / "driver").symlink_to(drivers / "efa")
+    assert efa_devices(str(root)) == ["rdmap0s31"]
+    assert skip_efa_without_device(str(root)) is None and UCX_MODULES_ENV not in os.environ
+    monkeypatch.setenv(UCX_MODULES_ENV, "*")  # the operator's choice is kept
+    assert skip_efa_without_device(str(tmp_path / "none")) == "*"
+
+
+@needs_nixl
+def test_a_process_that_used_nixl_exits_cleanly():
+    """A NIXL agent with UCX, made and closed: the process then exits with status 0. (UCX's EFA module
+    would load the host's libibverbs and libnl beside NIXL's own copies, whose destructors crash at
+    exit: env.skip_efa_without_device.)"""
+    code = (
+        "from splitserve.transport.nixl.agent import NixlAgent\n"
+        "NixlAgent('exit-check', ('UCX',)).close()\n"
+        "print('closed', flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "closed" in done.stdout, (done.returncode, done.stderr[-2000:])

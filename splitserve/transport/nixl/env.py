@@ -1,7 +1,7 @@
 """Loading NIXL and the environment it needs, before an agent is made (agent.py): its Python API
-under either distribution name, UCX's error-handling mode and cuda_ipc GETs for a KV pool's device, the
-CUDA 12 runtime nixl-cu12's UCX links, why a backend's plugin cannot load, and what NIXL's C++ code
-writes to stderr.
+under either distribution name, UCX's modules, UCX's error-handling mode and cuda_ipc GETs for a KV
+pool's device, the CUDA 12 runtime nixl-cu12's UCX links, why a backend's plugin cannot load, and what
+NIXL's C++ code writes to stderr.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ NIXL_BACKENDS = ("UCX", "LIBFABRIC")  # what a manifest may name (others: not tr
 
 def load_nixl() -> tuple[ModuleType, str]:
     """NIXL's Python API (`nixl_agent`, ...) and the module it came from; BackendUnavailable if none."""
+    skip_efa_without_device()  # before UCX is loaded: it reads its settings once
     errors = []
     for name in DISTRIBUTIONS:
         try:
@@ -46,6 +47,38 @@ def load_nixl() -> tuple[ModuleType, str]:
         "nixl: the NIXL Python package is not installed "
         "(pip install --no-deps nixl-cu12==1.5.1, then numpy); " + "; ".join(errors)
     )
+
+
+UCX_MODULES_ENV = "UCX_MODULES"  # UCX's own: glob patterns of the modules it loads, "^" excludes
+INFINIBAND = "/sys/class/infiniband"  # the host's RDMA devices
+
+
+def efa_devices(root: str = INFINIBAND) -> list[str]:
+    """The host's AWS EFA devices (RDMA devices whose kernel driver is `efa`)."""
+    drivers = {d: os.path.realpath(os.path.join(root, d, "device", "driver")) for d in _listdir(root)}
+    return sorted(d for d, driver in drivers.items() if os.path.basename(driver) == "efa")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def skip_efa_without_device(root: str = INFINIBAND) -> str | None:
+    """On a host without an EFA device, UCX does not load its EFA module (`UCX_MODULES=^efa`), unless
+    the operator set UCX_MODULES; -> the value in force, or None (all of UCX's modules load).
+
+    NOTE: nixl-cu12 bundles its own libibverbs and libnl, but UCX's EFA module links the host's libefa,
+    which loads the host's libibverbs and libnl beside them. Two copies of libnl-route in one process
+    crash in their exit-time destructors (SIGSEGV in rtnl_tc_unregister, after the interpreter has
+    finished: a process that used NIXL then ends with status 139 after a clean shutdown). Without an
+    EFA device the module has nothing to drive."""
+    if UCX_MODULES_ENV in os.environ or efa_devices(root):
+        return os.environ.get(UCX_MODULES_ENV)
+    os.environ[UCX_MODULES_ENV] = "^efa"
+    return os.environ[UCX_MODULES_ENV]
 
 
 UCX_ERROR_ENV = "SPLITSERVE_NIXL_UCX_ERROR_HANDLING"  # none | peer: overrides ucx_error_mode()
@@ -149,10 +182,12 @@ def plugin_load_error(module: ModuleType, backend: str) -> str | None:
 
 __all__ = [
     "CUDART",
+    "efa_devices",
     "enable_cuda_ipc_get",
     "load_nixl",
     "plugin_load_error",
     "preload_cuda_runtime",
+    "skip_efa_without_device",
     "stderr_captured",
     "ucx_error_mode",
 ]
