@@ -302,7 +302,7 @@ class ServerSection(_Section):
     stream_interval: int = Field(default=1, ge=1, le=4096)
     access_log: bool = True  # one INFO line per request (id, route, status, tokens, latency)
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
-    metrics_auth: bool = True  # with api keys set, /metrics wants one too; false: open to a scraper
+    metrics_auth: bool = False  # true: with api keys set, /metrics wants one too (vLLM leaves it open)
     trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template may be used
     # slow or huge requests (slowloris): headers must arrive within this of their first byte ...
     header_timeout_s: float = Field(default=10.0, ge=0.1, le=600, allow_inf_nan=False)

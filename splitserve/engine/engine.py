@@ -37,7 +37,7 @@ from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, output_of
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SchedulerOutput
-from splitserve.engine.stats import EngineStats
+from splitserve.engine.stats import EngineStats, StepTokens
 from splitserve.engine.stop import check_stop
 from splitserve.model.loader import LoadedModel
 from splitserve.model.tokenizer import Tokenizer
@@ -90,6 +90,7 @@ class LLMEngine(OverlappedSteps):
         self._inflight: _Inflight | None = None  # an overlapped step whose tokens are not read yet
         self.overlapped_steps = 0
         self.forward_steps = 0  # steps that ran the model (overlapped or not)
+        self.step_tokens = StepTokens()  # tokens per model step, in vLLM's iteration_tokens buckets
         self.step_seconds = 0.0  # host wall time inside step() (whatever it waited for)
         self._ids = itertools.count()
 
@@ -180,9 +181,10 @@ class LLMEngine(OverlappedSteps):
     def stats(self) -> EngineStats:
         """Queues, blocks, slots, steps and the prefix cache, as of now (leases that ended taken first)."""
         self.free_released_kv()
-        steps = (self.forward_steps, self.overlapped_steps, self.step_seconds)
+        steps, tokens = (self.forward_steps, self.overlapped_steps, self.step_seconds), self.step_tokens
         return EngineStats.collect(self.scheduler, self.states, self.transfers, self.kv_cache,
-                                   unfinished=len(self._parents), steps=steps)  # fmt: skip
+                                   unfinished=len(self._parents), steps=steps,
+                                   step_tokens=tokens)  # fmt: skip
 
     def lease_blocks(self, n: int, *, touch: bool = False) -> BlockLease:
         """Lend `n` free blocks outside any request (the KV probe): `KVTransfers.lease_blocks`."""
@@ -240,6 +242,7 @@ class LLMEngine(OverlappedSteps):
                 wait([f for f, _ in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
             return []
         self.forward_steps += 1
+        self.step_tokens.add(sched.num_tokens)
         if inflight is not None or self._may_overlap(sched):  # overlap.py
             return self._overlapped_step(sched, inflight)
         logits, sample_chunks = self.runner.execute(sched.chunks)

@@ -3,13 +3,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 import torch
 
 from splitserve.engine.kv_transfer import KVTransfers
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_pool import StatePool
+
+# vLLM's `vllm:iteration_tokens_total` bucket bounds (tokens one engine step ran)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class StepTokens:
+    """How many model steps ran how many tokens: a count per bucket of STEP_TOKEN_BUCKETS (the last
+    count is above the largest bound), and the tokens in all."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BUCKETS) + 1))
+    total: int = 0
+
+    def add(self, tokens: int) -> None:
+        self.counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, tokens)] += 1
+        self.total += tokens
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,7 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     state_checkpoints: CheckpointStats | None
+    step_tokens: StepTokens
 
     @classmethod
     def collect(
@@ -59,6 +77,7 @@ class EngineStats:
         *,
         unfinished: int,
         steps: tuple[int, int, float],
+        step_tokens: StepTokens,
     ) -> EngineStats:
         pool, ckpt = scheduler.block_manager.pool, scheduler.block_manager.checkpoints
         checkpoints = None
@@ -81,7 +100,8 @@ class EngineStats:
             prefix_queries=scheduler.prefix_queries,
             prefix_hits=scheduler.prefix_hits,
             state_checkpoints=checkpoints,
+            step_tokens=StepTokens(list(step_tokens.counts), step_tokens.total),
         )
 
 
-__all__ = ["BlockStats", "CheckpointStats", "EngineStats"]
+__all__ = ["STEP_TOKEN_BUCKETS", "BlockStats", "CheckpointStats", "EngineStats", "StepTokens"]

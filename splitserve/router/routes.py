@@ -93,7 +93,7 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         server = get()
-        if server.manifest.server.metrics_auth:  # with API keys set, a key (or metrics_auth: false)
+        if server.manifest.server.metrics_auth:  # open as vLLM's, unless metrics_auth asks for a key
             server.check_auth(request)
         body = await server.metrics_cache.get()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

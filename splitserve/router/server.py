@@ -37,6 +37,7 @@ from splitserve.router.json_edge import parse_json
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.tools import parser_for, template_knows_tools
+from splitserve.router.vllm_metrics import VllmMetrics
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class OpenAIServer:
         self.metrics = RouterMetrics(info.served_name)
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.metrics.prime(manifest.transport.backend)
+        self.vllm = VllmMetrics(self.metrics.registry, info.served_name, info.max_model_len)  # vLLM's names
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         template = getattr(getattr(tokenizer, "hf", None), "chat_template", None)
         self.tool_format = parser_for(template)  # the model family's tool-call syntax (tools.py)
@@ -273,8 +275,9 @@ class OpenAIServer:
                 m.startup_seconds.labels(*lab).set(w["startup_s"])
         m.router_waiting.labels(name).set(self.admission.waiting)
         m.prime_workers(self.describe_workers())
-        if self.worker_stats is not None:
-            m.from_worker_stats(await self.worker_stats(), self.manifest.transport.required())
+        stats = await self.worker_stats() if self.worker_stats is not None else []
+        m.from_worker_stats(stats, self.manifest.transport.required())
+        self.vllm.from_worker_stats(stats, self.admission.waiting)
         return m.render()
 
 

@@ -261,6 +261,31 @@ def test_metrics_endpoint(disaggregated):
         "splitserve:kv_blocks_held",
     ):
         assert name in text, name
+    for name in (  # vLLM's names beside ours (router/vllm_metrics.py)
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket",
+        "vllm:request_inference_time_seconds_bucket",
+        'vllm:request_success_total{finished_reason="length",model_name="smollm2-135m-instruct"}',
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:request_generation_tokens_bucket",
+        "vllm:request_params_n_bucket",
+        "vllm:request_params_max_tokens_bucket",
+        'vllm:num_requests_running{model_name="smollm2-135m-instruct",role="prefill",worker=',
+        'vllm:num_requests_waiting{model_name="smollm2-135m-instruct",role="decode",worker=',
+        'vllm:kv_cache_usage_perc{model_name="smollm2-135m-instruct",role="decode"',
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        'vllm:iteration_tokens_total_bucket{le="+Inf",model_name="smollm2-135m-instruct",role="prefill"',
+    ):
+        assert name in text, name
     assert 'splitserve:kv_transfer_seconds_count{backend="shm",model_name="smollm2-135m-instruct"}' in text
     assert 'splitserve:kv_transfer_bytes_total{backend="shm"' in text
     assert 'splitserve:kv_backend_info{backend="shm"' in text
