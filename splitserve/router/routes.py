@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from splitserve.router import endpoints
 from splitserve.router.access_log import AccessLog
 from splitserve.router.contain import ContainErrors
-from splitserve.router.guard import DocsGuard
+from splitserve.router.guard import METRICS_TYPE, DocsGuard, MetricsEndpoint
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.server import OpenAIServer
 from splitserve.router.utility_routes import install_utility_routes
@@ -37,6 +37,7 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     app.add_middleware(ContainErrors)  # inside the access log: a 500 answered here keeps the connection
     app.add_middleware(DocsGuard, get=get)  # /docs, /redoc, /openapi.json behind the API key
     app.add_middleware(AccessLog, get=get)  # the access log line, and errors counted by status
+    app.add_middleware(MetricsEndpoint, get=get)  # GET /metrics: a snapshot's bytes, first of all
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -92,11 +93,12 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
+        """Reached with server.metrics_auth on (MetricsEndpoint answers the open case itself)."""
         server = get()
-        if server.manifest.server.metrics_auth:  # open as vLLM's, unless metrics_auth asks for a key
-            server.check_auth(request)
-        body = await server.metrics_cache.get()
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+        server.check_auth(request)
+        # ?fresh=1: the next snapshot (at most a second away), for a reader that just caused something
+        body = await server.metrics_cache.get(fresh=request.query_params.get("fresh") in ("1", "true"))
+        return Response(body, media_type=METRICS_TYPE)
 
 
 __all__ = ["build_api", "install_routes"]

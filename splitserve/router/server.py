@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from splitserve.config.manifest import Manifest
 from splitserve.router.admission import Admission
 from splitserve.router.dispatch import Dispatcher, WorkerSet
-from splitserve.router.guard import MetricsCache
+from splitserve.router.guard import MetricsSnapshot
 from splitserve.router.json_edge import parse_json
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.openai_protocol import APIError
@@ -89,7 +89,7 @@ class OpenAIServer:
         self.tool_format = parser_for(template)  # the model family's tool-call syntax (tools.py)
         self.native_tools = template_knows_tools(template)
         # the per-token metrics, bound to their labels once (a .labels() lookup per token adds up)
-        self.metrics_cache = MetricsCache(self.render_metrics)  # one render per 0.25 s at most
+        self.metrics_cache = MetricsSnapshot(self.render_metrics)  # /metrics: a snapshot a second
         # api_run.Run: requests in flight (cut_streams ends them at the drain deadline)
         self.runs: set[Any] = set()
         self.itl = self.metrics.itl.labels(info.served_name)

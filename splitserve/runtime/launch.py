@@ -113,6 +113,7 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
             yield
             api.admission.closed = True
             await stats_line.stop()
+            await api.metrics_cache.stop()
             await prober.stop()
             await api.dispatcher.close()
 

@@ -27,6 +27,8 @@ def test_a_model_argument_and_vllm_flags_fill_the_manifest():
     assert m.model.source == "default" and m.model.tokenizer == "/tok"
     assert m.model.served_names() == ["a", "b"] and m.model.resolved_served_name() == "a"
     assert _manifest("--enable-prefix-caching").engine.enable_prefix_caching is True
+    assert _manifest().server.metrics_auth is False  # /metrics open, as vLLM's
+    assert _manifest("--metrics-auth").server.metrics_auth is True
 
 
 def test_a_model_path_is_served_under_its_own_name_as_vllm_does(tmp_path):
