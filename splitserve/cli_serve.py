@@ -53,6 +53,7 @@ _SWITCHES: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--disable-log-stats",), "server.log_stats_interval_s", 0, "no periodic stats line"),
     (("--no-access-log", "--disable-uvicorn-access-log"), "server.access_log", False, "no per-request line"),
     (("--metrics-auth",), "server.metrics_auth", True, "with API keys set, /metrics wants a key too"),
+    (("--reject-unknown-fields",), "server.reject_unknown_fields", True, "an unknown request field is a 400"),
 ]
 MANIFEST_SUFFIXES = (".yaml", ".yml")
 # the embedded default model's Hub id: served from the package, not fetched

@@ -14,7 +14,8 @@
     router:    {policy, timeouts per stage, retries}
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
                 max_queued_requests, stream_interval, access_log, log_stats_interval_s, metrics_auth,
-                trust_request_chat_template, header_timeout_s, body_timeout_s, max_header_bytes}
+                reject_unknown_fields, trust_request_chat_template, header_timeout_s, body_timeout_s,
+                max_header_bytes}
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
     verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)
     slos, prices: read by `splitserve bench` (goodput and cost per accepted response)
@@ -303,6 +304,7 @@ class ServerSection(_Section):
     access_log: bool = True  # one INFO line per request (id, route, status, tokens, latency)
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
     metrics_auth: bool = False  # true: with api keys set, /metrics wants one too (vLLM leaves it open)
+    reject_unknown_fields: bool = False  # true: a request field the server does not know is a 400
     trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template may be used
     # slow or huge requests (slowloris): headers must arrive within this of their first byte ...
     header_timeout_s: float = Field(default=10.0, ge=0.1, le=600, allow_inf_nan=False)

@@ -34,6 +34,7 @@ from splitserve.router.admission import Admission
 from splitserve.router.dispatch import Dispatcher, WorkerSet
 from splitserve.router.guard import MetricsSnapshot
 from splitserve.router.json_edge import parse_json
+from splitserve.router.lenient import ignored_fields_counter
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.tools import parser_for, template_knows_tools
@@ -83,6 +84,7 @@ class OpenAIServer:
         self.metrics = RouterMetrics(info.served_name)
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.metrics.prime(manifest.transport.backend)
+        self.ignored_fields = ignored_fields_counter(self.metrics.registry)  # unknown request fields
         self.vllm = VllmMetrics(self.metrics.registry, info.served_name, info.max_model_len)  # vLLM's names
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         template = getattr(getattr(tokenizer, "hf", None), "chat_template", None)
