@@ -21,6 +21,7 @@ from typing import Any
 
 import splitserve
 from splitserve.config.manifest import ModelSection
+from splitserve.vllm_flags import add_vllm_flags, vllm_overrides
 
 # flag(s), manifest field, type (None: a switch), help
 _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
@@ -85,6 +86,7 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--log-level", default=None, help="debug | info | warning (default info)")
     serve.add_argument("--print-manifest", action="store_true", help="print the resolved manifest and exit")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar while workers load")
+    add_vllm_flags(serve)
 
 
 def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
@@ -93,6 +95,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any
     for _, field, _, _ in _FLAGS + _SWITCHES:
         if getattr(args, field) is not None:
             o[field] = getattr(args, field)
+    o |= vllm_overrides(args)
     if getattr(args, "engine.enable_prefix_caching") is not None:
         o["engine.enable_prefix_caching"] = getattr(args, "engine.enable_prefix_caching")
     tp = args.tensor_parallel_size

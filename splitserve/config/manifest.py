@@ -45,6 +45,7 @@ from pydantic import (
     model_validator,
 )
 
+from splitserve.config.cors import CorsSection
 from splitserve.config.manifest_errors import ManifestError, describe
 from splitserve.config.manifest_yaml import ManifestYAMLError, load_yaml
 from splitserve.engine.config import EngineConfig
@@ -88,6 +89,7 @@ class ModelSection(_Section):
     device: str = "auto"  # auto | cpu | cuda (each pool's `devices` pins replicas to cuda:N)
     max_model_len: int | None = Field(default=None, ge=16)
     tensor_parallel_size: int = 1  # vLLM's name; only 1 until tensor parallelism exists
+    chat_template: str | None = None  # vLLM's --chat-template: a file, or the template itself
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -305,6 +307,7 @@ class ServerSection(_Section):
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
     metrics_auth: bool = False  # true: with api keys set, /metrics wants one too (vLLM leaves it open)
     reject_unknown_fields: bool = False  # true: a request field the server does not know is a 400
+    cors: CorsSection | None = None  # vLLM's --allowed-origins & co.; none: no CORS headers
     trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template may be used
     # slow or huge requests (slowloris): headers must arrive within this of their first byte ...
     header_timeout_s: float = Field(default=10.0, ge=0.1, le=600, allow_inf_nan=False)

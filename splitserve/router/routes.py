@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from splitserve.router import endpoints
 from splitserve.router.access_log import AccessLog
@@ -28,6 +29,11 @@ log = logging.getLogger(__name__)
 def build_api(server: OpenAIServer, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="splitserve", lifespan=lifespan)
     install_routes(app, lambda: server)
+    cors = server.manifest.server.cors
+    if cors is not None:  # outermost: a preflight (OPTIONS) is answered before auth and routing
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
+                           allow_credentials=cors.allow_credentials)  # fmt: skip
     return app
 
 

@@ -21,6 +21,7 @@ import uvicorn
 
 from splitserve.config.manifest import Manifest
 from splitserve.model.tokenizer import load_tokenizer
+from splitserve.router.chat_template import use_chat_template
 from splitserve.router.probe import KVProber
 from splitserve.router.routes import build_api
 from splitserve.router.server import ModelInfo, OpenAIServer
@@ -96,6 +97,7 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
         starting.result()
         first = runtime.workers[0].info
         tokenizer = await asyncio.to_thread(load_tokenizer, first["model"], first.get("tokenizer"))
+        use_chat_template(tokenizer, manifest.model.chat_template)
         info = ModelInfo(manifest.model.resolved_served_name(), int(first["max_model_len"]),
                          int(first["vocab_size"]), first["model"],
                          aliases=tuple(manifest.model.served_names()[1:]))  # fmt: skip
