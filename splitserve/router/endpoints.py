@@ -48,7 +48,9 @@ async def responses(server: OpenAIServer, request: Request) -> Response:
     answer = await chat_body(server, req.to_chat(), request, start)
     ours = {k: v for k, v in answer.headers.items() if k.startswith("x-")}  # the request id, TTFT parts
     if isinstance(answer, CleanupStream):
-        events = ResponseEvents(req, server.info.served_name).sse(answer.body_iterator)
+        events = ResponseEvents(req, server.info.served_name, ours.get("x-request-id")).sse(
+            answer.body_iterator
+        )
         return CleanupStream(events, answer.cleanup, media_type="text/event-stream", headers=ours)
     body = response_object(req, server.info.served_name, msgspec.json.decode(answer.body))
     return JSONResponse(body, headers=ours)
