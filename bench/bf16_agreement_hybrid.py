@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bf16_agreement import teacher_forced  # noqa: E402
 from bench.hybrid_gpu import build_models  # noqa: E402
-from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 
 def main() -> int:

@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 _RUN = r"""
 import json, resource, sys, time, torch
 sys.path.insert(0, sys.argv[1])
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
-from splitserve.engine.params import SamplingParams
+from splitserve.sampling.params import SamplingParams
 prompts, plen, out_len, budget = (int(a) for a in sys.argv[2:6])
 config = EngineConfig(progress=False, kv_cache_bytes=2 << 30, max_model_len=2048, max_num_seqs=256,
                       max_num_batched_tokens=budget)

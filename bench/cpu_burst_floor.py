@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_engine import measure_host, weight_bytes  # noqa: E402
 
-from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 
 def burst(engine: LLMEngine, prompts: int, plen: int, out: int, seed: int) -> tuple[float, float]:

@@ -43,10 +43,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model import cpu_attention, cpu_fused, cpu_gemm, cpu_layer, cpu_linear  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 BASE = "fp32 F.linear (baseline)"
 GATHER = "fp32 oneDNN, KV gathered"

@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model import cpu_linear  # noqa: E402
 from splitserve.model.agreement import top1_counts  # noqa: E402
 from splitserve.model.attention import AttentionMetadata, PrefillChunk  # noqa: E402
 from splitserve.model.decoder import ForwardContext  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",

@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-from splitserve.engine.config import EngineConfig, block_bytes  # noqa: E402
+from splitserve.config.engine import EngineConfig
+from splitserve.engine.config import block_bytes  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
 from splitserve.engine.llm import LLM  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path  # noqa: E402
 from splitserve.model.random_weights import (  # noqa: E402
     RANDOM_SHAPES,
@@ -46,6 +46,7 @@ from splitserve.model.random_weights import (  # noqa: E402
     random_model,
     random_model_config,
 )
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 try:
     from tqdm.auto import tqdm

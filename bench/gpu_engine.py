@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model.random_weights import build_hf_model, random_model, random_model_config  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 SHAPES = {"qwen3-8b": "qwen3-8b-random", "tiny": "tiny-random"}
 

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 
 from bench.structured_outputs import SCHEMA  # noqa: E402
 from splitserve.engine.grammar import Grammars, _and_allowed, _batch_matcher  # noqa: E402
-from splitserve.engine.params import GrammarSpec  # noqa: E402
 from splitserve.kernels.bitmask import apply_bitmask_  # noqa: E402
 from splitserve.model.tokenizer import load_tokenizer  # noqa: E402
+from splitserve.sampling.params import GrammarSpec  # noqa: E402
 
 
 def _ms(fn, reps: int) -> float:

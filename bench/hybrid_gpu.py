@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model.config import ModelConfig  # noqa: E402
 from splitserve.model.loader import LoadedModel  # noqa: E402
 from splitserve.model.qwen3_5 import Qwen3_5LM  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 SHAPES = {
     # Qwen3.5-9B text model: 32 layers (24 Gated DeltaNet + 8 gated attention), hidden 4096

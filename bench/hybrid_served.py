@@ -101,7 +101,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
 
     knobs = {
         "mode": mode, "model.source": args.model,
-        "model.max_model_len": max(args.prompt_len, args.prefix_len + args.suffix_len) + args.max_tokens + 64,
+        "model.max_model_len": args.max_model_len
+        or max(args.prompt_len, args.prefix_len + args.suffix_len) + args.max_tokens + 64,
         "engine.max_num_seqs": max(args.requests, 8), "engine.max_num_batched_tokens": args.budget,
         "server.port": 0, "server.max_concurrent_requests": 512, "server.max_queued_requests": 512,
         "verify.probe_mb": args.probe_mb, "verify.min_gbps": args.min_gbps, "runtime.cuda_mps": args.cuda_mps,
@@ -170,6 +171,9 @@ def main() -> int:
     ap.add_argument("--memory-utilization", type=float, default=0.45, help="each worker's device share")
     ap.add_argument("--kv-cache-mb", type=int, default=None, help="instead of --memory-utilization")
     ap.add_argument("--budget", type=int, default=16384, help="engine.max_num_batched_tokens")
+    ap.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the longest prompt + output + 64"
+    )
     ap.add_argument("--cuda-mps", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--ttft-reps", type=int, default=5)

@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
 from splitserve.transport import BackendUnavailable, KVHandle, KVLayout, TransportOptions, make_transport  # noqa: E402
-from splitserve.transport.nixl_agent import load_nixl  # noqa: E402
+from splitserve.transport.nixl_env import load_nixl  # noqa: E402
 from splitserve.transport.payload import tensor_bytes  # noqa: E402
 from splitserve.transport.shm import allocate_shared_kv  # noqa: E402
 

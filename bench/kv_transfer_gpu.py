@@ -418,7 +418,7 @@ def ce_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwen_bl
         fetcher.fetch(handle, into)  # maps the exporter's KV
         (peer,) = list(fetcher.mover._peers.values())[-1:]
         block = layout_of(fetchers.caches[name][0]).block_nbytes
-        src0, dst0 = peer.rows.data_ptr(), fetcher.mover.rows.data_ptr()
+        src0, dst0 = peer.rows.data_ptr(), fetcher.mover.two_sided.rows.data_ptr()
         if pattern == "contiguous":
             pieces = [(src0 + ids[0] * block, dst0 + into[0] * block, n * block)]
         else:
@@ -458,10 +458,10 @@ def ce_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwen_bl
 
 # -- prefill at Qwen3-8B shape --------------------------------------------------------------------
 def prefill_seconds(tokens: int, reps: int, device: str) -> dict:
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine import EngineConfig
     from splitserve.engine.engine import LLMEngine
-    from splitserve.engine.params import SamplingParams
     from splitserve.model.random_weights import random_model, random_model_config
+    from splitserve.sampling.params import SamplingParams
 
     t0 = time.perf_counter()
     loaded = random_model(random_model_config("qwen3-8b-random"), device, torch.bfloat16, tokens + 64)

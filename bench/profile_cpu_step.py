@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model import cpu_attention  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 
 def main() -> int:

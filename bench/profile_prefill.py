@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model.random_weights import random_model, random_source_config  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 
 def prefill_once(engine: LLMEngine, prompts: torch.Tensor) -> float:

@@ -21,10 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/hybrid_gpu.py's shapes
 
-from splitserve.engine.config import EngineConfig  # noqa: E402
+from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.engine.params import SamplingParams  # noqa: E402
 from splitserve.model.random_weights import random_model, random_model_config  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 
 def _time_phases(engine: LLMEngine, steps: int) -> dict[str, float]:

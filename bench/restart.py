@@ -302,7 +302,7 @@ def child(args: argparse.Namespace) -> None:
 
     import torch
 
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine import EngineConfig
     from splitserve.model.loader import load_model
     from splitserve.model.weight_cache import WeightCache
 
@@ -338,7 +338,7 @@ def child(args: argparse.Namespace) -> None:
     }
     if args.engine:
         from splitserve.engine.engine import LLMEngine
-        from splitserve.engine.params import SamplingParams
+        from splitserve.sampling.params import SamplingParams
 
         t = time.perf_counter()
         engine_config = EngineConfig(

@@ -117,8 +117,8 @@ def main() -> int:
 
     from splitserve import SamplingParams
     from splitserve.config import load_manifest
+    from splitserve.config.engine import EngineConfig
     from splitserve.engine.async_engine import AsyncLLM
-    from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import LLMEngine
     from splitserve.runtime.process import start_serve
 

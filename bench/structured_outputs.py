@@ -65,7 +65,7 @@ def trace(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 def engine_run(args: argparse.Namespace) -> tuple[float, float, float]:
     """-> (unconstrained tok/s, constrained tok/s, compile seconds), in process."""
     from splitserve.engine.llm import LLM
-    from splitserve.engine.params import GrammarSpec, SamplingParams
+    from splitserve.sampling.params import GrammarSpec, SamplingParams
 
     llm = LLM(
         model=args.model,

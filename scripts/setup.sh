@@ -20,5 +20,8 @@ if [ "${SPLITSERVE_NIXL:-1}" != 0 ]; then
   fi
   "$VENV/bin/python" -m pip install -q numpy
 fi
+# build now what a first start would: the CPU C++ ops, the tokenizer cache, the weight cache (quick
+# when already done), so that `splitserve serve` compiles and converts nothing
+"$VENV/bin/python" -m splitserve.model.prepare
 "$VENV/bin/python" -c "import torch, splitserve; from splitserve.model.checkpoint import default_model_path; \
 print('splitserve ready: torch', torch.__version__, '| default model', default_model_path().name)"

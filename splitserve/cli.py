@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import splitserve
 from splitserve.cli_serve import add_serve_parser, serve_overrides
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.params import SamplingParams
+from splitserve.config.engine import EngineConfig
 from splitserve.logs import setup_logging
 from splitserve.model.errors import ModelLoadError
 from splitserve.runtime.kuberay import KubeRayOptions
+from splitserve.sampling.params import SamplingParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     from splitserve.ab.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from splitserve.plan.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     render = sub.add_parser("render", help="render a manifest for another platform (kuberay: a RayService)")
     render.add_argument("target", choices=["kuberay"])
     render.add_argument("manifest", nargs="?", default=None)
@@ -93,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from splitserve.ab.cli import run as run_bench
 
             return run_bench(args)
+        if args.command == "plan":
+            from splitserve.plan.cli import run as run_plan
+
+            return run_plan(args)
         if args.command == "verify":
             return _verify(args)
         if args.command == "render":

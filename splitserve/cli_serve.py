@@ -16,11 +16,12 @@ manifest, or else the environment variable SPLITSERVE_API_KEY (or vLLM's VLLM_AP
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
 import splitserve
-from splitserve.config.manifest import ModelSection
+from splitserve.config.manifest_sections import ModelSection
 from splitserve.vllm_flags import add_vllm_flags, vllm_overrides
 
 # flag(s), manifest field, type (None: a switch), help
@@ -33,7 +34,13 @@ _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--dtype",), "model.dtype", str, "auto | float32 | bfloat16 | float16"),
     (("--device",), "model.device", str, "auto | cpu | cuda"),
     (("--max-model-len",), "model.max_model_len", int, "context length (prompt + completion)"),
-    (("--gpu-memory-utilization",), "engine.memory_utilization", float, "GPU: fraction for weights + KV"),
+    (
+        ("--generation-config",),
+        "model.generation_config",
+        str,
+        "auto (the checkpoint's sampling defaults) | vllm (none) | a folder with generation_config.json",
+    ),
+    (("--gpu-memory-utilization",), "engine.memory_utilization", float, "GPU: a worker's device share"),
     (("--kv-cache-mb",), "engine.kv_cache_mb", int, "KV cache budget per worker, MiB"),
     (("--max-num-seqs",), "engine.max_num_seqs", int, "sequences per engine step"),
     (("--max-num-batched-tokens",), "engine.max_num_batched_tokens", int, "tokens per engine step"),
@@ -47,6 +54,24 @@ _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--max-concurrent-requests",), "server.max_concurrent_requests", int, "in flight to the workers"),
     (("--stream-interval",), "server.stream_interval", int, "tokens a streamed chunk holds at least"),
     (("--log-stats-interval",), "server.log_stats_interval_s", float, "seconds between stats lines; 0: off"),
+    (
+        ("--tool-call-parser",),
+        "server.tool_call_parser",
+        str,
+        "hermes | llama3_json | qwen3_coder | qwen3_xml (default: from the chat template)",
+    ),
+    (
+        ("--reasoning-parser",),
+        "server.reasoning_parser",
+        str,
+        "qwen3 | deepseek_r1 | none (default: from the chat template)",
+    ),
+    (
+        ("--speculative-config",),
+        "engine.speculative_config",
+        json.loads,
+        'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4}',
+    ),
 ]
 # switches: flag, manifest field, value it sets
 _SWITCHES: list[tuple[tuple[str, ...], str, Any, str]] = [
@@ -76,6 +101,10 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--enable-prefix-caching", dest="engine.enable_prefix_caching", default=None,
                        action=argparse.BooleanOptionalAction,
                        help="reuse KV of shared prompt prefixes (engine.enable_prefix_caching)")  # fmt: skip
+    serve.add_argument("--enable-auto-tool-choice", dest="server.enable_auto_tool_choice", default=None,
+                       action=argparse.BooleanOptionalAction,
+                       help="the model may choose to call tools (tool_choice auto); on unless "
+                       "--no-enable-auto-tool-choice (server.enable_auto_tool_choice)")  # fmt: skip
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the model's id in the API; more names are aliases")  # fmt: skip
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
@@ -96,8 +125,9 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any
         if getattr(args, field) is not None:
             o[field] = getattr(args, field)
     o |= vllm_overrides(args)
-    if getattr(args, "engine.enable_prefix_caching") is not None:
-        o["engine.enable_prefix_caching"] = getattr(args, "engine.enable_prefix_caching")
+    for field in ("engine.enable_prefix_caching", "server.enable_auto_tool_choice"):
+        if getattr(args, field) is not None:
+            o[field] = getattr(args, field)
     tp = args.tensor_parallel_size
     if tp is not None and tp != 1:
         raise ValueError(

@@ -7,17 +7,20 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from serve_harness import API_KEY, SCHEMA_PATHS, Deployment, manifest_yaml, start_deployment
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.llm import LLM
 from splitserve.model.checkpoint import default_model_path
 from splitserve.model.loader import load_model
 from splitserve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from serve_harness import Deployment
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -116,6 +119,8 @@ def hf_smol_greedy(hf_smol, chat_prompt_ids, smol_tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def disaggregated() -> Deployment:
     """Disaggregated (1 prefill + 1 decode over shm), API keys on."""
+    from serve_harness import API_KEY, manifest_yaml, start_deployment  # imports the openai client
+
     dep = start_deployment(manifest_yaml(mode="disaggregated"), API_KEY)
     yield dep
     assert dep.stop() == 0, "\n".join(dep.log)
@@ -124,6 +129,8 @@ def disaggregated() -> Deployment:
 @pytest.fixture(scope="session")
 def colocated() -> Deployment:
     """Colocated (1 worker), no keys, a small bounded queue (2 running + 1 queued) for the overload test."""
+    from serve_harness import manifest_yaml, start_deployment
+
     manifest = manifest_yaml(
         mode="colocated", server={"port": 0, "max_concurrent_requests": 2, "max_queued_requests": 1}
     )
@@ -134,5 +141,28 @@ def colocated() -> Deployment:
 
 @pytest.fixture(scope="session")
 def openai_schema() -> dict:
+    from serve_harness import SCHEMA_PATHS
+
     path = next(p for p in SCHEMA_PATHS if p.exists())
     return json.loads(path.read_text())
+
+
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End the test process with pytest's own status once every report is written, without the
+    interpreter's teardown: after the whole suite, a native library's threads (torch, xgrammar, gloo)
+    could fault while modules were torn down (SIGSEGV after the summary line, every test passed),
+    which would turn a green run into a failed one."""
+    if _EXIT_STATUS:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])

@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from splitserve.engine.config import EngineConfig
-from splitserve.transport import TransportOptions
+from splitserve.config.engine import EngineConfig
+
+if TYPE_CHECKING:
+    from splitserve.transport.transport import TransportOptions
 
 ROLES = ("prefill", "decode", "colocated")
 DECODE_STAGING_ROWS = 4  # cuda_ipc: state rows a decode worker may stage at once (fetches in flight)
@@ -35,6 +38,7 @@ class WorkerConfig:
     kv_state_rows: int = 8
     fault_injection: bool = False
     kv_throttle_gbps: float | None = None  # test hook: hold every fetch to this bandwidth
+    kv_fetch_fraction: float | None = None  # test hook: fetches write only this share of their blocks
     http_auth: bool = False  # every endpoint but GET /health wants `Bearer worker_token(kv_secret)`
     threads: int = 1  # the engine core's torch intra-op threads (its own cores)
     core_share: str | None = None  # the local runtime's file of lent cores (core/share.py)
@@ -66,6 +70,8 @@ class WorkerConfig:
         )
 
     def transport_options(self) -> TransportOptions:
+        from splitserve.transport.transport import TransportOptions  # the engine core's: it loads torch
+
         return TransportOptions(
             host=self.kv_host,
             lease_s=self.kv_lease_s,

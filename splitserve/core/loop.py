@@ -19,6 +19,7 @@ the front end notices the core's death (worker/main.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -34,8 +35,10 @@ import zmq
 
 from splitserve.core.errors import error_info
 from splitserve.core.ops import CoreOps
+from splitserve.core.setup import open_engine
 from splitserve.core.share import open_share
 from splitserve.model import cpu_threads
+from splitserve.startup_clock import mark
 from splitserve.wire import core as wire
 
 log = logging.getLogger(__name__)
@@ -45,41 +48,10 @@ IDLE_WAIT_MS = 100  # the longest the loop sleeps with nothing to do (an import 
 
 class EngineCore:
     def __init__(self, config: Any, commands: zmq.Socket, batches: zmq.Socket) -> None:
-        from splitserve.engine.engine import LLMEngine
-        from splitserve.engine.kv_connector import KVConnector
-        from splitserve.transport.backends import preflight
-
         self.config = config
         self.commands, self.batches = commands, batches
-        if config.role != "colocated" and not config.kv_fallback:  # fail before the model loads
-            preflight(config.kv_backend, config.transport_options())
-        self.engine = engine = LLMEngine(config.engine_config())
-        num_blocks = engine.stats().blocks.total
-        capacity = num_blocks * engine.block_size
-        if capacity < engine.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
-                f"{engine.block_size}), fewer than max_model_len ({engine.max_model_len}): a long request "
-                "could never run. Give the worker more KV cache (--kv-cache-mb / engine.kv_cache_mb) or "
-                "lower max_model_len"
-            )
-        self.connector: KVConnector | None = None
-        self.kv_address: str | None = None
-        if config.role != "colocated":
-            self.connector = KVConnector.open(
-                engine, config.kv_backend, secret=config.kv_secret,
-                options=config.transport_options(), policy=config.kv_policy, fallback=config.kv_fallback,
-            )  # fmt: skip
-            assert self.connector.transport is not None  # open() made it
-            if config.role == "prefill":
-                self.kv_address = self.connector.transport.listen()
-            if config.kv_throttle_gbps:
-                from splitserve.transport.throttle import ThrottledTransport
-
-                log.warning("kv fetches throttled to %.3f GB/s (a test hook)", config.kv_throttle_gbps)
-                self.connector.transport = ThrottledTransport(
-                    self.connector.transport, config.kv_throttle_gbps
-                )
+        self.engine, self.connector, self.kv_address = open_engine(config)
+        engine = self.engine
         self.ops = CoreOps(self)
         self.sent: dict[str, int] = {}  # tokens sent per request in flight
         self.events: list[wire.Event] = []
@@ -307,7 +279,7 @@ class EngineCore:
 
     def _start_import(self, cmd: wire.Import) -> None:
         from splitserve.engine.kv_transfer_types import ImportSpec, KVExport
-        from splitserve.engine.request import TokenLogprob
+        from splitserve.sampling.logprobs import TokenLogprob
 
         try:
             if self.connector is None or self.config.role != "decode":
@@ -352,17 +324,15 @@ class EngineCore:
 
 def core_params(data: dict[str, Any]) -> Any:
     """SamplingParams for the engine core: no text (the front end detokenizes and cuts stop strings)."""
-    from splitserve.engine.params import SamplingParams
+    from splitserve.sampling.params import SamplingParams
 
     data = {k: v for k, v in data.items() if k not in ("stop", "include_stop_str_in_output")}
     return SamplingParams(**{**data, "detokenize": False})
 
 
 def _die_with_parent() -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
     if os.getppid() == 1:
         raise SystemExit(0)
 
@@ -377,6 +347,7 @@ def main() -> int:
 
     if torch.cuda.is_available():
         torch.cuda.init()
+    mark("imports")  # start-up phases, in the worker's ready line (startup_clock.py)
     line = sys.stdin.readline()
     if not line:
         return 0  # the front end went away before handing us a spec
@@ -400,6 +371,7 @@ def main() -> int:
     except (ValueError, OSError, ModelLoadError, TransportError) as exc:
         print(f"splitserve worker: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    mark("engine")
     core.run()
     return 0
 

@@ -18,11 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from splitserve.core.errors import error_info
+from splitserve.startup_clock import marks
 from splitserve.wire import core as wire
 
 if TYPE_CHECKING:
+    from splitserve.config.engine import EngineConfig
     from splitserve.config.worker import WorkerConfig
-    from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import LLMEngine
     from splitserve.engine.kv_connector import KVConnector
     from splitserve.engine.stats import EngineStats
@@ -109,6 +110,7 @@ class CoreOps:
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "load": engine.loaded.load_stats,  # weights: method, cache status, seconds per stage
+            "startup": marks(),  # this process's age at the end of each start-up phase
             "engine": engine_settings(engine.config, stats, engine.scheduler.max_num_batched_tokens),
         }
 
@@ -127,6 +129,8 @@ class CoreOps:
             "preemptions": st.preemptions,
             # model steps by tokens run, in vLLM's iteration_tokens buckets (engine/stats.py)
             "iteration_tokens": {"counts": st.step_tokens.counts, "sum": st.step_tokens.total},
+            "prompt_tokens_computed": st.prompt_tokens_computed,
+            "kv_bytes_per_token": st.block_bytes // engine.block_size,
             "steps": {
                 "forward": st.forward_steps,
                 "overlapped": st.overlapped_steps,
@@ -145,6 +149,8 @@ class CoreOps:
                 "state_checkpoints": ckpt,
             },
             "kv_transfer": {**conn.stats(), "importing": st.waiting_for_kv} if conn else None,
+            "memory": _memory(engine),
+            "spec_decode": dataclasses.asdict(st.spec_decode) if st.spec_decode is not None else None,
         }
 
     def op_release(self, kv_export: dict) -> dict:
@@ -228,6 +234,18 @@ class CoreOps:
             "backend": conn.backend_name,
             "peer": handle.address,
         }
+
+
+def _memory(engine: Any) -> dict | None:
+    """CUDA: the worker's memory plan (bytes, engine/memory_plan.py) and what torch holds now and at peak."""
+    plan = engine.memory_plan
+    if plan is None:
+        return None
+    import torch
+
+    dev = engine.device
+    return {**plan.as_dict(), "torch_reserved": torch.cuda.memory_reserved(dev),
+            "torch_peak_reserved": torch.cuda.max_memory_reserved(dev)}  # fmt: skip
 
 
 def engine_settings(c: EngineConfig, stats: EngineStats, batched_tokens: int) -> dict:

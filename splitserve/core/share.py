@@ -17,7 +17,7 @@ between steps, a borrower's 2,048-token prefill step kept the core for seconds w
 shared it, and a burst ran 1.7x slower. Checked only at each layer's start, a prompt layer (~38 ms on
 two threads at 1,024 tokens, an estimated twice that on one) left a core the paced decode worker had
 just lent unused for, by these times, half a layer on average; the checkpoints before the MLP's products
-made a P/D burst 1.09-1.29x faster (three alternating pairs, docs/bench/cpu-engine.md "Session 25").
+made a P/D burst 1.09-1.29x faster (three alternating pairs, docs/bench/cpu-engine.md).
 Making a worker that turns busy also wait until the borrower has let its core go (so that the two never
 share one) measured no faster.
 An idle worker's own background work, the KV prefault (engine/kv_prefault.py), waits while another
@@ -35,7 +35,7 @@ prompts of 256 at once, the README's `splitserve serve`, one run each in one ses
 request at a time paces nothing (the prefill worker is idle while it decodes).
 
 Measured (`vllm bench serve`, 2-vCPU Xeon, the README's `splitserve serve`, lending on and off
-alternating, docs/bench/cpu-engine.md "Session 20"): one request at a time, mean TPOT 31.7 / 29.5 ms
+alternating, docs/bench/cpu-engine.md): one request at a time, mean TPOT 31.7 / 29.5 ms
 against 49.0 / 49.4 ms and mean TTFT 369 / 352 against 470 / 488 ms; a burst of 64 at once is within
 the noise (both workers are busy throughout, so nothing is lent).
 

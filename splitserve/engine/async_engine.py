@@ -27,10 +27,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
-from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import RequestOutput
+from splitserve.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

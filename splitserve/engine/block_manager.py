@@ -98,6 +98,14 @@ class BlockManager:
                 self.states.free(req.state_slot)
             req.state_slot = None
 
+    def trim(self, req: Request) -> None:
+        """Give back the blocks past the request's known tokens (speculative decoding: those that
+        only rejected drafts used; never cached, since only computed tokens' blocks are)."""
+        keep = max(self.blocks_for(req.num_tokens), req.num_cached_blocks)
+        if len(req.block_ids) > keep:
+            self.pool.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+
     def cache_full_blocks(self, req: Request) -> None:
         """Register the blocks whose KV is now complete under their content hash."""
         if not self.pool.enable_prefix_caching:

@@ -12,15 +12,17 @@ cache's budget), and the graphs are captured last, over the real cache.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 
+from splitserve.config.engine import EngineConfig
 from splitserve.engine import cpu_heap
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.block_pool import BlockPool
-from splitserve.engine.config import EngineConfig, allocate_kv_cache, block_bytes, kv_budget_bytes
+from splitserve.engine.config import allocate_kv_cache, block_bytes, kv_budget_bytes
+from splitserve.engine.memory_plan import MemoryPlan
+from splitserve.engine.memory_profile import cap_allocator, cuda_memory_plan, profile_run, state_bytes
 from splitserve.engine.prefill_graphs import graph_tokens
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.scheduler import Scheduler
@@ -29,16 +31,13 @@ from splitserve.engine.state_pool import StatePool
 from splitserve.model import cpu_linear
 from splitserve.model.attention import (
     AttentionBackend,
-    AttentionMetadata,
-    PrefillBatch,
-    PrefillChunk,
     TorchPagedAttention,
     TritonPagedAttention,
     triton_supported,
 )
 from splitserve.model.checkpoint import is_random_source
 from splitserve.model.config import ModelConfig
-from splitserve.model.decoder import ForwardContext
+from splitserve.model.cpu_build import wait_started
 from splitserve.model.gdn_prefill import resolve_backend as resolve_linear_backend
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
 from splitserve.model.random_weights import random_model, random_source_config
@@ -66,6 +65,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     graph_capture_s: float
+    memory_plan: MemoryPlan | None  # CUDA: how the worker's share was divided (engine/memory_plan.py)
 
 
 def build(
@@ -105,21 +105,35 @@ def build(
         enable = getattr(loaded.model, "enable_cpu_fused", None)
         if enable is not None and enable():
             log.info("CPU fused ops on (RMSNorm + residual, q/k norm + rotary + KV store)")
+        if built := wait_started():  # the engine is built once its ops are: no request waits on a compiler
+            log.warning("CPU ops compiled at start (`python -m splitserve.model.prepare` builds them "
+                        "ahead): %s", ", ".join(built))  # fmt: skip
     graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
     if device.type == "cuda" and not graphs:
         log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
     layout = (cfg.num_kv_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)  # of one block
-    reserve = 0
+    one_block = block_bytes(cfg, block_size, dtype)
+    plan, max_seqs = None, config.max_num_seqs
     if device.type == "cuda":
         with torch.cuda.device(device):  # Triton launches on the current device
-            reserve = profile_run(config, loaded, attn, layout, max_model_len, device, dtype)
-        reserve += config.transfer_state_rows * state_bytes(loaded.model)
-    budget = kv_budget_bytes(config, device, reserve)
-    num_blocks = budget // block_bytes(cfg, block_size, dtype)
+            activations, graph_bytes = profile_run(config, loaded, attn, layout, max_model_len, device, dtype)
+            per_seq = -(-max_model_len // block_size)
+            plan = cuda_memory_plan(
+                config, loaded.model, activations, graph_bytes, one_block, per_seq, graphs, device
+            )
+        log.info(plan.describe())
+        cap_allocator(plan, device)
+        num_blocks = plan.num_blocks
+        max_seqs = plan.state_slots if loaded.model.state_shapes() else max_seqs
+        if max_seqs < config.max_num_seqs:
+            log.warning("the memory share holds state for %d sequences at once, not max_num_seqs %d",
+                        max_seqs, config.max_num_seqs)  # fmt: skip
+    else:
+        num_blocks = kv_budget_bytes(config, device) // one_block
     # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
     kv_shape = (num_blocks + int(graphs), *layout)
     kv = allocate_kv_cache(kv_shape, dtype, device, shared=config.kv_shared_memory)
-    states = StatePool(loaded.model.state_shapes(), config.max_num_seqs, device, scratch_slot=graphs)
+    states = StatePool(loaded.model.state_shapes(), max_seqs, device, scratch_slot=graphs)
     prefix_caching = config.enable_prefix_caching
     checkpoints = None
     if prefix_caching and states.enabled:  # hybrid: prefixes end at recurrent-state checkpoints
@@ -130,30 +144,26 @@ def build(
     pool = BlockPool(num_blocks, prefix_caching)
     scheduler = Scheduler(
         BlockManager(pool, block_size, states, checkpoints),
-        config.max_num_seqs,
+        max_seqs,
         config.batched_tokens(device),
     )
     runner = ModelRunner(loaded.model, kv, attn, block_size, states.states)
     graph_capture_s = 0.0
+    before_graphs = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     if graphs:
-        graph_capture_s = runner.enable_cuda_graphs(
-            config.max_num_seqs, max_model_len, num_blocks, states.scratch
-        )
+        graph_capture_s = runner.enable_cuda_graphs(max_seqs, max_model_len, num_blocks, states.scratch)
         prefill_tokens = graph_tokens(loaded.model, config.batched_tokens(device), max_model_len)
         if prefill_tokens and states.scratch is not None:
             graph_capture_s += runner.enable_prefill_graphs(
                 prefill_tokens, max_model_len, num_blocks, states.scratch
             )
+    if graphs and plan is not None:
+        held = torch.cuda.memory_reserved(device) - before_graphs
+        log.info("CUDA graphs hold %.2f GiB (planned %.2f GiB)", held / 2**30, plan.graphs / 2**30)
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s", num_blocks, block_size,
              kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
     return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,
-                       scheduler, runner, graph_capture_s)  # fmt: skip
-
-
-def state_bytes(model: torch.nn.Module) -> int:
-    """One sequence's recurrent state (hybrid models; 0 otherwise)."""
-    shapes = getattr(model, "state_shapes", lambda: {})()
-    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
+                       scheduler, runner, graph_capture_s, plan)  # fmt: skip
 
 
 def attention_backend(
@@ -187,60 +197,4 @@ def linear_attention_backend(config: EngineConfig, loaded: LoadedModel, device: 
     log.info("linear-attention prefill: %s", backend)
 
 
-def profile_run(
-    config: EngineConfig,
-    loaded: LoadedModel,
-    attn: AttentionBackend,
-    block_layout: tuple[int, ...],
-    max_model_len: int,
-    dev: torch.device,
-    dtype: torch.dtype,
-) -> int:
-    """CUDA: one forward pass over `max_num_batched_tokens` tokens (one prefill chunk, against a
-    temporary cache just big enough) plus the LM head for `max_num_seqs` rows, before the KV cache
-    exists; -> bytes to hold back from the KV budget for activations and the decode graphs."""
-    cfg = loaded.config
-    tokens = min(config.batched_tokens(dev), max_model_len)
-    blocks = -(-tokens // config.block_size)
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    before = torch.cuda.memory_allocated(dev)
-    kv = torch.zeros((blocks, *block_layout), dtype=dtype, device=dev)
-    states = StatePool(loaded.model.state_shapes(), 1, dev)
-    table = torch.arange(blocks, device=dev)
-    positions = torch.arange(tokens, device=dev)
-    meta = AttentionMetadata(
-        slot_mapping=positions,
-        num_decode_tokens=0,
-        decode_groups=(),
-        prefills=(PrefillChunk(0, tokens, tokens, None if attn.batched_prefill else table),),
-        seq_slots=torch.zeros(1, dtype=torch.int64, device=dev) if states.enabled else None,
-        prefill_batch=PrefillBatch(
-            torch.zeros(1, dtype=torch.int64, device=dev),
-            torch.full((1,), tokens, device=dev),
-            torch.full((1,), tokens, device=dev),
-            table[None],
-            tokens,
-        ),
-    )
-    model = loaded.model
-    with torch.inference_mode():
-        ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
-        hidden = model(ids, positions, ForwardContext(attn, meta, kv, states.states))
-        rows = min(tokens, config.max_num_seqs)
-        model.compute_logits(hidden[:rows])
-    torch.cuda.synchronize(dev)
-    scratch = kv.numel() * kv.element_size() + states.nbytes_per_slot()
-    peak = torch.cuda.max_memory_allocated(dev) - before - scratch
-    del kv, states, hidden
-    torch.cuda.empty_cache()
-    # the decode graphs keep their own logits ([max_num_seqs, vocab] fp32) and a small pool
-    graphs = 2 * config.max_num_seqs * cfg.vocab_size * 4 + 256 * 2**20
-    # hybrid models: the prefill graphs' pool, at most the activations of their longest chunk
-    prefill_tokens = graph_tokens(model, config.batched_tokens(dev), max_model_len)
-    graphs += max(0, peak) * (prefill_tokens + 64) // tokens if prefill_tokens else 0
-    log.info("warm-up pass over %d tokens: %.2f GiB of activations at peak", tokens, peak / 2**30)
-    return max(0, peak) + graphs
-
-
-__all__ = ["EngineParts", "attention_backend", "build", "linear_attention_backend", "profile_run"]
+__all__ = ["EngineParts", "attention_backend", "build", "linear_attention_backend", "state_bytes"]

@@ -6,11 +6,10 @@ conditions, cache full blocks, free finished requests -> return outputs for requ
 Overlapped steps (`async_scheduling`, on by default on CUDA; overlap.py): in steady decode step N+1
 is launched with step N's tokens still on the device, and N's tokens are read while N+1 runs.
 
-KV transfer (what disaggregated serving is built on) goes through hooks the engine owns:
-kv_transfer_hooks.py (the contract), kv_transfer.py (the engine's side: `add_request(...,
-kv_transfer="export")`, `import_request`, `add_request_with_kv`), kv_connector.py (`KVConnector`: the
-hooks over a transport). The connector's messages come off the engine's inbox at the start of each
-`step()` (or `free_released_kv()`).
+KV transfer (what disaggregated serving is built on) goes through hooks the engine owns: kv_transfer_hooks.py
+(the contract), kv_transfer.py (the engine's side: `add_request(..., kv_transfer="export")`, `import_request`,
+`add_request_with_kv`), kv_connector.py (`KVConnector`: the hooks over a transport). The connector's messages
+come off the engine's inbox at the start of each `step()` (or `free_released_kv()`).
 
 Constrained requests (`SamplingParams.grammar`, grammar.py) wait outside the scheduler while their
 grammar compiles on a thread, are masked by it in the sampler and advance their matcher with each token.
@@ -25,28 +24,30 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.builder import build
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.grammar import Grammars
 from splitserve.engine.intake import RequestFactory
 from splitserve.engine.kv_prefault import KVPrefault
 from splitserve.engine.kv_transfer import BlockLease, ImportOutcome, KVTransfers
 from splitserve.engine.kv_transfer_types import ImportSpec
 from splitserve.engine.overlap import OverlappedSteps, _Inflight
-from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob, output_of
+from splitserve.engine.request import Request, RequestOutput, Status, output_of
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.spec.verify import SpecDecoder, has_drafts
 from splitserve.engine.stats import EngineStats, StepTokens
 from splitserve.engine.stop import check_stop
 from splitserve.model.loader import LoadedModel
 from splitserve.model.tokenizer import Tokenizer
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from splitserve.engine.kv_transfer_hooks import KVConnectorBase
-    from splitserve.transport.handle import KVHandle
+    from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +66,15 @@ class LLMEngine(OverlappedSteps):
         self.model_config, self.max_model_len = p.loaded.config, p.max_model_len
         self.tokenizer: Tokenizer | None = p.tokenizer
         self.eos_token_ids, self.block_size = p.eos_token_ids, config.block_size
-        self.kv_cache, self.states, self.pool = (
-            p.kv_cache,
-            p.states,
-            p.pool,
-        )  # the KV cache, state slots, blocks
+        self.kv_cache, self.states, self.pool = p.kv_cache, p.states, p.pool  # KV, state slots, blocks
         self.scheduler, self.runner, self.graph_capture_s = p.scheduler, p.runner, p.graph_capture_s
+        self.memory_plan = p.memory_plan  # CUDA: the worker's share, piece by piece (engine/memory_plan.py)
         cfg = self.model_config
         self.intake = RequestFactory(self.tokenizer, cfg.vocab_size, self.eos_token_ids, self.max_model_len,
                                      self.pool.num_blocks, self.block_size, self.device)  # fmt: skip
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
-        hf = self.tokenizer.hf if self.tokenizer is not None else None
-        self.grammars = Grammars(hf, cfg.vocab_size, self.eos_token_ids)
+        tok = self.tokenizer  # its transformers tokenizer (`hf`) is loaded on the first grammar
+        self.grammars = Grammars(None, cfg.vocab_size, self.eos_token_ids, (lambda: tok.hf) if tok else None)
         self._compiling: list[tuple[Future, list[Request]]] = []  # waiting for their grammar
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
@@ -85,11 +83,11 @@ class LLMEngine(OverlappedSteps):
         self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
         self._first_due = False  # a KV import's first token is in _ready: the next step returns it alone
         self._ran_last = True  # the last step() ran the model (so a step returns _ready alone at most once)
-        overlap = config.async_scheduling
-        self.async_scheduling = self.device.type == "cuda" if overlap is None else overlap
+        self.spec = SpecDecoder.create(config.speculative_config, self.states.states)  # None: off
+        overlap = config.async_scheduling  # (verify steps do not overlap)
+        self.async_scheduling = (self.device.type == "cuda" if overlap is None else overlap) and not self.spec
         self._inflight: _Inflight | None = None  # an overlapped step whose tokens are not read yet
-        self.overlapped_steps = 0
-        self.forward_steps = 0  # steps that ran the model (overlapped or not)
+        self.forward_steps = self.overlapped_steps = 0  # steps that ran the model; of them, overlapped
         self.step_tokens = StepTokens()  # tokens per model step, in vLLM's iteration_tokens buckets
         self.step_seconds = 0.0  # host wall time inside step() (whatever it waited for)
         self._ids = itertools.count()
@@ -181,10 +179,10 @@ class LLMEngine(OverlappedSteps):
     def stats(self) -> EngineStats:
         """Queues, blocks, slots, steps and the prefix cache, as of now (leases that ended taken first)."""
         self.free_released_kv()
-        steps, tokens = (self.forward_steps, self.overlapped_steps, self.step_seconds), self.step_tokens
+        steps = (self.forward_steps, self.overlapped_steps, self.step_seconds, self.step_tokens)
+        spec = self.spec.stats() if self.spec is not None else None
         return EngineStats.collect(self.scheduler, self.states, self.transfers, self.kv_cache,
-                                   unfinished=len(self._parents), steps=steps,
-                                   step_tokens=tokens)  # fmt: skip
+                                   unfinished=len(self._parents), steps=steps, spec=spec)  # fmt: skip
 
     def lease_blocks(self, n: int, *, touch: bool = False) -> BlockLease:
         """Lend `n` free blocks outside any request (the KV probe): `KVTransfers.lease_blocks`."""
@@ -236,6 +234,8 @@ class LLMEngine(OverlappedSteps):
         if inflight is not None and not self._may_continue():
             self._inflight = None
             return self._resolve(inflight)  # read it now; the next step runs as usual
+        if self.spec is not None:
+            self.spec.propose(self.scheduler, self.max_model_len)
         sched = self.scheduler.schedule()
         if not sched.chunks:
             if self._compiling and idle_wait:  # nothing else to do: wait for a grammar, not spin
@@ -243,6 +243,8 @@ class LLMEngine(OverlappedSteps):
             return []
         self.forward_steps += 1
         self.step_tokens.add(sched.num_tokens)
+        if self.spec is not None and has_drafts(sched):
+            return self.spec.run(self, sched)  # verify the drafts (spec/verify.py)
         if inflight is not None or self._may_overlap(sched):  # overlap.py
             return self._overlapped_step(sched, inflight)
         logits, sample_chunks = self.runner.execute(sched.chunks)

@@ -19,25 +19,26 @@ A constrained request's life in the engine:
   compiles the same spec (it travels in the sampling params), and `adopt` replays the first token into
   a fresh matcher before the request joins the batch: its state is the prefill's, token for token.
 
-`check_grammar(spec)` parses a spec without a tokenizer (cheap, cached): the router and the worker front
-end call it to answer a bad schema, regex or grammar with a 400 before anything reaches an engine.
+`check_grammar(spec)` (sampling/grammar_check.py) parses a spec without a tokenizer (cheap, cached): the
+router and the worker front end call it to answer a bad schema, regex or grammar with a 400 before
+anything reaches an engine.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from splitserve.engine.params import GrammarSpec
+from splitserve.sampling.grammar_check import build_grammar
+from splitserve.sampling.params import GrammarSpec
 
 if TYPE_CHECKING:
     import xgrammar
@@ -48,73 +49,20 @@ log = logging.getLogger(__name__)
 CACHE_SIZE = 256  # compiled grammars kept per engine
 
 
-class GrammarError(ValueError):
-    """A spec that does not parse: the message names the problem (xgrammar's words)."""
-
-
-def build_grammar(spec: GrammarSpec) -> xgrammar.Grammar:
-    """The xgrammar `Grammar` of a spec (no tokenizer needed). Raises GrammarError."""
-    import xgrammar as xgr
-
-    try:
-        if spec.kind == "json":
-            return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, strict_mode=spec.strict)
-        if spec.kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if spec.kind == "regex":
-            return xgr.Grammar.from_regex(spec.spec)
-        if spec.kind == "choice":
-            return xgr.Grammar.from_ebnf(_choice_ebnf(spec.spec))
-        if spec.kind == "ebnf":
-            return xgr.Grammar.from_ebnf(spec.spec)
-        return xgr.Grammar.from_structural_tag(spec.spec)
-    except GrammarError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, pydantic errors
-        raise GrammarError(f"invalid {spec.kind} grammar: {clean_error(exc)}") from None
-
-
-@functools.lru_cache(maxsize=1024)
-def _check(kind: str, spec: str, strict: bool) -> str | None:
-    try:
-        build_grammar(GrammarSpec(kind, spec, strict))
-    except GrammarError as exc:
-        return str(exc)
-    return None
-
-
-def check_grammar(spec: GrammarSpec) -> None:
-    """Raise GrammarError if `spec` does not parse (the verdict is cached per spec)."""
-    problem = _check(*spec.key)
-    if problem is not None:
-        raise GrammarError(problem)
-
-
-def _choice_ebnf(spec: str) -> str:
-    try:
-        choices = json.loads(spec)
-    except ValueError:
-        choices = None
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise GrammarError("a choice grammar needs a non-empty list of non-empty strings")
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def clean_error(exc: BaseException) -> str:
-    """xgrammar's message without its C++ source location prefix ("[hh:mm:ss] file.cc:123: ")."""
-    text = str(exc).strip()
-    if text.startswith("[") and ": " in text:
-        head, _, rest = text.partition(": ")
-        if ".cc:" in head or ".h:" in head:
-            return rest.strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 class Grammars:
     """One engine's grammar compiler: compiled grammars cached per spec, compiled on a worker thread."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
-        self._hf = hf_tokenizer
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        load: Callable[[], Any] | None = None,
+    ) -> None:
+        """`hf_tokenizer`: transformers' tokenizer of the vocabulary, or None with `load`, which gives it
+        on the first compile (loading transformers costs seconds an engine that never constrains
+        output need not pay)."""
+        self._hf, self._load = hf_tokenizer, load
         self.vocab_size = vocab_size
         self._stop = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
@@ -123,9 +71,14 @@ class Grammars:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
+    def _tokenizer(self) -> Any:
+        if self._hf is None and self._load is not None:
+            self._hf = self._load()
+        return self._hf
+
     def compile(self, spec: GrammarSpec) -> Future:
         """-> a Future of the compiled grammar (done at once if cached). Its exception: GrammarError."""
-        if self._hf is None:
+        if self._hf is None and self._load is None:
             raise ValueError("this engine has no tokenizer: it cannot constrain output to a grammar")
         with self._lock:
             fut = self._cache.get(spec.key)
@@ -155,7 +108,7 @@ class Grammars:
             import xgrammar as xgr
 
             info = xgr.TokenizerInfo.from_huggingface(
-                self._hf, vocab_size=self.vocab_size, stop_token_ids=self._stop
+                self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self._stop
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
             self._json_safe = _without_control_bytes(info.decoded_vocab, self.vocab_size, self._stop)
@@ -284,12 +237,4 @@ def _batch_matcher() -> Any:
     return xgr.BatchGrammarMatcher()
 
 
-__all__ = [
-    "GrammarError",
-    "Grammars",
-    "Matcher",
-    "build_grammar",
-    "check_grammar",
-    "clean_error",
-    "mask_logits",
-]
+__all__ = ["Grammars", "Matcher", "mask_logits"]

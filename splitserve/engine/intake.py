@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request
 from splitserve.model.tokenizer import Tokenizer
+from splitserve.sampling.params import SamplingParams
 
 
 class RequestFactory:

@@ -1,6 +1,6 @@
 """When a step raises anyway: pin it on the request(s) that cause it, and re-run the rest.
 
-Admission validates every request (params.py, engine.add_request), so a step should not raise. If one
+Admission validates every request (sampling/params.py, engine.add_request), so a step should not raise. If one
 does, failing every request in the batch would tell innocent clients that their request went wrong.
 `rerun_alone` instead steps each request of the batch on its own (the others wait, untouched): a
 request whose own step raises is the culprit, and is aborted; the others made one step of progress,

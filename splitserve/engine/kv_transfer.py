@@ -28,10 +28,11 @@ import torch
 
 from splitserve.engine.kv_transfer_hooks import Inbox, KVConnectorBase, KVLoad, LeaseEnded, LoadDone
 from splitserve.engine.kv_transfer_types import ImportSpec, KVTransferFailed, NoRoom, restore_generator
-from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import KVWait, Request, RequestOutput, Status, TokenLogprob, completion_of
+from splitserve.engine.request import KVWait, Request, RequestOutput, Status, completion_of
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_pool import StatePool
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 from splitserve.transport.errors import AuthError, PeerRefused
 
 log = logging.getLogger(__name__)
@@ -309,7 +310,10 @@ class KVTransfers:
                 self._fail(req, KVTransferFailed(rid, error), info)
                 return
             conn.count("recomputed")
+            conn.count("recomputed_tokens", req.num_prompt_tokens)
             computed = 0
+        else:
+            conn.count("imported_tokens", req.num_prompt_tokens)
         try:
             if error is None:
                 self._load_state(req, done.state)

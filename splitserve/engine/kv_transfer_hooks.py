@@ -51,7 +51,7 @@ from typing import Any, Protocol
 import torch
 
 from splitserve.engine.request import Request
-from splitserve.transport.handle import KVHandle
+from splitserve.wire.kv_handle import KVHandle
 
 
 @dataclass(frozen=True)

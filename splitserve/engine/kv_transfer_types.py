@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import Request, TokenLogprob
+from splitserve.engine.request import Request
 from splitserve.engine.sampler import replay_draw
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 from splitserve.transport import KVHandle
 
 

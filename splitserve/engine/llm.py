@@ -8,10 +8,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
-from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import RequestOutput
+from splitserve.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int] | dict[str, Any]
 Messages = list[dict[str, Any]]

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from splitserve.engine.request import Request, RequestOutput, TokenLogprob
+from splitserve.engine.request import Request, RequestOutput
 from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.sampling.logprobs import TokenLogprob
 
 if TYPE_CHECKING:
     from splitserve.engine.block_pool import BlockPool

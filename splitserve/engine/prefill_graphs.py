@@ -115,7 +115,7 @@ class PrefillGraphs:
         return self.buf[start : start + (size if n is None else n)]
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
-        return len(chunks) == 1 and 1 < chunks[0].num_tokens <= self.max_tokens
+        return len(chunks) == 1 and 1 < chunks[0].num_tokens <= self.max_tokens and not chunks[0].drafts
 
     def _fill(self, host: np.ndarray, length: int, start: int, size: int, ids, blocks, slot: int) -> int:
         """Write one step's inputs into `host` (the packed layout); -> the block table's width."""

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.engine.params import SamplingParams
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from splitserve.engine.grammar import Matcher
@@ -33,14 +34,6 @@ class Status(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"  # its prompt's KV is being fetched from another engine
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: tuple[tuple[int, float], ...]  # the top alternatives, most likely first
 
 
 @dataclass
@@ -88,6 +81,9 @@ class Request:
     )
     grammar: Matcher | None = None  # a constrained request's matcher (engine/grammar.py)
     kv_wait: KVWait | None = None  # decode role: set while WAITING_FOR_KV
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative: to verify next step
+    draft_pause: int = 0  # speculative back-off: steps left without drafting
+    draft_misses: int = 0  # speculative back-off: verify steps in a row that accepted nothing
 
     @property
     def num_prompt_tokens(self) -> int:

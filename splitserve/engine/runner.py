@@ -25,6 +25,7 @@ import torch
 from splitserve.engine.isolate import check_fault
 from splitserve.engine.prefill_graphs import PrefillGraphs
 from splitserve.engine.scheduler import ScheduledChunk
+from splitserve.engine.spec.rows import VerifyRow, as_rows, order_key
 from splitserve.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -113,7 +114,8 @@ class ModelRunner:
     def execute(
         self, chunks: list[ScheduledChunk], feed: Feed | None = None
     ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to. `feed`: the
+        """Run one step; returns logits [N, vocab] (fp32) and the chunks they belong to (a chunk with
+        drafts has 1 + len(drafts) consecutive rows, the others one each). `feed`: the
         input tokens of some decode chunks come from the previous step's sampled tokens on the device
         (their host copy is a placeholder until that step is resolved: the engine's overlap)."""
         check_fault(chunks)  # a test hook (isolate.py); a no-op in production
@@ -138,8 +140,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_chunks
 
     def prepare(self, chunks: list[ScheduledChunk], feed: Feed | None = None) -> StepInputs:
-        # decodes first, shortest context first (so length groups are contiguous), then prefills
-        ordered = sorted(chunks, key=lambda c: (c.num_tokens > 1, c.start if c.num_tokens == 1 else 0))
+        # decodes first, shortest context first (so length groups are contiguous), then prefills; without
+        # recurrent state a verify chunk runs as decode rows (spec/rows.py)
+        ordered = sorted(chunks if self.states else as_rows(chunks), key=order_key)
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -157,8 +160,11 @@ class ModelRunner:
             if feed is not None and c.num_tokens == 1 and id(req) in feed[1]:
                 fed.append((start, feed[1][id(req)]))
                 ids.append(0)  # the token is on the device: set below
+            elif isinstance(c, VerifyRow):
+                ids.append(c.token)
             else:
-                ids.extend(req.token_ids(c.start, c.start + c.num_tokens))
+                ids.extend(req.token_ids(c.start, c.start + c.num_tokens - len(c.drafts)))
+                ids.extend(c.drafts)
             pos = np.arange(c.start, c.start + c.num_tokens, dtype=np.int64)
             blocks = np.asarray(req.block_ids, dtype=np.int64)
             positions.append(pos)
@@ -172,8 +178,11 @@ class ModelRunner:
                 prefills.append(PrefillChunk(start, c.num_tokens, ctx_len, table))
                 prefill_blocks.append(used)
                 prefills_chunks.append(c)
-            if c.samples:
-                sample_rows.append(len(ids) - 1)
+            if isinstance(c, VerifyRow):
+                sample_rows += [len(ids) - 1] if c.sampled else []
+                sample_chunks += [c.chunk] if c.last else []  # type: ignore[list-item]
+            elif c.samples:  # with drafts: a row at the last known token and at each draft
+                sample_rows.extend(range(len(ids) - 1 - len(c.drafts), len(ids)))
                 sample_chunks.append(c)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(np.concatenate(slots)),
@@ -223,7 +232,7 @@ class ModelRunner:
 
     def _decode_group(self, decodes: list[ScheduledChunk], start: int, end: int) -> DecodeGroup:
         bs = self.block_size
-        width = -(-(decodes[end - 1].start + 1) // bs)
+        width = -(-(max(c.start for c in decodes[start:end]) + 1) // bs)
         table = np.zeros((end - start, width), dtype=np.int64)
         for i, c in enumerate(decodes[start:end]):
             n = -(-(c.start + 1) // bs)

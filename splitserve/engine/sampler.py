@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.engine.grammar import mask_logits
-from splitserve.engine.request import Request, TokenLogprob
+from splitserve.engine.request import Request
 from splitserve.model import cpu_fused
+from splitserve.sampling.logprobs import TokenLogprob
 
 
 class Sampler:
@@ -132,6 +133,13 @@ def _sample_cpu_op(
         logits = _filter(logits / torch.tensor(temps_list)[:, None], reqs)
         temps = [0.0 if g else 1.0 for g in greedy_rows]
     return cpu_fused.sample_rows(logits, torch.tensor(temps, dtype=torch.float32), u)
+
+
+def target_probs(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """The distribution a sampled (non-greedy) row is drawn from, as `_sample` draws it: softmax of the
+    logits [N, V] over the temperature, filtered by min_p, top_k and top_p. -> [N, V] fp32."""
+    temps = _on(logits.device, [r.params.temperature for r in reqs])
+    return torch.softmax(_filter(logits / temps[:, None], reqs), dim=-1)
 
 
 def _filters_apply(reqs: Sequence[Request]) -> bool:

@@ -29,12 +29,14 @@ from splitserve.engine.request import Request, Status
 class ScheduledChunk:
     request: Request
     start: int  # first token position computed in this step
-    num_tokens: int
+    num_tokens: int  # the request's own tokens, then its drafts
+    drafts: tuple[int, ...] = ()  # speculative decoding: draft tokens verified after the known ones
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's known tokens, so a token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        """True when this chunk reaches the end of the request's known tokens, so a token is sampled
+        (with drafts: one at each draft's position too)."""
+        return self.start + self.num_tokens - len(self.drafts) == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class Scheduler:
         # prefix_cache_queries / prefix_cache_hits)
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # prompt tokens this engine computed (prefix-cache hits and imported KV excluded): a prefill
+        # worker's share of the split, and, on a decode worker, prompts it prefilled itself
+        self.prompt_tokens_computed = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -118,14 +123,24 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             n = self.block_manager.chunk_tokens(req, req.num_computed_tokens, n)
-            if not self._allocate_or_preempt(req, n, preempted):
+            drafts = self._drafts(req, n, budget)
+            if not drafts and not self._allocate_or_preempt(req, n, preempted):
                 break  # `req` itself was preempted: everything after it already was
-            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            budget -= n
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n + len(drafts), drafts))
+            budget -= n + len(drafts)
             i += 1
         if not preempted:
             budget = self._admit(chunks, budget)
         return SchedulerOutput(chunks, preempted)
+
+    def _drafts(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
+        """Speculative decoding: the request's draft tokens (taken: a draft is verified once) that fit
+        after its `n` scheduled tokens, where those reach its end, in the budget and in free blocks
+        (allocated here); () for none."""
+        drafts, req.draft_token_ids = req.draft_token_ids[: budget - n], []
+        if not drafts or req.num_computed_tokens + n != req.num_tokens:
+            return ()
+        return tuple(drafts) if self.block_manager.allocate(req, n + len(drafts)) else ()
 
     def _allocate_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
         while not self.block_manager.allocate(req, n):
@@ -176,7 +191,10 @@ class Scheduler:
     def advance(self, out: SchedulerOutput) -> None:
         """After the model ran `out`: each scheduled chunk's tokens are computed."""
         for chunk in out.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+            req = chunk.request
+            if chunk.start < req.num_prompt_tokens:
+                self.prompt_tokens_computed += min(chunk.num_tokens, req.num_prompt_tokens - chunk.start)
+            req.num_computed_tokens += chunk.num_tokens
 
     def cache_filled_blocks(self, out: SchedulerOutput) -> None:
         """After the step's tokens were taken: offer the blocks `out` filled to the prefix cache (a

@@ -10,10 +10,9 @@ import torch
 
 from splitserve.engine.kv_transfer import KVTransfers
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.spec.verify import SpecStats
 from splitserve.engine.state_pool import StatePool
-
-# vLLM's `vllm:iteration_tokens_total` bucket bounds (tokens one engine step ran)
-STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+from splitserve.wire.stats import STEP_TOKEN_BUCKETS
 
 
 @dataclass
@@ -64,8 +63,10 @@ class EngineStats:
     prefix_caching: bool  # as in effect (hybrid models: off without state checkpoints)
     prefix_queries: int
     prefix_hits: int
+    prompt_tokens_computed: int  # prompt tokens run through the model (not cached, not imported)
     state_checkpoints: CheckpointStats | None
     step_tokens: StepTokens
+    spec_decode: SpecStats | None = None  # speculative decoding's counters, when it is on
 
     @classmethod
     def collect(
@@ -76,8 +77,8 @@ class EngineStats:
         kv_cache: torch.Tensor,
         *,
         unfinished: int,
-        steps: tuple[int, int, float],
-        step_tokens: StepTokens,
+        steps: tuple[int, int, float, StepTokens],  # forward, overlapped, seconds, tokens per step
+        spec: SpecStats | None = None,
     ) -> EngineStats:
         pool, ckpt = scheduler.block_manager.pool, scheduler.block_manager.checkpoints
         checkpoints = None
@@ -99,9 +100,11 @@ class EngineStats:
             prefix_caching=pool.enable_prefix_caching,
             prefix_queries=scheduler.prefix_queries,
             prefix_hits=scheduler.prefix_hits,
+            prompt_tokens_computed=scheduler.prompt_tokens_computed,
             state_checkpoints=checkpoints,
-            step_tokens=StepTokens(list(step_tokens.counts), step_tokens.total),
+            step_tokens=StepTokens(list(steps[3].counts), steps[3].total),
+            spec_decode=spec,
         )
 
 
-__all__ = ["STEP_TOKEN_BUCKETS", "BlockStats", "CheckpointStats", "EngineStats", "StepTokens"]
+__all__ = ["BlockStats", "CheckpointStats", "EngineStats", "StepTokens"]

@@ -7,6 +7,7 @@ tokens are kept as generated, since a string may end inside a token.
 from __future__ import annotations
 
 from splitserve.engine.request import Request
+from splitserve.sampling.stop_strings import cut_text, find_stop_string
 
 
 def check_stop(req: Request, token: int, max_model_len: int, new_chars: int = 0) -> str | None:
@@ -29,24 +30,6 @@ def _finish(req: Request, reason: str, stop_reason: int | str | None) -> str:
     req.finish_reason = reason
     req.stop_reason = stop_reason
     return reason
-
-
-def find_stop_string(text: str, stop: tuple[str, ...], new_chars: int) -> tuple[int, str] | None:
-    """The earliest stop string in `text` that overlaps its last `new_chars` characters (only such a
-    match can be new), as (where it starts, which); None if there is none. The engine and the worker
-    front end (worker/text_stream.py) both cut with this."""
-    start = max(0, len(text) - new_chars - max(len(s) for s in stop) + 1)
-    best: tuple[int, str] | None = None
-    for s in stop:
-        i = text.find(s, start)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
-
-
-def cut_text(text: str, found: tuple[int, str], include: bool) -> str:
-    i, s = found
-    return text[: i + len(s)] if include else text[:i]
 
 
 def _cut_stop_string(req: Request, new_chars: int) -> bool:

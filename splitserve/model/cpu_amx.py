@@ -22,7 +22,7 @@ weights (the HF parity tests) keep the fp32 path.
 Used by `cpu_linear.OneDNNMatmul` for a layer's products of `MIN_ROWS` rows or more and for the LM
 head's of any size, where the host has AMX-BF16 and the kernel grants the tile state
 (`arch_prctl(ARCH_REQ_XCOMP_PERM)`). `bench/cpu_amx_op.py` measures it against the fp32 paths over
-the default model's weights (docs/bench/cpu-engine.md "Session 29"): 1.2-1.6x oneDNN's fp32 at 1,024
+the default model's weights (docs/bench/cpu-engine.md): 1.2-1.6x oneDNN's fp32 at 1,024
 rows, 1.3-1.8x the panels at 32-128; at 1-8 rows the small projections run slower than the panels,
 the head (its codes half fp32's bytes) 1.5-2.2x faster. A decode step of `MIN_ROWS` rows or more
 leaves model/cpu_layer.py's op for the Python path, whose products come here. Memory: the codes as

@@ -3,9 +3,11 @@
 A `CppOps` is one C++ source that registers ops with `TORCH_LIBRARY`. It is compiled (`$CXX`, else
 `c++`) into `$TORCH_EXTENSIONS_DIR/splitserve` (default `~/.cache/torch_extensions/splitserve`), keyed
 by the source, the flags and torch's version, so that later starts only load it (well under a second).
-An engine calls `start()`: the build runs in a background thread once per process, and the engine
-uses its torch path until `ready()`. Without a compiler, or where the build fails, `load()` answers
-False (the reason logged once) and the torch path stays.
+An engine calls `start()`: a cached library loads at once; a missing one is compiled in a background
+thread once per process, and the engine core waits for it (`wait_started`) before it says it is ready,
+so that no request runs, or waits, while the compiler does. `python -m splitserve.model.prepare` (run by
+scripts/setup.sh) compiles every op ahead, so that a start compiles nothing. Without a compiler, or
+where the build fails, `load()` answers False (the reason logged once) and the torch path stays.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
+
+ALL: list[CppOps] = []  # every op library of the package, in the order their modules made them
 
 # shared by the sources: with AVX2 and FMA (`simd_flags`), SS_AVX2 and vector helpers
 SIMD_HEADER = r"""
@@ -104,6 +108,11 @@ class CppOps:
         self.thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
+        ALL.append(self)
+
+    def cached(self) -> bool:
+        """Whether the library for this source, these flags and this torch is built on this host."""
+        return self.path().exists()
 
     def load(self, force: bool = False) -> bool:
         """Build (or find) and load the library, once per process; False where it is off (unless
@@ -127,7 +136,7 @@ class CppOps:
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
         return root / "splitserve" / f"{self.name}_{key[:16]}.so"
 
-    def build(self) -> Path:
+    def build(self, announce: bool = True) -> Path:
         """The shared library: from the cache when this source, these flags and this torch built it
         before, else compiled into a temporary name and renamed into place, so that concurrent builders
         (two workers) and a build killed half way leave no lock and no partial file behind."""
@@ -137,6 +146,9 @@ class CppOps:
         if lib.exists():
             return lib
         lib.parent.mkdir(parents=True, exist_ok=True)
+        if announce:  # at run time: a start that compiles is one that setup did not prepare
+            log.warning("compiling %s (%s); `python -m splitserve.model.prepare` builds it ahead",
+                        self.what, lib.name)  # fmt: skip
         libdirs = cpp_extension.library_paths()
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             src, out = Path(tmp) / "op.cpp", Path(tmp) / "op.so"
@@ -168,3 +180,18 @@ class CppOps:
     def ready(self) -> bool:
         """Whether the library is built and loaded in this process."""
         return self.loaded is True
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until a build that `start()` began has ended (loaded or failed); -> `ready()`."""
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+        return self.ready()
+
+
+def wait_started(timeout_s: float = 900.0) -> list[str]:
+    """Until every op library an engine started (`start()`) is built and loaded, or has failed; -> the
+    names of those that were not already loaded when called (built now, or failed)."""
+    waited = [ops for ops in ALL if ops.thread is not None and ops.thread.is_alive()]
+    for ops in waited:
+        ops.wait(timeout_s)
+    return [ops.name for ops in waited]

@@ -2,7 +2,7 @@
 
 At 4-128 rows (decode batches) oneDNN's matmul runs far below the box's fp32 rate: it does not start
 reading a cold weight before it needs it, so each product waits on memory and then computes
-(docs/bench/cpu-engine.md, session 19: ~175 GFLOP/s at 64 rows against ~315 at 2048). This op keeps
+(docs/bench/cpu-engine.md: ~175 GFLOP/s at 64 rows against ~315 at 2048). This op keeps
 each projection's weight as panels of 32 output columns, [ceil(N / 32), K, 32] (zeros past N), so that
 a panel is one contiguous stream; the threads take whole panels; within a panel, tiles of up to 12
 rows keep 24 accumulators (12 rows x 32 columns) in registers while the panel's rows of 32 weights

@@ -3,7 +3,7 @@ Python between them.
 
 In a decode-only step of a few rows every op is short: at one row the 30 layers' projections read the
 weights in ~22 ms, and the ~9 op calls a layer spent ~4 ms more in Python and torch's dispatch
-(`bench/profile_cpu_step.py --prompts 1`, session 22). This op runs one layer's sequence from C++ through
+(`bench/profile_cpu_step.py --prompts 1`). This op runs one layer's sequence from C++ through
 torch's dispatcher: the QKV panels (model/cpu_gemm.py), q/k norm + rotary + KV store (model/cpu_fused.py),
 the paged decode attention (model/cpu_attention.py), the output panels, the residual add + RMSNorm, the
 gate/up panels, SiLU-and-multiply, the down panels and the next residual add + RMSNorm: the calls of
@@ -14,8 +14,8 @@ it (bf16 activations, fp32 out).
 Used by `DecoderLM._forward_cpu_fused` (while `DecoderLM.cpu_layer`) for steps where every row decodes
 (one decode group, no prefill) in at most `cpu_gemm.MAX_ROWS` rows, the four projections of every layer
 are all fp32 with panels or all int4, and the ops' libraries are loaded. Built on first use like them
-(model/cpu_build.py); `SPLITSERVE_CPU_LAYER=0` turns it off (an A/B switch). Measured (session 22,
-docs/bench/cpu-engine.md): batch 1 22.4 against 27.5 ms a step, int4 9.0-9.2 against 11.8-12.1 ms.
+(model/cpu_build.py); `SPLITSERVE_CPU_LAYER=0` turns it off (an A/B switch). Measured
+(docs/bench/cpu-engine.md): batch 1 22.4 against 27.5 ms a step, int4 9.0-9.2 against 11.8-12.1 ms.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ fp32's rate there, while torch's int4 kernel runs at about two thirds of it (the
 of a 256-token prompt: 193 ms bf16, 364 fp32, 566 int4). Below that the int4 codes win: a decode step
 reads a quarter of bf16's bytes (decode steps of the default model, on the 2-vCPU Zen 4 box: 8 rows
 26.8 ms int4 against 29.8 bf16, 12 rows 41.3 against 37.4, 16 rows 58.4 against 39.9;
-docs/bench/cpu-engine.md "Session 26"). So the int4 option keeps both, counted for the default model:
+docs/bench/cpu-engine.md). So the int4 option keeps both, counted for the default model:
 the codes with their scales (~66 MB) and the int8 head (~28 MB) beside the bf16 weights with the head
 (~270 MB), ~365 MB against fp32's ~1.08 GB in two layouts (oneDNN's and the panels').
 `SPLITSERVE_CPU_INT4_BF16_ROWS` sets the row count (default 10; a large one keeps the int4 kernels).

@@ -172,7 +172,7 @@ static void tile(const Chunk& c, int64_t h, int64_t r0, int64_t rows) {
 
 // vectors of 16 lanes a task for G query heads a KV head: 4 (64 lanes), or 3 where that makes the
 // tile's rows a whole multiple or divisor of a key group's 16 and 4 does not (G = 3: 16 rows, not
-// 21; 1.24x on the default model's prompts, docs/bench/cpu-engine.md session 23), or leaves fewer
+// 21; 1.24x on the default model's prompts, docs/bench/cpu-engine.md), or leaves fewer
 // lanes idle
 static int64_t vectors_for(int64_t G) {
   const auto aligned = [&](int64_t nv) {

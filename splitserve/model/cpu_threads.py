@@ -6,7 +6,7 @@ keep it that long after its owner wants it back, both then sharing it (measured:
 times slower). So the hook runs at the start of every layer, and in a CPU prompt step's layer
 (model/decoder.py's fused path) also before each of its MLP's two products, most of that layer's time:
 a borrowed core comes back, and a lent one is taken up, within one product's time rather than one
-layer's (docs/bench/cpu-engine.md, "Session 25": a 1 prefill + 1 decode burst 1.09-1.29x faster in
+layer's (docs/bench/cpu-engine.md: a 1 prefill + 1 decode burst 1.09-1.29x faster in
 three alternating pairs)."""
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from gguf.quants import dequantize
 
 from splitserve.model.checkpoint_format import MODEL_TYPE_TO_ARCHITECTURE, sample_data_digest
 from splitserve.model.errors import ModelLoadError
+from splitserve.model.generation_defaults import GGUF_CONFIG_KEY, gguf_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -156,15 +157,14 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], GGUFSource]:
     meta = _Metadata(reader, path)
     arch = meta.require("general.architecture")
     if arch not in GGUF_ARCH_TO_MODEL_TYPE:
-        supported = ", ".join(
-            f"{a} (-> {MODEL_TYPE_TO_ARCHITECTURE[mt]})" for a, mt in GGUF_ARCH_TO_MODEL_TYPE.items()
-        )
-        raise ModelLoadError(
-            f"unsupported GGUF architecture {arch!r}",
-            path=path,
-            hint=f"supported GGUF architectures: {supported}",
-        )
+        arches = GGUF_ARCH_TO_MODEL_TYPE.items()
+        known = ", ".join(f"{a} (-> {MODEL_TYPE_TO_ARCHITECTURE[t]})" for a, t in arches)
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}", path=path,
+                             hint=f"supported GGUF architectures: {known}")  # fmt: skip
     config = build_hf_config(reader, meta, arch)
+    sampling = {k: meta.get(k) for k in reader.fields if k.startswith("general.sampling.")}
+    if defaults := gguf_sampling(sampling):  # llama.cpp's sampling defaults, for the router
+        config[GGUF_CONFIG_KEY] = defaults
     entries = _map_tensors(reader, path, arch, config)
     return config, GGUFSource(path, entries, reader)
 

@@ -62,6 +62,7 @@ from typing import Any, Literal
 import torch
 
 from splitserve.model.checkpoint import Checkpoint, open_checkpoint
+from splitserve.model.checkpoint_memo import memo_file, signature
 from splitserve.model.stream import DEFAULT_CHUNK_BYTES, crc32_chunks
 from splitserve.model.weight_cache_entry import (
     CONVERSION_REVISION,
@@ -343,10 +344,9 @@ def open_checkpoint_memo(path: str | os.PathLike[str], directory: Path) -> Check
     if not p.is_file() or p.suffix.lower() != ".gguf":
         return open_checkpoint(p)
     p = p.resolve()
-    st = p.stat()
-    sig = [str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    sig = signature(p)
     version = [FORMAT_VERSION, CONVERSION_REVISION, splitserve_version()]
-    memo = directory / "checkpoints" / f"{hashlib.sha256(str(p).encode()).hexdigest()[:24]}.json"
+    memo = memo_file(p, directory)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         data = json.loads(memo.read_text(encoding="utf-8"))
         if data["sig"] == sig and data["version"] == version:

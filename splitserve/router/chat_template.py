@@ -1,7 +1,7 @@
 """What a request may pass to the chat template (`chat_template_kwargs`, vLLM's extra).
 
-The server's own template is trusted; a request's is not (issue 26 F1: a client's `chat_template` in
-its kwargs replaced the server's, and six looping templates took an ordinary request from 0.21 s to
+The server's own template is trusted; a request's is not (a client's `chat_template` in its
+kwargs could replace the server's, and six looping templates took an ordinary request from 0.21 s to
 26 s). So, as vLLM's `--trust-request-chat-template` does, a request may not bring a template unless
 the manifest says `server.trust_request_chat_template: true`; nor may it set what the server decides
 (tokenization, the messages, the generation prompt: those have their own request fields). The other
@@ -35,10 +35,9 @@ def use_chat_template(tokenizer: Any, template: str | None) -> None:
         template = path.read_text()
     elif "{{" not in template and "{%" not in template:
         raise ValueError(f"model.chat_template {template!r}: no such file, and not a Jinja template")
-    hf = getattr(tokenizer, "hf", None)
-    if hf is None:
+    if tokenizer is None:
         raise ValueError("model.chat_template: this model's tokenizer takes no chat template")
-    hf.chat_template = template
+    tokenizer.set_chat_template(template)
 
 
 def template_kwargs(kwargs: dict[str, Any] | None, trust_template: bool) -> dict[str, Any]:

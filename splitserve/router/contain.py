@@ -1,7 +1,7 @@
 """An exception that escapes a route is answered here, as OpenAI's 500 body, and goes no further.
 
 Starlette's outermost ServerErrorMiddleware answers such an exception too, but then re-raises it, and
-uvicorn closes the keep-alive connection: the client's next request on it fails (issue 26 F9). Inside
+uvicorn closes the keep-alive connection: the client's next request on it fails. Inside
 the user middlewares this one answers once, logs once, and keeps the connection. A response already
 under way (a stream) cannot be turned into a 500; it is logged and ended instead.
 """

@@ -30,7 +30,7 @@ import aiohttp
 import msgspec
 from pydantic import BaseModel
 
-from splitserve.config.manifest import RouterSection
+from splitserve.config.manifest_sections import RouterSection
 from splitserve.router.idle_deadline import IdleDeadline
 from splitserve.router.openai_protocol import APIError
 from splitserve.wire.http import (

@@ -17,7 +17,6 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from splitserve.engine.params import GrammarSpec
 from splitserve.router.chat_template import render_chat, template_kwargs
 from splitserve.router.lenient import validate_request
 from splitserve.router.openai_protocol import (
@@ -25,11 +24,13 @@ from splitserve.router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from splitserve.router.parsers import chat_outputs
 from splitserve.router.respond import CleanupStream, respond
 from splitserve.router.responses import ResponseEvents, ResponsesRequest, response_object
 from splitserve.router.server import OpenAIServer
 from splitserve.router.structured import checked, requested_grammar
 from splitserve.router.tools import chosen_tools, render_messages, tool_grammar
+from splitserve.sampling.params import GrammarSpec
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,12 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
         server.tokenizer, messages, req.add_generation_prompt, req.continue_final_message, kwargs
     )
     server.check_length(len(prompt_ids), req.max_new(), "messages")
-    params = req.sampling(req.max_new(), req.logprobs_k())
+    params = req.sampling(req.max_new(), req.logprobs_k(), server.info.generation_defaults)
     asked = requested_grammar(req)
+    if tools and mode == "auto" and not server.manifest.server.enable_auto_tool_choice:
+        raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice',
+                       param="tool_choice")  # fmt: skip
+    fmt = server.tool_format if tools else None
     forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, server.tool_format)
     # a forced call (tool_choice required or named) is the whole answer: its arguments follow the tool's
     # parameters, and a response_format (which shapes the message's content, as OpenAI defines it) has
@@ -83,8 +88,11 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     elif asked is not None:
         params["grammar"] = await checked(*asked)
     prompts = [(prompt_ids, "")]
-    fmt = server.tool_format if tools else None
-    return await respond(server, "chat", req, prompts, params, start, request, fmt)
+    # a grammar constrains the answer from its first token: no thinking block can come before it
+    reasoning = server.reasoning_format if "grammar" not in params else None
+    tail = server.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False) if reasoning else ""
+    output = chat_outputs(fmt, tools, reasoning, tail)
+    return await respond(server, "chat", req, prompts, params, start, request, output)
 
 
 async def completions(server: OpenAIServer, request: Request) -> Response:
@@ -115,7 +123,7 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
             )
         server.check_length(len(ids), req.max_tokens, "prompt")
         prompts.append((ids, text if req.echo else ""))
-    params = req.sampling(req.max_tokens, req.logprobs)
+    params = req.sampling(req.max_tokens, req.logprobs, server.info.generation_defaults)
     asked = requested_grammar(req)
     if asked is not None:
         params["grammar"] = await checked(*asked)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from splitserve.router.split_metrics import SplitMetrics
+
 _LATENCY = (
     0.001,
     0.005,
@@ -176,6 +178,7 @@ class RouterMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter("splitserve:prompt_tokens", "Prompt tokens processed", L, registry=r)
+        self.split = SplitMetrics(r, L)  # is the deployment disaggregating? (split_metrics.py)
         self.generation_tokens = Counter("splitserve:generation_tokens", "Tokens generated", L, registry=r)
         self.running = Gauge(
             "splitserve:num_requests_running",
@@ -329,6 +332,7 @@ class RouterMetrics:
         for w in workers:
             for c in (self.worker_restarts, self.preemptions, self.prefix_queries, self.prefix_hits):
                 c.labels(lab, w["name"], w["role"])
+            self.split.prime((lab, w["name"], w["role"]))
         for p in (w for w in workers if w["role"] == "prefill"):
             for d in (w for w in workers if w["role"] == "decode"):
                 self.kv_probe_failures.labels(lab, p["name"], d["name"])
@@ -349,6 +353,7 @@ class RouterMetrics:
                 self._advance(self.preemptions, lab, s.get("preemptions", 0))
                 self._advance(self.prefix_queries, lab, prefix.get("queries", 0))
                 self._advance(self.prefix_hits, lab, prefix.get("hits", 0))
+                self.split.observe(s, lab, self._advance)
             transfer = s.get("kv_transfer") or {}
             if transfer.get("backend"):
                 self.kv_backend_ok.labels(*lab).set(1 if transfer["backend"] in required else 0)

@@ -150,11 +150,15 @@ class _Sampling(_Req):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
-        """The worker's sampling params for one choice (n = 1; the router fans out n)."""
+    def sampling(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The worker's sampling params for one choice (n = 1; the router fans out n). `defaults`: the
+        model's (its generation_config) for the sampling fields this request leaves unset."""
+        defaults = defaults or {}
         out: dict[str, Any] = {
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "temperature": defaults.get("temperature", 1.0) if self.temperature is None else self.temperature,
+            "top_p": defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
             "max_tokens": max_tokens,
             "stop": self.stops(),
             "seed": self.seed,
@@ -168,8 +172,9 @@ class _Sampling(_Req):
             "logprobs": logprobs,
         }
         for key in ("top_k", "min_p", "repetition_penalty"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
+            value = getattr(self, key)
+            if value is not None or key in defaults:
+                out[key] = defaults[key] if value is None else value
         return out
 
 
@@ -209,6 +214,10 @@ class ChatMessage(_Req):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallIn] | None = None
+    # an earlier answer's thinking, as this server returns it (vLLM's two names): a template that
+    # keeps earlier thinking (Qwen3.5's, after the last user query) renders it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     # what an SDK's assistant message carries when a client appends it back as is: nothing to use
     refusal: str | None = None
     annotations: list[Any] | None = None

@@ -19,6 +19,7 @@ from splitserve.router.openai_protocol import APIError
 from splitserve.router.run import Run
 
 if TYPE_CHECKING:
+    from splitserve.router.parsers import ChatOutput
     from splitserve.router.server import OpenAIServer
 
 
@@ -74,14 +75,14 @@ async def respond(
     params: dict,
     start: float,
     request: Request,
-    tool_format: str | None = None,
+    output: Callable[[], ChatOutput] | None = None,
 ) -> Response:
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     name = server.info.served_name
     waited = await server.admission.acquire()  # errors are counted by status in access_log.py
     server.metrics.router_queue.labels(name).observe(waited)
     run = request.state.splitserve_run = Run(server, kind, req, prompts, params, rid, start)
-    run.tool_format = tool_format
+    run.output = output
     server.runs.add(run)
     released = False
 

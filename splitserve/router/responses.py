@@ -138,6 +138,12 @@ def _message_item(text: str, status: str = "completed", item_id: str | None = No
     }
 
 
+def _reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    """The model's thinking as an output item (the reasoning parser took it apart from the answer)."""
+    return {"type": "reasoning", "id": item_id or f"rs_{uuid.uuid4().hex}", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+
 def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     fn = call["function"]
     return {
@@ -207,7 +213,8 @@ def response_object(req: ResponsesRequest, model: str, chat: dict[str, Any]) -> 
     """A chat completion -> the `response` object."""
     choice = chat["choices"][0]
     msg = choice["message"]
-    output = [_message_item(msg["content"])] if msg.get("content") else []
+    output = [_reasoning_item(msg["reasoning_content"])] if msg.get("reasoning_content") else []
+    output += [_message_item(msg["content"])] if msg.get("content") else []
     output += [_call_item(c) for c in msg.get("tool_calls") or []]
     reason = choice["finish_reason"]
     status = "incomplete" if reason == "length" else "completed"
@@ -226,6 +233,7 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []
         self.text: str | None = None  # the open message item's text, None while none is open
         self.call: int | None = None  # the output index of the function call being streamed
+        self.thought: str | None = None  # the open reasoning item's text, None while none is open
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -255,7 +263,7 @@ class ResponseEvents:
                 for event in self._delta(choice.get("delta") or {}):
                     yield event
                 reason = choice.get("finish_reason") or reason
-        for event in self._close_text() + self._close_call():
+        for event in self._close_thought() + self._close_text() + self._close_call():
             yield event
         status = "incomplete" if reason == "length" else "completed"
         final = _envelope(self.req, self.model, self.rid, status, self.output, _usage(usage), reason)
@@ -264,7 +272,9 @@ class ResponseEvents:
         )
 
     def _delta(self, delta: dict[str, Any]) -> list[bytes]:
-        events = []
+        events = self._thinking(delta["reasoning_content"]) if delta.get("reasoning_content") else []
+        if delta.get("content") or delta.get("tool_calls"):
+            events += self._close_thought()
         if delta.get("content"):
             events += self._close_call()
             if self.text is None:
@@ -343,6 +353,26 @@ class ResponseEvents:
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 
+    def _thinking(self, text: str) -> list[bytes]:
+        events = []
+        if self.thought is None:
+            self.thought = ""
+            self.output.append(_reasoning_item("", "in_progress"))
+            events.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                      item=self.output[-1]))  # fmt: skip
+        self.thought += text
+        where = {"item_id": self.output[-1]["id"], "output_index": len(self.output) - 1, "content_index": 0}
+        return [*events, self._event("response.reasoning_text.delta", **where, delta=text)]
+
+    def _close_thought(self) -> list[bytes]:
+        if self.thought is None:
+            return []
+        index, text, self.thought = len(self.output) - 1, self.thought, None
+        item = self.output[index] = _reasoning_item(text, "completed", self.output[index]["id"])
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [self._event("response.reasoning_text.done", **where, text=text),
+                self._event("response.output_item.done", output_index=index, item=item)]  # fmt: skip
+
     def _close_text(self) -> list[bytes]:
         if self.text is None:
             return []
@@ -350,23 +380,10 @@ class ResponseEvents:
         item = _message_item(text, "completed", self.output[index]["id"])
         self.output[index] = item
         self.text = None
-        part = item["content"][0]
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         return [
-            self._event(
-                "response.output_text.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                text=text,
-                logprobs=[],
-            ),
-            self._event(
-                "response.content_part.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            ),
+            self._event("response.output_text.done", **where, text=text, logprobs=[]),
+            self._event("response.content_part.done", **where, part=item["content"][0]),
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 

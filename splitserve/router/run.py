@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +18,10 @@ import msgspec
 from splitserve.router.dispatch import Piece
 from splitserve.router.metrics import ttft_breakdown
 from splitserve.router.openai_protocol import APIError
-from splitserve.router.tools import ToolDeltas, ToolParser
 from splitserve.router.vllm_metrics import RunFigures
 
 if TYPE_CHECKING:
+    from splitserve.router.parsers import ChatOutput
     from splitserve.router.server import OpenAIServer
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ class Run:
         self.ttft: float | None = None
         self.pending = len(self.jobs)
         self._timer: asyncio.TimerHandle | None = None
-        self.tool_format: str | None = None  # tools on: each choice's text is parsed for calls
+        # tools or thinking on: each choice's text parsed (parsers/output.py), one parser per choice
+        self.output: Callable[[], ChatOutput] | None = None
         self.cancelling = False  # set by cancel(): its choices' cancellations are its own
 
     def launch(self) -> None:
@@ -225,11 +226,10 @@ class Run:
             if self.kind == "chat":
                 msg: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
                 reason = c.finish_reason
-                if self.tool_format is not None:
-                    msg["content"], calls = ToolParser(self.tool_format).parse(c.text)
-                    if calls:
-                        msg["tool_calls"] = [call.to_openai() for call in calls]
-                        reason = "tool_calls" if reason == "stop" else reason
+                if self.output is not None:
+                    parsed = self.output().parse(c.text)
+                    msg.update(parsed.message_fields())
+                    reason = "tool_calls" if parsed.calls and reason == "stop" else reason
                 choices.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append(
@@ -303,7 +303,7 @@ class Run:
                     )
             piece: Piece | None = first
             offsets = [0] * len(self.choices)
-            tools = [ToolDeltas(self.tool_format) for _ in self.choices] if self.tool_format else None
+            tools = [self.output() for _ in self.choices] if self.output is not None else None
             while piece is not None:
                 c = self.choices[piece.index]
                 lp = None
@@ -347,9 +347,9 @@ class Run:
             raise
         yield b"data: [DONE]\n\n"
 
-    def _tool_chunks(self, tools: ToolDeltas, piece: Piece, lp: dict | None, continuous: bool) -> list[bytes]:
-        """A chat piece with tools on: a chunk per content run, call announced or arguments fragment;
-        the finish on the last."""
+    def _tool_chunks(self, tools: ChatOutput, piece: Piece, lp: dict | None, continuous: bool) -> list[bytes]:
+        """A chat piece with tools or thinking on: a chunk per run of reasoning or content, call announced
+        or arguments fragment; the finish on the last."""
         c = self.choices[piece.index]
         deltas = tools.deltas(piece.text, piece.finished) or ([{"content": ""}] if piece.finished else [])
         chunks = []

@@ -37,7 +37,8 @@ from splitserve.router.json_edge import parse_json
 from splitserve.router.lenient import ignored_fields_counter
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.openai_protocol import APIError
-from splitserve.router.tools import parser_for, template_knows_tools
+from splitserve.router.parsers import chosen_parsers
+from splitserve.router.tools import template_knows_tools
 from splitserve.router.vllm_metrics import VllmMetrics
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class ModelInfo:
     root: str  # the checkpoint path
     created: int = field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()  # more names a request may give (--served-model-name A B)
+    # sampling defaults for the fields a request leaves unset (model/generation_defaults.py)
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 class OpenAIServer:
@@ -87,8 +90,12 @@ class OpenAIServer:
         self.ignored_fields = ignored_fields_counter(self.metrics.registry)  # unknown request fields
         self.vllm = VllmMetrics(self.metrics.registry, info.served_name, info.max_model_len)  # vLLM's names
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
-        template = getattr(getattr(tokenizer, "hf", None), "chat_template", None)
-        self.tool_format = parser_for(template)  # the model family's tool-call syntax (tools.py)
+        template = getattr(tokenizer, "chat_template", None)  # not `.hf`: that loads transformers
+        # the model family's tool-call syntax and thinking shape (parsers/): as configured, else read
+        # off the template; one that does not fit the template stops the start with the right name
+        self.tool_format, self.reasoning_format = chosen_parsers(
+            srv.tool_call_parser, srv.reasoning_parser, template
+        )
         self.native_tools = template_knows_tools(template)
         # the per-token metrics, bound to their labels once (a .labels() lookup per token adds up)
         self.metrics_cache = MetricsSnapshot(self.render_metrics)  # /metrics: a snapshot a second

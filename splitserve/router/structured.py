@@ -15,9 +15,9 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from splitserve.engine.grammar import GrammarError, check_grammar
-from splitserve.engine.params import GrammarSpec
 from splitserve.router.openai_protocol import APIError, JSONSchemaFormat, StructuredOutputs
+from splitserve.sampling.grammar_check import GrammarError, check_grammar
+from splitserve.sampling.params import GrammarSpec
 
 
 def _json_text(schema: Any, param: str) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 
-from splitserve.engine.stats import STEP_TOKEN_BUCKETS
+from splitserve.wire.stats import STEP_TOKEN_BUCKETS
 
 TTFT_BUCKETS = (
     0.001,

@@ -5,7 +5,7 @@ A fresh deployment's first request pays for work no later one does, among it (no
 the router's first connections to the workers, the KV transport's first connection and handshake
 between a prefill and a decode worker, and the engines' first steps (lazy imports, oneDNN primitives,
 pages of the step's temporaries). Measured on the 2-vCPU box with the README's `splitserve serve`
-(docs/bench/cpu-engine.md, "Session 21"; the README's question, greedy, asked at once after the ready
+(docs/bench/cpu-engine.md; the README's question, greedy, asked at once after the ready
 line, two starts each): 858 / 469 ms without the warm-up, 307 / 362 ms with it; later ones 264-391 ms.
 
 `warm_up` sends `n` short greedy requests, each a different prompt (so that prefix affinity does not

@@ -38,8 +38,8 @@ def worker_config(
     """One worker's config from the manifest (its engine from `engine_for(role)`): what the local
     runtime hands a worker process as `--spec` and the Ray runtime builds its replica's worker from.
     `secret`: the deployment's (None: no worker API auth). `core_share`: see `worker_argv`."""
+    from splitserve.config.engine import EngineConfig
     from splitserve.config.worker import WorkerConfig
-    from splitserve.engine.config import EngineConfig
 
     m, e, t = manifest.model, manifest.engine_for(role), manifest.transport
     engine = EngineConfig(
@@ -61,6 +61,7 @@ def worker_config(
         enable_prefix_caching=e.enable_prefix_caching,
         async_scheduling=e.async_scheduling,
         cpu_weights=e.cpu_weights,
+        speculative_config=e.speculative_config,
         progress=False,
     )
     return WorkerConfig(

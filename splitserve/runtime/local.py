@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+from tqdm.auto import tqdm  # here, not at start(): an import there would hold up the router's 503s
 
 from splitserve.config.manifest import Manifest
 from splitserve.runtime.common import core_share_file, worker_argv
@@ -128,6 +129,7 @@ class LocalRuntime:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._standby: _Standby | None = None  # a warm spare process for the next restart
+        self._making: asyncio.Task | None = None  # the spare being started (its imports under way)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self.worker_headers)
         self.mps: MpsPlan | None = None  # what start() decided about CUDA MPS (runtime/mps.py)
         self._mps_daemon: MpsDaemon | None = None
@@ -139,8 +141,6 @@ class LocalRuntime:
 
     async def start(self, progress: bool = True) -> None:
         """Spawn every worker and wait until all are ready; raises StartupError if one fails."""
-        from tqdm.auto import tqdm
-
         self._start_mps()
         bar = tqdm(
             total=len(self.workers),
@@ -160,8 +160,14 @@ class LocalRuntime:
             bar.close()
         for w in self.workers:
             self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{w.name}"))
-        if self.rt.standby:
-            self._tasks.append(asyncio.create_task(self._make_standby(), name="standby"))
+
+    def start_standby(self) -> None:
+        """Start the warm spare (`runtime.standby`) unless there is one; `splitserve serve` calls it a
+        little after ready, so that the spare's imports take no CPU from the start and first requests
+        (a restart before then starts it at once, and adopts it)."""
+        idle = self._standby is None and (self._making is None or self._making.done())
+        if self.rt.standby and not self._stopping and idle:
+            self._making = asyncio.create_task(self._make_standby(), name="standby")
 
     def _start_mps(self) -> None:
         """Workers that share a GPU get a private CUDA MPS daemon (`runtime.cuda_mps`), through the
@@ -181,9 +187,13 @@ class LocalRuntime:
         bar.update(1)  # type: ignore[attr-defined]
         bar.set_postfix_str(f"{w.name} ready in {w.startup_s:.1f}s")  # type: ignore[attr-defined]
 
-    async def _spawn(self, w: WorkerProcess) -> None:
+    async def _spawn(self, w: WorkerProcess, restart: bool = False) -> None:
         w.state, w.url, w.kv_address = "starting", None, None
         w.started_at = time.monotonic()
+        if restart:  # the spare, or one half way (still ahead of a fresh process)
+            self.start_standby()
+            if self._standby is None and self._making is not None:
+                await asyncio.wait({self._making}, timeout=self.rt.startup_timeout_s)
         spare, self._standby = self._standby, None
         adopted = spare is not None and spare.proc.returncode is None
         if spare is not None and adopted:
@@ -193,8 +203,7 @@ class LocalRuntime:
             assert w.proc.stdin is not None
             w.proc.stdin.write(json.dumps({"argv": w.argv[3:]}).encode() + b"\n")
             await w.proc.stdin.drain()
-            if self.rt.standby and not self._stopping:
-                asyncio.create_task(self._make_standby())
+            self.start_standby()
         else:
             w.proc = await asyncio.create_subprocess_exec(
                 *w.argv,
@@ -292,26 +301,16 @@ class LocalRuntime:
             self.on_event("died", w)
             if w.restarts >= self.rt.max_restarts:
                 w.state = "failed"
-                log.error(
-                    "worker %s exited (%s) and has used its %d restarts; it stays down",
-                    w.name,
-                    code,
-                    self.rt.max_restarts,
-                )
+                log.error("worker %s exited (%s) and has used its %d restarts; it stays down", w.name, code,
+                          self.rt.max_restarts)  # fmt: skip
                 return
-            log.error(
-                "worker %s (pid %s) exited with %s after %.1fs; restarting in %.1fs",
-                w.name,
-                w.pid,
-                code,
-                up,
-                backoff,
-            )
+            log.error("worker %s (pid %s) exited with %s after %.1fs; restarting in %.1fs", w.name, w.pid,
+                      code, up, backoff)  # fmt: skip
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.rt.restart_backoff_max_s)
             w.restarts += 1
             try:
-                await self._spawn(w)
+                await self._spawn(w, restart=True)
             except StartupError as exc:
                 log.error("%s", exc)
                 w.state = "restarting"
@@ -347,7 +346,7 @@ class LocalRuntime:
 
     async def stop(self, grace_s: float = 10.0) -> None:
         self._stopping = True
-        for task in self._tasks:
+        for task in [*self._tasks, *([self._making] if self._making else [])]:
             task.cancel()
         procs = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
         if self._standby is not None:

@@ -37,7 +37,7 @@ class ServeProcess:
                 self.proc.kill()
                 self.proc.wait()
         if self.tmpdir is not None:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)  # issue 26 F13: no manifest folder left behind
+            shutil.rmtree(self.tmpdir, ignore_errors=True)  # no manifest folder left behind
             self.tmpdir = None
         return self.proc.returncode
 

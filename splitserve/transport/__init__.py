@@ -10,7 +10,11 @@ backends.py for what each backend needs. A prefill worker that exports over shm 
 cache with `allocate_shared_kv`: fetchers then copy straight out of it (shm_direct.py).
 """
 
-from splitserve.transport.backends import available_backends, make_transport
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from splitserve.transport.errors import (
     AuthError,
     BackendUnavailable,
@@ -21,12 +25,35 @@ from splitserve.transport.errors import (
     TransportError,
     UnknownLease,
 )
-from splitserve.transport.faults import FaultyTransport
-from splitserve.transport.handle import KVHandle
-from splitserve.transport.layout import KVLayout
-from splitserve.transport.lease import LeaseManager
-from splitserve.transport.shm_direct import allocate_shared_kv
-from splitserve.transport.transport import KVTransport, TransportOptions
+from splitserve.wire.kv_handle import KVHandle
+
+if TYPE_CHECKING:
+    from splitserve.transport.backends import available_backends, make_transport
+    from splitserve.transport.faults import FaultyTransport
+    from splitserve.transport.layout import KVLayout
+    from splitserve.transport.lease import LeaseManager
+    from splitserve.transport.shm_direct import allocate_shared_kv
+    from splitserve.transport.transport import KVTransport, TransportOptions
+
+# imported on first use: the errors and the handle (what the workers' front ends need) stay free of
+# torch, which the transports' modules load
+_LAZY = {
+    "available_backends": "splitserve.transport.backends",
+    "make_transport": "splitserve.transport.backends",
+    "FaultyTransport": "splitserve.transport.faults",
+    "KVLayout": "splitserve.transport.layout",
+    "LeaseManager": "splitserve.transport.lease",
+    "allocate_shared_kv": "splitserve.transport.shm_direct",
+    "KVTransport": "splitserve.transport.transport",
+    "TransportOptions": "splitserve.transport.transport",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(name)
+
 
 __all__ = [
     "AuthError",

@@ -80,7 +80,7 @@ def _nccl() -> type[KVChannel]:
 
 
 def _nixl() -> type[KVChannel]:
-    from splitserve.transport.nixl_agent import load_nixl
+    from splitserve.transport.nixl_env import load_nixl
 
     load_nixl()  # BackendUnavailable naming the install line when neither distribution imports
     from splitserve.transport.nixl import NixlTransport
@@ -151,7 +151,8 @@ def preflight(name: str, options: TransportOptions) -> None:
         return  # open_backend names the known ones
     BACKENDS[name]()
     if name == "nixl":
-        from splitserve.transport.nixl_agent import NixlAgent, load_nixl, plugin_load_error
+        from splitserve.transport.nixl_agent import NixlAgent
+        from splitserve.transport.nixl_env import load_nixl, plugin_load_error
 
         module, _ = load_nixl()
         if all(plugin_load_error(module, b) for b in options.nixl_backends):

@@ -9,9 +9,9 @@ Exporter side, for one request:
   1. `export` -> the mover's `export`, which checks the ids and calls back `lease_export`: the state
      the mover keeps (`keep_state`: host copies, or a slot/arena row), the checksum if enabled, and a
      lease whose payload is an `Export` record; the server starts on first use (`listen`).
-  2. A request arrives on the server loop: `handle` offers it to the mover first (`serve_op`: its
-     open exchange), else a fetch pins the lease (so it cannot end mid-read), draws a fault from the
-     plan when one is installed, and calls the mover's `send_payload`.
+  2. A request arrives on the server loop: `ExportRequests.handle` (export_requests.py) offers it to
+     the mover first (`serve_op`: its open exchange), else a fetch pins the lease (so it cannot end
+     mid-read), draws a fault from the plan when one is installed, and calls the mover's `send_payload`.
   3. A release request (or `release` of our own handle) ends the lease: `on_free(block_ids)` once.
 
 Fetcher side, for one request:
@@ -24,29 +24,23 @@ Fetcher side, for one request:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from splitserve.transport import trace
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.client import ConnectionPool, SyncChannel
+from splitserve.transport.client import ConnectionPool, SyncChannel, counted_failures, fetch_header
 from splitserve.transport.errors import (
     CorruptTransfer,
-    LeaseExpired,
     PeerRefused,
     TransportError,
-    UnknownLease,
-    error_to_wire,
 )
-from splitserve.transport.fault_plan import Fault, FaultPlan
-from splitserve.transport.handle import KVHandle
+from splitserve.transport.export_requests import Export, ExportRequests, PayloadCall
+from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import FreeCallback, LeaseManager
 from splitserve.transport.payload import (
@@ -57,45 +51,43 @@ from splitserve.transport.payload import (
     source_pieces,
     state_pieces,
 )
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect, resolve_secret
 from splitserve.transport.server import AsyncChannel, ExportServer, ListenSpec
-from splitserve.transport.transport import KVTransport, TransportOptions, TransportStats
+from splitserve.transport.transport import (
+    ExportRequest,
+    FetchRequest,
+    KVTransport,
+    TransportOptions,
+    TransportStats,
+)
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Export:
-    """What the exporter keeps under a lease besides the block ids."""
-
-    request_id: str
-    state: dict[str, torch.Tensor]
-    checksum: str | None
-    state_row: int | None = None  # cuda_ipc: the state waits in this row of the exporter's arena
 
 
 class PayloadMover(Protocol):
     """What one backend adds to the control channel, and nothing else.
 
     A `KVChannel` holds one mover and calls it; a mover never subclasses the channel, another backend's
-    mover or a shared base. Its contract, by side (the channel calls these; the mover may call the
-    channel back: `ch`):
+    mover or a shared base. Its contract, by side (the channel calls these; the mover may use the
+    channel's parts and steps on the `MoverPort` it is bound to, port.py: `port`):
 
       both      backend                           the backend's name, carried in handles
-                bind(ch)                          once, when the channel is made: keep it, set up devices
+                bind(port)                        once, when the channel is made: keep it, set up devices
                 register_states(states) -> bool   the engine's state slots, once (True: moved in place)
                 describe() -> dict                fields merged into the channel's describe()
                 close()                           after the channel closed its server, pool and leases
       exporter  listen_spec() -> ListenSpec       where the server listens (tcp host:port, unix path)
                 make_board() -> LeaseBoard|None   a lease board for one-sided reads (board.py), or None
-                export(...) -> KVHandle           check the ids, then `ch.lease_export` (or its own lease)
-                keep_state(state) -> dict         what a lease keeps of the state (`ch.lease_export` asks)
+                export(request) -> KVHandle       check the ids, then `port.lease_export` (or its own lease)
+                keep_state(state) -> dict         what a lease keeps of the state (`lease_export` asks)
                 serve_op(chan, header) -> bool|None   a request only this backend knows (its open
                                                   exchange); None: not ours, the channel serves it
-                send_payload(chan, export, block_ids, meta, fault, deadline) -> int
+                send_payload(call: PayloadCall) -> int
                                                   move the pinned lease's blocks and state; -> bytes
-      fetcher   fetch(handle, into_block_ids, timeout_s, into_state) -> state
-                                                  stream movers: `ch.stream_fetch(..., recv_payload)`
+      fetcher   fetch(request: FetchRequest) -> state
+                                                  stream movers: `port.stream_fetch(..., recv_payload)`
 
     The backends: tcp.py, shm.py (a host_stream.StreamMover over the backend's StreamWire), cuda_ipc.py and
     nccl.py (GPU movers, each holding a gpu_two_sided.GpuTwoSided: the two-sided GPU fetch they share,
@@ -105,7 +97,7 @@ class PayloadMover(Protocol):
 
     backend: str
 
-    def bind(self, ch: KVChannel) -> None: ...
+    def bind(self, port: MoverPort) -> None: ...
 
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool: ...
 
@@ -117,35 +109,15 @@ class PayloadMover(Protocol):
 
     def make_board(self) -> LeaseBoard | None: ...
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None,
-    ) -> KVHandle: ...
+    def export(self, request: ExportRequest) -> KVHandle: ...
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]: ...
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None: ...
 
-    async def send_payload(
-        self,
-        chan: AsyncChannel,
-        export: Export,
-        block_ids: tuple[int, ...],
-        meta: dict,
-        fault: Fault,
-        deadline: Deadline,
-    ) -> int: ...
+    async def send_payload(self, call: PayloadCall) -> int: ...
 
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None,
-        into_state: Mapping[str, torch.Tensor] | None,
-    ) -> dict[str, torch.Tensor]: ...
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]: ...
 
 
 class KVChannel(KVTransport):
@@ -175,7 +147,12 @@ class KVChannel(KVTransport):
         self._server: ExportServer | None = None
         self._lock = threading.Lock()
         self._closed = False
-        mover.bind(self)
+        self.requests = ExportRequests(mover, self.leases, self.options, self.stats, lambda: self.faults)
+        self.port = MoverPort(
+            kv, layout, self.options, self.stats, self.leases, self.pool, self.listen, self.lease_export,
+            self.check_ids, self.check_fetch, self.verify, self.stream_fetch,
+        )  # fmt: skip
+        mover.bind(self.port)
 
     # -- exporter side ---------------------------------------------------------------------------
     def listen(self) -> str:
@@ -192,7 +169,7 @@ class KVChannel(KVTransport):
                     self.mover.listen_spec(),
                     self.layout,
                     self._secret,
-                    self,
+                    self.requests,
                     self.options.connect_timeout_s,
                     self.options.idle_timeout_s,
                 )
@@ -200,27 +177,16 @@ class KVChannel(KVTransport):
                 self._server = server
             return self._server.address
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.mover.export(request_id, block_ids, num_tokens, state)
+    def export_request(self, request: ExportRequest) -> KVHandle:
+        return self.mover.export(request)
 
-    def lease_export(
-        self,
-        request_id: str,
-        ids: tuple[int, ...],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None,
-    ) -> KVHandle:
-        """A mover's `export`, once it has checked `ids`: keep the state (the mover's `keep_state`),
-        the checksum, the lease, the handle."""
+    def lease_export(self, request: ExportRequest, ids: tuple[int, ...]) -> KVHandle:
+        """A mover's `export`, once it has checked the request's block ids (-> `ids`): keep the state
+        (the mover's `keep_state`), the checksum, the lease, the handle."""
+        request_id, num_tokens = request.request_id, request.num_tokens
         if not 0 < num_tokens <= len(ids) * self.layout.block_size:
             raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
-        snapshot = self.mover.keep_state(state)
+        snapshot = self.mover.keep_state(request.state)
         address = self.listen()
         digest = None
         if self.options.checksum:
@@ -260,94 +226,27 @@ class KVChannel(KVTransport):
                 exc,
             )
 
-    async def handle(self, chan: AsyncChannel, header: dict) -> bool:
-        """Server loop: serve one request (RequestHandler); the mover's own ops first."""
-        served = await self.mover.serve_op(chan, header)
-        if served is not None:
-            return served
-        op = header["op"]
-        if op == "fetch":
-            return await self._serve_fetch(chan, header)
-        if op == "release":
-            released = self.leases.release(str(header.get("lease_id")))
-            deadline = Deadline.after(self.options.connect_timeout_s)
-            await chan.send({"op": "ok", "released": released}, deadline)
-            return True
-        if op == "error":
-            log.warning("kv fetcher %s refused us: %s", chan.peer, header.get("message"))
-            return False
-        bad = TransportError(f"unknown request {op!r}")
-        await chan.send(error_to_wire(bad), Deadline.after(self.options.connect_timeout_s))
-        return False
-
-    async def _serve_fetch(self, chan: AsyncChannel, header: dict) -> bool:
-        trace.mark("e.request")
-        asked = float(header.get("timeout_s", self.options.fetch_timeout_s))
-        deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
-        try:
-            with self.leases.pinned(str(header.get("lease_id"))) as lease:
-                plan = self.faults  # tests only: None in production
-                fault = plan.draw() if plan is not None else Fault.NONE
-                if fault is Fault.DROP:  # never answer; hold on until the fetcher gives up
-                    await chan.wait_closed(Deadline.after(self.options.idle_timeout_s))
-                    return False
-                if fault is Fault.DELAY and plan is not None:
-                    await asyncio.sleep(plan.knobs.delay_s)
-                meta = {"blocks": len(lease.block_ids), "checksum": lease.payload.checksum}
-                start = time.perf_counter()
-                nbytes = await self.mover.send_payload(
-                    chan, lease.payload, lease.block_ids, meta, fault, deadline
-                )
-                self.stats.served(nbytes, time.perf_counter() - start)
-                return fault is not Fault.KILL
-        except (LeaseExpired, UnknownLease) as exc:
-            self.stats.error(exc)
-            await chan.send(error_to_wire(exc), deadline)
-            return True
-        except (TransportError, ConnectionError):
-            self.stats.count("serve_failures")
-            raise
-
     # -- fetcher side ----------------------------------------------------------------------------
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return self.mover.fetch(handle, into_block_ids, timeout_s, into_state)
+    def fetch_request(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        return self.mover.fetch(request)
 
     def stream_fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None,
-        recv_payload: Callable[[SyncChannel, ByteStream, Deadline], dict],
+        self, request: FetchRequest, recv_payload: Callable[[SyncChannel, ByteStream, Deadline], dict]
     ) -> dict[str, torch.Tensor]:
         """A stream mover's `fetch`: `recv_payload(chan, stream, deadline)` fills our blocks' views and
         fresh state tensors; -> the exporter's payload header."""
-        into = self.check_fetch(handle, into_block_ids)
+        handle, timeout_s = request.handle, request.timeout_s
+        into = self.check_fetch(handle, request.into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         sink, state = BlockSink(self.kv_cache, into), empty_state(self.layout)
         stream = ByteStream(sink.pieces + state_pieces(state, self.layout))
         start = time.perf_counter()
-        try:
-            with self.pool.connection(handle.address, deadline) as chan:
-                if chan.peer_layout is not None and chan.peer_layout.fingerprint != handle.layout_fingerprint:
-                    raise PeerRefused(f"handle {handle.request_id} was made for another layout")
-                request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
-                chan.send({**request, "timeout_s": deadline.remaining("fetch")}, deadline)
+        with counted_failures(self.stats, handle.address):
+            with self.pool.for_handle(handle, deadline) as chan:
+                chan.send(fetch_header(handle, deadline), deadline)
                 meta = recv_payload(chan, stream, deadline)
             self.verify(handle, meta, stream)
             sink.commit()
-        except TransportError as exc:
-            self.stats.error(exc)
-            raise
-        except (KeyError, TypeError, ValueError) as exc:  # a field missing or mistyped in an answer
-            malformed = TransportError(f"malformed answer from {handle.address}: {exc!r}")
-            self.stats.error(malformed)
-            raise malformed from exc
         self.stats.fetched(stream.nbytes, time.perf_counter() - start, handle.address)
         return state
 

@@ -8,6 +8,10 @@ Life of a fetch on the wire (see protocol.py for the frames):
      `recv_stream` (straight into the destination buffers, `recvmsg_into`).
   3. On success the connection goes back to the pool; on any exception it is closed, since its state
      in the middle of a frame is unknown.
+
+Every mover's fetch takes its connection with `ConnectionPool.for_handle` (which refuses an exporter
+whose layout is not the handle's), asks with `fetch_header`, and counts its failures with
+`counted_failures`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -39,6 +43,10 @@ from splitserve.transport.protocol import (
     proof,
     proof_ok,
 )
+from splitserve.wire.kv_handle import KVHandle
+
+if TYPE_CHECKING:
+    from splitserve.transport.transport import TransportStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -215,6 +223,15 @@ class ConnectionPool:
             raise
         self._give(chan)
 
+    @contextmanager
+    def for_handle(self, handle: KVHandle, deadline: Deadline) -> Iterator[SyncChannel]:
+        """`connection` to the handle's exporter, refused (PeerRefused) when the exporter's layout is not
+        the one the handle was made for."""
+        with self.connection(handle.address, deadline) as chan:
+            if chan.peer_layout is not None and chan.peer_layout.fingerprint != handle.layout_fingerprint:
+                raise PeerRefused(f"handle {handle.request_id} was made for another layout")
+            yield chan
+
     def _open(self, address: str, deadline: Deadline) -> SyncChannel:
         chan = SyncChannel.connect(address, deadline.sooner(self.connect_timeout_s))
         try:
@@ -272,3 +289,24 @@ class ConnectionPool:
             self._idle.clear()
         for chan in chans:
             chan.close()
+
+
+def fetch_header(handle: KVHandle, deadline: Deadline, fields: dict | None = None) -> dict:
+    """The fetch request's header for the handle's lease: the backend's `fields`, and the time left."""
+    request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
+    return {**request, **(fields or {}), "timeout_s": deadline.remaining("fetch")}
+
+
+@contextmanager
+def counted_failures(stats: TransportStats, address: str) -> Iterator[None]:
+    """A fetch's failures, counted in `stats`; a field missing or mistyped in the exporter's answer
+    (KeyError, TypeError, ValueError) becomes a TransportError that names the exporter."""
+    try:
+        yield
+    except TransportError as exc:
+        stats.error(exc)
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        malformed = TransportError(f"malformed answer from {address}: {exc!r}")
+        stats.error(malformed)
+        raise malformed from exc

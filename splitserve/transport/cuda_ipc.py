@@ -51,27 +51,30 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from splitserve.transport import trace
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
+from splitserve.transport.cuda_ipc_copy import queue_copy, queue_state_copy, wait_copies
 from splitserve.transport.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
-from splitserve.transport.errors import PeerRefused, TransferTimeout, TransportError
-from splitserve.transport.fault_plan import Fault
+from splitserve.transport.errors import PeerRefused, TransportError
+from splitserve.transport.export_requests import Export, PayloadCall
 from splitserve.transport.gpu_blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
 from splitserve.transport.gpu_two_sided import GpuTwoSided, NoClose
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import empty_state, snapshot_state
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
-from splitserve.transport.state_arena import StateArena, open_arena, unpack
+from splitserve.transport.state_arena import StateArena, open_arena
+from splitserve.transport.trace import mark
+from splitserve.transport.transport import ExportRequest, FetchRequest
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -86,30 +89,26 @@ class CudaIpcMover:
     payload_op = "kv_cuda"
 
     def __init__(self, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
-        self.cpu_test_double = cpu_test_double
         self.socket_path = UnixSocketPath()
         self.two_sided = GpuTwoSided(self, kv_cache, cpu_test_double)  # checks the KV cache's device
 
-    def bind(self, ch: KVChannel) -> None:
-        two_sided = self.two_sided
-        two_sided.bind(ch)
-        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
-        self.stats, self.leases, self.pool = ch.stats, ch.leases, ch.pool
-        self.rows, self.gpu, self.gpu_counts = two_sided.rows, two_sided.gpu, two_sided.gpu_counts
-        kv, layout = self.kv_cache, self.layout
+    def bind(self, port: MoverPort) -> None:
+        self.port, self.device = port, port.kv_cache.device
+        self.two_sided.bind(port)
+        kv, layout = self.port.kv_cache, self.port.layout
         self._key = f"{os.getpid()}-{secrets.token_hex(8)}"
         self._share: dict | None = None
         self._share_lock = threading.Lock()
         self._peers: OrderedDict[str, PeerKV] = OrderedDict()  # share key -> the opened mapping
         self._peers_lock = threading.Lock()
         self.arena: StateArena | None = None  # exported state on our GPU (not with checksums: host copies)
-        rows = self.options.state_arena_rows
-        if layout.state_shapes and rows > 0 and not self.options.checksum:
-            self.arena = StateArena(layout, kv.device, rows, self.options.state_wire_dtype)
-            self.leases.on_end = self._lease_ended
+        rows = self.port.options.state_arena_rows
+        if layout.state_shapes and rows > 0 and not self.port.options.checksum:
+            self.arena = StateArena(layout, kv.device, rows, self.port.options.state_wire_dtype)
+            self.port.leases.on_end = self._lease_ended
 
     def listen_spec(self) -> ListenSpec:
-        return self.socket_path.listen_spec(self.options.socket_dir)
+        return self.socket_path.listen_spec(self.port.options.socket_dir)
 
     # -- the mover contract (channel.py), the shared part held in self.two_sided -------------------
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
@@ -117,16 +116,13 @@ class CudaIpcMover:
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.layout, state)
+        return snapshot_state(self.port.layout, state)
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return await self.two_sided.serve_op(chan, header)
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
-        return await self.two_sided.send_payload(chan, export, block_ids, meta, fault, deadline)
+    async def send_payload(self, call: PayloadCall) -> int:
+        return await self.two_sided.send_payload(call)
 
     # -- GpuTwoSided's hooks (gpu_two_sided.GpuBackend) with nothing to do here --------------------
     def payload_fields(self, chan: AsyncChannel, block_ids: np.ndarray) -> dict:
@@ -147,7 +143,7 @@ class CudaIpcMover:
     # -- exporter --------------------------------------------------------------------------------
     def make_board(self) -> LeaseBoard | None:
         try:  # in the socket directory when one is configured: fetchers can see it by construction
-            return LeaseBoard(directory=self.options.socket_dir)
+            return LeaseBoard(directory=self.port.options.socket_dir)
         except OSError as exc:
             log.warning("cuda_ipc: no lease board (%s): every fetch will ask the exporter first", exc)
             return None
@@ -155,40 +151,34 @@ class CudaIpcMover:
     def share(self) -> dict:
         with self._share_lock:
             if self._share is None:
-                self._share = share_kv(self.kv_cache, self.rows, self._key)
-                board = self.leases.board
+                self._share = share_kv(self.port.kv_cache, self.two_sided.rows, self._key)
+                board = self.port.leases.board
                 self._share["board"] = board.share() if board is not None else None
                 self._share["state"] = self.arena.share() if self.arena is not None else None
             return self._share
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
+    def export(self, request: ExportRequest) -> KVHandle:
         """As GpuTwoSided.export, with the state copied into a row of our GPU's state arena (a
         device copy per state tensor) rather than to the host, when there is a free row."""
-        row = None
+        row, state, num_tokens = None, request.state, request.num_tokens
         if self.arena is not None and state:
             self.two_sided.sync_stream()  # the prefill's writes land before we copy the state
             row = self.arena.put(state)
         if row is None:
-            return self.two_sided.export(request_id, block_ids, num_tokens, state)
+            return self.two_sided.export(request)
         self.two_sided.sync_stream()  # the copy is done: the engine may reuse its state slot at once
-        ids = self.two_sided.check_ids(block_ids, "block_ids")
-        if not 0 < num_tokens <= len(ids) * self.layout.block_size:
+        ids = self.two_sided.check_ids(request.block_ids, "block_ids")
+        if not 0 < num_tokens <= len(ids) * self.port.layout.block_size:
             self.arena.free(row)
             raise ValueError(f"num_tokens {num_tokens} does not fit in {len(ids)} blocks")
-        address = self.ch.listen()
-        lease = self.leases.grant(ids, Export(request_id, {}, None, state_row=row))
-        self.stats.count("exports")
-        self.stats.count("state_in_arena")
+        address = self.port.listen()
+        lease = self.port.leases.grant(ids, Export(request.request_id, {}, None, state_row=row))
+        self.port.stats.count("exports")
+        self.port.stats.count("state_in_arena")
         return KVHandle(
-            backend=self.backend, address=address, request_id=request_id, lease_id=lease.lease_id,
-            block_ids=ids, num_tokens=num_tokens, layout_fingerprint=self.layout.fingerprint,
-            lease_expires_at=time.time() + self.options.lease_s, lease_slot=lease.slot, state_row=row,
+            backend=self.backend, address=address, request_id=request.request_id, lease_id=lease.lease_id,
+            block_ids=ids, num_tokens=num_tokens, layout_fingerprint=self.port.layout.fingerprint,
+            lease_expires_at=time.time() + self.port.options.lease_s, lease_slot=lease.slot, state_row=row,
         )  # fmt: skip
 
     def _lease_ended(self, lease: Any) -> None:
@@ -201,15 +191,15 @@ class CudaIpcMover:
             raise PeerRefused("cuda_ipc needs both workers on one host",
                               [f"host: exporter {host_id()}, fetcher {header.get('host')}"])  # fmt: skip
         await chan.send(
-            {"op": "cuda_ipc_handle", **self.share()}, Deadline.after(self.options.connect_timeout_s)
+            {"op": "cuda_ipc_handle", **self.share()}, Deadline.after(self.port.options.connect_timeout_s)
         )
         chan.notes.add(self.open_op)
-        self.stats.count("ipc_handles_sent")
+        self.port.stats.count("ipc_handles_sent")
         return True
 
     # -- fetcher ---------------------------------------------------------------------------------
     def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
-        hello = {"op": self.open_op, "host": host_id(), "pid": os.getpid(), "gpu": self.gpu}
+        hello = {"op": self.open_op, "host": host_id(), "pid": os.getpid(), "gpu": self.two_sided.gpu}
         chan.send(hello, deadline)
         try:
             share = expect(chan.recv(deadline)[0], "cuda_ipc_handle")
@@ -219,9 +209,9 @@ class CudaIpcMover:
         with self._peers_lock:
             peer = self._peers.get(key)
             if peer is None:
-                device = self.kv_cache.device
+                device = self.device
                 with torch.cuda.device(device) if self.two_sided.on_cuda else contextlib.nullcontext():
-                    peer = open_peer(share, device, self.layout)
+                    peer = open_peer(share, device, self.port.layout)
                 peer.board = open_board(share.get("board"), chan.address)
                 if share.get("state") is not None:
                     index = peer.rows.device.index if peer.rows.is_cuda else None
@@ -232,46 +222,41 @@ class CudaIpcMover:
                         log.warning("cuda_ipc: cannot map %s's state arena: %s", chan.address, exc)
                 peer.layout_fingerprint = chan.peer_layout.fingerprint if chan.peer_layout else ""
                 self._peers[key] = peer
-                self.stats.count("ipc_handles_opened")
+                self.port.stats.count("ipc_handles_opened")
                 while len(self._peers) > PEERS_MAX:
                     self._peers.popitem(last=False)
             self._peers.move_to_end(key)
         return NoClose(peer)
 
     # -- one-sided fetches -----------------------------------------------------------------------
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
         """Read the blocks straight out of the exporter's mapped KV when its lease board says the
         lease is live before and after the copy (no round trip; board.py); else, or for a payload
         with state, the request/answer fetch of GpuTwoSided."""
-        stateful = bool(self.layout.state_shapes)
+        handle, into_block_ids, timeout_s = request.handle, request.into_block_ids, request.timeout_s
+        stateful = bool(self.port.layout.state_shapes)
         two_sided = handle.lease_slot is None or (stateful and handle.state_row is None)
         if two_sided or handle.backend != self.backend:
             return self.two_sided.fetch(handle, into_block_ids, timeout_s)
         into = self.two_sided.check_into(handle, into_block_ids)
-        deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
+        deadline = Deadline.after(timeout_s if timeout_s is not None else self.port.options.fetch_timeout_s)
         start = time.perf_counter()
         try:  # a pooled connection: its first use attaches; `alive` says the exporter still runs
-            with self.pool.connection(handle.address, deadline) as chan:
+            with self.port.pool.connection(handle.address, deadline) as chan:
                 peer = self._mapped(chan, handle, deadline)
                 state = None if peer is None else self._read_one_sided(peer, handle, into, deadline)
                 done = state is not None and chan.alive()
         except TransportError as exc:
-            self.stats.error(exc)
+            self.port.stats.error(exc)
             raise
         if not done:  # the exporter says what became of the lease
             return self.two_sided.fetch(handle, into, deadline.remaining("fetch"))
         end = time.perf_counter()
         self.two_sided.verify_blocks(handle, {}, into, {})
         self.two_sided.phases.append((0.0, 0.0, end - start))
-        self.stats.fetched(len(into) * self.layout.block_nbytes, end - start, handle.address)
-        self.stats.count("one_sided_fetches")
-        return state if state else empty_state(self.layout)
+        self.port.stats.fetched(len(into) * self.port.layout.block_nbytes, end - start, handle.address)
+        self.port.stats.count("one_sided_fetches")
+        return state if state else empty_state(self.port.layout)
 
     def _mapped(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> PeerKV | None:
         """The exporter's mapping (attached on the connection's first use), if it has a board."""
@@ -294,18 +279,18 @@ class CudaIpcMover:
             return None
         if handle.state_row is not None and peer.state_rows is None:
             return None
-        trace.mark("f.one_sided")
+        mark("f.one_sided")
         how, done = self._copy(peer, ids, into)
         state: dict[str, torch.Tensor] = {}
         if handle.state_row is not None:  # behind the blocks on our side stream: its wait covers both
             state = self.pull_state(NoClose(peer), handle.state_row, deadline)
-        trace.mark("f.copy_queued")
+        mark("f.copy_queued")
         self._wait_copies(handle.address, deadline, done)
-        trace.mark("f.copied")
+        mark("f.copied")
         if not board.live(slot, handle.lease_id):  # it ended while we read: the bytes may be stale
-            self.stats.count("one_sided_lost")
+            self.port.stats.count("one_sided_lost")
             return None
-        self.gpu_counts[f"{peer.mode}_{how}"] += 1
+        self.two_sided.gpu_counts[f"{peer.mode}_{how}"] += 1
         return state
 
     def prefetch(self, peer: Any, handle: KVHandle, into: np.ndarray) -> Any:
@@ -335,71 +320,21 @@ class CudaIpcMover:
             early = src_ids, self._copy(mapped, src_ids, into)
         how, done = early[1]
         self._wait_copies(chan.address, deadline, done)
-        self.gpu_counts[f"{mapped.mode}_{how}"] += 1
+        self.two_sided.gpu_counts[f"{mapped.mode}_{how}"] += 1
 
     def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
         """One device copy of the exporter's arena row into a buffer on our GPU, waited for; -> the
         state tensors (views of it, or fp32 copies when it travelled in bf16)."""
-        mapped: PeerKV = peer.value
-        if mapped.state_rows is None:
-            raise TransportError(
-                "cuda_ipc: the exporter keeps the state in its GPU arena, which we could not map "
-                "(see the log); set transport.state_rows: 0 to send the state the host way"
-            )
-        if not 0 <= row < mapped.state_rows.shape[0]:
-            raise TransportError(f"exporter named state arena row {row}, outside its arena")
-        try:
-            with self.two_sided.on_device():
-                buf = torch.empty(mapped.state_rows.shape[1], dtype=torch.uint8, device=self.kv_cache.device)
-                buf.copy_(mapped.state_rows[row], non_blocking=True)
-                state = unpack(buf, self.layout, mapped.state_wire)
-                done = None
-                if self.two_sided.on_cuda:
-                    done = torch.cuda.Event()
-                    done.record()
-        except torch.cuda.OutOfMemoryError as exc:
-            raise TransportError(
-                f"cuda_ipc: no room on this GPU for a {mapped.state_rows.shape[1] >> 20} MiB state row: "
-                "lower engine.memory_utilization (the workers' shares on one GPU should leave room for "
-                "the transport) or give engine.kv_cache_mb"
-            ) from exc
-        except RuntimeError as exc:  # a CUDA error
-            raise TransportError(f"cuda_ipc state copy failed: {exc}") from exc
+        state, done = queue_state_copy(self.two_sided, peer.value, row, self.port.layout, self.device)
         self._wait_copies("the exporter's state arena", deadline, done)
-        self.stats.count("state_rows_read")
+        self.port.stats.count("state_rows_read")
         return state
 
     def _wait_copies(self, address: str, deadline: Deadline, done: Any) -> None:
-        """Wait for this fetch's copies (`done`: the CUDA event after them; None: they were
-        synchronous) until the fetch's deadline, polling (`wait_event`), so a copy that never ends
-        cannot hang the fetch. Past the deadline: TransferTimeout carrying the copy's event
-        (`pending`: the blocks stay out of use until it has happened). A CUDA error is the transfer's."""
-        if done is None:
-            return
-        try:
-            with torch.cuda.device(self.kv_cache.device):
-                wait_event(done, deadline, f"cuda_ipc copy from {address}")
-        except TransferTimeout as exc:  # (a RuntimeError too: before the clause for CUDA's errors)
-            self.stats.count("copy_deadline_missed")
-            self.two_sided.hand_over(exc, done)
-            raise
-        except RuntimeError as exc:
-            raise TransportError(f"cuda_ipc copy from {address} failed: {exc}") from exc
+        wait_copies(self.two_sided, self.port.stats, self.device, address, deadline, done)
 
     def _copy(self, mapped: PeerKV, src_ids: np.ndarray, into: np.ndarray) -> tuple[str, Any]:
-        """Queue the copy on our side stream; -> (how it was done, the CUDA event after it or None)."""
-        try:
-            with self.two_sided.on_device():
-                trace.gpu_mark("f.copy_start", self.kv_cache.device)
-                how = copy_blocks(mapped.rows, self.rows, src_ids, into)
-                trace.gpu_mark("f.copy_end", self.kv_cache.device)
-                if not self.two_sided.on_cuda:
-                    return how, None
-                done = torch.cuda.Event()
-                done.record()
-                return how, done
-        except RuntimeError as exc:  # a CUDA error
-            raise TransportError(f"cuda_ipc copy failed: {exc}") from exc
+        return queue_copy(self.two_sided, mapped, self.two_sided.rows, src_ids, into)
 
     def describe(self) -> dict:
         out = self.two_sided.describe()
@@ -407,13 +342,13 @@ class CudaIpcMover:
             peers = [p.describe() for p in self._peers.values()]
         p2p = None
         if self.two_sided.on_cuda and torch.cuda.device_count() > 1:
-            index = self.kv_cache.device.index or 0
+            index = self.device.index or 0
             p2p = {
                 str(i): torch.cuda.can_device_access_peer(index, i)
                 for i in range(torch.cuda.device_count())
                 if i != index
             }
-        board = self.leases.board
+        board = self.port.leases.board
         out["cuda_ipc"] = {"peers": peers, "p2p_access": p2p, "checksum_on": "host copies",
                            "lease_board": None if board is None else board.describe()}  # fmt: skip
         return out

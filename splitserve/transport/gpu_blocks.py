@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from splitserve.transport.errors import TransportError
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.protocol import Deadline
+from splitserve.wire.kv_handle import KVHandle
 
 # A copy of blocks whose ids make one run on both sides is one cudaMemcpy (the copy engines). Any other
 # pattern on one device (p2p: the exporter's memory mapped on ours) is one launch of the block-copy

@@ -7,7 +7,8 @@ then gets {"op": payload_op, block_ids (base64 int32), blocks, checksum, ...} + 
 frame body, the backend's `push`, and waits for the fetcher's "done" with the lease pinned. Fetcher:
 `attach` once per connection, then the request, the backend's `prefetch` (work that may start before
 the answer), the header and state, its `pull`, "done". The state tensors are small and travel on the
-control channel (channel.py), which holds the mover and owns the connection, the lease and the deadline.
+control channel (channel.py), which holds the mover and owns the connection, the lease and the deadline
+(the mover sees them through its `MoverPort`, port.py).
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from splitserve.transport import trace
-from splitserve.transport.channel import Export, KVChannel
-from splitserve.transport.client import SyncChannel
+from splitserve.transport.client import SyncChannel, counted_failures, fetch_header
 from splitserve.transport.errors import (
     BackendUnavailable,
     CorruptTransfer,
@@ -32,6 +31,7 @@ from splitserve.transport.errors import (
     TransportError,
     error_to_wire,
 )
+from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.gpu_blocks import (
     as_ids,
@@ -42,10 +42,13 @@ from splitserve.transport.gpu_blocks import (
     ids_to_wire,
     kv_rows,
 )
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.payload import ByteStream, empty_state, source_pieces, state_pieces
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect
 from splitserve.transport.server import AsyncChannel
+from splitserve.transport.trace import mark
+from splitserve.transport.transport import ExportRequest
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +139,9 @@ class GpuTwoSided:
         if not kv_cache.is_contiguous():
             raise ValueError(f"{self.backend}: the KV cache tensor must be contiguous")
 
-    def bind(self, ch: KVChannel) -> None:
-        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
-        self.stats, self.leases, self.pool = ch.stats, ch.leases, ch.pool
+    def bind(self, port: MoverPort) -> None:
+        self.port, self.kv_cache, self.layout, self.options = port, port.kv_cache, port.layout, port.options
+        self.stats, self.leases, self.pool = port.stats, port.leases, port.pool
         kv = self.kv_cache
         self.rows = kv_rows(kv)
         self.gpu = gpu_uuid(kv.device)
@@ -198,15 +201,9 @@ class GpuTwoSided:
         return into
 
     # -- exporter side -----------------------------------------------------------------------------
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
+    def export(self, request: ExportRequest) -> KVHandle:
         self.sync_stream()  # the prefill's writes to these blocks land before anyone reads them
-        return self.ch.lease_export(request_id, self.check_ids(block_ids, "block_ids"), num_tokens, state)
+        return self.port.lease_export(request, self.check_ids(request.block_ids, "block_ids"))
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         if header["op"] == "fetch":
@@ -221,10 +218,8 @@ class GpuTwoSided:
             await chan.send(error_to_wire(exc), Deadline.after(self.options.connect_timeout_s))
             return False
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
+    async def send_payload(self, call: PayloadCall) -> int:
+        chan, export, block_ids, meta, fault, deadline = call.unpack()
         if self.open_op not in chan.notes:
             exc = TransportError(f"{self.backend}: fetch before {self.open_op} on this connection")
             await chan.send(error_to_wire(exc), deadline)
@@ -232,14 +227,14 @@ class GpuTwoSided:
         if fault is Fault.KILL:
             return 0  # hang up instead of answering: the fetcher must fail, not hang
         start = time.perf_counter()
-        trace.mark("e.serve")
+        mark("e.serve")
         ids = cached_ids(block_ids)
         if fault is Fault.CORRUPT:
             ids = np.roll(ids, -1)  # the wrong blocks in each place: the checksum must notice
         in_row = export.state_row is not None  # the state waits in the arena: the fetcher copies it
         state = ByteStream([] if in_row else state_pieces(export.state, self.layout))
         early = self.hooks.start_push(chan, ids)
-        trace.mark("e.queued")
+        mark("e.queued")
         try:
             fields = self.hooks.payload_fields(chan, ids)
             header = {"op": self.payload_op, **meta, "block_ids": ids_to_wire(ids), **fields}
@@ -251,45 +246,38 @@ class GpuTwoSided:
             self.hooks.cancel_push(chan, early)
             raise
         answered = time.perf_counter()
-        trace.mark("e.answered")
+        mark("e.answered")
         await self.hooks.push(chan, ids, deadline, early)
         pushed = time.perf_counter()
-        trace.mark("e.pushed")
+        mark("e.pushed")
         expect(await chan.recv(deadline), "done")
-        trace.mark("e.done")
+        mark("e.done")
         self.serve_phases.append((answered - start, pushed - answered, time.perf_counter() - pushed))
         return len(ids) * self.layout.block_nbytes + state.nbytes
 
     # -- fetcher side ------------------------------------------------------------------------------
     def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
+        self, handle: KVHandle, into_block_ids: Sequence[int], timeout_s: float | None = None
     ) -> dict[str, torch.Tensor]:
         into = self.check_into(handle, into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         state = empty_state(self.layout)
         body = ByteStream(state_pieces(state, self.layout))
         start = time.perf_counter()
-        try:
-            with self.pool.connection(handle.address, deadline) as chan:
-                if chan.peer_layout is not None and chan.peer_layout.fingerprint != handle.layout_fingerprint:
-                    raise PeerRefused(f"handle {handle.request_id} was made for another layout")
+        with counted_failures(self.stats, handle.address):
+            with self.pool.for_handle(handle, deadline) as chan:
                 attached = chan.attached.get(self.backend)
                 if attached is None:
                     attached = chan.attached[self.backend] = self.hooks.attach(chan, handle, deadline)
-                request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
-                request.update(self.hooks.fetch_fields(into), timeout_s=deadline.remaining("fetch"))
+                request = fetch_header(handle, deadline, self.hooks.fetch_fields(into))
                 sent = time.perf_counter()
-                trace.mark("f.request")
+                mark("f.request")
                 chan.send(request, deadline)
                 early = self.hooks.prefetch(attached, handle, into)
                 try:
                     header, body_nbytes = chan.recv(deadline)
                     answered = time.perf_counter()
-                    trace.mark("f.answer")
+                    mark("f.answer")
                     meta = expect(header, self.payload_op)
                     src_ids = self._peer_ids(meta, len(into))
                     in_row = meta.get("state_row") is not None
@@ -303,20 +291,13 @@ class GpuTwoSided:
                         chan.recv_stream(body, deadline)
                     self.hooks.pull(chan, attached, meta, src_ids, into, deadline, early)
                     pulled = time.perf_counter()
-                    trace.mark("f.pulled")
+                    mark("f.pulled")
                 except BaseException as exc:
                     self.hooks.settle(early, exc)
                     raise
                 deadline.remaining("copy out of the exporter's KV")  # past it the exporter may unpin
                 chan.send({"op": "done"}, deadline)
             self.verify_blocks(handle, meta, into, state)
-        except TransportError as exc:
-            self.stats.error(exc)
-            raise
-        except (KeyError, TypeError, ValueError) as exc:  # a field missing or mistyped in an answer
-            malformed = TransportError(f"malformed answer from {handle.address}: {exc!r}")
-            self.stats.error(malformed)
-            raise malformed from exc
         nbytes = len(into) * self.layout.block_nbytes + body.nbytes
         end = time.perf_counter()
         self.phases.append((sent - start, answered - sent, pulled - answered))

@@ -9,21 +9,22 @@ change, and neither subclasses anything.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.client import SyncChannel
-from splitserve.transport.fault_plan import Fault
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.payload import ByteStream, snapshot_state
 from splitserve.transport.protocol import Deadline
 from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.transport import ExportRequest, FetchRequest
+from splitserve.wire.kv_handle import KVHandle
 
 if TYPE_CHECKING:
-    from splitserve.transport.channel import Export, KVChannel
+    from splitserve.transport.export_requests import PayloadCall
+    from splitserve.transport.port import MoverPort
 
 
 class StreamWire(Protocol):
@@ -31,7 +32,7 @@ class StreamWire(Protocol):
 
     backend: str
 
-    def bind(self, ch: KVChannel) -> None:
+    def bind(self, port: MoverPort) -> None:
         """Once, when the channel is made."""
         ...
 
@@ -39,10 +40,7 @@ class StreamWire(Protocol):
         """Exporter: where the control server listens."""
         ...
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
+    async def send_payload(self, call: PayloadCall) -> int:
         """Exporter: the pinned lease's blocks and state (the `meta` header first); -> bytes sent."""
         ...
 
@@ -63,9 +61,9 @@ class StreamMover:
         self.wire = wire
         self.backend = wire.backend
 
-    def bind(self, ch: KVChannel) -> None:
-        self.ch = ch
-        self.wire.bind(ch)
+    def bind(self, port: MoverPort) -> None:
+        self.port = port
+        self.wire.bind(port)
 
     # -- the mover contract (channel.py) -----------------------------------------------------------
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
@@ -77,36 +75,21 @@ class StreamMover:
     def listen_spec(self) -> ListenSpec:
         return self.wire.listen_spec()
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.ch.lease_export(request_id, self.ch.check_ids(block_ids, "block_ids"), num_tokens, state)
+    def export(self, request: ExportRequest) -> KVHandle:
+        return self.port.lease_export(request, self.port.check_ids(request.block_ids, "block_ids"))
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.ch.layout, state)
+        return snapshot_state(self.port.layout, state)
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return None  # no open exchange
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
-        return await self.wire.send_payload(chan, export, block_ids, meta, fault, deadline)
+    async def send_payload(self, call: PayloadCall) -> int:
+        return await self.wire.send_payload(call)
 
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return self.ch.stream_fetch(handle, into_block_ids, timeout_s, self.wire.recv_payload)
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        return self.port.stream_fetch(request, self.wire.recv_payload)
 
     def describe(self) -> dict:
         return self.wire.describe()

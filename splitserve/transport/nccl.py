@@ -20,7 +20,8 @@ Life of a connection and of one fetch:
      at most ONE_MESSAGE_BYTES, else about CHUNK_BYTES each. The sends are queued on the server's
      loop thread before the answer goes out (`start_push`; a worker thread then waits for them). A
      chunk whose ids are consecutive is sent straight from the cache; any other is gathered into one
-     of up to STAGING_BUFS staging buffers first (gathering chunk k+1 overlaps sending chunk k).
+     of up to STAGING_BUFS staging buffers first (gathering chunk k+1 overlaps sending chunk k;
+     nccl_chunks.py).
   3. fetcher: receives each chunk straight into kv[into] when its ids there are consecutive, else into
      a staging buffer and scatters it (receives run ahead of scatters); waits for all of it within
      its deadline -> {"op": "done"}.
@@ -45,9 +46,8 @@ import logging
 import secrets
 import socket
 import threading
-import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -55,18 +55,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from splitserve.transport import trace
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel, parse_address
 from splitserve.transport.errors import PeerRefused, TransportError
-from splitserve.transport.fault_plan import Fault
-from splitserve.transport.gpu_blocks import consecutive_start, host_id, index_tensor, wide
+from splitserve.transport.export_requests import PayloadCall
+from splitserve.transport.gpu_blocks import consecutive_start, host_id
 from splitserve.transport.gpu_two_sided import GpuTwoSided
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
+from splitserve.transport.nccl_chunks import queue_recvs, queue_sends
 from splitserve.transport.nccl_group import (
     PairGroup,
+    aborting,
     chunk_spans,
     make_group,
     nccl_version,
@@ -74,16 +74,18 @@ from splitserve.transport.nccl_group import (
     wait_done,
 )
 from splitserve.transport.payload import snapshot_state
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.transport import ExportRequest, FetchRequest
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 32 << 20  # blocks go in chunks of about this much (at least one block)
-STAGING_BUFS = 3  # staged chunks in flight per transfer side (gathering / sending / scattering)
 # A transfer up to this size is one message (one NCCL send and receive), gathered whole into one
 # staging buffer where its blocks are not one run: per-message costs (c10d's calls, NCCL's launch and
-# rendezvous) are paid once. Larger ones go in CHUNK_BYTES chunks through STAGING_BUFS buffers.
+# rendezvous) are paid once. Larger ones go in CHUNK_BYTES chunks (nccl_chunks.py stages them).
 ONE_MESSAGE_BYTES = 1 << 30
 WARMUP_BYTE = 0x5A
 
@@ -96,39 +98,29 @@ class NcclMover:
     payload_op = "kv_nccl"
 
     def __init__(self, kv_cache: torch.Tensor, cpu_test_double: bool = False) -> None:
-        self.cpu_test_double = cpu_test_double
         self.two_sided = GpuTwoSided(self, kv_cache, cpu_test_double)  # checks the KV cache's device
 
-    def bind(self, ch: KVChannel) -> None:
-        two_sided = self.two_sided
-        two_sided.bind(ch)
-        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
-        self.stats, self.leases, self.pool = ch.stats, ch.leases, ch.pool
-        self.rows, self.gpu, self.gpu_counts = two_sided.rows, two_sided.gpu, two_sided.gpu_counts
-        layout = self.layout
+    def bind(self, port: MoverPort) -> None:
+        self.port, self.device = port, port.kv_cache.device
+        self.two_sided.bind(port)
+        layout = self.port.layout
         self.chunk_blocks = max(1, CHUNK_BYTES // layout.block_nbytes)
         self._send_lock = threading.Lock()
         self.send_calls: deque[float] = deque(maxlen=64)  # seconds in c10d's send calls, per transfer
 
     def listen_spec(self) -> ListenSpec:
-        return ListenSpec("tcp", host=self.options.host, port=self.options.port)
+        return ListenSpec("tcp", host=self.port.options.host, port=self.port.options.port)
 
     @property
     def group_timeout_s(self) -> float:
-        return self.options.max_fetch_s + 60.0
-
-    def staging(self, per: int, count: int = STAGING_BUFS) -> torch.Tensor:
-        """`count` chunk-sized buffers [count, per, block_nbytes] on our device, for one transfer (the
-        caching allocator makes them cheap; concurrent fetches each get their own)."""
-        shape = (count, per, self.rows.shape[1])
-        return torch.empty(shape, dtype=torch.uint8, device=self.kv_cache.device)
+        return self.port.options.max_fetch_s + 60.0
 
     def blocks_per_message(self, ids: np.ndarray, into_run: bool) -> int:
         """How many blocks each message carries: all of them when they are one run on both sides (no
         staging anywhere) or fit in ONE_MESSAGE_BYTES; else `chunk_blocks`."""
         n = len(ids)
         one_run = into_run and consecutive_start(ids) is not None
-        if one_run or n * self.layout.block_nbytes <= ONE_MESSAGE_BYTES:
+        if one_run or n * self.port.layout.block_nbytes <= ONE_MESSAGE_BYTES:
             return n
         return self.chunk_blocks
 
@@ -138,37 +130,22 @@ class NcclMover:
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies (the engine reuses its slot at once)."""
-        return snapshot_state(self.layout, state)
+        return snapshot_state(self.port.layout, state)
 
     def make_board(self) -> LeaseBoard | None:
         return None  # every fetch asks the exporter
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.two_sided.export(request_id, block_ids, num_tokens, state)
+    def export(self, request: ExportRequest) -> KVHandle:
+        return self.two_sided.export(request)
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return await self.two_sided.serve_op(chan, header)
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
-        return await self.two_sided.send_payload(chan, export, block_ids, meta, fault, deadline)
+    async def send_payload(self, call: PayloadCall) -> int:
+        return await self.two_sided.send_payload(call)
 
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return self.two_sided.fetch(handle, into_block_ids, timeout_s)
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        return self.two_sided.fetch(request.handle, request.into_block_ids, request.timeout_s)
 
     def close(self) -> None:
         pass
@@ -183,45 +160,43 @@ class NcclMover:
     def pull_state(self, peer: Any, row: int, deadline: Deadline) -> dict[str, torch.Tensor]:
         raise TransportError(f"{self.backend}: the exporter named a state arena row, which we cannot read")
 
+    def _refuse_own_gpu(self, peer_gpu: str) -> None:
+        """NCCL cannot pair a GPU with itself: refuse a peer on ours (CPU test doubles excepted)."""
+        gpu = self.two_sided.gpu
+        if peer_gpu == gpu and self.two_sided.on_cuda:
+            both = f"gpu: exporter and fetcher both on {gpu}"
+            raise PeerRefused("nccl cannot pair a GPU with itself", [both])
+
     # -- exporter --------------------------------------------------------------------------------
     async def serve_open(self, chan: AsyncChannel, header: dict) -> bool:
-        asked = float(header.get("timeout_s", self.options.connect_timeout_s))
-        deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
-        if str(header.get("gpu")) == self.gpu and self.two_sided.on_cuda:
-            raise PeerRefused(
-                "nccl cannot pair a GPU with itself", [f"gpu: exporter and fetcher both on {self.gpu}"]
-            )
-        host = self.options.host if self.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        asked = float(header.get("timeout_s", self.port.options.connect_timeout_s))
+        deadline = Deadline.after(min(max(asked, 0.001), self.port.options.max_fetch_s))
+        self._refuse_own_gpu(str(header.get("gpu")))
+        host = self.port.options.host if self.port.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         store = await asyncio.to_thread(
             dist.TCPStore, host, 0, None, True, timedelta(seconds=deadline.remaining("rendezvous")), False
         )
         prefix = f"splitserve-kv/{secrets.token_hex(16)}"
-        answer = {"op": "nccl_rendezvous", "port": store.port, "prefix": prefix, "gpu": self.gpu,
+        answer = {"op": "nccl_rendezvous", "port": store.port, "prefix": prefix, "gpu": self.two_sided.gpu,
                   "host": host_id(), "nccl": nccl_version()}  # fmt: skip
         await chan.send(answer, deadline)
         try:
-            group = make_group(dist.PrefixStore(prefix, store), 0, self.kv_cache.device, self.group_timeout_s)
+            group = make_group(dist.PrefixStore(prefix, store), 0, self.device, self.group_timeout_s)
         except (RuntimeError, ValueError) as exc:
             raise TransportError(f"nccl: cannot make a process group: {exc}") from exc
         pair = chan.attached["nccl"] = PairGroup(group, store)
         await asyncio.to_thread(self._warmup_send, pair, deadline, lambda: sock_gone(chan.sock))
         expect(await chan.recv(deadline), "nccl_ready")
         chan.notes.add(self.open_op)
-        self.stats.count("nccl_groups")
+        self.port.stats.count("nccl_groups")
         return True
 
     def _warmup_send(self, pair: PairGroup, deadline: Deadline, gone: Callable[[], bool]) -> None:
         with self._send_lock, self.two_sided.on_device(after_current=False):
-            byte = torch.full((1,), WARMUP_BYTE, dtype=torch.uint8, device=self.kv_cache.device)
-            try:
+            byte = torch.full((1,), WARMUP_BYTE, dtype=torch.uint8, device=self.device)
+            with aborting(pair, "nccl warm-up send"):
                 work = pair.group.send([byte], 1, 0)
-                wait_done([work], pair, self.kv_cache.device, deadline, gone, "nccl warm-up")
-            except TransportError:
-                pair.abort()
-                raise
-            except RuntimeError as exc:
-                pair.abort()
-                raise TransportError(f"nccl warm-up send failed: {exc}") from exc
+                wait_done([work], pair, self.device, deadline, gone, "nccl warm-up")
 
     def chunk_for(self, chan: AsyncChannel, ids: np.ndarray) -> int:
         """Blocks per message for this fetch (`blocks_per_message`)."""
@@ -273,95 +248,57 @@ class NcclMover:
 
     def _enqueue_sends(self, pair: PairGroup, ids: np.ndarray, per: int) -> list[Any]:
         """Queue the gathers and sends of every chunk; -> the works not waited for yet."""
-        with self.two_sided.on_device(after_current=False):
-            try:
-                works: list[Any] = []
-                waited: set[int] = set()
-                index = bufs = None
-                spans = chunk_spans(len(ids), per)
-                calls = 0.0
-                for k, (a, b) in enumerate(spans):
-                    first = consecutive_start(ids[a:b])
-                    if first is not None:
-                        chunk = self.rows[first : first + b - a]
-                    else:
-                        if index is None or bufs is None:
-                            index = index_tensor(ids, self.kv_cache.device)
-                            bufs = self.staging(per, min(STAGING_BUFS, len(spans)))
-                        reuse = k - len(bufs)
-                        if reuse >= 0 and reuse not in waited:
-                            works[reuse].wait()  # the buffer's last send is done before we refill it
-                            waited.add(reuse)
-                        chunk = bufs[k % len(bufs)][: b - a]
-                        src, out = wide(self.rows, chunk)
-                        torch.index_select(src, 0, index[a:b], out=out)
-                    start = time.perf_counter()
-                    trace.gpu_mark("e.send_queued", self.kv_cache.device)
-                    works.append(pair.group.send([chunk], 1, 0))
-                    calls += time.perf_counter() - start
-                    trace.mark("e.send_called")
-                self.send_calls.append(calls)
-                return [w for i, w in enumerate(works) if i not in waited]  # Gloo: a work waits once
-            except RuntimeError as exc:
-                pair.abort()
-                raise TransportError(f"nccl send failed: {exc}") from exc
+        with self.two_sided.on_device(after_current=False), aborting(pair, "nccl send"):
+            works, calls = queue_sends(pair.group, self.two_sided.rows, ids, per)
+        self.send_calls.append(calls)
+        return works
 
     def _finish_sends(
         self, pair: PairGroup, works: list[Any], deadline: Deadline, gone: Callable[[], bool]
     ) -> None:
-        with self.two_sided.on_device(after_current=False):
-            try:
-                wait_done(works, pair, self.kv_cache.device, deadline, gone, "nccl send")
-            except TransportError:
-                pair.abort()
-                raise
-            except RuntimeError as exc:
-                pair.abort()
-                raise TransportError(f"nccl send failed: {exc}") from exc
+        with self.two_sided.on_device(after_current=False), aborting(pair, "nccl send"):
+            wait_done(works, pair, self.device, deadline, gone, "nccl send")
 
     # -- fetcher ---------------------------------------------------------------------------------
     def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
-        chan.send({"op": self.open_op, "gpu": self.gpu, "host": host_id(),
+        chan.send({"op": self.open_op, "gpu": self.two_sided.gpu, "host": host_id(),
                    "timeout_s": deadline.remaining("nccl open")}, deadline)  # fmt: skip
         try:
             answer = expect(chan.recv(deadline)[0], "nccl_rendezvous")
         except PeerRefused as exc:
             raise PeerRefused(f"nccl exporter {handle.address} refused us", exc.mismatches) from exc
-        if str(answer["gpu"]) == self.gpu and self.two_sided.on_cuda:
-            raise PeerRefused(
-                "nccl cannot pair a GPU with itself", [f"gpu: exporter and fetcher both on {self.gpu}"]
-            )
+        self._refuse_own_gpu(str(answer["gpu"]))
         family, target = parse_address(handle.address)
         if family == socket.AF_UNIX:
             raise TransportError(f"nccl needs a tcp exporter address, got {handle.address}")
         try:
             store = dist.TCPStore(str(target[0]), int(answer["port"]), None, False,
                                   timedelta(seconds=deadline.remaining("rendezvous")), False)  # fmt: skip
-            group = make_group(dist.PrefixStore(str(answer["prefix"]), store), 1, self.kv_cache.device,
+            group = make_group(dist.PrefixStore(str(answer["prefix"]), store), 1, self.device,
                                self.group_timeout_s)  # fmt: skip
         except (RuntimeError, ValueError) as exc:
             raise TransportError(f"nccl rendezvous with {handle.address} failed: {exc}") from exc
         pair = PairGroup(group, store)
         try:
-            with self.two_sided.on_device():
-                byte = torch.zeros(1, dtype=torch.uint8, device=self.kv_cache.device)
-                work = group.recv([byte], 0, 0)
-                wait_done(
-                    [work], pair, self.kv_cache.device, deadline, lambda: not chan.alive(), "nccl warm-up"
-                )
-                if int(byte.item()) != WARMUP_BYTE:
-                    raise TransportError(f"nccl warm-up from {handle.address} delivered the wrong byte")
-            chan.send({"op": "nccl_ready"}, deadline)
-        except TransportError:
-            pair.abort()
-            raise
-        except RuntimeError as exc:
-            pair.abort()
-            raise TransportError(f"nccl warm-up with {handle.address} failed: {exc}") from exc
+            with aborting(pair, f"nccl warm-up with {handle.address}"):
+                with self.two_sided.on_device():
+                    byte = torch.zeros(1, dtype=torch.uint8, device=self.device)
+                    work = group.recv([byte], 0, 0)
+                    wait_done(
+                        [work],
+                        pair,
+                        self.device,
+                        deadline,
+                        lambda: not chan.alive(),
+                        "nccl warm-up",
+                    )
+                    if int(byte.item()) != WARMUP_BYTE:
+                        raise TransportError(f"nccl warm-up from {handle.address} delivered the wrong byte")
+                chan.send({"op": "nccl_ready"}, deadline)
         except BaseException:
-            pair.abort()
+            pair.abort()  # anything else that stops the open exchange (aborting twice is harmless)
             raise
-        self.stats.count("nccl_groups")
+        self.port.stats.count("nccl_groups")
         return pair
 
     def fetch_fields(self, into: np.ndarray) -> dict:
@@ -375,56 +312,11 @@ class NcclMover:
         per = int(meta["chunk_blocks"])
         if per <= 0:
             raise TransportError(f"exporter announced chunks of {per} blocks")
-        try:
-            with self.two_sided.on_device():
-                works, staged = self._recv_chunks(pair, into, per)
-                wait_done(works, pair, self.kv_cache.device, deadline, lambda: not chan.alive(), "nccl recv")
-        except TransportError:
-            pair.abort()
-            raise
-        except RuntimeError as exc:
-            pair.abort()
-            raise TransportError(f"nccl recv from {chan.address} failed: {exc}") from exc
-        self.gpu_counts["chunks"] += len(chunk_spans(len(into), per))
-        self.gpu_counts["chunks_staged"] += staged
-
-    def _recv_chunks(self, pair: PairGroup, ids: np.ndarray, per: int) -> tuple[list[Any], int]:
-        """Queue the receives (and scatters) of every chunk on our side stream; -> the works to wait
-        for, and how many chunks went through staging.
-
-        A chunk whose ids are one run lands in place. Others land in one of (up to) STAGING_BUFS
-        buffers and are scattered from there; a chunk's scatter is queued only when its buffer is
-        needed again, so receives run ahead of scatters and the two overlap (a receive waits for our
-        stream as it is when queued, which then holds the scatter of the buffer's last chunk)."""
-        spans = chunk_spans(len(ids), per)
-        works: list[Any] = []
-        index = bufs = None
-        pending: list[tuple[Any, torch.Tensor, int, int]] = []  # received, not yet scattered
-        staged = 0
-
-        def scatter_oldest() -> None:
-            work, chunk, a, b = pending.pop(0)
-            work.wait()  # our stream waits for the receive (Gloo: it is done)
-            dst, src = wide(self.rows, chunk)
-            dst.index_copy_(0, index[a:b], src)
-
-        for a, b in spans:
-            first = consecutive_start(ids[a:b])
-            if first is not None:
-                works.append(pair.group.recv([self.rows[first : first + b - a]], 0, 0))
-                continue
-            if index is None or bufs is None:
-                index = index_tensor(ids, self.kv_cache.device)
-                bufs = self.staging(per, min(STAGING_BUFS, len(spans)))
-            if len(pending) == len(bufs):
-                scatter_oldest()  # before this receive is queued: it frees the buffer it reuses
-            chunk = bufs[staged % len(bufs)][: b - a]
-            pending.append((pair.group.recv([chunk], 0, 0), chunk, a, b))
-            staged += 1
-        while pending:
-            scatter_oldest()
-        trace.mark("f.recv_called")
-        return works, staged
+        with aborting(pair, f"nccl recv from {chan.address}"), self.two_sided.on_device():
+            works, staged = queue_recvs(pair.group, self.two_sided.rows, into, per)
+            wait_done(works, pair, self.device, deadline, lambda: not chan.alive(), "nccl recv")
+        self.two_sided.gpu_counts["chunks"] += len(chunk_spans(len(into), per))
+        self.two_sided.gpu_counts["chunks_staged"] += staged
 
     def describe(self) -> dict:
         out = self.two_sided.describe()

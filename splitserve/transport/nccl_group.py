@@ -7,16 +7,16 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from splitserve.transport import trace
 from splitserve.transport.errors import TransferTimeout, TransportError
 from splitserve.transport.protocol import Deadline
+from splitserve.transport.trace import gpu_mark, mark
 
 POLL_PEER_S = 0.01  # how often a waiting side checks that the control connection is still up
 
@@ -70,6 +70,21 @@ class PairGroup:
         self.abort()
 
 
+@contextlib.contextmanager
+def aborting(pair: PairGroup, what: str) -> Iterator[None]:
+    """Abort the pair's group when the NCCL work inside fails (its peer may be half-way through a
+    send or receive: the group cannot be trusted again); c10d's RuntimeError becomes a TransportError
+    "`what` failed: ..."."""
+    try:
+        yield
+    except TransportError:
+        pair.abort()
+        raise
+    except RuntimeError as exc:
+        pair.abort()
+        raise TransportError(f"{what} failed: {exc}") from exc
+
+
 def chunk_spans(n: int, per: int) -> list[tuple[int, int]]:
     return [(a, min(a + per, n)) for a in range(0, n, per)]
 
@@ -90,11 +105,11 @@ def wait_done(
         return
     for work in works:
         work.wait()  # our stream waits for NCCL's (no CPU wait)
-    trace.gpu_mark(f"{what} finished", device)
+    gpu_mark(f"{what} finished", device)
     done = torch.cuda.Event()
     done.record()
     start = checked = time.monotonic()
-    trace.mark(f"{what}: waiting")
+    mark(f"{what}: waiting")
     while not done.query():
         now = time.monotonic()
         if now >= deadline.at:
@@ -106,7 +121,7 @@ def wait_done(
                 pair.abort()
                 raise TransportError(f"{what}: the peer closed the connection")
         time.sleep(0 if now - start < SPIN_S else 20e-6)
-    trace.mark(f"{what}: seen done")
+    mark(f"{what}: seen done")
 
 
 def sock_gone(sock: socket.socket) -> bool:

@@ -42,27 +42,21 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.channel import Export, KVChannel
-from splitserve.transport.client import SyncChannel
-from splitserve.transport.errors import PeerRefused, TransportError
+from splitserve.transport.channel import KVChannel
+from splitserve.transport.client import SyncChannel, counted_failures, fetch_header
+from splitserve.transport.errors import TransportError
+from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout, torch_dtype
-from splitserve.transport.nixl_agent import (
-    NixlAgent,
-    Region,
-    descriptors,
-    enable_cuda_ipc_get,
-    paired_runs,
-    ucx_error_mode,
-)
+from splitserve.transport.nixl_agent import NixlAgent, Region, descriptors, paired_runs
+from splitserve.transport.nixl_env import enable_cuda_ipc_get, ucx_error_mode
 from splitserve.transport.nixl_state import StateSlots, peer_regions, remote_descs
 from splitserve.transport.payload import (
     ByteStream,
@@ -73,8 +67,11 @@ from splitserve.transport.payload import (
     source_pieces,
     state_pieces,
 )
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.transport import ExportRequest, FetchRequest
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +83,9 @@ class NixlMover:
 
     backend = "nixl"
 
-    def bind(self, ch: KVChannel) -> None:
-        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
-        self.stats, self.pool = ch.stats, ch.pool
+    def bind(self, port: MoverPort) -> None:
+        self.port, self.kv_cache, self.layout, self.options = port, port.kv_cache, port.layout, port.options
+        self.stats, self.pool = port.stats, port.pool
         kv = self.kv_cache
         if not kv.is_contiguous():
             raise ValueError("nixl needs a contiguous KV tensor (it registers the whole pool)")
@@ -114,14 +111,8 @@ class NixlMover:
     def make_board(self) -> LeaseBoard | None:
         return None
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.ch.lease_export(request_id, self.ch.check_ids(block_ids, "block_ids"), num_tokens, state)
+    def export(self, request: ExportRequest) -> KVHandle:
+        return self.port.lease_export(request, self.port.check_ids(request.block_ids, "block_ids"))
 
     async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
         return None  # no open exchange: the agent's metadata rides the first answer
@@ -146,15 +137,8 @@ class NixlMover:
         return snapshot_state(self.layout, state)
 
     # -- exporter side ---------------------------------------------------------------------------
-    async def send_payload(
-        self,
-        chan: AsyncChannel,
-        export: Export,
-        block_ids: tuple[int, ...],
-        meta: dict,
-        fault: Fault,
-        deadline: Deadline,
-    ) -> int:
+    async def send_payload(self, call: PayloadCall) -> int:
+        chan, export, block_ids, meta, fault, deadline = call.unpack()
         ids = list(block_ids)
         if fault is Fault.CORRUPT:
             ids = ids[1:] + ids[:1]  # point the fetcher at the wrong blocks: the checksum must notice
@@ -187,33 +171,18 @@ class NixlMover:
             await asyncio.sleep(PUMP_S)
 
     # -- fetcher side ----------------------------------------------------------------------------
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        into = self.ch.check_fetch(handle, into_block_ids)
+    def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        handle, timeout_s, into_state = request.handle, request.timeout_s, request.into_state
+        into = self.port.check_fetch(handle, request.into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
         start = time.perf_counter()
-        try:
-            with self.pool.connection(handle.address, deadline) as chan:
-                if chan.peer_layout is not None and chan.peer_layout.fingerprint != handle.layout_fingerprint:
-                    raise PeerRefused(f"handle {handle.request_id} was made for another layout")
-                request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
-                chan.send({**request, "timeout_s": deadline.remaining("fetch")}, deadline)
+        with counted_failures(self.stats, handle.address):
+            with self.pool.for_handle(handle, deadline) as chan:
+                chan.send(fetch_header(handle, deadline), deadline)
                 meta, state = self._read(chan, handle, into, into_state, deadline)
             if handle.checksum or meta.get("checksum"):  # over host views (CPU KV) or copies (CUDA KV)
                 landed = source_pieces(self.kv_cache, into) + host_state_pieces(state, self.layout)
-                self.ch.verify(handle, meta, ByteStream(landed))
-        except TransportError as exc:
-            self.stats.error(exc)
-            raise
-        except (KeyError, TypeError, ValueError) as exc:  # a field missing or mistyped in an answer
-            malformed = TransportError(f"malformed answer from {handle.address}: {exc!r}")
-            self.stats.error(malformed)
-            raise malformed from exc
+                self.port.verify(handle, meta, ByteStream(landed))
         nbytes = len(into) * self.layout.block_nbytes + self.layout.state_nbytes
         self.stats.fetched(nbytes, time.perf_counter() - start, handle.address)
         return state

@@ -7,7 +7,7 @@ Life of a `NixlAgent`:
      failed is kept with NIXL's own error (its exception and what its C++ log wrote to stderr) and,
      where the plugin cannot even be loaded, the loader's reason (`libfabric.so.1: cannot open ...`).
      None instantiated: `BackendUnavailable` with all of that. Before the agent, on a CUDA machine,
-     the CUDA 12 runtime that nixl-cu12's UCX links is loaded (`preload_cuda_runtime`).
+     the CUDA 12 runtime that nixl-cu12's UCX links is loaded (`preload_cuda_runtime`, nixl_env.py).
   2. `register(kv)`: the whole KV pool once (DRAM for a CPU tensor, VRAM for a CUDA one); a VRAM
      registration that UCX refuses says which library was missing.
   3. exporter: `metadata()` goes to each fetcher over the authenticated channel; while a fetch is
@@ -22,154 +22,32 @@ Life of a `NixlAgent`:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import glob
-import importlib
-import importlib.util
 import logging
-import os
 import re
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
 from splitserve.transport.errors import BackendUnavailable, TransferTimeout, TransportError
+from splitserve.transport.nixl_env import (
+    CUDART,
+    load_nixl,
+    plugin_load_error,
+    preload_cuda_runtime,
+    stderr_captured,
+)
 from splitserve.transport.protocol import Deadline
 
 log = logging.getLogger(__name__)
 
-DISTRIBUTIONS = ("nixl", "nixl_cu12", "nixl_cu13")  # module names NIXL's wheels install
-NIXL_BACKENDS = ("UCX", "LIBFABRIC")  # what a manifest may name (others: not tried here)
 POLL_PEER_S = 0.005  # while a READ runs, how often the control connection is checked
 _GLOG = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+\] ")  # glog's line prefix
 SPIN_S = 0.0005  # a READ is polled without sleeping this long, then in short naps
-
-
-def load_nixl() -> tuple[ModuleType, str]:
-    """NIXL's Python API (`nixl_agent`, ...) and the module it came from; BackendUnavailable if none."""
-    errors = []
-    for name in DISTRIBUTIONS:
-        try:
-            mod = importlib.import_module(name)
-            if not hasattr(mod, "nixl_agent"):
-                mod = importlib.import_module(f"{name}._api")
-            quiet = logging.getLogger("nixl")  # NIXL logs INFO to stdout; ours go to logging's handlers
-            quiet.handlers.clear()
-            quiet.propagate = True
-            return mod, name
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-    raise BackendUnavailable(
-        "nixl: the NIXL Python package is not installed "
-        "(pip install --no-deps nixl-cu12==1.5.1, then numpy); " + "; ".join(errors)
-    )
-
-
-UCX_ERROR_ENV = "SPLITSERVE_NIXL_UCX_ERROR_HANDLING"  # none | peer: overrides ucx_error_mode()
-
-
-def ucx_error_mode(device: torch.device) -> str:
-    """NIXL's UCX `ucx_error_handling_mode` for a KV pool on `device`: `none` for GPU memory, `peer` (NIXL's
-    default) for host memory; $SPLITSERVE_NIXL_UCX_ERROR_HANDLING overrides.
-
-    NOTE: with `peer`, UCX keeps only transports that can report a peer's failure (its shared-memory ones
-    cannot: "sysv/memory - no peer failure handler"); on the H200 a VRAM READ between two processes of
-    one GPU then ran emulated over tcp/lo at 0.5 GB/s, with `none` emulated over sysv/memory at 0.8 GB/s
-    (docs/bench/kv-nixl.md). A dead exporter is still caught by the transport itself (the control
-    connection is polled during a READ, and every READ has a deadline)."""
-    mode = os.environ.get(UCX_ERROR_ENV, "").strip().lower()
-    if mode in ("none", "peer"):
-        return mode
-    return "none" if device.type == "cuda" else "peer"
-
-
-CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"  # UCX's own: on | off | auto (its default)
-
-
-def enable_cuda_ipc_get(device: torch.device) -> str | None:
-    """For a KV pool on a GPU: UCX's cuda_ipc GET zero-copy `on`, unless the operator set it; -> the value.
-    Set in this process's environment before the agent's UCX context reads it.
-
-    NOTE: UCX's `auto` turns cuda_ipc GETs off where NVML reports no NVLink ("cuda-ipc get zcopy disabled
-    as no nvlinks detected", UCX_LOG_LEVEL=debug on the one-GPU H200 machine), and a NIXL READ, a GET,
-    then runs as UCX's "software emulation" over active messages at 0.5-0.9 GB/s, where a device copy
-    does 1,900 GB/s. Two processes on one GPU (no NVLink to report) are exactly that case. Across GPUs
-    joined only by PCIe UCX judges GETs slower than PUTs; still far faster than the emulation."""
-    if device.type != "cuda":
-        return None
-    return os.environ.setdefault(CUDA_IPC_GET_ENV, "on")
-
-
-CUDART = "libcudart.so.12"  # what nixl-cu12's UCX (libucm_cuda) links; a CUDA 13 image has .so.13 only
-
-
-def preload_cuda_runtime() -> str | None:
-    """Load the CUDA 12 runtime, so that UCX's CUDA module, loaded later, finds it by soname (the loader
-    matches loaded objects by soname first; RTLD_LOCAL keeps torch's CUDA 13 symbols ours); -> where from.
-
-    NOTE: without libcudart.so.12, UCX's libucm_cuda does not load, UCX then reports GPU memory as host
-    memory and NIXL refuses VRAM ("VRAM memory is detected as host by UCX"; seen on the H200 image,
-    CUDA 13). `pip install --no-deps nixl-cu12` leaves out the `nvidia-cuda-runtime-cu12` wheel that
-    carries it; with that wheel installed, its copy is loaded from there."""
-    if not torch.cuda.is_available():
-        return None
-    candidates = [CUDART]
-    spec = importlib.util.find_spec("nvidia.cuda_runtime") if importlib.util.find_spec("nvidia") else None
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        candidates.append(os.path.join(folder, "lib", CUDART))
-    for path in candidates:
-        try:
-            ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
-            return path
-        except OSError:
-            continue
-    log.warning("nixl: %s is not loadable here: UCX cannot register GPU memory without it "
-                "(pip install --no-deps nvidia-cuda-runtime-cu12)", CUDART)  # fmt: skip
-    return None
-
-
-@contextlib.contextmanager
-def stderr_captured(into: list[str]) -> Iterator[None]:
-    """What C++ code writes to fd 2 meanwhile (NIXL logs its reasons there), appended to `into` and
-    echoed to the real stderr afterwards."""
-    sys.stderr.flush()
-    with tempfile.TemporaryFile() as tmp:
-        saved = os.dup(2)
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            text = tmp.read().decode(errors="replace")
-            if text:
-                sys.stderr.write(text)
-                into.append(text.strip())
-
-
-def plugin_load_error(module: ModuleType, backend: str) -> str | None:
-    """Why NIXL's plugin for `backend` cannot be loaded (a missing library), or None if it can."""
-    site = os.path.dirname(os.path.dirname(module.__file__ or ""))  # .../site-packages
-    name = f"libplugin_{backend}.so"
-    dirs = [os.path.join(site, d, "plugins") for d in (".*", "*")]
-    dirs += [os.environ["NIXL_PLUGIN_DIR"]] if os.environ.get("NIXL_PLUGIN_DIR") else []
-    paths = [p for d in dirs for p in glob.glob(os.path.join(d, name))]
-    if not paths:
-        return f"no libplugin_{backend}.so in this NIXL build"
-    try:
-        ctypes.CDLL(paths[0], mode=os.RTLD_LAZY | os.RTLD_LOCAL)
-    except OSError as exc:
-        return str(exc)
-    return None
 
 
 @dataclass(frozen=True)

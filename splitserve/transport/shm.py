@@ -18,15 +18,16 @@ from typing import Any
 
 import torch
 
-from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
-from splitserve.transport.fault_plan import Fault
+from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.host_stream import StreamMover
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, expect
-from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
+from splitserve.transport.server import ListenSpec, UnixSocketPath
 from splitserve.transport.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
 from splitserve.transport.shm_staged import SEGMENT_PREFIX, recv_staged, send_staged
 
@@ -41,8 +42,8 @@ class ShmWire:
     def __init__(self) -> None:
         self.socket_path = UnixSocketPath()
 
-    def bind(self, ch: KVChannel) -> None:
-        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
+    def bind(self, port: MoverPort) -> None:
+        self.kv_cache, self.layout, self.options = port.kv_cache, port.layout, port.options
 
     @property
     def mode(self) -> str:
@@ -51,10 +52,8 @@ class ShmWire:
     def listen_spec(self) -> ListenSpec:
         return self.socket_path.listen_spec(self.options.socket_dir)
 
-    async def send_payload(
-        self, chan: AsyncChannel, export: Export, block_ids: tuple[int, ...], meta: dict,
-        fault: Fault, deadline: Deadline,
-    ) -> int:  # fmt: skip
+    async def send_payload(self, call: PayloadCall) -> int:
+        chan, export, block_ids, meta, fault, deadline = call.unpack()
         shared = shared_kv_of(self.kv_cache)
         if shared is not None:
             state = ByteStream(state_pieces(export.state, self.layout))
@@ -63,7 +62,7 @@ class ShmWire:
         stream = ByteStream(source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout))
         slot_nbytes = self.options.shm_chunk_mb << 20
         await send_staged(
-            chan, stream, {**meta, "nbytes": stream.nbytes}, slot_nbytes, deadline, fault, self.ch.faults
+            chan, stream, {**meta, "nbytes": stream.nbytes}, slot_nbytes, deadline, fault, call.plan
         )
         return stream.nbytes
 

@@ -20,15 +20,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from splitserve.transport.channel import Export, KVChannel
+from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
+from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
 from splitserve.transport.host_stream import StreamMover
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
+from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, encode_frame, expect
-from splitserve.transport.server import AsyncChannel, ListenSpec
+from splitserve.transport.server import ListenSpec
 
 
 class TcpWire:
@@ -36,24 +38,17 @@ class TcpWire:
 
     backend = "tcp"
 
-    def bind(self, ch: KVChannel) -> None:
-        self.ch, self.kv_cache, self.layout, self.options = ch, ch.kv_cache, ch.layout, ch.options
+    def bind(self, port: MoverPort) -> None:
+        self.kv_cache, self.layout, self.options = port.kv_cache, port.layout, port.options
 
     def listen_spec(self) -> ListenSpec:
         return ListenSpec("tcp", host=self.options.host, port=self.options.port)
 
-    async def send_payload(
-        self,
-        chan: AsyncChannel,
-        export: Export,
-        block_ids: tuple[int, ...],
-        meta: dict,
-        fault: Fault,
-        deadline: Deadline,
-    ) -> int:
+    async def send_payload(self, call: PayloadCall) -> int:
+        chan, export, block_ids, meta, fault, deadline = call.unpack()
         body = ByteStream(source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout))
-        if fault is Fault.CORRUPT and self.ch.faults is not None:
-            body = self.ch.faults.corrupted(body)
+        if fault is Fault.CORRUPT and call.plan is not None:
+            body = call.plan.corrupted(body)
         frame = encode_frame({"op": "kv", **meta, "nbytes": body.nbytes}, body_nbytes=body.nbytes)
         stream = ByteStream(
             [np.frombuffer(frame, dtype=np.uint8), *body.pieces]

@@ -9,12 +9,10 @@ run-time probe must notice; nothing else changes. Enabled only by the worker's `
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
 
 import torch
 
-from splitserve.transport.handle import KVHandle
-from splitserve.transport.transport import KVTransport
+from splitserve.transport.transport import FetchRequest, KVTransport
 from splitserve.transport.wrapped import WrappedTransport
 
 
@@ -25,17 +23,11 @@ class ThrottledTransport(WrappedTransport):
         super().__init__(inner)
         self.gbps = gbps
 
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def fetch_request(self, request: FetchRequest) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
-        state = self.inner.fetch(handle, into_block_ids, timeout_s, into_state)
+        state = self.inner.fetch_request(request)
         kv = self.inner.kv_cache
-        nbytes = len(into_block_ids) * kv[0].numel() * kv.element_size()
+        nbytes = len(request.into_block_ids) * kv[0].numel() * kv.element_size()
         left = nbytes / (self.gbps * 1e9) - (time.perf_counter() - start)
         if left > 0:
             time.sleep(left)

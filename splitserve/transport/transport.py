@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.transport.fault_plan import FaultPlan
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
+from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,29 @@ class TransportOptions:
     # arena sends it the host way) and travels in this dtype (transport/state_arena.py)
     state_arena_rows: int = 8
     state_wire_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """One request's KV to put under a lease, as `KVTransport.export` is asked for it: the blocks
+    holding its first `num_tokens` tokens, and its state tensors (hybrid models) or None."""
+
+    request_id: str
+    block_ids: Sequence[int]
+    num_tokens: int
+    state: Mapping[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """One handle's KV to fetch, as `KVTransport.fetch` is asked for it: our blocks to write it into,
+    the deadline in seconds (None: `fetch_timeout_s`), and the engine's state slot views to write the
+    state into where the backend moves it in place (else None)."""
+
+    handle: KVHandle
+    into_block_ids: Sequence[int]
+    timeout_s: float | None = None
+    into_state: Mapping[str, torch.Tensor] | None = None
 
 
 class TransportStats:
@@ -119,6 +142,8 @@ class KVTransport(ABC):
 
     The whole contract a caller may use, by side:
         exporter   listen() -> address; export(...) -> KVHandle; release(handle); address
+                   (a transport implements export_request(ExportRequest) and fetch_request(FetchRequest),
+                   which export and fetch build)
         fetcher    fetch(handle, into_block_ids, ...) -> state; release(handle); check_peer(address)
         both       register_states(states); describe(); close(); stats; install_faults(plan) (tests)
     channel.py's `KVChannel` implements it for every backend (a control channel holding the backend's
@@ -131,7 +156,6 @@ class KVTransport(ABC):
     stats: TransportStats
 
     # -- exporter side ---------------------------------------------------------------------------
-    @abstractmethod
     def export(
         self,
         request_id: str,
@@ -141,13 +165,17 @@ class KVTransport(ABC):
     ) -> KVHandle:
         """Lease the blocks (and copy the small state tensors, or keep them in their registered slot:
         `register_states`) and return a handle to fetch them by."""
+        return self.export_request(ExportRequest(request_id, block_ids, num_tokens, state))
+
+    @abstractmethod
+    def export_request(self, request: ExportRequest) -> KVHandle:
+        """`export`, the request as one record: what a transport implements."""
 
     @abstractmethod
     def release(self, handle: KVHandle) -> None:
         """End the handle's lease (locally or at the exporter). Twice, or after expiry, is harmless."""
 
     # -- fetcher side ----------------------------------------------------------------------------
-    @abstractmethod
     def fetch(
         self,
         handle: KVHandle,
@@ -157,6 +185,11 @@ class KVTransport(ABC):
     ) -> dict[str, torch.Tensor]:
         """Write the handle's blocks into our kv[into_block_ids]; return its state tensors: CPU copies,
         or `into_state` itself (views of the engine's slot) where the transport wrote them in place."""
+        return self.fetch_request(FetchRequest(handle, into_block_ids, timeout_s, into_state))
+
+    @abstractmethod
+    def fetch_request(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        """`fetch`, the request as one record: what a transport implements."""
 
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
         """Offer the engine's state-slot tensors ([num_slots, *shape] each), once, at start. True: this

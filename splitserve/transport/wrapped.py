@@ -4,14 +4,14 @@ test hooks that change one thing about a real transport (faults.py's `FaultyTran
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
 from splitserve.transport.fault_plan import FaultPlan
-from splitserve.transport.handle import KVHandle
 from splitserve.transport.layout import KVLayout
-from splitserve.transport.transport import KVTransport
+from splitserve.transport.transport import ExportRequest, FetchRequest, KVTransport
+from splitserve.wire.kv_handle import KVHandle
 
 
 class WrappedTransport(KVTransport):
@@ -24,26 +24,14 @@ class WrappedTransport(KVTransport):
             inner.stats,
         )
 
-    def export(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        state: Mapping[str, torch.Tensor] | None = None,
-    ) -> KVHandle:
-        return self.inner.export(request_id, block_ids, num_tokens, state)
+    def export_request(self, request: ExportRequest) -> KVHandle:
+        return self.inner.export_request(request)
 
     def release(self, handle: KVHandle) -> None:
         self.inner.release(handle)
 
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return self.inner.fetch(handle, into_block_ids, timeout_s, into_state)
+    def fetch_request(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        return self.inner.fetch_request(request)
 
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool:
         return self.inner.register_states(states)

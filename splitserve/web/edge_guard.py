@@ -1,4 +1,4 @@
-"""Read limits on our HTTP servers' connections (issue 26 F3, slowloris): a request's headers must
+"""Read limits on our HTTP servers' connections (against slowloris): a request's headers must
 arrive within `header_timeout_s` of its first byte (or of the connection) and fit in
 `max_header_bytes`; its body must arrive within `body_timeout_s` of its headers.
 

@@ -12,9 +12,9 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import TokenLogprob
-from splitserve.transport.handle import KVHandle
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
+from splitserve.wire.kv_handle import KVHandle
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)} - {"extra"}
 

@@ -1,7 +1,7 @@
 """A worker's command line: `--spec` (a runtime's WorkerConfig as JSON) and flags over it.
 
 The engine's flags are made from `EngineConfig`'s fields (one flag per field, its default and type read
-from the dataclass), so an engine knob is declared once, in engine/config.py. Every flag that sets a
+from the dataclass), so an engine knob is declared once, in config/engine.py. Every flag that sets a
 config field is left out of the namespace unless given, so that what is given overrides the spec (or
 the declared defaults when there is no spec) and nothing else does.
 """
@@ -14,8 +14,8 @@ import os
 import types
 import typing
 
+from splitserve.config.engine import EngineConfig
 from splitserve.config.worker import ROLES, WorkerConfig
-from splitserve.engine.config import EngineConfig
 
 _DEFAULTS, _ENGINE_DEFAULTS = WorkerConfig(), EngineConfig()
 # EngineConfig fields a worker sets itself (or through --kv-cache-mb), not flags
@@ -23,7 +23,7 @@ _ENGINE_INTERNAL = {"progress", "kv_shared_memory", "kv_cache_bytes"}
 _ENGINE_HELP = {
     "model": "HF directory, GGUF file or random:SHAPE; None: the embedded SmolLM2-135M",
     "tokenizer": "HF directory or GGUF file; None: the model's",
-    "gpu_memory_utilization": "CUDA: fraction of the device for weights + KV",
+    "gpu_memory_utilization": "CUDA: the share of the device this worker may hold",
     "enforce_eager": "CUDA: no decode CUDA graphs",
     "async_scheduling": "overlap the host's and the GPU's work in decode (auto: on for CUDA)",
     "weight_cache_dir": '"auto", a path, or "off"',
@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="require a bearer token derived from the KV secret on every endpoint but /health",
     )
     w.add_argument("--kv-throttle-gbps", type=float, default=keep, help="test hook: fetches at this GB/s")
+    w.add_argument("--kv-fetch-fraction", type=float, default=keep, help="test hook: fetches land this share")
     _engine_flags(p.add_argument_group("engine (EngineConfig's fields)"))
     return p
 

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from splitserve.config.worker import ROLES, WorkerConfig
 from splitserve.core.ops import RoleError
 from splitserve.model.errors import ModelLoadError
+from splitserve.startup_clock import mark, marks
 from splitserve.transport import TransportError
 from splitserve.wire.auth import worker_headers, worker_token  # noqa: F401 - re-exported
 from splitserve.worker.cli import build_parser, config_from_args
@@ -81,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv == [STANDBY]:
             argv = standby()
+            mark("adopted")  # a spare's phases before this ran before the worker was asked for
         args = build_parser().parse_args(argv)
     except SystemExit:
         client.close(1)
@@ -90,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(logging.INFO if args.verbose else logging.WARNING)  # as the router: text or JSON
     from splitserve.worker.app import serve
 
+    mark("imports")  # start-up phases, in the ready line (startup_clock.py)
     try:
         config = config_from_args(args)
         worker = Worker(config, client)
@@ -106,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from splitserve.heap import freeze_heap
 
         freeze_heap("worker front end")
-        info = {"event": "ready", "url": url, **worker.health()}
+        mark("ready")
+        info = {"event": "ready", "url": url, **worker.health(), "front_end": marks()}
         print(json.dumps(info), flush=True)
 
     serve(worker, config.kv_host, args.port, ready)

@@ -17,7 +17,7 @@ from typing import Any
 from splitserve.config.worker import WorkerConfig
 from splitserve.core.ops import RoleError
 from splitserve.core.share import CORES_PREFIX
-from splitserve.engine.grammar import check_grammar
+from splitserve.sampling.grammar_check import check_grammar
 from splitserve.tempdirs import remove_if_orphaned
 from splitserve.wire import core as wire
 from splitserve.wire.http import (

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.engine.params import SamplingParams
-from splitserve.engine.stop import cut_text, find_stop_string
+from splitserve.sampling.params import SamplingParams
+from splitserve.sampling.stop_strings import cut_text, find_stop_string
 from splitserve.wire.core import Delta
 from splitserve.wire.http import StreamLine
 

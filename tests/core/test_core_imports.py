@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import zmq
 
+from splitserve.config.engine import EngineConfig
 from splitserve.config.worker import WorkerConfig
 from splitserve.core.loop import EngineCore
-from splitserve.engine.config import EngineConfig
 from splitserve.wire import core as wire
 
 pytestmark = pytest.mark.slow

@@ -86,10 +86,10 @@ def test_a_steps_tokens_and_logprobs_do_not_depend_on_its_thread_count(model: st
     default model with the CPU ops loaded (decode rows' projections through the panels of cpu_gemm on
     AVX-512 hosts, else MKL's GEMV or oneDNN; prompts through oneDNN and the prefill attention op,
     decode rows the paged one), and the hybrid's torch ops."""
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine import EngineConfig
     from splitserve.engine.engine import LLMEngine
-    from splitserve.engine.params import SamplingParams
     from splitserve.model import cpu_attention, cpu_fused, cpu_gemm, cpu_prefill
+    from splitserve.sampling.params import SamplingParams
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: no second thread count to compare")
@@ -149,10 +149,10 @@ def test_the_hook_runs_before_each_layer_and_mlp_product(model: str, fused: bool
     runs at the checkpoints of every forward: before each layer (the decoder's fused CPU path and its
     plain one, and the hybrid's), and in the fused path's prompt steps also before each of a layer's two
     MLP products."""
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine import EngineConfig
     from splitserve.engine.engine import LLMEngine
-    from splitserve.engine.params import SamplingParams
     from splitserve.model import cpu_fused, cpu_layer, cpu_threads
+    from splitserve.sampling.params import SamplingParams
 
     if fused and not cpu_fused.load():
         pytest.skip("the fused CPU ops could not be built here")

@@ -1,4 +1,4 @@
-"""issue 26: a step that raises despite admission checks fails only the request it is pinned on.
+"""A step that raises despite admission checks fails only the request it is pinned on.
 
 A test hook (SPLITSERVE_TEST_STEP_FAULT_TOKEN, read by the engine's isolate.py, off unless set) makes
 any step that computes one token raise. One request carrying it is sent while eight innocent streams

@@ -8,8 +8,8 @@ import pytest
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.block_pool import ROOT_HASH, BlockPool, NoFreeBlocks, hash_block
-from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request
+from splitserve.sampling.params import SamplingParams
 
 
 def _hashes(token_ids: list[int], block_size: int) -> list[bytes]:

@@ -11,8 +11,9 @@ import jsonschema
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.grammar import GrammarError, Grammars
-from splitserve.engine.params import GrammarSpec
+from splitserve.engine.grammar import Grammars
+from splitserve.sampling.grammar_check import GrammarError
+from splitserve.sampling.params import GrammarSpec
 
 SCHEMA = {
     "type": "object",

@@ -1,7 +1,7 @@
-"""issue 26: a step that raises despite admission checks is pinned on the request that causes it.
+"""A step that raises despite admission checks is pinned on the request that causes it.
 The engine steps each request of the failed batch alone (isolate.py): the poison request is aborted
 with its error, every other request finishes with exactly its greedy output (HF's), and the KV pool
-is whole afterwards. Before, the core failed every request in the step. Plain and overlapped steps."""
+is whole afterwards, instead of every request in the step failing. Plain and overlapped steps."""
 
 from __future__ import annotations
 

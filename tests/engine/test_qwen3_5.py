@@ -13,7 +13,8 @@ import torch
 from tiny_configs import TINY_QWEN3_5
 
 from splitserve import SamplingParams
-from splitserve.engine.config import EngineConfig, block_bytes
+from splitserve.config.engine import EngineConfig
+from splitserve.engine.config import block_bytes
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.llm import LLM
 from splitserve.model.config import ModelConfig

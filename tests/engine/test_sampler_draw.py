@@ -92,9 +92,9 @@ def test_the_sampler_takes_the_same_tokens_with_and_without_the_op(op: None, mon
     """engine/sampler.py with the op loaded and with its torch path: the same tokens from the same seed,
     for rows greedy, at temperatures, and filtered by top_k / top_p / min_p (the filter runs in torch
     first, then the op draws at temperature 1)."""
-    from splitserve.engine.params import SamplingParams
     from splitserve.engine.request import Request
     from splitserve.engine.sampler import Sampler
+    from splitserve.sampling.params import SamplingParams
 
     params = [
         SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.6),

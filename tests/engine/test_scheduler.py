@@ -11,9 +11,9 @@ import pytest
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.block_pool import BlockPool
-from splitserve.engine.params import SamplingParams
 from splitserve.engine.request import Request, Status
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.sampling.params import SamplingParams
 
 BS = 4
 

@@ -67,6 +67,9 @@ def test_alert_rules_are_valid():
         "SplitserveKVBandwidthLow",
         "SplitserveKVTransferFailures",
         "SplitserveWorkerRestarted",
+        "SplitserveDecodeRecomputesPrompts",
+        "SplitservePrefillPoolIdle",
+        "SplitserveKVBytesPerTokenLow",
     } <= seen
 
 
@@ -129,6 +132,10 @@ def test_every_alerted_counter_is_there_at_zero_before_its_first_event():
         ("splitserve:request_errors_total", {"status": "401"}),
         ("splitserve:num_preemptions_total", {"worker": "decode-0", "role": "decode"}),
         ("splitserve:prefix_cache_hits_total", {"worker": "decode-0", "role": "decode"}),
+        ("splitserve:kv_recomputed_tokens_total", {"worker": "decode-0", "role": "decode"}),
+        ("splitserve:prompt_tokens_computed_total", {"worker": "prefill-0", "role": "prefill"}),
+        ("splitserve:kv_imported_tokens_total", {"worker": "decode-0", "role": "decode"}),
+        ("splitserve:kv_fetched_bytes_total", {"worker": "decode-0", "role": "decode"}),
     ]
     for name, labels in want:
         key = (name, tuple(sorted({"model_name": "m", **labels}.items())))

@@ -120,7 +120,7 @@ def test_a_throttled_transport_fails_the_gate_and_fires_the_alert_metric(tmp_pat
             assert time.monotonic() < deadline, text
             time.sleep(0.5)
         assert "splitserve:kv_min_gbps" in text and "splitserve:kv_probe_gbps{" in text
-    assert not folder.exists()  # issue 26 F13: the deployment's temp folder goes with it
+    assert not folder.exists()  # the deployment's temp folder goes with it
 
 
 # -- nixl: the reference deployment's trap ---------------------------------------------------------

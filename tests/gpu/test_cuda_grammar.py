@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.params import GrammarSpec
+from splitserve.sampling.params import GrammarSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -284,7 +284,7 @@ def test_engine_disaggregated_on_two_gpus_equals_colocated(backend, eager):
     """KVConnector over cuda_ipc (one process: the exporter's tensor directly) or nccl (two ranks
     in one process), fp32 tiny Qwen3 with random weights: decode continues token for token."""
     from splitserve import SamplingParams
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine import EngineConfig
     from splitserve.engine.engine import LLMEngine
     from splitserve.engine.kv_connector import KVConnector
     from splitserve.model.random_weights import random_model, random_model_config

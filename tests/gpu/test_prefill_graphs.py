@@ -3,7 +3,7 @@ equal the eager fla path's and the torch rule's token for token, one request at 
 chunk, so graphs replay), chunked mid-prompt, and on prefix-cache hits (a short chunk from a restored
 state checkpoint, at a position past 0).
 
-Skipped without a GPU or fla-core. TRITON_F32_DEFAULT=ieee python -m pytest tests/gpu/test_prefill_graphs.py
+Skipped without a GPU or fla-core (Triton's fp32 dots in IEEE fp32: tests/gpu/conftest.py).
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ def test_engine_varlen_greedy_matches_torch(monkeypatch, tmp_path):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from splitserve import SamplingParams
-    from splitserve.engine.config import EngineConfig, block_bytes
+    from splitserve.config.engine import EngineConfig
+    from splitserve.engine.config import block_bytes
     from splitserve.engine.engine import LLMEngine
     from splitserve.engine.llm import LLM
     from splitserve.model.loader import LoadedModel

@@ -11,7 +11,7 @@ import torch
 from kv_transfer_helpers import SECRET, random_prompts
 
 from splitserve import SamplingParams
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.kv_connector import KVConnector, KVExport, KVTransferFailed, NoRoom
 from splitserve.model.loader import load_model

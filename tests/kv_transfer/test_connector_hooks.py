@@ -18,10 +18,11 @@ from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.kv_transfer import KVTransfers
 from splitserve.engine.kv_transfer_hooks import Inbox, KVLoad, LeaseEnded, LoadDone
 from splitserve.engine.kv_transfer_types import ImportSpec, KVTransferFailed, NoRoom
-from splitserve.engine.params import SamplingParams
-from splitserve.engine.request import Request, RequestOutput, Status, TokenLogprob
+from splitserve.engine.request import Request, RequestOutput, Status
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_pool import StatePool
+from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.sampling.params import SamplingParams
 from splitserve.transport import KVHandle, PeerRefused
 
 BS = 4

@@ -23,7 +23,7 @@ from kv_transfer_helpers import (
 )
 
 from splitserve import SamplingParams
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.kv_connector import KVConnector, KVExport, KVTransferFailed
 from splitserve.transport import AuthError, PeerRefused, TransportOptions

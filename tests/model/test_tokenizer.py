@@ -38,3 +38,55 @@ def test_converted_tokenizer_is_cached_and_rebuilt_when_corrupt(default_path, tm
     rebuilt = Tokenizer.from_checkpoint(default_path, cache_key=key)
     assert rebuilt.encode(TEXTS[0]) == fresh.encode(TEXTS[0])
     assert (entry / "tokenizer.json").read_text().startswith("{\n")
+
+
+def _reference(hf, messages, **kw) -> list[int]:
+    out = hf.apply_chat_template(messages, tokenize=True, **kw)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_light_tokenizer_matches_transformers_token_for_token() -> None:
+    """What the router and the front ends load (tokenizers + jinja2, no transformers) gives transformers'
+    ids and text for the same files: plain text, special tokens, the chat template with a generation
+    prompt, a continued final message, tools and caller variables in a template of the request's."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from splitserve.model.tokenizer import LightTokenizer, load_tokenizer
+
+    light = load_tokenizer(None)
+    assert isinstance(light, LightTokenizer)
+    hf = AutoTokenizer.from_pretrained(str(light.folder))
+    texts = [*TEXTS, "<|im_start|>user hi<|im_end|>", "Hello , world . isn 't"]
+    for text in texts:
+        assert light.encode(text) == hf.encode(text)
+        assert light.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+        ids = hf.encode(text)
+        for skip in (True, False):
+            assert light.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+        assert [light.token_text(i) for i in ids] == [hf.decode([i]) for i in ids]
+    assert light.eos_token_ids == (hf.eos_token_id,) and light.vocab_size == len(hf)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    for gen in (True, False):
+        assert light.apply_chat_template(chat, add_generation_prompt=gen) == _reference(
+            hf, chat, add_generation_prompt=gen
+        )
+    cont = [*chat, {"role": "assistant", "content": "The capital is "}]
+    kw = {"add_generation_prompt": False, "continue_final_message": True}
+    assert light.apply_chat_template(cont, **kw) == _reference(hf, cont, **kw)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if tools %}TOOLS {{ tools | tojson }}{% endif %}{{ bos_token }}{{ extra }}"
+    )
+    kw = {"add_generation_prompt": True, "tools": tools, "chat_template": template, "extra": "é<x>"}
+    assert light.apply_chat_template(chat, **kw) == _reference(hf, chat, **kw)
+    # and loading it imports neither transformers nor torch
+    code = (
+        "import sys; from splitserve.model.tokenizer import load_tokenizer; load_tokenizer(None); "
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

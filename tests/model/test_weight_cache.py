@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine import EngineConfig
 from splitserve.model import loader
 from splitserve.model.checkpoint import default_model_path, open_checkpoint
 from splitserve.model.loader import LoadedModel, load_model

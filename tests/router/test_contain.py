@@ -1,4 +1,4 @@
-"""issue 26 F9: after a 500 the keep-alive connection stays open, so the client's next request on it
+"""After a 500 the keep-alive connection stays open, so the client's next request on it
 works. A real uvicorn serving an app with our middleware and one route that raises."""
 
 from __future__ import annotations

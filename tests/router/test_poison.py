@@ -1,7 +1,7 @@
-"""issue 26: one hostile request beside eight innocent ones, in both modes. Every hostile parameter of
+"""One hostile request beside eight innocent ones, in both modes. Every hostile parameter of
 the bad-input battery is refused at admission with a 400, and the eight greedy streams prefilling
-beside it finish with exactly the text they get alone (before, `top_k` 2^63 failed the prefill step of
-every request in it, and the innocents got 400s)."""
+beside it finish with exactly the text they get alone (unchecked, `top_k` 2^63 would fail the
+prefill step of every request in it, and the innocents would get 400s)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from splitserve.config.manifest import RouterSection
+from splitserve.config.manifest_sections import RouterSection
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.openai_protocol import APIError
 

@@ -299,7 +299,7 @@ def test_unsatisfiable_grammar_ends_by_length(dep):
 def engine_answers():
     """The in-process engine's answers to seeded constrained requests: what both deployments must give."""
     from splitserve import LLM, SamplingParams
-    from splitserve.engine.params import GrammarSpec
+    from splitserve.sampling.params import GrammarSpec
 
     llm = LLM(model=MODEL, max_model_len=512, kv_cache_bytes=16 << 20, progress=False)
     prompts = [[100 + i, 200, 300 + i] for i in range(8)]

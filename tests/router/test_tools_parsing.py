@@ -7,19 +7,13 @@ import json
 
 import pytest
 
-from splitserve.engine.grammar import GrammarError, check_grammar
-from splitserve.engine.params import GrammarSpec, SamplingParams
 from splitserve.router.openai_protocol import APIError, ChatCompletionRequest
+from splitserve.router.parsers.base import CallDeltas
+from splitserve.router.parsers.json_calls import HERMES, LLAMA3, JsonCallParser, ToolParser
 from splitserve.router.structured import requested_grammar
-from splitserve.router.tools import (
-    HERMES,
-    LLAMA3,
-    ToolDeltas,
-    ToolParser,
-    chosen_tools,
-    parser_for,
-    tool_grammar,
-)
+from splitserve.router.tools import chosen_tools, parser_for, tool_grammar
+from splitserve.sampling.grammar_check import GrammarError, check_grammar
+from splitserve.sampling.params import GrammarSpec, SamplingParams
 
 HERMES_TEXT = (
     'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -29,6 +23,10 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
 ]
+
+
+def ToolDeltas(fmt: str) -> CallDeltas:  # noqa: N802 - a stream's deltas, as a class would make them
+    return CallDeltas(JsonCallParser(fmt))
 
 
 def test_hermes_whole_and_streamed_at_every_split():

@@ -29,6 +29,10 @@ def test_a_model_argument_and_vllm_flags_fill_the_manifest():
     assert _manifest("--enable-prefix-caching").engine.enable_prefix_caching is True
     assert _manifest().server.metrics_auth is False  # /metrics open, as vLLM's
     assert _manifest("--metrics-auth").server.metrics_auth is True
+    spec = _manifest("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}').engine
+    assert spec.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(ManifestError, match="speculative method"):
+        _manifest("--speculative-config", '{"method": "eagle"}')
 
 
 def test_a_model_path_is_served_under_its_own_name_as_vllm_does(tmp_path):
@@ -46,7 +50,7 @@ def test_refusals_say_why(capsys, tmp_path):
     assert "no such manifest file" in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "missing-model")]) == 2
     assert "no such model file or directory" in capsys.readouterr().err
-    assert main(["serve", "--api-key", ""]) == 2  # issue 26 F5: an empty key would admit an empty token
+    assert main(["serve", "--api-key", ""]) == 2  # an empty key would admit an empty token
     assert "an API key must not be empty" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["--version"])

@@ -283,7 +283,7 @@ def test_worker_command_lines_carry_their_pool_engine():
 
 @pytest.mark.parametrize("keys", ['[""]', '["  "]', '["k1", ""]'])
 def test_an_empty_api_key_is_refused(keys):
-    """issue 26 F5: `--api-key ""` was accepted, and then an empty bearer token authenticated."""
+    """An empty key is refused: accepted, it would let an empty bearer token authenticate."""
     with pytest.raises(ManifestError, match="an API key must not be empty"):
         parse_manifest(f"server: {{api_keys: {keys}}}")
     assert parse_manifest('server: {api_keys: [" k1 "]}').server.keys() == ["k1"]
@@ -294,7 +294,7 @@ _BOMB = 'a: &a ["lol","lol"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*
 
 @pytest.mark.parametrize(
     ("text", "words"),
-    [  # issue 26 F7 and F8: each was accepted, blew up, or took long before
+    [  # each of these would be accepted, blow up, or take long if not refused
         (_BOMB, "YAML aliases (*name) are not allowed"),
         ("model: {source: &s default, tokenizer: *s}", "YAML aliases"),
         ("server:\n  port: 1\n  port: 2\n", "server.port (line 3): given twice (first on line 2)"),
@@ -335,7 +335,7 @@ def test_many_unknown_keys_give_a_bounded_error():
 
 @pytest.mark.parametrize(
     ("text", "words"),
-    [  # issue 26 F3: the HTTP edge's read limits are bounded like every other number
+    [  # the HTTP edge's read limits are bounded like every other number
         ("server: {header_timeout_s: .inf}", "server.header_timeout_s (line 1): Input should be"),
         ("server: {body_timeout_s: 0}", "server.body_timeout_s (line 1): Input should be greater"),
         ("server: {max_header_bytes: 99999999999}", "server.max_header_bytes (line 1): Input should be less"),

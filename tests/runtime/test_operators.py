@@ -1,7 +1,7 @@
 """Operators' habits, on real deployments: `splitserve serve MODEL` with vLLM's flags and a manifest with
 vLLM's names each reach the engine (read back from /health); the access log and the stats line under
 load; a burst of 4xx answers in /metrics and in the log; JSON log lines; the workers' vLLM-named
-/metrics (what the Gateway API Inference Extension scrapes)."""
+/metrics (what the Gateway API Inference Extension scrapes), speculative decoding's counters among them."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def vllm_flags() -> ServeProcess:
         "--gpu-memory-utilization", "0.5", "--max-num-seqs", "6", "--max-num-batched-tokens", "512",
         "--block-size", "32", "--no-enable-prefix-caching", "--enforce-eager", "--seed", "11",
         "--tokenizer", GGUF, "--served-model-name", "tiny", "tiny-alias", "--tensor-parallel-size", "1",
-        "--log-format", "json",
+        "--log-format", "json", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
     ]  # fmt: skip
     sp = start_serve(None, 180, args=args, env={"SPLITSERVE_API_KEY": KEY})
     yield sp
@@ -118,6 +118,10 @@ def test_json_log_lines_and_worker_vllm_metrics(vllm_flags: ServeProcess):
     for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
                  "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total"):  # fmt: skip
         assert (name, labels) in s, name
+    spec_labels = frozenset({**dict(labels), "method": "ngram"}.items())
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total"):  # fmt: skip
+        assert (name, spec_labels) in s, name
 
 
 def test_manifest_with_vllm_names_reaches_the_engine(vllm_manifest: ServeProcess):

@@ -1,4 +1,4 @@
-"""What two backends share is composed, never inherited (issue 27): no mover or wire subclasses another
+"""What two backends share is composed, never inherited: no mover or wire subclasses another
 or a shared base. GPU movers hold a GpuTwoSided; tcp and shm are one StreamMover holding each its wire."""
 
 from __future__ import annotations

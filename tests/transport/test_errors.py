@@ -125,7 +125,7 @@ def test_peer_without_the_secret_gets_nothing(make, first):
 
 
 def test_a_peer_of_another_protocol_version_learns_nothing_of_our_layout(make):
-    """issue 26 F12: such a peer got the exporter's whole KV layout before it proved the secret."""
+    """Such a peer is refused before it proves the secret, without seeing the exporter's KV layout."""
     exporter = make("tcp")
     with _raw_connect(export_some(exporter).address) as sock:
         assert _read_frame(sock)[0]["op"] == "challenge"
@@ -336,7 +336,7 @@ def test_nixl_declared_fallback_serves_logs_loudly_and_is_counted(make, caplog):
 
 
 def test_nixl_ucx_error_mode_is_none_for_gpu_memory_and_peer_for_host(monkeypatch):
-    from splitserve.transport.nixl_agent import UCX_ERROR_ENV, ucx_error_mode
+    from splitserve.transport.nixl_env import UCX_ERROR_ENV, ucx_error_mode
 
     monkeypatch.delenv(UCX_ERROR_ENV, raising=False)
     assert ucx_error_mode(torch.device("cpu")) == "peer"  # NIXL's default: a dead peer is reported
@@ -347,7 +347,7 @@ def test_nixl_ucx_error_mode_is_none_for_gpu_memory_and_peer_for_host(monkeypatc
 
 @needs_nixl
 def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(make, monkeypatch):
-    from splitserve.transport.nixl_agent import UCX_ERROR_ENV
+    from splitserve.transport.nixl_env import UCX_ERROR_ENV
 
     monkeypatch.setenv(UCX_ERROR_ENV, "none")  # what a GPU pool gets, here on host memory
     exporter = make("nixl")
@@ -362,7 +362,7 @@ def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(ma
 
 
 def test_nixl_turns_cuda_ipc_gets_on_for_gpu_pools_unless_the_operator_chose(monkeypatch):
-    from splitserve.transport.nixl_agent import CUDA_IPC_GET_ENV, enable_cuda_ipc_get
+    from splitserve.transport.nixl_env import CUDA_IPC_GET_ENV, enable_cuda_ipc_get
 
     monkeypatch.delenv(CUDA_IPC_GET_ENV, raising=False)
     assert enable_cuda_ipc_get(torch.device("cpu")) is None and CUDA_IPC_GET_ENV not in os.environ

@@ -1,7 +1,7 @@
-"""issue 26 F13: a fetcher drops a dead exporter's shared memory. shm's direct mode maps the exporter's
+"""A fetcher drops a dead exporter's shared memory. shm's direct mode maps the exporter's
 whole KV cache (a memfd) into the fetcher, held by the pooled connection; a killed prefill worker comes
-back at a new address, so nobody took that connection again and the decode worker kept the dead
-worker's cache mapped (about 1 GB) until it restarted itself. Now the pool's reaper closes it."""
+back at a new address, so nobody takes that connection again; without the pool's reaper, which closes
+it, the decode worker would keep the dead worker's cache mapped (about 1 GB) until it restarted."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""issue 26 F3 (slowloris): our HTTP servers time out slow headers and bodies and refuse huge headers;
+"""Against slowloris: our HTTP servers time out slow headers and bodies and refuse huge headers;
 ordinary clients do not notice. A real uvicorn with `edge_guard.guarded_protocol`, over both of
-uvicorn's HTTP parsers (httptools, which it picks when installed, and h11). Before, a client sending
-a header byte a second held its connection for good and a 16 MiB header was read whole."""
+uvicorn's HTTP parsers (httptools, which it picks when installed, and h11). Unguarded, a client
+sending a header byte a second would hold its connection for good, and a 16 MiB header be read whole."""
 
 from __future__ import annotations
 

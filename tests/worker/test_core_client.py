@@ -39,8 +39,8 @@ def test_stale_socket_folders_are_swept(prefix: str) -> None:
 
 
 def test_a_stopped_core_is_seen() -> None:
-    """issue 26: a SIGSTOPped engine core answered nothing while its front end's /health said "ok", so
-    it was never replaced; now the front end reads the core's state and answers 503 (engine_stopped)."""
+    """A SIGSTOPped engine core answers nothing; its front end reads the core's state and answers
+    /health with 503 (engine_stopped), so that the runtime replaces it instead of seeing "ok"."""
     import signal
     import time
 

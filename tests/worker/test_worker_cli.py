@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
+from splitserve.config.engine import EngineConfig
 from splitserve.config.worker import WorkerConfig
-from splitserve.engine.config import EngineConfig
 from splitserve.worker.cli import build_parser, config_from_args
 
 

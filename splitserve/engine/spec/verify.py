@@ -1,0 +1,232 @@
+"""The engine's side of speculative decoding: drafting, the verify step, rollback and counters.
+
+A step with drafts, for a request whose known tokens end at position p0 (its last token, not yet
+computed) and drafts d1..dk:
+
+  1. `propose` (before the schedule): each eligible running request gets up to k drafts
+     (`Request.draft_token_ids`); the scheduler appends those that fit to its chunk, which then
+     computes positions ..p0 and p0+1..p0+k, with a logits row at p0 and at each draft.
+  2. The step runs (hybrid models: each drafted request's recurrent and conv state copied first).
+  3. `accept.py` turns the rows into the tokens produced: the accepted drafts d1..dm, then one more
+     (the target's correction, or the bonus token when m = k). They are appended one by one with the
+     usual stop checks (a stop or max_tokens inside the run ends it there); before the j-th token,
+     positions up to p0 + j - 1 count as computed, as after a plain decode step.
+  4. Rollback: computed tokens end at the last accepted one (p0 + m); KV written for rejected drafts
+     lies past that and is overwritten when those positions are computed again. Blocks past the
+     request's known tokens are returned. A hybrid model's state has consumed every draft: when
+     some were rejected it is restored from the copy and the chunk's tokens count as uncomputed
+     again, so the next step recomputes them (with the new token, and drafts of its own).
+
+Which requests draft: greedy or sampled ones without logprobs, penalties, a grammar, a pending
+min_tokens or a KV export. Back-off: (a) no request drafts while `disable_by_batch_size` or more run
+(a large batch is compute-bound: verifying k more rows a request costs more than the steps it
+saves); (b) a request whose last verify steps accepted nothing pauses drafting for 2, 4, 8, ... up to
+32 steps, so text with nothing to quote costs no verify rows after a few misses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from splitserve.config.speculative import SpeculativeConfig, speculative_config
+from splitserve.engine.request import Request, RequestOutput, TokenLogprob
+from splitserve.engine.sampler import Sampler, target_probs
+from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from splitserve.engine.spec.accept import accept_greedy, accept_sampled
+from splitserve.engine.spec.ngram import NgramDrafter
+
+MAX_PAUSE = 32  # steps a request that keeps missing waits before drafting again, at most
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's spec_decode counters: verify runs, draft tokens, accepted drafts (and by position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def count(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos += [0] * (drafted - len(self.accepted_per_pos))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """A snapshot of the counters (`EngineStats.spec_decode`)."""
+
+    method: str
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify run produced on average: its accepted drafts plus the one it always adds."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Engine(Protocol):
+    """What a verify step uses of the engine (engine.py's LLMEngine)."""
+
+    runner: Any  # runner.ModelRunner (not imported: runner -> isolate -> engine)
+    sampler: Sampler
+    scheduler: Scheduler
+
+    def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> None: ...
+
+    def _output(self, parent_id: str) -> RequestOutput: ...
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, states: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.drafter = NgramDrafter(*config.ngram_range)
+        self.states = states  # hybrid models' state pools ({} for others)
+        self.counters = SpecCounters()
+
+    @classmethod
+    def create(
+        cls, config: SpeculativeConfig | dict | str | None, states: dict[str, torch.Tensor]
+    ) -> SpecDecoder | None:
+        """The decoder `config` asks for (parsed as `speculative_config` does), or None when it is off."""
+        parsed = speculative_config(config)
+        return None if parsed is None else cls(parsed, states)
+
+    def stats(self) -> SpecStats:
+        c = self.counters
+        return SpecStats(self.config.method, c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
+                         tuple(c.accepted_per_pos))  # fmt: skip
+
+    # ---- drafting ---------------------------------------------------------------------------------
+
+    def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
+        """Set the drafts of each running request that drafts this step (see the module docstring)."""
+        cap = self.config.disable_by_batch_size
+        capped = cap is not None and len(scheduler.running) >= cap
+        for req in scheduler.running:
+            req.draft_token_ids = []  # none left from a step that did not schedule it
+            if capped:
+                continue
+            if req.draft_pause > 0:
+                req.draft_pause -= 1
+                continue
+            k = min(self.k, req.max_tokens - len(req.output_token_ids) - 1, max_model_len - req.num_tokens)
+            if k > 0 and _drafts_allowed(req) and req.num_tokens - req.num_computed_tokens <= 1 + self.k:
+                tokens = np.asarray(req.prompt_token_ids + req.output_token_ids, dtype=np.int64)
+                req.draft_token_ids = self.drafter.propose(tokens, k)
+
+    # ---- the verify step --------------------------------------------------------------------------
+
+    def run(self, engine: Engine, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Run a step in which some chunks carry drafts, take its tokens; -> the outputs that changed."""
+        saved = self._save_states(sched)
+        logits, sample_chunks = engine.runner.execute(sched.chunks)
+        plain: list[Request] = []
+        plain_rows: list[int] = []
+        verified: list[tuple[ScheduledChunk, torch.Tensor]] = []
+        row = 0
+        for c in sample_chunks:
+            if c.drafts:
+                verified.append((c, logits[row : row + 1 + len(c.drafts)]))
+            else:
+                plain.append(c.request)
+                plain_rows.append(row)
+            row += 1 + len(c.drafts)
+        tokens, logprobs = engine.sampler(logits[plain_rows], plain) if plain else ([], [])
+        for c in sched.chunks:
+            if not c.drafts:
+                c.request.num_computed_tokens += c.num_tokens
+        now = time.monotonic()
+        changed: dict[str, None] = {}
+        for req, token, lp in zip(plain, tokens, logprobs, strict=True):
+            req.first_token_time = req.first_token_time or now
+            engine._append_token(req, token, lp)
+            changed[req.parent_id or req.request_id] = None
+        for c, rows in verified:
+            self._take_run(engine, c, rows, saved.get(id(c.request)))
+            changed[c.request.parent_id or c.request.request_id] = None
+        engine.scheduler.cache_filled_blocks(sched)
+        return [engine._output(pid) for pid in changed]
+
+    def _take_run(
+        self, engine: Engine, c: ScheduledChunk, rows: torch.Tensor, saved: dict[str, torch.Tensor] | None
+    ) -> None:
+        """Accept `c`'s drafts against its logits `rows` [1 + k, V], append the tokens, roll back."""
+        req = c.request
+        if req.params.greedy:
+            produced = accept_greedy(rows[:, : engine.sampler.vocab_size], c.drafts)
+        else:
+            probs = target_probs(rows[:, : engine.sampler.vocab_size], [req] * len(rows))
+            gen = req.generator if req.generator is not None else engine.sampler.generator
+            produced = accept_sampled(probs, c.drafts, gen)
+        accepted = len(produced) - 1
+        self.counters.count(len(c.drafts), accepted)
+        _back_off(req, accepted)
+        last = c.start + c.num_tokens - len(c.drafts) - 1  # p0: the last known token's position
+        for j, token in enumerate(produced, 1):
+            req.num_computed_tokens = last + j
+            engine._append_token(req, token, None)
+            if req.finished:
+                return  # its blocks and state are freed
+        if saved is not None and accepted < len(c.drafts):
+            slot = req.state_slot
+            for name, t in self.states.items():
+                t[slot].copy_(saved[name], non_blocking=True)
+            req.num_computed_tokens = c.start  # the state is as before the chunk: compute it again
+        engine.scheduler.block_manager.trim(req)
+
+    def _save_states(self, sched: SchedulerOutput) -> dict[int, dict[str, torch.Tensor]]:
+        """Hybrid models: a copy of each drafted request's state slot, by id(request)."""
+        if not self.states:
+            return {}
+        saved: dict[int, dict[str, torch.Tensor]] = {}
+        for c in sched.chunks:
+            if c.drafts:
+                slot = c.request.state_slot
+                saved[id(c.request)] = {name: t[slot].clone() for name, t in self.states.items()}
+        return saved
+
+
+def _drafts_allowed(req: Request) -> bool:
+    """Whether `req`'s tokens may come from a verify run: nothing of it depends on each token in turn
+    beyond what the acceptance rules and the stop checks handle."""
+    p = req.params
+    return (
+        not req.export_kv
+        and req.grammar is None
+        and p.logprobs is None
+        and not p.has_penalties
+        and len(req.output_token_ids) >= p.min_tokens
+        and bool(req.output_token_ids)
+    )
+
+
+def _back_off(req: Request, accepted: int) -> None:
+    """After a verify run: a request that accepted nothing `n` runs in a row pauses 2^n steps."""
+    if accepted:
+        req.draft_misses = 0
+        return
+    req.draft_misses += 1
+    req.draft_pause = min(2**req.draft_misses, MAX_PAUSE)
+
+
+def has_drafts(sched: SchedulerOutput) -> bool:
+    return any(c.drafts for c in sched.chunks)

@@ -1,0 +1,101 @@
+"""Profiles: the fit recovers a known step-time model, keeps coefficients non-negative, survives a
+save and load; and a short profiling run on the real engine and the real shm transport times the
+shapes its grid asks for."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from splitserve.plan.cost import StepCost, StepShape, chunk_pairs
+from splitserve.plan.profile import (
+    Profile,
+    StepPoint,
+    TransferPoint,
+    fit_transfers,
+    fitted_cost,
+    nonneg_relative_fit,
+)
+
+TRUE = StepCost(
+    base_s=0.02, prefill_token_s=0.002, prefill_pair_s=8e-7, decode_seq_s=0.0013, decode_context_s=3e-6
+)
+
+
+def _points(cost: StepCost) -> list[StepPoint]:
+    shapes = [StepShape(n, chunk_pairs(s, n)) for n, s in ((64, 0), (256, 0), (512, 0), (384, 384))]
+    shapes += [StepShape(decode_seqs=b, decode_context=b * c) for b in (1, 8, 16) for c in (64, 512)]
+    shapes += [StepShape(100, chunk_pairs(0, 100), 4, 4 * 300)]
+    return [
+        StepPoint(s.prefill_tokens, s.prefill_pairs, s.decode_seqs, s.decode_context, cost.step_s(s))
+        for s in shapes
+    ]
+
+
+def test_the_fit_recovers_a_known_step_model_and_handoff():
+    transfers = [TransferPoint(b, 2e-4 + b / 8e9) for b in (1 << 20, 4 << 20, 16 << 20, 64 << 20)]
+    cost, step_fit, transfer_fit = fitted_cost(_points(TRUE), transfers, 46080, 0)
+    for name in ("base_s", "prefill_token_s", "prefill_pair_s", "decode_seq_s", "decode_context_s"):
+        assert getattr(cost, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
+    assert cost.latency_s == pytest.approx(2e-4) and cost.bytes_per_s == pytest.approx(8e9)
+    assert step_fit.rms_rel < 1e-9 and transfer_fit.max_rel < 1e-9
+    assert cost.transfer_s(1000) == pytest.approx(2e-4 + 46080 * 1000 / 8e9)
+
+
+def test_coefficients_stay_non_negative():
+    # y falls with the second feature: unconstrained least squares would give it a negative cost
+    x = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    y = np.array([1.0, 0.9, 0.8])
+    coef = nonneg_relative_fit(x, y)
+    assert coef[1] == 0.0 and coef[0] > 0
+    latency, bandwidth, _ = fit_transfers([TransferPoint(10, 1.0), TransferPoint(20, 1.0)])
+    assert latency == pytest.approx(1.0) and math.isinf(bandwidth)
+
+
+def test_a_profile_survives_save_and_load(tmp_path):
+    cost, step_fit, transfer_fit = fitted_cost(
+        _points(TRUE), [TransferPoint(1 << 20, 1e-3), TransferPoint(2 << 20, 2e-3)], 100, 5
+    )
+    profile = Profile(
+        model="m", device="cpu", dtype="float32", threads=1, backend="shm", block_size=16,
+        max_num_batched_tokens=2048, max_num_seqs=64, cost=cost, step_fit=step_fit,
+        transfer_fit=transfer_fit, steps=_points(TRUE),
+    )  # fmt: skip
+    path = tmp_path / "p.json"
+    profile.save(path)
+    again = Profile.load(path)
+    assert again == profile
+    assert "fit over 11 steps" in again.describe()
+    path.write_text('{"version": 1}')
+    with pytest.raises(ValueError, match="not a splitserve profile"):
+        Profile.load(path)
+
+
+def test_profiling_the_real_engine_times_the_grid_it_asks_for():
+    from splitserve.config.engine import EngineConfig
+    from splitserve.plan.measure import Grid, profile_engine
+
+    grid = Grid(
+        prefill_lens=(32, 128), chunked_len=200, chunk_budget=64, decode_shapes=((1, 32), (4, 32)),
+        decode_steps=3, transfer_blocks=(1, 4), transfer_reps=2,
+    )  # fmt: skip
+    config = EngineConfig(
+        progress=False, kv_cache_bytes=64 << 20, max_model_len=512, max_num_batched_tokens=512
+    )
+    profile = profile_engine(config, "shm", threads=1, grid=grid, log=lambda *_: None)
+    prefill = [p for p in profile.steps if p.decode_seqs == 0]
+    # one step per short prompt, ceil(200 / 64) = 4 chunks for the long one, then the decode batches' prefills
+    assert [p.prefill_tokens for p in prefill[:6]] == [32, 128, 64, 64, 64, 8]
+    assert [p.prefill_pairs for p in prefill[2:6]] == [
+        chunk_pairs(s, n) for s, n in ((0, 64), (64, 64), (128, 64), (192, 8))
+    ]
+    decode = [p for p in profile.steps if p.decode_seqs and not p.prefill_tokens]
+    assert [p.decode_seqs for p in decode] == [1, 1, 1, 4, 4, 4]
+    # after a 32-token prompt the first decode step (untimed: it warms the shape) reads 33 keys, the next 34
+    assert decode[0].decode_context == 34
+    assert profile.cost.prefill_token_s > 0 and all(p.seconds > 0 for p in profile.steps)
+    assert profile.cost.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: K and V, 30 layers, 3 heads
+    assert [t.bytes for t in profile.transfers] == [16 * 46080, 64 * 46080]
+    assert profile.step_fit.points == len(profile.steps) and profile.backend == "shm"
