@@ -6,11 +6,10 @@ conditions, cache full blocks, free finished requests -> return outputs for requ
 Overlapped steps (`async_scheduling`, on by default on CUDA; overlap.py): in steady decode step N+1
 is launched with step N's tokens still on the device, and N's tokens are read while N+1 runs.
 
-KV transfer (what disaggregated serving is built on) goes through hooks the engine owns:
-kv_transfer_hooks.py (the contract), kv_transfer.py (the engine's side: `add_request(...,
-kv_transfer="export")`, `import_request`, `add_request_with_kv`), kv_connector.py (`KVConnector`: the
-hooks over a transport). The connector's messages come off the engine's inbox at the start of each
-`step()` (or `free_released_kv()`).
+KV transfer (what disaggregated serving is built on) goes through hooks the engine owns: kv_transfer_hooks.py
+(the contract), kv_transfer.py (the engine's side: `add_request(..., kv_transfer="export")`, `import_request`,
+`add_request_with_kv`), kv_connector.py (`KVConnector`: the hooks over a transport). The connector's messages
+come off the engine's inbox at the start of each `step()` (or `free_released_kv()`).
 
 Constrained requests (`SamplingParams.grammar`, grammar.py) wait outside the scheduler while their
 grammar compiles on a thread (at most `grammar_timeout_s`: then they fail with `GrammarTimeout`, taken
@@ -39,7 +38,7 @@ from splitserve.engine.request import Request, RequestOutput, Status, output_of
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.spec.verify import SpecDecoder, has_drafts
-from splitserve.engine.stats import EngineStats
+from splitserve.engine.stats import EngineStats, StepTokens
 from splitserve.engine.stop import check_stop
 from splitserve.model.loader import LoadedModel
 from splitserve.model.tokenizer import Tokenizer
@@ -92,8 +91,8 @@ class LLMEngine(OverlappedSteps):
         overlap = config.async_scheduling  # (verify steps do not overlap)
         self.async_scheduling = (self.device.type == "cuda" if overlap is None else overlap) and not self.spec
         self._inflight: _Inflight | None = None  # an overlapped step whose tokens are not read yet
-        self.overlapped_steps = 0
-        self.forward_steps = 0  # steps that ran the model (overlapped or not)
+        self.forward_steps = self.overlapped_steps = 0  # steps that ran the model; of them, overlapped
+        self.step_tokens = StepTokens()  # tokens per model step, in vLLM's iteration_tokens buckets
         self.step_seconds = 0.0  # host wall time inside step() (whatever it waited for)
         self._ids = itertools.count()
 
@@ -187,7 +186,7 @@ class LLMEngine(OverlappedSteps):
     def stats(self) -> EngineStats:
         """Queues, blocks, slots, steps and the prefix cache, as of now (leases that ended taken first)."""
         self.free_released_kv()
-        steps = (self.forward_steps, self.overlapped_steps, self.step_seconds)
+        steps = (self.forward_steps, self.overlapped_steps, self.step_seconds, self.step_tokens)
         spec = self.spec.stats() if self.spec is not None else None
         return EngineStats.collect(self.scheduler, self.states, self.transfers, self.kv_cache,
                                    unfinished=len(self._parents), steps=steps, spec=spec)  # fmt: skip
@@ -250,6 +249,7 @@ class LLMEngine(OverlappedSteps):
                 wait(self._compiling.futures(), timeout=0.005, return_when=FIRST_COMPLETED)
             return []
         self.forward_steps += 1
+        self.step_tokens.add(sched.num_tokens)
         if self.spec is not None and has_drafts(sched):
             return self.spec.run(self, sched)  # verify the drafts (spec/verify.py)
         if inflight is not None or self._may_overlap(sched):  # overlap.py
