@@ -374,24 +374,27 @@ def test_nixl_turns_cuda_ipc_gets_on_for_gpu_pools_unless_the_operator_chose(mon
 
 
 def test_nixl_leaves_ucx_efa_module_out_where_the_host_has_no_efa_device(monkeypatch, tmp_path):
-    from splitserve.transport.nixl.env import UCX_MODULES_ENV, efa_devices, skip_efa_without_device
+    from splitserve.transport.fabric import probe_fabric
+    from splitserve.transport.nixl.env import UCX_MODULES_ENV, skip_efa_without_device
 
-    drivers = tmp_path / "drivers"
-    for name in ("efa", "mlx5_core"):
-        (drivers / name).mkdir(parents=True)
-    root = tmp_path / "infiniband"
-    (root / "mlx5_0" / "device").mkdir(parents=True)
-    (root / "mlx5_0" / "device" / "driver").symlink_to(drivers / "mlx5_core")
+    sys_root, proc_root = tmp_path / "sys", tmp_path / "proc"
+
+    def device(name: str, driver: str) -> None:
+        dev = sys_root / "class" / "infiniband" / name / "device"
+        dev.mkdir(parents=True)
+        (sys_root / "drivers" / driver).mkdir(parents=True, exist_ok=True)
+        (dev / "driver").symlink_to(sys_root / "drivers" / driver)
+
+    device("mlx5_0", "mlx5_core")
     monkeypatch.delenv(UCX_MODULES_ENV, raising=False)
-    assert efa_devices(str(root)) == []
-    assert skip_efa_without_device(str(root)) == "^efa" == os.environ[UCX_MODULES_ENV]
+    infiniband_only = probe_fabric(str(sys_root), str(proc_root))
+    assert skip_efa_without_device(infiniband_only) == "^efa" == os.environ[UCX_MODULES_ENV]
     monkeypatch.delenv(UCX_MODULES_ENV)
-    (root / "rdmap0s31" / "device").mkdir(parents=True)
-    (root / "rdmap0s31" / "device" / "driver").symlink_to(drivers / "efa")
-    assert efa_devices(str(root)) == ["rdmap0s31"]
-    assert skip_efa_without_device(str(root)) is None and UCX_MODULES_ENV not in os.environ
+    device("rdmap0s31", "efa")
+    with_efa = probe_fabric(str(sys_root), str(proc_root))
+    assert skip_efa_without_device(with_efa) is None and UCX_MODULES_ENV not in os.environ
     monkeypatch.setenv(UCX_MODULES_ENV, "*")  # the operator's choice is kept
-    assert skip_efa_without_device(str(tmp_path / "none")) == "*"
+    assert skip_efa_without_device(infiniband_only) == "*"
 
 
 @needs_nixl

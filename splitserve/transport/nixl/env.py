@@ -21,6 +21,7 @@ from types import ModuleType
 import torch
 
 from splitserve.transport.errors import BackendUnavailable
+from splitserve.transport.fabric import Fabric, host_fabric
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +51,9 @@ def load_nixl() -> tuple[ModuleType, str]:
 
 
 UCX_MODULES_ENV = "UCX_MODULES"  # UCX's own: glob patterns of the modules it loads, "^" excludes
-INFINIBAND = "/sys/class/infiniband"  # the host's RDMA devices
 
 
-def efa_devices(root: str = INFINIBAND) -> list[str]:
-    """The host's AWS EFA devices (RDMA devices whose kernel driver is `efa`)."""
-    drivers = {d: os.path.realpath(os.path.join(root, d, "device", "driver")) for d in _listdir(root)}
-    return sorted(d for d, driver in drivers.items() if os.path.basename(driver) == "efa")
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def skip_efa_without_device(root: str = INFINIBAND) -> str | None:
+def skip_efa_without_device(fabric: Fabric | None = None) -> str | None:
     """On a host without an EFA device, UCX does not load its EFA module (`UCX_MODULES=^efa`), unless
     the operator set UCX_MODULES; -> the value in force, or None (all of UCX's modules load).
 
@@ -75,7 +62,8 @@ def skip_efa_without_device(root: str = INFINIBAND) -> str | None:
     crash in their exit-time destructors (SIGSEGV in rtnl_tc_unregister, after the interpreter has
     finished: a process that used NIXL then ends with status 139 after a clean shutdown). Without an
     EFA device the module has nothing to drive."""
-    if UCX_MODULES_ENV in os.environ or efa_devices(root):
+    fabric = host_fabric() if fabric is None else fabric
+    if UCX_MODULES_ENV in os.environ or "efa" in fabric.kinds():
         return os.environ.get(UCX_MODULES_ENV)
     os.environ[UCX_MODULES_ENV] = "^efa"
     return os.environ[UCX_MODULES_ENV]
@@ -182,7 +170,6 @@ def plugin_load_error(module: ModuleType, backend: str) -> str | None:
 
 __all__ = [
     "CUDART",
-    "efa_devices",
     "enable_cuda_ipc_get",
     "load_nixl",
     "plugin_load_error",
