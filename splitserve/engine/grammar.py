@@ -12,7 +12,7 @@ A constrained request's life in the engine:
      device once (pinned, non-blocking) and applied there by one kernel (kernels/bitmask.py). In an
      overlapped step (overlap.py) the previous step's tokens are read and advance the matchers, and the
      mask is filled, while the step's forward runs; its sampling is enqueued after the copy.
-  3. Each appended token advances the matcher (`LLMEngine._append_token`); once the grammar has
+  3. Each appended token advances the matcher (`stop.take_token`); once the grammar has
      accepted a stop token (it allows only those when it is complete) the request ends with "stop", and
      `max_tokens` still ends it with "length" first, never a hang.
   Disaggregated: the prefill engine samples the first token under the grammar; the decode engine
