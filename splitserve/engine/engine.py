@@ -258,12 +258,13 @@ class LLMEngine:
 
     def _spec_step(self) -> list[RequestOutput]:
         """Drafts proposed, then a step that verifies them (spec/verify.py), or a plain one if none fit."""
-        self.spec.propose(self.scheduler, self.max_model_len)  # type: ignore[union-attr]
+        spec = self.spec
+        assert spec is not None
+        spec.propose(self.scheduler, self.max_model_len)
         sched = self._schedule()
         if sched is None or not has_drafts(sched):
             return [] if sched is None else self._run(sched)
-        changed = self.spec.run(sched, self.runner, self.sampler, self.scheduler)  # type: ignore[union-attr]
-        return self.table.outputs(changed)
+        return self.table.outputs(spec.run(sched, self.runner, self.sampler, self.scheduler))
 
     def _overlapped_step(self) -> list[RequestOutput]:
         """Async scheduling (overlap.py): launch this step before the pending one is read, while it may."""
