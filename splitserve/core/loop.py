@@ -97,6 +97,7 @@ class EngineCore:
         return self.ops.health()
 
     def run(self) -> None:
+        """Each turn: drain the commands, step, send the batch; then a decode pace if the policy says."""
         from splitserve.heap import freeze_heap
 
         freeze_heap("engine core")  # loaded and warmed up: what lives now lives for good

@@ -24,19 +24,19 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
 from splitserve.config.engine import EngineConfig
 from splitserve.engine.builder import build
 from splitserve.engine.grammar import Grammars
+from splitserve.engine.grammar_wait import GrammarWait
 from splitserve.engine.intake import RequestFactory
 from splitserve.engine.kv_prefault import KVPrefault
 from splitserve.engine.kv_transfer import BlockLease, ImportOutcome, KVTransfers
 from splitserve.engine.kv_transfer_port import TransferPort
 from splitserve.engine.kv_transfer_types import ImportSpec
 from splitserve.engine.overlap import OverlappedSteps
-from splitserve.engine.request import Request, RequestOutput, Status
+from splitserve.engine.request import RequestOutput, Status
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.spec.verify import SpecDecoder, has_drafts
@@ -78,7 +78,7 @@ class LLMEngine:
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         tok = self.tokenizer  # its transformers tokenizer (`hf`) is loaded on the first grammar
         self.grammars = Grammars(None, cfg.vocab_size, self.eos_token_ids, (lambda: tok.hf) if tok else None)
-        self._compiling: list[tuple[Future, list[Request]]] = []  # waiting for their grammar
+        self.compiling = GrammarWait(self.grammars)  # constrained requests waiting for their grammar
         self.table = RequestTable()  # unfinished requests, and the outputs due before the next step
         self.requests = self.table.requests
         port = TransferPort(self.table, self.scheduler, self.intake, self.grammars)
@@ -139,34 +139,13 @@ class LLMEngine:
         children[0].export_kv = kv_transfer == "export"
         self.table.add(request_id, children)
         if compiled is not None and not compiled.done():
-            self._compiling.append((compiled, children))  # queued by _admit_compiled once compiled
+            self.compiling.add(compiled, children)  # queued by a step's poll once compiled
             return request_id
         for child in children:
             if compiled is not None:
                 child.grammar = self.grammars.matcher(child.params.grammar, compiled.result())
             self.scheduler.add(child)
         return request_id
-
-    def _admit_compiled(self) -> None:
-        """Queue the requests whose grammar has compiled; one whose grammar failed (the front ends check
-        specs first, so hardly ever) ends with "abort", reported by this step."""
-        waiting: list[tuple[Future, list[Request]]] = []
-        for fut, children in self._compiling:
-            if not fut.done():
-                waiting.append((fut, children))
-                continue
-            error = fut.exception()
-            live = [c for c in children if not c.finished]  # not aborted while it compiled
-            for child in live:
-                if error is None:
-                    child.grammar = self.grammars.matcher(child.params.grammar, fut.result())
-                    self.scheduler.add(child)
-                else:
-                    child.status, child.finish_reason = Status.FINISHED, "abort"
-            if error is not None and live:
-                log.warning("grammar of %s failed to compile: %s", live[0].request_id, error)
-                self.table.due.post(self.table.output(live[0].parent_id or live[0].request_id))
-        self._compiling = waiting
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its n samples) and free everything it holds. Unknown ids are ignored."""
@@ -187,7 +166,7 @@ class LLMEngine:
     def waits_for_kv_only(self) -> bool:
         """Every unfinished request waits for its KV: a step has nothing to run until the inbox says so."""
         sched = self.scheduler
-        return bool(sched.waiting_for_kv) and not (self.table.due or self._compiling or sched.has_work())
+        return bool(sched.waiting_for_kv) and not (self.table.due or self.compiling or sched.has_work())
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -234,10 +213,12 @@ class LLMEngine:
         that have room now), then the requests whose grammar compiled; with nothing else to do, wait
         for a grammar a little (rather than spin)."""
         self.transfers.poll()
-        if self._compiling:
+        if self.compiling:
             if not (self.table.due or self.scheduler.has_work()):
-                wait([f for f, _ in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
-            self._admit_compiled()
+                self.compiling.wait(0.005)
+            for req, error in self.compiling.admit(self.scheduler.add):  # failed: ended with "abort"
+                log.warning("grammar of %s failed to compile: %s", req.request_id, error)
+                self.table.due.post(self.table.output(req.parent_id or req.request_id))
 
     def _schedule(self) -> SchedulerOutput | None:
         sched = self.scheduler.schedule()
@@ -251,10 +232,11 @@ class LLMEngine:
         return [] if sched is None else self._run(sched)
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        logits, sample_chunks = self.runner.execute(sched.chunks)
-        reqs = [c.request for c in sample_chunks]
+        logits, sample_chunks = self.runner.execute(sched.chunks)  # the model on the flat batch
+        reqs = [c.request for c in sample_chunks]  # the chunks that reach their request's end
         tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
-        return self.table.outputs(self.scheduler.update_from_output(sched, reqs, tokens, logprobs))
+        changed = self.scheduler.update_from_output(sched, reqs, tokens, logprobs)
+        return self.table.outputs(changed)
 
     def _spec_step(self) -> list[RequestOutput]:
         """Drafts proposed, then a step that verifies them (spec/verify.py), or a plain one if none fit."""

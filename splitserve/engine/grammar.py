@@ -4,7 +4,7 @@ a matcher, and mask the logits of the tokens the grammar does not allow next.
 A constrained request's life in the engine:
   1. `add_request` (or `build_request`, for a KV import) asks `Grammars.compile(spec)` for the compiled
      grammar: a Future, done at once when the spec was compiled before (cached per spec), else compiled
-     on a thread; the request waits outside the scheduler until it is done (`LLMEngine._admit_compiled`),
+     on a thread; the request waits outside the scheduler until it is done (grammar_wait.py),
      so a slow compile never stalls the step that runs the other requests.
   2. Each step that samples it, the sampler masks its logits (`mask_logits`): one token bitmask (int32,
      one bit per token; on CUDA [N, ceil(V/32)] with unconstrained rows all ones, on CPU only the
