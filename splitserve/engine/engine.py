@@ -80,7 +80,7 @@ class LLMEngine:
         self.grammars = Grammars(None, cfg.vocab_size, self.eos_token_ids, (lambda: tok.hf) if tok else None)
         self.compiling = GrammarWait(self.grammars)  # constrained requests waiting for their grammar
         self.table = RequestTable()  # unfinished requests, and the outputs due before the next step
-        self.requests = self.table.requests
+        self.requests = self.table.requests  # every unfinished child request, by its id
         port = TransferPort(self.table, self.scheduler, self.intake, self.grammars)
         self.transfers = KVTransfers(port, self.scheduler, self.kv_cache, self.states, cfg.vocab_size)
         self.scheduler.on_export = self.transfers.export
