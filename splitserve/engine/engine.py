@@ -15,7 +15,9 @@ connector), kv_transfer.py (the engine's side: `add_request(..., kv_transfer="ex
 engine's requests), kv_connector.py (`KVConnector`: the hooks over a transport).
 
 Constrained requests (`SamplingParams.grammar`, grammar.py) wait outside the scheduler while their
-grammar compiles on a thread, are masked by it in the sampler and advance their matcher with each token.
+grammar compiles on a thread (grammar_wait.py; at most `grammar_timeout_s`: then they fail with
+`GrammarTimeout`, taken by `take_grammar_failures`), are masked by it in the sampler and advance their
+matcher with each token.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING
 
 from splitserve.config.engine import EngineConfig
 from splitserve.engine.builder import build
 from splitserve.engine.grammar import Grammars
-from splitserve.engine.grammar_wait import GrammarWait
+from splitserve.engine.grammar_wait import GrammarWaits
 from splitserve.engine.intake import RequestFactory
 from splitserve.engine.kv_prefault import KVPrefault
 from splitserve.engine.kv_transfer import BlockLease, ImportOutcome, KVTransfers
@@ -77,12 +80,14 @@ class LLMEngine:
                                      self.pool.num_blocks, self.block_size, self.device)  # fmt: skip
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         tok = self.tokenizer  # its transformers tokenizer (`hf`) is loaded on the first grammar
-        self.grammars = Grammars(None, cfg.vocab_size, self.eos_token_ids, (lambda: tok.hf) if tok else None)
-        self.compiling = GrammarWait(self.grammars)  # constrained requests waiting for their grammar
+        self.grammars = Grammars(None, cfg.vocab_size, self.eos_token_ids, (lambda: tok.hf) if tok else None,
+                                 config.grammar_threads)  # fmt: skip
+        self._compiling = GrammarWaits(self.grammars, config.grammar_timeout_s)  # waiting for a grammar
         self.table = RequestTable()  # unfinished requests, and the outputs due before the next step
         self.requests = self.table.requests  # every unfinished child request, by its id
         port = TransferPort(self.table, self.scheduler, self.intake, self.grammars)
-        self.transfers = KVTransfers(port, self.scheduler, self.kv_cache, self.states, cfg.vocab_size)
+        self.transfers = KVTransfers(port, self.scheduler, self.kv_cache, self.states, cfg.vocab_size,
+                                     config.grammar_timeout_s)  # fmt: skip
         self.scheduler.on_export = self.transfers.export
         self.prefault = KVPrefault(self.kv_cache, self.pool)  # CPU: for a serving loop's idle turns
         self.spec = SpecDecoder.create(config.speculative_config, self.states.states)  # None: off
@@ -139,7 +144,7 @@ class LLMEngine:
         children[0].export_kv = kv_transfer == "export"
         self.table.add(request_id, children)
         if compiled is not None and not compiled.done():
-            self.compiling.add(compiled, children)  # queued by a step's poll once compiled
+            self._compiling.add(compiled, children)  # queued by a step's poll once compiled
             return request_id
         for child in children:
             if compiled is not None:
@@ -147,9 +152,18 @@ class LLMEngine:
             self.scheduler.add(child)
         return request_id
 
+    def take_grammar_failures(self) -> list[tuple[str, Exception]]:
+        """(request id, GrammarError or GrammarTimeout) of each request whose grammar failed since the
+        last call; its output ended with "abort" (a serving core answers the failure instead)."""
+        return self._compiling.take_failures()
+
     def abort(self, request_id: str) -> None:
-        """Stop a request (all its n samples) and free everything it holds. Unknown ids are ignored."""
-        for req in self.table.pop(request_id):
+        """Stop a request (all its n samples) and free everything it holds (a compile that no other
+        request waits for is cancelled, if it has not started). Unknown ids are ignored."""
+        children = self.table.pop(request_id)
+        if any(c.grammar is None and c.params.grammar is not None for c in children):
+            self._compiling.cancel_for(children)
+        for req in children:
             if req.status is Status.WAITING_FOR_KV:
                 self.transfers.abort(req)  # a load in flight: its blocks are freed when it ends
             elif not req.finished:
@@ -166,7 +180,7 @@ class LLMEngine:
     def waits_for_kv_only(self) -> bool:
         """Every unfinished request waits for its KV: a step has nothing to run until the inbox says so."""
         sched = self.scheduler
-        return bool(sched.waiting_for_kv) and not (self.table.due or self.compiling or sched.has_work())
+        return bool(sched.waiting_for_kv) and not (self.table.due or self._compiling or sched.has_work())
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -213,12 +227,12 @@ class LLMEngine:
         that have room now), then the requests whose grammar compiled; with nothing else to do, wait
         for a grammar a little (rather than spin)."""
         self.transfers.poll()
-        if self.compiling:
+        if self._compiling:
             if not (self.table.due or self.scheduler.has_work()):
-                self.compiling.wait(0.005)
-            for req, error in self.compiling.admit(self.scheduler.add):  # failed: ended with "abort"
-                log.warning("grammar of %s failed to compile: %s", req.request_id, error)
-                self.table.due.post(self.table.output(req.parent_id or req.request_id))
+                wait(self._compiling.futures(), timeout=0.005, return_when=FIRST_COMPLETED)
+            for rid, error in self._compiling.admit(self.scheduler.add):  # failed: ended with "abort"
+                log.warning("grammar of %s failed: %s", rid, error)
+                self.table.due.post(self.table.output(rid))
 
     def _schedule(self) -> SchedulerOutput | None:
         sched = self.scheduler.schedule()

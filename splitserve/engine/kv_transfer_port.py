@@ -1,10 +1,11 @@
-"""The engine's port for its KV transfers (kv_transfer.py's `EnginePort`): the five things a KV import
-may do to the engine's requests, and nothing else of the engine.
+"""The engine's port for its KV transfers (kv_transfer.py's `EnginePort`): what a KV import may do to
+the engine's requests and ask of its grammars, and nothing else of the engine.
 
 An import (decode side) builds its request as `add_request` would (validated, not queued), counts it as
 the engine's while its KV loads, and, once the load ended, has it adopted: queued with its prompt
 computed (or not: recompute) and the first token sampled by the prefill engine appended, whose output
-goes out with the next step, before a forward pass. An import that failed is forgotten; one aborted
+goes out with the next step, before a forward pass; a constrained one is adopted only once its grammar
+has compiled. An import that failed is forgotten; one aborted
 while loading leaves its final output for the next step.
 """
 
@@ -50,6 +51,14 @@ class TransferPort:
     def post_output(self, output: RequestOutput) -> None:
         """An output made outside a step: the next `step()` returns it."""
         self._table.due.post(output)
+
+    def grammar_compiling(self, req: Request) -> bool:
+        """Whether `req`'s grammar is still compiling (an import's load that ended waits for it)."""
+        return req.params.grammar is not None and not self._grammars.compile(req.params.grammar).done()
+
+    def grammar_late(self, since: float, timeout_s: float) -> bool:
+        """Whether a compile asked for at `since` (time.monotonic()) is past `timeout_s`."""
+        return self._grammars.late(since, timeout_s)
 
     def adopt(self, req: Request, first_token: int, logprob: TokenLogprob | None, computed: int) -> None:
         """A request from `build_request` (registered now if it is not yet) whose KV wait ended: queue it

@@ -103,6 +103,12 @@ class FakeEngine:
     def post_output(self, output: RequestOutput) -> None:
         self.outputs.append(output)
 
+    def grammar_compiling(self, req: Request) -> bool:
+        return False  # no request here has a grammar
+
+    def grammar_late(self, since: float, timeout_s: float) -> bool:
+        return False
+
 
 class Setup:
     def __init__(self, hold: bool = True) -> None:
