@@ -127,6 +127,8 @@ class CoreOps:
             "blocks": {"total": st.blocks.total, "free": st.blocks.free, "held": st.blocks.held},
             "state_slots": {"total": st.state_slots_total, "free": st.state_slots_free},
             "preemptions": st.preemptions,
+            # model steps by tokens run, in vLLM's iteration_tokens buckets (engine/stats.py)
+            "iteration_tokens": {"counts": st.step_tokens.counts, "sum": st.step_tokens.total},
             "prompt_tokens_computed": st.prompt_tokens_computed,
             "kv_bytes_per_token": st.block_bytes // engine.block_size,
             "steps": {

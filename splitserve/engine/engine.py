@@ -43,7 +43,7 @@ from splitserve.engine.request import RequestOutput, Status
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.spec.verify import SpecDecoder, has_drafts
-from splitserve.engine.stats import EngineStats
+from splitserve.engine.stats import EngineStats, StepTokens
 from splitserve.engine.table import RequestTable
 from splitserve.model.loader import LoadedModel
 from splitserve.model.tokenizer import Tokenizer
@@ -98,6 +98,7 @@ class LLMEngine:
         self._step_fn = self._spec_step if self.spec else self._plain_step
         self.async_scheduling = overlap
         self.forward_steps = 0  # steps that ran the model (overlapped or not)
+        self.step_tokens = StepTokens()  # tokens per model step, in vLLM's iteration_tokens buckets
         self.step_seconds = 0.0  # host wall time inside step() (whatever it waited for)
         self._ids = itertools.count()
 
@@ -189,7 +190,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Queues, blocks, slots, steps and the prefix cache, as of now (leases that ended taken first)."""
         self.free_released_kv()
-        steps = (self.forward_steps, self.overlap.steps, self.step_seconds)
+        steps = (self.forward_steps, self.overlap.steps, self.step_seconds, self.step_tokens)
         spec = self.spec.stats() if self.spec is not None else None
         return EngineStats.collect(self.scheduler, self.states, self.transfers, self.kv_cache,
                                    unfinished=len(self.table), steps=steps, spec=spec)  # fmt: skip
@@ -239,6 +240,7 @@ class LLMEngine:
         if not sched.chunks:
             return None
         self.forward_steps += 1
+        self.step_tokens.add(sched.num_tokens)
         return sched
 
     def _plain_step(self) -> list[RequestOutput]:
