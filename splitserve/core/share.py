@@ -27,7 +27,7 @@ worker is busy (`others_busy`): it would run on the core it lends.
 worker runs small batches as fast as it can (each step reads all the weights for a handful of rows)
 while the prompts queue behind the prefill worker's one core. So while another worker is busy, a
 decode worker that lends starts at most one step per `runtime.decode_pace_ms` (default: the ITL SLO,
-`slos.itl_ms`, 200 ms) and lends its cores for the rest of that time (core/loop.py `_lend_until`):
+`slos.itl_ms`, 200 ms) and lends its cores for the rest of that time (core/policy.py `CorePolicy.pace`):
 its steps batch more rows and the prompts get most of the host. Measured (`vllm bench serve`, 64
 prompts of 256 at once, the README's `splitserve serve`, one run each in one session): pace 0 (off)
 124.9 / 130.9 output tok/s, mean TTFT 16.1 / 15.4 s, mean TPOT 82 / 84 ms; 150 ms 127.7; 200 ms

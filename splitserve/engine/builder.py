@@ -146,6 +146,7 @@ def build(
         BlockManager(pool, block_size, states, checkpoints),
         max_seqs,
         config.batched_tokens(device),
+        max_model_len,
     )
     runner = ModelRunner(loaded.model, kv, attn, block_size, states.states)
     graph_capture_s = 0.0
