@@ -125,12 +125,15 @@ class CoreOps:
             unfinished=st.unfinished,
             blocks=stats.BlockCounts(st.blocks.total, st.blocks.free, st.blocks.held),
             state_slots=stats.SlotCounts(st.state_slots_total, st.state_slots_free),
-            preemptions=st.preemptions, prompt_tokens_computed=st.prompt_tokens_computed,
+            preemptions=st.preemptions,
+            # model steps by tokens run, in vLLM's iteration_tokens buckets (engine/stats.py)
+            iteration_tokens=stats.IterationTokens(list(st.step_tokens.counts), st.step_tokens.total),
+            prompt_tokens_computed=st.prompt_tokens_computed,
             kv_bytes_per_token=st.block_bytes // engine.block_size,
             steps=stats.StepCounts(st.forward_steps, st.overlapped_steps, st.step_seconds, core.busy_seconds),
-            # CPU: its own threads, its last step's, steps on lent cores (core/share.py)
-            threads=stats.ThreadCounts(self.config.threads, core.threads, core.borrowed_steps,
-                                       core.paced_steps),
+            # CPU: its own threads, its last step's, steps on lent cores (core/policy.py)
+            threads=stats.ThreadCounts(self.config.threads, core.policy.threads, core.policy.borrowed_steps,
+                                       core.policy.paced_steps),
             prefix_cache=stats.PrefixCacheCounts(
                 st.prefix_queries, st.prefix_hits,
                 None if ckpt is None else stats.CheckpointCounts(ckpt.entries, ckpt.capacity, ckpt.saved,

@@ -2,6 +2,10 @@
 `WorkerStats` (GET /stats, the core's answer to `GetStats`). Read by the runtimes, the router's probes
 and metrics, and the worker's own GET /metrics.
 
+`STEP_TOKEN_BUCKETS` are the bucket bounds of the tokens-per-engine-step histogram (vLLM's
+`vllm:iteration_tokens_total`): `WorkerStats.iteration_tokens` counts steps per bucket, the router's
+vLLM metrics (router/vllm_metrics.py) export them.
+
 Two fields are open diagnostic trees, typed `Diagnostics`: the transport's self-description
 (`KVTransferCounts.transport`: per backend, what an operator reads when a transfer is slow) and the
 weight loader's report (`Health.load`). No code reads their fields; everything that is read is typed.
@@ -14,6 +18,8 @@ from typing import Any, TypeAlias
 import msgspec
 
 from splitserve.wire.result import Result
+
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 # An operator's diagnostic tree, free in shape per backend (see the module docstring); nothing reads it.
 Diagnostics: TypeAlias = dict[str, Any]
@@ -71,6 +77,14 @@ class StepCounts(msgspec.Struct):
     overlapped: int
     step_s: float  # host wall time inside step()
     loop_s: float  # wall time of the core's loop turns that had work
+
+
+class IterationTokens(msgspec.Struct):
+    """Model steps by the tokens they ran: one count per bound of STEP_TOKEN_BUCKETS and one above the
+    largest; `sum`: all tokens run."""
+
+    counts: list[int]
+    sum: int
 
 
 class ThreadCounts(msgspec.Struct):
@@ -144,6 +158,7 @@ class WorkerStats(Result):
     blocks: BlockCounts
     state_slots: SlotCounts
     preemptions: int
+    iteration_tokens: IterationTokens
     prompt_tokens_computed: int
     kv_bytes_per_token: int
     steps: StepCounts
@@ -160,10 +175,12 @@ __all__ = [
     "Diagnostics",
     "EngineSettings",
     "Health",
+    "IterationTokens",
     "KVTransferCounts",
     "MemoryBytes",
     "PrefixCacheCounts",
     "SlotCounts",
+    "STEP_TOKEN_BUCKETS",
     "SpecDecodeCounts",
     "StepCounts",
     "ThreadCounts",

@@ -12,6 +12,7 @@ from splitserve.logs import TEXT_FORMAT, JsonFormatter
 from splitserve.runtime.local import worker_line
 from splitserve.wire.stats import (
     BlockCounts,
+    IterationTokens,
     PrefixCacheCounts,
     SlotCounts,
     StepCounts,
@@ -49,7 +50,8 @@ def test_a_workers_json_line_stays_json_and_a_text_line_gets_its_name():
 def test_worker_metrics_are_what_an_inference_gateway_scrapes():
     stats = WorkerStats(
         role="decode", running=3, waiting=2, importing=0, unfinished=5, blocks=BlockCounts(100, 75, 0),
-        state_slots=SlotCounts(4, 4), preemptions=4, prompt_tokens_computed=0, kv_bytes_per_token=1,
+        state_slots=SlotCounts(4, 4), preemptions=4, iteration_tokens=IterationTokens([0] * 14, 0),
+        prompt_tokens_computed=0, kv_bytes_per_token=1,
         steps=StepCounts(0, 0, 0.0, 0.0), threads=ThreadCounts(1, 1, 0, 0),
         prefix_cache=PrefixCacheCounts(90, 30, None), kv_transfer=None, memory=None, spec_decode=None,
     )  # fmt: skip
