@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from parser_streams import args, check_streams
 
 from splitserve.router.openai_protocol import APIError, ChatCompletionRequest
