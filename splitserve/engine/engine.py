@@ -125,8 +125,7 @@ class LLMEngine(OverlappedSteps):
             self._compiling.append((compiled, children))  # queued by _admit_compiled once compiled
             return request_id
         for child in children:
-            if compiled is not None:
-                child.grammar = self.grammars.matcher(child.params.grammar, compiled.result())
+            child.grammar = self.grammars.for_request(child.params, compiled.result() if compiled else None)
             self.scheduler.add(child)
         return request_id
 
@@ -142,7 +141,7 @@ class LLMEngine(OverlappedSteps):
             live = [c for c in children if not c.finished]  # not aborted while it compiled
             for child in live:
                 if error is None:
-                    child.grammar = self.grammars.matcher(child.params.grammar, fut.result())
+                    child.grammar = self.grammars.for_request(child.params, fut.result())
                     self.scheduler.add(child)
                 else:
                     child.status, child.finish_reason = Status.FINISHED, "abort"
@@ -387,8 +386,7 @@ class LLMEngine(OverlappedSteps):
         if not any(c is req for c in self._parents.get(req.request_id, ())):
             self._check_free_id(req.request_id)
             self.register(req)
-        if req.params.grammar is not None:  # the first token is replayed into a fresh matcher below
-            req.grammar = self.grammars.matcher(req.params.grammar)
+        req.grammar = self.grammars.for_request(req.params)  # the first token is replayed into it below
         self.scheduler.kv_loaded(req, computed)
         req.first_token_time = time.monotonic()
         self._append_token(req, first_token, logprob)
