@@ -57,7 +57,7 @@ class EngineConfig:
     # None: on for CUDA, off for the CPU (where nothing runs asynchronously to overlap with).
     async_scheduling: bool | None = None
     # CPU: "fp32" (projections through oneDNN, token-exact with HF) or "int4" (weight-only int4 per group
-    # of 32, int8 LM head, bf16 activations: model/cpu_linear.py; its agreement: bench/cpu_quant.py)
+    # of 32, int8 LM head, bf16 activations: kernels/cpu/linear.py; its agreement: bench/cpu_quant.py)
     cpu_weights: str = "fp32"
     progress: bool = True
     # Host-side cache of converted weights (model/weight_cache.py): "auto" = $SPLITSERVE_CACHE_DIR/weights
@@ -65,6 +65,8 @@ class EngineConfig:
     weight_cache_dir: str | None = "auto"
     weight_cache_max_gb: float | None = 64.0  # least recently used entries are evicted beyond this
     weight_cache_verify: bool = True  # CRC32 of every chunk on load (see weight_cache.py for the cost)
+    grammar_threads: int = 2  # threads compiling grammars (xgrammar releases the GIL meanwhile)
+    grammar_timeout_s: float = 30.0  # a request whose grammar has not compiled by then fails (a 503)
     # Speculative decoding (engine/spec/): a SpeculativeConfig, a dict of its fields (vLLM's
     # --speculative-config: {"method": "ngram", "num_speculative_tokens": 4, ...}) or None (off)
     speculative_config: SpeculativeConfig | dict | None = None

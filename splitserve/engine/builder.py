@@ -28,7 +28,8 @@ from splitserve.engine.runner import ModelRunner
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
-from splitserve.model import cpu_linear
+from splitserve.kernels.cpu import linear as cpu_linear
+from splitserve.kernels.cpu.build import wait_started
 from splitserve.model.attention import (
     AttentionBackend,
     TorchPagedAttention,
@@ -37,7 +38,6 @@ from splitserve.model.attention import (
 )
 from splitserve.model.checkpoint import is_random_source
 from splitserve.model.config import ModelConfig
-from splitserve.model.cpu_build import wait_started
 from splitserve.model.gdn_prefill import resolve_backend as resolve_linear_backend
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
 from splitserve.model.random_weights import random_model, random_source_config
@@ -146,6 +146,7 @@ def build(
         BlockManager(pool, block_size, states, checkpoints),
         max_seqs,
         config.batched_tokens(device),
+        max_model_len,
     )
     runner = ModelRunner(loaded.model, kv, attn, block_size, states.states)
     graph_capture_s = 0.0
@@ -159,7 +160,7 @@ def build(
             )
     if graphs and plan is not None:
         held = torch.cuda.memory_reserved(device) - before_graphs
-        log.info("CUDA graphs hold %.2f GiB (planned %.2f GiB)", held / 2**30, plan.graphs / 2**30)
+        log.info("CUDA graphs hold %.2f GiB (planned %.2f GiB)", held / 2**30, plan.costs.graphs / 2**30)
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s", num_blocks, block_size,
              kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
     return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,

@@ -18,17 +18,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from splitserve.router.chat_template import render_chat, template_kwargs
+from splitserve.router.lenient import validate_request
 from splitserve.router.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    validate_body,
 )
 from splitserve.router.parsers import chat_outputs
 from splitserve.router.respond import CleanupStream, respond
 from splitserve.router.responses import ResponseEvents, ResponsesRequest, response_object
 from splitserve.router.server import OpenAIServer
-from splitserve.router.structured import checked, requested_grammar
+from splitserve.router.structured import check_tool_limits, checked, requested_grammar
 from splitserve.router.thinking import apply_effort, thinking_counter, thinking_params
 from splitserve.router.tools import chosen_tools, render_messages, tool_grammar
 from splitserve.sampling.params import GrammarSpec
@@ -46,20 +46,24 @@ async def responses(server: OpenAIServer, request: Request) -> Response:
     """/v1/responses: translated to a chat request, its answer translated back (responses.py)."""
     start = time.perf_counter()
     server.check_auth(request)
-    req = validate_body(ResponsesRequest, await server.read_json(request))
+    req = validate_request(server, ResponsesRequest, await server.read_json(request))
     answer = await chat_body(server, req.to_chat(), request, start)
     ours = {k: v for k, v in answer.headers.items() if k.startswith("x-")}  # the request id, TTFT parts
     if isinstance(answer, CleanupStream):
-        events = ResponseEvents(req, server.info.served_name).sse(answer.body_iterator)
+        events = ResponseEvents(req, server.info.served_name, ours.get("x-request-id")).sse(
+            answer.body_iterator
+        )
         return CleanupStream(events, answer.cleanup, media_type="text/event-stream", headers=ours)
     body = response_object(req, server.info.served_name, msgspec.json.decode(answer.body))
     return JSONResponse(body, headers=ours)
 
 
 async def chat_body(server: OpenAIServer, body: dict, request: Request, start: float) -> Response:
-    req = validate_body(ChatCompletionRequest, body)
+    req = validate_request(server, ChatCompletionRequest, body)
     server.check_model(req.model)
     check_n(server, req.n)
+    limits = server.grammar_limits
+    asked = requested_grammar(req, limits)  # a costly grammar refused before the prompt is rendered
     if server.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
     offered = [t.model_dump(exclude_none=True) for t in req.tools or []]
@@ -74,19 +78,20 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     )
     server.check_length(len(prompt_ids), req.max_new(), "messages")
     params = req.sampling(req.max_new(), req.logprobs_k(), server.info.generation_defaults)
-    asked = requested_grammar(req)
     if tools and mode == "auto" and not server.manifest.server.enable_auto_tool_choice:
         raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice',
                        param="tool_choice")  # fmt: skip
+    if mode in ("required", "named"):
+        check_tool_limits(tools, limits)
     fmt = server.tool_format if tools else None
     forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, server.tool_format)
-    if forced is not None and asked is not None:
-        raise APIError(400, f"tool_choice {mode} and {asked[1]} each constrain the answer: give one",
-                       param="tool_choice")  # fmt: skip
+    # a forced call (tool_choice required or named) is the whole answer: its arguments follow the tool's
+    # parameters, and a response_format (which shapes the message's content, as OpenAI defines it) has
+    # no content left to shape; without a forced call, the response_format constrains the content
     if forced is not None:
-        params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools")
+        params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools", limits)
     elif asked is not None:
-        params["grammar"] = await checked(*asked)
+        params["grammar"] = await checked(*asked, limits)
     prompts = [(prompt_ids, "")]
     reasoning = server.reasoning_format
     tail = server.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False) if reasoning else ""
@@ -104,7 +109,7 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
 async def completions(server: OpenAIServer, request: Request) -> Response:
     start = time.perf_counter()
     server.check_auth(request)
-    req = validate_body(CompletionRequest, await server.read_json(request))
+    req = validate_request(server, CompletionRequest, await server.read_json(request))
     server.check_model(req.model)
     check_n(server, req.n * len(req.prompts()))
     prompts: list[tuple[list[int], str]] = []
@@ -130,9 +135,9 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
         server.check_length(len(ids), req.max_tokens, "prompt")
         prompts.append((ids, text if req.echo else ""))
     params = req.sampling(req.max_tokens, req.logprobs, server.info.generation_defaults)
-    asked = requested_grammar(req)
+    asked = requested_grammar(req, server.grammar_limits)
     if asked is not None:
-        params["grammar"] = await checked(*asked)
+        params["grammar"] = await checked(*asked, server.grammar_limits)
     return await respond(server, "completion", req, prompts, params, start, request)
 
 
