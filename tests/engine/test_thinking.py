@@ -98,8 +98,9 @@ def test_an_adopted_first_token_puts_the_decode_side_in_the_prefill_state(llm, e
     )
     whole = tokens(llm, params)
     engine = llm.engine
-    req = engine.build_request(PROMPT, params, f"adopted-{budget}")
-    engine.adopt(req, whole[0], None, 0)
+    port = engine.transfers.port  # what a KV import does to the engine (kv_transfer_port.py)
+    req = port.build_request(PROMPT, params, f"adopted-{budget}")
+    port.adopt(req, whole[0], None, 0)
     while engine.has_unfinished_requests():
         engine.step()
     assert req.output_token_ids == whole
