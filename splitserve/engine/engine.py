@@ -85,7 +85,7 @@ class LLMEngine(OverlappedSteps):
         self._first_due = False  # a KV import's first token is in _ready: the next step returns it alone
         self._ran_last = True  # the last step() ran the model (so a step returns _ready alone at most once)
         self.spec = SpecDecoder.create(config.speculative_config, self.states.states)  # None: off
-        overlap = config.async_scheduling  # (verify steps do not overlap)
+        overlap = config.async_scheduling if config.tensor_parallel_size == 1 else False  # (nor verify steps)
         self.async_scheduling = (self.device.type == "cuda" if overlap is None else overlap) and not self.spec
         self._inflight: _Inflight | None = None  # an overlapped step whose tokens are not read yet
         self.overlapped_steps = 0
