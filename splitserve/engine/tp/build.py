@@ -57,7 +57,9 @@ def load_shard(
         full = random_model(random_source_config(path), host, dtype, config.resolve_max_model_len)
     else:
         path = resolve_model_path(config.model)
-        full = load_model(path, host, dtype, config.resolve_max_model_len, progress=config.progress)
+        cache = config.weight_cache()  # the host's converted weights, mapped by every rank
+        full = load_model(path, host, dtype, config.resolve_max_model_len, progress=config.progress,
+                          weight_cache=cache)  # fmt: skip
     positions = config.resolve_max_model_len(full.config)
     model = shard_model(full.model, hf_state_dict(full.model), group, device, positions)
     stats = {**full.load_stats, "tensor_parallel": {"rank": group.rank, "size": group.size}}

@@ -86,13 +86,20 @@ class RankProcesses:
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        if self._stopping:
+        if not self._stopping:
+            self.broken(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {code}")
+
+    def broken(self, why: str) -> None:
+        """The group cannot step again: every later step raises RankDied; an engine core exits."""
+        if self.dead is not None:
             return
-        self.dead = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {code}"
-        log.error("%s: the replica goes down with it", self.dead)
+        self.dead = why
+        log.error("%s: the replica goes down with it", why)
         if EXIT_ON_RANK_DEATH:
             logging.shutdown()
             os._exit(RANK_DIED_STATUS)
+        for proc in self.procs:  # out of step with rank 0: nothing they compute is read again
+            proc.kill()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Wait for the ranks to leave (the runner told them), then kill any left."""

@@ -80,9 +80,13 @@ class TPRunner(ModelRunner):
         check_fault(chunks)  # before the broadcast: a step rank 0 refuses must not run elsewhere
         self.ranks.check()
         ops, self.journal[:] = list(self.journal), []
-        self.group.broadcast(Step(ops, [describe(c) for c in chunks]))
-        with _on_device(self.device):
-            return self._execute(chunks, None)
+        try:
+            self.group.broadcast(Step(ops, [describe(c) for c in chunks]))
+            with _on_device(self.device):
+                return self._execute(chunks, None)
+        except BaseException as exc:  # the ranks ran (or wait in) a step this rank left: out of step for good
+            self.ranks.broken(f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc})")
+            raise
 
     def start(self, ranks: RankProcesses, journal: list[Op]) -> None:
         """Drive `ranks` (started by the builder), sending `journal` with each step."""
