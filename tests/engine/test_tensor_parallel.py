@@ -43,6 +43,9 @@ def _generate(model: str, tp: int) -> list[list[list[int]]]:
             out.append([r.outputs[0].token_ids for r in res])
         engine = llm.engine
         assert not engine.has_unfinished_requests() and engine.pool.num_free == engine.pool.num_blocks
+        checkpoints = engine.scheduler.block_manager.checkpoints
+        if checkpoints is not None:  # the hybrid: prefix hits restored a checkpoint on every rank
+            assert checkpoints.saved > 0 and checkpoints.restored > 0
         return out
     finally:
         if tp > 1:
@@ -67,3 +70,17 @@ def test_shard_config_splits_heads_and_replicates_a_lone_kv_head():
     assert (hybrid.linear.num_key_heads, hybrid.linear.num_value_heads) == (1, 2)
     with pytest.raises(ValueError, match="does not divide .*num_attention_heads"):
         check_divisible(cfg, 3)
+
+
+def test_tp2_from_a_checkpoint_matches_hf(tiny_model_factory):
+    """A safetensors checkpoint (Qwen2: q/k/v biases split by head; 6 query and 2 KV heads: 3 and 1 a
+    rank) loaded on each rank and sharded: HF transformers' greedy tokens."""
+    tiny = tiny_model_factory("qwen2")
+    llm = LLM(model=str(tiny.path), max_model_len=256, kv_cache_bytes=4 * 2**20, tensor_parallel_size=2,
+              progress=False)  # fmt: skip
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=tiny.max_new, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in tiny.prompts], greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == tiny.hf_greedy
+    finally:
+        llm.engine.runner.close()
