@@ -22,6 +22,7 @@ from typing import Any
 
 import splitserve
 from splitserve.config.manifest_sections import ModelSection
+from splitserve.vllm_flags import add_vllm_flags, vllm_overrides
 
 # flag(s), manifest field, type (None: a switch), help
 _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
@@ -77,6 +78,8 @@ _SWITCHES: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--enforce-eager",), "engine.enforce_eager", True, "GPU: no CUDA graphs"),
     (("--disable-log-stats",), "server.log_stats_interval_s", 0, "no periodic stats line"),
     (("--no-access-log", "--disable-uvicorn-access-log"), "server.access_log", False, "no per-request line"),
+    (("--metrics-auth",), "server.metrics_auth", True, "with API keys set, /metrics wants a key too"),
+    (("--reject-unknown-fields",), "server.reject_unknown_fields", True, "an unknown request field is a 400"),
 ]
 MANIFEST_SUFFIXES = (".yaml", ".yml")
 # the embedded default model's Hub id: served from the package, not fetched
@@ -113,6 +116,7 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--log-level", default=None, help="debug | info | warning (default info)")
     serve.add_argument("--print-manifest", action="store_true", help="print the resolved manifest and exit")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar while workers load")
+    add_vllm_flags(serve)
 
 
 def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
@@ -121,6 +125,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any
     for _, field, _, _ in _FLAGS + _SWITCHES:
         if getattr(args, field) is not None:
             o[field] = getattr(args, field)
+    o |= vllm_overrides(args)
     for field in ("engine.enable_prefix_caching", "server.enable_auto_tool_choice"):
         if getattr(args, field) is not None:
             o[field] = getattr(args, field)

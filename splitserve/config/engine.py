@@ -57,7 +57,7 @@ class EngineConfig:
     # None: on for CUDA, off for the CPU (where nothing runs asynchronously to overlap with).
     async_scheduling: bool | None = None
     # CPU: "fp32" (projections through oneDNN, token-exact with HF) or "int4" (weight-only int4 per group
-    # of 32, int8 LM head, bf16 activations: model/cpu_linear.py; its agreement: bench/cpu_quant.py)
+    # of 32, int8 LM head, bf16 activations: kernels/cpu/linear.py; its agreement: bench/cpu_quant.py)
     cpu_weights: str = "fp32"
     progress: bool = True
     # Host-side cache of converted weights (model/weight_cache.py): "auto" = $SPLITSERVE_CACHE_DIR/weights

@@ -1,6 +1,7 @@
 """The deployment manifest: one YAML file that says what to serve, how, and where.
 
-    model:     {source, tokenizer, served_name, dtype, device, max_model_len, tensor_parallel_size}
+    model:     {source, tokenizer, served_name, dtype, device, max_model_len, tensor_parallel_size,
+                generation_config, chat_template}
     engine:    {block_size, max_num_seqs, max_num_batched_tokens, kv_cache_mb, memory_utilization,
                 enable_prefix_caching, enforce_eager, async_scheduling, threads, cpu_weights, seed,
                 weight_cache_*, speculative_config, tensor_parallel_size}
@@ -14,8 +15,9 @@
     router:    {policy, timeouts per stage, retries}
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
                 max_queued_requests, stream_interval, access_log, log_stats_interval_s, metrics_auth,
-                trust_request_chat_template, header_timeout_s, body_timeout_s, max_header_bytes,
-                tool_call_parser, reasoning_parser, enable_auto_tool_choice,
+                reject_unknown_fields, cors, trust_request_chat_template, header_timeout_s,
+                body_timeout_s, max_header_bytes, tool_call_parser, reasoning_parser,
+                enable_auto_tool_choice,
                 structured, rate_limit: grammar limits, per-client rate (config/manifest_limits.py)}
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
     verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from splitserve.config.cors import CorsSection
 from splitserve.config.engine import EngineConfig
 from splitserve.config.manifest_limits import RateLimitSection, StructuredSection
 from splitserve.config.speculative import checked_dict
@@ -68,6 +69,7 @@ class ModelSection(Section):
     # sampling defaults for the fields a request leaves unset (vLLM's --generation-config): "auto" takes the
     # checkpoint's generation_config.json (a GGUF's general.sampling metadata), "vllm" none, or a folder's
     generation_config: str = "auto"
+    chat_template: str | None = None  # vLLM's --chat-template: a file, or the template itself
 
     @field_validator("served_name")
     @classmethod
@@ -113,7 +115,7 @@ class EngineSection(Section):
     async_scheduling: bool | None = _ENGINE.async_scheduling  # overlapped decode steps; null: on for GPUs
     # CPU: torch intra-op threads per worker; null: this host's cores shared among its CPU workers
     threads: int | None = Field(default=None, ge=1, le=1024)
-    cpu_weights: Literal["fp32", "int4"] = "fp32"  # CPU: int4 = weight-only int4 (model/cpu_linear.py)
+    cpu_weights: Literal["fp32", "int4"] = "fp32"  # CPU: int4 = weight-only int4 (kernels/cpu/linear.py)
     seed: int = _ENGINE.seed
     # Host-side cache of converted weights, shared by the workers of a host and kept across restarts:
     # "auto" = $SPLITSERVE_CACHE_DIR/weights or ~/.cache/splitserve/weights; a path (/dev/shm/... keeps
@@ -280,7 +282,9 @@ class ServerSection(Section):
     stream_interval: int = Field(default=1, ge=1, le=4096)
     access_log: bool = True  # one INFO line per request (id, route, status, tokens, latency)
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
-    metrics_auth: bool = True  # with api keys set, /metrics wants one too; false: open to a scraper
+    metrics_auth: bool = False  # true: with api keys set, /metrics wants one too (vLLM leaves it open)
+    reject_unknown_fields: bool = False  # true: a request field the server does not know is a 400
+    cors: CorsSection | None = None  # vLLM's --allowed-origins & co.; none: no CORS headers
     trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template may be used
     # the model's output parsers, by vLLM's flags and names; None: read off the chat template
     tool_call_parser: Literal["hermes", "llama3_json", "qwen3_coder", "qwen3_xml"] | None = None

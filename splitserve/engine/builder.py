@@ -31,7 +31,8 @@ from splitserve.engine.state_pool import StatePool
 from splitserve.engine.tp import build as tp_build
 from splitserve.engine.tp.journal import JournaledCheckpoints, JournaledStatePool
 from splitserve.engine.tp.runner import TPRunner
-from splitserve.model import cpu_linear
+from splitserve.kernels.cpu import linear as cpu_linear
+from splitserve.kernels.cpu.build import wait_started
 from splitserve.model.attention import (
     AttentionBackend,
     TorchPagedAttention,
@@ -40,7 +41,6 @@ from splitserve.model.attention import (
 )
 from splitserve.model.checkpoint import is_random_source
 from splitserve.model.config import ModelConfig
-from splitserve.model.cpu_build import wait_started
 from splitserve.model.gdn_prefill import resolve_backend as resolve_linear_backend
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
 from splitserve.model.random_weights import random_model, random_source_config
@@ -159,6 +159,7 @@ def build(
         BlockManager(pool, block_size, states, checkpoints),
         max_seqs,
         config.batched_tokens(device),
+        max_model_len,
     )
     runner = (TPRunner if ranks else ModelRunner)(loaded.model, kv, attn, block_size, states.states)
     if tp is not None:  # rank 0 records its state-slot operations for the other ranks (tp/journal.py)
@@ -174,7 +175,7 @@ def build(
             )
     if graphs and plan is not None:
         held = torch.cuda.memory_reserved(device) - before_graphs
-        log.info("CUDA graphs hold %.2f GiB (planned %.2f GiB)", held / 2**30, plan.graphs / 2**30)
+        log.info("CUDA graphs hold %.2f GiB (planned %.2f GiB)", held / 2**30, plan.costs.graphs / 2**30)
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s", num_blocks, block_size,
              kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
     return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,

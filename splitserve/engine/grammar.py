@@ -5,7 +5,7 @@ A constrained request's life in the engine:
   1. `add_request` (or `build_request`, for a KV import) asks `Grammars.compile(spec)` for the compiled
      grammar: a Future, done at once when the spec was compiled before (cached per spec), else compiled
      in a small pool of threads (xgrammar releases the GIL while it compiles); the request waits outside
-     the scheduler, holding no KV, until it is done (`LLMEngine._admit_compiled`; a KV import waits
+     the scheduler, holding no KV, until it is done (grammar_wait.py; a KV import waits
      after its load, `KVTransfers`), so a slow compile never stalls the step that runs the other
      requests. Past the compile deadline it fails with `GrammarTimeout` (a 503); the compile goes on
      and its result stays cached. A request aborted while it waits cancels its compile if no other
@@ -16,7 +16,7 @@ A constrained request's life in the engine:
      device once (pinned, non-blocking) and applied there by one kernel (kernels/bitmask.py). In an
      overlapped step (overlap.py) the previous step's tokens are read and advance the matchers, and the
      mask is filled, while the step's forward runs; its sampling is enqueued after the copy.
-  3. Each appended token advances the matcher (`LLMEngine._append_token`); once the grammar has
+  3. Each appended token advances the matcher (`stop.take_token`); once the grammar has
      accepted a stop token (it allows only those when it is complete) the request ends with "stop", and
      `max_tokens` still ends it with "length" first, never a hang.
   Disaggregated: the prefill engine samples the first token under the grammar; the decode engine

@@ -148,6 +148,25 @@ def varlen_conv(
     conv1d_varlen_update_states(x, conv_states, lp.cu_seqlens, lp.slots)
 
 
+def rule_kwargs(
+    lp: LinearPrefill, initial_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> dict:
+    """fla's varlen keyword arguments for the chunks of `lp`: the decay gate, the q/k l2 norm and
+    sigmoid(beta) fused in its kernels, the chunks' states in and out."""
+    return dict(
+        initial_state=initial_state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        use_gate_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        cu_seqlens=lp.cu_seqlens,
+        cu_seqlens_cpu=lp.cu_seqlens_cpu,
+        chunk_indices=lp.chunk_indices,
+    )
+
+
 def varlen_rule(
     lp: LinearPrefill,
     q: torch.Tensor,
@@ -165,18 +184,10 @@ def varlen_rule(
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; a, b [T, Hv] raw (the decay gate and sigmoid(beta) are fused)."""
     rows = slice(lp.row0, lp.row0 + lp.num_rows)
+    initial = rec_states[lp.slots]  # [P, Hv, Dk, Dv] fp32
     o, final = _rule()(
         q[None, rows], k[None, rows], v[None, rows], a[None, rows], b[None, rows],
-        initial_state=rec_states[lp.slots],  # [P, Hv, Dk, Dv] fp32
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-        use_gate_in_kernel=True,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        cu_seqlens=lp.cu_seqlens,
-        cu_seqlens_cpu=lp.cu_seqlens_cpu,
-        chunk_indices=lp.chunk_indices,
+        **rule_kwargs(lp, initial, A_log, dt_bias),
     )  # fmt: skip
     out[rows] = o[0]  # [Tp, Hv, Dv]
     rec_states[lp.slots] = final.to(rec_states.dtype)

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.model import cpu_threads
+from splitserve.kernels.cpu import threads as cpu_threads
 from splitserve.model.config import ModelConfig
 from splitserve.model.decoder import ForwardContext, fused_forward, head_logits
 from splitserve.model.errors import ModelLoadError

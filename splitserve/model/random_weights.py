@@ -92,6 +92,24 @@ SMALL_QWEN3: dict[str, Any] = {
     "max_position_embeddings": 1024,
 }
 
+#: The GPU tests' small Qwen3.5 (tests/gpu, bench/gdn_fla_precision.py): HF `Qwen3_5TextConfig` fields,
+#: four layers (three Gated DeltaNet, one full attention).
+SMALL_QWEN3_5: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "initializer_range": 0.1,
+    "max_position_embeddings": 1024,
+}
+
 #: Qwen3.5-9B's text model (transformers' `Qwen3_5TextConfig` defaults, HF names): 32 layers, every
 #: fourth gated full attention (16 heads, 4 KV heads, head_dim 256), the others Gated DeltaNet (16 key
 #: and 32 value heads of 128); 248,320-token vocabulary. Qwen3_5LM reads only the language model.

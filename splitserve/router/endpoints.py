@@ -18,11 +18,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from splitserve.router.chat_template import render_chat, template_kwargs
+from splitserve.router.lenient import validate_request
 from splitserve.router.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    validate_body,
 )
 from splitserve.router.parsers import chat_outputs
 from splitserve.router.respond import CleanupStream, respond
@@ -45,18 +45,20 @@ async def responses(server: OpenAIServer, request: Request) -> Response:
     """/v1/responses: translated to a chat request, its answer translated back (responses.py)."""
     start = time.perf_counter()
     server.check_auth(request)
-    req = validate_body(ResponsesRequest, await server.read_json(request))
+    req = validate_request(server, ResponsesRequest, await server.read_json(request))
     answer = await chat_body(server, req.to_chat(), request, start)
     ours = {k: v for k, v in answer.headers.items() if k.startswith("x-")}  # the request id, TTFT parts
     if isinstance(answer, CleanupStream):
-        events = ResponseEvents(req, server.info.served_name).sse(answer.body_iterator)
+        events = ResponseEvents(req, server.info.served_name, ours.get("x-request-id")).sse(
+            answer.body_iterator
+        )
         return CleanupStream(events, answer.cleanup, media_type="text/event-stream", headers=ours)
     body = response_object(req, server.info.served_name, msgspec.json.decode(answer.body))
     return JSONResponse(body, headers=ours)
 
 
 async def chat_body(server: OpenAIServer, body: dict, request: Request, start: float) -> Response:
-    req = validate_body(ChatCompletionRequest, body)
+    req = validate_request(server, ChatCompletionRequest, body)
     server.check_model(req.model)
     check_n(server, req.n)
     limits = server.grammar_limits
@@ -81,9 +83,9 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
         check_tool_limits(tools, limits)
     fmt = server.tool_format if tools else None
     forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, server.tool_format)
-    if forced is not None and asked is not None:
-        raise APIError(400, f"tool_choice {mode} and {asked[1]} each constrain the answer: give one",
-                       param="tool_choice")  # fmt: skip
+    # a forced call (tool_choice required or named) is the whole answer: its arguments follow the tool's
+    # parameters, and a response_format (which shapes the message's content, as OpenAI defines it) has
+    # no content left to shape; without a forced call, the response_format constrains the content
     if forced is not None:
         params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools", limits)
     elif asked is not None:
@@ -99,7 +101,7 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
 async def completions(server: OpenAIServer, request: Request) -> Response:
     start = time.perf_counter()
     server.check_auth(request)
-    req = validate_body(CompletionRequest, await server.read_json(request))
+    req = validate_request(server, CompletionRequest, await server.read_json(request))
     server.check_model(req.model)
     check_n(server, req.n * len(req.prompts()))
     prompts: list[tuple[list[int], str]] = []

@@ -225,9 +225,10 @@ def response_object(req: ResponsesRequest, model: str, chat: dict[str, Any]) -> 
 class ResponseEvents:
     """A streamed chat completion's SSE chunks -> the Responses API's events."""
 
-    def __init__(self, req: ResponsesRequest, model: str) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, chat_id: str | None = None) -> None:
         self.req, self.model = req, model
-        self.rid = f"resp_{uuid.uuid4().hex}"
+        # the chat request's id as a response id (as the access log shows it), else a new one
+        self.rid = "resp_" + (chat_id.removeprefix("chatcmpl-") if chat_id else uuid.uuid4().hex)
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.text: str | None = None  # the open message item's text, None while none is open

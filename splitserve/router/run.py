@@ -18,6 +18,7 @@ import msgspec
 from splitserve.router.dispatch import Piece
 from splitserve.router.metrics import ttft_breakdown
 from splitserve.router.openai_protocol import APIError
+from splitserve.router.vllm_metrics import RunFigures
 
 if TYPE_CHECKING:
     from splitserve.router.parsers import ChatOutput
@@ -157,19 +158,22 @@ class Run:
         if c.last_time == 0.0:
             ttft = now - self.start
             m.observe_first(ttft, piece.metrics)
+            self.s.vllm.observe_first(ttft)
             if self.ttft is None:
                 self.ttft, self.first_metrics = ttft, piece.metrics
         elif piece.token_ids:
             gap = (now - c.last_time) / len(piece.token_ids)
-            observe = self.s.itl.observe
+            observe, observe_vllm = self.s.itl.observe, self.s.vllm.itl_bound.observe
             for _ in piece.token_ids:
                 observe(gap)
+                observe_vllm(gap)
         c.last_time = now
         c.tokens += len(piece.token_ids)
         self.s.generated.inc(len(piece.token_ids))
         if piece.finished:
             c.finish_reason = piece.finish_reason
             m.requests.labels(name, piece.finish_reason or "unknown").inc()
+            self.s.vllm.success.labels(name, piece.finish_reason or "unknown").inc()
 
     async def first(self) -> Piece:
         piece = await self.next()
@@ -189,8 +193,20 @@ class Run:
 
     def _finish_metrics(self) -> None:
         m, name = self.s.metrics, self.s.info.served_name
-        m.observe_done(time.perf_counter() - self.start, self.ttft, max(c.tokens for c in self.choices))
+        e2e = time.perf_counter() - self.start
+        m.observe_done(e2e, self.ttft, max(c.tokens for c in self.choices))
         m.prompt_tokens.labels(name).inc(self.prompt_tokens)
+        self.s.vllm.observe_done(self._figures(e2e))
+
+    def _figures(self, e2e: float) -> RunFigures:
+        tokens = [c.tokens for c in self.choices]
+        asked, first = self.params.get("max_tokens"), self.first_metrics
+        if asked is None:  # as vLLM counts it: what the context leaves
+            asked = self.s.info.max_model_len - max(c.prompt_len for c in self.choices)
+        return RunFigures(
+            e2e, self.ttft, first.get("queue_s"), first.get("prefill_s"), self.prompt_tokens, sum(tokens),
+            max(tokens), self.req.n, asked,
+        )  # fmt: skip
 
     # ---- non-streaming --------------------------------------------------------------------------
 

@@ -159,6 +159,9 @@ class Router:
             await asyncio.sleep(0.5)
         first = next(iter(self.workers.ready(next(iter(m.pools()))))).info
         tokenizer = await asyncio.to_thread(load_tokenizer, first["model"], first.get("tokenizer"))
+        from splitserve.router.chat_template import use_chat_template
+
+        use_chat_template(tokenizer, m.model.chat_template)
         info = ModelInfo(
             m.model.resolved_served_name(),
             int(first["max_model_len"]),

@@ -29,21 +29,9 @@ def _tiny_checkpoint(tmp_path, arch: str, init: float | None = None):
     else:
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-        cfg = Qwen3_5TextConfig(
-            vocab_size=512,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            initializer_range=0.1,
-            max_position_embeddings=1024,
-        )
+        from splitserve.model.random_weights import SMALL_QWEN3_5
+
+        cfg = Qwen3_5TextConfig(**{**SMALL_QWEN3_5, "linear_key_head_dim": 16, "linear_value_head_dim": 16})
         model = Qwen3_5ForCausalLM(cfg)
     model.save_pretrained(tmp_path)
     return model, str(tmp_path)

@@ -248,7 +248,7 @@ def test_concurrent_clients(disaggregated):
 
 def test_metrics_endpoint(disaggregated):
     _chat(disaggregated, PROMPTS[0], temperature=0, max_tokens=4)
-    text = httpx.get(f"{disaggregated.url}/metrics", headers=disaggregated.headers(), timeout=10).text
+    text = httpx.get(f"{disaggregated.url}/metrics?fresh=1", timeout=10).text
     for name in (
         "splitserve:time_to_first_token_seconds",
         "splitserve:inter_token_latency_seconds",
@@ -259,6 +259,31 @@ def test_metrics_endpoint(disaggregated):
         "splitserve:num_requests_waiting",
         "splitserve:kv_cache_usage_perc",
         "splitserve:kv_blocks_held",
+    ):
+        assert name in text, name
+    for name in (  # vLLM's names beside ours (router/vllm_metrics.py)
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket",
+        "vllm:request_inference_time_seconds_bucket",
+        'vllm:request_success_total{finished_reason="length",model_name="smollm2-135m-instruct"}',
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:request_generation_tokens_bucket",
+        "vllm:request_params_n_bucket",
+        "vllm:request_params_max_tokens_bucket",
+        'vllm:num_requests_running{model_name="smollm2-135m-instruct",role="prefill",worker=',
+        'vllm:num_requests_waiting{model_name="smollm2-135m-instruct",role="decode",worker=',
+        'vllm:kv_cache_usage_perc{model_name="smollm2-135m-instruct",role="decode"',
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        'vllm:iteration_tokens_total_bucket{le="+Inf",model_name="smollm2-135m-instruct",role="prefill"',
     ):
         assert name in text, name
     assert 'splitserve:kv_transfer_seconds_count{backend="shm",model_name="smollm2-135m-instruct"}' in text

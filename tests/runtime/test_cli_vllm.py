@@ -27,12 +27,11 @@ def test_a_model_argument_and_vllm_flags_fill_the_manifest():
     assert m.model.source == "default" and m.model.tokenizer == "/tok"
     assert m.model.served_names() == ["a", "b"] and m.model.resolved_served_name() == "a"
     assert _manifest("--enable-prefix-caching").engine.enable_prefix_caching is True
+    assert _manifest().server.metrics_auth is False  # /metrics open, as vLLM's
+    assert _manifest("--metrics-auth").server.metrics_auth is True
     tp = _manifest("-tp", "2")
-    assert (tp.model.tensor_parallel_size, tp.mode, tp.tensor_parallel_size("colocated")) == (
-        2,
-        "colocated",
-        2,
-    )
+    assert (tp.model.tensor_parallel_size, tp.mode) == (2, "colocated")
+    assert tp.tensor_parallel_size("colocated") == 2
     spec = _manifest("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}').engine
     assert spec.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(ManifestError, match="speculative method"):
