@@ -9,7 +9,7 @@ and the logits' all-gather. Both runs use the same threads per rank (`--threads`
 TP=2 the step has twice the cores: on a shared 2-core host the figure shows what the collectives cost
 (gloo over loopback TCP) against what halving each rank's products saves; there is no speed goal here.
 Greedy tokens of both runs are compared (they must be equal). NOTE: at TP=1 a decode step of the CPU
-takes the whole-layer C++ op (model/cpu_layer.py), which tensor parallelism turns off (its products
+takes the whole-layer C++ op (kernels/cpu/layer.py), which tensor parallelism turns off (its products
 have no all-reduce between them): part of the difference is that op, not the collectives.
 
     python bench/tp_decode_step.py                     # batch 8, 32 decode steps
