@@ -88,7 +88,7 @@ def child(setting: str) -> dict:
         import triton.language as tl
 
         cf.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")
-    from splitserve.model import gdn_prefill, qwen3_5
+    from splitserve.model import gdn_layer, gdn_prefill
     from splitserve.model.decoder import ForwardContext
     from splitserve.model.gdn_case import gdn_layer_case
 
@@ -100,11 +100,12 @@ def child(setting: str) -> dict:
     # fp64, but the conv windows: the layer stores them as fp32 (a rounding of 6e-8, far below the errors)
     st64 = {"conv": states["conv"].cpu().clone(), "recurrent": states["recurrent"].double().cpu()}
     cap: dict = {}
-    orig_rule, orig_chunk = qwen3_5.varlen_rule, qwen3_5.chunk_gated_delta_rule
+    orig_rule, orig_chunk = gdn_layer.varlen_rule, gdn_layer.chunk_gated_delta_rule
 
-    def rec_rule(lp, q, k, v, a, b, A_log, dt_bias, rec_states, out):  # noqa: ANN001, ANN202
+    def rec_rule(lp, q, k, v, a, b, A_log, dt_bias, rec_states):  # noqa: ANN001, ANN202
+        # q, k, v: the prefill rows only; a, b: all rows of the step
         cap["fla_in"] = [t.clone() for t in (q, k, v, a, b)] + [rec_states[lp.slots].clone(), lp]
-        orig_rule(lp, q, k, v, a, b, A_log, dt_bias, rec_states, out)
+        return orig_rule(lp, q, k, v, a, b, A_log, dt_bias, rec_states)
 
     torch_qkv: list = []
 
@@ -113,14 +114,14 @@ def child(setting: str) -> dict:
         return orig_chunk(q, k, v, g, beta, s)
 
     with torch.no_grad():
-        qwen3_5.chunk_gated_delta_rule = rec_chunk
+        gdn_layer.chunk_gated_delta_rule = rec_chunk
         ref = layer(x, ForwardContext(None, meta, torch.empty(0), ref_states))
-        qwen3_5.chunk_gated_delta_rule = orig_chunk
+        gdn_layer.chunk_gated_delta_rule = orig_chunk
         layer.varlen = True
-        qwen3_5.varlen_rule = rec_rule
+        gdn_layer.varlen_rule = rec_rule
         lp = gdn_prefill.build_linear_prefill(meta, x.device)
         out = layer(x, ForwardContext(None, meta, torch.empty(0), states, linear_prefill=lp))
-        qwen3_5.varlen_rule = orig_rule
+        gdn_layer.varlen_rule = orig_rule
         # fp64 on the CPU: same layer, rule replaced by the fp64 recurrence
         l64 = copy.deepcopy(layer).double().cpu()
         l64.varlen = False
@@ -130,7 +131,7 @@ def child(setting: str) -> dict:
             qkv64.append((q[0].clone(), k[0].clone(), v[0].clone()))
             return _chunk64(q, k, v, g, beta, s)
 
-        qwen3_5.chunk_gated_delta_rule, qwen3_5.recurrent_gated_delta_rule = chunk64, _chunk64
+        gdn_layer.chunk_gated_delta_rule, gdn_layer.recurrent_gated_delta_rule = chunk64, _chunk64
         on_cpu = {"slot_mapping": meta.slot_mapping.cpu(), "seq_slots": meta.seq_slots.cpu()}
         meta64 = dataclasses.replace(meta, **on_cpu)
         out64 = l64(x.double().cpu(), ForwardContext(None, meta64, torch.empty(0), st64))
@@ -173,15 +174,13 @@ def per_rows(out: torch.Tensor, ref: torch.Tensor, out64: torch.Tensor) -> dict:
 
 def conv_stage(fla_in: list, torch_qkv: list, qkv64: list) -> dict:
     """q, k, v out of the conv + SiLU on each path against fp64 (prefill rows)."""
-    q, k, v = fla_in[:3]
-    lp = fla_in[-1]
-    rows = slice(lp.row0, lp.row0 + lp.num_rows)
+    q, k, v = fla_in[:3]  # the prefill rows
     cat64 = [torch.cat([c[i] for c in qkv64]) for i in range(3)]
     cat_t = [torch.cat([c[i] for c in torch_qkv]) for i in range(3)]
     out = {}
     for i, name in enumerate("qkv"):
         out[name] = {
-            "fla_vs_fp64": _stats((q, k, v)[i][rows], cat64[i]),
+            "fla_vs_fp64": _stats((q, k, v)[i], cat64[i]),
             "torch_vs_fp64": _stats(cat_t[i], cat64[i]),
         }
     return out
@@ -193,7 +192,7 @@ def rule_stage(layer, fla_in: list) -> dict:  # noqa: ANN001
 
     q, k, v, a, b, h0, lp = fla_in
     rows = slice(lp.row0, lp.row0 + lp.num_rows)
-    q, k, v, a, b = (t[None, rows] for t in (q, k, v, a, b))
+    q, k, v, a, b = q[None], k[None], v[None], a[None, rows], b[None, rows]
     A_log, dt_bias = layer.A_log.detach(), layer.dt_bias.detach()
     res = {}
     for dt in DTYPES:

@@ -70,6 +70,9 @@ class EngineConfig:
     # Speculative decoding (engine/spec/): a SpeculativeConfig, a dict of its fields (vLLM's
     # --speculative-config: {"method": "ngram", "num_speculative_tokens": 4, ...}) or None (off)
     speculative_config: SpeculativeConfig | dict | None = None
+    # Tensor parallelism (vLLM's --tensor-parallel-size): ranks, one process each, that shard every layer
+    # by heads (engine/tp/, model/parallel.py); gloo on the CPU, NCCL on CUDA. 1: one process, no sharding
+    tensor_parallel_size: int = 1
 
     def torch_device(self) -> torch.device:
         import torch

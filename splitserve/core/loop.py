@@ -316,7 +316,10 @@ def main() -> int:
     import torch
 
     from splitserve.engine import engine as _engine  # noqa: F401 - the import is the point
+    from splitserve.engine.tp import ranks as tp_ranks
     from splitserve.model import loader as _loader  # noqa: F401
+
+    tp_ranks.EXIT_ON_RANK_DEATH = True  # a dead tensor-parallel rank takes this replica down whole
 
     if torch.cuda.is_available():
         torch.cuda.init()

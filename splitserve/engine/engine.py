@@ -91,7 +91,7 @@ class LLMEngine:
         self.scheduler.on_export = self.transfers.export
         self.prefault = KVPrefault(self.kv_cache, self.pool)  # CPU: for a serving loop's idle turns
         self.spec = SpecDecoder.create(config.speculative_config, self.states.states)  # None: off
-        overlap = config.async_scheduling  # (verify steps do not overlap)
+        overlap = config.async_scheduling if config.tensor_parallel_size == 1 else False  # (nor verify steps)
         overlap = (self.device.type == "cuda" if overlap is None else overlap) and not self.spec
         self.overlap = OverlappedSteps(self.scheduler, self.runner, self.sampler, self.table,
                                        self.max_model_len, overlap, self.states.enabled)  # fmt: skip
@@ -148,8 +148,7 @@ class LLMEngine:
             self._compiling.add(compiled, children)  # queued by a step's poll once compiled
             return request_id
         for child in children:
-            if compiled is not None:
-                child.grammar = self.grammars.matcher(child.params.grammar, compiled.result())
+            child.grammar = self.grammars.for_request(child.params, compiled.result() if compiled else None)
             self.scheduler.add(child)
         return request_id
 

@@ -68,8 +68,7 @@ class TransferPort:
         if not self._table.holds(req):
             self._table.check_free(req.request_id)
             self.register(req)
-        if req.params.grammar is not None:  # the first token is replayed into a fresh matcher below
-            req.grammar = self._grammars.matcher(req.params.grammar)
+        req.grammar = self._grammars.for_request(req.params)  # the first token is replayed into it below
         self._scheduler.kv_loaded(req, computed)
         req.first_token_time = time.monotonic()
         self._scheduler.append_token(req, first_token, logprob)

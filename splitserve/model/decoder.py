@@ -23,6 +23,7 @@ from splitserve.kernels.cpu import threads as cpu_threads
 from splitserve.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from splitserve.model.config import ModelConfig
 from splitserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
+from splitserve.model.parallel import gather_logits
 from splitserve.model.weights import load_mapped_weights
 
 
@@ -270,9 +271,9 @@ def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     cpu_linear.prepare_model: results that do not depend on the thread count) where it has one, else
     the LM head's weight (or the tied embedding's)."""
     if model.cpu_lm_head is not None:
-        return model.cpu_lm_head(hidden).float()
+        return gather_logits(model, model.cpu_lm_head(hidden).float())
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return linear(hidden, weight).float()
+    return gather_logits(model, linear(hidden, weight).float())  # tensor parallel: each rank's vocab rows
 
 
 def fused_forward(
@@ -302,6 +303,7 @@ def fused_forward(
     # NOTE: not fp16: the factored norm stores w * residual unnormalized, which fp16's range may not hold
     row = residual.dtype != torch.float16 and gemv.ENABLED and gemv.FUSE
     row = row and gemv.use_gemv(residual, layers[0].mlp.down_proj.weight)
+    row = row and getattr(model, "tp", None) is None  # the GEMV epilogue adds before a rank's all-reduce
 
     h = rmsnorm(residual, layers[0].input_layernorm.weight, eps, zero_centred=zero_centred)
     for i, layer in enumerate(layers):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.model import qwen3_5
+from splitserve.model import gdn_layer
 from splitserve.model.attention import AttentionMetadata, PrefillChunk
 from splitserve.model.config import ModelConfig
 from splitserve.model.random_weights import SMALL_QWEN3_5
@@ -21,7 +21,7 @@ STATE_SLOTS = 9
 
 @dataclass
 class GdnCase:
-    layer: qwen3_5.GatedDeltaNet
+    layer: gdn_layer.GatedDeltaNet
     states: dict[str, torch.Tensor]  # "conv", "recurrent": [STATE_SLOTS, 3, ...] (layer index 1 of 3)
     meta: AttentionMetadata
     x: torch.Tensor  # [DECODE_ROWS + sum(PROMPT_LENS), hidden]
@@ -33,7 +33,7 @@ def gdn_layer_case(device: str | torch.device) -> GdnCase:
         {**SMALL_QWEN3_5, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]}
     )
     torch.manual_seed(0)
-    layer = qwen3_5.GatedDeltaNet(cfg, 1).to(device).eval()
+    layer = gdn_layer.GatedDeltaNet(cfg, 1).to(device).eval()
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * 0.2)

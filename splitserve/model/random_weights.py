@@ -153,11 +153,45 @@ TINY_QWEN3_5: dict[str, Any] = {
     "max_position_embeddings": 4096,
 }
 
+#: A small Llama with one KV head (shared by every tensor-parallel rank) and an odd vocabulary (the last
+#: rank's rows of a vocabulary-parallel embedding and LM head padded).
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 509,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+#: A mid-size Qwen3 shape (165M parameters) for CPU benchmarks whose products must be real work, e.g.
+#: each rank's half of them under tensor parallelism (bench/tp_decode_step.py).
+QWEN3_MINI: dict[str, Any] = {
+    **TINY_QWEN3,
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+}
+
 #: Names accepted by `random_model_config` (and the benchmarks' `--model`).
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b-random": QWEN3_8B,
     "qwen3-1.7b-random": QWEN3_1_7B,
     "tiny-random": TINY_QWEN3,
+    "tiny-llama-random": TINY_LLAMA,
+    "qwen3-mini-random": QWEN3_MINI,
     "tiny-chat-random": TINY_CHAT,
     "qwen3.5-9b-random": QWEN3_5_9B,
     "qwen3.5-tiny-random": TINY_QWEN3_5,

@@ -22,6 +22,7 @@ from splitserve.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from splitserve.router.parsers import ChatOutput
     from splitserve.router.server import OpenAIServer
+    from splitserve.router.thinking import ThinkingTokens
 
 
 class CleanupStream(StreamingResponse):
@@ -77,6 +78,7 @@ async def respond(
     start: float,
     request: Request,
     output: Callable[[], ChatOutput] | None = None,
+    thinking: Callable[[], ThinkingTokens] | None = None,
 ) -> Response:
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     name = server.info.served_name
@@ -84,6 +86,7 @@ async def respond(
     server.metrics.router_queue.labels(name).observe(waited)
     run = request.state.splitserve_run = Run(server, kind, req, prompts, params, rid, start)
     run.output = output
+    run.count_thinking(thinking)
     server.runs.add(run)
     released = False
 

@@ -65,6 +65,7 @@ def worker_config(
         grammar_threads=manifest.server.structured.compile_threads,
         grammar_timeout_s=manifest.server.structured.compile_timeout_s,
         speculative_config=e.speculative_config,
+        tensor_parallel_size=manifest.tensor_parallel_size(role),
         progress=False,
     )
     return WorkerConfig(
@@ -106,6 +107,7 @@ def lending_slots(manifest: Manifest) -> dict[tuple[str, int], int]:
     if not manifest.runtime.lend_cores:
         return {}
     lenders = [(r, i) for r, i in cpu_workers(manifest) if manifest.engine_for(r).threads is None]
+    lenders = [(r, i) for r, i in lenders if manifest.tensor_parallel_size(r) == 1]  # one process each
     return {w: slot for slot, w in enumerate(lenders)} if len(lenders) > 1 else {}
 
 
@@ -137,7 +139,8 @@ def cpu_threads(manifest: Manifest) -> int:
     """A CPU worker's intra-op threads when the manifest leaves them out: this host's cores shared
     evenly among the deployment's workers that are not on a GPU (colocated on 2 cores: 2; a prefill
     and a decode worker: 1 each)."""
-    return max(1, (os.cpu_count() or 1) // max(1, len(cpu_workers(manifest))))
+    ranks = sum(manifest.tensor_parallel_size(role) for role, _ in cpu_workers(manifest))
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
 class WorkerView(Protocol):

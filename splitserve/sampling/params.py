@@ -1,9 +1,11 @@
 """Per-request sampling parameters, in vLLM's spelling, validated at construction.
 
 `SamplingParams.grammar` (a `GrammarSpec`) constrains a request's output (structured outputs, forced
-tool calls): plain data here; compiling and matching it is engine/grammar.py's.
+tool calls): plain data here; compiling and matching it is engine/grammar.py's. `SamplingParams.thinking`
+(a `ThinkingSpec`) says the output starts inside a thinking block: the grammar waits for its end, and
+a budget bounds it (engine/thinking.py).
 
-Both are frozen msgspec structs: the one type inside every process and on every wire (the router's
+All three are frozen msgspec structs: the one type inside every process and on every wire (the router's
 and the worker's JSON, the engine core's msgpack). Decoding runs the same checks as construction
 (`__post_init__`), so a body that decodes is a valid request; unknown fields are refused.
 """
@@ -51,6 +53,27 @@ class GrammarSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return (self.kind, self.spec, self.strict)
 
 
+class ThinkingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An answer that starts inside the model's thinking block (its prompt opened it): the engine leaves
+    the thinking free of the grammar, which constrains only what follows the block's end, and may bound
+    it (engine/thinking.py). `end`: the token ids that end the block (`</think>`); `forced`: those written
+    in its place once `budget` thinking tokens have been sampled (empty: `end`); `budget`: None for no
+    bound (vLLM's `thinking_token_budget`)."""
+
+    end: tuple[int, ...]
+    forced: tuple[int, ...] = ()
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        force_setattr(self, "end", tuple(self.end))
+        force_setattr(self, "forced", tuple(self.forced) or tuple(self.end))
+        ids = self.end + self.forced
+        if not self.end or not all(_int_in(t, 0, _INT32) for t in ids):
+            raise ValueError("thinking.end and thinking.forced must be token ids, end at least one")
+        if self.budget is not None and not _int_in(self.budget, 0, _INT32):
+            raise ValueError(f"thinking.budget must be a non-negative integer, got {self.budget!r}")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     n: int = 1
     temperature: float = 1.0
@@ -71,6 +94,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     detokenize: bool = True
     grammar: GrammarSpec | None = None  # a dict of its fields is taken too
+    thinking: ThinkingSpec | None = None  # likewise
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +110,13 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"bad grammar: {exc}") from None
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError("grammar must be a GrammarSpec or a dict of its fields")
+        if isinstance(self.thinking, dict):
+            try:
+                force_setattr(self, "thinking", ThinkingSpec(**self.thinking))
+            except TypeError as exc:
+                raise ValueError(f"bad thinking: {exc}") from None
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingSpec):
+            raise ValueError("thinking must be a ThinkingSpec or a dict of its fields")
         self._validate()
 
     def _validate(self) -> None:
