@@ -127,8 +127,9 @@ class CoreOps:
             "blocks": {"total": st.blocks.total, "free": st.blocks.free, "held": st.blocks.held},
             "state_slots": {"total": st.state_slots_total, "free": st.state_slots_free},
             "preemptions": st.preemptions,
-            # model steps by tokens run, in vLLM's iteration_tokens buckets (engine/stats.py)
+            # model steps by tokens run, in vLLM's iteration_tokens buckets (wire/stats.py)
             "iteration_tokens": {"counts": st.step_tokens.counts, "sum": st.step_tokens.total},
+            "block_size": engine.block_size,
             "prompt_tokens_computed": st.prompt_tokens_computed,
             "kv_bytes_per_token": st.block_bytes // engine.block_size,
             "steps": {
@@ -144,6 +145,7 @@ class CoreOps:
                 "paced_steps": self.core.paced_steps,
             },
             "prefix_cache": {
+                "enabled": st.prefix_caching,
                 "queries": st.prefix_queries,
                 "hits": st.prefix_hits,
                 "state_checkpoints": ckpt,
