@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
+CORE_SOCKETS = "splitserve-core-"  # a worker front end's folder of its engine core's sockets
+
 
 def owned_tempdir(prefix: str, before_removal: Callable[[str], None] | None = None) -> str:
     """A fresh 0700 folder `<tmp>/<prefix><pid>-XXXX`, after removing every `<prefix><pid>-*` folder
@@ -65,4 +67,11 @@ def process_state(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
-__all__ = ["owned_tempdir", "process_gone", "process_state", "remove_if_orphaned", "sweep_stale"]
+__all__ = [
+    "CORE_SOCKETS",
+    "owned_tempdir",
+    "process_gone",
+    "process_state",
+    "remove_if_orphaned",
+    "sweep_stale",
+]

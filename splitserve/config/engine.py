@@ -65,6 +65,8 @@ class EngineConfig:
     weight_cache_dir: str | None = "auto"
     weight_cache_max_gb: float | None = 64.0  # least recently used entries are evicted beyond this
     weight_cache_verify: bool = True  # CRC32 of every chunk on load (see weight_cache.py for the cost)
+    grammar_threads: int = 2  # threads compiling grammars (xgrammar releases the GIL meanwhile)
+    grammar_timeout_s: float = 30.0  # a request whose grammar has not compiled by then fails (a 503)
     # Speculative decoding (engine/spec/): a SpeculativeConfig, a dict of its fields (vLLM's
     # --speculative-config: {"method": "ngram", "num_speculative_tokens": 4, ...}) or None (off)
     speculative_config: SpeculativeConfig | dict | None = None

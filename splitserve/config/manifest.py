@@ -17,7 +17,8 @@
                 max_queued_requests, stream_interval, access_log, log_stats_interval_s, metrics_auth,
                 reject_unknown_fields, cors, trust_request_chat_template, header_timeout_s,
                 body_timeout_s, max_header_bytes, tool_call_parser, reasoning_parser,
-                enable_auto_tool_choice}
+                enable_auto_tool_choice,
+                structured, rate_limit: grammar limits, per-client rate (config/manifest_limits.py)}
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
     verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)
     slos, prices: read by `splitserve bench` (goodput and cost per accepted response)

@@ -23,6 +23,7 @@ from pydantic import (
 
 from splitserve.config.cors import CorsSection
 from splitserve.config.engine import EngineConfig
+from splitserve.config.manifest_limits import RateLimitSection, StructuredSection
 from splitserve.config.speculative import checked_dict
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
@@ -297,6 +298,8 @@ class ServerSection(Section):
     header_timeout_s: float = Field(default=10.0, ge=0.1, le=600, allow_inf_nan=False)
     body_timeout_s: float = Field(default=60.0, ge=0.1, le=3600, allow_inf_nan=False)  # ... a body, of them
     max_header_bytes: int = Field(default=64 << 10, ge=1024, le=16 << 20)  # more: 431
+    structured: StructuredSection = Field(default_factory=StructuredSection)  # grammar limits
+    rate_limit: RateLimitSection | None = None  # a token bucket per client (router/gate.py); null: none
 
     @field_validator("api_keys")
     @classmethod
@@ -359,6 +362,9 @@ class VerifySection(Section):
     max_transfer_failures: int = Field(default=0, ge=0)  # KV transfer failures the gate tolerates
     prompt: str = "What is the capital of France?"  # the round trip's known prompt (greedy)
     max_tokens: int = Field(default=16, ge=1)
+    # a GPU worker whose host offers no GPUDirect RDMA to its EFA / InfiniBand devices fails the gate
+    # (KV would be staged through host memory); off: the fabric is reported, the bandwidth floor holds
+    require_gpudirect: bool = False
 
 
 class PricesSection(Section):

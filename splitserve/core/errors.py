@@ -8,6 +8,7 @@ from splitserve.wire import core as wire
 
 def error_info(exc: BaseException) -> wire.ErrorInfo:
     """An exception of the engine or the transport -> the status and body the worker answers with."""
+    from splitserve.engine.grammar import GrammarTimeout
     from splitserve.engine.kv_transfer_types import KVTransferFailed, NoRoom
     from splitserve.transport import AuthError, PeerRefused, TransferTimeout, TransportError
 
@@ -26,6 +27,8 @@ def error_info(exc: BaseException) -> wire.ErrorInfo:
         return wire.ErrorInfo(transfer_status(exc), "kv_transport", str(exc), extra)
     if isinstance(exc, NoRoom):
         return wire.ErrorInfo(503, "no_room", str(exc))
+    if isinstance(exc, GrammarTimeout):
+        return wire.ErrorInfo(503, "grammar_timeout", str(exc))
     if isinstance(exc, ValueError):
         return wire.ErrorInfo(400, "invalid_request", str(exc))
     return wire.ErrorInfo(500, "internal", f"{type(exc).__name__}: {exc}")

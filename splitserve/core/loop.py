@@ -234,6 +234,9 @@ class EngineCore:
             log.exception("engine step failed; re-running its requests one by one")
             outputs = self._rerun_alone()
         self._imports_ended()  # before their first tokens: a stream starts with its Accepted
+        for rid, exc in self.engine.take_grammar_failures():  # a 400 or 503, not an "abort" line
+            if self.sent.pop(rid, None) is not None:
+                self.events.append(wire.Refused(rid, error_info(exc)))
         return [d for out in outputs if (d := self._delta(out)) is not None]
 
     def _rerun_alone(self) -> list[Any]:

@@ -12,7 +12,8 @@ KV transfer (what disaggregated serving is built on) goes through hooks the engi
 come off the engine's inbox at the start of each `step()` (or `free_released_kv()`).
 
 Constrained requests (`SamplingParams.grammar`, grammar.py) wait outside the scheduler while their
-grammar compiles on a thread, are masked by it in the sampler and advance their matcher with each token.
+grammar compiles on a thread (at most `grammar_timeout_s`: then they fail with `GrammarTimeout`, taken
+by `take_grammar_failures`), are masked by it in the sampler and advance their matcher with each token.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 from splitserve.config.engine import EngineConfig
 from splitserve.engine.builder import build
 from splitserve.engine.grammar import Grammars
+from splitserve.engine.grammar_wait import GrammarWaits
 from splitserve.engine.intake import RequestFactory
 from splitserve.engine.kv_prefault import KVPrefault
 from splitserve.engine.kv_transfer import BlockLease, ImportOutcome, KVTransfers
@@ -74,11 +76,13 @@ class LLMEngine(OverlappedSteps):
                                      self.pool.num_blocks, self.block_size, self.device)  # fmt: skip
         self.sampler = Sampler(cfg.vocab_size, self.device, config.seed)
         tok = self.tokenizer  # its transformers tokenizer (`hf`) is loaded on the first grammar
-        self.grammars = Grammars(None, cfg.vocab_size, self.eos_token_ids, (lambda: tok.hf) if tok else None)
-        self._compiling: list[tuple[Future, list[Request]]] = []  # waiting for their grammar
+        self.grammars = Grammars(None, cfg.vocab_size, self.eos_token_ids, (lambda: tok.hf) if tok else None,
+                                 config.grammar_threads)  # fmt: skip
+        self._compiling = GrammarWaits(self.grammars, config.grammar_timeout_s)  # waiting for a grammar
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
-        self.transfers = KVTransfers(self, self.scheduler, self.kv_cache, self.states, cfg.vocab_size)
+        self.transfers = KVTransfers(self, self.scheduler, self.kv_cache, self.states, cfg.vocab_size,
+                                     config.grammar_timeout_s)  # fmt: skip
         self.prefault = KVPrefault(self.kv_cache, self.pool)  # CPU: for a serving loop's idle turns
         self._ready: list[RequestOutput] = []  # outputs made outside a step, returned by the next one
         self._first_due = False  # a KV import's first token is in _ready: the next step returns it alone
@@ -120,8 +124,8 @@ class LLMEngine(OverlappedSteps):
         self._parents[request_id] = children
         for child in children:
             self.requests[child.request_id] = child
-        if compiled is not None and not compiled.done():
-            self._compiling.append((compiled, children))  # queued by _admit_compiled once compiled
+        if compiled is not None and not compiled.done():  # queued by _admit_compiled once compiled
+            self._compiling.add(compiled, children)
             return request_id
         for child in children:
             if compiled is not None:
@@ -130,29 +134,32 @@ class LLMEngine(OverlappedSteps):
         return request_id
 
     def _admit_compiled(self) -> None:
-        """Queue the requests whose grammar has compiled; one whose grammar failed (the front ends check
-        specs first, so hardly ever) ends with "abort", reported by this step."""
-        waiting: list[tuple[Future, list[Request]]] = []
-        for fut, children in self._compiling:
-            if not fut.done():
-                waiting.append((fut, children))
-                continue
-            error = fut.exception()
-            live = [c for c in children if not c.finished]  # not aborted while it compiled
-            for child in live:
-                if error is None:
-                    child.grammar = self.grammars.matcher(child.params.grammar, fut.result())
-                    self.scheduler.add(child)
-                else:
-                    child.status, child.finish_reason = Status.FINISHED, "abort"
-            if error is not None and live:
-                log.warning("grammar of %s failed to compile: %s", live[0].request_id, error)
-                self._ready.append(self._output(live[0].parent_id or live[0].request_id))
-        self._compiling = waiting
+        """Queue the requests whose grammar has compiled. One whose grammar failed (the front ends check
+        specs first, so hardly ever) or is still compiling at its deadline ends with "abort", reported
+        by this step, and its failure is kept for `take_grammar_failures`."""
+        for rid, error in self._compiling.admit(self.scheduler.add):
+            log.warning("grammar of %s failed: %s", rid, error)
+            self._ready.append(self._output(rid))
+
+    def take_grammar_failures(self) -> list[tuple[str, Exception]]:
+        """(request id, GrammarError or GrammarTimeout) of each request whose grammar failed since the
+        last call; its output ended with "abort" (a serving core answers the failure instead)."""
+        return self._compiling.take_failures()
+
+    def grammar_compiling(self, req: Request) -> Future | None:
+        """The compile `req`'s grammar still waits for, if any."""
+        if req.params.grammar is None:
+            return None
+        fut = self.grammars.compile(req.params.grammar)
+        return None if fut.done() else fut
 
     def abort(self, request_id: str) -> None:
-        """Stop a request (all its n samples) and free everything it holds. Unknown ids are ignored."""
-        for req in self._parents.pop(request_id, []):
+        """Stop a request (all its n samples) and free everything it holds (a compile that no other
+        request waits for is cancelled, if it has not started). Unknown ids are ignored."""
+        children = self._parents.pop(request_id, [])
+        if any(c.grammar is None and c.params.grammar is not None for c in children):
+            self._compiling.cancel_for(children)
+        for req in children:
             if req.status is Status.WAITING_FOR_KV:
                 self.transfers.abort(req)  # a load in flight: its blocks are freed when it ends
             elif not req.finished:
@@ -239,7 +246,7 @@ class LLMEngine(OverlappedSteps):
         sched = self.scheduler.schedule()
         if not sched.chunks:
             if self._compiling and idle_wait:  # nothing else to do: wait for a grammar, not spin
-                wait([f for f, _ in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
+                wait(self._compiling.futures(), timeout=0.005, return_when=FIRST_COMPLETED)
             return []
         self.forward_steps += 1
         self.step_tokens.add(sched.num_tokens)
@@ -252,23 +259,13 @@ class LLMEngine(OverlappedSteps):
         tokens, logprobs = self.sampler(logits, reqs) if reqs else ([], [])
         return self._update(sched, reqs, tokens, logprobs)
 
-    def _update(
-        self,
-        sched: SchedulerOutput,
-        reqs: list[Request],
-        tokens: list[int],
-        logprobs: list[TokenLogprob | None],
-    ) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
+                logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:  # fmt: skip
         self.scheduler.advance(sched)
         return self._take_tokens(sched, reqs, tokens, logprobs)
 
-    def _take_tokens(
-        self,
-        sched: SchedulerOutput,
-        reqs: list[Request],
-        tokens: list[int],
-        logprobs: list[TokenLogprob | None],
-    ) -> list[RequestOutput]:
+    def _take_tokens(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
+                     logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:  # fmt: skip
         """Append each sampled token (stop checks, KV export), cache the blocks the step filled, and
         return the outputs of the requests that changed."""
         now = time.monotonic()

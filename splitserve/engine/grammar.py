@@ -4,8 +4,12 @@ a matcher, and mask the logits of the tokens the grammar does not allow next.
 A constrained request's life in the engine:
   1. `add_request` (or `build_request`, for a KV import) asks `Grammars.compile(spec)` for the compiled
      grammar: a Future, done at once when the spec was compiled before (cached per spec), else compiled
-     on a thread; the request waits outside the scheduler until it is done (`LLMEngine._admit_compiled`),
-     so a slow compile never stalls the step that runs the other requests.
+     in a small pool of threads (xgrammar releases the GIL while it compiles); the request waits outside
+     the scheduler, holding no KV, until it is done (`LLMEngine._admit_compiled`; a KV import waits
+     after its load, `KVTransfers`), so a slow compile never stalls the step that runs the other
+     requests. Past the compile deadline it fails with `GrammarTimeout` (a 503); the compile goes on
+     and its result stays cached. A request aborted while it waits cancels its compile if no other
+     request waits for it and it has not started.
   2. Each step that samples it, the sampler masks its logits (`mask_logits`): one token bitmask (int32,
      one bit per token; on CUDA [N, ceil(V/32)] with unconstrained rows all ones, on CPU only the
      constrained rows), filled on the host by xgrammar's batch matcher (on threads), copied to the
@@ -29,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,8 +54,12 @@ log = logging.getLogger(__name__)
 CACHE_SIZE = 256  # compiled grammars kept per engine
 
 
+class GrammarTimeout(RuntimeError):
+    """A request's grammar did not compile within the engine's deadline."""
+
+
 class Grammars:
-    """One engine's grammar compiler: compiled grammars cached per spec, compiled on a worker thread."""
+    """One engine's grammar compiler: compiled grammars cached per spec, compiled on `threads` threads."""
 
     def __init__(
         self,
@@ -58,18 +67,21 @@ class Grammars:
         vocab_size: int,
         stop_token_ids: Sequence[int],
         load: Callable[[], Any] | None = None,
+        threads: int = 2,
     ) -> None:
         """`hf_tokenizer`: transformers' tokenizer of the vocabulary, or None with `load`, which gives it
         on the first compile (loading transformers costs seconds an engine that never constrains
-        output need not pay)."""
+        output need not pay). `threads`: grammars compiled at once."""
         self._hf, self._load = hf_tokenizer, load
         self.vocab_size = vocab_size
         self._stop = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self.ready_at: float | None = None  # time.monotonic() once the compiler (and tokenizer) is built
         self._json_safe: torch.Tensor | None = None  # [W] int32: tokens without bytes below 0x20
         self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
 
     def _tokenizer(self) -> Any:
         if self._hf is None and self._load is not None:
@@ -91,6 +103,15 @@ class Grammars:
                 self._cache.popitem(last=False)
         return fut
 
+    def cancel(self, spec: GrammarSpec) -> bool:
+        """Drop the compile of `spec` if it has not started (no request waits for it any more)."""
+        with self._lock:
+            fut = self._cache.get(spec.key)
+            if fut is None or not fut.cancel():
+                return False
+            del self._cache[spec.key]
+        return True
+
     def matcher(self, spec: GrammarSpec, compiled: xgrammar.CompiledGrammar | None = None) -> Matcher:
         """A fresh matcher. NOTE: without `compiled`, waits for the compile (the decode side's adopt:
         started at build_request, before the KV fetch)."""
@@ -104,15 +125,22 @@ class Grammars:
         return self._get_compiler().compile_grammar(grammar)
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
-        if self._compiler is None:  # only the grammar thread gets here
-            import xgrammar as xgr
+        with self._compiler_lock:  # the grammar threads: the first builds it
+            if self._compiler is None:
+                import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self._stop
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-            self._json_safe = _without_control_bytes(info.decoded_vocab, self.vocab_size, self._stop)
-        return self._compiler
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self._stop
+                )
+                self._json_safe = _without_control_bytes(info.decoded_vocab, self.vocab_size, self._stop)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self.ready_at = time.monotonic()
+            return self._compiler
+
+    def late(self, since: float, timeout_s: float) -> bool:
+        """Whether a compile asked for at `since` (time.monotonic()) is past its deadline. The clock starts
+        once the compiler is built: the one-time tokenizer load is no request's compile."""
+        return self.ready_at is not None and time.monotonic() - max(since, self.ready_at) > timeout_s
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -237,4 +265,4 @@ def _batch_matcher() -> Any:
     return xgr.BatchGrammarMatcher()
 
 
-__all__ = ["Grammars", "Matcher", "mask_logits"]
+__all__ = ["GrammarTimeout", "Grammars", "Matcher", "mask_logits"]

@@ -12,7 +12,9 @@ for their KV, and the inbox the connector posts to. Everything here runs on the 
     and starts their loads (`start_load`); a `LoadDone` joins its request to the batch, or follows its
     policy: "fail" ends it (`KVTransferFailed` in its outcome), "recompute" queues it like a preempted
     request (prompt + first token recomputed here: the same output). A refused peer (layout or auth)
-    always fails. Each import ends with one `ImportOutcome` (`take_outcomes`); `import_blocking` is
+    always fails. A request whose grammar is still compiling when its KV arrives waits (its blocks
+    held) until it has, or fails with `GrammarTimeout` past the compile deadline: the step never waits
+    for a compile. Each import ends with one `ImportOutcome` (`take_outcomes`); `import_blocking` is
     the library's path: all on the caller's thread, no room now counting as `NoRoom`.
 """
 
@@ -21,11 +23,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from splitserve.engine.grammar import Grammars, GrammarTimeout
 from splitserve.engine.kv_transfer_hooks import Inbox, KVConnectorBase, KVLoad, LeaseEnded, LoadDone
 from splitserve.engine.kv_transfer_types import ImportSpec, KVTransferFailed, NoRoom, restore_generator
 from splitserve.engine.request import KVWait, Request, RequestOutput, Status, completion_of
@@ -44,6 +48,8 @@ REFUSALS = (PeerRefused, AuthError)  # configuration errors: never recomputed ov
 class _Engine(Protocol):
     """What the transfers use of their engine (LLMEngine): requests are its to build and queue."""
 
+    grammars: Grammars
+
     def build_request(self, prompt: Sequence[int], params: SamplingParams, request_id: str) -> Request: ...
 
     def register(self, req: Request) -> None: ...
@@ -53,6 +59,8 @@ class _Engine(Protocol):
     def forget(self, request_id: str) -> None: ...
 
     def post_output(self, output: RequestOutput) -> None: ...
+
+    def grammar_compiling(self, req: Request) -> Future | None: ...
 
 
 @dataclass(frozen=True)
@@ -89,8 +97,10 @@ class _Import:
 
 class KVTransfers:
     def __init__(self, engine: _Engine, scheduler: Scheduler, kv_cache: torch.Tensor, states: StatePool,
-                 vocab_size: int) -> None:  # fmt: skip
+                 vocab_size: int, grammar_timeout_s: float = 30.0) -> None:  # fmt: skip
         self.engine = engine
+        self.grammar_timeout_s = grammar_timeout_s
+        self._after_grammar: dict[str, LoadDone] = {}  # loaded, waiting for their grammar to compile
         self.scheduler = scheduler
         self.kv_cache = kv_cache
         self.states = states
@@ -213,6 +223,8 @@ class KVTransfers:
         freed = 0
         while (msg := self.inbox.get()) is not None:
             freed += self._handle(msg)
+        if self._after_grammar:
+            self._grammar_due()
         if self.scheduler.waiting_for_kv:
             ready, late = self.scheduler.poll_kv()
             for req in ready:
@@ -243,6 +255,7 @@ class KVTransfers:
         rid = self.begin(spec, wait_for_room=False).request_id
         self.poll()
         while rid in self.imports:
+            self._grammar_due()
             msg = self.inbox.get(timeout_s=0.1)
             if msg is not None:
                 self._handle(msg)
@@ -279,9 +292,31 @@ class KVTransfers:
         load = KVLoad(req.request_id, imp.spec.handle, list(req.block_ids), imp.deadline, state, ready)
         conn.start_load(load)
 
+    def _grammar_due(self) -> None:
+        """Adopt the loaded requests whose grammar has compiled (or was aborted); fail those past the
+        compile deadline, their blocks freed."""
+        for rid, done in list(self._after_grammar.items()):
+            imp = self.imports[rid]
+            compiling = self.engine.grammar_compiling(imp.request) is not None
+            since = time.monotonic() - (time.perf_counter() - imp.start)  # the compile clock's time
+            late = self.engine.grammars.late(since, self.grammar_timeout_s)
+            if compiling and not late and not imp.aborted:
+                continue
+            del self._after_grammar[rid]
+            if imp.aborted or not compiling:
+                self._complete(imp, done)
+                continue
+            del self.imports[rid]
+            self.scheduler.block_manager.free(imp.request)
+            error = GrammarTimeout(f"the grammar did not compile within {self.grammar_timeout_s:g} s")
+            self._fail(imp.request, error, {"kv_bytes": done.nbytes})
+
     def _complete(self, imp: _Import, done: LoadDone) -> None:
         req, spec, error = imp.request, imp.spec, done.error
         rid = req.request_id
+        if error is None and not imp.aborted and self.engine.grammar_compiling(req) is not None:
+            self._after_grammar[rid] = done  # adopted by a later poll, once compiled: never waited for
+            return
         del self.imports[rid]
         start = imp.reserved_at or imp.start
         info = {

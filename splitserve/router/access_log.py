@@ -56,33 +56,39 @@ class AccessLog:
             server = self.get()
         except RuntimeError:  # the Ray router is still starting
             return
-        if status >= 400:
-            server.metrics.errors.labels(server.info.served_name, str(status)).inc()
-        if not server.manifest.server.access_log or not log.isEnabledFor(logging.INFO):
-            return
-        run = (scope.get("state") or {}).get("splitserve_run")
-        usage = run.usage() if run is not None else {"prompt_tokens": 0, "completion_tokens": 0}
-        ttft = getattr(run, "ttft", None)
-        client = scope.get("client")
-        rid = run.rid if run is not None else "-"
-        if scope["path"] == "/v1/responses":  # the id the client sees there: resp_..., not chatcmpl-...
-            rid = "resp_" + rid.removeprefix("chatcmpl-") if rid != "-" else rid
-        fields = {
-            "request_id": rid,
-            "method": scope["method"],
-            "route": scope["path"],
-            "status": status,
-            "prompt_tokens": usage["prompt_tokens"],
-            "completion_tokens": usage["completion_tokens"],
-            "latency_ms": round(seconds * 1e3, 1),
-            "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
-            "client": client[0] if client else None,
-        }
-        log.info(
-            "%s %s %s %s prompt_tokens=%d completion_tokens=%d latency_ms=%.1f ttft_ms=%s client=%s",
-            *{**fields, "ttft_ms": "-" if fields["ttft_ms"] is None else fields["ttft_ms"]}.values(),
-            extra=fields,
-        )
+        record(server, scope, status, seconds)
 
 
-__all__ = ["AccessLog"]
+def record(server: OpenAIServer, scope: Any, status: int, seconds: float, logged: bool = True) -> None:
+    """Count an answer's error status, and log its line unless `logged` is False (the gate's refusals
+    past its log budget are counted only)."""
+    if status >= 400:
+        server.metrics.errors.labels(server.info.served_name, str(status)).inc()
+    if not logged or not server.manifest.server.access_log or not log.isEnabledFor(logging.INFO):
+        return
+    run = (scope.get("state") or {}).get("splitserve_run")
+    usage = run.usage() if run is not None else {"prompt_tokens": 0, "completion_tokens": 0}
+    ttft = getattr(run, "ttft", None)
+    client = scope.get("client")
+    rid = run.rid if run is not None else "-"
+    if scope["path"] == "/v1/responses":  # the id the client sees there: resp_..., not chatcmpl-...
+        rid = "resp_" + rid.removeprefix("chatcmpl-") if rid != "-" else rid
+    fields = {
+        "request_id": rid,
+        "method": scope["method"],
+        "route": scope["path"],
+        "status": status,
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "latency_ms": round(seconds * 1e3, 1),
+        "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
+        "client": client[0] if client else None,
+    }
+    log.info(
+        "%s %s %s %s prompt_tokens=%d completion_tokens=%d latency_ms=%.1f ttft_ms=%s client=%s",
+        *{**fields, "ttft_ms": "-" if fields["ttft_ms"] is None else fields["ttft_ms"]}.values(),
+        extra=fields,
+    )
+
+
+__all__ = ["AccessLog", "record"]

@@ -28,7 +28,7 @@ from splitserve.router.parsers import chat_outputs
 from splitserve.router.respond import CleanupStream, respond
 from splitserve.router.responses import ResponseEvents, ResponsesRequest, response_object
 from splitserve.router.server import OpenAIServer
-from splitserve.router.structured import checked, requested_grammar
+from splitserve.router.structured import check_tool_limits, checked, requested_grammar
 from splitserve.router.tools import chosen_tools, render_messages, tool_grammar
 from splitserve.sampling.params import GrammarSpec
 
@@ -61,6 +61,8 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     req = validate_request(server, ChatCompletionRequest, body)
     server.check_model(req.model)
     check_n(server, req.n)
+    limits = server.grammar_limits
+    asked = requested_grammar(req, limits)  # a costly grammar refused before the prompt is rendered
     if server.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
     offered = [t.model_dump(exclude_none=True) for t in req.tools or []]
@@ -74,19 +76,20 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     )
     server.check_length(len(prompt_ids), req.max_new(), "messages")
     params = req.sampling(req.max_new(), req.logprobs_k(), server.info.generation_defaults)
-    asked = requested_grammar(req)
     if tools and mode == "auto" and not server.manifest.server.enable_auto_tool_choice:
         raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice',
                        param="tool_choice")  # fmt: skip
+    if mode in ("required", "named"):
+        check_tool_limits(tools, limits)
     fmt = server.tool_format if tools else None
     forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, server.tool_format)
     # a forced call (tool_choice required or named) is the whole answer: its arguments follow the tool's
     # parameters, and a response_format (which shapes the message's content, as OpenAI defines it) has
     # no content left to shape; without a forced call, the response_format constrains the content
     if forced is not None:
-        params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools")
+        params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools", limits)
     elif asked is not None:
-        params["grammar"] = await checked(*asked)
+        params["grammar"] = await checked(*asked, limits)
     prompts = [(prompt_ids, "")]
     # a grammar constrains the answer from its first token: no thinking block can come before it
     reasoning = server.reasoning_format if "grammar" not in params else None
@@ -124,9 +127,9 @@ async def completions(server: OpenAIServer, request: Request) -> Response:
         server.check_length(len(ids), req.max_tokens, "prompt")
         prompts.append((ids, text if req.echo else ""))
     params = req.sampling(req.max_tokens, req.logprobs, server.info.generation_defaults)
-    asked = requested_grammar(req)
+    asked = requested_grammar(req, server.grammar_limits)
     if asked is not None:
-        params["grammar"] = await checked(*asked)
+        params["grammar"] = await checked(*asked, server.grammar_limits)
     return await respond(server, "completion", req, prompts, params, start, request)
 
 

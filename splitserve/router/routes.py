@@ -18,6 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 from splitserve.router import endpoints
 from splitserve.router.access_log import AccessLog
 from splitserve.router.contain import ContainErrors
+from splitserve.router.edge_gate import EdgeGate
 from splitserve.router.guard import METRICS_TYPE, DocsGuard, MetricsEndpoint
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.server import OpenAIServer
@@ -43,6 +44,7 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     app.add_middleware(ContainErrors)  # inside the access log: a 500 answered here keeps the connection
     app.add_middleware(DocsGuard, get=get)  # /docs, /redoc, /openapi.json behind the API key
     app.add_middleware(AccessLog, get=get)  # the access log line, and errors counted by status
+    app.add_middleware(EdgeGate, get=get)  # 401, 429 from the headers alone, before all of the above
     app.add_middleware(MetricsEndpoint, get=get)  # GET /metrics: a snapshot's bytes, first of all
 
     @app.exception_handler(APIError)

@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 from splitserve.config.manifest import Manifest
 from splitserve.router.admission import Admission
 from splitserve.router.dispatch import Dispatcher, WorkerSet
+from splitserve.router.gate import Gate
 from splitserve.router.guard import MetricsSnapshot
 from splitserve.router.json_edge import parse_json
 from splitserve.router.lenient import ignored_fields_counter
@@ -77,6 +78,8 @@ class OpenAIServer:
         self.describe_workers = describe_workers
         self.worker_stats = worker_stats
         self.keys = [k.encode() for k in manifest.server.keys()]
+        self.grammar_limits = manifest.server.structured.limits()  # structured.py checks specs on them
+        self.gate = Gate(self.keys, manifest.server.rate_limit)  # 401 and 429 before the body (gate.py)
         self.dispatcher = Dispatcher(
             workers, manifest.router, manifest.mode, manifest.engine.block_size, worker_headers
         )

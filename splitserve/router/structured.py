@@ -5,7 +5,9 @@ OpenAI's `response_format`: `text`, `json_object` (any JSON object), `json_schem
 `strict`). vLLM's extras, on chat and completions alike: `structured_outputs` ({json | regex | choice |
 grammar | json_object | structural_tag}) and the older `guided_json`, `guided_regex`, `guided_choice`,
 `guided_grammar`. At most one of them per request. The grammar is compiled by each engine
-(engine/grammar.py); here it is only parsed, off the event loop and cached per spec.
+(engine/grammar.py); here it is checked against the manifest's limits (`server.structured`,
+sampling/grammar_limits.py: enum and choice counts, nesting, size, regex repetition) and parsed, off the
+event loop and cached per spec, so that a costly or bad one is a 400 before anything is queued.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ from typing import Any
 
 from splitserve.router.openai_protocol import APIError, JSONSchemaFormat, StructuredOutputs
 from splitserve.sampling.grammar_check import GrammarError, check_grammar
+from splitserve.sampling.grammar_limits import (
+    GrammarLimitError,
+    GrammarLimits,
+    check_limits,
+    check_regex,
+    check_schema,
+)
 from splitserve.sampling.params import GrammarSpec
 
 
@@ -31,31 +40,39 @@ def _json_text(schema: Any, param: str) -> str:
     return json.dumps(schema)
 
 
-def requested_grammar(req: Any) -> tuple[GrammarSpec, str] | None:
-    """The grammar a request asks for and the field that asked, or None; 400 for two at once."""
+def requested_grammar(req: Any, limits: GrammarLimits | None = None) -> tuple[GrammarSpec, str] | None:
+    """The grammar a request asks for and the field that asked, or None; 400 for two at once, or for
+    one past `limits` (counted on the parsed body, before a costly spec is serialized)."""
+    try:
+        return _requested(req, limits or GrammarLimits())
+    except GrammarLimitError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="grammar_too_complex") from None
+
+
+def _requested(req: Any, limits: GrammarLimits) -> tuple[GrammarSpec, str] | None:
     found: list[tuple[GrammarSpec, str]] = []
     fmt = getattr(req, "response_format", None)
     if fmt is not None and fmt.get("type", "text") != "text":
-        found.append(_response_format(fmt))
+        found.append(_response_format(fmt, limits))
     so: StructuredOutputs | None = req.structured_outputs
     if so is not None:
         picks = [(k, v) for k, v in so.model_dump(by_alias=True).items() if v not in (None, False)]
         if len(picks) != 1:
             raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar, "
                            "json_object, structural_tag", param="structured_outputs")  # fmt: skip
-        found.append(_spec(picks[0][0], picks[0][1], f"structured_outputs.{picks[0][0]}"))
+        found.append(_spec(picks[0][0], picks[0][1], f"structured_outputs.{picks[0][0]}", limits))
     for key, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "grammar")):  # fmt: skip
         value = getattr(req, key)
         if value is not None:
-            found.append(_spec(kind, value, key))
+            found.append(_spec(kind, value, key, limits))
     if len(found) > 1:
         names = ", ".join(p for _, p in found)
         raise APIError(400, f"ask for one structured output at a time, not {names}", param=found[1][1])
     return found[0] if found else None
 
 
-def _response_format(fmt: dict[str, Any]) -> tuple[GrammarSpec, str]:
+def _response_format(fmt: dict[str, Any], limits: GrammarLimits) -> tuple[GrammarSpec, str]:
     kind = fmt.get("type")
     if kind == "json_object":
         return GrammarSpec("json_object"), "response_format"
@@ -69,11 +86,19 @@ def _response_format(fmt: dict[str, Any]) -> tuple[GrammarSpec, str]:
         raise APIError(400, f"{where}: {exc}", param=where) from None
     if body.schema_ is None:
         raise APIError(400, f"{where}.schema is required", param=where)
+    check_schema(body.schema_, f"{where}.schema", limits)
     schema = _json_text(body.schema_, "response_format.json_schema.schema")
     return GrammarSpec("json", schema, strict=body.strict is not False), f"{where}.schema"
 
 
-def _spec(kind: str, value: Any, param: str) -> tuple[GrammarSpec, str]:
+def _spec(kind: str, value: Any, param: str, limits: GrammarLimits) -> tuple[GrammarSpec, str]:
+    if kind == "json" and not isinstance(value, str):
+        check_schema(value, param, limits)
+    if kind == "choice" and isinstance(value, list) and len(value) > limits.max_choices:
+        raise GrammarLimitError(param, "max_choices", f"{len(value)} entries, more than the "
+                                f"{limits.max_choices} allowed")  # fmt: skip
+    if kind == "regex" and isinstance(value, str):
+        check_regex(value, param, limits)
     if kind == "json":
         return GrammarSpec("json", _json_text(value, param)), param  # strict, as vLLM compiles it
     if kind == "json_object":
@@ -87,13 +112,31 @@ def _spec(kind: str, value: Any, param: str) -> tuple[GrammarSpec, str]:
     return GrammarSpec("ebnf" if kind == "grammar" else kind, value), param
 
 
-async def checked(spec: GrammarSpec, param: str) -> dict[str, Any]:
-    """The spec as sampling params carry it, once it parses; else a 400 naming the problem."""
+async def checked(spec: GrammarSpec, param: str, limits: GrammarLimits) -> dict[str, Any]:
+    """The spec as sampling params carry it, once it is within `limits` and parses; else a 400 naming
+    the limit or the problem."""
     try:
-        await asyncio.to_thread(check_grammar, spec)
+        await asyncio.to_thread(_check, spec, param, limits)
+    except GrammarLimitError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="grammar_too_complex") from None
     except GrammarError as exc:
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_grammar") from None
     return asdict(spec)
 
 
-__all__ = ["checked", "requested_grammar"]
+def _check(spec: GrammarSpec, param: str, limits: GrammarLimits) -> None:
+    check_limits(spec, param, limits)
+    check_grammar(spec)
+
+
+def check_tool_limits(tools: list[dict], limits: GrammarLimits) -> None:
+    """The forced tools' parameter schemas within `limits` (a 400 naming the tool's field)."""
+    for i, tool in enumerate(tools):
+        schema = (tool.get("function") or {}).get("parameters")
+        try:
+            check_schema(schema, f"tools[{i}].function.parameters", limits)
+        except GrammarLimitError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="grammar_too_complex") from None
+
+
+__all__ = ["check_tool_limits", "checked", "requested_grammar"]

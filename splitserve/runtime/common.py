@@ -61,6 +61,8 @@ def worker_config(
         enable_prefix_caching=e.enable_prefix_caching,
         async_scheduling=e.async_scheduling,
         cpu_weights=e.cpu_weights,
+        grammar_threads=manifest.server.structured.compile_threads,
+        grammar_timeout_s=manifest.server.structured.compile_timeout_s,
         speculative_config=e.speculative_config,
         progress=False,
     )

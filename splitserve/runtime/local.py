@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import secrets
 import shutil
-import signal
 import sys
 import time
 from collections import deque
@@ -37,6 +35,8 @@ from splitserve.config.manifest import Manifest
 from splitserve.runtime.common import core_share_file, worker_argv
 from splitserve.runtime.mps import MpsDaemon, MpsPlan
 from splitserve.runtime.mps import plan as mps_plan
+from splitserve.runtime.standby import Standby, die_with_parent, kill, spawn_standby, taken_or_dead
+from splitserve.tempdirs import CORE_SOCKETS, sweep_stale
 from splitserve.wire.auth import worker_headers
 
 log = logging.getLogger(__name__)
@@ -94,20 +94,9 @@ class WorkerProcess:
         }
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class _Owner:
     owner: WorkerProcess | None
-
-
-@dataclass
-class _Standby:
-    proc: asyncio.subprocess.Process
-    owner: WorkerProcess | None = None  # set when it becomes a worker
 
 
 class LocalRuntime:
@@ -128,8 +117,10 @@ class LocalRuntime:
         ]
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
-        self._standby: _Standby | None = None  # a warm spare process for the next restart
-        self._making: asyncio.Task | None = None  # the spare being started (its imports under way)
+        self._standby: Standby | None = None  # a warm spare process for the next restart (standby.py)
+        self._keeper: asyncio.Task | None = None  # keeps one spare (`_keep_standby`) once started
+        self._spawning: asyncio.Task | None = None  # the spare being started (its imports under way)
+        self._standby_taken = asyncio.Event()  # a restart took the spare: make the next one
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self.worker_headers)
         self.mps: MpsPlan | None = None  # what start() decided about CUDA MPS (runtime/mps.py)
         self._mps_daemon: MpsDaemon | None = None
@@ -165,9 +156,9 @@ class LocalRuntime:
         """Start the warm spare (`runtime.standby`) unless there is one; `splitserve serve` calls it a
         little after ready, so that the spare's imports take no CPU from the start and first requests
         (a restart before then starts it at once, and adopts it)."""
-        idle = self._standby is None and (self._making is None or self._making.done())
+        idle = self._keeper is None or self._keeper.done()
         if self.rt.standby and not self._stopping and idle:
-            self._making = asyncio.create_task(self._make_standby(), name="standby")
+            self._keeper = asyncio.create_task(self._keep_standby(), name="standby")
 
     def _start_mps(self) -> None:
         """Workers that share a GPU get a private CUDA MPS daemon (`runtime.cuda_mps`), through the
@@ -192,8 +183,9 @@ class LocalRuntime:
         w.started_at = time.monotonic()
         if restart:  # the spare, or one half way (still ahead of a fresh process)
             self.start_standby()
-            if self._standby is None and self._making is not None:
-                await asyncio.wait({self._making}, timeout=self.rt.startup_timeout_s)
+            if self._standby is None and self._spawning is not None and not self._spawning.done():
+                await asyncio.wait({self._spawning}, timeout=self.rt.startup_timeout_s)
+                await asyncio.sleep(0)  # the keeper, woken first, makes it `_standby`
         spare, self._standby = self._standby, None
         adopted = spare is not None and spare.proc.returncode is None
         if spare is not None and adopted:
@@ -203,14 +195,14 @@ class LocalRuntime:
             assert w.proc.stdin is not None
             w.proc.stdin.write(json.dumps({"argv": w.argv[3:]}).encode() + b"\n")
             await w.proc.stdin.drain()
-            self.start_standby()
+            self._standby_taken.set()
         else:
             w.proc = await asyncio.create_subprocess_exec(
                 *w.argv,
                 env=w.env,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 start_new_session=True,
             )
             asyncio.create_task(self._forward_stderr(_Owner(w), w.proc))
@@ -242,7 +234,7 @@ class LocalRuntime:
                 if isinstance(msg, dict) and msg.get("event") == "ready":
                     return msg
 
-    async def _forward_stderr(self, owner: _Owner | _Standby, proc: asyncio.subprocess.Process) -> None:
+    async def _forward_stderr(self, owner: _Owner | Standby, proc: asyncio.subprocess.Process) -> None:
         assert proc.stderr is not None
         while raw := await proc.stderr.readline():
             line = raw.decode(errors="replace").rstrip()
@@ -252,33 +244,34 @@ class LocalRuntime:
             if line:
                 print(worker_line(w.name if w else "standby", line), file=sys.stderr, flush=True)
 
-    async def _make_standby(self) -> None:
-        """Start a spare worker process that has done its imports and waits for a command line."""
-        argv = [sys.executable, "-m", "splitserve.worker.main", "--standby"]
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            env=self.env,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_die_with_parent,
-            start_new_session=True,
-        )
-        spare = _Standby(proc)
-        asyncio.create_task(self._forward_stderr(spare, proc))
-        assert proc.stdout is not None
-        try:
-            line = await asyncio.wait_for(proc.stdout.readline(), 300)
-            if json.loads(line or b"{}").get("event") != "standby":
-                raise ValueError(f"unexpected first line {line[:100]!r}")
-        except (TimeoutError, ValueError) as exc:
-            log.warning("the standby worker process did not start (%s); restarts spawn afresh", exc)
-            await self._kill(proc)
-            return
-        if self._stopping:
-            await self._kill(proc)
-            return
-        self._standby = spare
+    async def _keep_standby(self) -> None:
+        """Keep one warm spare (standby.py): anew once a restart took it; when it dies unused, its
+        replacement starts at once, then after the restart backoff (doubled) for each death in a row."""
+        delay, backoff = 0.0, self.rt.restart_backoff_s
+        while not self._stopping:
+            self._standby_taken.clear()
+            self._spawning = asyncio.ensure_future(spawn_standby(self.env, self._forward_stderr))
+            spare = await self._spawning
+            if self._stopping and spare is not None:
+                await kill(spare.proc)
+            if spare is None or self._stopping:
+                return
+            self._standby = spare
+            born = time.monotonic()
+            code = await taken_or_dead(spare, self._standby_taken)
+            if code is None:  # became a worker
+                continue
+            if self._standby is spare:
+                self._standby = None
+            if self._stopping:
+                return
+            if time.monotonic() - born > STABLE_S:
+                delay, backoff = 0.0, self.rt.restart_backoff_s
+            log.warning("the standby worker process (pid %s) exited with %s; replacing it in %.1fs",
+                        spare.proc.pid, code, delay)  # fmt: skip
+            sweep_stale(CORE_SOCKETS)  # its engine core's socket folder, once the core is gone
+            await asyncio.sleep(delay)
+            delay, backoff = backoff, min(backoff * 2, self.rt.restart_backoff_max_s)
 
     # ---- watch and restart ----------------------------------------------------------------------
 
@@ -346,7 +339,7 @@ class LocalRuntime:
 
     async def stop(self, grace_s: float = 10.0) -> None:
         self._stopping = True
-        for task in [*self._tasks, *([self._making] if self._making else [])]:
+        for task in [*self._tasks, *([self._keeper] if self._keeper else [])]:
             task.cancel()
         procs = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
         if self._standby is not None:
@@ -358,20 +351,10 @@ class LocalRuntime:
             await asyncio.to_thread(self._mps_daemon.stop)
         if self.core_share is not None:
             shutil.rmtree(os.path.dirname(self.core_share), ignore_errors=True)
+        sweep_stale(CORE_SOCKETS)  # the socket folders of engine cores SIGKILLed with their front end
         await self._http.aclose()
 
-    @staticmethod
-    async def _kill(proc: asyncio.subprocess.Process, grace_s: float = 5.0) -> int | None:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), grace_s)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-        return proc.returncode
+    _kill = staticmethod(kill)
 
     def describe(self) -> list[dict]:
         return [w.describe() for w in self.workers]

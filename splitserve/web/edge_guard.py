@@ -6,7 +6,8 @@ uvicorn has none of these (httptools buffers a header of any size; a client send
 holds a connection forever), so `guarded_protocol` subclasses uvicorn's own HTTP protocol (httptools,
 or h11 without it) and watches each connection from outside the parser:
   - headers are pending while no request is being read (`cycle` is None or its body is complete);
-    bytes received then are counted, and a timer runs from the first of them;
+    bytes received then are counted, and a timer runs from the first of them; the chunk that
+    completes them is not counted (it may hold body bytes too): the parsed head is measured instead;
   - a new `cycle` after `data_received` means the headers completed; its body is pending until
     `cycle.more_body` turns False, under the body timer.
 A slow or oversized request gets 408 or 431 (OpenAI's error body) and the connection is closed; the
@@ -39,6 +40,12 @@ def _response(status: int, reason: str, message: str, code: str) -> bytes:
     return head.encode() + body
 
 
+def _header_size(scope: dict) -> int:
+    """The bytes of a parsed request's head: the request line and each `name: value` line."""
+    line = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 16
+    return line + sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+
+
 def guarded_protocol(
     limits: ReadLimits, base: type[asyncio.Protocol] | None = None
 ) -> type[asyncio.Protocol]:
@@ -67,7 +74,10 @@ def guarded_protocol(
             elif cycle is not before:  # headers complete: the body (if any) is under its own clock
                 self._header_bytes = 0
                 self._disarm()
-                if cycle.more_body:
+                if _header_size(cycle.scope) > limits.max_header_bytes:  # their last bytes came just now
+                    self._refuse(431, "Request Header Fields Too Large", "request_header_fields_too_large",
+                                 f"the request's headers exceed {limits.max_header_bytes} bytes")  # fmt: skip
+                elif cycle.more_body:
                     self._arm(limits.body_timeout_s, self._body_late)
             elif awaiting_headers:
                 self._header_bytes += len(data)

@@ -98,6 +98,10 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
                 yield encode(first) + b"\n"
             async for line in lines:
                 yield encode(line) + b"\n"
+        except (CoreDead, CoreError) as exc:  # the core died (or failed it) mid-stream: one line, no
+            # traceback; the stream ends without a finished line, which the router counts as a cut
+            rid = first.request_id if first is not None else "-"
+            log.warning("stream of %s cut: %s: %s", rid, type(exc).__name__, exc)
         finally:
             with contextlib.suppress(Exception):
                 await lines.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request
@@ -105,14 +109,14 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
     return StreamingResponse(body(), media_type=NDJSON)
 
 
-_OPEN = ("/health", "/metrics")  # no token wanted
+_OPEN = ("/health",)  # no token wanted (/metrics tells load and timings: a scraper sends the token)
 _UNAUTHORIZED = b'{"error":{"type":"unauthorized","message":"this worker wants the worker token"}}'
 
 
 class _RequireToken:
-    """Every endpoint but GET /health and GET /metrics (vLLM's names, for inference gateways) answers
-    401 without `Authorization: Bearer <token>`. A plain ASGI middleware: starlette's
-    BaseHTTPMiddleware would put a memory stream under every chunk."""
+    """Every endpoint but GET /health answers 401 without `Authorization: Bearer <token>` (/metrics,
+    in vLLM's names, as /stats: a gateway that scrapes the workers sends the token). A plain ASGI
+    middleware: starlette's BaseHTTPMiddleware would put a memory stream under every chunk."""
 
     def __init__(self, app: Any, token: str) -> None:
         self.app = app

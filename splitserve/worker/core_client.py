@@ -30,13 +30,13 @@ from typing import Any
 
 import zmq
 
-from splitserve.tempdirs import owned_tempdir, process_state
+from splitserve.tempdirs import CORE_SOCKETS, owned_tempdir, process_state
 from splitserve.wire import core as wire
 
 log = logging.getLogger(__name__)
 
 
-_PREFIX = "splitserve-core-"
+_PREFIX = CORE_SOCKETS
 
 
 class CoreDead(RuntimeError):

@@ -124,3 +124,58 @@ def test_constrained_requests_take_part_in_overlapped_steps():
     jsonschema.validate(json.loads(got[0][1]), SCHEMA)
     assert [g[2] for g in got] == ["stop", "length", "stop", "stop", "length"]
     assert got[3][1] in ("yes", "no", "maybe") and set(got[2][1]) <= set("abcde")
+
+
+def test_a_compile_past_its_deadline_fails_the_request_alone(llm, monkeypatch):
+    """A grammar still compiling at the deadline ends its request ("abort" out of the step, the failure
+    a `GrammarTimeout` for a serving core to answer with a 503) and holds nothing; a plain request
+    beside it is untouched; the compile goes on and is cached, so the same spec then costs nothing."""
+    from splitserve.engine.grammar import GrammarTimeout
+
+    engine = llm.engine
+    compile_now = Grammars._compile
+    monkeypatch.setattr(
+        Grammars, "_compile", lambda self, spec: (time.sleep(1.0), compile_now(self, spec))[1]
+    )
+    monkeypatch.setattr(engine._compiling, "timeout_s", 0.2)
+    spec = GrammarSpec("regex", "[d-f]{4}")
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=10, grammar=spec), "late")
+    engine.add_request([3, 4, 6], SamplingParams(max_tokens=10, temperature=0), "beside")
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+    assert done["late"].finish_reason == "abort" and done["beside"].finish_reason == "length"
+    ((rid, why),) = engine.take_grammar_failures()
+    assert rid == "late" and isinstance(why, GrammarTimeout)
+    assert engine.pool.num_free == engine.pool.num_blocks
+    engine.grammars.compile(spec).result()  # compiled meanwhile: the same spec now admits at once
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=4, grammar=spec), "again")
+    assert not engine._compiling
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_an_abort_cancels_a_compile_nobody_else_waits_for(llm, monkeypatch):
+    """With every grammar thread busy, a request whose compile has not started is aborted: the compile
+    is cancelled and its cache entry dropped; a compile another request still waits for is kept."""
+    engine = llm.engine
+    compile_now = Grammars._compile
+    monkeypatch.setattr(
+        Grammars, "_compile", lambda self, spec: (time.sleep(0.5), compile_now(self, spec))[1]
+    )
+    busy = [GrammarSpec("regex", f"[g-i]{{{n}}}") for n in (5, 6)]  # both threads of the pool
+    for i, spec in enumerate(busy):
+        engine.add_request([7, 8, i], SamplingParams(max_tokens=3, grammar=spec), f"busy{i}")
+    queued, shared = GrammarSpec("regex", "[j-k]{7}"), GrammarSpec("regex", "[j-k]{8}")
+    engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, grammar=queued), "queued")
+    engine.add_request([7, 8, 10], SamplingParams(max_tokens=3, grammar=shared), "shared1")
+    engine.add_request([7, 8, 11], SamplingParams(max_tokens=3, grammar=shared), "shared2")
+    fut = engine.grammars.compile(queued)
+    engine.abort("queued")
+    engine.abort("shared1")
+    assert fut.cancelled() and engine.grammars.compile(queued) is not fut
+    engine.grammars.cancel(queued)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.grammars.compile(shared).result() is not None  # shared2 kept it
+    assert engine.pool.num_free == engine.pool.num_blocks

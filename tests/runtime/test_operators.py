@@ -16,9 +16,11 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import SECRET
 
 from splitserve.model.loader import default_model_path
 from splitserve.runtime.process import ServeProcess, start_serve
+from splitserve.wire.auth import worker_headers
 
 GGUF = str(default_model_path())
 KEY = "sk-operators"
@@ -112,7 +114,8 @@ def test_json_log_lines_and_worker_vllm_metrics(vllm_flags: ServeProcess):
         if line and not line.startswith("splitserve: serving"):
             assert isinstance(json.loads(line), dict), line
     (worker,) = vllm_flags.ready["workers"]
-    text = httpx.get(f"{worker['url']}/metrics", timeout=10).text  # no worker token wanted
+    assert httpx.get(f"{worker['url']}/metrics", timeout=10).status_code == 401  # the token, as /stats
+    text = httpx.get(f"{worker['url']}/metrics", headers=worker_headers(SECRET), timeout=10).text
     s = _samples(text)
     labels = frozenset({"model_name": "tiny", "role": "colocated"}.items())
     for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
