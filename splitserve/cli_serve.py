@@ -108,7 +108,8 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the model's id in the API; more names are aliases")  # fmt: skip
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                       help="only 1: tensor parallelism is not implemented yet")  # fmt: skip
+                       help="ranks (processes, devices) per replica; above 1 serves colocated "
+                       "(model.tensor_parallel_size)")  # fmt: skip
     serve.add_argument("--api-key", action="append", default=None,
                        help="repeatable; default: $SPLITSERVE_API_KEY or $VLLM_API_KEY")  # fmt: skip
     serve.add_argument("--log-format", choices=["text", "json"], default=None, help="text or JSON lines")
@@ -129,11 +130,10 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any
         if getattr(args, field) is not None:
             o[field] = getattr(args, field)
     tp = args.tensor_parallel_size
-    if tp is not None and tp != 1:
-        raise ValueError(
-            f"--tensor-parallel-size {tp}: tensor parallelism is not implemented yet (one GPU per "
-            "worker); scale out with --prefill-replicas / --decode-replicas (or --colocated-replicas)"
-        )
+    if tp is not None:
+        o["model.tensor_parallel_size"] = tp
+        if tp > 1 and "mode" not in o:  # tensor parallelism serves colocated workers only, for now
+            o["mode"] = "colocated"
     manifest, target = None, args.target
     if target is not None and target.lower().endswith(MANIFEST_SUFFIXES):
         if not Path(target).is_file():

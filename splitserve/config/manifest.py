@@ -4,7 +4,7 @@
                 generation_config, chat_template}
     engine:    {block_size, max_num_seqs, max_num_batched_tokens, kv_cache_mb, memory_utilization,
                 enable_prefix_caching, enforce_eager, async_scheduling, threads, cpu_weights, seed,
-                weight_cache_*, speculative_config}
+                weight_cache_*, speculative_config, tensor_parallel_size}
     (vLLM's names are accepted beside ours: model.served_model_name, engine.gpu_memory_utilization)
     mode:      colocated | disaggregated          (one key switches the same manifest between them)
     prefill / decode / colocated:  pools {replicas, devices, placement, engine}; a pool's `engine` overrides
@@ -98,7 +98,18 @@ class Manifest(Section):
             except ValidationError as exc:
                 reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
                 raise ValueError(f"{name}.engine over the top-level engine section: {reasons}") from None
+        sizes = {name: self.tensor_parallel_size(name) for name in pools}
+        if self.mode == "disaggregated" and max(sizes.values()) > 1:
+            raise ValueError(
+                f"tensor parallelism in disaggregated mode is not supported yet (prefill "
+                f"{sizes['prefill']}, decode {sizes['decode']} ranks): the KV transfer moves one rank's "
+                "heads; use mode: colocated, or tensor_parallel_size 1 for both roles"
+            )
         return self
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """Ranks per replica of `role`: its engine section's size, else the model's."""
+        return self.engine_for(role).tensor_parallel_size or self.model.tensor_parallel_size
 
     def engine_for(self, role: str) -> EngineSection:
         """The engine section of `role`'s workers: the top-level one with the pool's `engine` fields

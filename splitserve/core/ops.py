@@ -138,11 +138,11 @@ class CoreOps:
                 "step_s": st.step_seconds,
                 "loop_s": self.core.busy_seconds,
             },  # fmt: skip
-            "threads": {  # CPU: its own, its last step's, steps on lent cores (core/share.py)
+            "threads": {  # CPU: its own, its last step's, steps on lent cores (core/policy.py)
                 "own": self.config.threads,
-                "now": self.core.threads,
-                "borrowed_steps": self.core.borrowed_steps,
-                "paced_steps": self.core.paced_steps,
+                "now": self.core.policy.threads,
+                "borrowed_steps": self.core.policy.borrowed_steps,
+                "paced_steps": self.core.policy.paced_steps,
             },
             "prefix_cache": {
                 "enabled": st.prefix_caching,

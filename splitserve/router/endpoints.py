@@ -29,6 +29,7 @@ from splitserve.router.respond import CleanupStream, respond
 from splitserve.router.responses import ResponseEvents, ResponsesRequest, response_object
 from splitserve.router.server import OpenAIServer
 from splitserve.router.structured import check_tool_limits, checked, requested_grammar
+from splitserve.router.thinking import apply_effort, thinking_counter, thinking_params
 from splitserve.router.tools import chosen_tools, render_messages, tool_grammar
 from splitserve.sampling.params import GrammarSpec
 
@@ -69,6 +70,7 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     tools, mode = chosen_tools(offered, req.tool_choice)
     messages = render_messages(req.messages, tools, server.native_tools)
     kwargs = template_kwargs(req.chat_template_kwargs, server.manifest.server.trust_request_chat_template)
+    apply_effort(req.reasoning_effort, kwargs, server.reasoning_format, server.chat_template)
     if tools and server.native_tools:
         kwargs["tools"] = tools
     prompt_ids = await render_chat(
@@ -91,11 +93,17 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     elif asked is not None:
         params["grammar"] = await checked(*asked, limits)
     prompts = [(prompt_ids, "")]
-    # a grammar constrains the answer from its first token: no thinking block can come before it
-    reasoning = server.reasoning_format if "grammar" not in params else None
+    reasoning = server.reasoning_format
     tail = server.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False) if reasoning else ""
+    # the thinking free of the grammar, which holds the answer after it; a budget bounds it (thinking.py)
+    thinking = thinking_params(
+        server.tokenizer, reasoning, tail, "grammar" in params, req.thinking_token_budget
+    )
+    if thinking is not None:
+        params["thinking"] = thinking
     output = chat_outputs(fmt, tools, reasoning, tail)
-    return await respond(server, "chat", req, prompts, params, start, request, output)
+    counter = thinking_counter(server.tokenizer, reasoning, tail)
+    return await respond(server, "chat", req, prompts, params, start, request, output, counter)
 
 
 async def completions(server: OpenAIServer, request: Request) -> Response:

@@ -23,6 +23,7 @@ from splitserve.router.vllm_metrics import RunFigures
 if TYPE_CHECKING:
     from splitserve.router.parsers import ChatOutput
     from splitserve.router.server import OpenAIServer
+    from splitserve.router.thinking import ThinkingTokens
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class _Choice:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     last_time: float = 0.0
+    thinking: ThinkingTokens | None = None  # its thinking tokens counted (a model that thinks)
 
 
 _DEADLINE = object()  # queued by a run's deadline timer
@@ -79,6 +81,11 @@ class Run:
         # tools or thinking on: each choice's text parsed (parsers/output.py), one parser per choice
         self.output: Callable[[], ChatOutput] | None = None
         self.cancelling = False  # set by cancel(): its choices' cancellations are its own
+
+    def count_thinking(self, counter: Callable[[], ThinkingTokens] | None) -> None:
+        """Count each choice's thinking tokens (usage's reasoning_tokens) with a fresh `counter()`."""
+        for c in self.choices:
+            c.thinking = counter() if counter is not None else None
 
     def launch(self) -> None:
         for index, ids, params in self.jobs:
@@ -169,6 +176,8 @@ class Run:
                 observe_vllm(gap)
         c.last_time = now
         c.tokens += len(piece.token_ids)
+        if c.thinking is not None:
+            c.thinking.feed(piece.token_ids)
         self.s.generated.inc(len(piece.token_ids))
         if piece.finished:
             c.finish_reason = piece.finish_reason
@@ -185,11 +194,15 @@ class Run:
 
     def usage(self) -> dict:
         done = sum(c.tokens for c in self.choices)
-        return {
+        out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": done,
             "total_tokens": self.prompt_tokens + done,
         }
+        if any(c.thinking is not None for c in self.choices):
+            thought = sum(c.thinking.count for c in self.choices if c.thinking is not None)
+            out["completion_tokens_details"] = {"reasoning_tokens": thought}
+        return out
 
     def _finish_metrics(self) -> None:
         m, name = self.s.metrics, self.s.info.served_name

@@ -95,6 +95,7 @@ class OpenAIServer:
                                 manifest.transport.backend)  # vLLM's names  # fmt: skip
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         template = getattr(tokenizer, "chat_template", None)  # not `.hf`: that loads transformers
+        self.chat_template: str | None = template
         # the model family's tool-call syntax and thinking shape (parsers/): as configured, else read
         # off the template; one that does not fit the template stops the start with the right name
         self.tool_format, self.reasoning_format = chosen_parsers(

@@ -222,11 +222,9 @@ def build_app(manifest: Manifest, secret: str | None = None) -> Any:
     blob = manifest.model_dump_json()
     workers = []
     for role, pool in manifest.pools().items():
-        gpus = (
-            1.0
-            if any(d.startswith("cuda") for d in pool.devices) or manifest.model.device.startswith("cuda")
-            else 0
-        )
+        on_gpu = any(d.startswith("cuda") for d in pool.devices) or manifest.model.device.startswith("cuda")
+        # a replica's tensor-parallel ranks run in its one actor (its engine core starts them): one GPU each
+        gpus = float(manifest.tensor_parallel_size(role)) if on_gpu else 0
         opts: dict[str, Any] = {
             "name": f"{manifest.name}-{role}",
             "ray_actor_options": _actor_options(pool.placement, gpus, {t.secret_env: secret}),

@@ -157,6 +157,31 @@ def test_seed_n_and_sampling_fields(disaggregated, colocated):
     assert [x.message.content for x in d.choices] != texts
 
 
+@pytest.mark.parametrize(
+    "knob",
+    [{"top_k": 3}, {"min_p": 0.3}, {"presence_penalty": 1.5}, {"frequency_penalty": 1.5},
+     {"repetition_penalty": 1.6}],
+)  # fmt: skip
+def test_each_sampling_knob_reaches_the_engine_token_exact(disaggregated, llm, knob):
+    """A seeded sample with one knob set, served disaggregated, is token for token the engine's with the
+    same sampling params, and differs from the engine's without the knob (the knob did something)."""
+    ids = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[1]}])
+
+    def engine_tokens(**extra) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True, **extra)
+        return list(llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids)
+
+    openai_names = {"presence_penalty", "frequency_penalty"}
+    kw = {k: v for k, v in knob.items() if k in openai_names}
+    extra = {k: v for k, v in knob.items() if k not in openai_names}
+    r = _chat(disaggregated, PROMPTS[1], temperature=1.0, seed=11, max_tokens=24, logprobs=True,
+              extra_body={"ignore_eos": True, **extra}, **kw)  # fmt: skip
+    want = engine_tokens(**knob)
+    served = [t.token for t in r.choices[0].logprobs.content]
+    assert served == [llm.engine.tokenizer.token_text(t) for t in want] and len(want) == 24
+    assert want != engine_tokens()
+
+
 def test_chat_logprobs_match_llm(disaggregated, llm):
     tok = llm.engine.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[2]}])
