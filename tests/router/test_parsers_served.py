@@ -85,11 +85,19 @@ async def _answer(client: Any, kw: dict[str, Any], stream: bool) -> dict[str, An
     return {**out, "reasoning": out["reasoning"] or None, "content": out["content"] or None, "calls": calls}
 
 
-def _answers(dep: Any, kws: list[dict[str, Any]], stream: bool) -> list[dict[str, Any]]:
+def _answers(dep: Any, kws: list[dict[str, Any]], stream: bool, at_once: int = 16) -> list[dict[str, Any]]:
+    """Each request's answer, `at_once` in flight: 100 at once would hold more KV than the decode worker's
+    pool, and an import that waits past its deadline for room is a 503 under the `fail` policy."""
+    gate = asyncio.Semaphore(at_once)
+
+    async def one(client: Any, kw: dict[str, Any]) -> dict[str, Any]:
+        async with gate:
+            return await _answer(client, kw, stream)
+
     async def run() -> list[dict[str, Any]]:
         async with dep.async_client(timeout=300) as client:
             model = (await client.models.list()).data[0].id
-            return await asyncio.gather(*(_answer(client, {"model": model, **kw}, stream) for kw in kws))
+            return await asyncio.gather(*(one(client, {"model": model, **kw}) for kw in kws))
 
     return asyncio.run(run())
 
