@@ -14,6 +14,12 @@ log line that says so.
     --kv-transfer-config JSON  {"kv_connector": "NixlConnector", "kv_connector_extra_config":
                                {"backends": [...]}} -> transport.backend nixl and its nixl_backends;
                                kv_role: the pools decide each worker's role
+    --async-scheduling         engine.async_scheduling (--no-async-scheduling: off)
+    --enable-chunked-prefill   always so here: a long prompt is split over steps of
+                               --max-num-batched-tokens (--no-enable-chunked-prefill: logged, no change)
+    --swap-space, --max-log-len, --distributed-executor-backend: accepted, one log line each
+    --kv-cache-dtype auto, --load-format auto|safetensors, --pipeline-parallel-size 1,
+    --data-parallel-size 1: accepted; other values are refused with what to do instead
 """
 
 from __future__ import annotations
@@ -40,6 +46,14 @@ def add_vllm_flags(serve: argparse.ArgumentParser) -> None:
     vllm.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     vllm.add_argument("--kv-transfer-config", type=_json_object, default=None,
                       help="vLLM's KV connector config; NixlConnector -> --kv-backend nixl")  # fmt: skip
+    vllm.add_argument("--async-scheduling", dest="engine.async_scheduling", default=None,
+                      action=argparse.BooleanOptionalAction, help="overlapped decode steps")  # fmt: skip
+    vllm.add_argument("--enable-chunked-prefill", default=None, action=argparse.BooleanOptionalAction,
+                      help="always on here")  # fmt: skip
+    for flag in ("--swap-space", "--max-log-len", "--distributed-executor-backend"):
+        vllm.add_argument(flag, default=None, help="accepted (no meaning here)")
+    for flag, fixed in _FIXED.items():
+        vllm.add_argument(*flag.split(), default=None, help=f"only {' or '.join(fixed)} here")
 
 
 def vllm_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -68,7 +82,42 @@ def vllm_overrides(args: argparse.Namespace) -> dict[str, Any]:
                  "--allowed-origins")  # fmt: skip
     if args.kv_transfer_config is not None:
         o |= kv_transfer_overrides(args.kv_transfer_config)
+    if getattr(args, "engine.async_scheduling") is not None:
+        o["engine.async_scheduling"] = getattr(args, "engine.async_scheduling")
+    _no_meaning(args)
     return o
+
+
+# flags whose one value here is what vLLM's does by default: `--flag [-short]` -> the values accepted
+_FIXED = {
+    "--kv-cache-dtype": ("auto",),
+    "--load-format": ("auto", "safetensors"),
+    "--pipeline-parallel-size -pp": ("1",),
+    "--data-parallel-size -dp": ("1",),
+}
+_NO_MEANING = {
+    "swap_space": "no CPU swap space here: a preempted request is recomputed",
+    "max_log_len": "request prompts are not logged here",
+    "distributed_executor_backend": "each worker is its own process (runtime.kind local or ray)",
+}
+
+
+def _no_meaning(args: argparse.Namespace) -> None:
+    """A log line for each accepted flag that changes nothing; ValueError for a value this server lacks
+    (its meaning would change what runs: a KV cache dtype, more parallel ranks)."""
+    if args.enable_chunked_prefill is not None:
+        flag = "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill"
+        log.info("%s: accepted; prompts are always chunked here, to --max-num-batched-tokens per step", flag)
+    for dest, why in _NO_MEANING.items():
+        if getattr(args, dest) is not None:
+            log.info("--%s %s: accepted; %s", dest.replace("_", "-"), getattr(args, dest), why)
+    for flag, fixed in _FIXED.items():
+        name = flag.split()[0]
+        value = getattr(args, name.removeprefix("--").replace("-", "_"))
+        if value is not None and value not in fixed:
+            raise ValueError(f"{name} {value}: only {' or '.join(fixed)} here"
+                             + (" (scale out with --prefill-replicas / --decode-replicas)"
+                                if "parallel" in name else ""))  # fmt: skip
 
 
 def kv_transfer_overrides(config: dict[str, Any]) -> dict[str, Any]:

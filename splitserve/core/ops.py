@@ -128,14 +128,14 @@ class CoreOps:
             preemptions=st.preemptions,
             # model steps by tokens run, in vLLM's iteration_tokens buckets (engine/stats.py)
             iteration_tokens=stats.IterationTokens(list(st.step_tokens.counts), st.step_tokens.total),
-            prompt_tokens_computed=st.prompt_tokens_computed,
+            block_size=engine.block_size, prompt_tokens_computed=st.prompt_tokens_computed,
             kv_bytes_per_token=st.block_bytes // engine.block_size,
             steps=stats.StepCounts(st.forward_steps, st.overlapped_steps, st.step_seconds, core.busy_seconds),
             # CPU: its own threads, its last step's, steps on lent cores (core/policy.py)
             threads=stats.ThreadCounts(self.config.threads, core.policy.threads, core.policy.borrowed_steps,
                                        core.policy.paced_steps),
             prefix_cache=stats.PrefixCacheCounts(
-                st.prefix_queries, st.prefix_hits,
+                st.prefix_caching, st.prefix_queries, st.prefix_hits,
                 None if ckpt is None else stats.CheckpointCounts(ckpt.entries, ckpt.capacity, ckpt.saved,
                                                                  ckpt.restored),
             ),

@@ -114,6 +114,7 @@ async def respond(
             # NOTE: labelled with the manifest's backend: the error does not say which one failed
             backend = server.manifest.transport.backend
             server.metrics.kv_failures.labels(name, backend, exc.code).inc()
+            server.vllm.kv_failed.labels(name, backend).inc()
         raise
     finally:
         if not handed_over:

@@ -165,7 +165,7 @@ class Run:
         if c.last_time == 0.0:
             ttft = now - self.start
             m.observe_first(ttft, piece.metrics)
-            self.s.vllm.observe_first(ttft)
+            self.s.vllm.observe_first(ttft, piece.metrics)
             if self.ttft is None:
                 self.ttft, self.first_metrics = ttft, piece.metrics
         elif piece.token_ids:

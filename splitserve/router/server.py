@@ -92,7 +92,8 @@ class OpenAIServer:
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.metrics.prime(manifest.transport.backend)
         self.ignored_fields = ignored_fields_counter(self.metrics.registry)  # unknown request fields
-        self.vllm = VllmMetrics(self.metrics.registry, info.served_name, info.max_model_len)  # vLLM's names
+        self.vllm = VllmMetrics(self.metrics.registry, info.served_name, info.max_model_len,
+                                manifest.transport.backend)  # vLLM's names  # fmt: skip
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         template = getattr(tokenizer, "chat_template", None)  # not `.hf`: that loads transformers
         self.chat_template: str | None = template

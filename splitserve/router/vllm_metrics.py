@@ -1,15 +1,14 @@
 """vLLM's own metric names on the router's /metrics, so dashboards, autoscaling rules (HPA, KEDA) and
 alerts written for vLLM find their series at the one endpoint (docs/metrics.md has the table).
 
-Request-level figures (latencies, token counts, request parameters) are observed by the router as
-each request runs, under vLLM's names and bucket bounds (vllm/v1/metrics/loggers.py). Scheduler
-figures are every worker's, read from its /stats when the metrics snapshot is taken, one series per
-worker (labels `worker` and `role`), so `sum(vllm:num_requests_waiting)` is the deployment's queue.
-The router's own bounded queue is one more series of `vllm:num_requests_waiting` (worker="router"):
-requests queued there wait for the deployment just as those in an engine's queue do.
+Request-level figures (latencies, token counts, request parameters, the KV transfer before a
+disaggregated request's first token under NIXL's names) are observed by the router as each request
+runs, under vLLM's names and bucket bounds (vllm/v1/metrics/loggers.py). Scheduler figures are every
+worker's (router/vllm_workers.py), one series per worker (labels `worker` and `role`), so
+`sum(vllm:num_requests_waiting)` is the deployment's queue. The router's own bounded queue is one more
+series of `vllm:num_requests_waiting` (worker="router"): requests queued there wait for the deployment
+just as those in an engine's queue do.
 
-Counters read from a worker are its running totals; the series here add each scrape's increase
-(a restarted worker starts again from 0), so they stay monotonic as Prometheus expects.
 `vllm:time_per_output_token_seconds` (vLLM's older name of the inter-token latency) is rendered as a
 copy of `vllm:inter_token_latency_seconds`, so each token is observed once.
 """
@@ -19,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
 
-from splitserve.wire.stats import STEP_TOKEN_BUCKETS
+from splitserve.router.vllm_workers import VllmWorkerMetrics
 
 TTFT_BUCKETS = (
     0.001,
@@ -93,6 +92,8 @@ REQUEST_BUCKETS = (
     7680.0,
 )
 N_BUCKETS = (1, 2, 5, 10, 20)
+KV_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+KV_BYTES_BUCKETS = tuple(2 ** (10 + i) for i in range(1, 25, 2))  # 2 KiB to 8 GiB
 FINISHED_REASONS = ("stop", "length", "abort")
 
 
@@ -111,9 +112,11 @@ class VllmMetrics:
     """vLLM-named series in the router's registry; `observe_*` as requests run, `from_worker_stats`
     when the snapshot is taken."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, max_model_len: int, backend: str | None = None
+    ) -> None:
+        """`backend`: the manifest's KV backend, whose failure counter starts at 0."""
         r, L, self.model = registry, ["model_name"], model_name  # noqa: N806
-        W = ["model_name", "worker", "role"]  # noqa: N806
         tokens = buckets_1_2_5(max(max_model_len, 1))
 
         def hist(name: str, doc: str, buckets: tuple) -> Histogram:
@@ -176,44 +179,42 @@ class VllmMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", L, registry=r
         )
-        self.running = Gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", W, registry=r
-        )
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", W, registry=r
-        )
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", W, registry=r
-        )
-        self.gpu_usage = Gauge(
-            "vllm:gpu_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage (the older name).",
-            W,
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", W, registry=r
-        )
-        self.prefix_queries = Counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            W,
-            registry=r,
-        )
-        self.prefix_hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", W, registry=r
-        )
-        self._totals: dict[tuple[str, str], list[int]] = {}  # per worker: its totals at the last snapshot
-        self._steps: dict[tuple[str, str], list[int]] = {}  # per worker: step counts per bucket, sum
+        self.kv_seconds = Histogram(
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers (here: every backend's).",
+            [*L, "backend"], buckets=KV_SECONDS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.kv_bytes = Histogram(
+            "vllm:nixl_bytes_transferred",
+            "Histogram of bytes transferred per NIXL KV Cache transfers (here: every backend's).",
+            [*L, "backend"], buckets=KV_BYTES_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.kv_failed = Counter(
+            "vllm:nixl_num_failed_transfers",
+            "Number of failed NIXL KV Cache transfers (here: every backend's).",
+            [*L, "backend"], registry=r,
+        )  # fmt: skip
+        self.workers = VllmWorkerMetrics(r, model_name)  # the scheduler's series, per worker
         r.register(_Derived(self))
         for reason in FINISHED_REASONS:  # at 0 from the start, so increase() sees the first one
             self.success.labels(model_name, reason)
         for c in (self.prompt_tokens, self.generation_tokens):
             c.labels(model_name)
+        if backend is not None:
+            self.kv_failed.labels(model_name, backend)
         self.itl_bound = self.itl.labels(model_name)  # one lookup, not one per token
 
-    def observe_first(self, ttft: float) -> None:
+    def observe_first(self, ttft: float, m: dict) -> None:
+        """A choice's first token: TTFT, and the KV transfer that preceded it (m: the workers' metrics)."""
         self.ttft.labels(self.model).observe(ttft)
+        backend = m.get("kv_backend")
+        if m.get("kv_fetch_s") is None or not backend:
+            return
+        if m.get("kv_error"):  # the transfer failed and the decode worker recomputed the prompt
+            self.kv_failed.labels(self.model, backend).inc()
+            return
+        self.kv_seconds.labels(self.model, backend).observe(m["kv_fetch_s"])
+        self.kv_bytes.labels(self.model, backend).observe(m.get("kv_bytes") or 0)
 
     def observe_done(self, run: RunFigures) -> None:
         """A request finished: its phases, token counts and parameters."""
@@ -238,54 +239,9 @@ class VllmMetrics:
             self.request_tpot.labels(lab).observe(decode / (run.max_choice_tokens - 1))
 
     def from_worker_stats(self, stats: list[dict], router_waiting: int) -> None:
-        """The scheduler's gauges and counters of every worker that answered its /stats."""
-        lab0 = self.model
-        self.waiting.labels(lab0, "router", "router").set(router_waiting)
-        for s in stats:
-            if "running" not in s:
-                continue
-            lab = (lab0, s["worker"], s["role"])
-            self.running.labels(*lab).set(s["running"])
-            self.waiting.labels(*lab).set(s["waiting"])
-            blocks = s.get("blocks") or {}
-            usage = 1 - blocks["free"] / blocks["total"] if blocks.get("total") else 0.0
-            self.kv_usage.labels(*lab).set(usage)
-            self.gpu_usage.labels(*lab).set(usage)
-            prefix = s.get("prefix_cache") or {}
-            steps = s.get("iteration_tokens") or {"counts": [0] * (len(STEP_TOKEN_BUCKETS) + 1), "sum": 0}
-            totals = [s.get("preemptions", 0), prefix.get("queries", 0), prefix.get("hits", 0),
-                      *steps["counts"], steps["sum"]]  # fmt: skip
-            new = self._increase((s["worker"], s["role"]), totals)
-            for counter, inc in zip(
-                (self.preemptions, self.prefix_queries, self.prefix_hits), new, strict=False
-            ):
-                counter.labels(*lab).inc(inc)
-            acc = self._steps.setdefault((s["worker"], s["role"]), [0] * (len(totals) - 3))
-            for i, inc in enumerate(new[3:]):
-                acc[i] += inc
-
-    def _increase(self, worker: tuple[str, str], totals: list[int]) -> list[int]:
-        """A worker's running totals -> what they grew by since the last snapshot. Any total below its
-        last value means the worker restarted (from 0): then every total is new."""
-        last = self._totals.get(worker)
-        self._totals[worker] = totals
-        if last is None or len(last) != len(totals) or any(n < o for n, o in zip(totals, last, strict=True)):
-            return list(totals)
-        return [n - o for n, o in zip(totals, last, strict=True)]
-
-    def step_families(self) -> Iterator[Metric]:
-        fam = HistogramMetricFamily(
-            "vllm:iteration_tokens_total",
-            "Histogram of number of tokens per engine_step.",
-            labels=["model_name", "worker", "role"],
-        )
-        for (worker, role), acc in sorted(self._steps.items()):
-            cumulative, running = [], 0
-            for bound, count in zip([*STEP_TOKEN_BUCKETS, "+Inf"], acc[:-1], strict=True):
-                running += count
-                cumulative.append((str(float(bound)) if bound != "+Inf" else bound, running))
-            fam.add_metric([self.model, worker, role], cumulative, acc[-1])
-        yield fam
+        """Every worker's scheduler figures, and the router's own queue as one more waiting series."""
+        self.workers.waiting.labels(self.model, "router", "router").set(router_waiting)
+        self.workers.update(stats)
 
 
 @dataclass(slots=True)
@@ -318,7 +274,7 @@ class _Derived:
             )
             copy.samples = [s._replace(name=s.name.replace(old, new)) for s in fam.samples]
             yield copy
-        yield from self.v.step_families()
+        yield from self.v.workers.step_families()
 
 
 __all__ = ["RunFigures", "VllmMetrics", "buckets_1_2_5"]

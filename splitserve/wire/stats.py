@@ -106,6 +106,7 @@ class CheckpointCounts(msgspec.Struct):
 
 
 class PrefixCacheCounts(msgspec.Struct):
+    enabled: bool  # prefix caching as in effect (vLLM's cache_config_info)
     queries: int
     hits: int
     state_checkpoints: CheckpointCounts | None
@@ -159,6 +160,7 @@ class WorkerStats(Result):
     state_slots: SlotCounts
     preemptions: int
     iteration_tokens: IterationTokens
+    block_size: int  # tokens per KV block
     prompt_tokens_computed: int
     kv_bytes_per_token: int
     steps: StepCounts

@@ -1,8 +1,8 @@
-"""The scheduler without a model: fake requests, and steps simulated the way
-`Scheduler.update_from_output` applies them (computed tokens bumped, a token appended where a chunk
-samples, full blocks cached, finished requests freed). A fake KV cache records which token each slot
-holds, so that a chunk reading a block that another request overwrote, or a wrong prefix-cache hit,
-is caught without running a model."""
+"""The scheduler without a model: fake requests, a fake token sampled where a chunk samples, and the
+scheduler's own post-step update (`update_from_output`: computed tokens bumped, the token appended,
+full blocks cached, finished requests freed). A fake KV cache records which token each slot holds, so
+that a chunk reading a block that another request overwrote, or a wrong prefix-cache hit, is caught
+without running a model."""
 
 from __future__ import annotations
 
@@ -56,21 +56,14 @@ class Sim:
             self._store(c.request, c.start, c.start + c.num_tokens)
         for c in out.chunks:
             self._check_context(c.request, c.start + c.num_tokens)
-        for c in out.chunks:
-            c.request.num_computed_tokens += c.num_tokens
-        for c in sampling:
-            req = c.request
-            req.output_token_ids.append(_fake_token(req))
-            if len(req.output_token_ids) >= req.max_tokens:
-                req.status = Status.FINISHED
-                req.finish_reason = "length"
-                self.block_manager.cache_full_blocks(req)
-                self.sched.finish(req)
+        reqs = [c.request for c in sampling]
+        tokens = [_fake_token(req) for req in reqs]
+        self.sched.update_from_output(out, reqs, tokens, [None] * len(reqs))  # as the engine does
+        for req in reqs:
+            if req.finished:
+                assert req.finish_reason == "length" and req not in self.sched.running
                 del self.live[req.request_id]
                 self.finished.append(req)
-        for c in out.chunks:
-            if not c.request.finished:
-                self.block_manager.cache_full_blocks(c.request)
         self.check_pool()
         return out
 

@@ -43,6 +43,9 @@ QUERIES = {
     "generation tok/s": f"sum(rate(vllm:generation_tokens_total{{{M}}}[30s]))",
     "finished by reason": f"sum by (finished_reason) (increase(vllm:request_success_total{{{M}}}[30s]))",
     "keda waiting": f"sum(max_over_time(vllm:num_requests_waiting{{{M}}}[1m]))",
+    # disaggregated: the KV transfer of every request, under NIXL's names (whatever the backend)
+    "kv transfer p90": _quantile(0.9, "vllm:nixl_xfer_time_seconds"),
+    "kv bytes/s": f"sum(rate(vllm:nixl_bytes_transferred_sum{{{M}}}[30s]))",
 }
 
 

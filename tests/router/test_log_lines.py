@@ -51,9 +51,9 @@ def test_worker_metrics_are_what_an_inference_gateway_scrapes():
     stats = WorkerStats(
         role="decode", running=3, waiting=2, importing=0, unfinished=5, blocks=BlockCounts(100, 75, 0),
         state_slots=SlotCounts(4, 4), preemptions=4, iteration_tokens=IterationTokens([0] * 14, 0),
-        prompt_tokens_computed=0, kv_bytes_per_token=1,
+        block_size=16, prompt_tokens_computed=0, kv_bytes_per_token=1,
         steps=StepCounts(0, 0, 0.0, 0.0), threads=ThreadCounts(1, 1, 0, 0),
-        prefix_cache=PrefixCacheCounts(90, 30, None), kv_transfer=None, memory=None, spec_decode=None,
+        prefix_cache=PrefixCacheCounts(True, 90, 30, None), kv_transfer=None, memory=None, spec_decode=None,
     )  # fmt: skip
     text = render_worker_metrics(stats, "smol", 16).decode()
     got = {s.name: s for fam in text_string_to_metric_families(text) for s in fam.samples}

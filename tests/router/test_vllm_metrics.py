@@ -1,9 +1,11 @@
-"""vLLM's metric names on the router's registry (router/vllm_metrics.py): request figures as a request
-finishes, every worker's scheduler figures from its /stats, counters monotonic across a restart."""
+"""vLLM's metric names on the router's registry (router/vllm_metrics.py, vllm_workers.py): request figures
+as a request finishes, the KV transfer before its first token, every worker's scheduler, cache and
+speculative-decoding figures from its /stats, counters monotonic across a restart."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.utils import floatToGoString
 
 from splitserve.router.vllm_metrics import RunFigures, VllmMetrics, buckets_1_2_5
 
@@ -13,7 +15,9 @@ LAB = {"model_name": "m"}
 def _row(worker: str, role: str, **kw) -> dict:
     row = {"worker": worker, "role": role, "running": 2, "waiting": 1, "blocks": {"total": 10, "free": 4},
            "preemptions": 3, "prefix_cache": {"queries": 40, "hits": 16},
-           "iteration_tokens": {"counts": [0, 2, 0, 1] + [0] * 10, "sum": 30}}  # fmt: skip
+           "iteration_tokens": {"counts": [0, 2, 0, 1] + [0] * 10, "sum": 30}, "block_size": 16,
+           "spec_decode": {"method": "ngram", "num_drafts": 4, "num_draft_tokens": 12,
+                           "num_accepted_tokens": 7, "accepted_per_pos": [4, 2, 1]}}  # fmt: skip
     return {**row, **kw}
 
 
@@ -25,7 +29,7 @@ def test_buckets_follow_vllms_1_2_5_series():
 def test_a_finished_request_fills_the_request_histograms():
     reg = CollectorRegistry()
     v = VllmMetrics(reg, "m", 2048)
-    v.observe_first(0.2)
+    v.observe_first(0.2, {"queue_s": 0.05, "prefill_s": 0.1})
     v.itl_bound.observe(0.03)
     v.observe_done(RunFigures(e2e=1.2, ttft=0.2, queue_s=0.05, prefill_s=0.1, prompt_tokens=12,
                               output_tokens=11, max_choice_tokens=11, n=1, max_tokens=64))  # fmt: skip
@@ -73,5 +77,29 @@ def test_every_worker_is_a_series_and_counters_survive_a_restart():
     assert value("vllm:iteration_tokens_total_bucket", {**p, "le": "8.0"}) == 3
     assert value("vllm:iteration_tokens_total_bucket", {**p, "le": "+Inf"}) == 4
     assert value("vllm:num_requests_running", {**LAB, "worker": "decode-1", "role": "decode"}) is None
+    # speculative decoding: three snapshots of the same totals, the last after a restart
+    assert value("vllm:spec_decode_num_drafts_total", p) == 8
+    assert value("vllm:spec_decode_num_accepted_tokens_total", p) == 14
+    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**p, "position": "2"}) == 2
+    info = {**p, "block_size": "16", "num_gpu_blocks": "10", "enable_prefix_caching": "True"}
+    assert value("vllm:cache_config_info", info) == 1
     text = generate_latest(reg).decode()
     assert "# TYPE vllm:iteration_tokens_total histogram" in text
+
+
+def test_a_kv_transfer_is_observed_under_nixls_names():
+    reg = CollectorRegistry()
+    v = VllmMetrics(reg, "m", 2048, backend="nixl")
+    lab = {**LAB, "backend": "nixl"}
+    assert reg.get_sample_value("vllm:nixl_num_failed_transfers_total", lab) == 0  # there from the start
+    v.observe_first(0.3, {"kv_backend": "nixl", "kv_fetch_s": 0.02, "kv_bytes": 3 << 20})
+    v.observe_first(0.4, {"kv_backend": "nixl", "kv_fetch_s": 0.5, "kv_error": "timeout"})  # recomputed
+    v.observe_first(0.1, {"queue_s": 0.01})  # colocated: no transfer
+    value = reg.get_sample_value
+    assert value("vllm:nixl_xfer_time_seconds_count", lab) == 1
+    assert value("vllm:nixl_xfer_time_seconds_bucket", {**lab, "le": "0.025"}) == 1
+    assert value("vllm:nixl_bytes_transferred_sum", lab) == 3 << 20
+    assert value("vllm:nixl_bytes_transferred_bucket", {**lab, "le": floatToGoString(2**21)}) == 0
+    assert value("vllm:nixl_bytes_transferred_bucket", {**lab, "le": floatToGoString(2**23)}) == 1
+    assert value("vllm:nixl_num_failed_transfers_total", lab) == 1
+    assert value("vllm:time_to_first_token_seconds_count", LAB) == 3

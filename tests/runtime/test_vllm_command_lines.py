@@ -1,11 +1,13 @@
-"""Copied `vllm serve` command lines: each parses into the manifest it means (splitserve/vllm_flags.py),
-and two start for real and answer: the reference deployment's flags (its NixlConnector over LIBFABRIC,
-served colocated here, where no KV moves) and the API server's (chat template, CORS, logging)."""
+"""Copied `vllm serve` command lines: each parses into the manifest it means (splitserve/vllm_flags.py,
+cli_serve.py), and each starts for real and answers: the reference deployment's (its NixlConnector over
+LIBFABRIC, served colocated here, where no KV moves), Qwen3.5's tool and reasoning flags (with Qwen3.5's
+chat template given by --chat-template), and the API server's (chat template, CORS, logging)."""
 
 from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,6 +17,7 @@ from splitserve.cli_serve import serve_overrides
 from splitserve.config import load_manifest
 from splitserve.runtime.process import start_serve
 
+QWEN3_5_TEMPLATE = Path(__file__).parents[1] / "fixtures" / "qwen3_5" / "chat_template.jinja"
 NIXL = json.dumps(
     {
         "kv_connector": "NixlConnector",
@@ -34,7 +37,18 @@ COMMAND_LINES = [
     "--allow-credentials",
     "default --chat-template '{% for m in messages %}{{ m.content }}{% endfor %}'",
     'default --kv-transfer-config \'{"kv_connector": "NixlConnector"}\' --port 8001 --host 0.0.0.0',
+    # Qwen3.5's documented serving flags; the model's template is Qwen3.5's (the default model's own has
+    # neither <tool_call> nor <think>, and a parser that does not fit the template stops the start)
+    f"default --chat-template {QWEN3_5_TEMPLATE} --reasoning-parser qwen3 --enable-auto-tool-choice "
+    "--tool-call-parser qwen3_coder --generation-config vllm",
+    # a production line's engine flags, some with no meaning here (each logged)
+    "default --no-async-scheduling --enable-chunked-prefill --swap-space 4 --max-log-len 100 "
+    "--kv-cache-dtype auto --load-format safetensors --distributed-executor-backend mp -pp 1 "
+    "--disable-log-stats",
 ]
+# what every line gets to start here: one colocated worker on any port, small enough for the CPU
+HERE = ["--mode", "colocated", "--port", "0", "--max-model-len", "1024", "--gpu-memory-utilization", "0.05",
+        "--max-num-seqs", "8"]  # fmt: skip
 
 
 def _manifest(line: str):
@@ -65,17 +79,28 @@ def test_what_the_flags_mean_here():
         _manifest("""default --kv-transfer-config '{"kv_connector": "LMCacheConnectorV1"}'""")
     with pytest.raises(SystemExit):  # argparse: not JSON
         _manifest("default --kv-transfer-config nixl")
+    assert _manifest(COMMAND_LINES[7]).engine.async_scheduling is False
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: only auto"):
+        _manifest("default --kv-cache-dtype fp8")
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2: only 1 here"):
+        _manifest("default -pp 2")
 
 
-def test_the_reference_command_line_starts_and_answers():
-    args = [*shlex.split(REFERENCE), "--mode", "colocated", "--port", "0", "--max-model-len", "1024",
-            "--gpu-memory-utilization", "0.05", "--max-num-seqs", "8"]  # fmt: skip
-    with start_serve(None, 180, args=args) as sp:
-        body = {"model": "qwen3.5-9b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+@pytest.mark.parametrize("line", COMMAND_LINES)
+def test_each_command_line_starts_and_answers(line):
+    with start_serve(None, 180, args=[*shlex.split(line), *HERE]) as sp:
+        model = _manifest(line).model.resolved_served_name()
+        body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         r = httpx.post(f"{sp.url}/v1/chat/completions", json=body, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-        assert any("kv_role 'kv_both' accepted" in line for line in sp.log), list(sp.log)[-20:]
-        assert any("--trust-remote-code: accepted" in line for line in sp.log)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text
+        if "--enable-auto-tool-choice" in line:  # tool_choice "auto" is served, the call parsed
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+            r = httpx.post(f"{sp.url}/v1/chat/completions", timeout=60,
+                           json={**body, "tools": tools, "tool_choice": "auto"})  # fmt: skip
+            assert r.status_code == 200, r.text
+        if line == REFERENCE:
+            assert any("kv_role 'kv_both' accepted" in x for x in sp.log), list(sp.log)[-20:]
+            assert any("--trust-remote-code: accepted" in x for x in sp.log)
 
 
 def test_api_server_flags_start_chat_template_and_cors(tmp_path):
