@@ -18,6 +18,7 @@ import pytest
 from splitserve.config.manifest_sections import RouterSection
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.openai_protocol import APIError
+from splitserve.sampling.params import SamplingParams
 
 
 class _Endpoint:
@@ -83,7 +84,7 @@ async def _run(dispatcher: Dispatcher) -> tuple[APIError, float]:
     t0 = time.perf_counter()
     with pytest.raises(APIError) as info:
         async with asyncio.timeout(10):  # the old code waited for the request's 600 s: fail in seconds
-            async for _ in dispatcher.run(0, [1, 2, 3, 4], {"max_tokens": 8}, "r"):
+            async for _ in dispatcher.run(0, [1, 2, 3, 4], SamplingParams(max_tokens=8), "r"):
                 pass
     return info.value, time.perf_counter() - t0
 

@@ -12,12 +12,13 @@ import pytest
 
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.run import Run
+from splitserve.sampling.params import SamplingParams
 
 
 class _StrayCancel:
     """Awaits a future that another task cancels: the CancelledError comes from below, not from Run."""
 
-    async def run(self, index: int, ids: list[int], params: dict, rid: str):
+    async def run(self, index: int, ids: list[int], params: SamplingParams, rid: str):
         fut = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.05, fut.cancel)
         await fut
@@ -25,7 +26,7 @@ class _StrayCancel:
 
 
 class _Hang:
-    async def run(self, index: int, ids: list[int], params: dict, rid: str):
+    async def run(self, index: int, ids: list[int], params: SamplingParams, rid: str):
         await asyncio.sleep(3600)
         yield
 
@@ -36,7 +37,9 @@ def _run(dispatcher: object, request_s: float = 600.0) -> Run:
         manifest=SimpleNamespace(router=SimpleNamespace(timeouts=SimpleNamespace(request_s=request_s))),
     )
     req = SimpleNamespace(n=1)
-    return Run(server, "completion", req, [([1, 2, 3], "")], {}, "cmpl-test", time.perf_counter())
+    return Run(
+        server, "completion", req, [([1, 2, 3], "")], SamplingParams(), "cmpl-test", time.perf_counter()
+    )
 
 
 async def test_a_stray_cancellation_below_is_a_500_at_once() -> None:

@@ -11,6 +11,7 @@ import pytest
 from splitserve.model.tokenizer import load_tokenizer
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.thinking import ThinkingTokens, apply_effort, thinking_counter, thinking_params
+from splitserve.sampling.params import ThinkingSpec
 
 TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "qwen3_5" / "chat_template.jinja").read_text()
 
@@ -51,12 +52,11 @@ def test_reasoning_effort_none_on_a_model_that_does_not_think_changes_nothing():
 def test_thinking_params_for_a_prompt_that_opens_the_block(tok):
     opened, closed = "<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     end = tok.encode("</think>", add_special_tokens=False)
-    assert thinking_params(tok, "qwen3", opened, True, None) == {
-        "end": end,
-        "forced": tok.encode("\n</think>\n\n", add_special_tokens=False),
-        "budget": None,
-    }
-    assert thinking_params(tok, "qwen3", opened, False, 5)["budget"] == 5
+    assert thinking_params(tok, "qwen3", opened, True, None) == ThinkingSpec(
+        tuple(end), tuple(tok.encode("\n</think>\n\n", add_special_tokens=False)), None
+    )
+    spec = thinking_params(tok, "qwen3", opened, False, 5)
+    assert spec is not None and spec.budget == 5
     assert thinking_params(tok, "qwen3", opened, False, None) is None  # nothing for the engine to do
     assert thinking_params(tok, "qwen3", closed, True, 5) is None  # thinking off: no block to bound
     with pytest.raises(APIError, match="does not think"):

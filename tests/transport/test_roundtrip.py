@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import msgspec
 import pytest
 import torch
 from kv_helpers import HAVE_NIXL, NIXL, our_segments, wait_for
@@ -95,13 +96,13 @@ def test_large_payload_many_chunks_and_reused_connection(exporter, fetcher, back
 
 FETCH_SCRIPT = textwrap.dedent(
     """
-    import json, sys, torch
+    import json, sys, msgspec, torch
     sys.path.insert(0, {here!r})
     from kv_peer import PeerSpec, make_kv
     from splitserve.transport import KVHandle, make_transport
     spec = PeerSpec(**json.loads({spec!r}))
     kv = torch.zeros_like(make_kv(spec))
-    handle = KVHandle.from_json(sys.stdin.read())
+    handle = msgspec.json.decode(sys.stdin.read(), type=KVHandle)
     with make_transport(handle.backend, kv, spec.layout(), secret=spec.secret) as t:
         t.fetch(handle, [1, 2, 3], timeout_s=10)
         t.release(handle)
@@ -124,7 +125,11 @@ def test_shm_fetcher_in_a_plain_subprocess_leaves_its_resource_tracker_quiet(mak
 
         script = FETCH_SCRIPT.format(here=str(Path(__file__).parent), spec=json.dumps(asdict(spec)))
         run = subprocess.run(
-            [sys.executable, "-c", script], input=handle.to_json(), capture_output=True, text=True, timeout=60
+            [sys.executable, "-c", script],
+            input=msgspec.json.encode(handle).decode(),
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert run.returncode == 0, run.stderr
         assert json.loads(run.stdout.strip().splitlines()[-1]) is True
