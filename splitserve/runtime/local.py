@@ -128,6 +128,11 @@ class LocalRuntime:
     def ready(self, role: str) -> list[WorkerProcess]:
         return [w for w in self.workers if w.role == role and w.ready]
 
+    def coming(self, role: str) -> bool:
+        """Whether a worker of `role` is ready or on its way (starting, restarting): the router waits."""
+        return not self._stopping and any(w.role == role and w.state not in ("failed", "stopped")
+                                          for w in self.workers)  # fmt: skip
+
     # ---- start ----------------------------------------------------------------------------------
 
     async def start(self, progress: bool = True) -> None:

@@ -81,6 +81,10 @@ class PrefillRequest(_Body):
     prompt: str | None = None  # tokenized by the worker (the answer carries the ids)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     request_id: str | None = None
+    # a migrated request: the last `resumed` prompt tokens are the completion's own, streamed by a worker
+    # that failed; the engine prefills them with the prompt, max_tokens and min_tokens count them, and
+    # the text stream goes on after them
+    resumed: int = Field(default=0, ge=0)
 
     def prompt_input(self) -> str | list[int]:
         if (self.prompt is None) == (self.prompt_token_ids is None):
@@ -111,6 +115,7 @@ class DecodeRequest(_Body):
     kv_policy: Literal["fail", "recompute"] | None = None  # default: the worker's --kv-policy
     timeout_s: float | None = Field(default=None, gt=0)  # room + fetch; default --kv-fetch-timeout-s
     stream: bool = True
+    resumed: int = Field(default=0, ge=0)  # as PrefillRequest.resumed
 
 
 class GenerateRequest(_Body):
@@ -119,6 +124,7 @@ class GenerateRequest(_Body):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     request_id: str | None = None
     stream: bool = True
+    resumed: int = Field(default=0, ge=0)  # as PrefillRequest.resumed
 
     def prompt_input(self) -> str | list[int]:
         if (self.prompt is None) == (self.prompt_token_ids is None):

@@ -88,6 +88,27 @@ class Worker:
             await asyncio.to_thread(check_grammar, params.grammar)  # GrammarError: a 400
         return params
 
+    @staticmethod
+    def _resumed(data: dict[str, Any], params: Any, ids: list[int], resumed: int) -> dict[str, Any]:
+        """The engine's sampling params of a migrated request, whose last `resumed` prompt tokens are
+        its completion's first: they count against max_tokens and min_tokens."""
+        if not resumed:
+            return data
+        if resumed >= len(ids):
+            raise ValueError(f"resumed ({resumed}) must be shorter than the prompt ({len(ids)} tokens)")
+        if params.max_tokens is not None and params.max_tokens <= resumed:
+            raise ValueError(f"resumed ({resumed}) leaves no room under max_tokens ({params.max_tokens})")
+        out = {**data, "min_tokens": max(0, params.min_tokens - resumed)}
+        if params.max_tokens is not None:
+            out["max_tokens"] = params.max_tokens - resumed
+        return out
+
+    def _text(self, rid: str, params: Any, ids: list[int], resumed: int) -> TextStream:
+        text = TextStream(rid, params, self.tokenizer)
+        if resumed:
+            text.resume(ids[-resumed:])
+        return text
+
     # ---- requests --------------------------------------------------------------------------------
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
@@ -96,7 +117,8 @@ class Worker:
         ids = self._prompt_ids(req.prompt_input())
         rid = req.request_id or self._new_id("pf")
         start = time.perf_counter()
-        stream = self.client.add(rid, ids, req.sampling_params, export=True)
+        engine_params = self._resumed(req.sampling_params, params, ids, req.resumed)
+        stream = self.client.add(rid, ids, engine_params, export=True)
         deltas: list[wire.Delta] = []
         try:
             await stream.accepted
@@ -108,7 +130,7 @@ class Worker:
         last = deltas[-1]
         if last.finish_reason in ("error", "abort"):
             raise RuntimeError(f"prefill of {rid} ended without a first token ({last.finish_reason})")
-        text = TextStream(rid, params, self.tokenizer)
+        text = self._text(rid, params, ids, req.resumed)
         line = text.feed(deltas)
         assert line is not None and line.token_ids
         kv_export = last.kv_export
@@ -131,18 +153,20 @@ class Worker:
         if req.first_logprob is not None:
             x = logprob_from_dict(req.first_logprob)
             lp = [x.token_id, x.logprob, x.rank, [list(t) for t in x.top]]
-        cmd = wire.Import(rid, list(req.prompt_token_ids), req.first_token, req.kv_export.model_dump(),
-                          req.sampling_params, lp, req.kv_policy, req.timeout_s)  # fmt: skip
+        ids = list(req.prompt_token_ids)
+        engine_params = self._resumed(req.sampling_params, params, ids, req.resumed)
+        cmd = wire.Import(rid, ids, req.first_token, req.kv_export.model_dump(), engine_params, lp,
+                          req.kv_policy, req.timeout_s)  # fmt: skip
         stream = self.client.import_kv(cmd)
-        async for line in self._lines(rid, stream, TextStream(rid, params, self.tokenizer), timings=False):
+        async for line in self._lines(rid, stream, self._text(rid, params, ids, req.resumed), timings=False):
             yield line
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamLine]:
         params = await self._params(req.sampling_params)
         ids = self._prompt_ids(req.prompt_input())
         rid = req.request_id or self._new_id("gen")
-        stream = self.client.add(rid, ids, req.sampling_params)
-        async for line in self._lines(rid, stream, TextStream(rid, params, self.tokenizer), timings=True):
+        stream = self.client.add(rid, ids, self._resumed(req.sampling_params, params, ids, req.resumed))
+        async for line in self._lines(rid, stream, self._text(rid, params, ids, req.resumed), timings=True):
             yield line
 
     async def _lines(
