@@ -366,6 +366,9 @@ class VerifySection(Section):
     max_transfer_failures: int = Field(default=0, ge=0)  # KV transfer failures the gate tolerates
     prompt: str = "What is the capital of France?"  # the round trip's known prompt (greedy)
     max_tokens: int = Field(default=16, ge=1)
+    # a GPU worker whose host offers no GPUDirect RDMA to its EFA / InfiniBand devices fails the gate
+    # (KV would be staged through host memory); off: the fabric is reported, the bandwidth floor holds
+    require_gpudirect: bool = False
 
 
 class PricesSection(Section):

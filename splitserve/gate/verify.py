@@ -5,7 +5,10 @@ Against a running deployment (`--url`) or one it starts from a manifest (and sto
   per worker   the device and dtype it reports; the KV backend it actually instantiated (its transport's
                own report, never the manifest: "nixl/UCX" for nixl) is one of
                `transport.required_backends`: a fallback passes only where the manifest names what it
-               fell back to there ("nixl/UCX"); KV transfer failures within `verify.max_transfer_failures`
+               fell back to there ("nixl/UCX"); KV transfer failures within `verify.max_transfer_failures`;
+               the host's RDMA fabric (EFA / InfiniBand devices, GPUDirect RDMA or staging through host
+               memory; one line where there are none), failing a GPU worker without GPUDirect RDMA when
+               `verify.require_gpudirect` is set
   per pair     (every prefill worker x every decode worker)
                handshake   the decode worker connects to the prefill worker now: layouts and the shared
                            secret must match, the layout fingerprints are reported
@@ -160,6 +163,7 @@ async def _check(http: httpx.AsyncClient, dep: dict, report: Report, timeout_s: 
         if why:
             detail += f"; FELL BACK{' (accepted by required_backends)' if ok else ''} because: {why}"
         report.add("kv backend", w["name"], ok, detail, actual)
+        _check_fabric(report, w["name"], tr.get("fabric"), str(h.get("device") or ""), v)
         fails = sum((transfer.get("failures") or {}).values())
         report.add(
             "kv failures",
@@ -180,6 +184,20 @@ async def _check(http: httpx.AsyncClient, dep: dict, report: Report, timeout_s: 
     for p in prefills:
         for d in decodes:
             await _check_pair(http, p, d, v, report, timeout_s)
+
+
+def _check_fabric(report: Report, name: str, fabric: dict | None, device: str, v: dict) -> None:
+    """What RDMA fabric the worker's host has and the path KV takes over it (transport/fabric.py); with
+    `verify.require_gpudirect`, a GPU worker without GPUDirect RDMA fails. The bandwidth probe of each
+    pair measures that path against `verify.min_gbps`."""
+    if not fabric:
+        return
+    need = bool(v.get("require_gpudirect")) and device.startswith("cuda")
+    ok = not need or bool(fabric.get("gpudirect"))
+    detail = str(fabric.get("path"))
+    if not ok:
+        detail += "; the manifest requires GPUDirect RDMA (verify.require_gpudirect)"
+    report.add("fabric", name, ok, detail, fabric.get("kinds"))
 
 
 async def _check_pair(

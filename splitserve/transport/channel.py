@@ -40,6 +40,7 @@ from splitserve.transport.errors import (
     TransportError,
 )
 from splitserve.transport.export_requests import Export, ExportRequests, PayloadCall
+from splitserve.transport.fabric import host_fabric
 from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import FreeCallback, LeaseManager
@@ -312,6 +313,7 @@ class KVChannel(KVTransport):
         if self.faults is not None:
             out["faults"] = dict(self.faults.counts)
         out.update(self.mover.describe())
+        out["fabric"] = host_fabric().to_dict(self.stats.backend, self.kv_cache.device.type == "cuda")
         return out
 
     def close(self) -> None:

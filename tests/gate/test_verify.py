@@ -62,6 +62,11 @@ def test_a_correct_deployment_passes(tmp_path):
     assert {"kv backend", "handshake", "latency", "bandwidth", "round trip", "transfer share"} <= names
     backend = [c for c in report["checks"] if c["name"] == "kv backend"]
     assert {c["value"] for c in backend} == {"shm"}
+    fabric = [c for c in report["checks"] if c["name"] == "fabric"]
+    assert len(fabric) == 2 and all(c["ok"] for c in fabric)  # the prefill and the decode worker
+    if not os.path.isdir("/sys/class/infiniband"):
+        said = {c["detail"] for c in fabric}
+        assert said == {"no EFA or InfiniBand devices on this host: KV moves over shm"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="nccl can run here")
