@@ -206,6 +206,7 @@ def main() -> int:
         t0 = time.monotonic()
         rows.append(run_fault(name, args))
         print(f"{name}: done in {time.monotonic() - t0:.0f}s", flush=True)
+        print(table(rows), flush=True)  # so far
     print()
     print(f"{args.requests} streaming greedy completions of 64-256 tokens per row; on_fault: {args.on_fault}")
     print(table(rows))
