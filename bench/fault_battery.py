@@ -1,9 +1,10 @@
 """The fault battery: requests in flight against one worker fault each, on a fresh disaggregated deployment
 (one prefill and one decode worker, the standby spare on) per fault. Each run sends N streaming greedy
-completions of 64-256 new tokens at once and strikes once they are under way: kill -9 of the prefill
-front end, the prefill engine core, the decode front end, the decode engine core, and a SIGSTOP of the
-decode engine core (SIGCONT after --stop-s). The first row is the same load with no fault: its answers
-are the reference every other run's must equal token for token, and its latencies the baseline.
+completions (prompts of about 250 tokens, 64-256 new tokens) at once and strikes once they are under
+way: kill -9 of the prefill front end, the prefill engine core, the decode front end, the decode engine
+core, and a SIGSTOP of the decode engine core (SIGCONT after --stop-s). The first row is the same load
+with no fault: its answers are the reference every other run's must equal token for token, and its
+latencies the baseline.
 
     python bench/fault_battery.py                    # every fault (about 2 min per row on 2 CPU cores)
     python bench/fault_battery.py --only "decode core" --requests 12
@@ -61,8 +62,15 @@ class Row:
     wrong: int = 0
 
 
+def _prompt(i: int) -> str:
+    """About 250 tokens, none shared with another prompt's (no prefix-cache hits): 24 of them keep the
+    prefill worker busy for seconds, so its faults strike prefills in flight."""
+    items = " ".join(f"{i * 1000 + k}," for k in range(60))
+    return f"Here is list {i}: {items} Write a long story about list {i}, chapter by chapter:"
+
+
 def _body(i: int, stream: bool) -> dict:
-    return {"model": MODEL, "prompt": f"Write a long story about the number {i}, chapter by chapter:",
+    return {"model": MODEL, "prompt": _prompt(i),
             "max_tokens": 64 + (i * 37) % 193, "temperature": 0, "ignore_eos": True, "stream": stream,
             "logprobs": 0}  # fmt: skip
 
@@ -136,7 +144,9 @@ def _settled(dep, worker: str | None, restarts: int, timeout_s: float = 120.0) -
 def run_fault(name: str, args: argparse.Namespace) -> Row:
     fault = FAULTS[name]
     router = {"on_fault": args.on_fault, "timeouts": {"inter_token_s": args.inter_token_s}}
-    dep = start_deployment(manifest_yaml(mode="disaggregated", router=router, runtime={"standby": True}))
+    engine = {"kv_cache_mb": 768}  # room for every request at once on each worker
+    manifest = manifest_yaml(mode="disaggregated", router=router, engine=engine, runtime={"standby": True})
+    dep = start_deployment(manifest)
     try:
         worker = fault[0] if fault else None
         restarts = {w["name"]: w["restarts"] for w in dep.health()["workers"]}.get(worker or "", 0)
@@ -172,7 +182,8 @@ def table(rows: list[Row]) -> str:
             "added max s")  # fmt: skip
     out = [head]
     for r in rows:
-        lost = sum(s.outcome not in ("ok", "hung") for s in r.streams)
+        errors = [s.outcome for s in r.streams if s.outcome not in ("ok", "hung")]
+        lost = f"{len(errors)}" + (f" ({', '.join(sorted(set(errors)))})" if errors else "")
         hung = sum(s.outcome == "hung" for s in r.streams)
         if base is not None:
             r.wrong = sum(
@@ -180,7 +191,7 @@ def table(rows: list[Row]) -> str:
             )
         mean = statistics.mean(s.seconds for s in r.streams)
         added = [s.seconds - b.seconds for s, b in zip(r.streams, base, strict=True)] if base else [0.0]
-        out.append((r.fault, str(lost), str(hung), str(r.wrong), "yes" if r.pools_empty else "NO",
+        out.append((r.fault, lost, str(hung), str(r.wrong), "yes" if r.pools_empty else "NO",
                     f"{r.migrations:g}", f"{mean:.2f}", f"{statistics.mean(added):+.2f}",
                     f"{max(added):+.2f}"))  # fmt: skip
     widths = [max(len(row[i]) for row in out) for i in range(len(head))]
@@ -200,6 +211,7 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=300.0, help="a stream not ended by then is hung")
     ap.add_argument("--on-fault", choices=("migrate", "fail"), default="migrate")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a deployment under way is stopped
     names = ["no fault", *[n for n in FAULTS if n != "no fault" and args.only in n]]
     rows = []
     for name in names:
@@ -208,7 +220,10 @@ def main() -> int:
         print(f"{name}: done in {time.monotonic() - t0:.0f}s", flush=True)
         print(table(rows), flush=True)  # so far
     print()
-    print(f"{args.requests} streaming greedy completions of 64-256 tokens per row; on_fault: {args.on_fault}")
+    print(
+        f"{args.requests} streaming greedy completions (250-token prompts, 64-256 new tokens) per row; "
+        f"on_fault: {args.on_fault}"
+    )
     print(table(rows))
     bad = any(sum(s.outcome != "ok" for s in r.streams) or r.wrong or not r.pools_empty for r in rows)
     return 1 if bad else 0

@@ -188,6 +188,7 @@ class LocalRuntime:
         w.started_at = time.monotonic()
         if restart:  # the spare, or one half way (still ahead of a fresh process)
             self.start_standby()
+            await asyncio.sleep(0)  # a keeper just started begins its spare's spawn
             if self._standby is None and self._spawning is not None and not self._spawning.done():
                 await asyncio.wait({self._spawning}, timeout=self.rt.startup_timeout_s)
                 await asyncio.sleep(0)  # the keeper, woken first, makes it `_standby`
