@@ -1,8 +1,8 @@
-"""model/cpu_amx.py's products against the fp32 paths, on the embedded model's own weights.
+"""kernels/cpu/amx.py's products against the fp32 paths, on the embedded model's own weights.
 
 For each projection shape of the default model (SmolLM2-135M, Q4_1; its LM head Q8_0) and each row
 count, in the same process and alternating: oneDNN's fp32 matmul over the packed weight (the prompt
-path), the decode panels (model/cpu_gemm.py, up to its 128 rows) and the AMX block op, each as GFLOP/s
+path), the decode panels (kernels/cpu/gemm.py, up to its 128 rows) and the AMX block op, each as GFLOP/s
 of fp32 work with its largest error against an fp64 product (relative to the largest output). Then the
 host's limits measured in the same run: oneDNN's fp32 rate at 2048^3 (the FMA rate the fp32 paths
 are held to) and oneDNN's bf16 rate at 2048^3 (the AMX tiles' rate; the op does three bf16 products a
@@ -23,7 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitserve.model import cpu_amx, cpu_gemm, cpu_linear  # noqa: E402
+from splitserve.kernels.cpu import amx as cpu_amx
+from splitserve.kernels.cpu import gemm as cpu_gemm
+from splitserve.model import cpu_linear  # noqa: E402
 from splitserve.model.loader import load_model, resolve_model_path  # noqa: E402
 
 

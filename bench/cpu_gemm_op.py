@@ -1,4 +1,4 @@
-"""The small-batch CPU matmul (model/cpu_gemm.py) alone, against oneDNN (packed weights, the engine's
+"""The small-batch CPU matmul (kernels/cpu/gemm.py) alone, against oneDNN (packed weights, the engine's
 path above cpu_gemm.MAX_ROWS) and MKL (`F.linear`, its GEMV at one or two rows), over the default
 model's projections: 30 layers x (QKV 576->960, O 576->576, gate/up 576->3072, down 1536->576) and the
 LM head (576->49152), every weight its own tensor so that each product reads it from memory, as in a
@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from splitserve.kernels.cpu.linear import pack, packed_linear  # noqa: E402
 from splitserve.model import cpu_gemm  # noqa: E402
-from splitserve.model.cpu_linear import pack, packed_linear  # noqa: E402
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) of each layer's projections
 

@@ -1,4 +1,4 @@
-"""The CPU prompt attention op (model/cpu_prefill.py) alone, against the SDPA path it replaces.
+"""The CPU prompt attention op (kernels/cpu/prefill.py) alone, against the SDPA path it replaces.
 
 One layer of the default model's shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16 scattered
 in the pool) over one prompt of each `--lengths`: the torch path (`_attend_fresh`: K/V repeated per

@@ -1,4 +1,4 @@
-"""Top-1 agreement of the CPU int4 option (`cpu_weights="int4"`, model/cpu_linear.py) with the fp32 path.
+"""Top-1 agreement of the CPU int4 option (`cpu_weights="int4"`, kernels/cpu/linear.py) with the fp32 path.
 
 The fp32 path generates greedy continuations of chat prompts; both paths then run the whole sequences
 (prompt + continuation) teacher-forced, and each position's argmax is compared with the fp32 path's

@@ -1,6 +1,6 @@
 """The CPU sampler's draw alone: inverse CDF (engine/sampler.py, one uniform number a row) against the
 exponential race it replaced on CPU (one Exp(1) number per vocabulary entry), in the same run, and the
-same inverse-CDF draw as one C++ op over the logits (model/cpu_fused.py `sample_rows`, what the engine
+same inverse-CDF draw as one C++ op over the logits (kernels/cpu/fused.py `sample_rows`, what the engine
 runs once the op is built), against the torch inverse CDF.
 
 Rows of the default model's vocabulary (49,152) at temperature 1, no filters (what `vllm bench serve`

@@ -2,8 +2,9 @@
 computation of the same layer (CUDA with fla-core): which of the two is the less exact, and where.
 
 The layer, weights, batch (3 decode rows, then prefill chunks of 1, 2, 9, 70 and 130 tokens) and state
-slots are those of tests/gpu/test_gdn_fla.py::test_layer_fla_matches_torch. The fp64 layer runs on the
-CPU with the gated delta rule replaced by an fp64 token-by-token recurrence. Stages compared:
+slots are those of tests/gpu/test_gdn_fla.py::test_layer_fla_matches_torch (splitserve/model/gdn_case.py).
+The fp64 layer runs on the CPU with the gated delta rule replaced by an fp64 token-by-token recurrence.
+Stages compared:
 
 - the whole layer's output and its conv and recurrent states (fla path, torch path, each vs fp64);
 - the conv + SiLU (the q, k, v each path feeds to its rule);
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,23 +41,6 @@ SETTINGS = {
     "ieee": {"TRITON_F32_DEFAULT": "ieee"},
     "ieee+tril": {"TRITON_F32_DEFAULT": "ieee", "FLA_TRIL_PRECISION": "ieee"},
 }
-SMALL = dict(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
-    initializer_range=0.1,
-    max_position_embeddings=1024,
-)
-LENS = (1, 2, 9, 70, 130)
-ND = 3
 DTYPES = (torch.float32,)  # the rule-alone check (bfloat16 too: more kernels to compile)
 DEV = os.environ.get("GDN_DIAG_DEVICE", "cuda")  # "cpu": a dry run of this script (torch rule for fla)
 
@@ -97,62 +82,30 @@ def _stats(got: torch.Tensor, ref: torch.Tensor, tol: float = 2e-4) -> dict:
     }
 
 
-def build():  # noqa: ANN201
-    from splitserve.model import qwen3_5
-    from splitserve.model.attention import AttentionMetadata, PrefillChunk
-    from splitserve.model.config import ModelConfig
-
-    cfg = ModelConfig.from_hf(
-        {**SMALL, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]}
-    )
-    torch.manual_seed(0)
-    layer = qwen3_5.GatedDeltaNet(cfg, 1).to(DEV).eval()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    lin = cfg.linear
-    states = {
-        "conv": torch.randn(9, 3, lin.conv_dim, lin.conv_kernel - 1, device=DEV) * 0.2,
-        "recurrent": torch.randn(9, 3, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim, device=DEV)
-        * 0.2,
-    }
-    chunks, start = [], ND
-    for n in LENS:
-        chunks.append(PrefillChunk(start, n, n, None))
-        start += n
-    slots = torch.tensor([6, 1, 3, 0, 7, 4, 8, 2], device=DEV)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(start, dtype=torch.int64, device=DEV),
-        num_decode_tokens=ND,
-        decode_groups=(),
-        prefills=tuple(chunks),
-        seq_slots=slots,
-    )
-    x = torch.randn(start, cfg.hidden_size, device=DEV)
-    return layer, states, meta, x
-
-
 def child(setting: str) -> dict:
     if setting == "ieee+tril":  # before fla's kernels compile: its triangular solve's dots in ieee
         import fla.ops.gated_delta_rule.chunk_fwd as cf
         import triton.language as tl
 
         cf.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")
-    from splitserve.model import gdn_prefill, qwen3_5
+    from splitserve.model import gdn_layer, gdn_prefill
     from splitserve.model.decoder import ForwardContext
+    from splitserve.model.gdn_case import gdn_layer_case
 
     if DEV == "cpu":
         gdn_prefill.VARLEN_RULE = gdn_prefill.torch_varlen_rule
-    layer, states, meta, x = build()
+    case = gdn_layer_case(DEV)
+    layer, states, meta, x = case.layer, case.states, case.meta, case.x
     ref_states = {k: v.clone() for k, v in states.items()}
     # fp64, but the conv windows: the layer stores them as fp32 (a rounding of 6e-8, far below the errors)
     st64 = {"conv": states["conv"].cpu().clone(), "recurrent": states["recurrent"].double().cpu()}
     cap: dict = {}
-    orig_rule, orig_chunk = qwen3_5.varlen_rule, qwen3_5.chunk_gated_delta_rule
+    orig_rule, orig_chunk = gdn_layer.varlen_rule, gdn_layer.chunk_gated_delta_rule
 
-    def rec_rule(lp, q, k, v, a, b, A_log, dt_bias, rec_states, out):  # noqa: ANN001, ANN202
+    def rec_rule(lp, q, k, v, a, b, A_log, dt_bias, rec_states):  # noqa: ANN001, ANN202
+        # q, k, v: the prefill rows only; a, b: all rows of the step
         cap["fla_in"] = [t.clone() for t in (q, k, v, a, b)] + [rec_states[lp.slots].clone(), lp]
-        orig_rule(lp, q, k, v, a, b, A_log, dt_bias, rec_states, out)
+        return orig_rule(lp, q, k, v, a, b, A_log, dt_bias, rec_states)
 
     torch_qkv: list = []
 
@@ -161,14 +114,14 @@ def child(setting: str) -> dict:
         return orig_chunk(q, k, v, g, beta, s)
 
     with torch.no_grad():
-        qwen3_5.chunk_gated_delta_rule = rec_chunk
+        gdn_layer.chunk_gated_delta_rule = rec_chunk
         ref = layer(x, ForwardContext(None, meta, torch.empty(0), ref_states))
-        qwen3_5.chunk_gated_delta_rule = orig_chunk
+        gdn_layer.chunk_gated_delta_rule = orig_chunk
         layer.varlen = True
-        qwen3_5.varlen_rule = rec_rule
+        gdn_layer.varlen_rule = rec_rule
         lp = gdn_prefill.build_linear_prefill(meta, x.device)
         out = layer(x, ForwardContext(None, meta, torch.empty(0), states, linear_prefill=lp))
-        qwen3_5.varlen_rule = orig_rule
+        gdn_layer.varlen_rule = orig_rule
         # fp64 on the CPU: same layer, rule replaced by the fp64 recurrence
         l64 = copy.deepcopy(layer).double().cpu()
         l64.varlen = False
@@ -178,16 +131,9 @@ def child(setting: str) -> dict:
             qkv64.append((q[0].clone(), k[0].clone(), v[0].clone()))
             return _chunk64(q, k, v, g, beta, s)
 
-        qwen3_5.chunk_gated_delta_rule, qwen3_5.recurrent_gated_delta_rule = chunk64, _chunk64
-        from splitserve.model.attention import AttentionMetadata
-
-        meta64 = AttentionMetadata(
-            slot_mapping=meta.slot_mapping.cpu(),
-            num_decode_tokens=ND,
-            decode_groups=(),
-            prefills=meta.prefills,
-            seq_slots=meta.seq_slots.cpu(),
-        )
+        gdn_layer.chunk_gated_delta_rule, gdn_layer.recurrent_gated_delta_rule = chunk64, _chunk64
+        on_cpu = {"slot_mapping": meta.slot_mapping.cpu(), "seq_slots": meta.seq_slots.cpu()}
+        meta64 = dataclasses.replace(meta, **on_cpu)
         out64 = l64(x.double().cpu(), ForwardContext(None, meta64, torch.empty(0), st64))
     res: dict = {"setting": setting, "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu"}
     res["layer_out"] = {
@@ -208,9 +154,11 @@ def child(setting: str) -> dict:
 
 def per_rows(out: torch.Tensor, ref: torch.Tensor, out64: torch.Tensor) -> dict:
     """Largest error of each sequence's rows (decode rows, then each prompt by 64-token chunk)."""
-    rows = {"decode": slice(0, ND)}
-    start = ND
-    for n in LENS:
+    from splitserve.model.gdn_case import DECODE_ROWS, PROMPT_LENS
+
+    rows = {"decode": slice(0, DECODE_ROWS)}
+    start = DECODE_ROWS
+    for n in PROMPT_LENS:
         for c0 in range(0, n, 64):
             rows[f"len{n}[{c0}:{min(n, c0 + 64)}]"] = slice(start + c0, start + min(n, c0 + 64))
         start += n
@@ -226,15 +174,13 @@ def per_rows(out: torch.Tensor, ref: torch.Tensor, out64: torch.Tensor) -> dict:
 
 def conv_stage(fla_in: list, torch_qkv: list, qkv64: list) -> dict:
     """q, k, v out of the conv + SiLU on each path against fp64 (prefill rows)."""
-    q, k, v = fla_in[:3]
-    lp = fla_in[-1]
-    rows = slice(lp.row0, lp.row0 + lp.num_rows)
+    q, k, v = fla_in[:3]  # the prefill rows
     cat64 = [torch.cat([c[i] for c in qkv64]) for i in range(3)]
     cat_t = [torch.cat([c[i] for c in torch_qkv]) for i in range(3)]
     out = {}
     for i, name in enumerate("qkv"):
         out[name] = {
-            "fla_vs_fp64": _stats((q, k, v)[i][rows], cat64[i]),
+            "fla_vs_fp64": _stats((q, k, v)[i], cat64[i]),
             "torch_vs_fp64": _stats(cat_t[i], cat64[i]),
         }
     return out
@@ -246,7 +192,7 @@ def rule_stage(layer, fla_in: list) -> dict:  # noqa: ANN001
 
     q, k, v, a, b, h0, lp = fla_in
     rows = slice(lp.row0, lp.row0 + lp.num_rows)
-    q, k, v, a, b = (t[None, rows] for t in (q, k, v, a, b))
+    q, k, v, a, b = q[None], k[None], v[None], a[None, rows], b[None, rows]
     A_log, dt_bias = layer.A_log.detach(), layer.dt_bias.detach()
     res = {}
     for dt in DTYPES:
@@ -260,18 +206,7 @@ def rule_stage(layer, fla_in: list) -> dict:  # noqa: ANN001
             o64.append(o)
             f64.append(f)
         o64, f64 = torch.cat(o64)[None], torch.stack(f64)
-        kw = dict(
-            initial_state=h0.clone(),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
-            use_gate_in_kernel=True,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            cu_seqlens=lp.cu_seqlens,
-            cu_seqlens_cpu=lp.cu_seqlens_cpu,
-            chunk_indices=lp.chunk_indices,
-        )
+        kw = gdn_prefill.rule_kwargs(lp, h0.clone(), A_log, dt_bias)
         variants = {}
         fwd = gdn_prefill.fla_forward()
         if fwd is not None:

@@ -12,17 +12,23 @@ loads the very same tensors. For each batch size: B prompts of `--prompt-len` ra
     its prefill; splitserve: the engine steps after the last prefill).
   * roofline: bytes read per decode step (weights + recurrent state + KV) / bandwidth measured here.
 
+  * prefill repeats: for the largest batch, `--prefill-repeats` more prefills of fresh prompts (first
+    token only), at the engine's token budget and at each `--extra-budgets` one: median prompt tok/s
+    and every run's, so one slow run cannot pass for the figure.
   * single prefill: one `--single-prefill`-token prompt alone (ms), with its achieved TFLOP/s against
     the bf16 matmul rate measured in the run (8192^3 GEMM).
+  * `--skip-hf`: splitserve's rows only (an A/B of splitserve's own changes in one run).
 
     python bench/hybrid_gpu.py --shape 9b            # Qwen3.5-9B shape on CUDA
     python bench/hybrid_gpu.py --shape 9b --single-prefill 4096 --linear-backend fla
+    python bench/hybrid_gpu.py --shape 9b --single-prefill 4096 --extra-budgets 16384 --skip-hf
     python bench/hybrid_gpu.py --shape tiny --device cpu --batches 1,4 --prompt-len 64
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -176,13 +182,44 @@ def prefill_flops(loaded: LoadedModel, tokens: int) -> float:
     return 2 * weights * tokens + attn
 
 
+def prefill_repeats(engine: LLMEngine, batch: int, length: int, vocab: int, repeats: int) -> list[float]:
+    """Seconds of `repeats` prefills of `batch` fresh `length`-token prompts (until every first token),
+    after one untimed at the same shape."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    g = torch.Generator().manual_seed(length + batch)
+    times = []
+    for i in range(repeats + 1):
+        prompts = torch.randint(0, vocab, (batch, length), generator=g).tolist()
+        sync(engine.device)
+        t0 = time.perf_counter()
+        for p in prompts:
+            engine.add_request(p, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        sync(engine.device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def print_repeats(batch: int, length: int, budget: int, times: list[float]) -> None:
+    n = batch * length
+    runs = ", ".join(f"{n / t:.0f}" for t in times)
+    print(
+        f"{batch} x {length} prefill, budget {budget} tokens: median {n / statistics.median(times):.0f} "
+        f"prompt tok/s over {len(times)} runs (min {n / max(times):.0f}, max {n / min(times):.0f}; "
+        f"runs: {runs})"
+    )
+
+
 def single_prefill(engine: LLMEngine, hf, n: int, vocab: int, device: torch.device) -> None:  # noqa: ANN001
-    """Time one n-token prompt alone (median of 3): splitserve's first token vs HF's forward."""
+    """Time one n-token prompt alone (median of 5): splitserve's first token vs HF's forward (`hf` None:
+    splitserve alone)."""
     g = torch.Generator().manual_seed(n)
     prompt = torch.randint(0, vocab, (1, n), generator=g).to(device)
     ours, theirs = [], []
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    for _ in range(4):
+    for _ in range(6):
         sync(device)
         t0 = time.perf_counter()
         engine.add_request(prompt[0].tolist(), params)
@@ -192,15 +229,17 @@ def single_prefill(engine: LLMEngine, hf, n: int, vocab: int, device: torch.devi
         ours.append(time.perf_counter() - t0)
         with torch.inference_mode():
             t0 = time.perf_counter()
-            hf(prompt, use_cache=True)
+            if hf is not None:
+                hf(prompt, use_cache=True)
             sync(device)
             theirs.append(time.perf_counter() - t0)
-    ours_s, hf_s = sorted(ours[1:])[1], sorted(theirs[1:])[1]
+    ours_s, hf_s = statistics.median(ours[1:]), statistics.median(theirs[1:])
     flops, rate = prefill_flops(engine.loaded, n), matmul_rate(device)
+    vs_hf = f", HF {hf_s * 1e3:.1f} ms (HF/splitserve = {hf_s / ours_s:.2f}x)" if hf is not None else ""
     print(
-        f"single prefill of {n} tokens: splitserve {ours_s * 1e3:.1f} ms, HF {hf_s * 1e3:.1f} ms "
-        f"(HF/splitserve = {hf_s / ours_s:.2f}x); {flops / ours_s / 1e12:.0f} TFLOP/s = "
-        f"{flops / ours_s / rate:.0%} of the bf16 matmul rate measured here ({rate / 1e12:.0f} TFLOP/s)"
+        f"single prefill of {n} tokens: splitserve {ours_s * 1e3:.1f} ms (median of 5: "
+        f"{', '.join(f'{t * 1e3:.1f}' for t in ours[1:])}){vs_hf}; {flops / ours_s / 1e12:.0f} TFLOP/s = "
+        f"{flops / ours_s / rate:.1%} of the bf16 matmul rate measured here ({rate / 1e12:.0f} TFLOP/s)"
     )
 
 
@@ -215,6 +254,9 @@ def main() -> None:
     ap.add_argument("--linear-backend", default="auto", help="linear_attention_backend: auto|torch|fla")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--hf-fla", action="store_true", help="let HF use fla's kernels too (default: torch)")
+    ap.add_argument("--skip-hf", action="store_true", help="splitserve's rows only")
+    ap.add_argument("--prefill-repeats", type=int, default=5, help="more prefills of the largest batch")
+    ap.add_argument("--extra-budgets", default="", help="token budgets to time those prefills at too")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -226,32 +268,57 @@ def main() -> None:
         f"rule: {'fla' if args.hf_fla else 'torch fallback'}; ours: {args.linear_backend}"
     )
     print(f"{'batch':>5} {'system':>10} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode roofline':>16}")
-    for batch in [int(b) for b in args.batches.split(",")]:
-        config = EngineConfig(
-            model=f"qwen3.5-{args.shape}-random", device=args.device, dtype=str(dtype).split(".")[1],
-            max_model_len=max_len, max_num_seqs=max(batch, 2),
-            max_num_batched_tokens=max(args.max_batched_tokens, args.single_prefill),
-            linear_attention_backend=args.linear_backend, enable_prefix_caching=False,
-            kv_cache_bytes=batch * max_len * 64 * 2**10 + 2**28, progress=False,
-        )  # fmt: skip
-        engine = LLMEngine(config, tokenizer=False, loaded=loaded)
+    batches = [int(b) for b in args.batches.split(",")]
+    for batch in batches:
+        engine = LLMEngine(
+            make_config(args, dtype, max_len, batch, args.max_batched_tokens), tokenizer=False, loaded=loaded
+        )
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, loaded.config.vocab_size, (batch, args.prompt_len), generator=g).to(device)
         floor = decode_bytes_per_step(loaded, batch, args.prompt_len + args.decode_tokens // 2) / bw
         rows = {"splitserve": bench_ours(engine, prompts, args.decode_tokens)}
-        rows["HF"] = bench_hf(hf, prompts, args.decode_tokens)
+        if not args.skip_hf:
+            rows["HF"] = bench_hf(hf, prompts, args.decode_tokens)
         for name, (pre, dec) in rows.items():
             dec_tps = batch * (args.decode_tokens - 1) / dec
             share = dec_tps / (batch / floor) if bw == bw else float("nan")
             pre_tps = batch * args.prompt_len / pre
             print(f"{batch:>5} {name:>10} {pre_tps:>14.1f} {dec_tps:>13.1f} {share:>15.1%}")
-        ratio = (rows["HF"][1]) / rows["splitserve"][1]
-        print(f"{batch:>5} decode speed-up splitserve/HF = {ratio:.2f}x (goal >= 10x)")
-        pre_ratio = rows["HF"][0] / rows["splitserve"][0]
-        print(f"{batch:>5} prefill speed-up splitserve/HF = {pre_ratio:.2f}x")
-        if args.single_prefill and batch == max(int(b) for b in args.batches.split(",")):
-            single_prefill(engine, hf, args.single_prefill, loaded.config.vocab_size, device)
-        del engine
+        if "HF" in rows:
+            ratio = (rows["HF"][1]) / rows["splitserve"][1]
+            print(f"{batch:>5} decode speed-up splitserve/HF = {ratio:.2f}x (goal >= 10x)")
+            pre_ratio = rows["HF"][0] / rows["splitserve"][0]
+            print(f"{batch:>5} prefill speed-up splitserve/HF = {pre_ratio:.2f}x")
+        if batch == max(batches):
+            budget = engine.config.max_num_batched_tokens
+            vocab = loaded.config.vocab_size
+            if args.prefill_repeats:
+                times = prefill_repeats(engine, batch, args.prompt_len, vocab, args.prefill_repeats)
+                print_repeats(batch, args.prompt_len, budget, times)
+            if args.single_prefill:
+                single_prefill(engine, None if args.skip_hf else hf, args.single_prefill, vocab, device)
+            del engine
+            for extra in [int(b) for b in args.extra_budgets.split(",") if b]:
+                engine = LLMEngine(
+                    make_config(args, dtype, max_len, batch, extra), tokenizer=False, loaded=loaded
+                )
+                times = prefill_repeats(engine, batch, args.prompt_len, vocab, args.prefill_repeats)
+                print_repeats(batch, args.prompt_len, engine.config.max_num_batched_tokens, times)
+                del engine
+        else:
+            del engine
+
+
+def make_config(
+    args: argparse.Namespace, dtype: torch.dtype, max_len: int, batch: int, budget: int
+) -> EngineConfig:
+    return EngineConfig(
+        model=f"qwen3.5-{args.shape}-random", device=args.device, dtype=str(dtype).split(".")[1],
+        max_model_len=max_len, max_num_seqs=max(batch, 2),
+        max_num_batched_tokens=max(budget, args.single_prefill),
+        linear_attention_backend=args.linear_backend, enable_prefix_caching=False,
+        kv_cache_bytes=batch * max_len * 64 * 2**10 + 2**28, progress=False,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -46,9 +46,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
 from splitserve.transport import BackendUnavailable, KVHandle, KVLayout, TransportOptions, make_transport  # noqa: E402
-from splitserve.transport.nixl_env import load_nixl  # noqa: E402
+from splitserve.transport.nixl.env import load_nixl  # noqa: E402
 from splitserve.transport.payload import tensor_bytes  # noqa: E402
-from splitserve.transport.shm import allocate_shared_kv  # noqa: E402
+from splitserve.transport.stream.shm import allocate_shared_kv  # noqa: E402
 
 TRANSPORTS = {"tcp": "raw_socket", "shm staged": "memcpy", "shm direct": "memcpy", "nixl": "raw_socket"}
 GOALS = {"tcp": 0.70, "shm staged": 0.50, "shm direct": 0.50, "nixl": 0.70}

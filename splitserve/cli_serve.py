@@ -22,6 +22,7 @@ from typing import Any
 
 import splitserve
 from splitserve.config.manifest_sections import ModelSection
+from splitserve.vllm_flags import add_vllm_flags, vllm_overrides
 
 # flag(s), manifest field, type (None: a switch), help
 _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
@@ -77,6 +78,8 @@ _SWITCHES: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--enforce-eager",), "engine.enforce_eager", True, "GPU: no CUDA graphs"),
     (("--disable-log-stats",), "server.log_stats_interval_s", 0, "no periodic stats line"),
     (("--no-access-log", "--disable-uvicorn-access-log"), "server.access_log", False, "no per-request line"),
+    (("--metrics-auth",), "server.metrics_auth", True, "with API keys set, /metrics wants a key too"),
+    (("--reject-unknown-fields",), "server.reject_unknown_fields", True, "an unknown request field is a 400"),
 ]
 MANIFEST_SUFFIXES = (".yaml", ".yml")
 # the embedded default model's Hub id: served from the package, not fetched
@@ -105,13 +108,15 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the model's id in the API; more names are aliases")  # fmt: skip
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                       help="only 1: tensor parallelism is not implemented yet")  # fmt: skip
+                       help="ranks (processes, devices) per replica; above 1 serves colocated "
+                       "(model.tensor_parallel_size)")  # fmt: skip
     serve.add_argument("--api-key", action="append", default=None,
                        help="repeatable; default: $SPLITSERVE_API_KEY or $VLLM_API_KEY")  # fmt: skip
     serve.add_argument("--log-format", choices=["text", "json"], default=None, help="text or JSON lines")
     serve.add_argument("--log-level", default=None, help="debug | info | warning (default info)")
     serve.add_argument("--print-manifest", action="store_true", help="print the resolved manifest and exit")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar while workers load")
+    add_vllm_flags(serve)
 
 
 def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
@@ -120,15 +125,15 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any
     for _, field, _, _ in _FLAGS + _SWITCHES:
         if getattr(args, field) is not None:
             o[field] = getattr(args, field)
+    o |= vllm_overrides(args)
     for field in ("engine.enable_prefix_caching", "server.enable_auto_tool_choice"):
         if getattr(args, field) is not None:
             o[field] = getattr(args, field)
     tp = args.tensor_parallel_size
-    if tp is not None and tp != 1:
-        raise ValueError(
-            f"--tensor-parallel-size {tp}: tensor parallelism is not implemented yet (one GPU per "
-            "worker); scale out with --prefill-replicas / --decode-replicas (or --colocated-replicas)"
-        )
+    if tp is not None:
+        o["model.tensor_parallel_size"] = tp
+        if tp > 1 and "mode" not in o:  # tensor parallelism serves colocated workers only, for now
+            o["mode"] = "colocated"
     manifest, target = None, args.target
     if target is not None and target.lower().endswith(MANIFEST_SUFFIXES):
         if not Path(target).is_file():

@@ -145,24 +145,3 @@ def openai_schema() -> dict:
 
     path = next(p for p in SCHEMA_PATHS if p.exists())
     return json.loads(path.read_text())
-
-
-_EXIT_STATUS: list[int] = []
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    _EXIT_STATUS.append(int(exitstatus))
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """End the test process with pytest's own status once every report is written, without the
-    interpreter's teardown: after the whole suite, a native library's threads (torch, xgrammar, gloo)
-    could fault while modules were torn down (SIGSEGV after the summary line, every test passed),
-    which would turn a green run into a failed one."""
-    if _EXIT_STATUS:
-        import sys
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_EXIT_STATUS[-1])

@@ -186,7 +186,7 @@ def test_the_graph_sees_the_imports():
     edges = dict.fromkeys(MODULES, None)
     assert "splitserve.transport.channel" in edges and "splitserve" in edges
     runtime = _graph(with_type_only=False)
-    assert "splitserve.transport.channel" in runtime["splitserve.transport.tcp"]  # module level
+    assert "splitserve.transport.channel" in runtime["splitserve.transport.stream.tcp"]  # module level
     assert "splitserve.worker.app" in runtime["splitserve.worker.main"]  # inside a function
     # `from splitserve.router import endpoints`: the submodule, and the package it is read off
     assert {"splitserve.router.endpoints", "splitserve.router"} <= runtime["splitserve.router.routes"]
@@ -272,7 +272,7 @@ def _layer_violations() -> list[tuple[str, str, str]]:
 
 def test_the_layer_rules_see_deep_imports():
     # a sanity check of the layer walk: loading a module loads its package's __init__ and what that loads
-    assert "splitserve.transport.channel" in _loads("splitserve.transport.tcp")
+    assert "splitserve.transport.channel" in _loads("splitserve.transport.stream.tcp")
     assert "splitserve.config.manifest" in _loads("splitserve.config.worker")  # via config/__init__
     assert "torch" in _loads("splitserve.engine.engine") and "fastapi" in _loads("splitserve.router.routes")
 

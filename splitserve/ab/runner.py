@@ -236,6 +236,13 @@ async def _gate(run: TargetRun, url: str, opts: RunOptions) -> None:
 
     _say(opts, f"verifying {run.target.name} ...")
     env = run.target.manifest.transport.secret_env if run.target.manifest else "SPLITSERVE_KV_SECRET"
+    if run.target.manifest is None and not os.environ.get(env):  # a URL: its workers want the KV secret
+        raise RuntimeError(
+            f"the verify gate reaches the deployment's workers with its KV secret, and ${env} is not set: "
+            f"start `splitserve serve` with {env}=<secret> in its environment and export the same here "
+            "(unset, a local `splitserve serve` makes a secret of its own that no other process knows), "
+            "or pass --skip-verify to benchmark without the gate"
+        )
     report = await verify_url(url, opts.api_key, os.environ.get(env))
     failed = [f"{c.name} ({c.scope}): {c.detail}" for c in report.checks if not c.ok]
     run.gate = {"status": "passed" if report.ok else "failed", "report": report.to_dict()}

@@ -37,11 +37,12 @@ def parse_metrics(text: str) -> Samples:
 
 
 async def fetch_metrics(base_url: str, api_key: str | None = None) -> Samples | None:
-    """GET /metrics, parsed; None when the endpoint has none."""
+    """GET /metrics, parsed; None when the endpoint has none. `?fresh=1`: splitserve's router answers
+    with its next snapshot, taken after the request (other servers ignore the parameter)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=30.0) as client:
-            resp = await client.get("/metrics")
+            resp = await client.get("/metrics", params={"fresh": "1"})
         if resp.status_code != 200:
             return None
         return parse_metrics(resp.text)

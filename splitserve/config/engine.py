@@ -57,7 +57,7 @@ class EngineConfig:
     # None: on for CUDA, off for the CPU (where nothing runs asynchronously to overlap with).
     async_scheduling: bool | None = None
     # CPU: "fp32" (projections through oneDNN, token-exact with HF) or "int4" (weight-only int4 per group
-    # of 32, int8 LM head, bf16 activations: model/cpu_linear.py; its agreement: bench/cpu_quant.py)
+    # of 32, int8 LM head, bf16 activations: kernels/cpu/linear.py; its agreement: bench/cpu_quant.py)
     cpu_weights: str = "fp32"
     progress: bool = True
     # Host-side cache of converted weights (model/weight_cache.py): "auto" = $SPLITSERVE_CACHE_DIR/weights
@@ -70,6 +70,9 @@ class EngineConfig:
     # Speculative decoding (engine/spec/): a SpeculativeConfig, a dict of its fields (vLLM's
     # --speculative-config: {"method": "ngram", "num_speculative_tokens": 4, ...}) or None (off)
     speculative_config: SpeculativeConfig | dict | None = None
+    # Tensor parallelism (vLLM's --tensor-parallel-size): ranks, one process each, that shard every layer
+    # by heads (engine/tp/, model/parallel.py); gloo on the CPU, NCCL on CUDA. 1: one process, no sharding
+    tensor_parallel_size: int = 1
 
     def torch_device(self) -> torch.device:
         import torch

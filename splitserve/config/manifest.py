@@ -1,9 +1,10 @@
 """The deployment manifest: one YAML file that says what to serve, how, and where.
 
-    model:     {source, tokenizer, served_name, dtype, device, max_model_len, tensor_parallel_size}
+    model:     {source, tokenizer, served_name, dtype, device, max_model_len, tensor_parallel_size,
+                generation_config, chat_template}
     engine:    {block_size, max_num_seqs, max_num_batched_tokens, kv_cache_mb, memory_utilization,
                 enable_prefix_caching, enforce_eager, async_scheduling, threads, cpu_weights, seed,
-                weight_cache_*, speculative_config}
+                weight_cache_*, speculative_config, tensor_parallel_size}
     (vLLM's names are accepted beside ours: model.served_model_name, engine.gpu_memory_utilization)
     mode:      colocated | disaggregated          (one key switches the same manifest between them)
     prefill / decode / colocated:  pools {replicas, devices, placement, engine}; a pool's `engine` overrides
@@ -14,8 +15,9 @@
     router:    {policy, timeouts per stage, on_fault: migrate | fail, max_migrations, worker_wait_s}
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
                 max_queued_requests, stream_interval, access_log, log_stats_interval_s, metrics_auth,
-                trust_request_chat_template, header_timeout_s, body_timeout_s, max_header_bytes,
-                tool_call_parser, reasoning_parser, enable_auto_tool_choice,
+                reject_unknown_fields, cors, trust_request_chat_template, header_timeout_s,
+                body_timeout_s, max_header_bytes, tool_call_parser, reasoning_parser,
+                enable_auto_tool_choice,
                 structured, rate_limit: grammar limits, per-client rate (config/manifest_limits.py)}
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
     verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)
@@ -96,7 +98,18 @@ class Manifest(Section):
             except ValidationError as exc:
                 reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
                 raise ValueError(f"{name}.engine over the top-level engine section: {reasons}") from None
+        sizes = {name: self.tensor_parallel_size(name) for name in pools}
+        if self.mode == "disaggregated" and max(sizes.values()) > 1:
+            raise ValueError(
+                f"tensor parallelism in disaggregated mode is not supported yet (prefill "
+                f"{sizes['prefill']}, decode {sizes['decode']} ranks): the KV transfer moves one rank's "
+                "heads; use mode: colocated, or tensor_parallel_size 1 for both roles"
+            )
         return self
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """Ranks per replica of `role`: its engine section's size, else the model's."""
+        return self.engine_for(role).tensor_parallel_size or self.model.tensor_parallel_size
 
     def engine_for(self, role: str) -> EngineSection:
         """The engine section of `role`'s workers: the top-level one with the pool's `engine` fields

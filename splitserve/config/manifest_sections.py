@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from splitserve.config.cors import CorsSection
 from splitserve.config.engine import EngineConfig
 from splitserve.config.manifest_limits import RateLimitSection, StructuredSection
 from splitserve.config.speculative import checked_dict
@@ -62,20 +63,13 @@ class ModelSection(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto | cpu | cuda (each pool's `devices` pins replicas to cuda:N)
     max_model_len: int | None = Field(default=None, ge=16)
-    tensor_parallel_size: int = 1  # vLLM's name; only 1 until tensor parallelism exists
+    # ranks per replica (vLLM's --tensor-parallel-size), each its own process and device; a role's
+    # engine section may set its own (engine.tensor_parallel_size)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     # sampling defaults for the fields a request leaves unset (vLLM's --generation-config): "auto" takes the
     # checkpoint's generation_config.json (a GGUF's general.sampling metadata), "vllm" none, or a folder's
     generation_config: str = "auto"
-
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _no_tp(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(
-                "tensor parallelism is not implemented yet: one GPU per worker; scale with more "
-                "replicas (prefill.replicas / decode.replicas) instead"
-            )
-        return v
+    chat_template: str | None = None  # vLLM's --chat-template: a file, or the template itself
 
     @field_validator("served_name")
     @classmethod
@@ -121,7 +115,7 @@ class EngineSection(Section):
     async_scheduling: bool | None = _ENGINE.async_scheduling  # overlapped decode steps; null: on for GPUs
     # CPU: torch intra-op threads per worker; null: this host's cores shared among its CPU workers
     threads: int | None = Field(default=None, ge=1, le=1024)
-    cpu_weights: Literal["fp32", "int4"] = "fp32"  # CPU: int4 = weight-only int4 (model/cpu_linear.py)
+    cpu_weights: Literal["fp32", "int4"] = "fp32"  # CPU: int4 = weight-only int4 (kernels/cpu/linear.py)
     seed: int = _ENGINE.seed
     # Host-side cache of converted weights, shared by the workers of a host and kept across restarts:
     # "auto" = $SPLITSERVE_CACHE_DIR/weights or ~/.cache/splitserve/weights; a path (/dev/shm/... keeps
@@ -132,6 +126,8 @@ class EngineSection(Section):
     # speculative decoding, as vLLM's --speculative-config: {method: ngram, num_speculative_tokens: 4,
     # prompt_lookup_min, prompt_lookup_max, disable_by_batch_size} (config/speculative.py); null: off
     speculative_config: Annotated[dict[str, Any] | None, AfterValidator(checked_dict)] = None
+    # ranks per replica of this role (engine/tp/); null: model.tensor_parallel_size
+    tensor_parallel_size: int | None = Field(default=None, ge=1, le=64)
 
     @model_validator(mode="after")
     def _one_budget(self) -> EngineSection:
@@ -204,7 +200,9 @@ class PlacementSection(Section):
 
 class PoolSection(Section):
     replicas: int = Field(default=1, ge=0, le=64)
-    devices: list[str] = Field(default_factory=list)  # per replica, e.g. ["cuda:0", "cuda:1"]
+    # per replica, e.g. ["cuda:0", "cuda:1"]; a replica at tensor_parallel_size n takes its device and the
+    # n - 1 after it (["cuda:0", "cuda:2"] for two replicas of two ranks)
+    devices: list[str] = Field(default_factory=list)
     placement: PlacementSection = Field(default_factory=PlacementSection)
     # ray: autoscaling bounds (both set: Serve autoscales the pool between them)
     min_replicas: int | None = Field(default=None, ge=0)
@@ -292,7 +290,9 @@ class ServerSection(Section):
     stream_interval: int = Field(default=1, ge=1, le=4096)
     access_log: bool = True  # one INFO line per request (id, route, status, tokens, latency)
     log_stats_interval_s: float = Field(default=10.0, ge=0)  # the periodic throughput line; 0: off
-    metrics_auth: bool = True  # with api keys set, /metrics wants one too; false: open to a scraper
+    metrics_auth: bool = False  # true: with api keys set, /metrics wants one too (vLLM leaves it open)
+    reject_unknown_fields: bool = False  # true: a request field the server does not know is a 400
+    cors: CorsSection | None = None  # vLLM's --allowed-origins & co.; none: no CORS headers
     trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template may be used
     # the model's output parsers, by vLLM's flags and names; None: read off the chat template
     tool_call_parser: Literal["hermes", "llama3_json", "qwen3_coder", "qwen3_xml"] | None = None

@@ -4,14 +4,17 @@ tight loop; its front end (worker/main.py) holds HTTP, tokenization, detokenizat
     python -m splitserve.core.loop     # started by the front end; reads its spec as one JSON line
 
 The loop (`EngineCore.run`), one turn per engine step:
-  1. drain the command socket without blocking (block up to 100 ms only when there is no work):
+  1. drain the commands: the socket without blocking (up to 100 ms only when there is no work):
      `Add` queues a request (a refusal goes back as `Refused`), `Import` starts a KV import,
-     `Abort` stops a request, `Call` runs a worker operation (ops.py);
-  2. `engine.step()` (a KV import waits inside the engine, in WAITING_FOR_KV: each step reserves its
-     room and takes the connector's messages; a finished fetch wakes the loop), then one `Batch` to
-     the front end with every request's new token ids and the events of this turn: the imports that
-     ended (`Accepted` with their timings, or `Refused` per their policy) before the tokens. Nothing
-     here waits on HTTP, JSON or text.
+     `Abort` stops a request, `Call` runs a worker operation (ops.py); then the calls other threads
+     queued for the engine thread;
+  2. step: `engine.step()` (a KV import waits inside the engine, in WAITING_FOR_KV: each step reserves
+     its room and takes the connector's messages; a finished fetch wakes the loop);
+  3. send the batch: one `Batch` to the front end with every request's new token ids and the events
+     of this turn: the imports that ended (`Accepted` with their timings, or `Refused` per their
+     policy) before the tokens. Nothing here waits on HTTP, JSON or text.
+Which cores a step runs on, what an idle worker lends, and decode pacing (a pause after a step, its
+cores lent) are the policy's (policy.py).
 If a step raises, each request in flight is stepped alone (engine/isolate.py): those whose own step
 raises are refused with a 5xx, the others go on. The core dies with its front end (PR_SET_PDEATHSIG);
 the front end notices the core's death (worker/main.py).
@@ -35,9 +38,8 @@ import zmq
 
 from splitserve.core.errors import error_info
 from splitserve.core.ops import CoreOps
+from splitserve.core.policy import CorePolicy
 from splitserve.core.setup import open_engine
-from splitserve.core.share import open_share
-from splitserve.model import cpu_threads
 from splitserve.startup_clock import mark
 from splitserve.wire import core as wire
 
@@ -66,13 +68,7 @@ class EngineCore:
         self.poller.register(commands, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.stopping = False
-        self.cores = open_share(config)  # cores lent between this host's CPU workers, or None
-        if self.cores is not None:
-            cpu_threads.set_hook(lambda: self._take_cores(True))  # at each checkpoint of a step
-        self.threads = config.threads
-        self.borrowed_steps = 0  # steps that started on more threads than the worker's own
-        self.paced_steps = 0  # steps after which this decode worker lent its cores until its pace ended
-        self.pace_s = config.decode_pace_s if self.cores is not None else 0.0  # core/share.py
+        self.policy = CorePolicy.open(config)  # core lending and decode pacing (policy.py)
         engine.wake_on_kv(self.wake)  # a lease ended or a fetch finished: take it at once
 
     # ---- what other threads use ------------------------------------------------------------------
@@ -101,59 +97,46 @@ class EngineCore:
         return self.ops.health()
 
     def run(self) -> None:
+        """Each turn: drain the commands, step, send the batch; then a decode pace if the policy says."""
         from splitserve.heap import freeze_heap
 
         freeze_heap("engine core")  # loaded and warmed up: what lives now lives for good
         self.batches.send(wire.batch_encoder.encode(wire.Batch(events=[wire.Ready(self.info())])))
-        engine = self.engine
         while not self.stopping:
-            busy = engine.has_unfinished_requests() and not engine.waits_for_kv_only()
-            t0 = time.perf_counter()
-            if not busy:
-                self._take_cores(False)  # lent while this worker waits
-            # idle: map the next KV pages a request will write (engine/kv_prefault.py), unless another
-            # worker of this host is busy (it may be running on this worker's lent core); look again
-            more = not busy and not (self.cores and self.cores.others_busy()) and engine.prefault.advance()
-            self._drain(0 if busy or more else IDLE_WAIT_MS)
-            if not busy:  # the turn's work starts when the idle wait ends
-                t0, busy = time.perf_counter(), engine.has_unfinished_requests()
-            self._run_on_loop()
-            deltas, self.early = self.early, []
-            if self.engine.has_unfinished_requests():
-                working = not self.engine.waits_for_kv_only()
-                self._take_cores(working)
-                self.borrowed_steps += working and self.threads > self.config.threads
-                deltas += self._step()
-            else:
-                self.engine.free_released_kv()  # exports whose lease ended while idle
-                self._imports_ended()  # outcomes a poll outside a step took (stats, a pace): told now
-            if deltas or self.events:
-                batch = wire.Batch(deltas, self.events)
-                self.events = []
-                self.batches.send(wire.batch_encoder.encode(batch), copy=False)
+            t0, busy = self._take_commands()
+            self._send(self._step())
             if busy:
                 self.busy_seconds += time.perf_counter() - t0  # loop turns with work (stats: loop_s)
-                if self.pace_s and self.cores is not None and self.cores.others_busy():
-                    self._lend_until(t0 + self.pace_s)
+                if (end := self.policy.pace(t0)) is not None:
+                    self._lend_until(end)
         self.close()
 
-    def _take_cores(self, busy: bool) -> None:
-        """Mark this worker busy or idle in the shared file; a busy one runs its next step (and, called
-        at its checkpoints, the rest of this one) on its own cores plus those idle workers lend
-        (core/share.py)."""
-        if self.cores is None:
-            return
-        n = self.cores.threads(busy)
-        if busy and n != self.threads:
-            import torch
+    def _take_commands(self) -> tuple[float, bool]:
+        """Drain the commands (waiting for one only while there is no work), then run the calls queued
+        for the engine thread. -> (when this turn's work started, whether it has any)."""
+        engine = self.engine
+        busy = engine.has_unfinished_requests() and not engine.waits_for_kv_only()
+        t0 = time.perf_counter()
+        if not busy:
+            self.policy.idle()  # lent while this worker waits
+        # idle: map the next KV pages a request will write (engine/kv_prefault.py), unless another
+        # worker of this host is busy (it may be running on this worker's lent core); look again
+        more = not busy and self.policy.may_work_idle() and engine.prefault.advance()
+        self._drain(0 if busy or more else IDLE_WAIT_MS)
+        if not busy:  # the turn's work starts when the idle wait ends
+            t0, busy = time.perf_counter(), engine.has_unfinished_requests()
+        self._run_on_loop()
+        return t0, busy
 
-            torch.set_num_threads(n)
-            self.threads = n
+    def _send(self, deltas: list[wire.Delta]) -> None:
+        """One batch to the front end: these deltas and the events of this turn (if any of either)."""
+        if deltas or self.events:
+            batch = wire.Batch(deltas, self.events)
+            self.events = []
+            self.batches.send(wire.batch_encoder.encode(batch), copy=False)
 
     def _lend_until(self, end: float) -> None:
         """Decode pacing: idle, with this worker's cores lent, until `end`, taking commands meanwhile."""
-        self._take_cores(False)
-        self.paced_steps += 1
         while (left := end - time.perf_counter()) > 0 and not self.stopping:
             self._drain(max(1, int(left * 1e3)))
             # an import that came or a load that ended meanwhile: started, or timed, now (not at the
@@ -161,9 +144,7 @@ class EngineCore:
             # ended one is told now too (a refusal's 502 need not wait for the next step)
             self.engine.free_released_kv()
             self._imports_ended()
-            if self.events:
-                self.batches.send(wire.batch_encoder.encode(wire.Batch([], self.events)), copy=False)
-                self.events = []
+            self._send([])
 
     def _drain(self, timeout_ms: int) -> None:
         ready = dict(self.poller.poll(timeout_ms))
@@ -228,8 +209,18 @@ class EngineCore:
             self.early.append(wire.Delta(rid, [], True, "abort"))
 
     def _step(self) -> list[wire.Delta]:
+        """One engine step (when a request is unfinished) -> the deltas to send: those made outside the
+        step (aborts) first. With nothing unfinished: the KV messages that came meanwhile (exports whose
+        lease ended while idle; outcomes a poll outside a step took, told now)."""
+        deltas, self.early = self.early, []
+        engine = self.engine
+        if not engine.has_unfinished_requests():
+            engine.free_released_kv()
+            self._imports_ended()
+            return deltas
+        self.policy.before_step(working=not engine.waits_for_kv_only())
         try:
-            outputs = self.engine.step()
+            outputs = engine.step()
         except Exception:  # noqa: BLE001 - pinned on the request(s) that cause it (isolate.py)
             log.exception("engine step failed; re-running its requests one by one")
             outputs = self._rerun_alone()
@@ -237,7 +228,7 @@ class EngineCore:
         for rid, exc in self.engine.take_grammar_failures():  # a 400 or 503, not an "abort" line
             if self.sent.pop(rid, None) is not None:
                 self.events.append(wire.Refused(rid, error_info(exc)))
-        return [d for out in outputs if (d := self._delta(out)) is not None]
+        return deltas + [d for out in outputs if (d := self._delta(out)) is not None]
 
     def _rerun_alone(self) -> list[Any]:
         """Step each request in flight alone: those whose own step raises fail with a 500, the others
@@ -318,9 +309,7 @@ class EngineCore:
 
     def close(self) -> None:
         self.call_pool.shutdown(wait=False, cancel_futures=True)
-        if self.cores is not None:
-            cpu_threads.set_hook(None)
-            self.cores.close()
+        self.policy.close()
         if self.connector is not None:
             self.connector.close()
 
@@ -346,7 +335,10 @@ def main() -> int:
     import torch
 
     from splitserve.engine import engine as _engine  # noqa: F401 - the import is the point
+    from splitserve.engine.tp import ranks as tp_ranks
     from splitserve.model import loader as _loader  # noqa: F401
+
+    tp_ranks.EXIT_ON_RANK_DEATH = True  # a dead tensor-parallel rank takes this replica down whole
 
     if torch.cuda.is_available():
         torch.cuda.init()

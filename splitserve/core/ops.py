@@ -127,6 +127,8 @@ class CoreOps:
             "blocks": {"total": st.blocks.total, "free": st.blocks.free, "held": st.blocks.held},
             "state_slots": {"total": st.state_slots_total, "free": st.state_slots_free},
             "preemptions": st.preemptions,
+            # model steps by tokens run, in vLLM's iteration_tokens buckets (engine/stats.py)
+            "iteration_tokens": {"counts": st.step_tokens.counts, "sum": st.step_tokens.total},
             "prompt_tokens_computed": st.prompt_tokens_computed,
             "kv_bytes_per_token": st.block_bytes // engine.block_size,
             "steps": {
@@ -135,11 +137,11 @@ class CoreOps:
                 "step_s": st.step_seconds,
                 "loop_s": self.core.busy_seconds,
             },  # fmt: skip
-            "threads": {  # CPU: its own, its last step's, steps on lent cores (core/share.py)
+            "threads": {  # CPU: its own, its last step's, steps on lent cores (core/policy.py)
                 "own": self.config.threads,
-                "now": self.core.threads,
-                "borrowed_steps": self.core.borrowed_steps,
-                "paced_steps": self.core.paced_steps,
+                "now": self.core.policy.threads,
+                "borrowed_steps": self.core.policy.borrowed_steps,
+                "paced_steps": self.core.policy.paced_steps,
             },
             "prefix_cache": {
                 "queries": st.prefix_queries,

@@ -11,7 +11,7 @@ With lending, the runtime makes one small shared file (`create`), a slot per wor
 (core/loop.py) writes into its slot, at each loop turn, the cores it owns when it has work and 0 when
 it has none; a busy one runs with its own cores plus every core the other slots leave free
 (`CoreShare.threads`), through `torch.set_num_threads`, looked up again at the checkpoints of a step
-(model/cpu_threads.py: each layer's start, and in a prompt step each MLP product's). A worker that turns
+(kernels/cpu/threads.py: each layer's start, and in a prompt step each MLP product's). A worker that turns
 busy takes its cores back at once, and the borrower returns them at its next checkpoint: checked only
 between steps, a borrower's 2,048-token prefill step kept the core for seconds while the decode worker
 shared it, and a burst ran 1.7x slower. Checked only at each layer's start, a prompt layer (~38 ms on
@@ -27,7 +27,7 @@ worker is busy (`others_busy`): it would run on the core it lends.
 worker runs small batches as fast as it can (each step reads all the weights for a handful of rows)
 while the prompts queue behind the prefill worker's one core. So while another worker is busy, a
 decode worker that lends starts at most one step per `runtime.decode_pace_ms` (default: the ITL SLO,
-`slos.itl_ms`, 200 ms) and lends its cores for the rest of that time (core/loop.py `_lend_until`):
+`slos.itl_ms`, 200 ms) and lends its cores for the rest of that time (core/policy.py `CorePolicy.pace`):
 its steps batch more rows and the prompts get most of the host. Measured (`vllm bench serve`, 64
 prompts of 256 at once, the README's `splitserve serve`, one run each in one session): pace 0 (off)
 124.9 / 130.9 output tok/s, mean TTFT 16.1 / 15.4 s, mean TPOT 82 / 84 ms; 150 ms 127.7; 200 ms

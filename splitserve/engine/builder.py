@@ -28,7 +28,11 @@ from splitserve.engine.runner import ModelRunner
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
-from splitserve.model import cpu_linear
+from splitserve.engine.tp import build as tp_build
+from splitserve.engine.tp.journal import JournaledCheckpoints, JournaledStatePool
+from splitserve.engine.tp.runner import TPRunner
+from splitserve.kernels.cpu import linear as cpu_linear
+from splitserve.kernels.cpu.build import wait_started
 from splitserve.model.attention import (
     AttentionBackend,
     TorchPagedAttention,
@@ -37,7 +41,6 @@ from splitserve.model.attention import (
 )
 from splitserve.model.checkpoint import is_random_source
 from splitserve.model.config import ModelConfig
-from splitserve.model.cpu_build import wait_started
 from splitserve.model.gdn_prefill import resolve_backend as resolve_linear_backend
 from splitserve.model.loader import LoadedModel, load_model, resolve_model_path
 from splitserve.model.random_weights import random_model, random_source_config
@@ -75,7 +78,12 @@ def build(
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     owned = loaded is None  # loaded here: nobody else reads these weights
-    if is_random_source(config.model):  # random weights at a named shape (benchmarks)
+    tp, ranks = tp_build.join(config) if config.tensor_parallel_size > 1 else (None, None)
+    if tp is not None:  # this rank's shard (model/parallel.py); the cache below holds its heads
+        if loaded is not None:
+            raise ValueError("tensor_parallel_size > 1 loads its own shards: no preloaded weights")
+        loaded, path = tp_build.load_shard(config, device, dtype, tp)
+    elif is_random_source(config.model):  # random weights at a named shape (benchmarks)
         path = str(config.model)
         loaded = loaded or random_model(
             random_source_config(path), device, dtype, config.resolve_max_model_len
@@ -105,10 +113,11 @@ def build(
         enable = getattr(loaded.model, "enable_cpu_fused", None)
         if enable is not None and enable():
             log.info("CPU fused ops on (RMSNorm + residual, q/k norm + rotary + KV store)")
+            loaded.model.cpu_layer = loaded.model.cpu_layer and tp is None  # its products skip the all-reduce
         if built := wait_started():  # the engine is built once its ops are: no request waits on a compiler
             log.warning("CPU ops compiled at start (`python -m splitserve.model.prepare` builds them "
                         "ahead): %s", ", ".join(built))  # fmt: skip
-    graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
+    graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill and tp is None
     if device.type == "cuda" and not graphs:
         log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
     layout = (cfg.num_kv_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)  # of one block
@@ -130,14 +139,18 @@ def build(
                         max_seqs, config.max_num_seqs)  # fmt: skip
     else:
         num_blocks = kv_budget_bytes(config, device) // one_block
+    if tp is not None:  # every rank the same pool: the smallest any rank can hold
+        num_blocks, max_seqs = tp.agree_min(num_blocks, max_seqs)
     # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
     kv_shape = (num_blocks + int(graphs), *layout)
     kv = allocate_kv_cache(kv_shape, dtype, device, shared=config.kv_shared_memory)
-    states = StatePool(loaded.model.state_shapes(), max_seqs, device, scratch_slot=graphs)
+    states = (JournaledStatePool if tp else StatePool)(loaded.model.state_shapes(), max_seqs, device, graphs)
     prefix_caching = config.enable_prefix_caching
     checkpoints = None
     if prefix_caching and states.enabled:  # hybrid: prefixes end at recurrent-state checkpoints
-        checkpoints = StateCheckpoints(loaded.model.state_shapes(), config.state_checkpoints, device)
+        checkpoints = (JournaledCheckpoints if tp else StateCheckpoints)(
+            loaded.model.state_shapes(), config.state_checkpoints, device
+        )
         log.info("hybrid prefix caching: %d state checkpoints (%.2f GiB)", checkpoints.num_entries,
                  checkpoints.nbytes() / 2**30)  # fmt: skip
         prefix_caching = checkpoints.enabled
@@ -146,8 +159,11 @@ def build(
         BlockManager(pool, block_size, states, checkpoints),
         max_seqs,
         config.batched_tokens(device),
+        max_model_len,
     )
-    runner = ModelRunner(loaded.model, kv, attn, block_size, states.states)
+    runner = (TPRunner if ranks else ModelRunner)(loaded.model, kv, attn, block_size, states.states)
+    if tp is not None:  # rank 0 records its state-slot operations for the other ranks (tp/journal.py)
+        tp_build.wire_journal(runner, states, checkpoints, ranks)
     graph_capture_s = 0.0
     before_graphs = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     if graphs:
@@ -159,7 +175,7 @@ def build(
             )
     if graphs and plan is not None:
         held = torch.cuda.memory_reserved(device) - before_graphs
-        log.info("CUDA graphs hold %.2f GiB (planned %.2f GiB)", held / 2**30, plan.graphs / 2**30)
+        log.info("CUDA graphs hold %.2f GiB (planned %.2f GiB)", held / 2**30, plan.costs.graphs / 2**30)
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s", num_blocks, block_size,
              kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
     return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,

@@ -40,7 +40,7 @@ def allocate_kv_cache(
     NOTE: it must be zeros, not garbage: attention masks padded slots to weight 0, and 0 * NaN is NaN.
     """
     if shared and device.type == "cpu":
-        from splitserve.transport.shm_direct import allocate_shared_kv
+        from splitserve.transport.stream.shm_direct import allocate_shared_kv
 
         return allocate_shared_kv(shape, dtype)
     if device.type != "cpu":

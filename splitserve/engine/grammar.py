@@ -5,7 +5,7 @@ A constrained request's life in the engine:
   1. `add_request` (or `build_request`, for a KV import) asks `Grammars.compile(spec)` for the compiled
      grammar: a Future, done at once when the spec was compiled before (cached per spec), else compiled
      in a small pool of threads (xgrammar releases the GIL while it compiles); the request waits outside
-     the scheduler, holding no KV, until it is done (`LLMEngine._admit_compiled`; a KV import waits
+     the scheduler, holding no KV, until it is done (grammar_wait.py; a KV import waits
      after its load, `KVTransfers`), so a slow compile never stalls the step that runs the other
      requests. Past the compile deadline it fails with `GrammarTimeout` (a 503); the compile goes on
      and its result stays cached. A request aborted while it waits cancels its compile if no other
@@ -16,9 +16,12 @@ A constrained request's life in the engine:
      device once (pinned, non-blocking) and applied there by one kernel (kernels/bitmask.py). In an
      overlapped step (overlap.py) the previous step's tokens are read and advance the matchers, and the
      mask is filled, while the step's forward runs; its sampling is enqueued after the copy.
-  3. Each appended token advances the matcher (`LLMEngine._append_token`); once the grammar has
+  3. Each appended token advances the matcher (`stop.take_token`); once the grammar has
      accepted a stop token (it allows only those when it is complete) the request ends with "stop", and
      `max_tokens` still ends it with "length" first, never a hang.
+  A request whose answer starts inside a thinking block (`SamplingParams.thinking`) has a matcher even
+  without a grammar: its gate (thinking.py) keeps the grammar off until the block ends and forces the
+  block's end once its budget is spent (`_force`).
   Disaggregated: the prefill engine samples the first token under the grammar; the decode engine
   compiles the same spec (it travels in the sampling params), and `adopt` replays the first token into
   a fresh matcher before the request joins the batch: its state is the prefill's, token for token.
@@ -42,8 +45,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from splitserve.engine.thinking import ThinkingGate
 from splitserve.sampling.grammar_check import build_grammar
-from splitserve.sampling.params import GrammarSpec
+from splitserve.sampling.params import GrammarSpec, SamplingParams
 
 if TYPE_CHECKING:
     import xgrammar
@@ -120,6 +124,17 @@ class Grammars:
         # forbids: compact JSON (no free whitespace) has no place for them, so they are banned outright
         return Matcher(compiled, self._json_safe if spec.kind in ("json", "json_object") else None)
 
+    def for_request(
+        self, params: SamplingParams, compiled: xgrammar.CompiledGrammar | None = None
+    ) -> Matcher | None:
+        """A request's fresh matcher: its grammar (compiled, or waited for as `matcher` does) behind its
+        thinking block's gate; None for a request with neither."""
+        if params.grammar is None and params.thinking is None:
+            return None
+        matcher = self.matcher(params.grammar, compiled) if params.grammar is not None else Matcher(None)
+        matcher.gate = ThinkingGate(params.thinking) if params.thinking is not None else None
+        return matcher
+
     def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
         grammar = build_grammar(spec)
         return self._get_compiler().compile_grammar(grammar)
@@ -147,20 +162,36 @@ class Grammars:
 
 
 class Matcher:
-    """One request's place in its grammar."""
+    """One request's place in its grammar (`compiled` None: it has none), behind the gate of the thinking
+    block its answer starts in, if any (thinking.py): while the block is open the grammar sees no token."""
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, allowed: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, compiled: xgrammar.CompiledGrammar | None, allowed: torch.Tensor | None = None
+    ) -> None:
         import xgrammar as xgr
 
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = xgr.GrammarMatcher(compiled) if compiled is not None else None
         self.allowed = allowed  # [W] int32, ANDed into every mask
+        self.gate: ThinkingGate | None = None
 
     def accept(self, token: int) -> bool:
-        return bool(self.matcher.accept_token(token))
+        if self.thinking:
+            self.gate.accept(token)  # type: ignore[union-attr]  # thinking: a gate is open
+            return True
+        return self.matcher is None or bool(self.matcher.accept_token(token))
+
+    @property
+    def thinking(self) -> bool:
+        return self.gate is not None and self.gate.open
+
+    @property
+    def masks(self) -> bool:
+        """Whether the grammar masks the next token."""
+        return self.matcher is not None and not self.thinking
 
     @property
     def terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
+        return self.masks and bool(self.matcher.is_terminated())  # type: ignore[union-attr]
 
 
 def _without_control_bytes(vocab: Sequence[bytes], vocab_size: int, keep: Sequence[int]) -> torch.Tensor:
@@ -188,7 +219,12 @@ def mask_logits(
     `host`: where the caller keeps its pinned bitmask buffer (one per engine: an overlapped step's copy
     out of it may still be queued when the call returns)."""
     n, vocab = logits.shape
-    live = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.terminated]
+    gates = [(i, r.grammar.gate) for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.gate]
+    forced = [(i, t) for i, gate in gates if gate is not None and (t := gate.forced_token()) is not None]
+    if forced:
+        _force(logits, forced)
+    live = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.masks]
+    live = [(i, m) for i, m in live if not m.terminated]
     if not live:
         return logits
     words = -(-vocab // 32)
@@ -205,6 +241,15 @@ def mask_logits(
         rows = torch.tensor([i for i, _ in live])
         logits[rows] = logits[rows].masked_fill_(forbidden, float("-inf"))
     return logits
+
+
+def _force(logits: torch.Tensor, forced: list[tuple[int, int]]) -> None:
+    """Rows whose thinking budget is spent: -inf everywhere but the token forced. `forced`: (row, token)."""
+    rows = torch.tensor([i for i, _ in forced], device=logits.device)
+    tokens = torch.tensor([t for _, t in forced], device=logits.device)
+    with torch.inference_mode():
+        logits[rows] = float("-inf")
+        logits[rows, tokens] = 0.0
 
 
 def _mask_on_device(

@@ -46,7 +46,7 @@ class GrammarWaits:
             error = self._error(fut)
             for child in live:
                 if error is None:
-                    child.grammar = self.grammars.matcher(child.params.grammar, fut.result())
+                    child.grammar = self.grammars.for_request(child.params, fut.result())
                     queue(child)
                 else:
                     child.status, child.finish_reason = Status.FINISHED, "abort"

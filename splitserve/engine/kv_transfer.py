@@ -23,13 +23,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from splitserve.engine.grammar import Grammars, GrammarTimeout
+from splitserve.engine.grammar import GrammarTimeout
 from splitserve.engine.kv_transfer_hooks import Inbox, KVConnectorBase, KVLoad, LeaseEnded, LoadDone
 from splitserve.engine.kv_transfer_types import ImportSpec, KVTransferFailed, NoRoom, restore_generator
 from splitserve.engine.request import KVWait, Request, RequestOutput, Status, completion_of
@@ -45,10 +44,9 @@ POLICIES = ("fail", "recompute")
 REFUSALS = (PeerRefused, AuthError)  # configuration errors: never recomputed over
 
 
-class _Engine(Protocol):
-    """What the transfers use of their engine (LLMEngine): requests are its to build and queue."""
-
-    grammars: Grammars
+class EnginePort(Protocol):
+    """What the transfers may do to their engine (LLMEngine hands them a kv_transfer_port.TransferPort):
+    requests are the engine's to build, count, queue and report."""
 
     def build_request(self, prompt: Sequence[int], params: SamplingParams, request_id: str) -> Request: ...
 
@@ -60,7 +58,9 @@ class _Engine(Protocol):
 
     def post_output(self, output: RequestOutput) -> None: ...
 
-    def grammar_compiling(self, req: Request) -> Future | None: ...
+    def grammar_compiling(self, req: Request) -> bool: ...
+
+    def grammar_late(self, since: float, timeout_s: float) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,9 @@ class _Import:
 
 
 class KVTransfers:
-    def __init__(self, engine: _Engine, scheduler: Scheduler, kv_cache: torch.Tensor, states: StatePool,
+    def __init__(self, port: EnginePort, scheduler: Scheduler, kv_cache: torch.Tensor, states: StatePool,
                  vocab_size: int, grammar_timeout_s: float = 30.0) -> None:  # fmt: skip
-        self.engine = engine
+        self.port = port
         self.grammar_timeout_s = grammar_timeout_s
         self._after_grammar: dict[str, LoadDone] = {}  # loaded, waiting for their grammar to compile
         self.scheduler = scheduler
@@ -134,9 +134,7 @@ class KVTransfers:
         """Right after `req`'s first token: finish it with the prompt's blocks held if the connector
         leases them (and the state slot, if it reads state in place), the rest freed."""
         conn, block_manager = self._conn(), self.scheduler.block_manager
-        block_manager.cache_full_blocks(
-            req
-        )  # the prompt's full blocks stay findable here once the lease ends
+        block_manager.cache_full_blocks(req)  # the prompt's full blocks stay findable once the lease ends
         self.scheduler.detach(req)
         req.status = Status.FINISHED
         n = block_manager.blocks_for(req.num_prompt_tokens)
@@ -158,9 +156,7 @@ class KVTransfers:
             if conn.holds_state and req.state_slot is not None:  # read where it is: freed at lease end
                 slot, req.state_slot = req.state_slot, None
             self._held[tuple(leased)] = slot
-        block_manager.free(
-            req
-        )  # the state slot (copied by the export, unless held), any block past the prompt's
+        block_manager.free(req)  # the state slot (copied by the export, unless held), blocks past the prompt
 
     def lease_blocks(self, n: int, touch: bool = False) -> BlockLease:
         """Hold `n` free blocks (their bytes as they are; `touch`: zeroed first, so their pages are in)
@@ -207,13 +203,13 @@ class KVTransfers:
             )
         if not 0 <= spec.first_token < self.vocab_size:
             raise ValueError(f"first_token {spec.first_token} is outside the vocabulary")
-        req = self.engine.build_request(spec.prompt_token_ids, spec.params, spec.request_id)
+        req = self.port.build_request(spec.prompt_token_ids, spec.params, spec.request_id)
         restore_generator(req, spec.generator_state, self.vocab_size)
         now = time.monotonic()
         deadline = now + (spec.timeout_s if spec.timeout_s is not None else conn.fetch_timeout_s)
         req.kv_wait = KVWait(deadline if wait_for_room else now, needs_room=conn.accepts(spec.handle))
         self.imports[req.request_id] = _Import(spec, req, policy, deadline)
-        self.engine.register(req)
+        self.port.register(req)
         self.scheduler.wait_for_kv(req)
         return req
 
@@ -297,9 +293,9 @@ class KVTransfers:
         compile deadline, their blocks freed."""
         for rid, done in list(self._after_grammar.items()):
             imp = self.imports[rid]
-            compiling = self.engine.grammar_compiling(imp.request) is not None
+            compiling = self.port.grammar_compiling(imp.request)
             since = time.monotonic() - (time.perf_counter() - imp.start)  # the compile clock's time
-            late = self.engine.grammars.late(since, self.grammar_timeout_s)
+            late = self.port.grammar_late(since, self.grammar_timeout_s)
             if compiling and not late and not imp.aborted:
                 continue
             del self._after_grammar[rid]
@@ -314,7 +310,7 @@ class KVTransfers:
     def _complete(self, imp: _Import, done: LoadDone) -> None:
         req, spec, error = imp.request, imp.spec, done.error
         rid = req.request_id
-        if error is None and not imp.aborted and self.engine.grammar_compiling(req) is not None:
+        if error is None and not imp.aborted and self.port.grammar_compiling(req):
             self._after_grammar[rid] = done  # adopted by a later poll, once compiled: never waited for
             return
         del self.imports[rid]
@@ -331,7 +327,7 @@ class KVTransfers:
             self.scheduler.finish(req, after=late)
             conn.count("aborted_imports")
             req.status, req.finish_reason = Status.FINISHED, "abort"
-            self.engine.post_output(RequestOutput(rid, req.prompt_token_ids, [completion_of(req)], True))
+            self.port.post_output(RequestOutput(rid, req.prompt_token_ids, [completion_of(req)], True))
             self._outcomes.append(ImportOutcome(rid, None, info))
             return
         computed = req.num_prompt_tokens
@@ -352,7 +348,7 @@ class KVTransfers:
         try:
             if error is None:
                 self._load_state(req, done.state)
-            self.engine.adopt(req, spec.first_token, spec.first_logprob, computed)
+            self.port.adopt(req, spec.first_token, spec.first_logprob, computed)
         except Exception as exc:  # noqa: BLE001 - its grammar (or its state) failed: the import fails
             self.scheduler.block_manager.free(req)
             self._fail(req, exc, info)
@@ -362,7 +358,7 @@ class KVTransfers:
     def _fail(self, req: Request, error: BaseException, info: dict) -> None:
         self.scheduler.detach(req)
         req.status, req.finish_reason = Status.FINISHED, "error"
-        self.engine.forget(req.request_id)
+        self.port.forget(req.request_id)
         self._outcomes.append(ImportOutcome(req.request_id, error, info))
 
     def _load_state(self, req: Request, state: dict[str, torch.Tensor]) -> None:
@@ -373,4 +369,4 @@ class KVTransfers:
                 t[req.state_slot].copy_(state[name])
 
 
-__all__ = ["POLICIES", "REFUSALS", "BlockLease", "ImportOutcome", "KVTransfers"]
+__all__ = ["POLICIES", "REFUSALS", "BlockLease", "EnginePort", "ImportOutcome", "KVTransfers"]

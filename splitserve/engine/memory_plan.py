@@ -30,7 +30,7 @@ same costs on top and refuses, before anything is allocated, a total that the de
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 GIB = 2**30
 MIB = 2**20
@@ -46,13 +46,10 @@ class MemoryShareError(ValueError):
 
 
 @dataclass(frozen=True)
-class MemoryInputs:
-    """What the plan is made from (bytes). `share`: memory_utilization x the device's total, or None
-    when `kv_bytes` (kv_cache_mb) fixes the KV cache instead."""
+class FixedCosts:
+    """What the worker holds on the device before its pools (bytes; the module docstring's list, less
+    the margin): the same pieces in the plan's inputs and in the plan."""
 
-    device_total: int
-    device_free: int  # free on the device now (the other processes' memory already taken)
-    held: int  # this process's device memory now (torch reserved + non_torch)
     weights: int
     non_torch: int
     activations: int
@@ -60,6 +57,21 @@ class MemoryInputs:
     transfer: int
     grammar: int
     checkpoints: int
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What the plan is made from (bytes). `share`: memory_utilization x the device's total, or None
+    when `kv_bytes` (kv_cache_mb) fixes the KV cache instead."""
+
+    device_total: int
+    device_free: int  # free on the device now (the other processes' memory already taken)
+    held: int  # this process's device memory now (torch reserved + non_torch)
+    costs: FixedCosts
     slot_bytes: int  # one recurrent-state slot (0 for models without state)
     max_slots: int  # max_num_seqs (+ the CUDA graphs' scratch slot is added by the plan)
     scratch_slot: bool
@@ -74,13 +86,7 @@ class MemoryPlan:
     """The worker's device memory, piece by piece (bytes); `total` is what it may hold at most."""
 
     share: int | None
-    weights: int
-    non_torch: int
-    activations: int
-    graphs: int
-    transfer: int
-    grammar: int
-    checkpoints: int
+    costs: FixedCosts
     margin: int
     state_slots: int  # sequences that may run at once (slots made, the scratch slot not counted)
     state_bytes: int  # all slots, the scratch one included
@@ -89,23 +95,23 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.non_torch + self.activations + self.graphs + self.transfer + self.grammar
-                + self.checkpoints + self.margin + self.state_bytes + self.kv_bytes)  # fmt: skip
+        return self.costs.total + self.margin + self.state_bytes + self.kv_bytes
+
+    def pieces(self) -> dict[str, int]:
+        """Every piece that adds up to `total`, by name."""
+        return {**asdict(self.costs), "state_bytes": self.state_bytes, "kv_bytes": self.kv_bytes,
+                "margin": self.margin}  # fmt: skip
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
+        return {"share": self.share, **self.pieces(), "state_slots": self.state_slots,
+                "num_blocks": self.num_blocks, "total": self.total}  # fmt: skip
 
     def describe(self) -> str:
         """One log line: each piece in GiB."""
         head = "share %.2f GiB" % (self.share / GIB) if self.share is not None else "KV fixed by kv_cache_mb"
-        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self._pieces().items())
+        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.pieces().items())
         return (f"device memory plan ({head}): {parts} GiB; {self.state_slots} state slots, "
                 f"{self.num_blocks} KV blocks; total {self.total / GIB:.2f} GiB")  # fmt: skip
-
-    def _pieces(self) -> dict[str, int]:
-        d = asdict(self)
-        return {k: d[k] for k in ("weights", "non_torch", "activations", "graphs", "transfer", "grammar",
-                                  "checkpoints", "state_bytes", "kv_bytes", "margin")}  # fmt: skip
 
 
 def margin_bytes(share: int) -> int:
@@ -114,18 +120,16 @@ def margin_bytes(share: int) -> int:
 
 def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     """The pools' sizes for `inp`; MemoryShareError, with the figures, where they cannot fit."""
-    fixed = {"weights": inp.weights, "non_torch": inp.non_torch, "activations": inp.activations,
-             "graphs": inp.graphs, "transfer": inp.transfer, "grammar": inp.grammar,
-             "checkpoints": inp.checkpoints}  # fmt: skip
+    costs = inp.costs
     scratch = inp.slot_bytes if inp.scratch_slot else 0
     if inp.share is None:
-        return _fixed_kv_plan(inp, fixed, scratch)
+        return _fixed_kv_plan(inp, scratch)
     share = inp.share
     margin = margin_bytes(share)
-    if inp.weights + inp.non_torch > share:
+    if costs.weights + costs.non_torch > share:
         raise MemoryShareError(
             f"memory_utilization gives this worker {_g(share)} of the device's {_g(inp.device_total)}, "
-            f"less than its weights ({_g(inp.weights)}) and CUDA context ({_g(inp.non_torch)}): raise "
+            f"less than its weights ({_g(costs.weights)}) and CUDA context ({_g(costs.non_torch)}): raise "
             "memory_utilization or run a smaller model"
         )
     if share - inp.held > inp.device_free:
@@ -135,13 +139,13 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
             f"{_g(max(0, inp.device_total - inp.device_free - inp.held))}): lower memory_utilization (the "
             "shares of the workers on one GPU should sum to at most 0.9) or give kv_cache_mb"
         )
-    rest = share - sum(fixed.values()) - margin - scratch
+    rest = share - costs.total - margin - scratch
     per_seq = inp.slot_bytes + inp.blocks_per_seq * inp.block_bytes
     slots = min(inp.max_slots, rest // per_seq) if inp.slot_bytes and per_seq > 0 else inp.max_slots
     kv = rest - slots * inp.slot_bytes
     num_blocks = kv // inp.block_bytes if inp.block_bytes else 0
     if slots < 1 or num_blocks < inp.blocks_per_seq:
-        pieces = ", ".join(f"{k} {_g(v)}" for k, v in fixed.items())
+        pieces = ", ".join(f"{k} {_g(v)}" for k, v in asdict(costs).items())
         raise MemoryShareError(
             f"memory_utilization gives this worker {_g(share)} of the device's {_g(inp.device_total)}: "
             f"after {pieces} and a margin of {_g(margin)}, {_g(max(0, rest))} are left, less than one "
@@ -151,17 +155,16 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
         )
     state_bytes = slots * inp.slot_bytes + scratch
     kv_bytes = num_blocks * inp.block_bytes
-    return MemoryPlan(share, *fixed.values(), margin, slots, state_bytes, num_blocks, kv_bytes)
+    return MemoryPlan(share, costs, margin, slots, state_bytes, num_blocks, kv_bytes)
 
 
-def _fixed_kv_plan(inp: MemoryInputs, fixed: dict[str, int], scratch: int) -> MemoryPlan:
+def _fixed_kv_plan(inp: MemoryInputs, scratch: int) -> MemoryPlan:
     assert inp.kv_bytes is not None
     num_blocks = inp.kv_bytes // inp.block_bytes if inp.block_bytes else 0
     state_bytes = inp.max_slots * inp.slot_bytes + scratch
-    plan = MemoryPlan(None, *fixed.values(), 0, inp.max_slots, state_bytes, num_blocks,
-                      num_blocks * inp.block_bytes)  # fmt: skip
-    margin = margin_bytes(plan.total)
-    plan = MemoryPlan(**{**asdict(plan), "margin": margin})
+    kv_bytes = num_blocks * inp.block_bytes
+    plan = MemoryPlan(None, inp.costs, 0, inp.max_slots, state_bytes, num_blocks, kv_bytes)
+    plan = replace(plan, margin=margin_bytes(plan.total))
     if plan.total - inp.held > inp.device_free:
         raise MemoryShareError(
             f"kv_cache_mb {inp.kv_bytes >> 20} makes this worker hold {_g(plan.total)} on the device "
@@ -195,5 +198,5 @@ def _g(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-__all__ = ["CUDA_CONTEXT_BYTES", "MemoryInputs", "MemoryPlan", "MemoryShareError", "plan_memory",
-           "process_device_bytes"]  # fmt: skip
+__all__ = ["CUDA_CONTEXT_BYTES", "FixedCosts", "MemoryInputs", "MemoryPlan", "MemoryShareError",
+           "plan_memory", "process_device_bytes"]  # fmt: skip

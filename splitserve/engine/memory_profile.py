@@ -19,6 +19,7 @@ import torch
 
 from splitserve.engine.memory_plan import (
     CUDA_CONTEXT_BYTES,
+    FixedCosts,
     MemoryInputs,
     MemoryPlan,
     plan_memory,
@@ -148,13 +149,15 @@ def cuda_memory_plan(
         device_total=total,
         device_free=free,
         held=reserved + non_torch,
-        weights=reserved,
-        non_torch=non_torch,
-        activations=activations,
-        graphs=graphs,
-        transfer=config.transfer_state_rows * slot,
-        grammar=2 * max(config.max_num_seqs, 64) * vocab_words * 4,  # device bitmask, double-buffered
-        checkpoints=checkpoints,
+        costs=FixedCosts(
+            weights=reserved,
+            non_torch=non_torch,
+            activations=activations,
+            graphs=graphs,
+            transfer=config.transfer_state_rows * slot,
+            grammar=2 * max(config.max_num_seqs, 64) * vocab_words * 4,  # device bitmask, double-buffered
+            checkpoints=checkpoints,
+        ),
         slot_bytes=slot,
         max_slots=config.max_num_seqs,
         scratch_slot=scratch_slot and slot > 0,
@@ -179,7 +182,7 @@ def cap_allocator(plan: MemoryPlan, dev: torch.device) -> None:
         return
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     total = torch.cuda.mem_get_info(index)[1]
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (plan.share - plan.non_torch) / total), index)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (plan.share - plan.costs.non_torch) / total), index)
 
 
 __all__ = ["cap_allocator", "cuda_memory_plan", "profile_run", "state_bytes"]

@@ -213,8 +213,8 @@ class ModelRunner:
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> tuple[DecodeGroup, ...]:
         """Split decodes (sorted by context length) so that padding stays under ~25% per group. One group
-        where the CPU's paged decode op reads the blocks in place (model/cpu_attention.py): padding
-        costs it nothing, and one group lets a decode-only step take model/cpu_layer.py's op."""
+        where the CPU's paged decode op reads the blocks in place (kernels/cpu/attention.py): padding
+        costs it nothing, and one group lets a decode-only step take kernels/cpu/layer.py's op."""
         lens = [c.start + 1 for c in decodes]
         in_place = isinstance(self.attn, TorchPagedAttention) and self.attn.reads_in_place(self.kv_cache)
         groups = 1 if in_place else self.max_decode_groups

@@ -17,7 +17,7 @@ import torch
 
 from splitserve.engine.grammar import mask_logits
 from splitserve.engine.request import Request
-from splitserve.model import cpu_fused
+from splitserve.kernels.cpu import fused as cpu_fused
 from splitserve.sampling.logprobs import TokenLogprob
 
 
@@ -123,7 +123,7 @@ def _sample_cpu_op(
     temps_list: list[float],
     gens: Sequence[torch.Generator],
 ) -> torch.Tensor:
-    """CPU fp32 with model/cpu_fused.py loaded: the same draw as `_inverse_cdf` (one uniform number a
+    """CPU fp32 with kernels/cpu/fused.py loaded: the same draw as `_inverse_cdf` (one uniform number a
     row, every row: a generator moves as `replay_draw` says) in one op over the logits, without the
     [N, V] probabilities, their fp64 cumsum and the search. With a filter (min_p, top_k, top_p) the
     rows are divided by their temperatures and filtered in torch first, then drawn at temperature 1."""

@@ -10,19 +10,25 @@ A request whose prompt KV comes from another engine (KV transfer, decode side) w
 `waiting_for_kv` (Status.WAITING_FOR_KV): `poll_kv()`, each step and without blocking, reserves its
 prompt's blocks and state slot once they are free; the engine then has the connector load them, and
 `kv_loaded()` queues it at the front of `waiting` with its prompt computed (or not: recompute).
+
+After the model ran a step and its tokens were sampled, `update_from_output` is the rest of the step:
+computed tokens counted, each token appended with its stop checks (a request that stops is freed; one
+that exports its KV leaves through `on_export`), full blocks offered to the prefix cache.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request, Status
+from splitserve.engine.stop import take_token
+from splitserve.sampling.logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -50,10 +56,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        # prefill side of a KV transfer: takes a request with `export_kv` out after its first token
+        # (the engine's KVTransfers.export, which asks the connector to lease the prompt's blocks)
+        self.on_export: Callable[[Request], None] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: list[Request] = []  # their prompt's KV is on its way (kv_wait set)
@@ -187,6 +199,48 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
+
+    # ---- after the step ran ---------------------------------------------------------------------
+
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        reqs: list[Request],
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+    ) -> list[Request]:
+        """After the model ran `out` and sampled `tokens` for `reqs`: the chunks' tokens are computed,
+        then the tokens taken (`take_tokens`). -> the requests that took a token."""
+        self.advance(out)
+        return self.take_tokens(out, reqs, tokens, logprobs)
+
+    def take_tokens(
+        self,
+        out: SchedulerOutput,
+        reqs: list[Request],
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+    ) -> list[Request]:
+        """Append each sampled token (stop checks, KV export), then offer the blocks `out` filled to the
+        prefix cache. -> `reqs`. (An overlapped step counts its chunks at launch and takes its tokens
+        one step later.)"""
+        now = time.monotonic()
+        for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
+            req.first_token_time = req.first_token_time or now
+            self.append_token(req, token, lp)
+        self.cache_filled_blocks(out)
+        return reqs
+
+    def append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> None:
+        """One token of `req`: a request that stops is finished (full blocks cached, the rest freed); one
+        that exports its KV leaves the batch with its prompt's blocks through `on_export`."""
+        if take_token(req, token, lp, self.max_model_len) is not None:
+            req.status = Status.FINISHED
+            self.block_manager.cache_full_blocks(req)
+            self.finish(req)
+        elif req.export_kv:
+            assert self.on_export is not None, "a request exports its KV, but no KV transfer is attached"
+            self.on_export(req)
 
     def advance(self, out: SchedulerOutput) -> None:
         """After the model ran `out`: each scheduled chunk's tokens are computed."""

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,6 +12,20 @@ from splitserve.engine.kv_transfer import KVTransfers
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.spec.verify import SpecStats
 from splitserve.engine.state_pool import StatePool
+from splitserve.wire.stats import STEP_TOKEN_BUCKETS
+
+
+@dataclass
+class StepTokens:
+    """How many model steps ran how many tokens: a count per bucket of STEP_TOKEN_BUCKETS (the last
+    count is above the largest bound), and the tokens in all."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BUCKETS) + 1))
+    total: int = 0
+
+    def add(self, tokens: int) -> None:
+        self.counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, tokens)] += 1
+        self.total += tokens
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class EngineStats:
     prefix_hits: int
     prompt_tokens_computed: int  # prompt tokens run through the model (not cached, not imported)
     state_checkpoints: CheckpointStats | None
+    step_tokens: StepTokens
     spec_decode: SpecStats | None = None  # speculative decoding's counters, when it is on
 
     @classmethod
@@ -61,7 +77,7 @@ class EngineStats:
         kv_cache: torch.Tensor,
         *,
         unfinished: int,
-        steps: tuple[int, int, float],
+        steps: tuple[int, int, float, StepTokens],  # forward, overlapped, seconds, tokens per step
         spec: SpecStats | None = None,
     ) -> EngineStats:
         pool, ckpt = scheduler.block_manager.pool, scheduler.block_manager.checkpoints
@@ -86,8 +102,9 @@ class EngineStats:
             prefix_hits=scheduler.prefix_hits,
             prompt_tokens_computed=scheduler.prompt_tokens_computed,
             state_checkpoints=checkpoints,
+            step_tokens=StepTokens(list(steps[3].counts), steps[3].total),
             spec_decode=spec,
         )
 
 
-__all__ = ["BlockStats", "CheckpointStats", "EngineStats"]
+__all__ = ["BlockStats", "CheckpointStats", "EngineStats", "StepTokens"]

@@ -6,8 +6,31 @@ tokens are kept as generated, since a string may end inside a token.
 
 from __future__ import annotations
 
+import logging
+
 from splitserve.engine.request import Request
+from splitserve.sampling.logprobs import TokenLogprob
 from splitserve.sampling.stop_strings import cut_text, find_stop_string
+
+log = logging.getLogger(__name__)
+
+
+def take_token(req: Request, token: int, lp: TokenLogprob | None, max_model_len: int) -> str | None:
+    """Append one sampled token to `req` (its logprob, its grammar's matcher, its text), then check the
+    stop conditions. -> the finish reason if `req` must stop after `token`, else None."""
+    req.output_token_ids.append(token)
+    if lp is not None:
+        req.logprobs.append(lp)
+    if req.grammar is not None and not req.grammar.accept(token):
+        log.warning("%s: token %d is outside its grammar", req.request_id, token)  # a bug if seen
+    new_chars = 0
+    if req.detokenizer is not None:
+        new_chars = len(req.detokenizer.step(token))
+        req.text = req.detokenizer.text
+    reason = check_stop(req, token, max_model_len, new_chars)
+    if reason is None and req.grammar is not None and req.grammar.terminated:
+        reason = req.finish_reason = "stop"  # the grammar took a stop token (ignore_eos kept it)
+    return reason
 
 
 def check_stop(req: Request, token: int, max_model_len: int, new_chars: int = 0) -> str | None:

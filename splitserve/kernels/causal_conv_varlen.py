@@ -32,37 +32,55 @@ TILE = (16, 128, 4)  # a program's rows, channels and warps: the fastest of benc
 @triton.jit
 def _conv_varlen_kernel(
     x_ptr, state_ptr, w_ptr, cu_ptr, seq_ptr, slot_ptr, out_ptr,
-    T, C,
+    T, C, KD, VD,
     stride_xt, stride_xc, stride_ss, stride_sc, stride_sk, stride_wc, stride_wk, stride_ot, stride_oc,
-    KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    # one program: rows [pt * BLOCK_T, +BLOCK_T) x channels [pc * BLOCK_C, +BLOCK_C)
-    pt, pc = tl.program_id(0), tl.program_id(1)
-    rows = pt * BLOCK_T + tl.arange(0, BLOCK_T)
-    chans = pc * BLOCK_C + tl.arange(0, BLOCK_C)
-    mr, mc = rows < T, chans < C
+    # one program: rows [r0, r0 + BLOCK_T) x channels [c0, c0 + BLOCK_C)
+    r0 = tl.program_id(0) * BLOCK_T
+    c0 = tl.program_id(1) * BLOCK_C
+    dr, dc = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_C)
+    rows = r0 + dr
+    mr, mc = rows < T, c0 + dc < C
     seq = tl.load(seq_ptr + rows, mask=mr, other=0)
-    start = tl.load(cu_ptr + seq, mask=mr, other=0).to(tl.int64)  # [BLOCK_T] the chunk's first row
-    slot = tl.load(slot_ptr + seq, mask=mr, other=0).to(tl.int64)
+    start = tl.load(cu_ptr + seq, mask=mr, other=0).to(tl.int32)  # [BLOCK_T] the chunk's first row
+    pos = rows - start  # each row's place in its chunk
     wdt: tl.constexpr = w_ptr.dtype.element_ty
+    # x addressed from the tile's corner with 32-bit offsets: the per-element address arithmetic
+    # (not the memory) was what bounded this kernel with 64-bit offsets computed per element
+    x_blk = x_ptr + r0.to(tl.int64) * stride_xt + c0.to(tl.int64) * stride_xc
+    offs = dr[:, None] * stride_xt + dc[None, :] * stride_xc
+    m2 = mr[:, None] & mc[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for j in tl.static_range(KW):
-        src = rows.to(tl.int64) - (KW - 1) + j  # [BLOCK_T] input row of tap j
-        in_x = src >= start
-        mx = (mr & in_x)[:, None] & mc[None, :]
-        xv = tl.load(x_ptr + src[:, None] * stride_xt + chans[None, :] * stride_xc, mask=mx, other=0.0)
-        col = src - start + (KW - 1)  # the window's column for rows before the chunk
-        ms = (mr & ~in_x)[:, None] & mc[None, :]
-        sp = state_ptr + slot[:, None] * stride_ss + chans[None, :] * stride_sc + col[:, None] * stride_sk
-        sv = _round_to(tl.load(sp, mask=ms, other=0.0), x_ptr.dtype.element_ty)
-        v = tl.where(in_x[:, None], xv.to(tl.float32), sv)
-        w = tl.load(w_ptr + chans * stride_wc + j * stride_wk, mask=mc, other=0.0).to(tl.float32)
-        acc += _round_to(v, wdt) * w[None, :]
+    if tl.min(tl.where(mr, pos, KW), 0) >= KW - 1:  # every row's taps inside x (all but chunk starts)
+        for j in tl.static_range(KW):
+            xf = tl.load(x_blk + offs - (KW - 1 - j) * stride_xt, mask=m2, other=0.0).to(tl.float32)
+            wf = tl.load(w_ptr + (c0 + dc) * stride_wc + j * stride_wk, mask=mc, other=0.0).to(tl.float32)
+            acc += _round_to(xf, wdt) * wf[None, :]
+    else:  # some rows read their chunk's conv window (column pos + j for tap j) for the first taps
+        slot = tl.load(slot_ptr + seq, mask=mr, other=0).to(tl.int64)
+        s_row = state_ptr + slot[:, None] * stride_ss + (c0 + dc)[None, :].to(tl.int64) * stride_sc
+        for j in tl.static_range(KW):
+            in_x = pos >= KW - 1 - j
+            mx = (mr & in_x)[:, None] & mc[None, :]
+            xv = tl.load(x_blk + offs - (KW - 1 - j) * stride_xt, mask=mx, other=0.0)
+            ms = (mr & ~in_x)[:, None] & mc[None, :]
+            sv = tl.load(s_row + (pos + j)[:, None] * stride_sk, mask=ms, other=0.0)
+            v = tl.where(in_x[:, None], xv.to(tl.float32), _round_to(sv, x_ptr.dtype.element_ty))
+            w = tl.load(w_ptr + (c0 + dc) * stride_wc + j * stride_wk, mask=mc, other=0.0).to(tl.float32)
+            acc += _round_to(v, wdt) * w[None, :]
     y = _round_to(acc, wdt)
     y = _round_to(_round_to(y / (1.0 + tl.exp(-y)), wdt), out_ptr.dtype.element_ty)
-    mo = mr[:, None] & mc[None, :]
-    optr = out_ptr + rows[:, None].to(tl.int64) * stride_ot + chans[None, :] * stride_oc
-    tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=mo)
+    if SPLIT:  # planes [q: T x KD | k: T x KD | v: T x VD], each row-major; a tile lies in one plane
+        in_k, in_v = (c0 >= KD).to(tl.int32), (c0 >= 2 * KD).to(tl.int32)
+        plane = (in_k + in_v) * KD  # the plane's first channel: 0, KD or 2 KD
+        width = KD + in_v * (VD - KD)
+        o_blk = out_ptr + plane.to(tl.int64) * T + r0.to(tl.int64) * width + (c0 - plane)
+        optr = o_blk + dr[:, None] * width + dc[None, :]
+    else:
+        o_blk = out_ptr + r0.to(tl.int64) * stride_ot + c0.to(tl.int64) * stride_oc
+        optr = o_blk + dr[:, None] * stride_ot + dc[None, :] * stride_oc
+    tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -106,22 +124,63 @@ def causal_conv1d_varlen(
     -> out [T, C] in x's dtype. The windows are not changed (see `conv1d_varlen_update_states`).
     `tile`: (rows, channels, warps) of a program instead of TILE (bench/conv_varlen_gpu.py sweeps it)."""
     t, c = x.shape
+    if out is None:
+        out = torch.empty((t, c), dtype=x.dtype, device=x.device)
+    _launch(x, conv_state, weight, cu_seqlens, token_seq, slots, out, None, tile)
+    return out
+
+
+def causal_conv1d_varlen_split(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    token_seq: torch.Tensor,
+    slots: torch.Tensor,
+    key_dim: int,
+    tile: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`causal_conv1d_varlen` with its output split at the channels' q | k | v boundaries (key_dim,
+    key_dim, the rest) into three contiguous tensors [T, key_dim], [T, key_dim], [T, C - 2 key_dim]:
+    what fla's varlen rule reads, with no strided copies in between."""
+    t, c = x.shape
+    buf = torch.empty(t * c, dtype=x.dtype, device=x.device)
+    _launch(x, conv_state, weight, cu_seqlens, token_seq, slots, buf, key_dim, tile)
+    q, k, v = buf.split([t * key_dim, t * key_dim, t * (c - 2 * key_dim)])
+    return q.view(t, key_dim), k.view(t, key_dim), v.view(t, c - 2 * key_dim)
+
+
+def _launch(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    token_seq: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    key_dim: int | None,
+    tile: tuple[int, int, int] | None,
+) -> None:
+    """One launch of `_conv_varlen_kernel` into out [T, C] (any strides), or with `key_dim` into the
+    flat buffer of the q | k | v planes."""
+    t, c = x.shape
     weight = weight.reshape(weight.shape[0], weight.shape[-1])  # [C, K]
     kw = weight.shape[1]
     assert conv_state.shape[1:] == (c, kw - 1) and conv_state.dtype == torch.float32
-    if out is None:
-        out = torch.empty((t, c), dtype=x.dtype, device=x.device)
     if t == 0:
-        return out
+        return
     block_t, block_c, warps = tile or TILE
     block_c = min(block_c, triton.next_power_of_2(c))
+    if key_dim is not None:  # a tile may not straddle two planes
+        assert 0 < 2 * key_dim < c
+        block_c = min(block_c, key_dim & -key_dim, (c - 2 * key_dim) & -(c - 2 * key_dim))
     grid = (triton.cdiv(t, block_t), triton.cdiv(c, block_c))
+    strides = (0, 0) if key_dim is not None else out.stride()
     _conv_varlen_kernel[grid](
-        x, conv_state, weight, cu_seqlens, token_seq, slots, out, t, c,
-        *x.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
-        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps,
+        x, conv_state, weight, cu_seqlens, token_seq, slots, out, t, c, key_dim or 0, c - 2 * (key_dim or 0),
+        *x.stride(), *conv_state.stride(), *weight.stride(), *strides,
+        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT=key_dim is not None, num_warps=warps,
     )  # fmt: skip
-    return out
 
 
 def conv1d_varlen_update_states(

@@ -11,7 +11,8 @@ model computes what the plain one does:
   norm), neox rotary embedding with the cos/sin tables rounded to the activation dtype, then q to
   `q_out`, and k and v straight into the paged KV cache at each token's slot;
 * `silu_mul`: `round(silu(gate)) * up`;
-* `gated_rmsnorm`: Qwen3.5's `w * norm(x) * silu(z)` per head.
+* `gated_rmsnorm`: Qwen3.5's `w * norm(x) * silu(z)` per head;
+* `sigmoid_gate_mul`: Qwen3.5's attention output times `round(sigmoid(gate))`, the gate read in place.
 
 `ROUND` below rounds an fp32 value to the activation dtype and back: what an op in that dtype does.
 """
@@ -138,8 +139,9 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr,
 @triton.jit
 def _gated_rmsnorm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, stride_xt, stride_zt, stride_ot, eps,
-    HEADS: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
+    HEADS: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    begin(PDL)
     row = tl.program_id(0)  # token t, head h
     t = row // HEADS
     h = row % HEADS
@@ -156,8 +158,9 @@ def _gated_rmsnorm_kernel(
 @triton.jit
 def _gdn_gates_kernel(
     a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, stride_a, stride_b, HV: tl.constexpr,
-    BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    begin(PDL)
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK)
     m = h < HV
@@ -209,6 +212,20 @@ def _gated_qk_norm_rope_store_kernel(
         tl.store(k_ptr + off + ROT // 2 + half, o2.to(DTYPE))
         v = tl.load(qkv_ptr + t * stride_t + 2 * H * D + KVH * D + j * D + d)
         tl.store(v_ptr + off + d, v)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    x_ptr, qkv_ptr, out_ptr, stride_x, stride_q, stride_o, n,
+    D: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    begin(PDL)
+    t = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # element of the row [H * D]: head e // D
+    m = e < n
+    x = tl.load(x_ptr + t * stride_x + e, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(qkv_ptr + t * stride_q + (e // D) * 2 * D + D + e % D, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + e, (x * _round(1.0 / (1.0 + tl.exp(-g)), DTYPE)).to(DTYPE), mask=m)
 
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -279,7 +296,8 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     if t:
         _gated_rmsnorm_kernel[(t * (n // d),)](
             x, z, weight, out, x.stride(0), z.stride(0), out.stride(0), eps,
-            HEADS=n // d, D=d, DTYPE=_TL[x.dtype], num_warps=1,
+            HEADS=n // d, D=d, DTYPE=_TL[x.dtype], PDL=pdl_on(x.device), num_warps=1,
+            launch_pdl=pdl_on(x.device),
         )  # fmt: skip
     return out
 
@@ -295,7 +313,8 @@ def gdn_gates(
     if t:
         _gdn_gates_kernel[(t,)](
             a, b, a_log, dt_bias, g, beta, a.stride(0), b.stride(0), HV=hv,
-            BLOCK=triton.next_power_of_2(hv), DTYPE=_TL[b.dtype], num_warps=1,
+            BLOCK=triton.next_power_of_2(hv), DTYPE=_TL[b.dtype], PDL=pdl_on(a.device), num_warps=1,
+            launch_pdl=pdl_on(a.device),
         )  # fmt: skip
     return g, beta
 
@@ -341,4 +360,20 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(t, triton.cdiv(n, block))](
         x, out, x.stride(0), out.stride(0), n, BLOCK=block, DTYPE=_TL[x.dtype], num_warps=4
     )
+    return out
+
+
+def sigmoid_gate_mul(x: torch.Tensor, qkv: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Qwen3.5 gated attention's output gate: x [T, H * D] * round(sigmoid(gate)), the gate of head h
+    read in place from qkv's row [q_0 | gate_0 | q_1 | gate_1 ...] (its columns (2h + 1) D ..)."""
+    t, n = x.shape
+    assert n == num_heads * head_dim and x.stride(1) == 1 and qkv.stride(1) == 1
+    out = torch.empty_like(x)
+    if t:
+        block = min(1024, triton.next_power_of_2(n))
+        pdl = pdl_on(x.device)
+        _sigmoid_gate_kernel[(t, triton.cdiv(n, block))](
+            x, qkv, out, x.stride(0), qkv.stride(0), out.stride(0), n,
+            D=head_dim, BLOCK=block, DTYPE=_TL[x.dtype], PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )  # fmt: skip
     return out

@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.pdl import begin
+from splitserve.kernels.pdl import on as pdl_on
+
 
 @triton.jit
 def _round_to(x, dtype: tl.constexpr):
@@ -53,7 +56,9 @@ def _causal_conv1d_update_kernel(
     stride_oc,
     KW: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)  # kernels/pdl.py: launched while the kernel before it ends
     # one program: sequence `row`, channels [pc * BLOCK_C, (pc + 1) * BLOCK_C)
     row = tl.program_id(0)
     pc = tl.program_id(1)
@@ -129,7 +134,9 @@ def causal_conv1d_update(
         out.stride(1),
         KW=kw,
         BLOCK_C=block_c,
+        PDL=pdl_on(x.device),
         num_warps=4,
+        launch_pdl=pdl_on(x.device),
     )
     return out
 
@@ -168,10 +175,15 @@ def _recurrent_gated_delta_kernel(
     stride_ob,
     stride_oh,
     stride_od,
+    alog_ptr,
+    dt_ptr,
     GROUP: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    RAW_GATES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)
     # one program: sequence `row`, value head `h`, value columns [pv * BLOCK_V, (pv + 1) * BLOCK_V)
     # of the state, all Dk rows (S^T k and S^T q reduce over Dk)
     row = tl.program_id(0)
@@ -193,6 +205,11 @@ def _recurrent_gated_delta_kernel(
     v = v.to(tl.float32)
     g = tl.load(g_ptr + row * stride_gb + h * stride_gh).to(tl.float32)
     beta = tl.load(beta_ptr + row * stride_bb + h * stride_bh).to(tl.float32)
+    if RAW_GATES:  # g, beta are in_proj's raw a, b: the gates as kernels/fused.py's gdn_gates makes them
+        x = g + tl.load(dt_ptr + h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
+        beta = (1.0 / (1.0 + tl.exp(-beta))).to(beta_ptr.dtype.element_ty).to(tl.float32)
 
     slot = tl.load(slot_ptr + row).to(tl.int64)
     s_ptrs = (
@@ -226,6 +243,7 @@ def fused_recurrent_gated_delta_rule_update(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     eps: float = 1e-6,
+    raw_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One decode step of the gated delta rule, updating each row's recurrent state in place.
 
@@ -237,11 +255,14 @@ def fused_recurrent_gated_delta_rule_update(
         S = exp(g) * S;   S += k (beta * (v - S^T k))^T;   o = S^T q
 
     Returns o [B, Hv, Dv] in q's dtype (written into `out` when given); S is stored back in place.
+    `raw_gates` = (A_log, dt_bias) [Hv]: g and beta are the raw a and b [B, Hv], and the kernel makes
+    the gates itself, as kernels/fused.py's `gdn_gates` does (one launch fewer a layer).
     """
     b, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     assert k.shape == q.shape and v.shape[0] == b and hv % hk == 0
     assert g.shape == (b, hv) and beta.shape == (b, hv) and slots.shape == (b,)
+    a_log, dt_bias = raw_gates if raw_gates is not None else (g, g)  # (unread without raw gates)
     assert state.shape[1:] == (hv, dk, dv) and state.dtype == torch.float32
     if scale is None:
         scale = dk**-0.5
@@ -277,9 +298,14 @@ def fused_recurrent_gated_delta_rule_update(
         *beta.stride(),
         *state.stride(),
         *out.stride(),
+        a_log,
+        dt_bias,
         GROUP=hv // hk,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
+        RAW_GATES=raw_gates is not None,
+        PDL=pdl_on(q.device),
         num_warps=4,
+        launch_pdl=pdl_on(q.device),
     )
     return out

@@ -228,7 +228,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    tile = tl.program_id(1)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest tiles first: a shorter tail
     head = tl.program_id(2)
     q_len = tl.load(q_len_ptr + chunk).to(tl.int32)
     q0 = tl.load(q_start_ptr + chunk).to(tl.int32)
@@ -247,9 +247,17 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
+    # the key blocks below the tile's first position are seen whole by every row: no causal mask there
+    full = tl.minimum(hi, (prefix + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N)
+    table = tables_ptr + chunk * stride_tb
+    for n0 in range(0, full, BLOCK_N):
         m_i, l_i, acc = _attend_block(
-            q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr + chunk * stride_tb, n0, hi, pos, kvh, scale_log2,
+            q, m_i, l_i, acc, k_ptr, v_ptr, table, n0, hi, pos, kvh, scale_log2,
+            stride_kb, stride_kt, stride_kh, D, BS, BLOCK_N, False, PRECISION,
+        )  # fmt: skip
+    for n0 in range(full, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, k_ptr, v_ptr, table, n0, hi, pos, kvh, scale_log2,
             stride_kb, stride_kt, stride_kh, D, BS, BLOCK_N, True, PRECISION,
         )  # fmt: skip
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

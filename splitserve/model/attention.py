@@ -19,7 +19,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from splitserve.model import cpu_attention, cpu_prefill
+from splitserve.kernels.cpu import attention as cpu_attention
+from splitserve.kernels.cpu import prefill as cpu_prefill
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class TorchPagedAttention:
         v: torch.Tensor,  # [T, KVH, D]
         kv: torch.Tensor,  # [num_blocks, L, 2, block_size, KVH, D]
         meta: AttentionMetadata,
-        stored: bool = False,  # k and v are in the cache already (model/cpu_fused.py's rope_store)
+        stored: bool = False,  # k and v are in the cache already (kernels/cpu/fused.py's rope_store)
     ) -> torch.Tensor:
         k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, block_size, KVH, D]
         if not stored:
@@ -150,7 +151,7 @@ class TorchPagedAttention:
         return out.flatten(1)  # [T, H * D]
 
     def reads_in_place(self, kv: torch.Tensor) -> bool:
-        """Whether decode rows over this fp32 CPU cache go to model/cpu_attention.py's op (loaded, not
+        """Whether decode rows over this fp32 CPU cache go to kernels/cpu/attention.py's op (loaded, not
         switched off), which reads each sequence's blocks in place, instead of the gather."""
         fp32_cpu = kv.device.type == "cpu" and kv.dtype == torch.float32
         return self.cpu_kernel and fp32_cpu and cpu_attention.ready()

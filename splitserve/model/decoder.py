@@ -15,10 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitserve.model import cpu_fused, cpu_gemm, cpu_layer, cpu_linear, cpu_threads
+from splitserve.kernels.cpu import fused as cpu_fused
+from splitserve.kernels.cpu import gemm as cpu_gemm
+from splitserve.kernels.cpu import layer as cpu_layer
+from splitserve.kernels.cpu import linear as cpu_linear
+from splitserve.kernels.cpu import threads as cpu_threads
 from splitserve.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from splitserve.model.config import ModelConfig
 from splitserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
+from splitserve.model.parallel import gather_logits
 from splitserve.model.weights import load_mapped_weights
 
 
@@ -58,7 +63,7 @@ class Attention(nn.Module):
     def forward_cpu(
         self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
-        """CPU fp32: q/k norm, rotary and the KV store in one op (model/cpu_fused.py), then attention."""
+        """CPU fp32: q/k norm, rotary and the KV store in one op (kernels/cpu/fused.py), then attention."""
         t, kv = x.shape[0], ctx.kv_cache
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
         norms = None
@@ -122,7 +127,7 @@ class DecoderLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.fused = False
         self.cpu_fused = False  # set by enable_cpu_fused (CPU engines)
-        self.cpu_layer = False  # the same: decode-only steps through model/cpu_layer.py's op once loaded
+        self.cpu_layer = False  # the same: decode-only steps through kernels/cpu/layer.py's op once loaded
         self.cpu_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # CPU: see cpu_linear
         self._layer_args: list[tuple] | None = None  # `_cpu_layer_args`'s cache, and its key
         self._layer_args_key: tuple[object, torch.Tensor, bool] | None = None
@@ -135,7 +140,7 @@ class DecoderLM(nn.Module):
         return self.fused
 
     def enable_cpu_fused(self) -> bool:
-        """Use model/cpu_fused.py's ops for each layer's norms, residual adds, rotary and KV store on
+        """Use kernels/cpu/fused.py's ops for each layer's norms, residual adds, rotary and KV store on
         CPU fp32 (built in the background: the plain path runs until they are ready). -> whether on."""
         self.cpu_fused = cpu_fused.start() and self.rope.cos.shape[-1] == self.cfg.head_dim
         self.cpu_layer = self.cpu_fused and cpu_layer.start()
@@ -169,7 +174,7 @@ class DecoderLM(nn.Module):
         h = cpu_fused.add_rms_norm(residual, None, norm.weight, norm.eps)
         group = ctx.meta.sole_decode_group(len(input_ids))
         args = self._cpu_layer_args(ctx, len(input_ids)) if group is not None else None
-        if group is not None and args is not None:  # decode only: a C++ call a layer (model/cpu_layer.py)
+        if group is not None and args is not None:  # decode only: a C++ call a layer (kernels/cpu/layer.py)
             kv, scale = ctx.kv_cache, ctx.attn.scale  # type: ignore[attr-defined]
             dyn = (positions, ctx.meta.slot_mapping, group.block_tables, group.context_lens)
             dyn += (self.rope.cos, self.rope.sin)
@@ -200,10 +205,10 @@ class DecoderLM(nn.Module):
         if not self.cpu_layer or rows > cpu_gemm.MAX_ROWS or not cpu_layer.ready():
             return None
         qkv = self.layers[0].self_attn.qkv_proj.cpu_matmul
-        if isinstance(qkv, cpu_linear.OneDNNMatmul) and qkv.takes_amx(rows):  # model/cpu_amx.py's products
+        if isinstance(qkv, cpu_linear.OneDNNMatmul) and qkv.takes_amx(rows):  # kernels/cpu/amx.py's products
             return None
         int4 = isinstance(self.layers[0].self_attn.qkv_proj.cpu_matmul, cpu_linear.Int4Matmul)
-        if int4 and rows >= cpu_linear.INT4_BF16_ROWS:  # the int4 option's bf16 products (cpu_linear.py)
+        if int4 and rows >= cpu_linear.INT4_BF16_ROWS:  # the int4 option's bf16 products (cpu_linear)
             return None
         attn = ctx.attn
         if not (isinstance(attn, TorchPagedAttention) and attn.reads_in_place(ctx.kv_cache)):
@@ -266,9 +271,9 @@ def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     cpu_linear.prepare_model: results that do not depend on the thread count) where it has one, else
     the LM head's weight (or the tied embedding's)."""
     if model.cpu_lm_head is not None:
-        return model.cpu_lm_head(hidden).float()
+        return gather_logits(model, model.cpu_lm_head(hidden).float())
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return linear(hidden, weight).float()
+    return gather_logits(model, linear(hidden, weight).float())  # tensor parallel: each rank's vocab rows
 
 
 def fused_forward(
@@ -298,6 +303,7 @@ def fused_forward(
     # NOTE: not fp16: the factored norm stores w * residual unnormalized, which fp16's range may not hold
     row = residual.dtype != torch.float16 and gemv.ENABLED and gemv.FUSE
     row = row and gemv.use_gemv(residual, layers[0].mlp.down_proj.weight)
+    row = row and getattr(model, "tp", None) is None  # the GEMV epilogue adds before a rank's all-reduce
 
     h = rmsnorm(residual, layers[0].input_layernorm.weight, eps, zero_centred=zero_centred)
     for i, layer in enumerate(layers):

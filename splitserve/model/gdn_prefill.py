@@ -5,7 +5,8 @@ A step's prefill chunks lie back to back after its decode rows. `build_linear_pr
 `AttentionMetadata` into device tensors once per step (not per layer); each layer then
 
 1. runs the causal conv + SiLU over all chunks (splitserve/kernels/causal_conv_varlen.py), reading
-   each chunk's conv window from its slot, and writes the windows back;
+   each chunk's conv window from its slot, and writes the windows back; its output goes straight
+   into contiguous q, k and v (fla's kernels read them so: no strided copies in between);
 2. gathers the chunks' recurrent states from their slots ([P, Hv, Dk, Dv] fp32), runs one varlen
    gated delta rule with q/k L2 norm, the sigmoid of beta and the decay gate
    `-exp(A_log) * softplus(a + dt_bias)` fused in the kernels, and scatters the final states back.
@@ -137,15 +138,35 @@ def build_linear_prefill(meta: AttentionMetadata, device: torch.device) -> Linea
 
 
 def varlen_conv(
-    lp: LinearPrefill, mixed: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, out: torch.Tensor
-) -> None:
-    """Prefill rows of out [T, C] := silu(conv) of mixed's, continuing and then updating the windows."""
-    from splitserve.kernels.causal_conv_varlen import causal_conv1d_varlen, conv1d_varlen_update_states
+    lp: LinearPrefill, mixed: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, key_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """silu(conv) of mixed's prefill rows, continuing and then updating the windows; -> q, k [Tp,
+    key_dim] and v [Tp, C - 2 key_dim], each contiguous (the channels' q | k | v split)."""
+    from splitserve.kernels.causal_conv_varlen import causal_conv1d_varlen_split, conv1d_varlen_update_states
 
-    rows = slice(lp.row0, lp.row0 + lp.num_rows)
-    x = mixed[rows]  # [Tp, C]
-    causal_conv1d_varlen(x, conv_states, weight, lp.cu_seqlens, lp.token_seq, lp.slots, out=out[rows])
+    x = mixed[lp.row0 : lp.row0 + lp.num_rows]  # [Tp, C]
+    qkv = causal_conv1d_varlen_split(x, conv_states, weight, lp.cu_seqlens, lp.token_seq, lp.slots, key_dim)
     conv1d_varlen_update_states(x, conv_states, lp.cu_seqlens, lp.slots)
+    return qkv
+
+
+def rule_kwargs(
+    lp: LinearPrefill, initial_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> dict:
+    """fla's varlen keyword arguments for the chunks of `lp`: the decay gate, the q/k l2 norm and
+    sigmoid(beta) fused in its kernels, the chunks' states in and out."""
+    return dict(
+        initial_state=initial_state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        use_gate_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        cu_seqlens=lp.cu_seqlens,
+        cu_seqlens_cpu=lp.cu_seqlens_cpu,
+        chunk_indices=lp.chunk_indices,
+    )
 
 
 def varlen_rule(
@@ -158,28 +179,20 @@ def varlen_rule(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     rec_states: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """Prefill rows of out [T, Hv, Dv] := the gated delta rule over every chunk, from and back into
-    the chunks' recurrent states (rec_states [num_slots, Hv, Dk, Dv] fp32, in place).
+) -> torch.Tensor:
+    """The gated delta rule over every prefill chunk, from and back into the chunks' recurrent states
+    (rec_states [num_slots, Hv, Dk, Dv] fp32, in place); -> o [Tp, Hv, Dv].
 
-    q, k [T, Hk, Dk]; v [T, Hv, Dv]; a, b [T, Hv] raw (the decay gate and sigmoid(beta) are fused)."""
+    q, k [Tp, Hk, Dk]; v [Tp, Hv, Dv] (the prefill rows only, contiguous: `varlen_conv`'s); a, b
+    [T, Hv] raw, all rows of the step (the decay gate and sigmoid(beta) are fused)."""
     rows = slice(lp.row0, lp.row0 + lp.num_rows)
+    initial = rec_states[lp.slots]  # [P, Hv, Dk, Dv] fp32
     o, final = _rule()(
-        q[None, rows], k[None, rows], v[None, rows], a[None, rows], b[None, rows],
-        initial_state=rec_states[lp.slots],  # [P, Hv, Dk, Dv] fp32
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-        use_gate_in_kernel=True,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        cu_seqlens=lp.cu_seqlens,
-        cu_seqlens_cpu=lp.cu_seqlens_cpu,
-        chunk_indices=lp.chunk_indices,
+        q[None], k[None], v[None], a[None, rows], b[None, rows],
+        **rule_kwargs(lp, initial, A_log, dt_bias),
     )  # fmt: skip
-    out[rows] = o[0]  # [Tp, Hv, Dv]
     rec_states[lp.slots] = final.to(rec_states.dtype)
+    return o[0]
 
 
 def torch_varlen_rule(

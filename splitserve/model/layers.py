@@ -202,9 +202,9 @@ def linear(
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear`, or on CPU through `cpu_matmul` when `model/cpu_linear.py` set one."""
+    """nn.Linear through `linear`, or on CPU through `cpu_matmul` when `kernels/cpu/linear.py` set one."""
 
-    # CPU: the weight packed for oneDNN or quantized, as a callable x -> x @ W.T + b (model/cpu_linear.py)
+    # CPU: the weight packed for oneDNN or quantized, as a callable x -> x @ W.T + b (kernels/cpu/linear.py)
     cpu_matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

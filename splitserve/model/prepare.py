@@ -4,7 +4,7 @@
     python -m splitserve.model.prepare --model PATH     # an HF directory or a GGUF file
 
 Three things, each skipped when already done (a second run takes about as long as the imports):
-  1. the CPU C++ ops (model/cpu_build.py) this host runs, compiled into torch's extensions cache;
+  1. the CPU C++ ops (kernels/cpu/build.py) this host runs, compiled into torch's extensions cache;
   2. the tokenizer: a GGUF vocabulary converted once to a `tokenizer.json` under the cache directory,
      which the router and every worker then load (model/tokenizer.py);
   3. the weight cache entry (model/weight_cache.py) of the model in the dtype a CPU worker loads.
@@ -19,21 +19,21 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from splitserve.model.cpu_build import CppOps
+from splitserve.kernels.cpu.build import CppOps
 
 
 def cpu_ops() -> list[CppOps]:
     """Every op library this host would load (those switched off, or that the host cannot run, left
     out): the modules that define them, imported."""
-    from splitserve.model import (  # noqa: F401 - importing them registers their libraries
-        cpu_amx,
-        cpu_attention,
-        cpu_fused,
-        cpu_gemm,
-        cpu_layer,
-        cpu_prefill,
+    from splitserve.kernels.cpu import (  # noqa: F401 - importing them registers their libraries
+        amx,
+        attention,
+        fused,
+        gemm,
+        layer,
+        prefill,
     )
-    from splitserve.model.cpu_build import ALL
+    from splitserve.kernels.cpu.build import ALL
 
     return [ops for ops in ALL if ops.enabled]
 

@@ -20,15 +20,16 @@ sequence, a state slot in the engine's `StatePool` (`state_shapes()`), all fp32:
     states["conv"]       [num_slots, num_linear_layers, conv_dim, conv_kernel - 1]  last conv inputs
     states["recurrent"]  [num_slots, num_linear_layers, value_heads, key_head_dim, value_head_dim]
 
-`AttentionMetadata.seq_slots` gives each sequence's slot (decodes first, then prefill chunks, as in the
-flat batch). Decode tokens are advanced together with the recurrent form (on CUDA by the fused Triton
-kernels of splitserve/kernels/gated_delta.py, in place on the state pools); each prefill chunk runs
-the causal conv from its slot's conv window and the chunked rule from its slot's recurrent state,
-and both are written back, so a prompt may be split into chunks at any position. On CUDA with fla-core
-all prefill chunks of a step go through one varlen conv launch and one varlen gated delta rule per
-layer (gdn_prefill.py, `linear_attention_backend`); the per-chunk torch rule is the CPU path and the
-reference. A slot is zeroed when allocated, which is the state before a sequence's first token; a
-prefix-cache hit copies a state checkpoint into it (engine/state_cache.py).
+The Gated DeltaNet layer itself is in gdn_layer.py. `AttentionMetadata.seq_slots` gives each sequence's
+slot (decodes first, then prefill chunks, as in the flat batch). Decode tokens are advanced together
+with the recurrent form (on CUDA by the fused Triton kernels of splitserve/kernels/gated_delta.py, in
+place on the state pools); each prefill chunk runs the causal conv from its slot's conv window and the
+chunked rule from its slot's recurrent state, and both are written back, so a prompt may be split into
+chunks at any position. On CUDA with fla-core all prefill chunks of a step go through one varlen conv
+launch and one varlen gated delta rule per layer (gdn_prefill.py, `linear_attention_backend`); the
+per-chunk torch rule is the CPU path and the reference. A slot is zeroed when allocated, which is the
+state before a sequence's first token; a prefix-cache hit copies a state checkpoint into it
+(engine/state_cache.py).
 
 Out of scope: the vision tower (`model.visual.*`) and the multi-token-prediction head (`mtp.*`) of
 `Qwen3_5ForConditionalGeneration` checkpoints (only the language model is loaded, its
@@ -37,51 +38,25 @@ Out of scope: the vision tower (`model.visual.*`) and the multi-token-prediction
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from splitserve.model import cpu_threads
+from splitserve.kernels.cpu import threads as cpu_threads
 from splitserve.model.config import ModelConfig
-from splitserve.model.decoder import ForwardContext, fused_forward, head_logits
+from splitserve.model.decoder import ForwardContext, OutProj, fused_forward, head_logits
 from splitserve.model.errors import ModelLoadError
-from splitserve.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from splitserve.model.gdn_prefill import build_linear_prefill, varlen_conv, varlen_rule
-from splitserve.model.layers import (
-    GatedMLP,
-    GatedRMSNorm,
-    Linear,
-    PartialRotaryEmbedding,
-    ZeroCentredRMSNorm,
-)
+from splitserve.model.gdn_layer import GatedDeltaNet
+from splitserve.model.gdn_prefill import build_linear_prefill
+from splitserve.model.layers import GatedMLP, Linear, PartialRotaryEmbedding, ZeroCentredRMSNorm
 from splitserve.model.qwen3_5_weights import expected_keys, hf_named, map_name, merged_rows
 from splitserve.model.weights import load_mapped_weights
 
-# Set to 1 to run the decode kernels on CPU tensors too (with TRITON_INTERPRET=1: kernel tests only).
-TRITON_ON_CPU_ENV = "SPLITSERVE_TRITON_INTERPRET_TEST"
-
-
-@functools.cache
-def _decode_kernels() -> ModuleType | None:
-    """splitserve.kernels.gated_delta, imported on first use; None without triton."""
-    try:
-        from splitserve.kernels import gated_delta
-    except ImportError:
-        return None
-    return gated_delta
-
-
-def _fused_decode_wanted(x: torch.Tensor) -> bool:
-    """Whether decode rows should take the fused Triton kernels (if triton is installed): on CUDA, or
-    anywhere when TRITON_ON_CPU_ENV is 1. Otherwise the torch path, which on CPU is token-exact with
-    HF transformers."""
-    return x.is_cuda or os.environ.get(TRITON_ON_CPU_ENV) == "1"
+if TYPE_CHECKING:
+    from splitserve.kernels.gemv import NormedRow
 
 
 def _pow2(n: int) -> bool:
@@ -105,130 +80,37 @@ class GatedAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, rope: PartialRotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
+        return self.o_proj(self.mix(positions, x, rope, ctx))
+
+    def mix(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor | NormedRow,
+        rope: PartialRotaryEmbedding,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """The gated attention output [T, H * D], o_proj's input. `x` may be a `NormedRow` (the fused
+        batch-1 path: the QKV GEMV normalizes it as it reads it)."""
         t = x.shape[0]
-        if self.fused:  # q/k norm, partial rotary and the KV store in one kernel
-            from splitserve.kernels.fused import gated_qk_norm_rope_store
+        if self.fused:  # q/k norm, partial rotary and the KV store in one kernel; the gate in one more
+            from splitserve.kernels.fused import gated_qk_norm_rope_store, sigmoid_gate_mul
 
             qkv = self.qkv_proj(x)
-            cos, sin = rope.tables(x.device)
+            cos, sin = rope.tables(qkv.device)
             q = gated_qk_norm_rope_store(
                 qkv, self.h, self.kvh, rope.rotary_dim, positions, cos, sin,
                 ctx.kv_cache[:, self.kv_index, 0], ctx.kv_cache[:, self.kv_index, 1], ctx.meta.slot_mapping,
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
             )  # fmt: skip
             out = ctx.attn.attend(self.kv_index, q, ctx.kv_cache, ctx.meta)  # type: ignore[attr-defined]
-            gate = qkv[:, : 2 * self.h * self.d].view(t, self.h, 2 * self.d)[..., self.d :]
-            return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.h * self.d)))
+            return sigmoid_gate_mul(out.view(t, self.h * self.d), qkv, self.h, self.d)
         qg, k, v = self.qkv_proj(x).split([2 * self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q, gate = qg.view(t, self.h, 2 * self.d).chunk(2, dim=-1)  # [T, H, D] each
         q = self.q_norm(q)
         k = self.k_norm(k.view(t, self.kvh, self.d))
         q, k = rope(positions, q, k)
         out = ctx.attn.forward(self.kv_index, q, k, v.reshape(t, self.kvh, self.d), ctx.kv_cache, ctx.meta)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.h * self.d)))  # out: [T, H * D]
-
-
-class GatedDeltaNet(nn.Module):
-    """Linear-attention layer over the flat batch, reading and writing per-sequence state slots."""
-
-    def __init__(self, cfg: ModelConfig, linear_index: int) -> None:
-        super().__init__()
-        lin = cfg.linear
-        assert lin is not None
-        self.index = linear_index  # this layer's index in the state tensors
-        self.hk, self.hv, self.dk, self.dv = (
-            lin.num_key_heads,
-            lin.num_value_heads,
-            lin.key_head_dim,
-            lin.value_head_dim,
-        )
-        self.conv_dim, self.kernel = lin.conv_dim, lin.conv_kernel
-        self.value_dim = self.hv * self.dv
-        # rows: q, k, v (conv_dim) | z (value_dim) | b (Hv) | a (Hv)
-        self.in_proj = Linear(cfg.hidden_size, self.conv_dim + self.value_dim + 2 * self.hv, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(self.hv))
-        self.A_log = nn.Parameter(torch.zeros(self.hv))
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
-        self.fused = False  # set by Qwen3_5LM.enable_fused_kernels (CUDA)
-        self.varlen = False  # set by Qwen3_5LM.set_linear_attention_backend("fla")
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        meta = ctx.meta
-        assert meta.seq_slots is not None, "hybrid model run without state slots"
-        conv_states = ctx.states["conv"][:, self.index]  # [num_slots, conv_dim, kernel - 1] (a view)
-        rec_states = ctx.states["recurrent"][:, self.index]  # [num_slots, Hv, Dk, Dv] (a view)
-        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
-
-        # causal depthwise conv + SiLU, continuing each sequence's conv window
-        nd = meta.num_decode_tokens
-        conv_out = torch.empty_like(mixed)  # [T, conv_dim]
-        kernels = _decode_kernels() if nd and _fused_decode_wanted(x) else None
-        if kernels is not None:  # in place on the state pool, written straight into conv_out
-            kernels.causal_conv1d_update(
-                mixed[:nd], conv_states, self.conv1d.weight, meta.seq_slots[:nd], out=conv_out[:nd]
-            )
-        elif nd:
-            slots = meta.seq_slots[:nd]
-            window = torch.cat([conv_states[slots].to(mixed.dtype), mixed[:nd, :, None]], dim=-1)  # [B, C, K]
-            conv_states[slots] = window[:, :, 1:].float()
-            conv_out[:nd] = self._conv(window)[:, :, -1]
-        lp = ctx.linear_prefill if self.varlen else None  # all prefill chunks in one launch (CUDA)
-        if lp is not None:
-            varlen_conv(lp, mixed, conv_states, self.conv1d.weight, conv_out)
-        for i, chunk in enumerate(() if lp is not None else meta.prefills):
-            slot = meta.seq_slots[nd + i : nd + i + 1]  # [1], a tensor: no device sync
-            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            seq = torch.cat([conv_states[slot].to(mixed.dtype), mixed[rows].T[None]], dim=-1)  # [1, C, K-1+L]
-            conv_states[slot] = seq[:, :, seq.shape[-1] - (self.kernel - 1) :].float()
-            conv_out[rows] = self._conv(seq)[0].T
-
-        q, k, v = conv_out.split([self.hk * self.dk, self.hk * self.dk, self.value_dim], dim=-1)
-        q, k, v = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv)
-        if self.fused:
-            from splitserve.kernels.fused import gdn_gates
-
-            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-        else:
-            beta = b.sigmoid()  # [T, Hv]
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log-decay, fp32
-
-        core = torch.empty_like(v)  # [T, Hv, Dv]
-        if kernels is not None:
-            kernels.fused_recurrent_gated_delta_rule_update(
-                q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], rec_states, meta.seq_slots[:nd], out=core[:nd]
-            )
-        elif nd:
-            slots = meta.seq_slots[:nd]
-            out, state = recurrent_gated_delta_rule(  # batch of B sequences, one token each
-                q[:nd, None], k[:nd, None], v[:nd, None], g[:nd, None], beta[:nd, None], rec_states[slots]
-            )
-            core[:nd] = out[:, 0]
-            rec_states[slots] = state
-        if lp is not None:
-            varlen_rule(lp, q, k, v, a, b, self.A_log, self.dt_bias, rec_states, core)
-        for i, chunk in enumerate(() if lp is not None else meta.prefills):
-            slot = meta.seq_slots[nd + i : nd + i + 1]
-            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out, state = chunk_gated_delta_rule(
-                q[None, rows], k[None, rows], v[None, rows], g[None, rows], beta[None, rows], rec_states[slot]
-            )
-            core[rows] = out[0]
-            rec_states[slot] = state
-
-        if self.fused:  # one kernel, reading the gate z in place
-            from splitserve.kernels.fused import gated_rmsnorm
-
-            return self.out_proj(gated_rmsnorm(core.view(t, -1), z, self.norm.weight, self.norm.eps))
-        core = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv))  # [T * Hv, Dv]
-        return self.out_proj(core.reshape(t, self.value_dim))
-
-    def _conv(self, seq: torch.Tensor) -> torch.Tensor:
-        # seq [B, C, K - 1 + L] (left context included) -> silu(conv) [B, C, L], in seq's dtype
-        w = self.conv1d.weight  # [C, 1, K]
-        return F.silu(F.conv1d(seq.to(w.dtype), w, groups=self.conv_dim)).to(seq.dtype)
+        return out * torch.sigmoid(gate.reshape(t, self.h * self.d))  # out: [T, H * D]
 
 
 class HybridLayer(nn.Module):
@@ -323,12 +205,12 @@ class Qwen3_5LM(nn.Module):
     def _forward_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        def mix(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        def mix(layer: nn.Module, h: torch.Tensor | NormedRow) -> OutProj:
             if layer.is_linear:
-                return layer.linear_attn(h, ctx)
-            return layer.self_attn(positions, h, self.partial_rope, ctx)
+                return OutProj(layer.linear_attn.mix(h, ctx), layer.linear_attn.out_proj)
+            return OutProj(layer.self_attn.mix(positions, h, self.partial_rope, ctx), layer.self_attn.o_proj)
 
-        return fused_forward(self, input_ids, mix, zero_centred=True)
+        return fused_forward(self, input_ids, mix, zero_centred=True, lazy_norm=True)
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         lin = self.cfg.linear

@@ -92,6 +92,24 @@ SMALL_QWEN3: dict[str, Any] = {
     "max_position_embeddings": 1024,
 }
 
+#: The GPU tests' small Qwen3.5 (tests/gpu, bench/gdn_fla_precision.py): HF `Qwen3_5TextConfig` fields,
+#: four layers (three Gated DeltaNet, one full attention).
+SMALL_QWEN3_5: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "initializer_range": 0.1,
+    "max_position_embeddings": 1024,
+}
+
 #: Qwen3.5-9B's text model (transformers' `Qwen3_5TextConfig` defaults, HF names): 32 layers, every
 #: fourth gated full attention (16 heads, 4 KV heads, head_dim 256), the others Gated DeltaNet (16 key
 #: and 32 value heads of 128); 248,320-token vocabulary. Qwen3_5LM reads only the language model.
@@ -135,11 +153,45 @@ TINY_QWEN3_5: dict[str, Any] = {
     "max_position_embeddings": 4096,
 }
 
+#: A small Llama with one KV head (shared by every tensor-parallel rank) and an odd vocabulary (the last
+#: rank's rows of a vocabulary-parallel embedding and LM head padded).
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 509,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+#: A mid-size Qwen3 shape (165M parameters) for CPU benchmarks whose products must be real work, e.g.
+#: each rank's half of them under tensor parallelism (bench/tp_decode_step.py).
+QWEN3_MINI: dict[str, Any] = {
+    **TINY_QWEN3,
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+}
+
 #: Names accepted by `random_model_config` (and the benchmarks' `--model`).
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b-random": QWEN3_8B,
     "qwen3-1.7b-random": QWEN3_1_7B,
     "tiny-random": TINY_QWEN3,
+    "tiny-llama-random": TINY_LLAMA,
+    "qwen3-mini-random": QWEN3_MINI,
     "tiny-chat-random": TINY_CHAT,
     "qwen3.5-9b-random": QWEN3_5_9B,
     "qwen3.5-tiny-random": TINY_QWEN3_5,

@@ -54,6 +54,10 @@ class Tokenizer:
         """The checkpoint's chat template (a dict of named ones where it has several), or None."""
         return getattr(self._hf, "chat_template", None)
 
+    def set_chat_template(self, template: str) -> None:
+        """Render chats with `template` in place of the checkpoint's (vLLM's --chat-template)."""
+        self._hf.chat_template = template
+
     @classmethod
     def from_checkpoint(
         cls, path: str | os.PathLike, eos_ids: tuple[int, ...] = (), cache_key: str | None = None
@@ -151,6 +155,11 @@ class LightTokenizer(Tokenizer):
     @property
     def chat_template(self) -> str | dict | None:
         return self.template
+
+    def set_chat_template(self, template: str) -> None:
+        self.template = template
+        if self._hf is not None:
+            self._hf.chat_template = template
 
     @property
     def hf(self) -> Any:

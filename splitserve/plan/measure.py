@@ -138,7 +138,7 @@ def measure_transfers(
     """-> (points, KV bytes per token, state bytes per request) for `backend` between two transports
     in this process, over KV tensors shaped as the engine's."""
     from splitserve.transport import KVLayout, TransportOptions, make_transport
-    from splitserve.transport.shm import allocate_shared_kv
+    from splitserve.transport.stream.shm import allocate_shared_kv
 
     kv = engine.kv_cache
     n = max(grid.transfer_blocks) + 1

@@ -70,8 +70,11 @@ def record(server: OpenAIServer, scope: Any, status: int, seconds: float, logged
     usage = run.usage() if run is not None else {"prompt_tokens": 0, "completion_tokens": 0}
     ttft = getattr(run, "ttft", None)
     client = scope.get("client")
+    rid = run.rid if run is not None else "-"
+    if scope["path"] == "/v1/responses":  # the id the client sees there: resp_..., not chatcmpl-...
+        rid = "resp_" + rid.removeprefix("chatcmpl-") if rid != "-" else rid
     fields = {
-        "request_id": run.rid if run is not None else "-",
+        "request_id": rid,
         "method": scope["method"],
         "route": scope["path"],
         "status": status,
@@ -83,7 +86,7 @@ def record(server: OpenAIServer, scope: Any, status: int, seconds: float, logged
     }
     log.info(
         "%s %s %s %s prompt_tokens=%d completion_tokens=%d latency_ms=%.1f ttft_ms=%s client=%s",
-        *fields.values(),
+        *{**fields, "ttft_ms": "-" if fields["ttft_ms"] is None else fields["ttft_ms"]}.values(),
         extra=fields,
     )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 from splitserve.router.openai_protocol import APIError
@@ -22,6 +23,21 @@ MAX_KWARGS_BYTES = 4096
 _SERVER_OWNS = {"tokenize", "return_dict", "return_tensors", "tokenizer", "conversation", "messages",
                 "add_generation_prompt", "continue_final_message", "padding", "truncation", "max_length",
                 "return_assistant_tokens_mask", "tools", "documents"}  # fmt: skip
+
+
+def use_chat_template(tokenizer: Any, template: str | None) -> None:
+    """vLLM's --chat-template (`model.chat_template`): the server's template from a file, or the Jinja
+    text given, in place of the checkpoint's."""
+    if template is None:
+        return
+    path = Path(template).expanduser()
+    if path.is_file():
+        template = path.read_text()
+    elif "{{" not in template and "{%" not in template:
+        raise ValueError(f"model.chat_template {template!r}: no such file, and not a Jinja template")
+    if tokenizer is None:
+        raise ValueError("model.chat_template: this model's tokenizer takes no chat template")
+    tokenizer.set_chat_template(template)
 
 
 def template_kwargs(kwargs: dict[str, Any] | None, trust_template: bool) -> dict[str, Any]:

@@ -18,17 +18,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from splitserve.router.chat_template import render_chat, template_kwargs
+from splitserve.router.lenient import validate_request
 from splitserve.router.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    validate_body,
 )
 from splitserve.router.parsers import chat_outputs
 from splitserve.router.respond import CleanupStream, respond
 from splitserve.router.responses import ResponseEvents, ResponsesRequest, response_object
 from splitserve.router.server import OpenAIServer
 from splitserve.router.structured import check_tool_limits, checked, requested_grammar
+from splitserve.router.thinking import apply_effort, thinking_counter, thinking_params
 from splitserve.router.tools import chosen_tools, render_messages, tool_grammar
 from splitserve.sampling.params import GrammarSpec
 
@@ -45,18 +46,20 @@ async def responses(server: OpenAIServer, request: Request) -> Response:
     """/v1/responses: translated to a chat request, its answer translated back (responses.py)."""
     start = time.perf_counter()
     server.check_auth(request)
-    req = validate_body(ResponsesRequest, await server.read_json(request))
+    req = validate_request(server, ResponsesRequest, await server.read_json(request))
     answer = await chat_body(server, req.to_chat(), request, start)
     ours = {k: v for k, v in answer.headers.items() if k.startswith("x-")}  # the request id, TTFT parts
     if isinstance(answer, CleanupStream):
-        events = ResponseEvents(req, server.info.served_name).sse(answer.body_iterator)
+        events = ResponseEvents(req, server.info.served_name, ours.get("x-request-id")).sse(
+            answer.body_iterator
+        )
         return CleanupStream(events, answer.cleanup, media_type="text/event-stream", headers=ours)
     body = response_object(req, server.info.served_name, msgspec.json.decode(answer.body))
     return JSONResponse(body, headers=ours)
 
 
 async def chat_body(server: OpenAIServer, body: dict, request: Request, start: float) -> Response:
-    req = validate_body(ChatCompletionRequest, body)
+    req = validate_request(server, ChatCompletionRequest, body)
     server.check_model(req.model)
     check_n(server, req.n)
     limits = server.grammar_limits
@@ -67,6 +70,7 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
     tools, mode = chosen_tools(offered, req.tool_choice)
     messages = render_messages(req.messages, tools, server.native_tools)
     kwargs = template_kwargs(req.chat_template_kwargs, server.manifest.server.trust_request_chat_template)
+    apply_effort(req.reasoning_effort, kwargs, server.reasoning_format, server.chat_template)
     if tools and server.native_tools:
         kwargs["tools"] = tools
     prompt_ids = await render_chat(
@@ -81,25 +85,31 @@ async def chat_body(server: OpenAIServer, body: dict, request: Request, start: f
         check_tool_limits(tools, limits)
     fmt = server.tool_format if tools else None
     forced = tool_grammar(tools, mode, req.parallel_tool_calls is not False, server.tool_format)
-    if forced is not None and asked is not None:
-        raise APIError(400, f"tool_choice {mode} and {asked[1]} each constrain the answer: give one",
-                       param="tool_choice")  # fmt: skip
+    # a forced call (tool_choice required or named) is the whole answer: its arguments follow the tool's
+    # parameters, and a response_format (which shapes the message's content, as OpenAI defines it) has
+    # no content left to shape; without a forced call, the response_format constrains the content
     if forced is not None:
         params["grammar"] = await checked(GrammarSpec("structural_tag", forced), "tools", limits)
     elif asked is not None:
         params["grammar"] = await checked(*asked, limits)
     prompts = [(prompt_ids, "")]
-    # a grammar constrains the answer from its first token: no thinking block can come before it
-    reasoning = server.reasoning_format if "grammar" not in params else None
+    reasoning = server.reasoning_format
     tail = server.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False) if reasoning else ""
+    # the thinking free of the grammar, which holds the answer after it; a budget bounds it (thinking.py)
+    thinking = thinking_params(
+        server.tokenizer, reasoning, tail, "grammar" in params, req.thinking_token_budget
+    )
+    if thinking is not None:
+        params["thinking"] = thinking
     output = chat_outputs(fmt, tools, reasoning, tail)
-    return await respond(server, "chat", req, prompts, params, start, request, output)
+    counter = thinking_counter(server.tokenizer, reasoning, tail)
+    return await respond(server, "chat", req, prompts, params, start, request, output, counter)
 
 
 async def completions(server: OpenAIServer, request: Request) -> Response:
     start = time.perf_counter()
     server.check_auth(request)
-    req = validate_body(CompletionRequest, await server.read_json(request))
+    req = validate_request(server, CompletionRequest, await server.read_json(request))
     server.check_model(req.model)
     check_n(server, req.n * len(req.prompts()))
     prompts: list[tuple[list[int], str]] = []

@@ -251,8 +251,9 @@ class ChatCompletionRequest(_Sampling):
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = None  # onto the template's enable_thinking (thinking.py)
     # vLLM's chat extras
+    thinking_token_budget: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -21,6 +21,7 @@ from splitserve.router.run import Run
 if TYPE_CHECKING:
     from splitserve.router.parsers import ChatOutput
     from splitserve.router.server import OpenAIServer
+    from splitserve.router.thinking import ThinkingTokens
 
 
 class CleanupStream(StreamingResponse):
@@ -76,6 +77,7 @@ async def respond(
     start: float,
     request: Request,
     output: Callable[[], ChatOutput] | None = None,
+    thinking: Callable[[], ThinkingTokens] | None = None,
 ) -> Response:
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     name = server.info.served_name
@@ -83,6 +85,7 @@ async def respond(
     server.metrics.router_queue.labels(name).observe(waited)
     run = request.state.splitserve_run = Run(server, kind, req, prompts, params, rid, start)
     run.output = output
+    run.count_thinking(thinking)
     server.runs.add(run)
     released = False
 

@@ -39,11 +39,12 @@ class ResponsesRequest(_Req):
     metadata: dict[str, str] | None = None
     user: str | None = None
     previous_response_id: str | None = None
-    reasoning: dict[str, Any] | None = None  # accepted; no reasoning models' effort knob here
+    reasoning: dict[str, Any] | None = None  # its `effort`: chat's reasoning_effort (router/thinking.py)
     truncation: Literal["disabled", "auto"] | None = None
     include: list[str] | None = None
     service_tier: str | None = None
     seed: int | None = None  # vLLM's extra
+    thinking_token_budget: int | None = Field(default=None, ge=0)  # vLLM's extra (router/thinking.py)
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
@@ -63,6 +64,7 @@ class ResponsesRequest(_Req):
             ("seed", self.seed),
             ("max_tokens", self.max_output_tokens),
             ("parallel_tool_calls", self.parallel_tool_calls),
+            ("thinking_token_budget", self.thinking_token_budget),
         ):
             if value is not None:
                 body[key] = value
@@ -89,6 +91,8 @@ class ResponsesRequest(_Req):
             body["response_format"] = {"type": "json_schema", "json_schema": schema}
         elif fmt:
             body["response_format"] = {"type": fmt.get("type")}
+        if (self.reasoning or {}).get("effort") is not None:
+            body["reasoning_effort"] = self.reasoning["effort"]  # type: ignore[index]
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -205,7 +209,9 @@ def _usage(chat_usage: dict | None) -> dict | None:
         "output_tokens": chat_usage["completion_tokens"],
         "total_tokens": chat_usage["total_tokens"],
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+        },
     }
 
 
@@ -225,9 +231,10 @@ def response_object(req: ResponsesRequest, model: str, chat: dict[str, Any]) -> 
 class ResponseEvents:
     """A streamed chat completion's SSE chunks -> the Responses API's events."""
 
-    def __init__(self, req: ResponsesRequest, model: str) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, chat_id: str | None = None) -> None:
         self.req, self.model = req, model
-        self.rid = f"resp_{uuid.uuid4().hex}"
+        # the chat request's id as a response id (as the access log shows it), else a new one
+        self.rid = "resp_" + (chat_id.removeprefix("chatcmpl-") if chat_id else uuid.uuid4().hex)
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.text: str | None = None  # the open message item's text, None while none is open

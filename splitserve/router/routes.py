@@ -13,12 +13,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from splitserve.router import endpoints
 from splitserve.router.access_log import AccessLog
 from splitserve.router.contain import ContainErrors
 from splitserve.router.edge_gate import EdgeGate
-from splitserve.router.guard import DocsGuard
+from splitserve.router.guard import METRICS_TYPE, DocsGuard, MetricsEndpoint
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.server import OpenAIServer
 from splitserve.router.utility_routes import install_utility_routes
@@ -29,6 +30,11 @@ log = logging.getLogger(__name__)
 def build_api(server: OpenAIServer, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="splitserve", lifespan=lifespan)
     install_routes(app, lambda: server)
+    cors = server.manifest.server.cors
+    if cors is not None:  # outermost: a preflight (OPTIONS) is answered before auth and routing
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
+                           allow_credentials=cors.allow_credentials)  # fmt: skip
     return app
 
 
@@ -39,6 +45,7 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
     app.add_middleware(DocsGuard, get=get)  # /docs, /redoc, /openapi.json behind the API key
     app.add_middleware(AccessLog, get=get)  # the access log line, and errors counted by status
     app.add_middleware(EdgeGate, get=get)  # 401, 429 from the headers alone, before all of the above
+    app.add_middleware(MetricsEndpoint, get=get)  # GET /metrics: a snapshot's bytes, first of all
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -94,11 +101,12 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
+        """Reached with server.metrics_auth on (MetricsEndpoint answers the open case itself)."""
         server = get()
-        if server.manifest.server.metrics_auth:  # with API keys set, a key (or metrics_auth: false)
-            server.check_auth(request)
-        body = await server.metrics_cache.get()
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+        server.check_auth(request)
+        # ?fresh=1: the next snapshot (at most a second away), for a reader that just caused something
+        body = await server.metrics_cache.get(fresh=request.query_params.get("fresh") in ("1", "true"))
+        return Response(body, media_type=METRICS_TYPE)
 
 
 __all__ = ["build_api", "install_routes"]

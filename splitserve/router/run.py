@@ -18,10 +18,12 @@ import msgspec
 from splitserve.router.dispatch import Piece
 from splitserve.router.metrics import ttft_breakdown
 from splitserve.router.openai_protocol import APIError
+from splitserve.router.vllm_metrics import RunFigures
 
 if TYPE_CHECKING:
     from splitserve.router.parsers import ChatOutput
     from splitserve.router.server import OpenAIServer
+    from splitserve.router.thinking import ThinkingTokens
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ class _Choice:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     last_time: float = 0.0
+    thinking: ThinkingTokens | None = None  # its thinking tokens counted (a model that thinks)
 
 
 _DEADLINE = object()  # queued by a run's deadline timer
@@ -78,6 +81,11 @@ class Run:
         # tools or thinking on: each choice's text parsed (parsers/output.py), one parser per choice
         self.output: Callable[[], ChatOutput] | None = None
         self.cancelling = False  # set by cancel(): its choices' cancellations are its own
+
+    def count_thinking(self, counter: Callable[[], ThinkingTokens] | None) -> None:
+        """Count each choice's thinking tokens (usage's reasoning_tokens) with a fresh `counter()`."""
+        for c in self.choices:
+            c.thinking = counter() if counter is not None else None
 
     def launch(self) -> None:
         for index, ids, params in self.jobs:
@@ -157,19 +165,24 @@ class Run:
         if c.last_time == 0.0:
             ttft = now - self.start
             m.observe_first(ttft, piece.metrics)
+            self.s.vllm.observe_first(ttft)
             if self.ttft is None:
                 self.ttft, self.first_metrics = ttft, piece.metrics
         elif piece.token_ids:
             gap = (now - c.last_time) / len(piece.token_ids)
-            observe = self.s.itl.observe
+            observe, observe_vllm = self.s.itl.observe, self.s.vllm.itl_bound.observe
             for _ in piece.token_ids:
                 observe(gap)
+                observe_vllm(gap)
         c.last_time = now
         c.tokens += len(piece.token_ids)
+        if c.thinking is not None:
+            c.thinking.feed(piece.token_ids)
         self.s.generated.inc(len(piece.token_ids))
         if piece.finished:
             c.finish_reason = piece.finish_reason
             m.requests.labels(name, piece.finish_reason or "unknown").inc()
+            self.s.vllm.success.labels(name, piece.finish_reason or "unknown").inc()
 
     async def first(self) -> Piece:
         piece = await self.next()
@@ -181,16 +194,32 @@ class Run:
 
     def usage(self) -> dict:
         done = sum(c.tokens for c in self.choices)
-        return {
+        out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": done,
             "total_tokens": self.prompt_tokens + done,
         }
+        if any(c.thinking is not None for c in self.choices):
+            thought = sum(c.thinking.count for c in self.choices if c.thinking is not None)
+            out["completion_tokens_details"] = {"reasoning_tokens": thought}
+        return out
 
     def _finish_metrics(self) -> None:
         m, name = self.s.metrics, self.s.info.served_name
-        m.observe_done(time.perf_counter() - self.start, self.ttft, max(c.tokens for c in self.choices))
+        e2e = time.perf_counter() - self.start
+        m.observe_done(e2e, self.ttft, max(c.tokens for c in self.choices))
         m.prompt_tokens.labels(name).inc(self.prompt_tokens)
+        self.s.vllm.observe_done(self._figures(e2e))
+
+    def _figures(self, e2e: float) -> RunFigures:
+        tokens = [c.tokens for c in self.choices]
+        asked, first = self.params.get("max_tokens"), self.first_metrics
+        if asked is None:  # as vLLM counts it: what the context leaves
+            asked = self.s.info.max_model_len - max(c.prompt_len for c in self.choices)
+        return RunFigures(
+            e2e, self.ttft, first.get("queue_s"), first.get("prefill_s"), self.prompt_tokens, sum(tokens),
+            max(tokens), self.req.n, asked,
+        )  # fmt: skip
 
     # ---- non-streaming --------------------------------------------------------------------------
 

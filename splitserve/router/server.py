@@ -33,13 +33,15 @@ from splitserve.config.manifest import Manifest
 from splitserve.router.admission import Admission
 from splitserve.router.dispatch import Dispatcher, WorkerSet
 from splitserve.router.gate import Gate
-from splitserve.router.guard import MetricsCache
+from splitserve.router.guard import MetricsSnapshot
 from splitserve.router.json_edge import parse_json
+from splitserve.router.lenient import ignored_fields_counter
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.migrate import KV_FAULTS, migration_counter
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.parsers import chosen_parsers
 from splitserve.router.tools import template_knows_tools
+from splitserve.router.vllm_metrics import VllmMetrics
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +93,11 @@ class OpenAIServer:
         self._count_migration = migration_counter(self.metrics.registry, info.served_name)
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.metrics.prime(manifest.transport.backend)
+        self.ignored_fields = ignored_fields_counter(self.metrics.registry)  # unknown request fields
+        self.vllm = VllmMetrics(self.metrics.registry, info.served_name, info.max_model_len)  # vLLM's names
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         template = getattr(tokenizer, "chat_template", None)  # not `.hf`: that loads transformers
+        self.chat_template: str | None = template
         # the model family's tool-call syntax and thinking shape (parsers/): as configured, else read
         # off the template; one that does not fit the template stops the start with the right name
         self.tool_format, self.reasoning_format = chosen_parsers(
@@ -100,7 +105,7 @@ class OpenAIServer:
         )
         self.native_tools = template_knows_tools(template)
         # the per-token metrics, bound to their labels once (a .labels() lookup per token adds up)
-        self.metrics_cache = MetricsCache(self.render_metrics)  # one render per 0.25 s at most
+        self.metrics_cache = MetricsSnapshot(self.render_metrics)  # /metrics: a snapshot a second
         # api_run.Run: requests in flight (cut_streams ends them at the drain deadline)
         self.runs: set[Any] = set()
         self.itl = self.metrics.itl.labels(info.served_name)
@@ -292,8 +297,9 @@ class OpenAIServer:
                 m.startup_seconds.labels(*lab).set(w["startup_s"])
         m.router_waiting.labels(name).set(self.admission.waiting)
         m.prime_workers(self.describe_workers())
-        if self.worker_stats is not None:
-            m.from_worker_stats(await self.worker_stats(), self.manifest.transport.required())
+        stats = await self.worker_stats() if self.worker_stats is not None else []
+        m.from_worker_stats(stats, self.manifest.transport.required())
+        self.vllm.from_worker_stats(stats, self.admission.waiting)
         return m.render()
 
 

@@ -17,7 +17,8 @@ from pydantic import Field
 
 import splitserve
 from splitserve.router.chat_template import render_chat
-from splitserve.router.openai_protocol import APIError, ChatMessage, ToolDef, _Req, validate_body
+from splitserve.router.lenient import validate_request
+from splitserve.router.openai_protocol import APIError, ChatMessage, ToolDef, _Req
 from splitserve.router.tools import render_messages
 
 
@@ -44,7 +45,7 @@ def install_utility_routes(app: FastAPI, get: Any) -> None:
     async def tokenize(request: Request) -> dict:
         server = get()
         server.check_auth(request)
-        req = validate_body(TokenizeRequest, await server.read_json(request))
+        req = validate_request(server, TokenizeRequest, await server.read_json(request))
         if req.model is not None:
             server.check_model(req.model)
         tok = _tokenizer(server)
@@ -69,7 +70,7 @@ def install_utility_routes(app: FastAPI, get: Any) -> None:
     async def detokenize(request: Request) -> dict:
         server = get()
         server.check_auth(request)
-        req = validate_body(DetokenizeRequest, await server.read_json(request))
+        req = validate_request(server, DetokenizeRequest, await server.read_json(request))
         if req.model is not None:
             server.check_model(req.model)
         if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= server.info.vocab_size):

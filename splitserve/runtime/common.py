@@ -1,11 +1,12 @@
 """What a worker of a pool gets from the manifest: its command line (local runtime) or its config
-(the Ray runtime builds the worker in its replica process)."""
+(the Ray runtime builds the worker in its replica process); and what /workers shows of a worker of
+either runtime (`describe_worker`)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from splitserve.config.manifest import Manifest
 
@@ -64,6 +65,7 @@ def worker_config(
         grammar_threads=manifest.server.structured.compile_threads,
         grammar_timeout_s=manifest.server.structured.compile_timeout_s,
         speculative_config=e.speculative_config,
+        tensor_parallel_size=manifest.tensor_parallel_size(role),
         progress=False,
     )
     return WorkerConfig(
@@ -105,6 +107,7 @@ def lending_slots(manifest: Manifest) -> dict[tuple[str, int], int]:
     if not manifest.runtime.lend_cores:
         return {}
     lenders = [(r, i) for r, i in cpu_workers(manifest) if manifest.engine_for(r).threads is None]
+    lenders = [(r, i) for r, i in lenders if manifest.tensor_parallel_size(r) == 1]  # one process each
     return {w: slot for slot, w in enumerate(lenders)} if len(lenders) > 1 else {}
 
 
@@ -136,7 +139,54 @@ def cpu_threads(manifest: Manifest) -> int:
     """A CPU worker's intra-op threads when the manifest leaves them out: this host's cores shared
     evenly among the deployment's workers that are not on a GPU (colocated on 2 cores: 2; a prefill
     and a decode worker: 1 each)."""
-    return max(1, (os.cpu_count() or 1) // max(1, len(cpu_workers(manifest))))
+    ranks = sum(manifest.tensor_parallel_size(role) for role, _ in cpu_workers(manifest))
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
-__all__ = ["core_share_file", "cpu_workers", "lending_slots", "pool_device", "worker_argv", "worker_config"]
+class WorkerView(Protocol):
+    """What both runtimes know of a worker (local.WorkerProcess, ray_workers.RayEndpoint)."""
+
+    name: str
+    role: str
+    state: str
+    url: str | None
+    kv_address: str | None
+    info: dict
+    restarts: int
+    inflight: int
+    startup_s: float | None  # the last spawn -> ready time, where the runtime measures it
+    last_exit: int | None
+
+    @property
+    def pid(self) -> int | None: ...
+
+
+def describe_worker(w: WorkerView, **extra: Any) -> dict:
+    """One worker as /workers shows it; `extra`: the runtime's own fields (Ray: node_id)."""
+    return {
+        "name": w.name,
+        "role": w.role,
+        "state": w.state,
+        "url": w.url,
+        "pid": w.pid,
+        "restarts": w.restarts,
+        "startup_s": None if w.startup_s is None else round(w.startup_s, 3),
+        "last_exit": w.last_exit,
+        "inflight": w.inflight,
+        "kv_backend": w.info.get("kv_backend"),
+        "kv_address": w.kv_address,
+        **extra,
+        "info": dict(w.info),
+    }
+
+
+__all__ = [
+    "WorkerView",
+    "core_share_file",
+    "cpu_workers",
+    "describe_worker",
+    "lending_slots",
+    "pool_device",
+    "worker_argv",
+    "worker_config",
+]

@@ -202,7 +202,7 @@ def render_rayservice(manifest: Manifest, opts: KubeRayOptions | None = None) ->
             p.num_gpus
             if p.num_gpus is not None
             else (
-                1.0
+                float(manifest.tensor_parallel_size(role))  # a GPU per tensor-parallel rank of a replica
                 if any(d.startswith("cuda") for d in pool.devices) or manifest.model.device.startswith("cuda")
                 else 0.0
             )

@@ -25,6 +25,7 @@ from splitserve.config.manifest import Manifest
 from splitserve.model.generation_defaults import describe as describe_defaults
 from splitserve.model.generation_defaults import generation_defaults
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
+from splitserve.router.chat_template import use_chat_template
 from splitserve.router.probe import KVProber
 from splitserve.router.routes import build_api
 from splitserve.router.server import ModelInfo, OpenAIServer
@@ -89,6 +90,7 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
     # the tokenizer before the port: parsing it holds the interpreter for ~0.1 s, which would hold up
     # the 503s below (the converted tokenizer is cached by setup's `prepare`, or by a worker)
     tokenizer = load_tokenizer(manifest.model.source, manifest.model.tokenizer)
+    use_chat_template(tokenizer, manifest.model.chat_template)  # vLLM's --chat-template
     mark("tokenizer")
     # bind (a busy port fails fast), and answer on it at once: 503 "starting" until ready
     sock, url = listen(manifest.server.host, manifest.server.port, backlog=1024)
@@ -164,6 +166,7 @@ async def _start(
         finally:
             api.admission.closed = True
             await stats_line.stop()
+            await api.metrics_cache.stop()
             await prober.stop()
             await api.dispatcher.close()
 

@@ -32,7 +32,7 @@ import httpx
 from tqdm.auto import tqdm  # here, not at start(): an import there would hold up the router's 503s
 
 from splitserve.config.manifest import Manifest
-from splitserve.runtime.common import core_share_file, worker_argv
+from splitserve.runtime.common import core_share_file, describe_worker, worker_argv
 from splitserve.runtime.mps import MpsDaemon, MpsPlan
 from splitserve.runtime.mps import plan as mps_plan
 from splitserve.runtime.standby import Standby, die_with_parent, kill, spawn_standby, taken_or_dead
@@ -78,20 +78,7 @@ class WorkerProcess:
         return self.proc.pid if self.proc is not None else None
 
     def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "role": self.role,
-            "state": self.state,
-            "url": self.url,
-            "pid": self.pid,
-            "restarts": self.restarts,
-            "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
-            "last_exit": self.last_exit,
-            "inflight": self.inflight,
-            "kv_backend": self.info.get("kv_backend"),
-            "kv_address": self.kv_address,
-            "info": dict(self.info),
-        }
+        return describe_worker(self)
 
 
 @dataclass

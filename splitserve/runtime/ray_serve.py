@@ -159,6 +159,9 @@ class Router:
             await asyncio.sleep(0.5)
         first = next(iter(self.workers.ready(next(iter(m.pools()))))).info
         tokenizer = await asyncio.to_thread(load_tokenizer, first["model"], first.get("tokenizer"))
+        from splitserve.router.chat_template import use_chat_template
+
+        use_chat_template(tokenizer, m.model.chat_template)
         info = ModelInfo(
             m.model.resolved_served_name(),
             int(first["max_model_len"]),
@@ -219,11 +222,9 @@ def build_app(manifest: Manifest, secret: str | None = None) -> Any:
     blob = manifest.model_dump_json()
     workers = []
     for role, pool in manifest.pools().items():
-        gpus = (
-            1.0
-            if any(d.startswith("cuda") for d in pool.devices) or manifest.model.device.startswith("cuda")
-            else 0
-        )
+        on_gpu = any(d.startswith("cuda") for d in pool.devices) or manifest.model.device.startswith("cuda")
+        # a replica's tensor-parallel ranks run in its one actor (its engine core starts them): one GPU each
+        gpus = float(manifest.tensor_parallel_size(role)) if on_gpu else 0
         opts: dict[str, Any] = {
             "name": f"{manifest.name}-{role}",
             "ray_actor_options": _actor_options(pool.placement, gpus, {t.secret_env: secret}),

@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from splitserve.runtime.common import describe_worker
+
 log = logging.getLogger(__name__)
 
 
@@ -30,27 +32,15 @@ class RayEndpoint:
     inflight: int = 0
     misses: int = 0
     restarts: int = 0
+    startup_s: float | None = None  # Serve starts the replicas: not measured here
+    last_exit: int | None = None
 
     @property
     def ready(self) -> bool:
         return self.state == "ready"
 
     def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "role": self.role,
-            "state": self.state,
-            "url": self.url,
-            "pid": self.pid,
-            "restarts": self.restarts,
-            "startup_s": None,
-            "last_exit": None,
-            "inflight": self.inflight,
-            "kv_backend": self.info.get("kv_backend"),
-            "kv_address": self.kv_address,
-            "node_id": self.node_id,
-            "info": dict(self.info),
-        }
+        return describe_worker(self, node_id=self.node_id)
 
 
 class RayWorkers:

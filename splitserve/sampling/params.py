@@ -1,8 +1,10 @@
 """Per-request sampling parameters, in vLLM's spelling, validated at construction.
 
 `SamplingParams.grammar` (a `GrammarSpec`) constrains a request's output (structured outputs, forced
-tool calls): plain data here; compiling and matching it is engine/grammar.py's. On the wire (the
-router's and the worker's JSON, the engine core's msgpack) it travels as the dict of its fields.
+tool calls): plain data here; compiling and matching it is engine/grammar.py's. `SamplingParams.thinking`
+(a `ThinkingSpec`) says the output starts inside a thinking block: the grammar waits for its end, and
+a budget bounds it (engine/thinking.py). On the wire (the
+router's and the worker's JSON, the engine core's msgpack) each travels as the dict of its fields.
 """
 
 from __future__ import annotations
@@ -48,6 +50,28 @@ class GrammarSpec:
 
 
 @dataclass(frozen=True)
+class ThinkingSpec:
+    """An answer that starts inside the model's thinking block (its prompt opened it): the engine leaves
+    the thinking free of the grammar, which constrains only what follows the block's end, and may bound
+    it (engine/thinking.py). `end`: the token ids that end the block (`</think>`); `forced`: those written
+    in its place once `budget` thinking tokens have been sampled (empty: `end`); `budget`: None for no
+    bound (vLLM's `thinking_token_budget`)."""
+
+    end: tuple[int, ...]
+    forced: tuple[int, ...] = ()
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "end", tuple(self.end))
+        object.__setattr__(self, "forced", tuple(self.forced) or tuple(self.end))
+        ids = self.end + self.forced
+        if not self.end or not all(_int_in(t, 0, _INT32) for t in ids):
+            raise ValueError("thinking.end and thinking.forced must be token ids, end at least one")
+        if self.budget is not None and not _int_in(self.budget, 0, _INT32):
+            raise ValueError(f"thinking.budget must be a non-negative integer, got {self.budget!r}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -68,6 +92,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     grammar: GrammarSpec | None = None  # a dict of its fields is taken too (the wire form)
+    thinking: ThinkingSpec | None = None  # likewise
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +109,13 @@ class SamplingParams:
                 raise ValueError(f"bad grammar: {exc}") from None
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError("grammar must be a GrammarSpec or a dict of its fields")
+        if isinstance(self.thinking, dict):
+            try:
+                object.__setattr__(self, "thinking", ThinkingSpec(**self.thinking))
+            except TypeError as exc:
+                raise ValueError(f"bad thinking: {exc}") from None
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingSpec):
+            raise ValueError("thinking must be a ThinkingSpec or a dict of its fields")
         self._validate()
 
     def _validate(self) -> None:

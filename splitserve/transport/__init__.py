@@ -5,9 +5,9 @@ between workers. The engine's side of the feature is engine/kv_transfer*.py and 
 Nothing here depends on the engine: a transport moves the blocks of a plain block-major KV cache tensor
 `kv_cache[num_blocks, layers, 2, block_size, kv_heads, head_dim]`. See transport.py for the life of a
 request's KV and the contract, channel.py for the one transport (a control channel holding a payload
-mover per backend: tcp.py, shm.py, cuda_ipc.py, nccl.py, nixl.py), protocol.py for the wire, and
-backends.py for what each backend needs. A prefill worker that exports over shm should allocate its
-cache with `allocate_shared_kv`: fetchers then copy straight out of it (shm_direct.py).
+mover per backend: stream/ for tcp and shm, gpu/ for cuda_ipc and nccl, nixl/), protocol.py for the
+wire, and backends.py for what each backend needs. A prefill worker that exports over shm should allocate its
+cache with `allocate_shared_kv`: fetchers then copy straight out of it (stream/shm_direct.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from splitserve.transport.faults import FaultyTransport
     from splitserve.transport.layout import KVLayout
     from splitserve.transport.lease import LeaseManager
-    from splitserve.transport.shm_direct import allocate_shared_kv
+    from splitserve.transport.stream.shm_direct import allocate_shared_kv
     from splitserve.transport.transport import KVTransport, TransportOptions
 
 # imported on first use: the errors and the handle (what the workers' front ends need) stay free of
@@ -43,7 +43,7 @@ _LAZY = {
     "FaultyTransport": "splitserve.transport.faults",
     "KVLayout": "splitserve.transport.layout",
     "LeaseManager": "splitserve.transport.lease",
-    "allocate_shared_kv": "splitserve.transport.shm_direct",
+    "allocate_shared_kv": "splitserve.transport.stream.shm_direct",
     "KVTransport": "splitserve.transport.transport",
     "TransportOptions": "splitserve.transport.transport",
 }

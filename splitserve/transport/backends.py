@@ -2,10 +2,10 @@
 
     tcp       any two hosts; always available
     shm       same host, POSIX shared memory + a unix control socket
-    cuda_ipc  same host, GPU KV: needs CUDA; GPU-to-GPU copies through a CUDA IPC handle (cuda_ipc.py)
-    nccl      GPU KV, any hosts: needs CUDA and NCCL; NCCL send/recv per connection (nccl.py)
+    cuda_ipc  same host, GPU KV: needs CUDA; GPU-to-GPU copies through a CUDA IPC handle (gpu/cuda_ipc.py)
+    nccl      GPU KV, any hosts: needs CUDA and NCCL; NCCL send/recv per connection (gpu/nccl.py)
     nixl      NVIDIA NIXL READs (UCX, LIBFABRIC, ...: `options.nixl_backends`), CPU or GPU KV, any hosts:
-              needs NIXL's Python package (`nixl` or `nixl_cu12`); control over tcp's channel (nixl.py)
+              needs NIXL's Python package (`nixl` or `nixl_cu12`); control over tcp's channel (nixl/mover.py)
 
 A backend that cannot run raises `BackendUnavailable` naming what is missing (a start-up error); another
 backend is used only when the caller lists it in `make_transport(..., fallback=[...])`, and then a
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def _tcp() -> type[KVChannel]:
-    from splitserve.transport.tcp import TcpTransport
+    from splitserve.transport.stream.tcp import TcpTransport
 
     return TcpTransport
 
@@ -44,7 +44,7 @@ def _shm() -> type[KVChannel]:
         raise BackendUnavailable(f"shm: POSIX shared memory is not available here ({exc})") from exc
     if not hasattr(socket, "AF_UNIX"):
         raise BackendUnavailable("shm: unix sockets are not available here")
-    from splitserve.transport.shm import ShmTransport
+    from splitserve.transport.stream.shm import ShmTransport
 
     return ShmTransport
 
@@ -63,7 +63,7 @@ def _cuda_ipc() -> type[KVChannel]:
         missing = f"torch {torch.__version__} cannot share CUDA storage (no UntypedStorage._new_shared_cuda)"
     if missing:
         raise BackendUnavailable(f"cuda_ipc: needs CUDA on both workers of one host; {missing}")
-    from splitserve.transport.cuda_ipc import CudaIpcTransport
+    from splitserve.transport.gpu.cuda_ipc import CudaIpcTransport
 
     return CudaIpcTransport
 
@@ -74,16 +74,16 @@ def _nccl() -> type[KVChannel]:
         missing = f"torch {torch.__version__} was built without NCCL"
     if missing:
         raise BackendUnavailable(f"nccl: needs CUDA and NCCL; {missing}")
-    from splitserve.transport.nccl import NcclTransport
+    from splitserve.transport.gpu.nccl import NcclTransport
 
     return NcclTransport
 
 
 def _nixl() -> type[KVChannel]:
-    from splitserve.transport.nixl_env import load_nixl
+    from splitserve.transport.nixl.env import load_nixl
 
     load_nixl()  # BackendUnavailable naming the install line when neither distribution imports
-    from splitserve.transport.nixl import NixlTransport
+    from splitserve.transport.nixl.mover import NixlTransport
 
     return NixlTransport
 
@@ -151,8 +151,8 @@ def preflight(name: str, options: TransportOptions) -> None:
         return  # open_backend names the known ones
     BACKENDS[name]()
     if name == "nixl":
-        from splitserve.transport.nixl_agent import NixlAgent
-        from splitserve.transport.nixl_env import load_nixl, plugin_load_error
+        from splitserve.transport.nixl.agent import NixlAgent
+        from splitserve.transport.nixl.env import load_nixl, plugin_load_error
 
         module, _ = load_nixl()
         if all(plugin_load_error(module, b) for b in options.nixl_backends):

@@ -90,10 +90,10 @@ class PayloadMover(Protocol):
       fetcher   fetch(request: FetchRequest) -> state
                                                   stream movers: `port.stream_fetch(..., recv_payload)`
 
-    The backends: tcp.py, shm.py (a host_stream.StreamMover over the backend's StreamWire), cuda_ipc.py and
-    nccl.py (GPU movers, each holding a gpu_two_sided.GpuTwoSided: the two-sided GPU fetch they share,
-    which calls back their hooks), nixl.py (one-sided NIXL READs). What two backends share is composed
-    (a mover over a wire, a component held), never a base class.
+    The backends: stream/tcp.py and stream/shm.py (one stream/mover.py StreamMover over the backend's
+    StreamWire), gpu/cuda_ipc.py and gpu/nccl.py (one gpu/mover.py GpuMover over the backend's
+    GpuLink), nixl/mover.py (one-sided NIXL READs). What two backends share is composed (a mover over
+    a wire or a link), never a base class.
     """
 
     backend: str

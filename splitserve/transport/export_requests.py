@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -42,7 +42,8 @@ class Export:
 class PayloadCall:
     """One fetch for a mover to answer (`send_payload`): the fetcher's connection, what the pinned
     lease keeps, its block ids, the payload header's common fields (`meta`: blocks, checksum), the
-    fault drawn from the plan (tests; `Fault.NONE` in production), the fetch's deadline, the plan."""
+    fault drawn from the plan (tests; `Fault.NONE` in production), the fetch's deadline, the plan, and
+    the fetcher's request header (a backend's own fields, such as nccl's `into_run`)."""
 
     chan: AsyncChannel
     export: Export
@@ -51,6 +52,7 @@ class PayloadCall:
     fault: Fault
     deadline: Deadline
     plan: FaultPlan | None = None  # the plan `fault` was drawn from (tests; None in production)
+    request: dict = field(default_factory=dict)
 
     def unpack(self) -> tuple[AsyncChannel, Export, tuple[int, ...], dict, Fault, Deadline]:
         return self.chan, self.export, self.block_ids, self.meta, self.fault, self.deadline
@@ -116,7 +118,7 @@ class ExportRequests:
                     await asyncio.sleep(plan.knobs.delay_s)
                 meta = {"blocks": len(lease.block_ids), "checksum": lease.payload.checksum}
                 start = time.perf_counter()
-                call = PayloadCall(chan, lease.payload, lease.block_ids, meta, fault, deadline, plan)
+                call = PayloadCall(chan, lease.payload, lease.block_ids, meta, fault, deadline, plan, header)
                 nbytes = await self.mover.send_payload(call)
                 self.stats.served(nbytes, time.perf_counter() - start)
                 return fault is not Fault.KILL

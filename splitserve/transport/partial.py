@@ -11,13 +11,11 @@ worker's `--kv-fetch-fraction` (tests, drills).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
 
 import torch
 
-from splitserve.transport.transport import KVTransport
+from splitserve.transport.transport import FetchRequest, KVTransport
 from splitserve.transport.wrapped import WrappedTransport
-from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +27,12 @@ class PartialTransport(WrappedTransport):
         super().__init__(inner)
         self.fraction = fraction
 
-    def fetch(
-        self,
-        handle: KVHandle,
-        into_block_ids: Sequence[int],
-        timeout_s: float | None = None,
-        into_state: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        ids = list(into_block_ids)
+    def fetch_request(self, request: FetchRequest) -> dict[str, torch.Tensor]:
+        ids = list(request.into_block_ids)
         lost = ids[int(len(ids) * self.fraction) :]
         kv = self.inner.kv_cache
         before = kv[lost].clone()  # [len(lost), layers, 2, block_size, kv_heads, head_dim]
-        state = self.inner.fetch(handle, into_block_ids, timeout_s, into_state)
+        state = self.inner.fetch_request(request)
         kv[lost] = before  # these blocks never arrived
         self.stats.count("fetched_bytes", -len(lost) * kv[0].numel() * kv.element_size())
         return state

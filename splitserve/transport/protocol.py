@@ -14,7 +14,7 @@ Life of a connection (fetcher = client, exporter = server):
   4. client: proof_s wrong -> AuthError; layouts differ -> it refuses too (PeerRefused).
      Nothing about the KV is sent before step 3 succeeds.
   5. requests, any number, one at a time:
-       fetch   {lease_id, timeout_s} -> "kv" header + payload (tcp) or the shm dialogue (shm.py)
+       fetch   {lease_id, timeout_s} -> "kv" header + payload (tcp) or the shm dialogue (stream/shm.py)
        release {lease_id}            -> ok
      an exporter that cannot serve answers error {code, message} (errors.py).
 

@@ -88,7 +88,10 @@ def test_a_steps_tokens_and_logprobs_do_not_depend_on_its_thread_count(model: st
     decode rows the paged one), and the hybrid's torch ops."""
     from splitserve.config.engine import EngineConfig
     from splitserve.engine.engine import LLMEngine
-    from splitserve.model import cpu_attention, cpu_fused, cpu_gemm, cpu_prefill
+    from splitserve.kernels.cpu import attention as cpu_attention
+    from splitserve.kernels.cpu import fused as cpu_fused
+    from splitserve.kernels.cpu import gemm as cpu_gemm
+    from splitserve.kernels.cpu import prefill as cpu_prefill
     from splitserve.sampling.params import SamplingParams
 
     if (os.cpu_count() or 1) < 2:
@@ -145,13 +148,15 @@ def test_a_disaggregated_deployments_workers_borrow_the_idle_ones_core(disaggreg
     [("random:tiny-random", True), ("random:tiny-random", False), ("random:qwen3.5-tiny-random", False)],
 )
 def test_the_hook_runs_before_each_layer_and_mlp_product(model: str, fused: bool, monkeypatch) -> None:
-    """A borrowed core comes back within one product only if the serving loop's hook (model/cpu_threads.py)
+    """A borrowed core comes back within one product only if the serving loop's hook (kernels/cpu/threads.py)
     runs at the checkpoints of every forward: before each layer (the decoder's fused CPU path and its
     plain one, and the hybrid's), and in the fused path's prompt steps also before each of a layer's two
     MLP products."""
     from splitserve.config.engine import EngineConfig
     from splitserve.engine.engine import LLMEngine
-    from splitserve.model import cpu_fused, cpu_layer, cpu_threads
+    from splitserve.kernels.cpu import fused as cpu_fused
+    from splitserve.kernels.cpu import layer as cpu_layer
+    from splitserve.kernels.cpu import threads as cpu_threads
     from splitserve.sampling.params import SamplingParams
 
     if fused and not cpu_fused.load():

@@ -1,4 +1,4 @@
-"""The decode layer op (model/cpu_layer.py): a decode-only step through it gives bitwise the hidden
+"""The decode layer op (kernels/cpu/layer.py): a decode-only step through it gives bitwise the hidden
 states of the Python path over the same ops, on tiny random-weight Qwen2 (QKV bias), Qwen3 (QK-norm)
 and Llama checkpoints, fp32 (panels) and int4; greedy output through it in fp32 equals HF's."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.model import cpu_layer, cpu_linear
+from splitserve.kernels.cpu import layer as cpu_layer
+from splitserve.kernels.cpu import linear as cpu_linear
 
 CASES = [
     ("qwen2", "fp32"),
@@ -106,8 +107,9 @@ def test_the_op_is_not_used_without_panels(tiny_model_factory, monkeypatch) -> N
 
 
 def test_int4_batches_leave_the_op_for_bf16_products(tiny_model_factory, monkeypatch) -> None:
-    """The int4 option from `INT4_BF16_ROWS` rows (cpu_linear.py; 2 here): decode steps of one row take the op
-    over the int4 codes; batches of more take the Python path, whose products are the bf16 weights."""
+    """The int4 option from `INT4_BF16_ROWS` rows (kernels/cpu/linear.py; 2 here): decode steps of one
+    row take the op over the int4 codes; batches of more take the Python path, whose products are the
+    bf16 weights."""
     monkeypatch.setattr(cpu_linear, "INT4_BF16_ROWS", 2)
     tiny = tiny_model_factory("qwen3")
     llm = LLM(model=str(tiny.path), max_model_len=256, progress=False, kv_cache_bytes=4 * 2**20,

@@ -88,8 +88,9 @@ def test_seeded_samples_and_an_adopted_first_token_follow_the_grammar(llm):
     engine = llm.engine
     first = out.outputs[0].token_ids[0]
     params = SamplingParams(seed=5, max_tokens=60, grammar=SPEC)
-    req = engine.build_request([11, 12, 13], params, "replayed")
-    assert engine.adopt(req, first, None, 0) is None  # recompute the prompt here, first token given
+    port = engine.transfers.port  # what a KV import does to the engine (kv_transfer_port.py)
+    req = port.build_request([11, 12, 13], params, "replayed")
+    assert port.adopt(req, first, None, 0) is None  # recompute the prompt here, first token given
     while engine.has_unfinished_requests():
         engine.step()
     assert req.output_token_ids[0] == first

@@ -64,7 +64,7 @@ def test_outputs_due_before_a_step_that_raises_are_not_lost(tiny, monkeypatch):
     engine = llm.engine
     engine.add_request(tiny.prompts[0], SamplingParams(temperature=0, max_tokens=4), "r")
     due = object()
-    engine.post_output(due)  # type: ignore[arg-type]
+    engine.table.due.post(due)  # type: ignore[arg-type]
 
     def boom(*_a, **_k):
         raise RuntimeError("injected")

@@ -14,6 +14,7 @@ import pytest
 
 from splitserve.engine.memory_plan import (
     MIN_MARGIN_BYTES,
+    FixedCosts,
     MemoryInputs,
     MemoryShareError,
     margin_bytes,
@@ -33,7 +34,9 @@ def qwen35_9b(**over) -> MemoryInputs:
         grammar=4 * MIB, checkpoints=400 * MIB, slot_bytes=50 * MIB, max_slots=64, scratch_slot=True,
         block_bytes=512 * 1024, blocks_per_seq=140, share=int(H100 * 0.45),
     )  # fmt: skip
-    return MemoryInputs(**{**base, **over})
+    args = {**base, **over}
+    costs = FixedCosts(**{f.name: args.pop(f.name) for f in dataclasses.fields(FixedCosts)})
+    return MemoryInputs(costs=costs, **args)
 
 
 def test_every_piece_fits_inside_the_share():

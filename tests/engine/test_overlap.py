@@ -118,7 +118,7 @@ def test_a_failed_step_unwinds_the_pending_one(tiny, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine.add_request(tiny.prompts[0], params, "a")
     engine.add_request(tiny.prompts[1], params, "b")
-    while engine._inflight is None:
+    while engine.overlap.pending is None:
         engine.step()
     execute = engine.runner.execute
 

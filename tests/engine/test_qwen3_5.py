@@ -318,7 +318,7 @@ def test_random_qwen3_5_source_matches_hf(monkeypatch):
     (`build_hf_model`, through `Qwen3_5LM.hf_state_dict`) generates the same greedy tokens. The engine
     keeps its dense CPU weights here (an engine that loads its own model drops them once packed), since
     HF is built from them."""
-    from splitserve.model import cpu_linear
+    from splitserve.kernels.cpu import linear as cpu_linear
     from splitserve.model.random_weights import QWEN3_5_9B, build_hf_model, random_source_config
 
     monkeypatch.setattr(cpu_linear, "DROP_DENSE", False)

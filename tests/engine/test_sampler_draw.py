@@ -1,7 +1,7 @@
 """The CPU draw (engine/sampler.py `_inverse_cdf`): its tokens follow the distribution, a filtered-out
 token is never drawn, and `replay_draw` moves a generator exactly as one row's draw does (a decode
 engine that imports a seeded request without the generator state relies on that). The same draw as
-one C++ op (model/cpu_fused.py's `sample_rows`) gives the same tokens."""
+one C++ op (kernels/cpu/fused.py's `sample_rows`) gives the same tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from splitserve.engine.sampler import _inverse_cdf, replay_draw
-from splitserve.model import cpu_fused
+from splitserve.kernels.cpu import fused as cpu_fused
 
 
 def test_frequencies_follow_the_distribution_and_zero_is_never_drawn() -> None:
@@ -50,7 +50,7 @@ def op() -> None:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.9])
 def test_the_cpu_op_draws_the_torch_paths_tokens_from_the_same_numbers(op: None, temperature: float) -> None:
-    """model/cpu_fused.py's `sample_rows` and `_inverse_cdf` over softmax(x / t), one uniform number
+    """kernels/cpu/fused.py's `sample_rows` and `_inverse_cdf` over softmax(x / t), one uniform number
     per row from generators in the same state: the same tokens (only a number within ~1e-7 of a
     boundary between two tokens could tell their exps apart)."""
     g = torch.Generator().manual_seed(int(temperature * 10))

@@ -1,7 +1,8 @@
-"""The scheduler without a model: fake requests, and steps simulated the way `LLMEngine._update` applies
-them (computed tokens bumped, a token appended where a chunk samples, full blocks cached, finished
-requests freed). A fake KV cache records which token each slot holds, so that a chunk reading a block
-that another request overwrote, or a wrong prefix-cache hit, is caught without running a model."""
+"""The scheduler without a model: fake requests, and steps simulated the way
+`Scheduler.update_from_output` applies them (computed tokens bumped, a token appended where a chunk
+samples, full blocks cached, finished requests freed). A fake KV cache records which token each slot
+holds, so that a chunk reading a block that another request overwrote, or a wrong prefix-cache hit,
+is caught without running a model."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class Sim:
     def __init__(self, num_blocks: int, max_num_seqs: int = 8, budget: int = 16, caching: bool = True):
         self.pool = BlockPool(num_blocks, caching)
         self.block_manager = BlockManager(self.pool, BS)
-        self.sched = Scheduler(self.block_manager, max_num_seqs, budget)
+        self.sched = Scheduler(self.block_manager, max_num_seqs, budget, max_model_len=1 << 20)
         self.live: dict[str, Request] = {}
         self.finished: list[Request] = []
         self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> token id whose KV is there

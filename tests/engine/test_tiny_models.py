@@ -12,7 +12,8 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import block_bytes
-from splitserve.model import cpu_fused, cpu_prefill
+from splitserve.kernels.cpu import fused as cpu_fused
+from splitserve.kernels.cpu import prefill as cpu_prefill
 from splitserve.model.config import ModelConfig, RopeConfig
 from splitserve.model.layers import rope_inv_freq
 
@@ -136,7 +137,7 @@ def test_aborts_mid_flight_free_everything_and_leave_the_rest_exact(tiny_model_f
 def test_fused_and_plain_paths_both_generate_what_hf_does(tiny_model_factory, arch: str, monkeypatch) -> None:
     """Greedy tokens through the fused ops and through the torch path (`cpu_fused` off) equal HF's; the
     fused pass really ran the ops (every forward), the plain pass none of them. The decode layer op
-    (model/cpu_layer.py, which calls the same ops from C++) is off here: tests/engine/test_cpu_layer.py."""
+    (kernels/cpu/layer.py, which calls the same ops from C++) is off here: tests/engine/test_cpu_layer.py."""
     if not cpu_fused.load(force=True):
         pytest.skip("the CPU ops could not be built here (no C++ compiler)")
     tiny = tiny_model_factory(arch)
@@ -172,7 +173,7 @@ def test_fused_and_plain_paths_both_generate_what_hf_does(tiny_model_factory, ar
 @pytest.mark.parametrize("budget", [2048, 16])  # 16: prompts chunked, later chunks see earlier ones
 def test_prefill_kernel_on_and_off_both_generate_what_hf_does(tiny_model_factory, arch: str, budget: int,
                                                               monkeypatch) -> None:  # fmt: skip
-    """Greedy tokens with model/cpu_prefill.py's prompt attention and with SDPA equal HF's; the op ran
+    """Greedy tokens with kernels/cpu/prefill.py's prompt attention and with SDPA equal HF's; the op ran
     once a layer for every prefill chunk in the first pass, never in the second."""
     if not cpu_prefill.load(force=True):
         pytest.skip("the prompt attention op needs AVX-512 and a C++ compiler")

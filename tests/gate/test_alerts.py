@@ -84,6 +84,7 @@ def test_a_broken_expression_would_be_caught():
 def test_dashboard_loads_and_queries_exported_metrics():
     dash = json.loads(DASHBOARD.read_text())
     assert dash["title"] == "splitserve" and dash["schemaVersion"] >= 30
+    assert dash["annotations"]["list"][0]["builtIn"] == 1  # grafana-foundation-sdk's schema wants the key
     titles = [p["title"] for p in dash["panels"]]
     for want in (
         "Time to first token",

@@ -14,54 +14,20 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.model import gdn_prefill, qwen3_5
-from splitserve.model.attention import AttentionMetadata, PrefillChunk
-from splitserve.model.config import ModelConfig
+from splitserve.model import gdn_prefill
 from splitserve.model.decoder import ForwardContext
+from splitserve.model.gdn_case import gdn_layer_case
+from splitserve.model.random_weights import SMALL_QWEN3_5
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or gdn_prefill.fla_rule() is None, reason="needs CUDA and fla-core"
 )
 
-SMALL = dict(
-    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=32, linear_value_head_dim=32, initializer_range=0.1, max_position_embeddings=1024,
-)  # fmt: skip
-LENS = (1, 2, 9, 70, 130)
-
 
 def test_layer_fla_matches_torch():
-    cfg = ModelConfig.from_hf(
-        {**SMALL, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]}
-    )
-    torch.manual_seed(0)
-    layer = qwen3_5.GatedDeltaNet(cfg, 1).cuda().eval()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    lin = cfg.linear
-    assert lin is not None
-    states = {
-        "conv": torch.randn(9, 3, lin.conv_dim, lin.conv_kernel - 1, device="cuda") * 0.2,
-        "recurrent": torch.randn(
-            9, 3, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim, device="cuda"
-        )
-        * 0.2,
-    }
+    case = gdn_layer_case("cuda")
+    layer, states, meta, x = case.layer, case.states, case.meta, case.x
     ref_states = {k: v.clone() for k, v in states.items()}
-    nd, chunks, start = 3, [], 3
-    for n in LENS:
-        chunks.append(PrefillChunk(start, n, n, None))
-        start += n
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(start, dtype=torch.int64, device="cuda"),
-        num_decode_tokens=nd,
-        decode_groups=(),
-        prefills=tuple(chunks),
-        seq_slots=torch.tensor([6, 1, 3, 0, 7, 4, 8, 2], device="cuda"),
-    )
-    x = torch.randn(start, cfg.hidden_size, device="cuda")
     with torch.no_grad():
         ref = layer(x, ForwardContext(attn=None, meta=meta, kv_cache=torch.empty(0), states=ref_states))
         layer.varlen = True
@@ -78,7 +44,7 @@ def checkpoint(tmp_path_factory):
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("small_qwen3_5")
-    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SMALL)).save_pretrained(path)
+    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SMALL_QWEN3_5)).save_pretrained(path)
     return str(path)
 
 

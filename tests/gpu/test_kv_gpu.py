@@ -229,8 +229,8 @@ def test_a_late_copy_times_out_and_its_blocks_are_held_until_it_ends():
     queue without the host waiting for the late one. The late copy is a one-block copy queued
     behind a ~1 s sleep kernel on the transport's side stream."""
     from splitserve.engine.block_pool import BlockPool
-    from splitserve.transport.cuda_ipc import copy_blocks, kv_rows
     from splitserve.transport.errors import TransferTimeout
+    from splitserve.transport.gpu.cuda_ipc import copy_blocks, kv_rows
     from splitserve.transport.protocol import Deadline
 
     spec = Spec()
@@ -243,19 +243,19 @@ def test_a_late_copy_times_out_and_its_blocks_are_held_until_it_ends():
         with torch.cuda.device(dst.device):
             later = (([3, 9, 4], [20, 2, 30]), ([7, 1, 60, 5], [11, 12, 40, 0]))
             for s_ids, d_ids in later:  # warm-up: the first launch of a kernel variant loads its
-                with fet.mover.two_sided.on_device():  # module, which waits for the whole GPU
+                with fet.mover.on_device():  # module, which waits for the whole GPU
                     copy_blocks(rows_src, rows_dst, s_ids, d_ids)
             torch.cuda.synchronize()
             dst.zero_()
             torch.cuda.synchronize()
-            with fet.mover.two_sided.on_device():
+            with fet.mover.on_device():
                 torch.cuda._sleep(2_000_000_000)  # ~1 s of clock cycles
                 copy_blocks(rows_src, rows_dst, [3], [10])  # the late copy, into block 10
                 done = torch.cuda.Event()
                 done.record()
             t0 = time.monotonic()
             with pytest.raises(TransferTimeout, match="cuda_ipc copy from late peer") as info:
-                fet.mover._wait_copies("late peer", Deadline.after(0.05), done)
+                fet.mover.link._wait_copies("late peer", Deadline.after(0.05), done)
             assert time.monotonic() - t0 < 0.5
             assert info.value.pending is done and not done.query()
             assert torch.cuda.current_stream().query()  # the engine's stream is not held up
@@ -265,7 +265,7 @@ def test_a_late_copy_times_out_and_its_blocks_are_held_until_it_ends():
             assert pool.num_free == 0 and pool.num_held == 1
             t0 = time.monotonic()
             for s_ids, d_ids in later:
-                with fet.mover.two_sided.on_device():
+                with fet.mover.on_device():
                     assert copy_blocks(rows_src, rows_dst, s_ids, d_ids) == "kernel"
             assert time.monotonic() - t0 < 0.5  # queued, not waited for on the host
             torch.cuda.synchronize()

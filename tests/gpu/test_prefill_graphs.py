@@ -14,16 +14,11 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.engine import prefill_graphs
 from splitserve.model import gdn_prefill
+from splitserve.model.random_weights import SMALL_QWEN3_5
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or gdn_prefill.fla_rule() is None, reason="needs CUDA and fla-core"
 )
-
-SMALL = dict(
-    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=32, linear_value_head_dim=32, initializer_range=0.1, max_position_embeddings=1024,
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +27,7 @@ def checkpoint(tmp_path_factory):
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("small_qwen3_5_graphs")
-    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SMALL)).save_pretrained(path)
+    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SMALL_QWEN3_5)).save_pretrained(path)
     return str(path)
 
 

@@ -188,6 +188,17 @@ def test_gdn_gates() -> None:
 
 
 @torch.inference_mode()
+def test_sigmoid_gate_mul() -> None:
+    from splitserve.kernels.fused import sigmoid_gate_mul
+
+    t, heads, d = 3, 4, 16
+    x = torch.randn(t, heads * d)
+    qkv = torch.randn(t, 2 * heads * d + 40)  # per head [q | gate], then k and v
+    gate = qkv[:, : 2 * heads * d].view(t, heads, 2 * d)[..., d:].reshape(t, heads * d)
+    torch.testing.assert_close(sigmoid_gate_mul(x, qkv, heads, d), x * torch.sigmoid(gate))
+
+
+@torch.inference_mode()
 def test_gated_rmsnorm() -> None:
     from splitserve.kernels.fused import gated_rmsnorm
     from splitserve.model.layers import GatedRMSNorm
@@ -204,8 +215,8 @@ def test_gated_rmsnorm() -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_one_token_forward_with_the_gemv_fusions_equals_plain(arch: str, monkeypatch) -> None:
     """One decode row (batch-1 decode) through the fused forward with kernels/gemv.py's fusions (the
-    residual adds in the o_proj and down_proj epilogues, the factored RMSNorms, SiLU in down_proj;
-    Qwen3.5's mixers take only the MLP's), here in fp32 with the GEMV let onto the CPU: the plain
+    residual adds in the o_proj (or out_proj) and down_proj epilogues, the factored RMSNorms read by
+    the projections after them, SiLU in down_proj), here in fp32 with the GEMV let onto the CPU: the plain
     forward's hidden state, KV cache and recurrent state."""
     from tiny_configs import TINY_QWEN3_5
 
@@ -243,7 +254,7 @@ def test_one_token_forward_with_the_gemv_fusions_equals_plain(arch: str, monkeyp
     for m in model.modules():
         if hasattr(m, "fused"):
             m.fused = False
-    assert len(calls) == (2 if arch == "qwen3" else 1) * cfg.num_layers  # o_proj and down_proj, or down_proj
+    assert len(calls) == 2 * cfg.num_layers  # the mixer's output projection and down_proj
     (want, want_kv, want_st), (got, got_kv, got_st) = runs
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)

@@ -20,7 +20,7 @@ from splitserve.kernels.gated_delta import (  # noqa: E402
     causal_conv1d_update,
     fused_recurrent_gated_delta_rule_update,
 )
-from splitserve.model import qwen3_5  # noqa: E402
+from splitserve.model import gdn_layer, qwen3_5  # noqa: E402
 from splitserve.model.attention import AttentionMetadata, PrefillChunk  # noqa: E402
 from splitserve.model.config import ModelConfig  # noqa: E402
 from splitserve.model.decoder import ForwardContext  # noqa: E402
@@ -147,6 +147,27 @@ def test_recurrent_gated_delta_update(hk: int, hv: int, dk: int, dv: int, dtype:
         _check_pool(pool, before, ref_pool, slots[r], **state_tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_update_with_raw_gates_equals_gates_made_first(dtype: torch.dtype):
+    """`raw_gates`: the kernel makes g and beta from in_proj's raw a, b (values past softplus's
+    threshold too) as kernels/fused.py's gdn_gates does: the same output and state, bit for bit."""
+    from splitserve.kernels.fused import gdn_gates
+
+    gen = torch.Generator().manual_seed(3)
+    hk, hv, dk, dv, rows = 2, 4, 16, 32, 3
+    q, k, v, _, _ = _rule_inputs(gen, rows, hk, hv, dk, dv, dtype)
+    ab = (torch.randn(rows, 2 * hv + 3, generator=gen) * 8).to(dtype)  # strided slices, as in_proj's
+    a, b = ab[:, :hv], ab[:, hv : 2 * hv]
+    a_log, dt_bias = torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    pool = torch.randn(NUM_SLOTS, hv, dk, dv, generator=gen) * 0.2
+    made = pool.clone()
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    want = fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, made, slots)
+    got = fused_recurrent_gated_delta_rule_update(q, k, v, a, b, pool, slots, raw_gates=(a_log, dt_bias))
+    assert torch.equal(got, want) and torch.equal(pool, made)
+
+
 # ------------------------------------------------------------------------------- GatedDeltaNet layer
 
 
@@ -185,8 +206,8 @@ def test_gated_delta_net_decode_fused_matches_torch(monkeypatch):
             return layer(x, ForwardContext(attn=None, meta=meta, kv_cache=torch.empty(0), states=st))
 
     ref = run(ref_states)
-    monkeypatch.setenv(qwen3_5.TRITON_ON_CPU_ENV, "1")
-    kernels, calls = qwen3_5._decode_kernels(), []
+    monkeypatch.setenv(gdn_layer.TRITON_ON_CPU_ENV, "1")
+    kernels, calls = gdn_layer._decode_kernels(), []
     for name in ("causal_conv1d_update", "fused_recurrent_gated_delta_rule_update"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(

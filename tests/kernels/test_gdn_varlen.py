@@ -17,9 +17,10 @@ from tiny_configs import TINY_QWEN3_5  # noqa: E402
 
 from splitserve.kernels.causal_conv_varlen import (  # noqa: E402
     causal_conv1d_varlen,
+    causal_conv1d_varlen_split,
     conv1d_varlen_update_states,
 )
-from splitserve.model import gdn_prefill, qwen3_5  # noqa: E402
+from splitserve.model import gdn_layer, gdn_prefill, qwen3_5  # noqa: E402
 from splitserve.model.attention import AttentionMetadata, PrefillChunk  # noqa: E402
 from splitserve.model.config import ModelConfig  # noqa: E402
 from splitserve.model.decoder import ForwardContext  # noqa: E402
@@ -64,6 +65,10 @@ def test_conv_varlen_matches_per_chunk(dtype: torch.dtype):
 
     out = torch.full((sum(LENS), c), float("nan"), dtype=dtype)
     causal_conv1d_varlen(x, pool, weight, lp.cu_seqlens, lp.token_seq, lp.slots, out=out)
+    # the same output split at the q | k | v channels (8 | 8 | 24) into contiguous tensors
+    split = causal_conv1d_varlen_split(x, pool, weight, lp.cu_seqlens, lp.token_seq, lp.slots, 8)
+    assert all(p.is_contiguous() for p in split) and [p.shape[1] for p in split] == [8, 8, 24]
+    assert torch.equal(torch.cat(split, dim=1), out)
     conv1d_varlen_update_states(x, pool, lp.cu_seqlens, lp.slots)
 
     start = 0
@@ -154,7 +159,7 @@ def test_engine_varlen_greedy_matches_torch(monkeypatch, tmp_path):
     monkeypatch.setattr(gdn_prefill, "VARLEN_RULE", gdn_prefill.torch_varlen_rule)
     calls = []
     real = gdn_prefill.varlen_rule
-    monkeypatch.setattr(qwen3_5, "varlen_rule", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(gdn_layer, "varlen_rule", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     got, preemptions = run("fla")
     assert calls and preemptions > 0
     assert got == ref

@@ -78,7 +78,7 @@ class FakeConnector:
 
 
 class FakeEngine:
-    """The bookkeeping LLMEngine does for the transfers (kv_transfer._Engine), and nothing else."""
+    """The engine port the transfers use (kv_transfer.EnginePort): its bookkeeping, and nothing else."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -103,11 +103,19 @@ class FakeEngine:
     def post_output(self, output: RequestOutput) -> None:
         self.outputs.append(output)
 
+    def grammar_compiling(self, req: Request) -> bool:
+        return False  # no request here has a grammar
+
+    def grammar_late(self, since: float, timeout_s: float) -> bool:
+        return False
+
 
 class Setup:
     def __init__(self, hold: bool = True) -> None:
         self.pool = BlockPool(NUM_BLOCKS, enable_prefix_caching=False)
-        self.sched = Scheduler(BlockManager(self.pool, BS), max_num_seqs=4, max_num_batched_tokens=64)
+        self.sched = Scheduler(
+            BlockManager(self.pool, BS), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64
+        )
         self.engine = FakeEngine(self.sched)
         kv_cache = torch.zeros((NUM_BLOCKS, 2, BS))
         states = StatePool({}, 4, kv_cache.device)

@@ -1,4 +1,4 @@
-"""model/cpu_amx.py: a block-quantized weight's products on AMX are as exact as fp32's, its blocks are
+"""kernels/cpu/amx.py: a block-quantized weight's products on AMX are as exact as fp32's, its blocks are
 recovered bit for bit from the dequantized weights (and only from them), and greedy output through it
 stays token-exact with HF on the embedded Q4_1 GGUF. The products run where the host has AMX-BF16
 (Intel Xeon 4th generation and later) and skip elsewhere, saying so; the recovery is plain torch and
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve import SamplingParams
-from splitserve.model import cpu_amx
+from splitserve.kernels.cpu import amx as cpu_amx
 from splitserve.model.layers import Linear
 
 

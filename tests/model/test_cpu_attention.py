@@ -1,4 +1,4 @@
-"""The CPU paged decode op (model/cpu_attention.py) and the fresh-prompt prefill path against the
+"""The CPU paged decode op (kernels/cpu/attention.py) and the fresh-prompt prefill path against the
 gather + SDPA reference of TorchPagedAttention."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.model import cpu_attention
+from splitserve.kernels.cpu import attention as cpu_attention
 from splitserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, TorchPagedAttention
 
 BS, LAYERS = 4, 2
@@ -68,7 +68,7 @@ def test_paged_decode_in_blocks_of_16(op: object, kvh: int, h: int, d: int) -> N
 def test_paged_decode_head_groups_block_sizes_and_task_splits(
     op: object, bs: int, kvh: int, g: int, d: int, rows: int
 ) -> None:
-    """The AVX-512 body's shapes (model/cpu_attention_avx512.py, where the host has it; the AVX2 body
+    """The AVX-512 body's shapes (kernels/cpu/attention_avx512.py, where the host has it; the AVX2 body
     elsewhere): head_dim 64 and 128; G query heads a KV head taken in passes of up to 6 (64) or 3 (128);
     blocks shorter than, equal to and longer than its 16 rows a score pass, and partial last blocks;
     2 rows (a task a KV head) and 9 (a task a sequence)."""

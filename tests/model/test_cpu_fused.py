@@ -1,4 +1,4 @@
-"""model/cpu_fused.py's C++ ops against the torch path they replace: the residual add and the rotary
+"""kernels/cpu/fused.py's C++ ops against the torch path they replace: the residual add and the rotary
 embedding give the same bits, the KV store writes the same slots, the norms agree to fp32 rounding
 (their sum of squares runs in another order). tests/engine/test_tiny_models.py runs whole models
 through them against HF."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.model import cpu_fused
+from splitserve.kernels.cpu import fused as cpu_fused
 from splitserve.model.attention import store_kv
 from splitserve.model.config import RopeConfig
 from splitserve.model.layers import RMSNorm, RotaryEmbedding

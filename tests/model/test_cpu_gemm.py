@@ -1,4 +1,4 @@
-"""The small-batch CPU matmul (model/cpu_gemm.py): F.linear's products from packed panels, each output
+"""The small-batch CPU matmul (kernels/cpu/gemm.py): F.linear's products from packed panels, each output
 one sum in k order, so that a row's result depends neither on its batch nor on the threads."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.model import cpu_gemm
+from splitserve.kernels.cpu import gemm as cpu_gemm
 
 
 @pytest.fixture(scope="module", autouse=True)

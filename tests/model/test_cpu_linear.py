@@ -1,4 +1,4 @@
-"""CPU projections (model/cpu_linear.py): the same products as the plain paths."""
+"""CPU projections (kernels/cpu/linear.py): the same products as the plain paths."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.model import cpu_linear
+from splitserve.kernels.cpu import linear as cpu_linear
 from splitserve.model.layers import Linear
 
 
@@ -55,7 +55,7 @@ def test_int4_batches_take_the_same_weights_in_bf16(monkeypatch):
 
 @pytest.fixture
 def no_panels(monkeypatch):
-    """Projections without model/cpu_gemm.py's op (oneDNN and MKL only), whatever this host is."""
+    """Projections without kernels/cpu/gemm.py's op (oneDNN and MKL only), whatever this host is."""
     monkeypatch.setattr(cpu_linear.cpu_gemm, "start", lambda: False)
 
 
@@ -129,7 +129,7 @@ def test_gemv_rows_read_the_dense_weight_and_keep_it(monkeypatch, no_panels):
 def test_panels_take_up_to_max_rows_and_replace_the_dense_weight(monkeypatch):
     """On an AVX-512 host: 1 to cpu_gemm.MAX_ROWS rows go through the panels (as F.linear, ~1e-6),
     more through oneDNN; no dense weight is kept for MKL's GEMV, so drop_dense drops them all."""
-    from splitserve.model import cpu_gemm
+    from splitserve.kernels.cpu import gemm as cpu_gemm
 
     if not cpu_gemm.load():
         pytest.skip("no AVX-512 here (or the op is off): the projections keep oneDNN and MKL")

@@ -1,4 +1,4 @@
-"""model/cpu_prefill.py's prompt attention against SDPA over the same keys: a whole prompt, a later
+"""kernels/cpu/prefill.py's prompt attention against SDPA over the same keys: a whole prompt, a later
 chunk of one (it also sees the earlier part, read from the cache), blocks scattered in the pool, and
 query/KV head ratios of 1, 3 (the default model), 4, 6 and 7 (tiles of 48 lanes for 3 and 6, else
 64). Runs only where the host has AVX-512."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.model import cpu_prefill
+from splitserve.kernels.cpu import prefill as cpu_prefill
 
 
 @pytest.fixture(scope="module", autouse=True)

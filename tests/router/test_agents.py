@@ -175,6 +175,22 @@ def test_responses_api_text_and_function_tools(colocated):
     assert r.output_text and not [o for o in r.output if o.type == "function_call"]
 
 
+def test_instructor_responses_tools_mode(colocated):
+    """instructor's RESPONSES_TOOLS mode: /v1/responses with a named function tool_choice (and the
+    model's schema as its parameters); the forced call's arguments parse into the pydantic model."""
+    instructor = pytest.importorskip("instructor")
+    client = instructor.from_openai(colocated.client(timeout=120), mode=instructor.Mode.RESPONSES_TOOLS)
+    city = client.responses.create(
+        model=MODEL,
+        input="Name a large city, its country and population in millions.",
+        response_model=City,
+        max_retries=0,
+        temperature=0,
+        max_output_tokens=80,
+    )
+    assert isinstance(city, City) and city.name and city.country
+
+
 def test_langchain_responses_api(colocated):
     pytest.importorskip("langchain_openai")
 

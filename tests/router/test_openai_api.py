@@ -157,6 +157,31 @@ def test_seed_n_and_sampling_fields(disaggregated, colocated):
     assert [x.message.content for x in d.choices] != texts
 
 
+@pytest.mark.parametrize(
+    "knob",
+    [{"top_k": 3}, {"min_p": 0.3}, {"presence_penalty": 1.5}, {"frequency_penalty": 1.5},
+     {"repetition_penalty": 1.6}],
+)  # fmt: skip
+def test_each_sampling_knob_reaches_the_engine_token_exact(disaggregated, llm, knob):
+    """A seeded sample with one knob set, served disaggregated, is token for token the engine's with the
+    same sampling params, and differs from the engine's without the knob (the knob did something)."""
+    ids = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[1]}])
+
+    def engine_tokens(**extra) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True, **extra)
+        return list(llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids)
+
+    openai_names = {"presence_penalty", "frequency_penalty"}
+    kw = {k: v for k, v in knob.items() if k in openai_names}
+    extra = {k: v for k, v in knob.items() if k not in openai_names}
+    r = _chat(disaggregated, PROMPTS[1], temperature=1.0, seed=11, max_tokens=24, logprobs=True,
+              extra_body={"ignore_eos": True, **extra}, **kw)  # fmt: skip
+    want = engine_tokens(**knob)
+    served = [t.token for t in r.choices[0].logprobs.content]
+    assert served == [llm.engine.tokenizer.token_text(t) for t in want] and len(want) == 24
+    assert want != engine_tokens()
+
+
 def test_chat_logprobs_match_llm(disaggregated, llm):
     tok = llm.engine.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[2]}])
@@ -248,7 +273,7 @@ def test_concurrent_clients(disaggregated):
 
 def test_metrics_endpoint(disaggregated):
     _chat(disaggregated, PROMPTS[0], temperature=0, max_tokens=4)
-    text = httpx.get(f"{disaggregated.url}/metrics", headers=disaggregated.headers(), timeout=10).text
+    text = httpx.get(f"{disaggregated.url}/metrics?fresh=1", timeout=10).text
     for name in (
         "splitserve:time_to_first_token_seconds",
         "splitserve:inter_token_latency_seconds",
@@ -259,6 +284,31 @@ def test_metrics_endpoint(disaggregated):
         "splitserve:num_requests_waiting",
         "splitserve:kv_cache_usage_perc",
         "splitserve:kv_blocks_held",
+    ):
+        assert name in text, name
+    for name in (  # vLLM's names beside ours (router/vllm_metrics.py)
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket",
+        "vllm:request_inference_time_seconds_bucket",
+        'vllm:request_success_total{finished_reason="length",model_name="smollm2-135m-instruct"}',
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:request_generation_tokens_bucket",
+        "vllm:request_params_n_bucket",
+        "vllm:request_params_max_tokens_bucket",
+        'vllm:num_requests_running{model_name="smollm2-135m-instruct",role="prefill",worker=',
+        'vllm:num_requests_waiting{model_name="smollm2-135m-instruct",role="decode",worker=',
+        'vllm:kv_cache_usage_perc{model_name="smollm2-135m-instruct",role="decode"',
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        'vllm:iteration_tokens_total_bucket{le="+Inf",model_name="smollm2-135m-instruct",role="prefill"',
     ):
         assert name in text, name
     assert 'splitserve:kv_transfer_seconds_count{backend="shm",model_name="smollm2-135m-instruct"}' in text

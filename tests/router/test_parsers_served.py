@@ -1,65 +1,36 @@
 """The parsers in a served deployment: a random-weight tiny Qwen3.5 whose tokenizer carries Qwen3.5's own
-chat template (tests/fixtures/qwen3_5), served colocated. The parsers come from the template
-(`qwen3_coder`, `qwen3`); a parser that does not fit it stops the start, naming the one that does.
-Random weights write no meaningful calls, so what is checked is what the parsers guarantee: the thinking
-apart from the answer, streamed as unstreamed, and a forced call that parses and validates."""
+chat template (tests/fixtures/qwen3_5), served colocated and disaggregated (1 prefill + 1 decode). The
+parsers come from the template (`qwen3_coder`, `qwen3`); a parser that does not fit it stops the start,
+naming the one that does. Random weights write no meaningful calls, so what is checked is what the
+parsers and the grammar guarantee: the thinking apart from the answer, streamed as unstreamed; forced
+calls after a bounded thinking that parse and validate, 100 of 100; a JSON-schema answer after the
+thinking; and the disaggregated deployment's answers equal to the colocated one's, seed for seed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from pathlib import Path
+from typing import Any
 
 import jsonschema
+import openai
 import pytest
-from serve_harness import manifest_yaml, start_deployment
-from tiny_configs import TINY_QWEN3_5
+from serve_harness import manifest_yaml
 
 from splitserve.config.manifest import parse_manifest
 from splitserve.runtime.process import start_serve
 
-TEMPLATE = Path(__file__).parents[1] / "fixtures" / "qwen3_5" / "chat_template.jinja"
-CITY, DAYS = {"type": "string", "maxLength": 12}, {"type": "integer"}
+CITY, DAYS = {"type": "string", "maxLength": 12}, {"type": "integer", "minimum": 1, "maximum": 14}
 PARAMS = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
           "properties": {"city": CITY, "days": DAYS}}  # fmt: skip
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}]
 ASK = [{"role": "user", "content": "Weather in Paris for two days?"}]
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory) -> Path:
-    """A tiny Qwen3.5 checkpoint (the default model's vocabulary, so its tokenizer fits) with Qwen3.5's
-    template, as a real checkpoint ships it."""
-    import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    from splitserve.model.tokenizer import load_tokenizer
-
-    path = tmp_path_factory.mktemp("qwen3_5-template")
-    tok = load_tokenizer(None)
-    assert tok is not None
-    tok.hf.chat_template = TEMPLATE.read_text()
-    tok.hf.save_pretrained(str(path))
-    torch.manual_seed(1)
-    config = Qwen3_5TextConfig(
-        **{**TINY_QWEN3_5, "vocab_size": tok.vocab_size, "max_position_embeddings": 2048}
-    )
-    Qwen3_5ForCausalLM(config).eval().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def served(qwen_dir):
-    dep = start_deployment(
-        manifest_yaml(mode="colocated", model={"source": str(qwen_dir), "max_model_len": 2048})
-    )
-    yield dep
-    assert dep.stop() == 0, "\n".join(dep.log)
-
-
-def test_thinking_apart_streamed_as_unstreamed(served):
-    client = served.client(timeout=120)
+def test_thinking_apart_streamed_as_unstreamed(qwen_served):
+    client = qwen_served.client(timeout=120)
     kw = {
-        "model": served.client().models.list().data[0].id,
+        "model": qwen_served.client().models.list().data[0].id,
         "messages": ASK,
         "temperature": 0,
         "max_tokens": 12,
@@ -84,31 +55,103 @@ def test_thinking_apart_streamed_as_unstreamed(served):
     assert off_msg["content"] and not off_msg.get("reasoning_content")  # the template closed the block
 
 
+async def _answer(client: Any, kw: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """One chat answer as its parts, from the whole message or joined from the stream's deltas."""
+    if not stream:
+        r = await client.chat.completions.create(**kw)
+        msg = r.choices[0].message.model_dump()
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
+        return {"reasoning": msg.get("reasoning_content"), "content": msg["content"], "calls": calls,
+                "finish": r.choices[0].finish_reason,
+                "thought": r.usage.completion_tokens_details.reasoning_tokens}  # fmt: skip
+    out: dict[str, Any] = {"reasoning": "", "content": "", "calls": {}, "finish": None, "thought": None}
+    chunks = await client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    async for chunk in chunks:
+        if chunk.usage is not None:
+            out["thought"] = chunk.usage.completion_tokens_details.reasoning_tokens
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            out["reasoning"] += delta.get("reasoning_content") or ""
+            out["content"] += delta.get("content") or ""
+            out["finish"] = choice.finish_reason or out["finish"]
+            for tc in delta.get("tool_calls") or []:
+                name, args = out["calls"].get(tc["index"], ("", ""))
+                fn = tc["function"]
+                out["calls"][tc["index"]] = (
+                    name + (fn.get("name") or ""),
+                    args + (fn.get("arguments") or ""),
+                )
+    calls = [out["calls"][i] for i in sorted(out["calls"])]
+    return {**out, "reasoning": out["reasoning"] or None, "content": out["content"] or None, "calls": calls}
+
+
+def _answers(dep: Any, kws: list[dict[str, Any]], stream: bool) -> list[dict[str, Any]]:
+    async def run() -> list[dict[str, Any]]:
+        async with dep.async_client(timeout=300) as client:
+            model = (await client.models.list()).data[0].id
+            return await asyncio.gather(*(_answer(client, {"model": model, **kw}, stream) for kw in kws))
+
+    return asyncio.run(run())
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_forced_call_parses_and_validates(served, stream):
-    """tool_choice required: Qwen3.5's XML held to the schema by the grammar, read by the XML parser,
-    over several sampled answers (seeds), with no XML left in content."""
-    client = served.client(timeout=120)
-    model = client.models.list().data[0].id
-    for seed in range(4):
-        kw = {"model": model, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 1.0,
-              "seed": seed, "max_tokens": 200, "parallel_tool_calls": False}  # fmt: skip
-        if not stream:
-            choice = client.chat.completions.create(**kw).choices[0]
-            assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
-            (call,) = choice.message.tool_calls
-            name, arguments = call.function.name, call.function.arguments
-        else:
-            name, arguments, content = "", "", ""
-            for chunk in client.chat.completions.create(**kw, stream=True):
-                for choice in chunk.choices:
-                    content += choice.delta.content or ""
-                    for tc in choice.delta.tool_calls or []:
-                        name += tc.function.name or ""
-                        arguments += tc.function.arguments or ""
-            assert not content.strip()
-        assert name == "get_weather" and "<parameter=" not in arguments, arguments
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_calls_after_bounded_thinking_100_of_100_split_as_colocated(
+    qwen_served, qwen_split, choice, stream
+):
+    """tool_choice required and a named function: after a thinking bounded to 0..7 tokens, Qwen3.5's XML
+    call held to the schema by the grammar and read by the XML parser, 100 sampled answers of 100 (seeds),
+    no XML left in content; the disaggregated deployment's answers equal the colocated one's."""
+    kws = [{"messages": ASK, "tools": TOOLS, "tool_choice": NAMED if choice == "named" else "required",
+            "temperature": 1.0, "seed": seed, "max_tokens": 200, "parallel_tool_calls": False,
+            "extra_body": {"thinking_token_budget": seed % 8}} for seed in range(100)]  # fmt: skip
+    colocated = _answers(qwen_served, kws, stream)
+    assert _answers(qwen_split, kws, stream) == colocated
+    for answer in colocated:
+        assert answer["finish"] == "tool_calls" and answer["content"] is None, answer
+        ((name, arguments),) = answer["calls"]
+        assert name == "get_weather" and "<parameter=" not in arguments, answer
         jsonschema.validate(json.loads(arguments), PARAMS)
+        assert "</think>" not in (answer["reasoning"] or "") and answer["thought"] > 0, answer
+
+
+CITY_SCHEMA = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
+               "properties": {"city": CITY, "days": DAYS}}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_answer_after_bounded_thinking_split_as_colocated(qwen_served, qwen_split, stream):
+    """response_format json_schema with thinking on and a thinking budget: the reasoning apart, the content
+    valid against the schema, reasoning_tokens the budget and the forced end; split equals colocated."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": CITY_SCHEMA, "strict": True}}
+    kws = [{"messages": ASK, "response_format": fmt, "temperature": 1.0, "seed": seed, "max_tokens": 120,
+            "extra_body": {"thinking_token_budget": 3 + seed}} for seed in range(12)]  # fmt: skip
+    colocated = _answers(qwen_served, kws, stream)
+    assert _answers(qwen_split, kws, stream) == colocated
+    for kw, answer in zip(kws, colocated, strict=True):
+        budget = kw["extra_body"]["thinking_token_budget"]
+        assert answer["finish"] == "stop" and answer["reasoning"] and not answer["calls"], answer
+        jsonschema.validate(json.loads(answer["content"]), CITY_SCHEMA)
+        assert answer["thought"] == budget + 4, (
+            answer
+        )  # the forced "\n</think>" is 4 tokens of this vocabulary
+
+
+def test_reasoning_effort_maps_onto_the_template_switch(qwen_served):
+    client = qwen_served.client(timeout=120)
+    kw = {"model": client.models.list().data[0].id, "messages": ASK, "temperature": 0, "max_tokens": 8}
+    off = client.chat.completions.create(**kw, reasoning_effort="none").choices[0].message.model_dump()
+    assert off["content"] and not off.get("reasoning_content")  # the template closed the block
+    on = client.chat.completions.create(**kw, reasoning_effort="high").choices[0].message.model_dump()
+    assert on["reasoning_content"] and on["content"] is None
+    bad = {"reasoning_effort": "high", "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    with pytest.raises(openai.BadRequestError, match="contradicts"):
+        client.chat.completions.create(**kw, **bad)
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort must be one of"):
+        client.chat.completions.create(**kw, reasoning_effort="extreme")
 
 
 def test_a_parser_that_does_not_fit_the_template_is_refused_at_start(qwen_dir):
@@ -118,8 +161,31 @@ def test_a_parser_that_does_not_fit_the_template_is_refused_at_start(qwen_dir):
         start_serve(parse_manifest(json.dumps(manifest), "test manifest"), timeout_s=180)
 
 
-def test_responses_give_reasoning_items(served):
-    client = served.client(timeout=120)
+def test_vllms_command_line_starts_and_serves_qwen3_5(qwen_dir):
+    """`splitserve serve MODEL --enable-auto-tool-choice --tool-call-parser qwen3_coder --reasoning-parser
+    qwen3`, as vLLM is started for Qwen3.5: it serves a forced call; a bad tool schema is a 400 naming it."""
+    args = [str(qwen_dir), "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+            "--reasoning-parser", "qwen3", "--port", "0", "--max-model-len", "2048",
+            "--kv-cache-mb", "64"]  # fmt: skip
+    sp = start_serve(None, timeout_s=180, args=args)
+    try:
+        client = openai.OpenAI(base_url=sp.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        kw = {"model": client.models.list().data[0].id, "messages": ASK, "max_tokens": 120,
+              "extra_body": {"thinking_token_budget": 2}}  # fmt: skip
+        message = client.chat.completions.create(**kw, tools=TOOLS, tool_choice=NAMED).choices[0].message
+        (call,) = message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS)
+        bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                "properties": {"x": {"type": "nonsense"}}}}}]  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.parameters") as err:
+            client.chat.completions.create(**kw, tools=bad, tool_choice="required")
+        assert err.value.body["param"] == "tools[0].function.parameters"
+    finally:
+        assert sp.stop() == 0, "\n".join(sp.log)
+
+
+def test_responses_give_reasoning_items(qwen_served):
+    client = qwen_served.client(timeout=120)
     kw = {
         "model": client.models.list().data[0].id,
         "input": "Weather?",

@@ -197,6 +197,38 @@ def test_forced_tool_calls_validate(dep):
             jsonschema.validate(json.loads(args), PARAMS[name])
 
 
+def test_a_forced_call_with_a_response_format_is_served(dep):
+    """tool_choice named or required together with response_format json_schema (legal in OpenAI's API):
+    the forced call is the answer, its arguments follow the tool's parameters; the format, which shapes
+    content, has none to shape. Chat (streamed and not) and /v1/responses with text.format."""
+    client = dep.async_client(timeout=300)
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[0], "strict": True}}
+    named = {"type": "function", "function": {"name": "add"}}
+
+    tool = {"type": "function", **TOOLS[1]["function"]}
+    text = {"format": {"type": "json_schema", "name": "s", "schema": SCHEMAS[0], "strict": True}}
+
+    async def main():
+        cases = [(named, False), (named, True), ("required", False)]
+        jobs = [_answer(client, stream, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                        response_format=fmt, max_tokens=120, seed=i)
+                for i, (choice, stream) in enumerate(cases)]  # fmt: skip
+        r = await client.responses.create(model=MODEL, input="Give me the answer.", tools=[tool],
+                                          tool_choice={"type": "function", "name": "add"}, text=text,
+                                          max_output_tokens=120)  # fmt: skip
+        return await asyncio.gather(*jobs), r
+
+    chats, r = asyncio.run(main())
+    for i, (content, reason, calls) in enumerate(chats):
+        assert reason == "tool_calls" and len(calls) == 1 and not content.strip(), (i, reason, content)
+        name, args = calls[0]
+        assert i == 2 or name == "add"
+        jsonschema.validate(json.loads(args), PARAMS[name])
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "add"
+    jsonschema.validate(json.loads(call.arguments), PARAMS["add"])
+
+
 def test_vllm_guided_fields(dep):
     client = dep.client()
     kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "seed": 3}

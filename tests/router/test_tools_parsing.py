@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from parser_streams import args, check_streams
 
 from splitserve.router.openai_protocol import APIError, ChatCompletionRequest
+from splitserve.router.parsers import ChatOutput
 from splitserve.router.parsers.base import CallDeltas
 from splitserve.router.parsers.json_calls import HERMES, LLAMA3, JsonCallParser, ToolParser
 from splitserve.router.structured import requested_grammar
@@ -82,6 +84,33 @@ def test_plain_text_and_a_broken_block_stay_text():
     assert ToolParser(HERMES).parse("Hello <tool_ there") == ("Hello <tool_ there", [])
     content, calls = ToolParser(HERMES).parse("<tool_call>\nnot json\n</tool_call>")
     assert calls == [] and "not json" in content
+
+
+CUT_TEXT = 'Hi.<tool_call>\n{"name": "f", "arguments": {"a": [1, -2.5e3, true], "b": "x\\ny"}}\n</tool_call>'
+
+
+def test_a_hermes_answer_cut_anywhere_streams_as_it_parses():
+    """Every prefix of an answer (as max_tokens cuts it): streamed split anywhere, the joined deltas equal
+    the unstreamed parse, and a call announced once its head is whole stays a call whose arguments are
+    valid JSON beginning with what was streamed."""
+    head_end = CUT_TEXT.index('"arguments": ') + len('"arguments": {')
+    for cut in range(len(CUT_TEXT) + 1):
+        parsed = check_streams(lambda: ChatOutput(None, JsonCallParser(HERMES)), CUT_TEXT[:cut])
+        assert len(parsed.calls) == (cut >= head_end), cut
+        if cut >= head_end:
+            assert parsed.calls[0].name == "f" and parsed.content == "Hi.", cut
+            assert CUT_TEXT[head_end - 1 : cut].startswith(parsed.calls[0].arguments.rstrip('"]}')), cut
+
+
+@pytest.mark.parametrize(
+    ("arguments", "kept"),
+    [('{"city": "Par', {"city": "Par"}), ('{"city": "Paris", "da', {"city": "Paris"}),
+     ('{"city": "Paris", "days": tr', {"city": "Paris"}), ('{"days": 3,, "x"}}', {"days": 3})],
+)  # fmt: skip
+def test_a_hermes_block_cut_or_broken_after_its_head_is_a_call(arguments, kept):
+    text = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": ' + arguments
+    parsed = check_streams(lambda: ChatOutput(None, JsonCallParser(HERMES)), text)
+    assert parsed.content == "Checking." and args(parsed) == [("get_weather", kept)]
 
 
 def test_llama3_json():

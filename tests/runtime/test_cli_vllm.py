@@ -27,6 +27,11 @@ def test_a_model_argument_and_vllm_flags_fill_the_manifest():
     assert m.model.source == "default" and m.model.tokenizer == "/tok"
     assert m.model.served_names() == ["a", "b"] and m.model.resolved_served_name() == "a"
     assert _manifest("--enable-prefix-caching").engine.enable_prefix_caching is True
+    assert _manifest().server.metrics_auth is False  # /metrics open, as vLLM's
+    assert _manifest("--metrics-auth").server.metrics_auth is True
+    tp = _manifest("-tp", "2")
+    assert (tp.model.tensor_parallel_size, tp.mode) == (2, "colocated")
+    assert tp.tensor_parallel_size("colocated") == 2
     spec = _manifest("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}').engine
     assert spec.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(ManifestError, match="speculative method"):
@@ -42,8 +47,8 @@ def test_a_model_path_is_served_under_its_own_name_as_vllm_does(tmp_path):
 
 
 def test_refusals_say_why(capsys, tmp_path):
-    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
-    assert "tensor parallelism is not implemented yet" in capsys.readouterr().err
+    assert main(["serve", "--tensor-parallel-size", "2", "--mode", "disaggregated"]) == 2
+    assert "tensor parallelism in disaggregated mode is not supported yet" in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "missing.yaml")]) == 2
     assert "no such manifest file" in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "missing-model")]) == 2
@@ -63,7 +68,15 @@ def test_the_manifest_takes_vllm_names():
     )
     assert m.engine.memory_utilization == 0.5 and m.engine.enable_prefix_caching is False
     assert m.engine_for("decode").memory_utilization == 0.6 and m.model.served_names() == ["x", "y"]
-    with pytest.raises(ManifestError, match="tensor parallelism is not implemented yet"):
+    tp = parse_manifest(
+        "mode: colocated\nmodel: {tensor_parallel_size: 2}\ncolocated: {engine: {tensor_parallel_size: 4}}"
+    )
+    assert tp.tensor_parallel_size("colocated") == 4
+    assert (
+        parse_manifest("mode: colocated\nmodel: {tensor_parallel_size: 2}").tensor_parallel_size("colocated")
+        == 2
+    )
+    with pytest.raises(ManifestError, match="tensor parallelism in disaggregated mode is not supported yet"):
         parse_manifest("model: {tensor_parallel_size: 2}")
 
 

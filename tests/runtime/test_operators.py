@@ -42,7 +42,8 @@ def _samples(text: str) -> dict[tuple[str, frozenset], float]:
 
 
 def _errors(url: str, status: str) -> float:
-    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    # the next snapshot (taken after the burst); this deployment's /metrics wants the key (metrics_auth)
+    text = httpx.get(f"{url}/metrics?fresh=1", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
     for (name, labels), value in _samples(text).items():
         if name == "splitserve:request_errors_total" and dict(labels)["status"] == status:
             return value
@@ -66,14 +67,14 @@ def vllm_flags() -> ServeProcess:
 
 @pytest.fixture(scope="module")
 def vllm_manifest() -> ServeProcess:
-    """A manifest written with vLLM's field names; a short stats interval."""
+    """A manifest written with vLLM's field names; a short stats interval; /metrics behind the key."""
     manifest = {
         "mode": "colocated",
         "model": {"source": GGUF, "tokenizer": GGUF, "served_model_name": ["mani", "mani-2"],
                   "max_model_len": 1024, "tensor_parallel_size": 1},
         "engine": {"gpu_memory_utilization": 0.4, "max_num_seqs": 5, "max_num_batched_tokens": 256,
                    "block_size": 16, "enable_prefix_caching": False, "enforce_eager": True, "seed": 3},
-        "server": {"port": 0, "api_keys": [KEY], "log_stats_interval_s": 1},
+        "server": {"port": 0, "api_keys": [KEY], "log_stats_interval_s": 1, "metrics_auth": True},
     }  # fmt: skip
     path = Path(tempfile.mkdtemp(prefix="splitserve-test-")) / "vllm-names.yaml"
     path.write_text(yaml.safe_dump(manifest))
@@ -132,6 +133,12 @@ def test_manifest_with_vllm_names_reaches_the_engine(vllm_manifest: ServeProcess
         "kv_cache_bytes": None, "enable_prefix_caching": False, "enforce_eager": True, "seed": 3,
         "tokenizer": GGUF,
     }  # fmt: skip
+    # metrics_auth: /metrics wants the key here (open by default, as vLLM's: tests/router/test_bad_input.py)
+    assert httpx.get(f"{vllm_manifest.url}/metrics", timeout=10).status_code == 401
+    h = {"Authorization": f"Bearer {KEY}"}
+    assert (
+        "vllm:num_requests_waiting" in httpx.get(f"{vllm_manifest.url}/metrics", headers=h, timeout=10).text
+    )
 
 
 async def _load(url: str, n: int) -> list[int]:

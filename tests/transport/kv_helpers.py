@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from splitserve.transport import KVLayout
-from splitserve.transport.shm import SEGMENT_PREFIX, allocate_shared_kv
+from splitserve.transport.stream.shm import SEGMENT_PREFIX, allocate_shared_kv
 
 SECRET = "test-secret"
 HAVE_NIXL = any(importlib.util.find_spec(n) for n in ("nixl", "nixl_cu12", "nixl_cu13"))

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from splitserve.transport import KVHandle, KVLayout, TransportOptions, make_transport
-from splitserve.transport.shm import allocate_shared_kv
+from splitserve.transport.stream.shm import allocate_shared_kv
 
 
 @dataclass(frozen=True)

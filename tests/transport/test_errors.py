@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -320,7 +322,7 @@ def test_nixl_libfabric_alone_refuses_to_start_with_nixls_own_error():
 @needs_nixl
 @pytest.mark.skipif(HAVE_LIBFABRIC, reason="libfabric is installed here: LIBFABRIC may instantiate")
 def test_nixl_declared_fallback_serves_logs_loudly_and_is_counted(make, caplog):
-    with caplog.at_level(logging.ERROR, logger="splitserve.transport.nixl"):
+    with caplog.at_level(logging.ERROR, logger="splitserve.transport.nixl.mover"):
         exporter = make("nixl", nixl_backends=("LIBFABRIC", "UCX"), checksum="crc32")
     info = exporter.describe()
     assert info["backend"] == "nixl/UCX" and info["requested"] == "nixl/LIBFABRIC", info
@@ -336,7 +338,7 @@ def test_nixl_declared_fallback_serves_logs_loudly_and_is_counted(make, caplog):
 
 
 def test_nixl_ucx_error_mode_is_none_for_gpu_memory_and_peer_for_host(monkeypatch):
-    from splitserve.transport.nixl_env import UCX_ERROR_ENV, ucx_error_mode
+    from splitserve.transport.nixl.env import UCX_ERROR_ENV, ucx_error_mode
 
     monkeypatch.delenv(UCX_ERROR_ENV, raising=False)
     assert ucx_error_mode(torch.device("cpu")) == "peer"  # NIXL's default: a dead peer is reported
@@ -347,7 +349,7 @@ def test_nixl_ucx_error_mode_is_none_for_gpu_memory_and_peer_for_host(monkeypatc
 
 @needs_nixl
 def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(make, monkeypatch):
-    from splitserve.transport.nixl_env import UCX_ERROR_ENV
+    from splitserve.transport.nixl.env import UCX_ERROR_ENV
 
     monkeypatch.setenv(UCX_ERROR_ENV, "none")  # what a GPU pool gets, here on host memory
     exporter = make("nixl")
@@ -362,10 +364,49 @@ def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(ma
 
 
 def test_nixl_turns_cuda_ipc_gets_on_for_gpu_pools_unless_the_operator_chose(monkeypatch):
-    from splitserve.transport.nixl_env import CUDA_IPC_GET_ENV, enable_cuda_ipc_get
+    from splitserve.transport.nixl.env import CUDA_IPC_GET_ENV, enable_cuda_ipc_get
 
     monkeypatch.delenv(CUDA_IPC_GET_ENV, raising=False)
     assert enable_cuda_ipc_get(torch.device("cpu")) is None and CUDA_IPC_GET_ENV not in os.environ
     assert enable_cuda_ipc_get(torch.device("cuda", 0)) == "on" == os.environ[CUDA_IPC_GET_ENV]
     monkeypatch.setenv(CUDA_IPC_GET_ENV, "auto")  # UCX's default, asked for explicitly: kept
     assert enable_cuda_ipc_get(torch.device("cuda", 0)) == "auto"
+
+
+def test_nixl_leaves_ucx_efa_module_out_where_the_host_has_no_efa_device(monkeypatch, tmp_path):
+    from splitserve.transport.fabric import probe_fabric
+    from splitserve.transport.nixl.env import UCX_MODULES_ENV, skip_efa_without_device
+
+    sys_root, proc_root = tmp_path / "sys", tmp_path / "proc"
+
+    def device(name: str, driver: str) -> None:
+        dev = sys_root / "class" / "infiniband" / name / "device"
+        dev.mkdir(parents=True)
+        (sys_root / "drivers" / driver).mkdir(parents=True, exist_ok=True)
+        (dev / "driver").symlink_to(sys_root / "drivers" / driver)
+
+    device("mlx5_0", "mlx5_core")
+    monkeypatch.delenv(UCX_MODULES_ENV, raising=False)
+    infiniband_only = probe_fabric(str(sys_root), str(proc_root))
+    assert skip_efa_without_device(infiniband_only) == "^efa" == os.environ[UCX_MODULES_ENV]
+    monkeypatch.delenv(UCX_MODULES_ENV)
+    device("rdmap0s31", "efa")
+    with_efa = probe_fabric(str(sys_root), str(proc_root))
+    assert skip_efa_without_device(with_efa) is None and UCX_MODULES_ENV not in os.environ
+    monkeypatch.setenv(UCX_MODULES_ENV, "*")  # the operator's choice is kept
+    assert skip_efa_without_device(infiniband_only) == "*"
+
+
+@needs_nixl
+def test_a_process_that_used_nixl_exits_cleanly():
+    """A NIXL agent with UCX, made and closed: the process then exits with status 0. (UCX's EFA module
+    would load the host's libibverbs and libnl beside NIXL's own copies, whose destructors crash at
+    exit: env.skip_efa_without_device.)"""
+    code = (
+        "from splitserve.transport.nixl.agent import NixlAgent\n"
+        "NixlAgent('exit-check', ('UCX',)).close()\n"
+        "print('closed', flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "closed" in done.stdout, (done.returncode, done.stderr[-2000:])

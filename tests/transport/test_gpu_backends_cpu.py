@@ -19,7 +19,7 @@ import pytest
 import torch
 from kv_helpers import SECRET, layout_of, small_kv, wait_for
 
-import splitserve.transport.nccl as nccl_mod
+import splitserve.transport.gpu.nccl as nccl_mod
 from splitserve.transport import (
     AuthError,
     BackendUnavailable,
@@ -33,10 +33,10 @@ from splitserve.transport import (
     make_transport,
     trace,
 )
-from splitserve.transport.cuda_ipc import CudaIpcTransport, copy_blocks, kv_rows, open_peer, paired_runs
 from splitserve.transport.faults import FaultKnobs, FaultPlan
-from splitserve.transport.nccl import NcclTransport, chunk_spans
-from splitserve.transport.state_arena import row_spans
+from splitserve.transport.gpu.cuda_ipc import CudaIpcTransport, copy_blocks, kv_rows, open_peer, paired_runs
+from splitserve.transport.gpu.nccl import NcclTransport, chunk_spans
+from splitserve.transport.gpu.state_arena import row_spans
 
 NO_CUDA = not torch.cuda.is_available()
 STATES = (("conv", (4, 8), "float32"), ("ssm", (2, 3, 5), "float32"))
@@ -152,7 +152,7 @@ def test_nccl_chunks_mix_direct_and_staged(pair, monkeypatch):
     monkeypatch.setattr(nccl_mod, "CHUNK_BYTES", 3 * block)  # 3 blocks a chunk
     monkeypatch.setattr(nccl_mod, "ONE_MESSAGE_BYTES", 0)  # chunks even for a small transfer
     exporter, fetcher, _ = pair("nccl", states=())
-    assert exporter.mover.chunk_blocks == 3
+    assert exporter.mover.link.chunk_blocks == 3
     ids = [10, 11, 12, 1, 5, 3, 20, 21, 22, 30, 31]  # chunks: run | scattered | run | run(2)
     into = [0, 8, 2, 3, 4, 5, 6, 7, 44, 45, 46]  # chunks: scattered | run | scattered | run(2)
     handle = exporter.export("r", ids, len(ids) * 16)
@@ -198,14 +198,14 @@ def test_corruption_is_caught_and_kill_is_an_error(pair, backend):
 
 def test_cuda_ipc_refuses_another_host(pair):
     exporter, fetcher, _ = pair("cuda_ipc")
-    share = {**exporter.mover.share(), "host": "some-other-boot-id"}
+    share = {**exporter.mover.link.share(), "host": "some-other-boot-id"}
     with pytest.raises(PeerRefused, match="one host"):
         open_peer(share, fetcher.kv_cache.device, fetcher.layout)
 
 
 def test_cuda_ipc_refuses_a_gpu_it_cannot_see(pair):
     exporter, fetcher, _ = pair("cuda_ipc")
-    share = {**exporter.mover.share(), "pid": -1, "handle": "AAAA", "gpu": "GPU-not-here"}
+    share = {**exporter.mover.link.share(), "pid": -1, "handle": "AAAA", "gpu": "GPU-not-here"}
     with pytest.raises(PeerRefused):
         open_peer(share, torch.device("cuda", 0), fetcher.layout)
 
@@ -234,14 +234,14 @@ def test_cuda_ipc_one_sided_read_of_a_lease_ending_mid_copy_is_refused(pair, mon
     exporter, fetcher, freed = pair("cuda_ipc", states=())
     handle = exporter.export("r", [1, 2], 32)
     fetcher.fetch(exporter.export("warm", [5], 16), [7], timeout_s=10)  # mapped, one-sided
-    copy = fetcher.mover._copy
+    copy = fetcher.mover.link._copy
 
     def copy_then_lose_the_lease(peer, src_ids, into):  # the lease expires while the bytes move
         how = copy(peer, src_ids, into)
         exporter.leases.release(handle.lease_id)
         return how
 
-    monkeypatch.setattr(fetcher.mover, "_copy", copy_then_lose_the_lease)
+    monkeypatch.setattr(fetcher.mover.link, "_copy", copy_then_lose_the_lease)
     with pytest.raises(LeaseExpired):
         fetcher.fetch(handle, [10, 11], timeout_s=5)
     assert fetcher.describe()["counts"]["one_sided_lost"] == 1
@@ -288,7 +288,7 @@ def test_cuda_ipc_state_arena(pair):
     exporter, fetcher, _ = pair("cuda_ipc", state_arena_rows=2)
     state = some_state(3)
     handle = exporter.export("a", [1, 2], 32, state)
-    assert handle.state_row is not None and exporter.mover.arena.num_free == 1
+    assert handle.state_row is not None and exporter.mover.link.arena.num_free == 1
     got = fetcher.fetch(handle, [3, 4], timeout_s=10)
     assert all(torch.equal(got[k], state[k]) for k in state)
     assert fetcher.describe()["counts"]["one_sided_fetches"] == 1
@@ -302,7 +302,7 @@ def test_cuda_ipc_state_arena(pair):
     got = fetcher.fetch(third, [9], timeout_s=10)
     assert all(torch.equal(got[k], some_state(5)[k]) for k in state)
     fetcher.release(handle)
-    assert wait_for(lambda: exporter.mover.arena.num_free == 1)
+    assert wait_for(lambda: exporter.mover.link.arena.num_free == 1)
 
     exporter, fetcher, _ = pair("cuda_ipc", state_wire_dtype="bfloat16")
     got = fetcher.fetch(exporter.export("d", [1], 16, state), [2], timeout_s=10)
@@ -428,8 +428,8 @@ class _FakeEvent:
 def test_a_copy_that_never_ends_times_out_at_the_deadline():
     """cuda_ipc waits for its copies by polling an event against the fetch's deadline, not with a
     stream synchronize that would hang with a hung copy."""
-    from splitserve.transport.cuda_ipc import wait_event
     from splitserve.transport.errors import TransferTimeout
+    from splitserve.transport.gpu.cuda_ipc import wait_event
     from splitserve.transport.protocol import Deadline
 
     t0 = time.monotonic()

@@ -1,7 +1,7 @@
 """A verify chunk as decode rows: for models without recurrent state, the runner lays a chunk with
 drafts out as one decode row per position (each row attends to the cache up to its own position;
 every row's K/V is stored before any row attends), so a step of decodes and verify chunks stays a
-decode-only step: the CPU's decode layer op (model/cpu_layer.py), which reads the KV blocks in place,
+decode-only step: the CPU's decode layer op (kernels/cpu/layer.py), which reads the KV blocks in place,
 instead of the prompt path, whose attention costs ~5x more per row at a few hundred tokens of context."""
 
 from __future__ import annotations

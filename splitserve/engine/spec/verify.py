@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from splitserve.config.speculative import SpeculativeConfig, speculative_config
-from splitserve.engine.request import Request, RequestOutput, TokenLogprob
+from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, target_probs
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from splitserve.engine.spec.accept import accept_greedy, accept_sampled
@@ -82,18 +82,6 @@ class SpecStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-class Engine(Protocol):
-    """What a verify step uses of the engine (engine.py's LLMEngine)."""
-
-    runner: Any  # runner.ModelRunner (not imported: runner -> isolate -> engine)
-    sampler: Sampler
-    scheduler: Scheduler
-
-    def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> None: ...
-
-    def _output(self, parent_id: str) -> RequestOutput: ...
-
-
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, states: dict[str, torch.Tensor]) -> None:
         self.config = config
@@ -135,10 +123,13 @@ class SpecDecoder:
 
     # ---- the verify step --------------------------------------------------------------------------
 
-    def run(self, engine: Engine, sched: SchedulerOutput) -> list[RequestOutput]:
-        """Run a step in which some chunks carry drafts, take its tokens; -> the outputs that changed."""
+    def run(
+        self, sched: SchedulerOutput, runner: Any, sampler: Sampler, scheduler: Scheduler
+    ) -> list[Request]:
+        """Run a step in which some chunks carry drafts on `runner` (runner.ModelRunner), take its tokens
+        into `scheduler`; -> the requests that took a token."""
         saved = self._save_states(sched)
-        logits, sample_chunks = engine.runner.execute(sched.chunks)
+        logits, sample_chunks = runner.execute(sched.chunks)
         plain: list[Request] = []
         plain_rows: list[int] = []
         verified: list[tuple[ScheduledChunk, torch.Tensor]] = []
@@ -150,32 +141,28 @@ class SpecDecoder:
                 plain.append(c.request)
                 plain_rows.append(row)
             row += 1 + len(c.drafts)
-        tokens, logprobs = engine.sampler(logits[plain_rows], plain) if plain else ([], [])
+        tokens, logprobs = sampler(logits[plain_rows], plain) if plain else ([], [])
         for c in sched.chunks:
             if not c.drafts:
                 c.request.num_computed_tokens += c.num_tokens
         now = time.monotonic()
-        changed: dict[str, None] = {}
         for req, token, lp in zip(plain, tokens, logprobs, strict=True):
             req.first_token_time = req.first_token_time or now
-            engine._append_token(req, token, lp)
-            changed[req.parent_id or req.request_id] = None
+            scheduler.append_token(req, token, lp)
         for c, rows in verified:
-            self._take_run(engine, c, rows, saved.get(id(c.request)))
-            changed[c.request.parent_id or c.request.request_id] = None
-        engine.scheduler.cache_filled_blocks(sched)
-        return [engine._output(pid) for pid in changed]
+            self._take_run(c, rows, saved.get(id(c.request)), sampler, scheduler)
+        scheduler.cache_filled_blocks(sched)
+        return plain + [c.request for c, _ in verified]
 
-    def _take_run(
-        self, engine: Engine, c: ScheduledChunk, rows: torch.Tensor, saved: dict[str, torch.Tensor] | None
-    ) -> None:
+    def _take_run(self, c: ScheduledChunk, rows: torch.Tensor, saved: dict[str, torch.Tensor] | None,
+                  sampler: Sampler, scheduler: Scheduler) -> None:  # fmt: skip
         """Accept `c`'s drafts against its logits `rows` [1 + k, V], append the tokens, roll back."""
         req = c.request
         if req.params.greedy:
-            produced = accept_greedy(rows[:, : engine.sampler.vocab_size], c.drafts)
+            produced = accept_greedy(rows[:, : sampler.vocab_size], c.drafts)
         else:
-            probs = target_probs(rows[:, : engine.sampler.vocab_size], [req] * len(rows))
-            gen = req.generator if req.generator is not None else engine.sampler.generator
+            probs = target_probs(rows[:, : sampler.vocab_size], [req] * len(rows))
+            gen = req.generator if req.generator is not None else sampler.generator
             produced = accept_sampled(probs, c.drafts, gen)
         accepted = len(produced) - 1
         self.counters.count(len(c.drafts), accepted)
@@ -183,7 +170,7 @@ class SpecDecoder:
         last = c.start + c.num_tokens - len(c.drafts) - 1  # p0: the last known token's position
         for j, token in enumerate(produced, 1):
             req.num_computed_tokens = last + j
-            engine._append_token(req, token, None)
+            scheduler.append_token(req, token, None)
             if req.finished:
                 return  # its blocks and state are freed
         if saved is not None and accepted < len(c.drafts):
@@ -191,7 +178,7 @@ class SpecDecoder:
             for name, t in self.states.items():
                 t[slot].copy_(saved[name], non_blocking=True)
             req.num_computed_tokens = c.start  # the state is as before the chunk: compute it again
-        engine.scheduler.block_manager.trim(req)
+        scheduler.block_manager.trim(req)
 
     def _save_states(self, sched: SchedulerOutput) -> dict[int, dict[str, torch.Tensor]]:
         """Hybrid models: a copy of each drafted request's state slot, by id(request)."""

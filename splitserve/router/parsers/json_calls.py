@@ -7,6 +7,13 @@ call once it is whole; `open_call` tells the Hermes call being written once its 
 `JsonCallParser` turns that into the events every family's parser gives (`base.py`): a Hermes call is
 announced as soon as its name is whole and its arguments follow in fragments as the model writes them;
 Llama 3 JSON calls (whose end is known only at the end of the answer) come whole at the end.
+
+A Hermes block whose head is whole is a call, streamed or not, even when it never closes (cut by
+`max_tokens`) or its JSON breaks off: a stream announced it when the head was whole, and the unstreamed
+answer keeps what the stream said. Its arguments are what came of the object, closed (`json_prefix.py`),
+and a stream sends only the part that closing will keep, so the joined fragments equal them; the
+request's `finish_reason` (`length`) says it was cut. vLLM's Hermes stream announces such a call the
+same way; its unstreamed parse turns the whole answer back into content, which this parser does not.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from splitserve.router.parsers.base import (
     new_call_id,
     partial_suffix,
 )
+from splitserve.router.parsers.json_prefix import JsonPrefix, closed
 
 HERMES, LLAMA3 = "hermes", "llama3_json"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -44,6 +52,7 @@ class ToolParser:
         self._after_call = False  # hermes: a block just closed (a newline after it is dropped)
         self._block_id: str | None = None  # hermes: the id of the call whose block is open
         self._block_head: tuple[str, int] | None = None  # its name, where its arguments begin in the block
+        self._block_args = JsonPrefix()  # its arguments as streamed so far
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, calls = self.feed(text)
@@ -70,7 +79,8 @@ class ToolParser:
 
     def open_call(self) -> tuple[str, str, str] | None:
         """The Hermes call being written, once its name is whole: -> (its id, its name, the text of its
-        arguments so far, less a tail that may yet turn out to close the block); None otherwise."""
+        arguments so far that JSON can close by appending alone (`json_prefix.py`), less a tail that may
+        yet turn out to close the block); None otherwise."""
         if self.fmt != HERMES or not self._buf.startswith(_HERMES_OPEN):
             return None
         body = self._buf[len(_HERMES_OPEN) :]
@@ -83,10 +93,13 @@ class ToolParser:
         name, start = self._block_head
         assert self._block_id is not None  # set with the head, cleared with it (_take_block_id)
         rest = body[start:]
-        return self._block_id, name, _arguments_part(rest[: len(rest) - partial_suffix(rest, _HERMES_CLOSE)])
+        ready, scan = rest[: len(rest) - partial_suffix(rest, _HERMES_CLOSE)], self._block_args
+        scan.feed(ready[scan.read :])  # NOTE: `ready` only grows: a held tail begins at its only '<'
+        return self._block_id, name, ready[: scan.safe]
 
     def _take_block_id(self) -> str:
         block_id, self._block_id, self._block_head = self._block_id or new_call_id(), None, None
+        self._block_args = JsonPrefix()
         return block_id
 
     def _feed_hermes(self) -> tuple[str, list[ToolCall]]:
@@ -134,28 +147,19 @@ def _json_string(escaped: str) -> str:
         return escaped
 
 
-def _arguments_part(text: str) -> str:
-    """The arguments' text out of what follows `"arguments":`, less the closing brace of the call's
-    object and the white space around it (which a stream holds back until the block closes)."""
-    text = text.rstrip()
-    return text[:-1].rstrip() if text.endswith("}") else text
-
-
 def _hermes_call(body: str, call_id: str) -> ToolCall | None:
+    """A block's call. One whose head (name, then an object of arguments) is whole is a call whatever
+    follows, as a stream announced it once the head was whole: its arguments are the object the model
+    wrote, up to where it closes, or (cut by max_tokens, or broken off) the longest part of it that JSON
+    can close, closed. Any other block is a call only if it is whole JSON of a call; else it is text."""
+    head = _HERMES_HEAD.match(body)
+    if head is not None:
+        return ToolCall(_json_string(head.group(1)), closed(body[head.end() :]), call_id)
     try:
         obj = json.loads(body.strip())
     except ValueError:
         return None
-    call = _call_of(obj, "arguments", call_id)
-    head = _HERMES_HEAD.match(body)
-    if call is not None and head is not None:  # the model's own text of the arguments, as streamed
-        raw = _arguments_part(body[head.end() :])
-        try:
-            if json.loads(raw) == obj.get("arguments"):
-                return ToolCall(call.name, raw, call_id)
-        except ValueError:
-            pass
-    return call
+    return _call_of(obj, "arguments", call_id)
 
 
 def _call_of(obj: Any, key: str, call_id: str | None = None) -> ToolCall | None:
