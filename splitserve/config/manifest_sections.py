@@ -265,6 +265,14 @@ class RouterSection(Section):
     # least-loaded worker the chosen one may be before the request goes elsewhere.
     affinity_prefix_tokens: int = Field(default=256, ge=1)
     affinity_max_imbalance: int = Field(default=8, ge=0)
+    # A worker's fault (its process or engine core died, its stream was cut) under a request in flight:
+    # "migrate" prefills the prompt and the tokens already streamed on another (or the restarted) worker
+    # and goes on, the client seeing one stream (router/migrate.py); "fail" ends the request with a 502.
+    on_fault: Literal["migrate", "fail"] = "migrate"
+    max_migrations: int = Field(default=3, ge=0, le=100)  # per choice of a request
+    # how long a request waits for a ready worker of a role whose workers are all (re)starting, within
+    # its deadline; 0: a 503 at once
+    worker_wait_s: float = Field(default=60.0, ge=0, le=3600, allow_inf_nan=False)
 
 
 class ServerSection(Section):

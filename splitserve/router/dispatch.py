@@ -7,8 +7,11 @@ Disaggregated, one choice (`Dispatcher.run`):
      reserves blocks, fetches the KV (bounded by `timeouts.kv_transfer_s`), releases the lease and
      streams NDJSON lines from the first token on; between two lines at most `timeouts.inter_token_s`.
   Colocated: one POST /generate, streamed, on a colocated worker.
-Every failure becomes an `APIError` with a status that says what happened (502 a worker failed or
-died, 503 no worker is ready, 504 a stage ran past its deadline, 4xx the worker refused the input).
+A worker's fault under a choice (its process or engine core died, its stream was cut) migrates the choice
+to another worker, which goes on from the tokens already streamed (migrate.py). Every other failure
+becomes an `APIError` with a status that says what happened (502 a worker failed or died and the choice
+was not migrated, 503 no worker became ready in time, 504 a stage ran past its deadline, 4xx the worker
+refused the input). While every worker of a role is (re)starting, a choice waits for one (`_pick`).
 If the caller goes away (task cancelled), both workers are told to abort the request, and an export
 not yet claimed by a decode worker is released at once: nothing stays allocated.
 """
@@ -19,11 +22,9 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
@@ -31,8 +32,19 @@ import msgspec
 
 from splitserve.config.manifest_sections import RouterSection
 from splitserve.router.idle_deadline import IdleDeadline
+from splitserve.router.migrate import KV_FAULTS, Attempt, migrating
 from splitserve.router.openai_protocol import APIError
-from splitserve.sampling.logprobs import TokenLogprob
+from splitserve.router.worker_answers import (
+    Piece,
+    WorkerEndpoint,
+    as_json,
+    lines,
+    piece,
+    stream_cut,
+    timings,
+    worker_error,
+    worker_failed,
+)
 from splitserve.sampling.params import SamplingParams
 from splitserve.wire.http import (
     LINE_DECODER,
@@ -42,38 +54,13 @@ from splitserve.wire.http import (
     PrefillRequest,
     PrefillResponse,
     ReleaseRequest,
-    StreamLine,
-    Timings,
 )
 
 log = logging.getLogger(__name__)
 
 
-class WorkerEndpoint(Protocol):
-    name: str
-    role: str
-    url: str | None
-    inflight: int
-
-    @property
-    def ready(self) -> bool: ...
-
-
 class WorkerSet(Protocol):
     def ready(self, role: str) -> Sequence[WorkerEndpoint]: ...
-
-
-@dataclass
-class Piece:
-    """New output of one choice: tokens, their text and logprobs, and whether it is the last."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    finished: bool = False
-    metrics: dict[str, Any] = field(default_factory=dict)  # the first piece: where the time went
 
 
 class Picker:
@@ -132,6 +119,7 @@ class Dispatcher:
         self.headers = headers or {}
         self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
+        self.on_migrated: Callable[[str], None] | None = None  # counts a migration by cause (migrate.py)
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -162,39 +150,66 @@ class Dispatcher:
     async def _post_quietly(self, worker: WorkerEndpoint, path: str, body: msgspec.Struct) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.timeouts.connect_s)
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with self.http.post(f"{worker.url}{path}", data=_json(body), timeout=timeout) as r:
+            async with self.http.post(f"{worker.url}{path}", data=as_json(body), timeout=timeout) as r:
                 await r.read()
 
     # ---- one choice -----------------------------------------------------------------------------
 
-    async def run(
-        self, index: int, prompt_ids: list[int], params: SamplingParams, request_id: str
+    def run(
+        self, index: int, prompt_ids: list[int], params: SamplingParams, request_id: str,
+        deadline: float | None = None,
+    ) -> AsyncIterator[Piece]:  # fmt: skip
+        """The choice's pieces; `deadline` (time.perf_counter()): the request's, which bounds waits for
+        a worker and migrations."""
+        return migrating(self._attempt, self.config, index, prompt_ids, params, request_id, deadline,
+                         self.on_migrated)  # fmt: skip
+
+    async def _attempt(
+        self, index: int, ids: list[int], params: SamplingParams, rid: str, resumed: int, at: Attempt
     ) -> AsyncIterator[Piece]:
+        """One try at a choice (migrate.py): `ids` the prompt, its last `resumed` tokens the completion's
+        own (streamed before a fault)."""
         if self.mode == "colocated":
-            worker = self.picker.pick(self.workers.ready("colocated"), "colocated", prompt_ids)
-            body = GenerateRequest(prompt_token_ids=prompt_ids, sampling_params=params, request_id=request_id)
-            async for piece in self._stream(
-                worker, "/generate", body, index, request_id, self.config.timeouts.prefill_s
-            ):
-                yield piece
+            worker = await self._pick("colocated", ids, at)
+            body = GenerateRequest(prompt_token_ids=ids, sampling_params=params, request_id=rid,
+                                   resumed=resumed)  # fmt: skip
+            first_s = self.config.timeouts.prefill_s
+            async for p in self._stream(worker, "/generate", body, index, rid, first_s):
+                yield p
             return
-        async for piece in self._disaggregated(index, prompt_ids, params, request_id):
-            yield piece
+        async for p in self._disaggregated(index, ids, params, rid, resumed, at):
+            yield p
+
+    async def _pick(self, role: str, prompt_ids: Sequence[int], at: Attempt) -> WorkerEndpoint:
+        """A ready worker of `role` that `at` may use; while there is none but one is (re)starting, wait
+        for it, up to `router.worker_wait_s` and the request's deadline; then a 503."""
+        until = time.perf_counter() + self.config.worker_wait_s
+        until = until if at.deadline is None else min(until, at.deadline)
+        coming = getattr(self.workers, "coming", None)  # the runtime's: is one of `role` on its way?
+        while True:
+            workers = [w for w in self.workers.ready(role) if at.allowed(w)]
+            if workers or time.perf_counter() >= until or (coming is not None and not coming(role)):
+                worker = self.picker.pick(workers, role, prompt_ids)  # none: a 503
+                at.on(worker)
+                return worker
+            await asyncio.sleep(0.05)
 
     async def _disaggregated(
-        self, index: int, prompt_ids: list[int], params: SamplingParams, rid: str
+        self, index: int, prompt_ids: list[int], params: SamplingParams, rid: str, resumed: int, at: Attempt
     ) -> AsyncIterator[Piece]:
         t = self.config.timeouts
-        pf = self.picker.pick(self.workers.ready("prefill"), "prefill", prompt_ids)
-        body = PrefillRequest(prompt_token_ids=prompt_ids, sampling_params=params, request_id=rid)
+        await self._pick("decode", prompt_ids, at)  # none ready: wait before a prefill holds KV for it
+        pf = await self._pick("prefill", prompt_ids, at)
+        body = PrefillRequest(prompt_token_ids=prompt_ids, sampling_params=params, request_id=rid,
+                              resumed=resumed)  # fmt: skip
         start = time.perf_counter()
         pf.inflight += 1
         try:
             async with asyncio.timeout(t.prefill_s):
-                async with self.http.post(f"{pf.url}/prefill", data=_json(body)) as resp:
+                async with self.http.post(f"{pf.url}/prefill", data=as_json(body)) as resp:
                     status, content = resp.status, await resp.read()
         except aiohttp.ClientError as exc:  # first: aiohttp's connect timeout is a TimeoutError too
-            raise _worker_failed(pf, "prefill", exc) from None
+            raise worker_failed(pf, "prefill", exc) from None
         except TimeoutError:
             self._later(self._post_quietly(pf, "/abort", AbortRequest(request_id=rid)))
             raise APIError(
@@ -209,32 +224,36 @@ class Dispatcher:
         finally:
             pf.inflight -= 1
         if status != 200:
-            raise _worker_error(pf, status, content)
+            raise worker_error(pf, status, content)
         pre = msgspec.json.decode(content, type=PrefillResponse)
         prefill_wall = time.perf_counter() - start
-        metrics = {**_timings(pre.timings), "prefill_wall_s": prefill_wall, "prefill_worker": pf.name}
+        metrics = {**timings(pre.timings), "prefill_wall_s": prefill_wall, "prefill_worker": pf.name}
         if pre.kv_export is None:  # the first token ended it
             lps = None if pre.logprob is None else [pre.logprob]
             yield Piece(index, [pre.first_token], pre.text, lps, pre.finish_reason, True, metrics)
             return
         kv_export = pre.kv_export
         try:
-            dc = self.picker.pick(self.workers.ready("decode"), "decode", prompt_ids)
-        except APIError:
+            dc = await self._pick("decode", prompt_ids, at)
+        except (APIError, asyncio.CancelledError):
             self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv_export=kv_export)))
             raise
         dbody = DecodeRequest(
             prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob,
             kv_export=kv_export, sampling_params=params, request_id=rid, timeout_s=t.kv_transfer_s,
-            stream=True,
+            stream=True, resumed=resumed,
         )  # fmt: skip
         claimed = False
         try:
-            async for piece in self._stream(dc, "/decode", dbody, index, rid, t.kv_transfer_s + t.connect_s):
+            async for p in self._stream(dc, "/decode", dbody, index, rid, t.kv_transfer_s + t.connect_s):
                 if not claimed:
                     claimed = True
-                    piece.metrics = {**metrics, **piece.metrics}
-                yield piece
+                    p.metrics = {**metrics, **p.metrics}
+                yield p
+        except APIError as exc:
+            if not claimed and exc.code in KV_FAULTS:
+                at.on(pf)  # the KV did not come from the prefill worker: it is the one to avoid
+            raise
         finally:
             if not claimed:  # the decode worker never took the KV: give it back now, not at lease end
                 self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv_export=kv_export)))
@@ -264,14 +283,14 @@ class Dispatcher:
                 async with asyncio.timeout(None) as cm:
                     idle = IdleDeadline(cm, first_timeout_s)
                     try:
-                        async with self.http.post(f"{worker.url}{path}", data=_json(body)) as resp:
+                        async with self.http.post(f"{worker.url}{path}", data=as_json(body)) as resp:
                             if resp.status != 200:
-                                raise _worker_error(worker, resp.status, await resp.read())
-                            async for raw in _lines(resp.content):
+                                raise worker_error(worker, resp.status, await resp.read())
+                            async for raw in lines(resp.content):
                                 line = decode(raw)
                                 idle.touch(t.inter_token_s)
                                 first, done = False, line.finished
-                                yield _piece(worker, line, index)  # raises for an unfinished end
+                                yield piece(worker, line, index)  # raises for an unfinished end
                                 if done:
                                     return
                     finally:
@@ -281,95 +300,16 @@ class Dispatcher:
             except TimeoutError:
                 what = f"the {stage} stage" if first else "the next token"
                 span = first_timeout_s if first else t.inter_token_s
-                raise APIError(
-                    504,
-                    f"{what} ran past its deadline ({span:g}s) on {worker.name}",
-                    type="timeout",
-                    code="worker_timeout",
-                ) from None
-            raise APIError(
-                502,
-                f"worker {worker.name} closed the stream before the request finished (it may have died)",
-                type="server_error",
-                code="worker_failed",
-            )
+                code = "worker_timeout" if first else "worker_stalled"  # stalled mid-stream: migrated
+                raise APIError(504, f"{what} ran past its deadline ({span:g}s) on {worker.name}",
+                               type="timeout", code=code) from None  # fmt: skip
+            raise stream_cut(worker)
         except (aiohttp.ClientError, msgspec.DecodeError) as exc:
-            raise _worker_failed(worker, stage, exc) from None
+            raise worker_failed(worker, stage, exc) from None
         finally:
             worker.inflight -= 1
             if not done:  # cancelled, timed out or failed: make sure the worker lets go of it
                 self._later(self._post_quietly(worker, "/abort", AbortRequest(request_id=rid)))
 
 
-async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The body's lines, however long (aiohttp's readline stops at 64 KiB), empty ones skipped."""
-    buf = b""
-    while True:
-        chunk = await content.readany()
-        if not chunk:
-            if buf.strip():
-                yield buf
-            return
-        buf += chunk
-        if b"\n" not in chunk:
-            continue
-        *full, buf = buf.split(b"\n")
-        for line in full:
-            if line:
-                yield line
-
-
-def _piece(worker: WorkerEndpoint, line: StreamLine, index: int) -> Piece:
-    if line.finished and line.finish_reason in (None, "abort", "error"):
-        raise APIError(
-            502,
-            f"worker {worker.name} ended the request without finishing it ({line.finish_reason})",
-            type="server_error",
-            code="worker_aborted",
-        )
-    return Piece(index, line.token_ids, line.text, line.logprobs, line.finish_reason, line.finished,
-                 _timings(line.timings))  # fmt: skip
-
-
-def _timings(t: Timings | None) -> dict[str, Any]:
-    """A worker's timings as the router's metrics read them (the fields it measured)."""
-    return {} if t is None else msgspec.to_builtins(t)
-
-
-_json = msgspec.json.Encoder().encode
-
-
-def _worker_failed(worker: WorkerEndpoint, stage: str, exc: BaseException) -> APIError:
-    return APIError(
-        502,
-        f"the {stage} worker {worker.name} failed: {type(exc).__name__}: {exc}".rstrip(": "),
-        type="server_error",
-        code="worker_failed",
-    )
-
-
-def _worker_error(worker: WorkerEndpoint, status: int, content: bytes) -> APIError:
-    """A worker's error answer -> the client's: its input errors stay 400, the rest are ours."""
-    try:
-        err = json.loads(content).get("error", {})
-        message, kind = err.get("message", ""), err.get("type", "")
-    except (ValueError, AttributeError):
-        message, kind = content[:200].decode(errors="replace"), ""
-    if status == 400:
-        return APIError(400, message or "the worker refused the request")
-    if status == 504:
-        return APIError(504, f"{worker.name}: {message}", type="timeout", code="kv_transfer_timeout")
-    if status == 503:
-        return APIError(
-            503,
-            f"{worker.name}: {message}",
-            type="service_unavailable",
-            code=kind or None,
-            headers={"Retry-After": "1"},
-        )
-    return APIError(
-        502, f"{worker.name} answered {status}: {message}", type="server_error", code=kind or None
-    )
-
-
-__all__ = ["Dispatcher", "Piece", "Picker"]
+__all__ = ["Dispatcher", "Piece", "Picker", "WorkerEndpoint", "WorkerSet"]

@@ -99,7 +99,7 @@ class Run:
     async def _one(self, index: int, ids: list[int], params: SamplingParams, rid: str) -> None:
         end: BaseException | int | None = index  # what the consumer hears last from this choice
         try:
-            async for piece in self.s.dispatcher.run(index, ids, params, rid):
+            async for piece in self.s.dispatcher.run(index, ids, params, rid, self.deadline):
                 self.queue.put_nowait(piece)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             end = exc

@@ -37,6 +37,7 @@ from splitserve.router.guard import MetricsSnapshot
 from splitserve.router.json_edge import parse_json
 from splitserve.router.lenient import ignored_fields_counter
 from splitserve.router.metrics import RouterMetrics
+from splitserve.router.migrate import KV_FAULTS, migration_counter
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.parsers import chosen_parsers
 from splitserve.router.tools import template_knows_tools
@@ -89,6 +90,8 @@ class OpenAIServer:
             srv.max_concurrent_requests, srv.max_queued_requests, manifest.router.timeouts.queue_s
         )
         self.metrics = RouterMetrics(info.served_name)
+        self.dispatcher.on_migrated = self._migrated
+        self._count_migration = migration_counter(self.metrics.registry, info.served_name)
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.metrics.prime(manifest.transport.backend)
         self.ignored_fields = ignored_fields_counter(self.metrics.registry)  # unknown request fields
@@ -109,6 +112,12 @@ class OpenAIServer:
         self.runs: set[Any] = set()
         self.itl = self.metrics.itl.labels(info.served_name)
         self.generated = self.metrics.generation_tokens.labels(info.served_name)
+
+    def _migrated(self, cause: str) -> None:
+        self._count_migration(cause)
+        if cause in KV_FAULTS:  # a failed transfer is one, whether the client sees it or not
+            backend = self.manifest.transport.backend
+            self.metrics.kv_failures.labels(self.info.served_name, backend, cause).inc()
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id) if self.tokenizer is not None else str(token_id)

@@ -117,6 +117,11 @@ class LocalRuntime:
     def ready(self, role: str) -> list[WorkerProcess]:
         return [w for w in self.workers if w.role == role and w.ready]
 
+    def coming(self, role: str) -> bool:
+        """Whether a worker of `role` is ready or on its way (starting, restarting): the router waits."""
+        return not self._stopping and any(w.role == role and w.state not in ("failed", "stopped")
+                                          for w in self.workers)  # fmt: skip
+
     # ---- start ----------------------------------------------------------------------------------
 
     async def start(self, progress: bool = True) -> None:
@@ -172,6 +177,7 @@ class LocalRuntime:
         w.started_at = time.monotonic()
         if restart:  # the spare, or one half way (still ahead of a fresh process)
             self.start_standby()
+            await asyncio.sleep(0)  # a keeper just started begins its spare's spawn
             if self._standby is None and self._spawning is not None and not self._spawning.done():
                 await asyncio.wait({self._spawning}, timeout=self.rt.startup_timeout_s)
                 await asyncio.sleep(0)  # the keeper, woken first, makes it `_standby`

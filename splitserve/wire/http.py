@@ -28,6 +28,7 @@ from splitserve.wire.kv_handle import KVExport
 
 NonEmptyIds = Annotated[list[int], msgspec.Meta(min_length=1)]
 Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True):
@@ -58,6 +59,10 @@ class PrefillRequest(_Body):
     prompt: str | None = None  # tokenized by the worker (the answer carries the ids)
     sampling_params: SamplingParams = SamplingParams()
     request_id: str | None = None
+    # a migrated request: the last `resumed` prompt tokens are the completion's own, streamed by a worker
+    # that failed; the engine prefills them with the prompt, max_tokens and min_tokens count them, and
+    # the text stream goes on after them
+    resumed: NonNegative = 0
 
     def prompt_input(self) -> str | list[int]:
         return _prompt_input(self.prompt, self.prompt_token_ids)
@@ -86,6 +91,7 @@ class DecodeRequest(_Body):
     kv_policy: Literal["fail", "recompute"] | None = None  # default: the worker's --kv-policy
     timeout_s: Positive | None = None  # room + fetch; default --kv-fetch-timeout-s
     stream: bool = True
+    resumed: NonNegative = 0  # as PrefillRequest.resumed
 
 
 class GenerateRequest(_Body):
@@ -94,6 +100,7 @@ class GenerateRequest(_Body):
     sampling_params: SamplingParams = SamplingParams()
     request_id: str | None = None
     stream: bool = True
+    resumed: NonNegative = 0  # as PrefillRequest.resumed
 
     def prompt_input(self) -> str | list[int]:
         return _prompt_input(self.prompt, self.prompt_token_ids)

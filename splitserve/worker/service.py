@@ -92,6 +92,12 @@ class Worker:
             await asyncio.to_thread(check_grammar, params.grammar)  # GrammarError: a 400
         return params
 
+    def _text(self, rid: str, params: SamplingParams, ids: list[int], resumed: int) -> TextStream:
+        text = TextStream(rid, params, self.tokenizer)
+        if resumed:
+            text.resume(ids[-resumed:])
+        return text
+
     # ---- requests --------------------------------------------------------------------------------
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
@@ -100,7 +106,7 @@ class Worker:
         ids = self._prompt_ids(req.prompt_input())
         rid = req.request_id or self._new_id("pf")
         start = time.perf_counter()
-        stream = self.client.add(rid, ids, core_params(params), export=True)
+        stream = self.client.add(rid, ids, core_params(_resumed(params, ids, req.resumed)), export=True)
         deltas: list[wire.Delta] = []
         try:
             await stream.accepted
@@ -112,7 +118,7 @@ class Worker:
         last = deltas[-1]
         if last.finish_reason in ("error", "abort"):
             raise RuntimeError(f"prefill of {rid} ended without a first token ({last.finish_reason})")
-        text = TextStream(rid, params, self.tokenizer)
+        text = self._text(rid, params, ids, req.resumed)
         line = text.feed(deltas)
         assert line is not None and line.token_ids
         kv_export = last.kv_export
@@ -131,18 +137,20 @@ class Worker:
         self._need("decode")
         params = await self._params(req.sampling_params)
         rid = req.request_id or req.kv_export.handle.request_id or self._new_id("dc")
-        cmd = wire.Import(rid, list(req.prompt_token_ids), req.first_token, req.kv_export,
-                          core_params(params), req.first_logprob, req.kv_policy, req.timeout_s)  # fmt: skip
+        ids = list(req.prompt_token_ids)
+        engine_params = core_params(_resumed(params, ids, req.resumed))
+        cmd = wire.Import(rid, ids, req.first_token, req.kv_export, engine_params, req.first_logprob,
+                          req.kv_policy, req.timeout_s)  # fmt: skip
         stream = self.client.import_kv(cmd)
-        async for line in self._lines(rid, stream, TextStream(rid, params, self.tokenizer), timings=False):
+        async for line in self._lines(rid, stream, self._text(rid, params, ids, req.resumed), timings=False):
             yield line
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamLine]:
         params = await self._params(req.sampling_params)
         ids = self._prompt_ids(req.prompt_input())
         rid = req.request_id or self._new_id("gen")
-        stream = self.client.add(rid, ids, core_params(params))
-        async for line in self._lines(rid, stream, TextStream(rid, params, self.tokenizer), timings=True):
+        stream = self.client.add(rid, ids, core_params(_resumed(params, ids, req.resumed)))
+        async for line in self._lines(rid, stream, self._text(rid, params, ids, req.resumed), timings=True):
             yield line
 
     async def _lines(
@@ -227,6 +235,19 @@ class Worker:
         await asyncio.to_thread(self.client.close)
         if self.config.core_share:  # a runtime that was SIGKILLed cannot remove its folder of lent cores
             remove_if_orphaned(os.path.dirname(self.config.core_share), CORES_PREFIX)
+
+
+def _resumed(params: SamplingParams, ids: list[int], resumed: int) -> SamplingParams:
+    """The sampling params of a migrated request, whose last `resumed` prompt tokens are its completion's
+    first: they count against max_tokens and min_tokens."""
+    if not resumed:
+        return params
+    if resumed >= len(ids):
+        raise ValueError(f"resumed ({resumed}) must be shorter than the prompt ({len(ids)} tokens)")
+    if params.max_tokens is not None and params.max_tokens <= resumed:
+        raise ValueError(f"resumed ({resumed}) leaves no room under max_tokens ({params.max_tokens})")
+    max_tokens = None if params.max_tokens is None else params.max_tokens - resumed
+    return replace(params, min_tokens=max(0, params.min_tokens - resumed), max_tokens=max_tokens)
 
 
 def core_params(params: SamplingParams) -> SamplingParams:

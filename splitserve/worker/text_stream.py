@@ -38,6 +38,16 @@ class TextStream:
         self.stop_reason: int | str | None = None
         self.stopped_early = False  # a stop string ended it before the core did
 
+    def resume(self, token_ids: list[int]) -> None:
+        """A migrated request: take the completion's first tokens, streamed by a worker that failed,
+        without sending them. The text and what was sent of it are then what that worker had, so stop
+        strings spanning the two and characters split across their tokens come out as in one stream."""
+        for tok in token_ids:
+            self.seen += 1
+            if self.decoder is not None:
+                self.text += self.decoder.step(tok)
+        self.emitted = len(self.text) if not self.stop else max(0, len(self.text) - self.longest + 1)
+
     def feed(self, deltas: list[Delta], timings: Timings | None = None) -> StreamLine | None:
         """The line for `deltas` (None if nothing can be sent yet); `timings` rides on the first line."""
         first = self.tokens == 0

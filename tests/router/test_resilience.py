@@ -65,10 +65,11 @@ def test_client_disconnect_while_waiting_non_streaming(disaggregated):
 @pytest.fixture(scope="module")
 def fragile():
     """Its own deployment (workers get killed here, and come back from the standby spare), with short
-    deadlines."""
+    deadlines, and the `fail` policy: a request on a worker that dies ends with an error instead of
+    migrating (test_migration.py has the default)."""
     manifest = manifest_yaml(
         mode="disaggregated",
-        router={"timeouts": {"inter_token_s": 10, "kv_transfer_s": 10, "prefill_s": 30}},
+        router={"timeouts": {"inter_token_s": 10, "kv_transfer_s": 10, "prefill_s": 30}, "on_fault": "fail"},
         transport={"lease_s": 10},
         runtime={"standby": True},
     )

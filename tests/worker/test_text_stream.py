@@ -70,3 +70,34 @@ def test_engine_finish_reasons_pass_through(llm: LLM) -> None:
     assert line is not None and line.finished and line.token_ids == [5, 6, 7]
     assert (text.finish_reason, text.stop_reason) == ("stop", 7)
     assert not text.stopped_early
+
+
+@pytest.mark.parametrize("cut", [1, 7, 13, 25])
+def test_a_migrated_stream_reads_as_one(llm: LLM, cut: int) -> None:
+    """The first `cut` tokens through one worker's text stream, the rest through another's that resumed
+    after them (a migrated request): together the same text, stop and finish as one stream."""
+    free = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )
+    tokens, full = free[0].outputs[0].token_ids, free[0].outputs[0].text
+    for stop in (full[12:15], full[-3:], "zzz-not-there"):
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+        ref = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+        if len(ref.token_ids) <= cut:
+            continue  # it ended before the fault
+        before = TextStream("r", params, llm.tokenizer)
+        streamed = "".join(line.text for t in tokens[:cut] if (line := before.feed([Delta("r", [t], False)])))
+        after = TextStream("r", params, llm.tokenizer)
+        after.resume(tokens[:cut])
+        for i, t in enumerate(tokens[cut:], cut):
+            line = after.feed(
+                [Delta("r", [t], i == len(tokens) - 1, "length" if i == len(tokens) - 1 else None)]
+            )
+            streamed += line.text if line is not None else ""
+            if after.finished:
+                break
+        assert (streamed, after.finish_reason, after.seen) == (
+            ref.text,
+            ref.finish_reason,
+            len(ref.token_ids),
+        )

@@ -1,0 +1,146 @@
+"""Requests in flight survive a worker's fault (router/migrate.py), through a real disaggregated deployment
+with its standby spare: a decode worker's engine core or front end killed with SIGKILL mid-stream, a
+prefill worker's while it prefills. Every stream ends "ok" with the greedy answer of a fault-free run,
+token for token; the migrations are counted by cause; a request that arrives while the worker restarts
+waits for it instead of a 503; nothing stays allocated afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+from serve_harness import MODEL, manifest_yaml, start_deployment
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [f"Write the numbers from {i} to {i + 60}, separated by commas:" for i in range(4)]
+LONG_PROMPT = "Tell me a story about the sea. " * 120  # a prefill long enough to strike during
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def dep():
+    d = start_deployment(
+        manifest_yaml(
+            mode="disaggregated",
+            router={"timeouts": {"inter_token_s": 10, "kv_transfer_s": 10, "prefill_s": 30}},
+            transport={"lease_s": 10},
+            runtime={"standby": True},
+        )
+    )
+    yield d
+    assert d.stop() == 0, "\n".join(d.log)
+
+
+def _body(prompt: str, stream: bool) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
+            "ignore_eos": True, "logprobs": 0}  # fmt: skip
+
+
+def _reference(dep, prompts: list[str]) -> list[list[str]]:
+    """The greedy answers' tokens, one request at a time, with no fault."""
+    out = []
+    for prompt in prompts:
+        r = httpx.post(f"{dep.url}/v1/completions", json=_body(prompt, False), timeout=120)
+        r.raise_for_status()
+        out.append(r.json()["choices"][0]["logprobs"]["tokens"])
+    return out
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, list[str]]:
+    """-> ("ok" or the error, the tokens streamed)."""
+    tokens: list[str] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=_body(prompt, True)) as r:
+        if r.status_code != 200:
+            return f"status {r.status_code}", tokens
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return f"error {event['error'].get('code')}", tokens
+            tokens += event["choices"][0]["logprobs"]["tokens"]
+    return "ok", tokens
+
+
+def _pid(dep, worker: str, process: str) -> int:
+    w = {x["name"]: x for x in dep.admin()["workers"]}[worker]
+    return w["pid"] if process == "front end" else w["info"]["core_pid"]
+
+
+def _wait_streaming(dep, role: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(s["unfinished"] for n, s in dep.worker_stats().items() if n.startswith(role)):
+        assert time.monotonic() < deadline, f"no request reached the {role} worker"
+        time.sleep(0.02)
+
+
+def _migrations(dep) -> float:
+    text = httpx.get(f"{dep.url}/metrics", timeout=10).text
+    return sum(
+        float(m) for m in re.findall(r"^splitserve:request_migrations_total\{[^}]*\} (\S+)$", text, re.M)
+    )
+
+
+def _after(dep, worker: str, restarts: int) -> None:
+    """The worker is back, and every pool is empty."""
+    deadline = time.monotonic() + 90
+    while True:
+        h = dep.health()
+        w = {x["name"]: x for x in h["workers"]}[worker]
+        if h["status"] == "ok" and w["restarts"] > restarts:
+            break
+        assert time.monotonic() < deadline, h
+        time.sleep(0.2)
+    stats = dep.wait_idle(timeout_s=30)
+    for name, s in stats.items():
+        assert s["unfinished"] == 0 and s["blocks"]["free"] == s["blocks"]["total"], (name, s)
+
+
+@pytest.mark.parametrize("process", ["engine core", "front end"])
+def test_a_decode_worker_killed_mid_stream_costs_no_answer(dep, process):
+    ref = _reference(dep, PROMPTS)
+    restarts = {w["name"]: w["restarts"] for w in dep.health()["workers"]}["decode-0"]
+    migrated = _migrations(dep)
+    pid = _pid(dep, "decode-0", process)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            jobs = [asyncio.create_task(_stream(client, dep.url, p)) for p in PROMPTS]
+            await asyncio.to_thread(_wait_streaming, dep, "decode")
+            await asyncio.sleep(0.5)  # tokens are streaming
+            os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.2)
+            late = await _stream(client, dep.url, PROMPTS[0])  # arrives while decode-0 restarts
+            return await asyncio.gather(*jobs), late
+
+    results, late = asyncio.run(main())
+    for (outcome, tokens), expected in zip(results, ref, strict=True):
+        assert outcome == "ok" and tokens == expected, (outcome, tokens, expected)
+    assert late == ("ok", ref[0]), late
+    assert _migrations(dep) > migrated
+    _after(dep, "decode-0", restarts)
+
+
+def test_a_prefill_worker_killed_while_it_prefills_costs_no_answer(dep):
+    prompts = [LONG_PROMPT + f" Chapter {i}." for i in range(3)]
+    ref = _reference(dep, prompts)
+    restarts = {w["name"]: w["restarts"] for w in dep.health()["workers"]}["prefill-0"]
+    pid = _pid(dep, "prefill-0", "engine core")
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            jobs = [asyncio.create_task(_stream(client, dep.url, p)) for p in prompts]
+            await asyncio.to_thread(_wait_streaming, dep, "prefill")
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.gather(*jobs)
+
+    for (outcome, tokens), expected in zip(asyncio.run(main()), ref, strict=True):
+        assert outcome == "ok" and tokens == expected, (outcome, tokens, expected)
+    _after(dep, "prefill-0", restarts)
