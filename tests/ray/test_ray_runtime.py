@@ -66,7 +66,7 @@ engine: {{kv_cache_mb: 64, max_num_seqs: 8}}
 transport: {{backend: tcp}}
 prefill: {{replicas: 1, placement: {{resources: {{prefill_node: 1}}, num_cpus: 1}}}}
 decode: {{replicas: 1, placement: {{resources: {{decode_node: 1}}, num_cpus: 1}}}}
-router: {{timeouts: {{inter_token_s: 10, kv_transfer_s: 10}}}}
+router: {{timeouts: {{inter_token_s: 10, kv_transfer_s: 10}}, on_fault: fail}}
 server: {{host: 127.0.0.1, port: {port}}}
 runtime: {{kind: ray, address: "{cluster.address}", namespace: splitserve-test, health_interval_s: 0.5,
           router_placement: {{resources: {{head: 0.1}}, num_cpus: 0}}}}

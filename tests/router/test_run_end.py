@@ -18,7 +18,7 @@ from splitserve.sampling.params import SamplingParams
 class _StrayCancel:
     """Awaits a future that another task cancels: the CancelledError comes from below, not from Run."""
 
-    async def run(self, index: int, ids: list[int], params: SamplingParams, rid: str):
+    async def run(self, index: int, ids: list[int], params: SamplingParams, rid: str, deadline=None):
         fut = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.05, fut.cancel)
         await fut
@@ -26,7 +26,7 @@ class _StrayCancel:
 
 
 class _Hang:
-    async def run(self, index: int, ids: list[int], params: SamplingParams, rid: str):
+    async def run(self, index: int, ids: list[int], params: SamplingParams, rid: str, deadline=None):
         await asyncio.sleep(3600)
         yield
 

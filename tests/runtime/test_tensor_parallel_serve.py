@@ -76,7 +76,7 @@ def test_tp2_served_streams_tp1_tokens_and_a_dead_rank_restarts_the_replica():
             mode="colocated",
             model={"source": MODEL, "max_model_len": 2048, "tensor_parallel_size": 2},
             engine={"kv_cache_mb": 16, "max_num_seqs": 8},
-            router={"timeouts": {"inter_token_s": 10}},
+            router={"timeouts": {"inter_token_s": 10}, "on_fault": "fail"},  # the rank's death is seen
         )
     )
     try:
