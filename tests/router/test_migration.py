@@ -29,6 +29,9 @@ def dep():
     d = start_deployment(
         manifest_yaml(
             mode="disaggregated",
+            # no prefix cache: the fault-free reference run would leave the long prompts cached, and the
+            # killed run's prefill would be over before the kill could strike it
+            engine={"enable_prefix_caching": False},
             router={"timeouts": {"inter_token_s": 10, "kv_transfer_s": 10, "prefill_s": 30}},
             transport={"lease_s": 10},
             runtime={"standby": True},
