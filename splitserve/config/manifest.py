@@ -22,6 +22,9 @@
     runtime:   {kind: local | ray, health_interval_s, restart backoff, drain_timeout_s}
     verify:    thresholds of `splitserve verify` and the run-time KV probe (min_gbps, max_transfer_share)
     slos, prices: read by `splitserve bench` (goodput and cost per accepted response)
+    scaling:   {enabled, interval_s, percentile, cooldown_s, down_after_s, low_load, profile, ...}: the
+                SLO-driven controller that adds and removes replicas of a role between its pool's
+                min_replicas and max_replicas (config/manifest_scaling.py, splitserve/scale/)
 
 Every section has defaults: an empty manifest (or none at all) serves the embedded default model,
 disaggregated, on this host. `load_manifest(path)` validates the YAML and raises `ManifestError`
@@ -43,6 +46,7 @@ from pydantic import (
 )
 
 from splitserve.config.manifest_errors import ManifestError, describe
+from splitserve.config.manifest_scaling import ScalingSection
 from splitserve.config.manifest_sections import (
     BUDGET_FIELDS,
     EngineSection,
@@ -78,6 +82,7 @@ class Manifest(Section):
     verify: VerifySection = Field(default_factory=VerifySection)
     slos: SLOSection = Field(default_factory=SLOSection)
     prices: PricesSection = Field(default_factory=PricesSection)
+    scaling: ScalingSection = Field(default_factory=ScalingSection)
 
     @field_validator("name")
     @classmethod
@@ -98,6 +103,11 @@ class Manifest(Section):
             except ValidationError as exc:
                 reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
                 raise ValueError(f"{name}.engine over the top-level engine section: {reasons}") from None
+        for name in pools if self.scaling.enabled else ():
+            pool = getattr(self, name)
+            lo, hi = pool.min_replicas, pool.max_replicas
+            if (lo is not None and pool.replicas < lo) or (hi is not None and pool.replicas > hi):
+                raise ValueError(f"{name}.replicas ({pool.replicas}) must lie within its min/max_replicas")
         sizes = {name: self.tensor_parallel_size(name) for name in pools}
         if self.mode == "disaggregated" and max(sizes.values()) > 1:
             raise ValueError(

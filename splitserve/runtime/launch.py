@@ -156,14 +156,23 @@ async def _start(
     )  # fmt: skip
     prober = KVProber(manifest, runtime.ready, api.on_probe, runtime.worker_headers)
     stats_line = StatsLogger(api, manifest.server.log_stats_interval_s)
+    scaling = None
+    if manifest.scaling.enabled:
+        from splitserve.runtime.local_scale import local_controller
+
+        scaling = local_controller(manifest, runtime, api, lambda: _worker_stats(runtime))
 
     @contextlib.asynccontextmanager
     async def lifespan() -> AsyncIterator[None]:
         prober.start()
         stats_line.start()
+        if scaling is not None:
+            scaling.start()
         try:
             yield
         finally:
+            if scaling is not None:
+                await scaling.stop()
             api.admission.closed = True
             await stats_line.stop()
             await api.metrics_cache.stop()

@@ -58,7 +58,7 @@ class WorkerProcess:
     role: str
     argv: list[str]
     env: dict[str, str] = field(repr=False)
-    state: str = "new"  # new | starting | ready | restarting | failed | stopped
+    state: str = "new"  # new | starting | ready | restarting | draining | failed | stopped
     url: str | None = None
     kv_address: str | None = None
     info: dict = field(default_factory=dict)  # the worker's ready line / last /health
@@ -144,7 +144,11 @@ class LocalRuntime:
         finally:
             bar.close()
         for w in self.workers:
-            self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{w.name}"))
+            self.watch(w)
+
+    def watch(self, w: WorkerProcess) -> None:
+        """Watch a started worker: restart it when it exits (unless it was drained away)."""
+        self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{w.name}"))
 
     def start_standby(self) -> None:
         """Start the warm spare (`runtime.standby`) unless there is one; `splitserve serve` calls it a
@@ -279,7 +283,7 @@ class LocalRuntime:
                 code = await w.proc.wait()
             finally:
                 health.cancel()
-            if self._stopping:
+            if self._stopping or w.state in ("draining", "stopped"):  # stopped on purpose (local_scale.py)
                 return
             w.last_exit = code
             up = time.monotonic() - w.ready_at
