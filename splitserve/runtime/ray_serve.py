@@ -4,10 +4,12 @@
 
 Pieces (one Serve application per manifest):
   <name>-prefill / <name>-decode / <name>-colocated   Serve deployments, `replicas` each (or autoscaled
-      between `min_replicas` and `max_replicas`), placed by each pool's `placement` (Ray resources such
-      as {"prefill_node": 1}, node labels, CPUs/GPUs per replica). A replica builds the same `Worker` the
-      local runtime starts as a process, serves the worker HTTP API on its node's address (port from the
-      OS), and registers itself with the deployment's registry actor. Serve health-checks it
+      between `min_replicas` and `max_replicas`: on Serve's queue signal, or with `scaling.enabled` to
+      the count the router's SLO controller asks for, runtime/ray_scale.py), placed by each pool's
+      `placement` (Ray resources such as {"prefill_node": 1}, node labels, CPUs/GPUs per replica). A
+      replica builds the same `Worker` the local runtime starts as a process, serves the worker HTTP API
+      on its node's address (port from the OS), and registers itself with the deployment's registry
+      actor. Serve health-checks it
       (`check_health`: the HTTP server and the engine thread are alive) and replaces it when it fails
       or its process dies; the new replica registers under a new id.
   <name>-router   the Serve ingress: the same OpenAI API (`install_routes`) and `Dispatcher` as the local
@@ -67,6 +69,13 @@ class Registry:
 
     def __init__(self) -> None:
         self.entries: dict[str, dict] = {}
+        self.wanted: dict[str, int] = {}  # role -> replicas the scaling controller asks for
+
+    def set_desired(self, role: str, replicas: int) -> None:
+        self.wanted[role] = replicas
+
+    def desired(self, role: str) -> int | None:
+        return self.wanted.get(role)
 
     def register(self, entry: dict) -> None:
         self.entries[entry["id"]] = entry
@@ -121,7 +130,17 @@ class WorkerReplica:
         }
         self.registry = ray.get_actor(registry, namespace=namespace)
         ray.get(self.registry.register.remote(self.entry))
+        self.drain_s = manifest.scaling.drain_timeout_s if manifest.scaling.enabled else 0.0
+        self.headers = worker_headers(secret)
         log.info("worker %s ready at %s", self.entry["name"], url[0])
+
+    async def __del__(self) -> None:
+        """Serve stops this replica (scaled down, or the deployment deleted): with scaling on, drained
+        first (runtime/ray_scale.py)."""
+        if self.drain_s:
+            from splitserve.runtime.ray_scale import drain_replica
+
+            await drain_replica(self.registry, self.id, self.entry["url"], self.headers, self.drain_s)
 
     def check_health(self) -> None:
         if not self.http.is_alive():
@@ -177,6 +196,11 @@ class Router:
         self.prober.start()
         self.stats_line = StatsLogger(server, m.server.log_stats_interval_s)
         self.stats_line.start()
+        if m.scaling.enabled:
+            from splitserve.runtime.ray_scale import ray_controller
+
+            self.scaling = ray_controller(m, self.registry, self.workers, server)
+            self.scaling.start()
         _SERVER = server
         asyncio.get_running_loop().create_task(self.workers.loop())
 
@@ -233,7 +257,12 @@ def build_app(manifest: Manifest, secret: str | None = None) -> Any:
             "health_check_timeout_s": max(10.0, 5 * rt.health_interval_s),
             "max_ongoing_requests": 4096,
         }
-        if pool.min_replicas is not None and pool.max_replicas is not None:
+        if manifest.scaling.enabled:  # the SLO-driven controller sets the count (runtime/ray_scale.py)
+            from splitserve.runtime.ray_scale import autoscaling
+
+            opts["autoscaling_config"] = autoscaling(manifest, role, reg)
+            opts["graceful_shutdown_timeout_s"] = manifest.scaling.drain_timeout_s + 5
+        elif pool.min_replicas is not None and pool.max_replicas is not None:
             opts["autoscaling_config"] = {
                 "min_replicas": pool.min_replicas,
                 "max_replicas": pool.max_replicas,

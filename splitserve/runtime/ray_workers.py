@@ -34,6 +34,7 @@ class RayEndpoint:
     restarts: int = 0
     startup_s: float | None = None  # Serve starts the replicas: not measured here
     last_exit: int | None = None
+    listed: bool = True  # in the registry; a replica that left it is draining
 
     @property
     def ready(self) -> bool:
@@ -61,6 +62,9 @@ class RayWorkers:
 
     async def refresh(self) -> None:
         entries = await self.registry.list.remote()
+        listed = {entry["id"] for entry in entries}
+        for e in self.endpoints.values():  # out of the registry: draining (ray_scale.py), nothing new
+            e.listed = e.id in listed
         for entry in entries:
             if entry["id"] not in self.endpoints:
                 self.endpoints[entry["id"]] = RayEndpoint(
@@ -80,7 +84,7 @@ class RayWorkers:
             r = await self.http.get(f"{e.url}/health")
             r.raise_for_status()
             e.info.update(r.json())
-            e.state, e.misses = "ready", 0
+            e.state, e.misses = ("ready" if e.listed else "draining"), 0
         except (httpx.HTTPError, ValueError):
             e.misses += 1
             e.state = "unreachable"
