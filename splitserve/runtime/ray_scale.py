@@ -65,7 +65,10 @@ def autoscaling(manifest: Any, role: str, registry: str) -> dict:
 
 async def drain_replica(registry: Any, replica_id: str, url: str, headers: dict, timeout_s: float) -> None:
     """A stopping replica: out of the registry, then wait until its engine is idle (see the module doc)."""
-    await registry.unregister.remote(replica_id)
+    try:
+        await registry.unregister.remote(replica_id)
+    except ray.exceptions.RayActorError:
+        return  # the deployment is being deleted: nothing routes here any more
     deadline = time.monotonic() + timeout_s
     idle_since: float | None = None
     async with httpx.AsyncClient(headers=headers, timeout=5) as http:

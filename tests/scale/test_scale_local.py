@@ -30,8 +30,8 @@ def dep():
     d = start_deployment(
         manifest_yaml(
             mode="disaggregated",
-            prefill=pools,
-            decode=pools,
+            prefill=dict(pools),
+            decode=dict(pools),
             engine={"enable_prefix_caching": False},
             router={"timeouts": {"inter_token_s": 30, "kv_transfer_s": 30, "prefill_s": 60}},
             # TTFT over 5 ms and ITL over 1 ms: broken by every real request on this CPU; fewer than 3
