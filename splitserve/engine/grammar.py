@@ -185,6 +185,12 @@ class Matcher:
         return self.gate is not None and self.gate.open
 
     @property
+    def needs_tokens(self) -> bool:
+        """Whether the next step's sampling depends on this step's token (a grammar to advance, or an
+        open thinking block whose end or budget it may reach); once a grammarless block is over, none."""
+        return self.matcher is not None or self.thinking
+
+    @property
     def masks(self) -> bool:
         """Whether the grammar masks the next token."""
         return self.matcher is not None and not self.thinking

@@ -80,6 +80,18 @@ def test_a_budget_without_a_grammar(llm, end_ids):
     assert got[head:] == rest
 
 
+def test_a_block_the_model_opens_itself_is_bounded_and_one_it_does_not_open_is_not(llm, end_ids):
+    """`start`: the model's own first tokens open the block (greedy's first token stands for `<think>`
+    here); 3 thinking tokens after it, then the end forced. A `start` the answer does not begin with
+    leaves the answer as the model writes it."""
+    free = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    opened = ThinkingSpec(end_ids, budget=3, start=(free[0],))
+    got = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, thinking=opened))
+    assert got[:4] == free[:4] and tuple(got[4 : 4 + len(end_ids)]) == end_ids
+    other = ThinkingSpec(end_ids, budget=0, start=(free[0] + 1,))
+    assert tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, thinking=other)) == free
+
+
 def test_forced_text_other_than_the_end(llm, end_ids):
     forced = tuple(llm.engine.tokenizer.encode("\n</think>\n\n", add_special_tokens=False))
     params = SamplingParams(temperature=0, max_tokens=60, grammar=SPEC,
