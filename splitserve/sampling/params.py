@@ -99,6 +99,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     detokenize: bool = True
     grammar: GrammarSpec | None = None  # a dict of its fields is taken too
     thinking: ThinkingSpec | None = None  # likewise
+    # a migrated request (router/migrate.py): its prompt's last `resumed` tokens are its own earlier
+    # output. A seeded generator is moved past their draws and the presence and frequency penalties
+    # count them, so the tokens after the migration are those of a run without it
+    resumed: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +161,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (self.repetition_penalty > 0, "repetition_penalty must be positive"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
             (self.min_tokens >= 0, "min_tokens must be non-negative"),
+            (isinstance(self.resumed, int) and self.resumed >= 0, "resumed must be a non-negative integer"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
         ]
