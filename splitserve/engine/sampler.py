@@ -105,8 +105,9 @@ class Sampler:
             p = r.params
             if not p.has_penalties:
                 continue
-            earlier = r.prompt_token_ids[len(r.prompt_token_ids) - p.resumed :] if p.resumed else []
-            out_ids = torch.tensor(earlier + r.output_token_ids, dtype=torch.long, device=logits.device)
+            out_ids = torch.tensor(
+                r.earlier_output + r.output_token_ids, dtype=torch.long, device=logits.device
+            )
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, device=logits.device).unique()
                 row = logits[i, seen]
