@@ -27,7 +27,8 @@ class ScalingSection(Section):
     # a replica is removed only once both figures have stayed under `low_load` of their SLO this long
     down_after_s: float = Field(default=60.0, ge=0, le=86_400)
     low_load: float = Field(default=0.5, gt=0, lt=1)  # the hysteresis band: between it and 1, hold
-    min_requests: int = Field(default=3, ge=1)  # a window with fewer first tokens judges no TTFT
+    # an interval with fewer first tokens (ITL gaps) per interval_s than this judges no TTFT (ITL)
+    min_requests: int = Field(default=3, ge=1)
     # queue and KV pressure add a replica before the SLOs break: waiting requests per replica of a role,
     # and a decode pool's KV blocks in use (0..1)
     max_waiting_per_replica: float = Field(default=8.0, gt=0)

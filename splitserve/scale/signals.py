@@ -75,7 +75,8 @@ def role_figures(rows: Sequence[dict]) -> tuple[dict[str, int], dict[str, int], 
 
 class RouterSignals:
     """Reads one `Sample` per call from the router's metrics (`metrics`: router.metrics.RouterMetrics)
-    and its workers' stats; `shape()` -> (serving replicas per role, replicas not yet settled)."""
+    and its workers' stats; `shape()` -> (serving replicas per role, replicas not yet settled). A
+    percentile is judged only over at least `min_requests` observations per `interval_s`."""
 
     def __init__(
         self,
@@ -83,10 +84,12 @@ class RouterSignals:
         model: str,
         percentile: float,
         min_requests: int,
+        interval_s: float,
         worker_stats: Callable[[], Awaitable[list[dict]]],
         shape: Callable[[], tuple[Shape, int]],
     ) -> None:
         self.m, self.model, self.q, self.min_requests = metrics, model, percentile, min_requests
+        self.interval_s = interval_s
         self.worker_stats, self.shape = worker_stats, shape
         self._last: dict[str, Buckets] = {}
         self._tokens: tuple[float, float] = (0.0, 0.0)
@@ -111,10 +114,12 @@ class RouterSignals:
         (ttft, n), (itl, n_itl), prompt, output, span = self.read(now)
         waiting, running, kv = role_figures(await self.worker_stats())
         replicas, pending = self.shape()
+        # `min_requests` per `interval_s`: an interval that ran long (a slow /stats) asks as many more
+        need = self.min_requests * max(1.0, span / self.interval_s)
         return Sample(
             now=now,
-            ttft_s=ttft if n >= self.min_requests else None,
-            itl_s=itl if n_itl >= self.min_requests else None,
+            ttft_s=ttft if n >= need else None,
+            itl_s=itl if n_itl >= need else None,
             requests=n,
             replicas=replicas,
             waiting=waiting,

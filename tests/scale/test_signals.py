@@ -60,7 +60,7 @@ def test_router_signals_read_the_router_histograms_per_interval():
     async def stats() -> list[dict]:
         return [{"role": "prefill", "running": 0, "waiting": 2}]
 
-    signals = RouterSignals(m, "tiny", 0.9, 3, stats, lambda: ({"prefill": 1, "decode": 1}, 0))
+    signals = RouterSignals(m, "tiny", 0.9, 3, 5.0, stats, lambda: ({"prefill": 1, "decode": 1}, 0))
     for _ in range(10):
         m.ttft.labels("tiny").observe(2.0)
     m.prompt_tokens.labels("tiny").inc(1000)
