@@ -8,7 +8,8 @@ deployment has been comfortably within its SLOs), as Dynamo's planner and Ray Se
              ITL over its SLO, decode KV nearly full or decode queueing -> add a decode replica
              (both: the role whose figure is further over its SLO, or the one the planner's simulator
              says helps most); colocated: either -> add a colocated replica
-  comfort    both figures under `low_load` x their SLO (or no traffic) for `down_after_s` in a row
+  comfort    both figures under `low_load` x their SLO (a figure with too few observations: at most
+             `low_load` requests per replica in the engines) for `down_after_s` in a row
              -> remove a replica of the role with most headroom above its minimum (one the
              simulator, when given, says the smaller shape still serves within the SLOs)
   otherwise  hold: inside the hysteresis band, in the cooldown after a change, or at a bound.
@@ -108,10 +109,16 @@ def pressure(s: Sample, p: Policy) -> list[tuple[str, str, float, str]]:
 
 
 def _comfortable(s: Sample, p: Policy) -> bool:
-    idle = s.requests == 0 and not any(s.running.values()) and not any(s.waiting.values())
-    if idle:
+    """Both figures under `low_load` x their SLO; a figure not judged (too few observations) counts
+    only while the engines hold at most `low_load` requests per replica: few observations under many
+    requests in flight is a slow deployment, not an idle one."""
+    judged = [v / limit for v, limit in ((s.ttft_s, p.ttft_s), (s.itl_s, p.itl_s)) if v is not None]
+    if any(r > p.low_load for r in judged):
+        return False
+    if len(judged) == 2:
         return True
-    return _over(s.ttft_s, p.ttft_s) <= p.low_load and _over(s.itl_s, p.itl_s) <= p.low_load
+    busy = sum(s.running.values()) + sum(s.waiting.values())
+    return busy <= p.low_load * sum(s.replicas.values())
 
 
 def _grow(s: Sample, p: Policy, pressed: list, model: ShapeModel | None) -> Decision:

@@ -114,3 +114,13 @@ def test_the_planner_vetoes_a_removal_and_picks_between_roles():
     both = sample(100, 0.6, 0.3)  # ITL further over, but the simulator says prefill helps more
     d = decide(both, POLICY, Memory(), model=lambda shape, s: 1.0 if shape["prefill"] == 2 else 0.2)
     assert (d.role, d.delta) == ("prefill", 1)
+
+
+def test_too_few_observations_under_many_requests_in_flight_is_not_comfort():
+    """A slow deployment yields few first tokens an interval: unjudged, but busy, so nothing is removed;
+    the same scarcity with the engines nearly empty (a trickle) is comfort."""
+    slow = [sample(t, None, None, p=2, d=2, requests=1, running={"prefill": 3, "decode": 2})
+            for t in range(0, 60, 5)]  # fmt: skip
+    assert not changes(run(slow))
+    trickle = [sample(t, None, None, p=2, d=2, requests=1, running={"prefill": 1}) for t in range(0, 60, 5)]
+    assert sorted(changes(run(trickle))) == [("decode", -1, "low_load"), ("prefill", -1, "low_load")]
