@@ -124,6 +124,6 @@ def test_load_up_adds_prefill_then_decode_and_load_down_removes_them(dep, make_s
         ("decode", "add", "itl_slo"): 1,
         ("prefill", "remove", "low_load"): 1,
         ("decode", "remove", "low_load"): 1,
-    }, [line for line in dep.log if "scaling:" in line]
+    }, "\n".join(line for line in dep.log if "scaling:" in line or "local_scale" in line)
     stats = dep.wait_idle()
     assert all(s["blocks"]["free"] == s["blocks"]["total"] for s in stats.values()), stats
