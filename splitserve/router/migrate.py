@@ -16,6 +16,10 @@ The router knows a choice's prompt and every token it has streamed. A choice's l
      deadline, the request's own deadline, a grammar-constrained choice that has streamed tokens (its
      grammar's matcher would start over on the new worker), or more than `router.max_migrations`
      faults (so a request that kills every worker it lands on stops after that many).
+A worker that changed role since it was picked answers 409 `stale_role` before it starts anything:
+the choice picks again (`REPICKS` times at most), which is neither a fault nor a migration. A worker
+that changes role hands back what is still in flight at its drain deadline (`role_changed`): those
+choices migrate.
 Every migration is logged (one WARNING line: `migrated`, the cause, the worker, the tokens streamed)
 and counted (`splitserve:request_migrations` by cause). While every worker of a role is (re)starting,
 a request waits for one (`Dispatcher._pick`), within its deadline and `router.worker_wait_s`.
@@ -53,8 +57,10 @@ FAULTS = {
     # after its answer), so it is the one avoided (`transport.policy: recompute` never gets here)
     "kv_transfer_failed": "KV transfer failed",
     "kv_transport": "KV transport failed",
+    "role_changed": "worker changed role",  # still in flight when its drain ended (runtime/role_switch.py)
 }
 KV_FAULTS = ("kv_transfer_failed", "kv_transport")  # not a timeout: an overloaded decode worker is no fault
+REPICKS = 8  # 409 stale_role answers one choice takes (a worker picked just as it changed role)
 AVOID_S = 10.0  # a worker that failed a choice is not picked for it again for this long (same address)
 
 
@@ -105,15 +111,20 @@ async def migrating(
     """The choice's pieces, over as many attempts as its faults take (see the module doc)."""
     streamed: list[int] = []
     at = Attempt(deadline)
-    migrations = 0
+    migrations = repicks = 0
     while True:
         rid = request_id if not migrations else f"{request_id}-m{migrations}"
+        rid = rid if not repicks else f"{rid}-r{repicks}"
         try:
             async for piece in attempt(index, prompt_ids + streamed, params, rid, len(streamed), at):
                 streamed += piece.token_ids
                 yield piece
             return
         except APIError as exc:
+            if exc.code == "stale_role" and repicks < REPICKS:
+                repicks += 1
+                log.info("request %s: choice %d picks again: %s", request_id, index, exc.message)
+                continue
             cause = fault_cause(exc)
             worker = at.worker
             late = deadline is not None and time.perf_counter() >= deadline
@@ -149,4 +160,4 @@ def migration_counter(registry: CollectorRegistry, model: str) -> Callable[[str]
     return lambda cause: counter.labels(model, cause).inc()
 
 
-__all__ = ["FAULTS", "KV_FAULTS", "Attempt", "fault_cause", "migrating", "migration_counter"]
+__all__ = ["FAULTS", "KV_FAULTS", "REPICKS", "Attempt", "fault_cause", "migrating", "migration_counter"]

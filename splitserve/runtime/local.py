@@ -58,7 +58,7 @@ class WorkerProcess:
     role: str
     argv: list[str]
     env: dict[str, str] = field(repr=False)
-    state: str = "new"  # new | starting | ready | restarting | failed | stopped
+    state: str = "new"  # new | starting | ready | restarting | failed | stopped | draining | switching
     url: str | None = None
     kv_address: str | None = None
     info: dict = field(default_factory=dict)  # the worker's ready line / last /health
@@ -69,6 +69,7 @@ class WorkerProcess:
     startup_s: float | None = None  # the last spawn -> ready time
     last_exit: int | None = None
     inflight: int = 0  # the router's count of requests on this worker
+    epoch: int = 0  # its role epoch: role changes so far (runtime/role_switch.py), stamped on calls
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
 
     @property
@@ -80,7 +81,7 @@ class WorkerProcess:
         return self.proc.pid if self.proc is not None else None
 
     def describe(self) -> dict:
-        return describe_worker(self)
+        return describe_worker(self, role_epoch=self.epoch)
 
 
 @dataclass

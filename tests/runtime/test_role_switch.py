@@ -1,0 +1,167 @@
+"""A worker that changes role at run time (runtime/role_switch.py), through a real disaggregated deployment
+of two prefill workers and one decode worker: `prefill-1` moves to decode and back while requests
+stream, ten times. Every stream ends "ok" with the greedy answer of a run with no change, token for
+token (those still on the worker when a short drain ends migrate); the worker serves its new role (its
+own stats say so, and count the KV it exported or fetched); a call stamped with its old role or epoch
+is answered 409; a change that would leave a role with no ready worker is refused; and afterwards
+every KV block is free and no export is leased, on every worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import pytest
+from serve_harness import MODEL, SECRET, manifest_yaml, start_deployment
+
+from splitserve.wire.auth import worker_headers
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-role-test"
+PROMPTS = [f"Count from {i} to {i + 40}, separated by commas:" for i in range(3)]
+MAX_TOKENS = 24
+SWITCHES = 10
+
+
+@pytest.fixture(scope="module")
+def dep():
+    d = start_deployment(
+        manifest_yaml(
+            mode="disaggregated",
+            prefill={"replicas": 2},
+            decode={"replicas": 1},
+            router={"timeouts": {"inter_token_s": 20, "kv_transfer_s": 20, "prefill_s": 30}},
+        ),
+        api_key=KEY,
+    )
+    yield d
+    assert d.stop() == 0, "\n".join(d.log)
+
+
+def _body(prompt: str, stream: bool) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
+            "ignore_eos": True, "logprobs": 0}  # fmt: skip
+
+
+def _reference(dep) -> list[list[str]]:
+    out = []
+    for prompt in PROMPTS:
+        r = httpx.post(
+            f"{dep.url}/v1/completions", json=_body(prompt, False), headers=dep.headers(), timeout=60
+        )
+        r.raise_for_status()
+        out.append(r.json()["choices"][0]["logprobs"]["tokens"])
+    return out
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, list[str]]:
+    """-> ("ok" or the error, the tokens streamed)."""
+    tokens: list[str] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=_body(prompt, True)) as r:
+        if r.status_code != 200:
+            return f"status {r.status_code}: {(await r.aread())[:300]!r}", tokens
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return f"error {event['error']}", tokens
+                tokens += event["choices"][0]["logprobs"]["tokens"]
+    return "ok", tokens
+
+
+def _switch(dep, name: str, **body) -> httpx.Response:
+    return httpx.post(f"{dep.url}/admin/workers/{name}/role", json=body, headers=dep.headers(), timeout=120)
+
+
+def _worker(dep, name: str) -> dict:
+    return {w["name"]: w for w in dep.admin()["workers"]}[name]
+
+
+def test_role_switches_under_streaming_load_lose_nothing(dep):
+    ref = _reference(dep)
+
+    async def one_switch(client: httpx.AsyncClient, role: str, drain_s: float) -> tuple[list, dict]:
+        jobs = [asyncio.create_task(_stream(client, dep.url, p)) for p in PROMPTS]
+        await asyncio.sleep(0.3)  # the streams are under way
+        change = {"role": role, "reason": "test", "drain_timeout_s": drain_s}
+        switched = await client.post(f"{dep.url}/admin/workers/prefill-1/role", json=change)
+        assert switched.status_code == 200, switched.text
+        jobs += [asyncio.create_task(_stream(client, dep.url, p)) for p in PROMPTS]  # on the new shape
+        return await asyncio.gather(*jobs), switched.json()
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=120, headers=dep.headers()) as client:
+            for i in range(SWITCHES):
+                role = "decode" if i % 2 == 0 else "prefill"
+                # one change from decode with a drain too short for its streams: they migrate
+                drain_s = 0.01 if i == 3 else 30.0
+                results, change = await one_switch(client, role, drain_s)
+                for (outcome, tokens), expected in zip(results, ref + ref, strict=True):
+                    assert outcome == "ok" and tokens == expected, (i, outcome, tokens, expected)
+                assert (change["to_role"], change["epoch"], change["reason"]) == (role, i + 1, "test"), change
+                assert min(change["drain_s"], change["reconfigure_s"], change["rejoin_s"]) >= 0
+                served = dep.worker_stats()["prefill-1"]
+                counts = served["kv_transfer"]["counts"]
+                assert served["role"] == role and counts.get("exports" if role == "prefill" else "fetches"), (
+                    i, served["role"], counts)  # fmt: skip
+                w = _worker(dep, "prefill-1")
+                assert (w["role"], w["role_epoch"], w["state"]) == (role, i + 1, "ready"), w
+
+    asyncio.run(main())
+    stats = dep.wait_idle(timeout_s=30)
+    for name, s in stats.items():
+        leases = s["kv_transfer"]["transport"]["leases"]["active"]
+        assert (s["unfinished"], s["blocks"]["free"], leases) == (0, s["blocks"]["total"], 0), (name, s)
+    metrics = httpx.get(f"{dep.url}/metrics", params={"fresh": 1}, headers=dep.headers(), timeout=10).text
+    done = re.findall(
+        r'^splitserve:worker_role_changes_total\{[^}]*outcome="ok"[^}]*\} (\S+)$', metrics, re.M
+    )
+    assert sum(float(x) for x in done) == SWITCHES, done
+    assert re.search(r'^splitserve:worker_role_change_seconds_count\{[^}]*phase="drain"', metrics, re.M)
+    assert f"changed role decode -> prefill (epoch {SWITCHES}, reason: test)" in "\n".join(dep.log)
+
+
+def test_a_call_stamped_with_a_stale_role_gets_409(dep):
+    w = _worker(dep, "prefill-1")
+    epoch, url = w["role_epoch"], w["url"]
+    assert w["role"] == "prefill", w  # an even number of changes above
+    h = worker_headers(SECRET)
+    stale_epoch = epoch - 1 if epoch else epoch + 1
+    handle = {"backend": "tcp", "address": "127.0.0.1:1", "request_id": "x", "lease_id": "x",
+              "block_ids": [0], "num_tokens": 1, "layout_fingerprint": "x",
+              "lease_expires_at": 0.0}  # fmt: skip
+    for path, body in (
+        ("/prefill", {"prompt_token_ids": [1, 2, 3]}),
+        ("/kv/release", {"kv_export": {"handle": handle}}),
+    ):
+        for stamp in ({"role": "decode", "epoch": epoch}, {"role": "prefill", "epoch": stale_epoch}):
+            r = httpx.post(f"{url}{path}", json={**body, "stamp": stamp}, headers=h, timeout=30)
+            assert r.status_code == 409, (path, stamp, r.text)
+            err = r.json()["error"]
+            assert (err["type"], err["code"], err["role"], err["epoch"]) == (
+                "stale_role",
+                "stale_role",
+                "prefill",
+                epoch,
+            )
+    fresh = {"prompt_token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1},
+             "stamp": {"role": "prefill", "epoch": epoch}}  # fmt: skip
+    r = httpx.post(f"{url}/prefill", json=fresh, headers=h, timeout=30)
+    assert r.status_code == 200 and r.json()["kv_export"] is None, r.text  # max_tokens 1: nothing leased
+
+
+def test_a_change_that_leaves_a_role_unserved_is_refused(dep):
+    decode = [w["name"] for w in dep.admin()["workers"] if w["role"] == "decode" and w["state"] == "ready"]
+    if len(decode) == 1:
+        r = _switch(dep, decode[0], role="prefill")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "role_change_refused", r.text
+        assert "last ready decode worker" in r.json()["error"]["message"]
+    assert _switch(dep, "prefill-0", role="prefill").status_code == 409  # its role already
+    assert _switch(dep, "nobody-0", role="decode").status_code == 404
+    assert _switch(dep, "prefill-0", role="colocated").status_code == 400
+    r = httpx.post(f"{dep.url}/admin/workers/prefill-0/role", json={"role": "decode"}, timeout=10)
+    assert r.status_code == 401
+    assert dep.health()["status"] == "ok"
