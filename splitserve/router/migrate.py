@@ -16,7 +16,8 @@ The router knows a choice's prompt and every token it has streamed. A choice's l
      deadline, the request's own deadline, or more than `router.max_migrations` faults (so a request
      that kills every worker it lands on stops after that many).
 A worker that changed role since it was picked answers 409 `stale_role` before it starts anything:
-the choice picks again (`REPICKS` times at most), which is neither a fault nor a migration. A worker
+the choice picks again, another worker (`REPICKS` times at most), which is neither a fault nor a
+migration. A worker
 that changes role hands back what is still in flight at its drain deadline (`role_changed`): those
 choices migrate.
 Every migration is logged (one WARNING line: `migrated`, the cause, the worker, the tokens streamed)
@@ -60,6 +61,7 @@ FAULTS = {
     "role_changed": "worker changed role",  # still in flight when its drain ended (runtime/role_switch.py)
 }
 KV_FAULTS = ("kv_transfer_failed", "kv_transport")  # not a timeout: an overloaded decode worker is no fault
+REPICK = "stale_role"  # a worker's answer: it changed role since it was picked
 REPICKS = 8  # 409 stale_role answers one choice takes (a worker picked just as it changed role)
 AVOID_S = 10.0  # a worker that failed a choice is not picked for it again for this long (same address)
 
@@ -108,7 +110,8 @@ async def migrating(
     deadline: float | None = None,
     on_migrated: Callable[[str], None] | None = None,
 ) -> AsyncIterator[Any]:
-    """The choice's pieces, over as many attempts as its faults take (see the module doc)."""
+    """The choice's pieces, over as many attempts as its faults take (see the module doc).
+    `on_migrated(cause)` is told of each migration, and of each re-pick (`REPICK`)."""
     streamed: list[int] = []
     at = Attempt(deadline)
     migrations = repicks = 0
@@ -121,9 +124,14 @@ async def migrating(
                 yield piece
             return
         except APIError as exc:
-            if exc.code == "stale_role" and repicks < REPICKS:
+            if exc.code == REPICK and repicks < REPICKS:
                 repicks += 1
+                if at.worker is not None:  # the router's view of it lags: another worker for this choice
+                    at.avoid[(at.worker.name, at.worker.url)] = time.perf_counter() + AVOID_S
+                    at.worker = None
                 log.info("request %s: choice %d picks again: %s", request_id, index, exc.message)
+                if on_migrated is not None:
+                    on_migrated(REPICK)
                 continue
             cause = fault_cause(exc)
             worker = at.worker
@@ -144,8 +152,9 @@ async def migrating(
 
 
 def migration_counter(registry: CollectorRegistry, model: str) -> Callable[[str], None]:
-    """`splitserve:request_migrations{model_name, cause}` in `registry`, each cause at 0 from the start;
-    -> the call that counts one migration."""
+    """`splitserve:request_migrations{model_name, cause}` in `registry`, each cause at 0 from the start,
+    and `splitserve:request_repicks{model_name}`; -> the call that counts one migration by its cause, or
+    one re-pick (`REPICK`)."""
     counter = Counter(
         "splitserve:request_migrations",
         "Choices of requests moved to another worker after a worker's fault, by cause",
@@ -154,7 +163,18 @@ def migration_counter(registry: CollectorRegistry, model: str) -> Callable[[str]
     )
     for cause in FAULTS:
         counter.labels(model, cause)
-    return lambda cause: counter.labels(model, cause).inc()
+    why = "Choices picked again after a worker answered that it changed role (409 stale_role)"
+    repicks = Counter("splitserve:request_repicks", why, ["model_name"], registry=registry).labels(model)
+    return lambda cause: repicks.inc() if cause == REPICK else counter.labels(model, cause).inc()
 
 
-__all__ = ["FAULTS", "KV_FAULTS", "REPICKS", "Attempt", "fault_cause", "migrating", "migration_counter"]
+__all__ = [
+    "FAULTS",
+    "KV_FAULTS",
+    "REPICK",
+    "REPICKS",
+    "Attempt",
+    "fault_cause",
+    "migrating",
+    "migration_counter",
+]

@@ -112,7 +112,7 @@ def worker_error(worker: WorkerEndpoint, status: int, content: bytes) -> APIErro
         message, kind = content[:200].decode(errors="replace"), ""
     if status == 400:
         return APIError(400, message or "the worker refused the request")
-    if status == 409 and kind == "stale_role":  # the worker changed role since it was picked: pick again
+    if status == 409 and kind == "stale_role":  # it changed role since it was picked: pick again (migrate.py)
         return APIError(409, f"{worker.name}: {message}", type="server_error", code="stale_role")
     if status == 504:
         return APIError(504, f"{worker.name}: {message}", type="timeout", code="kv_transfer_timeout")

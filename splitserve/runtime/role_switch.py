@@ -4,9 +4,10 @@
 route (POST /admin/workers/{name}/role) calls it, and so may a scaling controller. A change's life:
   1. checked: the worker exists, is ready, is not changing role already, has the other role; and it is
      not the last ready worker of its role (unless `force`): each refusal a 409 (404 unknown worker);
-  2. drain: the worker leaves the router's ready set at once (no new work); the switch waits until the
-     router has nothing on it and the worker reports no request unfinished and no KV export still leased,
-     or until the drain deadline (`drain_timeout_s`, default `runtime.drain_timeout_s`);
+  2. drain: the worker leaves the router's ready set at once (no new work) and starts its next engine
+     core's imports (POST /role/prepare); the switch waits until the router has nothing on it and the
+     worker reports no request unfinished and no KV export still leased, or until the drain deadline
+     (`drain_timeout_s`, default `runtime.drain_timeout_s`);
   3. reconfigure: its role and role epoch (+1) change, and its command line with them (a restart from
      now on starts it in its new role); the worker is sent its new config (POST /role: the new role's
      engine section and batch budget, the new role's side of the KV transport: a prefill worker
@@ -26,6 +27,7 @@ in its new role. Flags in `runtime.worker_args` reach a restarted worker, not a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -155,22 +157,26 @@ class RoleSwitcher:
     async def _drain(self, w: WorkerProcess, timeout_s: float) -> int:
         """Until nothing is on `w` (router side and worker side), or `timeout_s`; -> what is left."""
         deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(httpx.HTTPError):  # a head start only
+            await self.runtime._http.post(f"{w.url}/role/prepare", timeout=10)
         while True:
-            left = w.inflight + await self._busy(w)
+            unfinished, leased = await self._busy(w)
+            left = max(w.inflight, unfinished) + leased
             if left == 0 or time.monotonic() >= deadline:
                 return left
             await asyncio.sleep(POLL_S)
 
-    async def _busy(self, w: WorkerProcess) -> int:
-        """The worker's requests unfinished and KV exports still leased (a decode worker may yet fetch)."""
+    async def _busy(self, w: WorkerProcess) -> tuple[int, int]:
+        """The worker's requests unfinished, and its KV exports still leased (a decode worker may yet
+        fetch them)."""
         try:
             r = await self.runtime._http.get(f"{w.url}/stats", timeout=30)
             r.raise_for_status()
             stats = r.json()
         except (httpx.HTTPError, ValueError):
-            return 0  # gone: its requests are failing over already
+            return 0, 0  # gone: its requests are failing over already
         leases = ((stats.get("kv_transfer") or {}).get("transport") or {}).get("leases") or {}
-        return int(stats.get("unfinished", 0)) + int(leases.get("active", 0))
+        return int(stats.get("unfinished", 0)), int(leases.get("active", 0))
 
     async def _reconfigure(self, w: WorkerProcess, role: str) -> dict:
         """The worker's new role on its command line and in its engine core; -> its health."""

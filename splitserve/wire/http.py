@@ -10,6 +10,7 @@ structs, JSON on the wire, the same definition on both sides.
     POST /kv/probe/export  ProbeExportRequest -> ProbeExported (wire/ops.py)
     POST /kv/probe         ProbeRequest    -> ProbeResult (wire/ops.py)
     POST /debug/faults     FaultKnobs (wire/ops.py) -> FaultsSet
+    POST /role/prepare     (no body) -> Ok: a role change's drain has begun (wire/role.py)
     POST /role             RoleSwitch (wire/role.py) -> Health (wire/stats.py)
     GET  /stats            WorkerStats (wire/stats.py);  GET /health: Health (wire/stats.py)
 

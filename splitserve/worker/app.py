@@ -232,6 +232,12 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
         req = await _body(request, ProbeRequest)
         return _json(await worker.probe(req.kv_export, req.timeout_s, req.stamp))
 
+    @app.post("/role/prepare")
+    async def prepare_role() -> Response:
+        """The runtime's, as a role change's drain begins: start the next engine core's imports."""
+        worker.prepare_role()
+        return _json(Ok())
+
     @app.post("/role")
     async def role(request: Request) -> Response:
         """The runtime's: restart the engine core in another role (Worker.change_role)."""

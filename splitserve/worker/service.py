@@ -75,6 +75,7 @@ class Worker:
         self._ids = itertools.count()
         self._tag = secrets.token_hex(4)  # request ids unique across workers: decode keeps them
         self.switching = False  # the engine core is being replaced for another role (change_role)
+        self.next_core: CoreClient | None = None  # a core started ahead of a role change (prepare_role)
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """From the event loop that serves HTTP, before the first request."""
@@ -263,6 +264,12 @@ class Worker:
     async def set_faults(self, knobs: ops.FaultKnobs) -> ops.FaultsSet:
         return _expect(await self.client.call(ops.SetFaults(self.client.call_id(), knobs)), ops.FaultsSet)
 
+    def prepare_role(self) -> None:
+        """A role change is coming (its drain has begun): start the next engine core now, so that its
+        imports (and a GPU's context) are done by the time the old core stops."""
+        if self.next_core is None:
+            self.next_core = CoreClient.spawn()
+
     async def change_role(self, config: WorkerConfig) -> Health:
         """Serve `config`'s role from now on (its engine section, its side of the KV transport, its role
         epoch): requests still in flight fail as `role_changed` (503: the router migrates them), the old
@@ -275,7 +282,8 @@ class Worker:
         config = dataclasses.replace(config, kv_secret=self.config.kv_secret)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.switching = True
-        old, new = self.client, CoreClient.spawn()  # the new core imports while the old one stops
+        old, new = self.client, self.next_core or CoreClient.spawn()  # it imports while the old one stops
+        self.next_core = None
         why = f"the worker changes role ({self.config.role} -> {config.role})"
         failed = old.fail_all(wire.ErrorInfo(503, "role_changed", why))
         await asyncio.sleep(0)  # the failed requests' handlers run before the old sockets close
@@ -296,6 +304,8 @@ class Worker:
         return self.health()
 
     async def close(self) -> None:
+        if self.next_core is not None:
+            await asyncio.to_thread(self.next_core.close)
         await asyncio.to_thread(self.client.close)
         if self.config.core_share:  # a runtime that was SIGKILLed cannot remove its folder of lent cores
             remove_if_orphaned(os.path.dirname(self.config.core_share), CORES_PREFIX)

@@ -1,10 +1,12 @@
 """A worker that changes role at run time (runtime/role_switch.py), through a real disaggregated deployment
-of two prefill workers and one decode worker: `prefill-1` moves to decode and back while requests
-stream, ten times. Every stream ends "ok" with the greedy answer of a run with no change, token for
-token (those still on the worker when a short drain ends migrate); the worker serves its new role (its
-own stats say so, and count the KV it exported or fetched); a call stamped with its old role or epoch
-is answered 409; a change that would leave a role with no ready worker is refused; and afterwards
-every KV block is free and no export is leased, on every worker."""
+of two prefill workers and one decode worker. First, `prefill-1`'s role epoch changes behind the router's
+back: the requests the router sends it under the old epoch are answered 409 and picked again, and every
+answer is still right. Then `prefill-1` moves to decode and back while requests stream, ten times:
+every stream ends "ok" with the greedy answer of a run with no change, token for token (those still on
+the worker when a short drain ends migrate); the worker serves its new role (its own stats say so, and
+count the KV it exported or fetched); a call stamped with its old role or epoch is answered 409; a
+change that would leave a role with no ready worker is refused; and afterwards every KV block is free
+and no export is leased, on every worker."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import re
 
 import httpx
 import pytest
+import yaml
 from serve_harness import MODEL, SECRET, manifest_yaml, start_deployment
 
+from splitserve.config import parse_manifest
+from splitserve.runtime.role_switch import switched_config
 from splitserve.wire.auth import worker_headers
 
 pytestmark = pytest.mark.slow
@@ -24,21 +29,25 @@ KEY = "sk-role-test"
 PROMPTS = [f"Count from {i} to {i + 40}, separated by commas:" for i in range(3)]
 MAX_TOKENS = 24
 SWITCHES = 10
+MANIFEST = manifest_yaml(
+    mode="disaggregated",
+    prefill={"replicas": 2},
+    decode={"replicas": 1},
+    router={"timeouts": {"inter_token_s": 20, "kv_transfer_s": 20, "prefill_s": 30}},
+)
 
 
 @pytest.fixture(scope="module")
 def dep():
-    d = start_deployment(
-        manifest_yaml(
-            mode="disaggregated",
-            prefill={"replicas": 2},
-            decode={"replicas": 1},
-            router={"timeouts": {"inter_token_s": 20, "kv_transfer_s": 20, "prefill_s": 30}},
-        ),
-        api_key=KEY,
-    )
+    d = start_deployment(MANIFEST, api_key=KEY)
     yield d
     assert d.stop() == 0, "\n".join(d.log)
+
+
+@pytest.fixture(scope="module")
+def ref(dep) -> list[list[str]]:
+    """The greedy answers' tokens, one request at a time, before any role changes."""
+    return _reference(dep)
 
 
 def _body(prompt: str, stream: bool) -> dict:
@@ -80,8 +89,31 @@ def _worker(dep, name: str) -> dict:
     return {w["name"]: w for w in dep.admin()["workers"]}[name]
 
 
-def test_role_switches_under_streaming_load_lose_nothing(dep):
-    ref = _reference(dep)
+def _metric(dep, name: str) -> float:
+    text = httpx.get(f"{dep.url}/metrics", params={"fresh": 1}, headers=dep.headers(), timeout=10).text
+    return sum(float(x) for x in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_a_worker_whose_epoch_changed_unseen_is_picked_again(dep, ref):
+    w = _worker(dep, "prefill-1")
+    assert (w["role"], w["role_epoch"]) == ("prefill", 0), w
+    # the worker's own role change, which the router does not hear of: its view stays at epoch 0
+    manifest = parse_manifest(yaml.safe_dump(MANIFEST), "test manifest", {"server.api_keys": [KEY]})
+    spec = switched_config(manifest, "prefill-1", "prefill", 7, None).to_json(include_secret=False)
+    r = httpx.post(f"{w['url']}/role", json={"spec": spec}, headers=worker_headers(SECRET), timeout=120)
+    assert r.status_code == 200 and r.json()["role_epoch"] == 7, r.text
+    repicks = _metric(dep, "splitserve:request_repicks_total")
+
+    async def main() -> list:
+        async with httpx.AsyncClient(timeout=120, headers=dep.headers()) as client:
+            return await asyncio.gather(*(_stream(client, dep.url, p) for p in PROMPTS + PROMPTS))
+
+    for (outcome, tokens), expected in zip(asyncio.run(main()), ref + ref, strict=True):
+        assert outcome == "ok" and tokens == expected, (outcome, tokens, expected)
+    assert _metric(dep, "splitserve:request_repicks_total") > repicks
+
+
+def test_role_switches_under_streaming_load_lose_nothing(dep, ref):
 
     async def one_switch(client: httpx.AsyncClient, role: str, drain_s: float) -> tuple[list, dict]:
         jobs = [asyncio.create_task(_stream(client, dep.url, p)) for p in PROMPTS]
@@ -115,12 +147,8 @@ def test_role_switches_under_streaming_load_lose_nothing(dep):
     for name, s in stats.items():
         leases = s["kv_transfer"]["transport"]["leases"]["active"]
         assert (s["unfinished"], s["blocks"]["free"], leases) == (0, s["blocks"]["total"], 0), (name, s)
-    metrics = httpx.get(f"{dep.url}/metrics", params={"fresh": 1}, headers=dep.headers(), timeout=10).text
-    done = re.findall(
-        r'^splitserve:worker_role_changes_total\{[^}]*outcome="ok"[^}]*\} (\S+)$', metrics, re.M
-    )
-    assert sum(float(x) for x in done) == SWITCHES, done
-    assert re.search(r'^splitserve:worker_role_change_seconds_count\{[^}]*phase="drain"', metrics, re.M)
+    assert _metric(dep, "splitserve:worker_role_changes_total") == SWITCHES
+    assert _metric(dep, "splitserve:worker_role_change_seconds_count") == SWITCHES * 3  # three phases each
     assert f"changed role decode -> prefill (epoch {SWITCHES}, reason: test)" in "\n".join(dep.log)
 
 
