@@ -12,8 +12,11 @@ route (POST /admin/workers/{name}/role) calls it, and so may a scaling controlle
      now on starts it in its new role); the worker is sent its new config (POST /role: the new role's
      engine section and batch budget, the new role's side of the KV transport: a prefill worker
      listens, a decode worker fetches) and restarts its engine core with it, keeping its front end and
-     address. What was still in flight at the deadline fails there as `role_changed`, which the router
-     migrates;
+     address. A restart, not an edit of the running engine: what a role gets is fixed when its core is
+     built (the KV pool's size from the role's engine section, and where the pool lives: a prefill
+     worker's `shm` transport lends it from shared memory; the transport's listening or fetching side;
+     the batch limits), and the weights load from the host's cache in a fraction of a second. What was
+     still in flight at the deadline fails there as `role_changed`, which the router migrates;
   4. rejoin: the KV handshake is checked between the worker and each ready worker of the other role,
      then the worker is ready again in its new role: role, epoch, KV address and state change together,
      between two awaits, so the router never sees half of it.

@@ -299,8 +299,8 @@ class Worker:
         new.attach(asyncio.get_running_loop())
         self.client, self.config, self.info, self.kv_address = new, config, info, info.kv_address
         self.switching = False
-        log.warning("%s: %d requests in flight handed back; role epoch now %d", why, failed,
-                    config.role_epoch)  # fmt: skip
+        log.info("%s: %d requests in flight handed back; role epoch now %d", why, failed,
+                 config.role_epoch)  # fmt: skip
         return self.health()
 
     async def close(self) -> None:

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "sk-role-test"
 PROMPTS = [f"Count from {i} to {i + 40}, separated by commas:" for i in range(3)]
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 SWITCHES = 10
 MANIFEST = manifest_yaml(
     mode="disaggregated",
