@@ -14,7 +14,7 @@ import msgspec
 from splitserve.router.openai_protocol import APIError
 from splitserve.sampling.logprobs import TokenLogprob
 from splitserve.wire.http import StreamLine, Timings
-from splitserve.wire.role import RoleStamp
+from splitserve.wire.role import ROLE_CHANGED, RoleStamp
 
 
 class WorkerEndpoint(Protocol):
@@ -59,6 +59,9 @@ async def lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
 
 
 def piece(worker: WorkerEndpoint, line: StreamLine, index: int) -> Piece:
+    if line.finished and line.finish_reason == ROLE_CHANGED:
+        raise APIError(503, f"worker {worker.name} changed role under the request", type="server_error",
+                       code=ROLE_CHANGED)  # fmt: skip
     if line.finished and line.finish_reason in (None, "abort", "error"):
         raise APIError(
             502,

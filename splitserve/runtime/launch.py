@@ -155,7 +155,9 @@ async def _start(
         manifest, runtime, tokenizer, info, runtime.describe, lambda: _worker_stats(runtime),
         runtime.worker_headers,
     )  # fmt: skip
-    api.change_role = RoleSwitcher(runtime, api.metrics.registry, info.served_name).switch
+    # POST /admin/workers/{name}/role, and a scaling controller's entry point (runtime.change_role)
+    switcher = RoleSwitcher(runtime, api.metrics.registry, info.served_name)
+    api.change_role = runtime.change_role = switcher.switch
     prober = KVProber(manifest, runtime.ready, api.on_probe, runtime.worker_headers)
     stats_line = StatsLogger(api, manifest.server.log_stats_interval_s)
 

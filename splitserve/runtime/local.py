@@ -25,7 +25,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -40,6 +40,7 @@ from splitserve.runtime.standby import Standby, die_with_parent, kill, spawn_sta
 from splitserve.tempdirs import CORE_SOCKETS, sweep_stale
 from splitserve.wire.auth import worker_headers
 from splitserve.wire.lifecycle import Launch
+from splitserve.wire.role import RoleChangeRequest, RoleChangeResult
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class LocalRuntime:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self.worker_headers)
         self.mps: MpsPlan | None = None  # what start() decided about CUDA MPS (runtime/mps.py)
         self._mps_daemon: MpsDaemon | None = None
+        # a worker's role change (runtime/role_switch.py), once launch.py made it: for a scaling controller
+        self.change_role: Callable[[str, RoleChangeRequest], Awaitable[RoleChangeResult]] | None = None
 
     def ready(self, role: str) -> list[WorkerProcess]:
         return [w for w in self.workers if w.role == role and w.ready]

@@ -1,7 +1,8 @@
 """A worker that changes role at run time (local runtime): prefill <-> decode, keeping its name.
 
 `RoleSwitcher.switch(name, RoleChangeRequest(role=...))` is the one entry point: the router's admin
-route (POST /admin/workers/{name}/role) calls it, and so may a scaling controller. A change's life:
+route (POST /admin/workers/{name}/role) calls it, and so may a scaling controller (as
+`LocalRuntime.change_role`, set where `splitserve serve` makes the switcher). A change's life:
   1. checked: the worker exists, is ready, is not changing role already, has the other role; and it is
      not the last ready worker of its role (unless `force`): each refusal a 409 (404 unknown worker);
   2. drain: the worker leaves the router's ready set at once (no new work) and starts its next engine

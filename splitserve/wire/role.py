@@ -16,6 +16,9 @@ from typing import Annotated, Literal
 import msgspec
 
 SwitchRole = Literal["prefill", "decode"]
+# a worker's error type for a request still in flight when it changed role (503 before a stream's first
+# line; after it, a last stream line with this finish_reason): the router migrates the request
+ROLE_CHANGED = "role_changed"
 
 
 class RoleStamp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -54,9 +57,9 @@ class RoleChangeResult(msgspec.Struct):
 class RoleSwitch(msgspec.Struct, forbid_unknown_fields=True):
     """Runtime -> worker: restart the engine core with `spec` (a WorkerConfig as JSON, without the
     secret: the worker keeps its own), its role and `role_epoch` the new ones. Requests still in flight
-    are failed as `role_changed` (503), which the router migrates."""
+    are failed as `ROLE_CHANGED`, which the router migrates."""
 
     spec: str
 
 
-__all__ = ["RoleChangeRequest", "RoleChangeResult", "RoleStamp", "RoleSwitch", "SwitchRole"]
+__all__ = ["ROLE_CHANGED", "RoleChangeRequest", "RoleChangeResult", "RoleStamp", "RoleSwitch", "SwitchRole"]

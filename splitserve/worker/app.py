@@ -45,7 +45,7 @@ from splitserve.wire.http import (
     StreamLine,
 )
 from splitserve.wire.ops import FaultKnobs, Ok
-from splitserve.wire.role import RoleSwitch
+from splitserve.wire.role import ROLE_CHANGED, RoleSwitch
 from splitserve.worker.core_client import CoreDead
 from splitserve.worker.metrics import render_worker_metrics
 from splitserve.worker.service import StaleRole, Worker
@@ -113,14 +113,20 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
 
     async def body() -> AsyncIterator[bytes]:
         encode = LINE_ENCODER.encode
+        sent = 0
         try:
             if first is not None:
                 yield encode(first) + b"\n"
+                sent += len(first.token_ids)
             async for line in lines:
                 yield encode(line) + b"\n"
+                sent += len(line.token_ids)
         except (CoreDead, CoreError) as exc:  # the core died (or failed it) mid-stream: one line, no
             # traceback; the stream ends without a finished line, which the router counts as a cut
             rid = first.request_id if first is not None else "-"
+            if isinstance(exc, CoreError) and exc.info.type == ROLE_CHANGED:  # the router migrates it
+                yield encode(StreamLine(rid, sent, [], "", True, ROLE_CHANGED)) + b"\n"
+                return
             log.warning("stream of %s cut: %s: %s", rid, type(exc).__name__, exc)
         finally:
             with contextlib.suppress(Exception):

@@ -34,7 +34,7 @@ from splitserve.wire.http import (
     Timings,
 )
 from splitserve.wire.kv_handle import KVExport
-from splitserve.wire.role import RoleStamp
+from splitserve.wire.role import ROLE_CHANGED, RoleStamp
 from splitserve.wire.stats import Health, WorkerStats
 from splitserve.worker.core_client import CoreClient, CoreDead, RequestStream
 from splitserve.worker.text_stream import TextStream
@@ -285,7 +285,7 @@ class Worker:
         old, new = self.client, self.next_core or CoreClient.spawn()  # it imports while the old one stops
         self.next_core = None
         why = f"the worker changes role ({self.config.role} -> {config.role})"
-        failed = old.fail_all(wire.ErrorInfo(503, "role_changed", why))
+        failed = old.fail_all(wire.ErrorInfo(503, ROLE_CHANGED, why))
         await asyncio.sleep(0)  # the failed requests' handlers run before the old sockets close
         await asyncio.to_thread(old.close)
         try:

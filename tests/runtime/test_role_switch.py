@@ -89,9 +89,11 @@ def _worker(dep, name: str) -> dict:
     return {w["name"]: w for w in dep.admin()["workers"]}[name]
 
 
-def _metric(dep, name: str) -> float:
+def _metric(dep, name: str, label: str = "") -> float:
+    """The sum of `name`'s series (those whose labels hold `label`)."""
     text = httpx.get(f"{dep.url}/metrics", params={"fresh": 1}, headers=dep.headers(), timeout=10).text
-    return sum(float(x) for x in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    pattern = rf"^{name}(?:{{[^}}]*}})? (\S+)$" if not label else rf"^{name}{{[^}}]*{label}[^}}]*}} (\S+)$"
+    return sum(float(x) for x in re.findall(pattern, text, re.M))
 
 
 def test_a_worker_whose_epoch_changed_unseen_is_picked_again(dep, ref):
@@ -114,35 +116,50 @@ def test_a_worker_whose_epoch_changed_unseen_is_picked_again(dep, ref):
 
 
 def test_role_switches_under_streaming_load_lose_nothing(dep, ref):
+    answers: list[tuple[int, str, list[str]]] = []  # (prompt, outcome, tokens) of every stream
 
-    async def one_switch(client: httpx.AsyncClient, role: str, drain_s: float) -> tuple[list, dict]:
-        jobs = [asyncio.create_task(_stream(client, dep.url, p)) for p in PROMPTS]
-        await asyncio.sleep(0.3)  # the streams are under way
-        change = {"role": role, "reason": "test", "drain_timeout_s": drain_s}
-        switched = await client.post(f"{dep.url}/admin/workers/prefill-1/role", json=change)
-        assert switched.status_code == 200, switched.text
-        jobs += [asyncio.create_task(_stream(client, dep.url, p)) for p in PROMPTS]  # on the new shape
-        return await asyncio.gather(*jobs), switched.json()
+    async def load(client: httpx.AsyncClient, stop: asyncio.Event, k: int) -> None:
+        """One client's streams, one after another, until `stop`."""
+        while not stop.is_set():
+            outcome, tokens = await _stream(client, dep.url, PROMPTS[k % len(PROMPTS)])
+            answers.append((k % len(PROMPTS), outcome, tokens))
+            k += 1
+
+    async def serving(role: str) -> dict:
+        """Until prefill-1's own stats show it serving `role` (KV exported, or fetched); -> the stats."""
+        key = "exports" if role == "prefill" else "fetches"
+        for _ in range(300):
+            s = (await asyncio.to_thread(dep.worker_stats))["prefill-1"]
+            if s["role"] == role and s["kv_transfer"]["counts"].get(key):
+                return s
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"prefill-1 did not serve as {role}: {s}")
 
     async def main() -> None:
         async with httpx.AsyncClient(timeout=120, headers=dep.headers()) as client:
+            stop = asyncio.Event()
+            loaders = [asyncio.create_task(load(client, stop, k)) for k in range(3)]
+            await asyncio.sleep(0.5)  # the streams are under way
             for i in range(SWITCHES):
                 role = "decode" if i % 2 == 0 else "prefill"
-                # one change from decode with a drain too short for its streams: they migrate
-                drain_s = 0.01 if i == 3 else 30.0
-                results, change = await one_switch(client, role, drain_s)
-                for (outcome, tokens), expected in zip(results, ref + ref, strict=True):
-                    assert outcome == "ok" and tokens == expected, (i, outcome, tokens, expected)
-                assert (change["to_role"], change["epoch"], change["reason"]) == (role, i + 1, "test"), change
-                assert min(change["drain_s"], change["reconfigure_s"], change["rejoin_s"]) >= 0
-                served = dep.worker_stats()["prefill-1"]
-                counts = served["kv_transfer"]["counts"]
-                assert served["role"] == role and counts.get("exports" if role == "prefill" else "fetches"), (
-                    i, served["role"], counts)  # fmt: skip
-                w = _worker(dep, "prefill-1")
+                # two changes from decode with a drain too short for their streams: those migrate
+                change = {"role": role, "reason": "test", "drain_timeout_s": 0.01 if i in (3, 7) else 30.0}
+                r = await client.post(f"{dep.url}/admin/workers/prefill-1/role", json=change)
+                assert r.status_code == 200, r.text
+                done = r.json()
+                assert (done["to_role"], done["epoch"], done["reason"]) == (role, i + 1, "test"), done
+                assert min(done["drain_s"], done["reconfigure_s"], done["rejoin_s"]) >= 0, done
+                await serving(role)
+                w = await asyncio.to_thread(_worker, dep, "prefill-1")
                 assert (w["role"], w["role_epoch"], w["state"]) == (role, i + 1, "ready"), w
+            stop.set()
+            await asyncio.gather(*loaders)
 
     asyncio.run(main())
+    assert len(answers) > SWITCHES, len(answers)
+    for prompt, outcome, tokens in answers:
+        assert outcome == "ok" and tokens == ref[prompt], (outcome, tokens, ref[prompt])
+    assert _metric(dep, "splitserve:request_migrations_total", 'cause="role_changed"') > 0
     stats = dep.wait_idle(timeout_s=30)
     for name, s in stats.items():
         leases = s["kv_transfer"]["transport"]["leases"]["active"]
