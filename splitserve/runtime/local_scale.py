@@ -4,8 +4,9 @@ more for a role, or one drained and stopped.
     add(role)      a new worker `<role>-<n>` (the next free index) is spawned as at start-up, watched and
                    restarted like the others; the router routes to it once it is ready.
     remove(role)   the worker of `role` with the fewest requests in flight (the newest on a tie) turns
-                   `draining`: the router sends it nothing new (it is not ready), its requests in flight
-                   finish; once it has had none for `SETTLE_S` (a handed-off KV is fetched by then) or
+                   `retiring`: the router sends it nothing new (it is not ready), its requests in flight
+                   finish; once nothing is on it (the router's count, the worker's unfinished requests
+                   and its KV exports still leased: a decode worker may yet fetch them) or
                    `drain_timeout_s` passed, it is stopped (SIGTERM, then SIGKILL) and leaves the worker
                    list. A request still on it then is a worker fault: the router migrates it.
 A role always keeps one worker; the controller keeps it within its pool's bounds.
@@ -18,6 +19,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import httpx
+
 from splitserve.runtime.common import worker_argv
 
 if TYPE_CHECKING:
@@ -25,8 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SETTLE_S = 1.0  # a draining worker is idle once it has had no request in flight this long
-UNSETTLED = ("new", "starting", "restarting", "draining")  # the controller waits for these
+POLL_S = 0.1  # how often a drain looks at the worker
+# the controller waits while a worker is in one of these (role_switch.py's states among them)
+UNSETTLED = ("new", "starting", "restarting", "draining", "switching", "retiring")
 
 
 class LocalScaler:
@@ -38,6 +42,17 @@ class LocalScaler:
         serving = {role: len(self.rt.ready(role)) for role in self.rt.manifest.pools()}
         pending = sum(w.state in UNSETTLED for w in self.rt.workers)
         return serving, pending
+
+    async def _left(self, w: WorkerProcess) -> int:
+        """What is still on `w`: requests in flight or unfinished, and KV exports still leased."""
+        try:
+            r = await self.rt._http.get(f"{w.url}/stats", timeout=30)
+            r.raise_for_status()
+            stats = r.json()
+        except (httpx.HTTPError, ValueError):
+            return 0  # gone: its requests are failing over already
+        leases = ((stats.get("kv_transfer") or {}).get("transport") or {}).get("leases") or {}
+        return max(w.inflight, int(stats.get("unfinished", 0))) + int(leases.get("active", 0))
 
     def _next_name(self, role: str) -> tuple[str, int]:
         taken = {int(w.name.rsplit("-", 1)[1]) for w in self.rt.workers if w.role == role}
@@ -66,19 +81,14 @@ class LocalScaler:
         if len(ready) <= 1:
             return None
         w = min(reversed(ready), key=lambda x: x.inflight)
-        w.state = "draining"
+        w.state = "retiring"  # NOTE: in the same turn as the pick: the router picks it no more
         log.info("draining worker %s (%d in flight)", w.name, w.inflight)
         deadline = time.monotonic() + self.drain_timeout_s
-        idle_since: float | None = None
-        while time.monotonic() < deadline:
-            now = time.monotonic()
-            idle_since = (idle_since or now) if w.inflight == 0 else None
-            if idle_since is not None and now - idle_since >= SETTLE_S:
-                break
-            await asyncio.sleep(0.05)
-        else:
+        while (left := await self._left(w)) and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        if left:
             log.warning("worker %s still had %d requests after %.0fs; stopping it (they migrate)",
-                        w.name, w.inflight, self.drain_timeout_s)  # fmt: skip
+                        w.name, left, self.drain_timeout_s)  # fmt: skip
         w.state = "stopped"
         if w.proc is not None and w.proc.returncode is None:
             await self.rt._kill(w.proc)

@@ -3,8 +3,9 @@
     controller (in the router replica) --desired replicas per role--> registry actor
     Serve's autoscaler, each pool's policy `FollowRegistry` ---------> that count, within the bounds
     a replica Serve stops: `drain_replica` (WorkerReplica.__del__) ----> unregisters (the router routes
-        it nothing new: it leaves the ready set at the router's next refresh), waits until its engine
-        has had nothing in flight for `SETTLE_S` (or `scaling.drain_timeout_s`), then lets Serve end it;
+        it nothing new: it leaves the ready set at the router's next refresh), waits until its worker
+        has had nothing unfinished and no KV export leased for `SETTLE_S` (the router's refresh has
+        passed by then) or `scaling.drain_timeout_s`, then lets Serve end it;
         a request still on it then is a worker fault, which the router migrates.
 Which replica Serve stops is Serve's choice; every replica drains the same way.
 """
@@ -75,7 +76,9 @@ async def drain_replica(registry: Any, replica_id: str, url: str, headers: dict,
         while time.monotonic() < deadline:
             try:
                 s = (await http.get(f"{url}/stats")).json()
-                busy = s["unfinished"] + (s.get("kv_transfer") or {}).get("importing", 0)
+                kv = s.get("kv_transfer") or {}
+                leases = (kv.get("transport") or {}).get("leases") or {}
+                busy = s["unfinished"] + kv.get("importing", 0) + int(leases.get("active", 0))
             except (httpx.HTTPError, ValueError, KeyError):
                 return  # the worker is gone already
             now = time.monotonic()
