@@ -16,7 +16,8 @@ from splitserve.config.manifest_sections import PositiveFloat, Section
 
 class ScalingSection(Section):
     enabled: bool = False
-    interval_s: PositiveFloat = 5.0  # one decision per interval, on the router's figures of that interval
+    interval_s: PositiveFloat = 5.0  # one decision per interval
+    window_s: PositiveFloat | None = None  # the figures span the last window_s; null: 3 x interval_s
     # the percentile of TTFT and of ITL (time between two tokens, TPOT's per-token form) held to the SLOs
     percentile: float = Field(default=0.9, gt=0, lt=1)
     # SLOs the controller holds (ms); null: the manifest's `slos` (ttft_ms, itl_ms)
@@ -27,7 +28,7 @@ class ScalingSection(Section):
     # a replica is removed only once both figures have stayed under `low_load` of their SLO this long
     down_after_s: float = Field(default=60.0, ge=0, le=86_400)
     low_load: float = Field(default=0.5, gt=0, lt=1)  # the hysteresis band: between it and 1, hold
-    # an interval with fewer first tokens (ITL gaps) per interval_s than this judges no TTFT (ITL)
+    # a window with fewer first tokens (ITL gaps) than this judges no TTFT (ITL)
     min_requests: int = Field(default=3, ge=1)
     # queue and KV pressure add a replica before the SLOs break: waiting requests per replica of a role,
     # and a decode pool's KV blocks in use (0..1)
@@ -37,6 +38,9 @@ class ScalingSection(Section):
     # (a removal that would break the SLOs is not made; with both SLOs broken, the role it helps most)
     profile: str | None = None
     drain_timeout_s: PositiveFloat = 30.0  # a removed replica's requests get this long to finish
+
+    def window(self) -> float:
+        return self.window_s if self.window_s is not None else 3 * self.interval_s
 
 
 def bounds(replicas: int, lo: int | None, hi: int | None) -> tuple[int, int]:

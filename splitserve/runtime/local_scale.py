@@ -107,7 +107,7 @@ def local_controller(manifest, runtime: LocalRuntime, api, stats):  # noqa: ANN0
     sc = manifest.scaling
     scaler = LocalScaler(runtime, sc.drain_timeout_s)
     signals = RouterSignals(api.metrics, api.info.served_name, sc.percentile, sc.min_requests,
-                            sc.interval_s, stats, scaler.shape)  # fmt: skip
+                            sc.window(), stats, scaler.shape)  # fmt: skip
     return Controller(manifest, signals, scaler, api.metrics.registry, shape_model(manifest))
 
 

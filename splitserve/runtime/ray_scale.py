@@ -125,7 +125,7 @@ def ray_controller(manifest: Any, registry: Any, workers: Any, server: Any) -> A
     sc = manifest.scaling
     scaler = RayScaler(registry, workers, list(manifest.pools()))
     signals = RouterSignals(server.metrics, server.info.served_name, sc.percentile, sc.min_requests,
-                            sc.interval_s, workers.stats, scaler.shape)  # fmt: skip
+                            sc.window(), workers.stats, scaler.shape)  # fmt: skip
     return Controller(manifest, signals, scaler, server.metrics.registry, shape_model(manifest))
 
 

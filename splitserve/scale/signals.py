@@ -1,16 +1,19 @@
 """What the controller reads each interval, from the router's own figures (no Prometheus server needed):
 
 - TTFT and ITL: the router's histograms (`splitserve:time_to_first_token_seconds`,
-  `splitserve:inter_token_latency_seconds`, the ones /metrics exports); the interval's percentile comes
-  from the difference of their bucket counts since the last read, interpolated within a bucket, as
-  PromQL's `histogram_quantile(q, rate(...[interval]))` does;
-- prompt and generated tokens over the interval (the load the planner's simulator replays);
+  `splitserve:inter_token_latency_seconds`, the ones /metrics exports); the window's percentile comes
+  from the difference of their bucket counts over the last `window_s`, interpolated within a bucket, as
+  PromQL's `histogram_quantile(q, rate(...[window]))` does;
+- prompt and generated tokens over the window (the load the planner's simulator replays);
 - per role, from every worker's /stats: requests waiting and running in its engine, KV blocks in use.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
@@ -73,10 +76,20 @@ def role_figures(rows: Sequence[dict]) -> tuple[dict[str, int], dict[str, int], 
     return waiting, running, kv
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    at: float
+    ttft: Buckets
+    itl: Buckets
+    prompt_tokens: float
+    output_tokens: float
+
+
 class RouterSignals:
     """Reads one `Sample` per call from the router's metrics (`metrics`: router.metrics.RouterMetrics)
-    and its workers' stats; `shape()` -> (serving replicas per role, replicas not yet settled). A
-    percentile is judged only over at least `min_requests` observations per `interval_s`."""
+    and its workers' stats; `shape()` -> (serving replicas per role, replicas not yet settled). Figures
+    are over the last `window_s` (one interval or more, as a PromQL rate window spans several scrapes);
+    a percentile is judged only over at least `min_requests` observations per `window_s`."""
 
     def __init__(
         self,
@@ -84,38 +97,43 @@ class RouterSignals:
         model: str,
         percentile: float,
         min_requests: int,
-        interval_s: float,
+        window_s: float,
         worker_stats: Callable[[], Awaitable[list[dict]]],
         shape: Callable[[], tuple[Shape, int]],
+        start: float | None = None,  # time.monotonic() of the first snapshot (default: now)
     ) -> None:
         self.m, self.model, self.q, self.min_requests = metrics, model, percentile, min_requests
-        self.interval_s = interval_s
+        self.window_s = window_s
         self.worker_stats, self.shape = worker_stats, shape
-        self._last: dict[str, Buckets] = {}
-        self._tokens: tuple[float, float] = (0.0, 0.0)
-        self._at: float | None = None
-        self.read(0.0)  # from here on
+        self._snaps: deque[_Snapshot] = deque([self._snapshot(time.monotonic() if start is None else start)])
+
+    def _snapshot(self, now: float) -> _Snapshot:
+        m, name = self.m, self.model
+        return _Snapshot(now, buckets(m.ttft, name), buckets(m.itl, name),  # type: ignore[attr-defined]
+                         _total(m.prompt_tokens, name), _total(m.generation_tokens, name))  # type: ignore[attr-defined]  # fmt: skip
 
     def read(self, now: float) -> tuple[tuple[float | None, int], tuple[float | None, int], int, int, float]:
-        """-> ((TTFT q, count), (ITL q, count), prompt tokens, output tokens, seconds) since the last read."""
-        m = self.m
-        ttft_b, itl_b = buckets(m.ttft, self.model), buckets(m.itl, self.model)  # type: ignore[attr-defined]
-        ttft = quantile(self.q, ttft_b, self._last.get("ttft", []))
-        itl = quantile(self.q, itl_b, self._last.get("itl", []))
-        self._last = {"ttft": ttft_b, "itl": itl_b}
-        tokens = (_total(m.prompt_tokens, self.model), _total(m.generation_tokens, self.model))  # type: ignore[attr-defined]
-        prompt, output = int(tokens[0] - self._tokens[0]), int(tokens[1] - self._tokens[1])
-        self._tokens = tokens
-        span = 0.0 if self._at is None else now - self._at
-        self._at = now
-        return ttft, itl, prompt, output, span
+        """-> ((TTFT q, count), (ITL q, count), prompt tokens, output tokens, seconds) over the window:
+        since the newest snapshot at least `window_s` old (else the oldest kept)."""
+        snap = self._snapshot(now)
+        while len(self._snaps) > 1 and self._snaps[1].at <= now - self.window_s:
+            self._snaps.popleft()
+        base = self._snaps[0]
+        self._snaps.append(snap)
+        return (
+            quantile(self.q, snap.ttft, base.ttft),
+            quantile(self.q, snap.itl, base.itl),
+            int(snap.prompt_tokens - base.prompt_tokens),
+            int(snap.output_tokens - base.output_tokens),
+            now - base.at,
+        )
 
     async def sample(self, now: float) -> Sample:
         (ttft, n), (itl, n_itl), prompt, output, span = self.read(now)
         waiting, running, kv = role_figures(await self.worker_stats())
         replicas, pending = self.shape()
-        # `min_requests` per `interval_s`: an interval that ran long (a slow /stats) asks as many more
-        need = self.min_requests * max(1.0, span / self.interval_s)
+        # `min_requests` per `window_s`: a window that ran long (a slow /stats) asks as many more
+        need = self.min_requests * max(1.0, span / self.window_s)
         return Sample(
             now=now,
             ttft_s=ttft if n >= need else None,

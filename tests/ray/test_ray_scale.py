@@ -61,8 +61,8 @@ prefill: {{replicas: 1, min_replicas: 1, max_replicas: 2,
 decode: {{replicas: 1, min_replicas: 1, max_replicas: 2,
          placement: {{resources: {{decode_node: 1}}, num_cpus: 0}}}}
 router: {{timeouts: {{inter_token_s: 30, kv_transfer_s: 30, prefill_s: 60}}}}
-scaling: {{enabled: true, interval_s: 1, cooldown_s: 2, down_after_s: 3, ttft_ms: 5, itl_ms: 1,
-          min_requests: 2, max_waiting_per_replica: 1000, drain_timeout_s: 20}}
+scaling: {{enabled: true, interval_s: 1, window_s: 3, cooldown_s: 2, down_after_s: 3, ttft_ms: 5, itl_ms: 1,
+          min_requests: 3, max_waiting_per_replica: 1000, drain_timeout_s: 20}}
 server: {{host: 127.0.0.1, port: {port}}}
 runtime: {{kind: ray, address: "{cluster.address}", namespace: splitserve-scale, health_interval_s: 0.5,
           router_placement: {{resources: {{head: 0.1}}, num_cpus: 0}}}}

@@ -34,10 +34,10 @@ def dep():
             decode=dict(pools),
             engine={"enable_prefix_caching": False},
             router={"timeouts": {"inter_token_s": 30, "kv_transfer_s": 30, "prefill_s": 60}},
-            # TTFT over 5 ms and ITL over 1 ms: broken by every real request on this CPU; fewer than 2
-            # first tokens a second judge no TTFT (the trickle below)
-            scaling={"enabled": True, "interval_s": 1, "cooldown_s": 2, "down_after_s": 3, "ttft_ms": 5,
-                     "itl_ms": 1, "min_requests": 2, "max_waiting_per_replica": 1000},
+            # TTFT over 5 ms and ITL over 1 ms: broken by every real request on this CPU; fewer than 3
+            # first tokens in the 3 s window judge no TTFT (the trickle below)
+            scaling={"enabled": True, "interval_s": 1, "window_s": 3, "cooldown_s": 2, "down_after_s": 3,
+                     "ttft_ms": 5, "itl_ms": 1, "min_requests": 3, "max_waiting_per_replica": 1000},
         )
     )  # fmt: skip
     yield d

@@ -60,7 +60,9 @@ def test_router_signals_read_the_router_histograms_per_interval():
     async def stats() -> list[dict]:
         return [{"role": "prefill", "running": 0, "waiting": 2}]
 
-    signals = RouterSignals(m, "tiny", 0.9, 3, 5.0, stats, lambda: ({"prefill": 1, "decode": 1}, 0))
+    signals = RouterSignals(
+        m, "tiny", 0.9, 3, 5.0, stats, lambda: ({"prefill": 1, "decode": 1}, 0), start=0.0
+    )
     for _ in range(10):
         m.ttft.labels("tiny").observe(2.0)
     m.prompt_tokens.labels("tiny").inc(1000)
@@ -70,7 +72,7 @@ def test_router_signals_read_the_router_histograms_per_interval():
     assert (s.prompt_tokens, s.output_tokens, s.interval_s) == (1000, 200, 5.0)
     assert s.waiting == {"prefill": 2}
     m.ttft.labels("tiny").observe(0.01)
-    later = asyncio.run(signals.sample(10.0))  # one request since: below min_requests, no TTFT judged
+    later = asyncio.run(signals.sample(10.0))  # one request in the window since: too few to judge
     assert later.requests == 1 and later.ttft_s is None and later.prompt_tokens == 0
 
 
