@@ -11,6 +11,7 @@ structs, JSON on the wire, the same definition on both sides.
     POST /kv/probe         ProbeRequest    -> ProbeResult (wire/ops.py)
     POST /debug/faults     FaultKnobs (wire/ops.py) -> FaultsSet
     GET  /stats            WorkerStats (wire/stats.py);  GET /health: Health (wire/stats.py)
+    GET  /kv/events        KVEventsQuery (URL parameters) -> KVEventsPage (wire/kv_events.py)
 
 Decoding checks every field (types, ranges, no unknown field; sampling params by `SamplingParams`'s
 own checks), and a body that fails is a 400 with msgspec's message naming the field.
@@ -46,6 +47,7 @@ class Timings(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_bytes: int | None = None
     kv_backend: str | None = None
     kv_error: str | None = None  # the fetch's error class, when the prompt was recomputed instead
+    cached_tokens: int | None = None  # prompt tokens this engine's prefix cache served (/prefill, /generate)
 
 
 def _prompt_input(prompt: str | None, ids: list[int] | None) -> str | list[int]:

@@ -6,6 +6,7 @@ a disaggregated request are told there)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -32,12 +33,15 @@ from splitserve.wire.http import (
     StreamLine,
     Timings,
 )
+from splitserve.wire.kv_events import CacheLoad, KVEventsPage, KVEventsQuery
 from splitserve.wire.kv_handle import KVExport
 from splitserve.wire.stats import Health, WorkerStats
 from splitserve.worker.core_client import CoreClient, RequestStream
+from splitserve.worker.kv_events import KVEventFeed
 from splitserve.worker.text_stream import TextStream
 
 R = TypeVar("R")
+LOAD_WAIT_S = 1.0  # a heartbeat waits this long at most for the engine's load (between two steps)
 
 
 class Worker:
@@ -59,6 +63,9 @@ class Worker:
             raise
         self.info = self.client.wait_ready()
         self.kv_address: str | None = self.info.kv_address
+        # the prefix cache's changes as the core reports them, for cache-aware routers (GET /kv/events)
+        self.kv_events = KVEventFeed(config.engine.block_size)
+        self.client.on_cache_events = self.kv_events.apply
         self._ids = itertools.count()
         self._tag = secrets.token_hex(4)  # request ids unique across workers: decode keeps them
 
@@ -206,6 +213,17 @@ class Worker:
 
     async def stats(self) -> WorkerStats:
         return _expect(await self.client.call(ops.GetStats(self.client.call_id())), WorkerStats)
+
+    async def cache_events(self, query: KVEventsQuery) -> KVEventsPage:
+        """The prefix cache's events after `query.after`, or a snapshot (worker/kv_events.py). A page
+        without events (a heartbeat, a snapshot) carries the engine's load as of now, not as of its last
+        cache change (a request that ended changed no cache)."""
+        page = await self.kv_events.page(query)
+        if not page.events:
+            with contextlib.suppress(TimeoutError, wire.CoreError):
+                st = await asyncio.wait_for(self.stats(), LOAD_WAIT_S)
+                page.load = self.kv_events.load = CacheLoad(st.unfinished, st.blocks.free, st.blocks.total)
+        return page
 
     async def check_peer(self, address: str, timeout_s: float) -> ops.PeerChecked:
         """Handshake with an exporter now (decode side); refused pairs raise CoreError (403 / 409)."""
