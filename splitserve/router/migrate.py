@@ -13,17 +13,17 @@ The router knows a choice's prompt and every token it has streamed. A choice's l
      the client sees one unbroken stream. A prefill worker's fault is a migration with nothing
      streamed: the prompt is prefilled again.
   3. Anything else ends the choice with its error, as without migration: the input refused, a stage's
-     deadline, the request's own deadline, a grammar-constrained choice that has streamed tokens (its
-     grammar's matcher would start over on the new worker), or more than `router.max_migrations`
-     faults (so a request that kills every worker it lands on stops after that many).
+     deadline, the request's own deadline, or more than `router.max_migrations` faults (so a request
+     that kills every worker it lands on stops after that many).
 Every migration is logged (one WARNING line: `migrated`, the cause, the worker, the tokens streamed)
 and counted (`splitserve:request_migrations` by cause). While every worker of a role is (re)starting,
 a request waits for one (`Dispatcher._pick`), within its deadline and `router.worker_wait_s`.
 
 Greedy choices are token-exact with a fault-free run: the next token's logits come from a prefill of
 the same tokens instead of a decode step, equal up to floating-point rounding (see docs/restarts.md).
-A seeded sampled choice restarts its random generator from the seed at the migration: it stays
-reproducible, but differs from the fault-free run after that point.
+So are seeded sampled ones, and constrained ones keep their grammar: the new worker's engine takes the
+`resumed` tokens as the request's own output (sampling/params.py), its seeded generator moved past
+their draws, its grammar's matcher and thinking gate past the tokens themselves.
 """
 
 from __future__ import annotations
@@ -117,10 +117,7 @@ async def migrating(
             cause = fault_cause(exc)
             worker = at.worker
             late = deadline is not None and time.perf_counter() >= deadline
-            # a grammar's matcher would restart at the migration point: constrained choices migrate only
-            # before their first token
-            constrained = params.grammar is not None and bool(streamed)
-            if cause is None or worker is None or late or constrained or config.on_fault == "fail":
+            if cause is None or worker is None or late or config.on_fault == "fail":
                 raise
             if migrations >= config.max_migrations:
                 log.warning("request %s: choice %d not migrated: %d migrations already (%s on %s)",

@@ -257,7 +257,8 @@ class Worker:
 
 def _resumed(params: SamplingParams, ids: list[int], resumed: int) -> SamplingParams:
     """The sampling params of a migrated request, whose last `resumed` prompt tokens are its completion's
-    first: they count against max_tokens and min_tokens."""
+    first: they count against max_tokens and min_tokens, and the engine takes them as the request's own
+    output (`SamplingParams.resumed`: a seeded generator's draws, the penalties)."""
     if not resumed:
         return params
     if resumed >= len(ids):
@@ -265,7 +266,8 @@ def _resumed(params: SamplingParams, ids: list[int], resumed: int) -> SamplingPa
     if params.max_tokens is not None and params.max_tokens <= resumed:
         raise ValueError(f"resumed ({resumed}) leaves no room under max_tokens ({params.max_tokens})")
     max_tokens = None if params.max_tokens is None else params.max_tokens - resumed
-    return replace(params, min_tokens=max(0, params.min_tokens - resumed), max_tokens=max_tokens)
+    min_tokens = max(0, params.min_tokens - resumed)
+    return replace(params, min_tokens=min_tokens, max_tokens=max_tokens, resumed=resumed)
 
 
 def core_params(params: SamplingParams) -> SamplingParams:
