@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from splitserve.router.cache_index import ReplicaIndex
 
 HOWS = ("cache", "spread", "balance", "fallback")
+RESYNC_REASONS = ("start", "restart", "behind", "gap")  # ReplicaIndex.apply's
 
 
 class CacheMetrics:
@@ -60,8 +61,12 @@ class CacheMetrics:
         )
 
     def watch(self, index: ReplicaIndex, stale_s: float) -> None:
-        """Gauges of `index`, read at scrape time."""
+        """Gauges of `index`, read at scrape time; its worker's counters, at 0 from the start."""
         lab = (self.model, index.name)
+        for reason in RESYNC_REASONS:
+            self.resyncs.labels(*lab, reason)
+        self.estimated.labels(*lab)
+        self.actual.labels(*lab)
         self.blocks.labels(*lab).set_function(lambda: len(index.stored))
         self.seq.labels(*lab).set_function(lambda: index.seq)
         fresh: Callable[[], float] = lambda: float(index.fresh(time.monotonic(), stale_s))  # noqa: E731
@@ -78,4 +83,4 @@ class CacheMetrics:
         self.actual.labels(self.model, worker).inc(cached_tokens)
 
 
-__all__ = ["HOWS", "CacheMetrics"]
+__all__ = ["HOWS", "RESYNC_REASONS", "CacheMetrics"]
