@@ -276,8 +276,12 @@ class Dispatcher:
                 choice.done()
         if status != 200:
             raise worker_error(pf, status, content)
-        pre = msgspec.json.decode(content, type=PrefillResponse)
-        choice.done(pre.timings.cached_tokens)
+        try:
+            pre = msgspec.json.decode(content, type=PrefillResponse)
+        except msgspec.DecodeError:
+            choice.done()
+            raise
+        choice.done(pre.timings.cached_tokens)  # the prefill is over: its work leaves the replica's load
         prefill_wall = time.perf_counter() - start
         metrics = {**timings(pre.timings), "prefill_wall_s": prefill_wall, "prefill_worker": pf.name}
         if pre.kv_export is None:  # the first token ended it
