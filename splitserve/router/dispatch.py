@@ -43,6 +43,7 @@ from splitserve.router.worker_answers import (
     as_json,
     lines,
     piece,
+    stamp,
     stream_cut,
     timings,
     worker_error,
@@ -249,7 +250,7 @@ class Dispatcher:
         choice = await self._pick("prefill", prompt_ids, at)
         pf = choice.worker
         body = PrefillRequest(prompt_token_ids=prompt_ids, sampling_params=params, request_id=rid,
-                              resumed=resumed)  # fmt: skip
+                              resumed=resumed, stamp=stamp(pf))  # fmt: skip
         start = time.perf_counter()
         pf.inflight += 1
         status: int | None = None
@@ -297,7 +298,7 @@ class Dispatcher:
         dbody = DecodeRequest(
             prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob,
             kv_export=kv_export, sampling_params=params, request_id=rid, timeout_s=t.kv_transfer_s,
-            stream=True, resumed=resumed,
+            stream=True, resumed=resumed, stamp=stamp(dc),
         )  # fmt: skip
         claimed = False
         try:
