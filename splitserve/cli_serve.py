@@ -50,7 +50,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--prefill-replicas",), "prefill.replicas", int, "prefill workers"),
     (("--decode-replicas",), "decode.replicas", int, "decode workers"),
     (("--colocated-replicas",), "colocated.replicas", int, "colocated workers"),
-    (("--router-policy",), "router.policy", str, "round_robin | least_loaded | prefix_affinity"),
+    (
+        ("--router-policy",),
+        "router.policy",
+        str,
+        "round_robin | least_loaded | prefix_affinity | cache_aware",
+    ),  # fmt: skip
     (("--max-concurrent-requests",), "server.max_concurrent_requests", int, "in flight to the workers"),
     (("--stream-interval",), "server.stream_interval", int, "tokens a streamed chunk holds at least"),
     (("--log-stats-interval",), "server.log_stats_interval_s", float, "seconds between stats lines; 0: off"),

@@ -24,6 +24,7 @@ from pydantic import (
 from splitserve.config.cors import CorsSection
 from splitserve.config.engine import EngineConfig
 from splitserve.config.manifest_limits import RateLimitSection, StructuredSection
+from splitserve.config.manifest_routing import CacheAwareSection
 from splitserve.config.speculative import checked_dict
 
 Backend = Literal["tcp", "shm", "cuda_ipc", "nccl", "nixl"]
@@ -259,7 +260,9 @@ class TimeoutsSection(Section):
 
 
 class RouterSection(Section):
-    policy: Literal["round_robin", "least_loaded", "prefix_affinity"] = "least_loaded"
+    policy: Literal["round_robin", "least_loaded", "prefix_affinity", "cache_aware"] = "least_loaded"
+    # cache_aware: each replica's prefix cache as its own events tell it, weighed against its load
+    cache_aware: CacheAwareSection = Field(default_factory=CacheAwareSection)
     timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
     # prefix_affinity: how many leading prompt tokens choose the worker, and how much busier than the
     # least-loaded worker the chosen one may be before the request goes elsewhere.

@@ -40,9 +40,11 @@ from splitserve.core.errors import error_info
 from splitserve.core.ops import CoreOps
 from splitserve.core.policy import CorePolicy
 from splitserve.core.setup import open_engine
+from splitserve.engine import kv_events
 from splitserve.startup_clock import mark
 from splitserve.wire import core as wire
 from splitserve.wire.http import Timings
+from splitserve.wire.kv_events import CacheLoad
 from splitserve.wire.stats import Health
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ class EngineCore:
         self.engine, self.connector, self.kv_address = open_engine(config)
         engine = self.engine
         self.ops = CoreOps(self)
+        # the prefix cache's changes, sent with each batch for cache-aware routers (prefill, colocated)
+        self.kv_events = None if config.role == "decode" else kv_events.attach(engine)
         self.sent: dict[str, int] = {}  # tokens sent per request in flight
         self.events: list[wire.Event] = []
         self.early: list[wire.Delta] = []  # deltas made outside a step, sent with this turn's batch
@@ -132,6 +136,10 @@ class EngineCore:
 
     def _send(self, deltas: list[wire.Delta]) -> None:
         """One batch to the front end: these deltas and the events of this turn (if any of either)."""
+        if self.kv_events is not None and (events := self.kv_events.drain()):
+            pool = self.engine.pool
+            load = CacheLoad(self.engine.num_unfinished_requests, pool.num_free, pool.num_blocks)
+            self.events.append(wire.CacheEvents(events, load, self.kv_events.hybrid))
         if deltas or self.events:
             batch = wire.Batch(deltas, self.events)
             self.events = []
@@ -259,7 +267,11 @@ class EngineCore:
             m = out.metrics
             arrival, sched, first = m.get("arrival_time"), m.get("scheduled_time"), m.get("first_token_time")
             if arrival is not None and sched is not None and first is not None:
-                timings = Timings(queue_s=max(0.0, sched - arrival), prefill_s=max(0.0, first - sched))
+                timings = Timings(
+                    queue_s=max(0.0, sched - arrival),
+                    prefill_s=max(0.0, first - sched),
+                    cached_tokens=out.num_cached_tokens,
+                )
         if out.finished:
             del self.sent[rid]
         else:

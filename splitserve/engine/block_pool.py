@@ -10,19 +10,17 @@ NOTE: invariant: a block is in the free queue exactly when its ref_count is 0.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+# NOTE: one hash chain for the engine and the router (which looks prompts up in its view of each
+# replica's cache): the function lives on the wire both import.
+from splitserve.wire.kv_events import ROOT_HASH as ROOT_HASH
+from splitserve.wire.kv_events import hash_block as hash_block
 
-ROOT_HASH = b"splitserve-root"
-
-
-def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    data = np.asarray(token_ids, dtype=np.int64).tobytes()
-    return hashlib.blake2b(parent + data, digest_size=16).digest()
+if TYPE_CHECKING:
+    from splitserve.engine.kv_events import KVEventLog
 
 
 class NoFreeBlocks(RuntimeError):
@@ -44,6 +42,7 @@ class BlockPool:
         self.fresh_from = 0
         self.hits = 0
         self.queries = 0
+        self.events: KVEventLog | None = None  # what cache-aware routers follow (kv_events.py)
 
     @property
     def num_free(self) -> int:
@@ -124,11 +123,15 @@ class BlockPool:
             return
         self.block_hash[block] = block_hash
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.record("stored", block_hash)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
             self.block_hash[block] = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.record("cleared", None)
 
     def _evict(self, block: int) -> None:
         h = self.block_hash[block]
@@ -136,3 +139,5 @@ class BlockPool:
             self.block_hash[block] = None
             if self._cached.get(h) == block:
                 del self._cached[h]
+                if self.events is not None:
+                    self.events.record("removed", h)

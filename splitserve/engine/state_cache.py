@@ -25,8 +25,12 @@ chunk that ended at the boundary and a restore lands before the request's next f
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from splitserve.engine.kv_events import KVEventLog
 
 
 class StateCheckpoints:
@@ -41,6 +45,7 @@ class StateCheckpoints:
         self._free = list(range(self.num_entries - 1, -1, -1))
         self.saved = 0
         self.restored = 0
+        self.events: KVEventLog | None = None  # what cache-aware routers follow (kv_events.py)
 
     @property
     def enabled(self) -> bool:
@@ -56,7 +61,14 @@ class StateCheckpoints:
         """Checkpoint slot `slot` of the state pool (`states[name][slot]`) under `block_hash`."""
         entry = self._index.pop(block_hash, None)
         if entry is None:
-            entry = self._free.pop() if self._free else self._index.popitem(last=False)[1]
+            if self._free:
+                entry = self._free.pop()
+            else:
+                evicted, entry = self._index.popitem(last=False)
+                if self.events is not None:
+                    self.events.record("checkpoint_removed", evicted)
+            if self.events is not None:
+                self.events.record("checkpoint_stored", block_hash)
         self._index[block_hash] = entry
         for name, t in self.tensors.items():
             t[entry].copy_(states[name][slot], non_blocking=True)

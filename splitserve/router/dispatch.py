@@ -31,6 +31,9 @@ import aiohttp
 import msgspec
 
 from splitserve.config.manifest_sections import RouterSection
+from splitserve.router.cache_follow import CacheFollower
+from splitserve.router.cache_metrics import CacheMetrics
+from splitserve.router.cache_policy import CacheAwarePolicy, Choice
 from splitserve.router.idle_deadline import IdleDeadline
 from splitserve.router.migrate import KV_FAULTS, Attempt, migrating
 from splitserve.router.openai_protocol import APIError
@@ -65,12 +68,22 @@ class WorkerSet(Protocol):
 
 
 class Picker:
-    """round_robin | least_loaded | prefix_affinity (prefill and colocated; decode: least loaded)."""
+    """round_robin | least_loaded | prefix_affinity | cache_aware (prefill and colocated; decode: least
+    loaded). cache_aware scores the replicas' prefix caches against their load (cache_policy.py)."""
 
-    def __init__(self, config: RouterSection, block_size: int = 16) -> None:
+    def __init__(
+        self, config: RouterSection, block_size: int = 16, cache: CacheAwarePolicy | None = None
+    ) -> None:
         self.config = config
         self.block_size = block_size
+        self.cache = cache
         self._rr = itertools.count()
+
+    def choose(self, workers: Sequence[WorkerEndpoint], role: str, prompt_ids: Sequence[int]) -> Choice:
+        """The pick with what cache-aware routing expects of it (`Choice.done()` when its prefill ended)."""
+        if self.cache is not None and role != "decode" and len(workers) > 1:
+            return self.cache.choose(workers, prompt_ids, self._by_hash)
+        return Choice(self.pick(workers, role, prompt_ids))
 
     def pick(self, workers: Sequence[WorkerEndpoint], role: str, prompt_ids: Sequence[int]) -> WorkerEndpoint:
         if not workers:
@@ -86,11 +99,17 @@ class Picker:
             return workers[0]
         if policy == "round_robin":
             return workers[next(self._rr) % len(workers)]
-        least = min(workers, key=lambda w: (w.inflight, next(self._rr) % len(workers)))
         if policy == "least_loaded":
-            return least
-        # prefix affinity: rendezvous hashing of the prompt's leading whole blocks, so that prompts
-        # sharing a prefix land where that prefix is cached; overloaded -> the least loaded instead.
+            return self._least(workers)
+        return self._by_hash(workers, prompt_ids)  # prefix_affinity, and cache_aware's fallback
+
+    def _least(self, workers: Sequence[WorkerEndpoint]) -> WorkerEndpoint:
+        return min(workers, key=lambda w: (w.inflight, next(self._rr) % len(workers)))
+
+    def _by_hash(self, workers: Sequence[WorkerEndpoint], prompt_ids: Sequence[int]) -> WorkerEndpoint:
+        """Prefix affinity: rendezvous hashing of the prompt's leading whole blocks, so that prompts
+        sharing a prefix land where that prefix is cached; overloaded -> the least loaded instead."""
+        least = self._least(workers)
         n = min(len(prompt_ids), self.config.affinity_prefix_tokens)
         n -= n % self.block_size
         if n == 0:
@@ -116,8 +135,18 @@ class Dispatcher:
         self.workers = workers
         self.config = config
         self.mode = mode
-        self.picker = Picker(config, block_size)
         self.headers = headers or {}
+        self.follower: CacheFollower | None = None  # cache_aware: the replicas' caches, from their events
+        cache = None
+        if config.policy == "cache_aware":
+            roles = ("colocated",) if mode == "colocated" else ("prefill",)
+            self.follower = CacheFollower(workers, roles, config.cache_aware, self.headers,
+                                          config.timeouts.connect_s)  # fmt: skip
+            cache = CacheAwarePolicy(config, block_size, self.follower)
+            with contextlib.suppress(RuntimeError):  # no loop running yet: the first pick starts it
+                asyncio.get_running_loop()
+                self.follower.start()
+        self.picker = Picker(config, block_size, cache)
         self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
         self.on_migrated: Callable[[str], None] | None = None  # counts a migration by cause (migrate.py)
@@ -136,7 +165,19 @@ class Dispatcher:
             )
         return self._session
 
+    def cache_metrics(self, registry: Any, model: str) -> None:
+        """cache_aware: export its picks, estimates and views (cache_metrics.py) in `registry`."""
+        if self.follower is None or self.picker.cache is None:
+            return
+        m = CacheMetrics(registry, model)
+        stale_s = self.config.cache_aware.stale_s
+        self.follower.on_index = lambda idx: m.watch(idx, stale_s)
+        self.follower.on_resync = m.resynced
+        self.picker.cache.metrics = m
+
     async def close(self) -> None:
+        if self.follower is not None:
+            await self.follower.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=5)
         if self._session is not None:
@@ -171,28 +212,34 @@ class Dispatcher:
         """One try at a choice (migrate.py): `ids` the prompt, its last `resumed` tokens the completion's
         own (streamed before a fault)."""
         if self.mode == "colocated":
-            worker = await self._pick("colocated", ids, at)
+            choice = await self._pick("colocated", ids, at)
             body = GenerateRequest(prompt_token_ids=ids, sampling_params=params, request_id=rid,
                                    resumed=resumed)  # fmt: skip
             first_s = self.config.timeouts.prefill_s
-            async for p in self._stream(worker, "/generate", body, index, rid, first_s):
-                yield p
+            try:
+                async for p in self._stream(choice.worker, "/generate", body, index, rid, first_s):
+                    choice.done(p.metrics.get("cached_tokens"))  # the first piece carries the timings
+                    yield p
+            finally:
+                choice.done()
             return
         async for p in self._disaggregated(index, ids, params, rid, resumed, at):
             yield p
 
-    async def _pick(self, role: str, prompt_ids: Sequence[int], at: Attempt) -> WorkerEndpoint:
+    async def _pick(self, role: str, prompt_ids: Sequence[int], at: Attempt) -> Choice:
         """A ready worker of `role` that `at` may use; while there is none but one is (re)starting, wait
         for it, up to `router.worker_wait_s` and the request's deadline; then a 503."""
         until = time.perf_counter() + self.config.worker_wait_s
         until = until if at.deadline is None else min(until, at.deadline)
         coming = getattr(self.workers, "coming", None)  # the runtime's: is one of `role` on its way?
+        if self.follower is not None:
+            self.follower.start()
         while True:
             workers = [w for w in self.workers.ready(role) if at.allowed(w)]
             if workers or time.perf_counter() >= until or (coming is not None and not coming(role)):
-                worker = self.picker.pick(workers, role, prompt_ids)  # none: a 503
-                at.on(worker)
-                return worker
+                choice = self.picker.choose(workers, role, prompt_ids)  # none: a 503
+                at.on(choice.worker)
+                return choice
             await asyncio.sleep(0.05)
 
     async def _disaggregated(
@@ -200,11 +247,13 @@ class Dispatcher:
     ) -> AsyncIterator[Piece]:
         t = self.config.timeouts
         await self._pick("decode", prompt_ids, at)  # none ready: wait before a prefill holds KV for it
-        pf = await self._pick("prefill", prompt_ids, at)
+        choice = await self._pick("prefill", prompt_ids, at)
+        pf = choice.worker
         body = PrefillRequest(prompt_token_ids=prompt_ids, sampling_params=params, request_id=rid,
                               resumed=resumed, stamp=stamp(pf))  # fmt: skip
         start = time.perf_counter()
         pf.inflight += 1
+        status: int | None = None
         try:
             async with asyncio.timeout(t.prefill_s):
                 async with self.http.post(f"{pf.url}/prefill", data=as_json(body)) as resp:
@@ -224,9 +273,16 @@ class Dispatcher:
             raise
         finally:
             pf.inflight -= 1
+            if status != 200:
+                choice.done()
         if status != 200:
             raise worker_error(pf, status, content)
-        pre = msgspec.json.decode(content, type=PrefillResponse)
+        try:
+            pre = msgspec.json.decode(content, type=PrefillResponse)
+        except msgspec.DecodeError:
+            choice.done()
+            raise
+        choice.done(pre.timings.cached_tokens)  # the prefill is over: its work leaves the replica's load
         prefill_wall = time.perf_counter() - start
         metrics = {**timings(pre.timings), "prefill_wall_s": prefill_wall, "prefill_worker": pf.name}
         if pre.kv_export is None:  # the first token ended it
@@ -235,7 +291,7 @@ class Dispatcher:
             return
         kv_export = pre.kv_export
         try:
-            dc = await self._pick("decode", prompt_ids, at)
+            dc = (await self._pick("decode", prompt_ids, at)).worker
         except (APIError, asyncio.CancelledError):
             self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv_export=kv_export)))
             raise

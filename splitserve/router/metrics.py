@@ -389,6 +389,8 @@ def ttft_breakdown(ttft: float, m: dict) -> dict[str, str]:
             headers[f"x-splitserve-ttft-{name}-ms"] = f"{value * 1e3:.2f}"
     if m.get("kv_backend"):
         headers["x-splitserve-kv-backend"] = str(m["kv_backend"])
+    if m.get("prefill_worker"):  # which replica ran the prompt (cache-aware routing shows here)
+        headers["x-splitserve-prefill-worker"] = str(m["prefill_worker"])
     return headers
 
 

@@ -92,6 +92,7 @@ class OpenAIServer:
         )
         self.metrics = RouterMetrics(info.served_name)
         self.dispatcher.on_migrated = self._migrated
+        self.dispatcher.cache_metrics(self.metrics.registry, info.served_name)  # router.policy: cache_aware
         self._count_migration = migration_counter(self.metrics.registry, info.served_name)
         self.metrics.kv_min_gbps.labels(info.served_name).set(manifest.verify.min_gbps)
         self.metrics.prime(manifest.transport.backend)

@@ -8,8 +8,8 @@ Both sides import this module; nothing on the channel is pickled.
 
 A `Batch` carries every request's new token ids of one step (`Delta`, never text: the front end
 detokenizes) and the events since the last batch: a request accepted or refused, an operation's
-`Reply` (wire/ops.py), the core's readiness. Errors travel as `ErrorInfo` with the HTTP status the
-front end answers with.
+`Reply` (wire/ops.py), the core's readiness, the prefix cache's changes (`CacheEvents`). Errors travel
+as `ErrorInfo` with the HTTP status the front end answers with.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import msgspec
 from splitserve.sampling.logprobs import TokenLogprob
 from splitserve.sampling.params import SamplingParams
 from splitserve.wire.http import Timings
+from splitserve.wire.kv_events import CacheLoad, KVEvent
 from splitserve.wire.kv_handle import KVExport
 from splitserve.wire.ops import Op, OpResult
 from splitserve.wire.stats import Health
@@ -120,7 +121,15 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     info: Health  # what /health reports (static), kv_address included
 
 
-Event = Accepted | Refused | Reply | Ready
+class CacheEvents(msgspec.Struct, tag=True, array_like=True):
+    """The prefix-cache events of this turn (wire/kv_events.py), in order, and the load they left."""
+
+    events: list[KVEvent]
+    load: CacheLoad
+    hybrid: bool  # a prefix is usable only up to a state checkpoint
+
+
+Event = Accepted | Refused | Reply | Ready | CacheEvents
 
 
 class Batch(msgspec.Struct, array_like=True):

@@ -13,6 +13,7 @@ structs, JSON on the wire, the same definition on both sides.
     POST /role/prepare     (no body) -> Ok: a role change's drain has begun (wire/role.py)
     POST /role             RoleSwitch (wire/role.py) -> Health (wire/stats.py)
     GET  /stats            WorkerStats (wire/stats.py);  GET /health: Health (wire/stats.py)
+    GET  /kv/events        KVEventsQuery (URL parameters) -> KVEventsPage (wire/kv_events.py)
 
 /prefill, /decode and /kv/* take an optional `stamp` (wire/role.py): the role and role epoch the caller
 picked the worker under; a worker whose own differ answers 409 `stale_role`.
@@ -51,6 +52,7 @@ class Timings(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_bytes: int | None = None
     kv_backend: str | None = None
     kv_error: str | None = None  # the fetch's error class, when the prompt was recomputed instead
+    cached_tokens: int | None = None  # prompt tokens this engine's prefix cache served (/prefill, /generate)
 
 
 def _prompt_input(prompt: str | None, ids: list[int] | None) -> str | list[int]:

@@ -44,6 +44,7 @@ from splitserve.wire.http import (
     ReleaseRequest,
     StreamLine,
 )
+from splitserve.wire.kv_events import KVEventsQuery
 from splitserve.wire.ops import FaultKnobs, Ok
 from splitserve.wire.role import ROLE_CHANGED, RoleSwitch
 from splitserve.worker.core_client import CoreDead
@@ -217,6 +218,11 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
         name = c.served_name or str(worker.info.model or "model").rstrip("/").rsplit("/", 1)[-1]
         body = render_worker_metrics(await worker.stats(), name, c.engine.block_size)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/kv/events")
+    async def kv_events(request: Request) -> Response:
+        query = msgspec.convert(dict(request.query_params), KVEventsQuery, strict=False)
+        return _json(await worker.cache_events(query))
 
     @app.post("/kv/connect")
     async def connect(request: Request) -> Response:

@@ -113,6 +113,7 @@ class CoreClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.dead: str | None = None  # why the core is gone
         self.on_death: Callable[[str], None] | None = None
+        self.on_cache_events: Callable[[wire.CacheEvents], None] | None = None  # the prefix cache's changes
         self._closing = False
         self._reading: threading.Thread | None = None
 
@@ -266,6 +267,8 @@ class CoreClient:
                         fut.set_exception(wire.CoreError(ev.error))
                     else:
                         fut.set_result(ev.result)
+            elif isinstance(ev, wire.CacheEvents) and self.on_cache_events is not None:
+                self.on_cache_events(ev)
         for d in batch.deltas:
             s = streams.get(d.request_id)
             if s is not None:

@@ -6,6 +6,7 @@ a disaggregated request are told there)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -33,15 +34,18 @@ from splitserve.wire.http import (
     StreamLine,
     Timings,
 )
+from splitserve.wire.kv_events import CacheLoad, KVEventsPage, KVEventsQuery
 from splitserve.wire.kv_handle import KVExport
 from splitserve.wire.role import ROLE_CHANGED, RoleStamp
 from splitserve.wire.stats import Health, WorkerStats
 from splitserve.worker.core_client import CoreClient, CoreDead, RequestStream
+from splitserve.worker.kv_events import KVEventFeed
 from splitserve.worker.text_stream import TextStream
 
 R = TypeVar("R")
 log = logging.getLogger(__name__)
 SWITCHABLE = ("prefill", "decode")
+LOAD_WAIT_S = 1.0  # a heartbeat waits this long at most for the engine's load (between two steps)
 
 
 class StaleRole(Exception):
@@ -72,10 +76,18 @@ class Worker:
             raise
         self.info = self.client.wait_ready()
         self.kv_address: str | None = self.info.kv_address
+        self.kv_events = self._publish_cache(self.client)
         self._ids = itertools.count()
         self._tag = secrets.token_hex(4)  # request ids unique across workers: decode keeps them
         self.switching = False  # the engine core is being replaced for another role (change_role)
         self.next_core: CoreClient | None = None  # a core started ahead of a role change (prepare_role)
+
+    def _publish_cache(self, client: CoreClient) -> KVEventFeed:
+        """The prefix cache's changes as `client`'s core reports them, for cache-aware routers (GET
+        /kv/events). A new core's cache starts empty: a new feed, with a new epoch, follows it."""
+        feed = KVEventFeed(self.config.engine.block_size)
+        client.on_cache_events = feed.apply
+        return feed
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """From the event loop that serves HTTP, before the first request."""
@@ -235,6 +247,17 @@ class Worker:
     async def stats(self) -> WorkerStats:
         return _expect(await self.client.call(ops.GetStats(self.client.call_id())), WorkerStats)
 
+    async def cache_events(self, query: KVEventsQuery) -> KVEventsPage:
+        """The prefix cache's events after `query.after`, or a snapshot (worker/kv_events.py). A page
+        without events (a heartbeat, a snapshot) carries the engine's load as of now, not as of its last
+        cache change (a request that ended changed no cache)."""
+        page = await self.kv_events.page(query)
+        if not page.events:
+            with contextlib.suppress(TimeoutError, wire.CoreError):
+                st = await asyncio.wait_for(self.stats(), LOAD_WAIT_S)
+                page.load = self.kv_events.load = CacheLoad(st.unfinished, st.blocks.free, st.blocks.total)
+        return page
+
     async def check_peer(
         self, address: str, timeout_s: float, stamp: RoleStamp | None = None
     ) -> ops.PeerChecked:
@@ -296,6 +319,7 @@ class Worker:
                 old.on_death(f"the engine core for the {config.role} role did not start: {exc}")
             raise
         new.on_death = old.on_death
+        self.kv_events = self._publish_cache(new)
         new.attach(asyncio.get_running_loop())
         self.client, self.config, self.info, self.kv_address = new, config, info, info.kv_address
         self.switching = False
