@@ -101,7 +101,9 @@ class Kv(Payload, tag="kv", kw_only=True):
     nbytes: int  # the frame body: the blocks, then the state tensors
 
 
-class ShmChunk(msgspec.Struct, frozen=True):
+class Chunk(Frame, tag="chunk", kw_only=True):
+    """Staged shm: `nbytes` of the payload from byte `pos` wait in slot `slot` of the segment."""
+
     slot: int
     pos: int
     nbytes: int
@@ -111,13 +113,7 @@ class KvShm(Payload, tag="kv_shm", kw_only=True):
     nbytes: int
     segment: str
     slot_nbytes: int
-    chunk: ShmChunk
-
-
-class Chunk(Frame, tag="chunk", kw_only=True):
-    slot: int
-    pos: int
-    nbytes: int
+    chunk: Chunk  # the first chunk
 
 
 class Ack(Frame, tag="ack", kw_only=True):

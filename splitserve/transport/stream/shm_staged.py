@@ -36,7 +36,7 @@ import numpy as np
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.fault_plan import Fault, FaultPlan
-from splitserve.transport.frames import Ack, Chunk, KvShm, ShmChunk
+from splitserve.transport.frames import Ack, Chunk, KvShm
 from splitserve.transport.payload import ByteStream
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel
@@ -153,14 +153,13 @@ async def send_staged(
             await asyncio.to_thread(stream.copy_to, i * chunk, view)
         if fault is Fault.CORRUPT and i == 0 and faults is not None:
             faults.flip(view)
-        slot, pos = i % 2, i * chunk
+        where = Chunk(slot=i % 2, pos=i * chunk, nbytes=view.nbytes)
         if i == 0:
-            where = ShmChunk(slot, pos, view.nbytes)
             first = KvShm(blocks=blocks, checksum=checksum, nbytes=stream.nbytes, segment=arena.name,
                           slot_nbytes=arena.slot_nbytes, chunk=where)  # fmt: skip
             await chan.send(first, deadline)
         else:
-            await chan.send(Chunk(slot=slot, pos=pos, nbytes=view.nbytes), deadline)
+            await chan.send(where, deadline)
     for _ in range(min(2, nchunks)):
         await _ack(chan, arena, deadline)
 
@@ -177,8 +176,7 @@ def recv_staged(chan: SyncChannel, meta: KvShm, stream: ByteStream, deadline: De
         if arena is not None:
             arena.close()
         arena = chan.attached["shm"] = AttachedArena(meta.segment, meta.slot_nbytes)
-    chunk: ShmChunk | Chunk = meta.chunk
-    pos = 0
+    chunk, pos = meta.chunk, 0
     while True:
         slot, at, n = chunk.slot, chunk.pos, chunk.nbytes
         if slot not in (0, 1) or at != pos or not 0 < n <= arena.slot_nbytes or at + n > stream.nbytes:
