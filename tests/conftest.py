@@ -7,10 +7,12 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from tiny_configs import save_tiny_qwen3_5
 
 from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
@@ -47,6 +49,29 @@ CHAT_PROMPTS = [
     "What is 12 times 7?",
     "Give me a tip for learning to code.",
 ]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch at one intra-op thread for a module of tiny-model tests (`pytestmark = usefixtures(...)`):
+    their tensors are so small that more threads only add synchronization, which on a busy shared
+    machine costs more than the work (50x slower with 2 threads under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory) -> Path:
+    """A tiny random-weight Qwen3.5 checkpoint (tiny_configs.TINY_QWEN3_5, weight seed 1)."""
+    return save_tiny_qwen3_5(tmp_path_factory.mktemp("tiny-qwen3_5") / "a", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_loaded(tiny_qwen):
+    """`tiny_qwen` loaded once on the CPU in fp32 (max_model_len 256), for engines made in-process."""
+    return load_model(tiny_qwen, torch.device("cpu"), torch.float32, lambda cfg: 256, progress=False)
 
 
 @pytest.fixture(scope="session")

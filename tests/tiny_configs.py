@@ -1,6 +1,10 @@
 """Tiny random-weight model configs shared by the engine and PD tests (importable: tests/ is on
 sys.path through its conftest)."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
 TINY_QWEN3_5 = {
     "vocab_size": 512,
     "hidden_size": 64,
@@ -19,3 +23,13 @@ TINY_QWEN3_5 = {
     "initializer_range": 0.1,  # larger logits than 0.02: no fp32 near-ties among the top tokens
     "tie_word_embeddings": False,
 }
+
+
+def save_tiny_qwen3_5(path: Path, seed: int = 1) -> Path:
+    """A tiny Qwen3.5 (TINY_QWEN3_5) with random weights drawn from `seed`, saved as an HF checkpoint."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY_QWEN3_5)).eval().save_pretrained(path)
+    return path

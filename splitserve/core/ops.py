@@ -195,7 +195,7 @@ class CoreOps:
         if conn is None:
             raise RoleError("a colocated worker has no KV transport")
         peer = conn.check_peer(op.address, op.timeout_s)
-        layout = None if peer is None else msgspec.convert(peer.to_dict(), ops.KVLayoutInfo)
+        layout = None if peer is None else msgspec.convert(msgspec.to_builtins(peer), ops.KVLayoutInfo)
         return ops.PeerChecked(True, op.address, layout)
 
     def op_probe(self, op: ops.Probe) -> ops.ProbeResult:

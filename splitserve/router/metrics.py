@@ -17,6 +17,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from splitserve.router.split_metrics import SplitMetrics
+from splitserve.wire.stats import WorkerRow
 
 _LATENCY = (
     0.001,
@@ -337,28 +338,29 @@ class RouterMetrics:
             for d in (w for w in workers if w["role"] == "decode"):
                 self.kv_probe_failures.labels(lab, p["name"], d["name"])
 
-    def from_worker_stats(self, stats: list[dict], required: list[str]) -> None:
+    def from_worker_stats(self, rows: list[WorkerRow], required: list[str]) -> None:
         """Gauges (and counters, by their increase since the last scrape) from each worker's /stats."""
-        for s in stats:
-            lab = (self.model, s["worker"], s["role"])
-            self.worker_up.labels(*lab).set(1 if s.get("up") else 0)
-            if "running" in s:
-                self.running.labels(*lab).set(s["running"])
-                self.waiting.labels(*lab).set(s["waiting"])
-                blocks = s.get("blocks") or {}
-                if blocks.get("total"):
-                    self.kv_usage.labels(*lab).set(1 - blocks["free"] / blocks["total"])
-                    self.kv_blocks_held.labels(*lab).set(blocks.get("held", 0))
-                prefix = s.get("prefix_cache") or {}
-                self._advance(self.preemptions, lab, s.get("preemptions", 0))
-                self._advance(self.prefix_queries, lab, prefix.get("queries", 0))
-                self._advance(self.prefix_hits, lab, prefix.get("hits", 0))
-                self.split.observe(s, lab, self._advance)
-            transfer = s.get("kv_transfer") or {}
-            if transfer.get("backend"):
-                self.kv_backend_ok.labels(*lab).set(1 if transfer["backend"] in required else 0)
-                tr = transfer.get("transport", {})
-                backend = transfer["backend"]
+        for row in rows:
+            lab = (self.model, row.worker, row.role)
+            self.worker_up.labels(*lab).set(1 if row.up else 0)
+            s = row.stats
+            if s is None:
+                continue
+            self.running.labels(*lab).set(s.running)
+            self.waiting.labels(*lab).set(s.waiting)
+            usage = row.usage()
+            if usage is not None:
+                self.kv_usage.labels(*lab).set(usage)
+                self.kv_blocks_held.labels(*lab).set(s.blocks.held)
+            self._advance(self.preemptions, lab, s.preemptions)
+            self._advance(self.prefix_queries, lab, s.prefix_cache.queries)
+            self._advance(self.prefix_hits, lab, s.prefix_cache.hits)
+            self.split.observe(s, lab, self._advance)
+            transfer = s.kv_transfer
+            if transfer is not None and transfer.backend:
+                backend = transfer.backend
+                self.kv_backend_ok.labels(*lab).set(1 if backend in required else 0)
+                tr = transfer.transport  # the transport's self-description (a diagnostic tree)
                 self.kv_backend.labels(*lab, backend, tr.get("requested") or backend).set(1)
                 self.kv_fallbacks.labels(*lab).set((tr.get("counts") or {}).get("fallbacks", 0))
 

@@ -95,7 +95,7 @@ class KVProber:
         v = self.manifest.verify
         for p in self.workers("prefill"):
             for d in self.workers("decode"):
-                n = blocks_for(v.runtime_probe_mb, int(d.info.get("block_bytes") or 0) or 1 << 20)
+                n = blocks_for(v.runtime_probe_mb, (d.health.block_bytes if d.health else 0) or 1 << 20)
                 try:
                     res = await probe_pair(self.http, p.url, d.url, n)
                 except (ProbeError, httpx.HTTPError) as exc:

@@ -44,6 +44,7 @@ from splitserve.router.tools import template_knows_tools
 from splitserve.router.vllm_metrics import VllmMetrics
 from splitserve.wire.ops import ProbeResult
 from splitserve.wire.role import RoleChangeRequest, RoleChangeResult
+from splitserve.wire.stats import WorkerRow
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class OpenAIServer:
         tokenizer: Any,
         info: ModelInfo,
         describe_workers: Callable[[], list[dict]] = list,
-        worker_stats: Callable[[], Awaitable[list[dict]]] | None = None,
+        worker_stats: Callable[[], Awaitable[list[WorkerRow]]] | None = None,
         worker_headers: dict[str, str] | None = None,
     ) -> None:
         """`describe_workers()`: every worker's name, role, state, url, kv address, restarts and its

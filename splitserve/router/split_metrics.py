@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from splitserve.wire.stats import WorkerStats
+
 Advance = Callable[[Counter, tuple[str, ...], int], None]
 
 
@@ -59,16 +61,17 @@ class SplitMetrics:
         for c in (self.prompt_computed, self.recomputed, self.imported, self.fetched):
             c.labels(*lab)
 
-    def observe(self, stats: dict, lab: tuple[str, ...], advance: Advance) -> None:
+    def observe(self, stats: WorkerStats, lab: tuple[str, ...], advance: Advance) -> None:
         """One worker's /stats: its running totals into the counters (`advance`: RouterMetrics')."""
-        advance(self.prompt_computed, lab, stats.get("prompt_tokens_computed", 0))
-        kv = stats.get("kv_transfer") or {}
-        counts = kv.get("counts") or {}
-        advance(self.recomputed, lab, counts.get("recomputed_tokens", 0))
-        advance(self.imported, lab, counts.get("imported_tokens", 0))
-        advance(self.fetched, lab, ((kv.get("transport") or {}).get("counts") or {}).get("fetched_bytes", 0))
-        if stats.get("kv_bytes_per_token"):
-            self.per_token.labels(*lab).set(stats["kv_bytes_per_token"])
+        advance(self.prompt_computed, lab, stats.prompt_tokens_computed)
+        kv = stats.kv_transfer
+        counts = kv.counts if kv is not None else {}
+        advance(self.recomputed, lab, int(counts.get("recomputed_tokens", 0)))
+        advance(self.imported, lab, int(counts.get("imported_tokens", 0)))
+        transport = kv.transport if kv is not None else {}  # the transport's self-description
+        advance(self.fetched, lab, (transport.get("counts") or {}).get("fetched_bytes", 0))
+        if stats.kv_bytes_per_token:
+            self.per_token.labels(*lab).set(stats.kv_bytes_per_token)
 
 
 __all__ = ["SplitMetrics"]

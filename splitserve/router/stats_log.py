@@ -64,16 +64,16 @@ class StatsLogger:
         then, prompt0, generated0 = self._last
         self._last = (now, prompt, generated)
         dt = max(now - then, 1e-6)
-        stats = await self.server.worker_stats() if self.server.worker_stats is not None else []
-        live = [s for s in stats if "running" in s]
-        usage = [1 - s["blocks"]["free"] / s["blocks"]["total"] for s in live if s["blocks"].get("total")]
-        queries = sum((s.get("prefix_cache") or {}).get("queries", 0) for s in live)
-        hits = sum((s.get("prefix_cache") or {}).get("hits", 0) for s in live)
+        rows = await self.server.worker_stats() if self.server.worker_stats is not None else []
+        live = [r.stats for r in rows if r.stats is not None]
+        usage = [u for u in (r.usage() for r in rows) if u is not None]
+        queries = sum(s.prefix_cache.queries for s in live)
+        hits = sum(s.prefix_cache.hits for s in live)
         fig = {
             "prompt_throughput": round((prompt - prompt0) / dt, 1),
             "generation_throughput": round((generated - generated0) / dt, 1),
-            "running": sum(s["running"] for s in live),
-            "waiting": sum(s["waiting"] for s in live) + self.server.admission.waiting,
+            "running": sum(s.running for s in live),
+            "waiting": sum(s.waiting for s in live) + self.server.admission.waiting,
             "kv_cache_usage": round(100 * max(usage, default=0.0), 1),
             "prefix_cache_hit_rate": round(100 * hits / queries, 1) if queries else 0.0,
         }

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
 from splitserve.router.vllm_workers import VllmWorkerMetrics
+from splitserve.wire.stats import WorkerRow
 
 TTFT_BUCKETS = (
     0.001,
@@ -238,10 +239,10 @@ class VllmMetrics:
         if run.max_choice_tokens > 1:
             self.request_tpot.labels(lab).observe(decode / (run.max_choice_tokens - 1))
 
-    def from_worker_stats(self, stats: list[dict], router_waiting: int) -> None:
+    def from_worker_stats(self, rows: list[WorkerRow], router_waiting: int) -> None:
         """Every worker's scheduler figures, and the router's own queue as one more waiting series."""
         self.workers.waiting.labels(self.model, "router", "router").set(router_waiting)
-        self.workers.update(stats)
+        self.workers.update(rows)
 
 
 @dataclass(slots=True)

@@ -14,10 +14,9 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 
-from splitserve.wire.stats import STEP_TOKEN_BUCKETS
+from splitserve.wire.stats import STEP_TOKEN_BUCKETS, WorkerRow, WorkerStats
 
 W = ["model_name", "worker", "role"]
-_NO_STEPS = {"counts": [0] * (len(STEP_TOKEN_BUCKETS) + 1), "sum": 0}
 
 
 class VllmWorkerMetrics:
@@ -57,33 +56,28 @@ class VllmWorkerMetrics:
         self._totals: dict[tuple[str, str], list[int]] = {}  # per worker: its totals at the last snapshot
         self._steps: dict[tuple[str, str], list[int]] = {}  # per worker: step counts per bucket, sum
 
-    def update(self, stats: list[dict]) -> None:
+    def update(self, rows: list[WorkerRow]) -> None:
         """The figures of every worker that answered its /stats (a worker that is down has no row)."""
-        for s in stats:
-            if "running" in s:
-                self._one(s)
+        for row in rows:
+            if row.stats is not None:
+                self._one(row, row.stats)
 
-    def _one(self, s: dict) -> None:
-        key = (s["worker"], s["role"])
+    def _one(self, row: WorkerRow, s: WorkerStats) -> None:
+        key = (row.worker, row.role)
         lab = (self.model, *key)
-        self.running.labels(*lab).set(s["running"])
-        self.waiting.labels(*lab).set(s["waiting"])
-        blocks = s.get("blocks") or {}
-        usage = 1 - blocks["free"] / blocks["total"] if blocks.get("total") else 0.0
+        self.running.labels(*lab).set(s.running)
+        self.waiting.labels(*lab).set(s.waiting)
+        usage = row.usage() or 0.0
         self.kv_usage.labels(*lab).set(usage)
         self.gpu_usage.labels(*lab).set(usage)
-        prefix = s.get("prefix_cache") or {}
-        if s.get("block_size") is not None:
-            enabled = str(bool(prefix.get("enabled", True)))
-            self.cache_config.labels(*lab, str(s["block_size"]), str(blocks.get("total", 0)), enabled).set(1)
-        steps = s.get("iteration_tokens") or _NO_STEPS
-        spec = s.get("spec_decode") or {}
-        per_pos = list(spec.get("accepted_per_pos") or ())
+        prefix, total = s.prefix_cache, s.blocks.total
+        self.cache_config.labels(*lab, str(s.block_size), str(total), str(prefix.enabled)).set(1)
+        steps, spec = s.iteration_tokens, s.spec_decode
+        per_pos = list(spec.accepted_per_pos) if spec is not None else []
+        drafts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0, 0)
         counters = [self.preemptions, self.prefix_queries, self.prefix_hits, self.drafts, self.draft_tokens,
                     self.accepted]  # fmt: skip
-        totals = [s.get("preemptions", 0), prefix.get("queries", 0), prefix.get("hits", 0),
-                  spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0),
-                  spec.get("num_accepted_tokens", 0), *per_pos, *steps["counts"], steps["sum"]]  # fmt: skip
+        totals = [s.preemptions, prefix.queries, prefix.hits, *drafts, *per_pos, *steps.counts, steps.sum]
         new = self._increase(key, totals)
         for counter, inc in zip(counters, new, strict=False):
             counter.labels(*lab).inc(inc)

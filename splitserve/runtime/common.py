@@ -12,6 +12,7 @@ from splitserve.config.manifest import Manifest
 
 if TYPE_CHECKING:
     from splitserve.config.worker import WorkerConfig
+    from splitserve.wire.stats import Health
 
 
 def pool_device(manifest: Manifest, role: str, index: int) -> str:
@@ -157,6 +158,7 @@ class WorkerView(Protocol):
     url: str | None
     kv_address: str | None
     info: dict
+    health: Health | None  # the last /health (or ready line), decoded
     restarts: int
     inflight: int
     startup_s: float | None  # the last spawn -> ready time, where the runtime measures it
@@ -178,7 +180,7 @@ def describe_worker(w: WorkerView, **extra: Any) -> dict:
         "startup_s": None if w.startup_s is None else round(w.startup_s, 3),
         "last_exit": w.last_exit,
         "inflight": w.inflight,
-        "kv_backend": w.info.get("kv_backend"),
+        "kv_backend": w.health.kv_backend if w.health is not None else None,
         "kv_address": w.kv_address,
         **extra,
         "info": dict(w.info),

@@ -19,6 +19,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Generator
 
+import msgspec
 import uvicorn
 
 from splitserve.config.manifest import Manifest
@@ -39,6 +40,7 @@ from splitserve.runtime.startup_report import phases
 from splitserve.startup_clock import mark, marks, process_age_s
 from splitserve.web.edge_guard import ReadLimits, guarded_protocol
 from splitserve.web.listen import KEEP_ALIVE_S, listen
+from splitserve.wire.stats import WorkerRow, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +53,13 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _worker_stats(runtime: LocalRuntime, timeout_s: float = 2.0) -> list[dict]:
-    async def one(w) -> dict:  # noqa: ANN001
-        row = {"worker": w.name, "role": w.role, "up": w.ready}
+async def _worker_stats(runtime: LocalRuntime, timeout_s: float = 2.0) -> list[WorkerRow]:
+    async def one(w) -> WorkerRow:  # noqa: ANN001
+        row = WorkerRow(w.name, w.role, w.ready)
         if w.ready:
             with contextlib.suppress(Exception):
                 r = await runtime._http.get(f"{w.url}/stats", timeout=timeout_s)
-                row.update(r.json())
+                row.stats = msgspec.json.decode(r.content, type=WorkerStats)
         return row
 
     return list(await asyncio.gather(*(one(w) for w in runtime.workers)))
@@ -145,11 +147,12 @@ async def _start(
     tasks (KV prober, stats line) run in while it serves."""
     await runtime.start(progress=progress)
     mark("workers")
-    first = runtime.workers[0].info
-    defaults, source = generation_defaults(manifest.model.generation_config, first["model"])
+    first = runtime.workers[0].health
+    assert first is not None  # started: its ready line is in
+    defaults, source = generation_defaults(manifest.model.generation_config, first.model)
     log.info("%s", describe_defaults(defaults, source))
     names = manifest.model.served_names()
-    info = ModelInfo(names[0], int(first["max_model_len"]), int(first["vocab_size"]), first["model"],
+    info = ModelInfo(names[0], first.max_model_len, first.vocab_size, first.model,
                      aliases=tuple(names[1:]), generation_defaults=defaults)  # fmt: skip
     api = OpenAIServer(
         manifest, runtime, tokenizer, info, runtime.describe, lambda: _worker_stats(runtime),

@@ -16,7 +16,6 @@ While a worker is not ready the router does not send it requests; `workers` is w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -39,8 +38,9 @@ from splitserve.runtime.mps import plan as mps_plan
 from splitserve.runtime.standby import Standby, die_with_parent, kill, spawn_standby, taken_or_dead
 from splitserve.tempdirs import CORE_SOCKETS, sweep_stale
 from splitserve.wire.auth import worker_headers
-from splitserve.wire.lifecycle import Launch
+from splitserve.wire.lifecycle import Launch, ReadyLine
 from splitserve.wire.role import RoleChangeRequest, RoleChangeResult
+from splitserve.wire.stats import Health
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,15 @@ STABLE_S = 60.0  # a worker up this long has its restart backoff reset
 
 class StartupError(RuntimeError):
     """A worker could not start (its last stderr lines are in the message)."""
+
+
+class _Event(msgspec.Struct):
+    """The event a worker's JSON line names (`ReadyLine`, `StandbyLine`), read before the whole line."""
+
+    event: str = ""
+
+
+_EVENT = msgspec.json.Decoder(_Event)
 
 
 @dataclass
@@ -64,7 +73,8 @@ class WorkerProcess:
     state: str = "new"
     url: str | None = None
     kv_address: str | None = None
-    info: dict = field(default_factory=dict)  # the worker's ready line / last /health
+    info: dict = field(default_factory=dict)  # the worker's ready line / last /health, as /workers shows it
+    health: Health | None = None  # the same, decoded: what the runtime and the router read
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -213,14 +223,16 @@ class LocalRuntime:
             asyncio.create_task(self._forward_stderr(_Owner(w), w.proc))
         try:
             info = await asyncio.wait_for(self._ready_line(w.proc), self.rt.startup_timeout_s)
-        except (TimeoutError, EOFError) as exc:
+        except (TimeoutError, EOFError, msgspec.ValidationError) as exc:
             code = await self._kill(w.proc)
             tail = "\n".join(f"    {line}" for line in list(w.stderr_tail)[-15:])
             why = "did not become ready in time" if isinstance(exc, TimeoutError) else f"exited ({code})"
+            if isinstance(exc, msgspec.ValidationError):
+                why = f"sent a malformed ready line ({exc})"
             w.state = "failed"
             raise StartupError(f"worker {w.name} {why}; its last output:\n{tail}") from None
-        w.info, w.url, w.kv_address = info, info["url"], info.get("kv_address")
-        w.info["from_standby"] = adopted
+        w.health, w.url, w.kv_address = info, info.url, info.kv_address
+        w.info = {**msgspec.to_builtins(info), "from_standby": adopted}
         w.ready_at = time.monotonic()
         w.startup_s = w.ready_at - w.started_at
         w.state = "ready"
@@ -228,16 +240,20 @@ class LocalRuntime:
         self.on_event("ready", w)
 
     @staticmethod
-    async def _ready_line(proc: asyncio.subprocess.Process) -> dict:
+    async def _ready_line(proc: asyncio.subprocess.Process) -> ReadyLine:
+        """The worker's ready line (other lines on its stdout are skipped); a malformed one raises
+        msgspec.ValidationError."""
         assert proc.stdout is not None
         while True:
             raw = await proc.stdout.readline()
             if not raw:
                 raise EOFError
-            with contextlib.suppress(ValueError):
-                msg = json.loads(raw)
-                if isinstance(msg, dict) and msg.get("event") == "ready":
-                    return msg
+            try:
+                event = _EVENT.decode(raw).event
+            except msgspec.DecodeError:
+                continue  # not a line of ours
+            if event == "ready":
+                return msgspec.json.decode(raw, type=ReadyLine)
 
     async def _forward_stderr(self, owner: _Owner | Standby, proc: asyncio.subprocess.Process) -> None:
         assert proc.stderr is not None
@@ -323,7 +339,8 @@ class LocalRuntime:
             try:
                 r = await self._http.get(f"{w.url}/health", timeout=max(1.0, self.rt.health_interval_s * 2))
                 r.raise_for_status()
-                w.info.update(r.json())
+                w.health = msgspec.json.decode(r.content, type=Health)
+                w.info.update(msgspec.to_builtins(w.health))
                 misses = 0
             except (httpx.HTTPError, ValueError) as exc:
                 misses += 1

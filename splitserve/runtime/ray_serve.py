@@ -177,16 +177,17 @@ class Router:
                 raise RuntimeError("workers did not register in time")
             await self.workers.refresh()
             await asyncio.sleep(0.5)
-        first = next(iter(self.workers.ready(next(iter(m.pools()))))).info
-        tokenizer = await asyncio.to_thread(load_tokenizer, first["model"], first.get("tokenizer"))
+        first = next(iter(self.workers.ready(next(iter(m.pools()))))).health
+        assert first is not None  # ready: its /health is in
+        tokenizer = await asyncio.to_thread(load_tokenizer, first.model, first.tokenizer)
         from splitserve.router.chat_template import use_chat_template
 
         use_chat_template(tokenizer, m.model.chat_template)
         info = ModelInfo(
             m.model.resolved_served_name(),
-            int(first["max_model_len"]),
-            int(first["vocab_size"]),
-            first["model"],
+            first.max_model_len,
+            first.vocab_size,
+            first.model,
             aliases=tuple(m.model.served_names()[1:]),
         )
         server = OpenAIServer(

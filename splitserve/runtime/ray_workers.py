@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
 
 from splitserve.runtime.common import describe_worker
+from splitserve.wire.stats import Health, WorkerRow, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,8 @@ class RayEndpoint:
     kv_address: str | None
     node_id: str
     pid: int
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # the last /health, as /workers shows it
+    health: Health | None = None  # the same, decoded
     state: str = "starting"
     inflight: int = 0
     misses: int = 0
@@ -76,6 +79,7 @@ class RayWorkers:
                     entry["node_id"],
                     entry["pid"],
                     dict(entry["info"]),
+                    msgspec.convert(entry["info"], Health),
                 )
         await asyncio.gather(*(self._check(e) for e in list(self.endpoints.values())))
 
@@ -83,7 +87,8 @@ class RayWorkers:
         try:
             r = await self.http.get(f"{e.url}/health")
             r.raise_for_status()
-            e.info.update(r.json())
+            e.health = msgspec.json.decode(r.content, type=Health)
+            e.info.update(msgspec.to_builtins(e.health))
             e.state, e.misses = ("ready" if e.listed else "draining"), 0
         except (httpx.HTTPError, ValueError):
             e.misses += 1
@@ -93,12 +98,13 @@ class RayWorkers:
                 self.endpoints.pop(e.id, None)
                 await self.registry.unregister.remote(e.id)
 
-    async def stats(self) -> list[dict]:
-        async def one(e: RayEndpoint) -> dict:
-            row = {"worker": e.name, "role": e.role, "up": e.ready}
+    async def stats(self) -> list[WorkerRow]:
+        async def one(e: RayEndpoint) -> WorkerRow:
+            row = WorkerRow(e.name, e.role, e.ready)
             if e.ready:
                 try:
-                    row.update((await self.http.get(f"{e.url}/stats")).json())
+                    r = await self.http.get(f"{e.url}/stats")
+                    row.stats = msgspec.json.decode(r.content, type=WorkerStats)
                 except (httpx.HTTPError, ValueError):
                     pass
             return row

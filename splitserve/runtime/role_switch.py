@@ -47,6 +47,7 @@ from splitserve.router.openai_protocol import APIError
 from splitserve.runtime.common import config_argv, worker_config
 from splitserve.wire.http import PeerRequest
 from splitserve.wire.role import RoleChangeRequest, RoleChangeResult, RoleSwitch
+from splitserve.wire.stats import Health, WorkerStats
 
 if TYPE_CHECKING:
     from splitserve.runtime.local import LocalRuntime, WorkerProcess
@@ -176,13 +177,14 @@ class RoleSwitcher:
         try:
             r = await self.runtime._http.get(f"{w.url}/stats", timeout=30)
             r.raise_for_status()
-            stats = r.json()
+            stats = msgspec.json.decode(r.content, type=WorkerStats)
         except (httpx.HTTPError, ValueError):
             return 0, 0  # gone: its requests are failing over already
-        leases = ((stats.get("kv_transfer") or {}).get("transport") or {}).get("leases") or {}
-        return int(stats.get("unfinished", 0)), int(leases.get("active", 0))
+        transport = stats.kv_transfer.transport if stats.kv_transfer is not None else {}  # diagnostics
+        leases = transport.get("leases") or {}
+        return stats.unfinished, int(leases.get("active", 0))
 
-    async def _reconfigure(self, w: WorkerProcess, role: str) -> dict:
+    async def _reconfigure(self, w: WorkerProcess, role: str) -> Health:
         """The worker's new role on its command line and in its engine core; -> its health."""
         epoch = w.epoch + 1
         config = switched_config(self.manifest, w.name, role, epoch, self.runtime.core_share)
@@ -193,7 +195,7 @@ class RoleSwitcher:
             r = await self.runtime._http.post(f"{w.url}/role", content=body,
                                               timeout=self.runtime.rt.startup_timeout_s)  # fmt: skip
             r.raise_for_status()
-            return r.json()
+            return msgspec.json.decode(r.content, type=Health)
         except (httpx.HTTPError, ValueError) as exc:
             log.error("worker %s did not take the %s role (%s); restarting it in that role", w.name, role,
                       exc)  # fmt: skip
@@ -203,10 +205,10 @@ class RoleSwitcher:
             raise APIError(502, f"{w.name} did not take the {role} role ({exc}); it restarts in that role",
                            type="server_error", code="role_change_failed") from None  # fmt: skip
 
-    async def _rejoin(self, w: WorkerProcess, info: dict) -> None:
+    async def _rejoin(self, w: WorkerProcess, info: Health) -> None:
         """Check the KV handshake with each ready worker of the other role, then make `w` ready."""
         pairs = [(w, p.kv_address) for p in self.runtime.ready("prefill")] if w.role == "decode" else [
-            (d, info.get("kv_address")) for d in self.runtime.ready("decode")]  # fmt: skip
+            (d, info.kv_address) for d in self.runtime.ready("decode")]  # fmt: skip
         for decode, address in pairs:
             body = msgspec.json.encode(PeerRequest(address=address or "", timeout_s=5.0))
             try:
@@ -215,7 +217,8 @@ class RoleSwitcher:
             except httpx.HTTPError as exc:  # the fetch will say so again, and the router migrates
                 log.warning("worker %s: KV handshake %s -> %s failed on rejoining: %s", w.name, decode.name,
                             address, exc)  # fmt: skip
-        w.info, w.kv_address, w.state = {**w.info, **info}, info.get("kv_address"), "ready"
+        w.info, w.health = {**w.info, **msgspec.to_builtins(info)}, info
+        w.kv_address, w.state = info.kv_address, "ready"
 
 
 __all__ = ["PHASES", "RoleSwitcher", "switched_config"]

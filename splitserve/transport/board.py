@@ -35,6 +35,8 @@ import time
 
 import numpy as np
 
+from splitserve.transport.frames import BoardShare
+
 ONE_SIDED = 1  # flags bit: fetchers may read without asking
 DEFAULT_SLOTS = 8191  # + the flags word: 64 KiB
 PREFIX = "splitserve-leases-"
@@ -99,13 +101,19 @@ class LeaseBoard:
     def allow_one_sided(self, allowed: bool) -> None:
         self.words[0] = ONE_SIDED if allowed else 0
 
-    def share(self) -> dict:
-        return {"path": self.path, "slots": self.slots}
+    def share(self) -> BoardShare:
+        return BoardShare(self.path, self.slots)
 
     def describe(self) -> dict:
         with self._lock:
             used = self.slots - len(self._free)
-        return {**self.share(), "used": used, "full": self.full, "one_sided": bool(int(self.words[0]))}
+        return {
+            "path": self.path,
+            "slots": self.slots,
+            "used": used,
+            "full": self.full,
+            "one_sided": bool(int(self.words[0])),
+        }
 
     def close(self) -> None:
         """Unlink the file and unmap it (idempotent); fetchers that mapped it keep their copy, whose

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.client import ConnectionPool, SyncChannel, counted_failures, fetch_header
+from splitserve.transport.client import ConnectionPool, SyncChannel, counted_failures, fetch_frame
 from splitserve.transport.errors import (
     CorruptTransfer,
     PeerRefused,
@@ -42,6 +42,7 @@ from splitserve.transport.errors import (
 from splitserve.transport.export_requests import Export, ExportRequests, PayloadCall
 from splitserve.transport.fabric import host_fabric
 from splitserve.transport.fault_plan import FaultPlan
+from splitserve.transport.frames import Frame, Ok, Payload, Release
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import FreeCallback, LeaseManager
 from splitserve.transport.payload import (
@@ -83,7 +84,7 @@ class PayloadMover(Protocol):
                 make_board() -> LeaseBoard|None   a lease board for one-sided reads (board.py), or None
                 export(request) -> KVHandle       check the ids, then `port.lease_export` (or its own lease)
                 keep_state(state) -> dict         what a lease keeps of the state (`lease_export` asks)
-                serve_op(chan, header) -> bool|None   a request only this backend knows (its open
+                serve_op(chan, frame) -> bool|None    a request only this backend knows (its open
                                                   exchange); None: not ours, the channel serves it
                 send_payload(call: PayloadCall) -> int
                                                   move the pinned lease's blocks and state; -> bytes
@@ -114,7 +115,7 @@ class PayloadMover(Protocol):
 
     def keep_state(self, state: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]: ...
 
-    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None: ...
+    async def serve_op(self, chan: AsyncChannel, frame: Frame) -> bool | None: ...
 
     async def send_payload(self, call: PayloadCall) -> int: ...
 
@@ -216,8 +217,8 @@ class KVChannel(KVTransport):
         deadline = Deadline.after(self.options.connect_timeout_s)
         try:
             with self.pool.connection(handle.address, deadline) as chan:
-                chan.send({"op": "release", "lease_id": handle.lease_id}, deadline)
-                expect(chan.recv(deadline)[0], "ok")
+                chan.send(Release(lease_id=handle.lease_id), deadline)
+                expect(chan.recv(deadline)[0], Ok)
         except TransportError as exc:
             self.stats.error(exc)
             log.warning(
@@ -232,10 +233,10 @@ class KVChannel(KVTransport):
         return self.mover.fetch(request)
 
     def stream_fetch(
-        self, request: FetchRequest, recv_payload: Callable[[SyncChannel, ByteStream, Deadline], dict]
+        self, request: FetchRequest, recv_payload: Callable[[SyncChannel, ByteStream, Deadline], Payload]
     ) -> dict[str, torch.Tensor]:
         """A stream mover's `fetch`: `recv_payload(chan, stream, deadline)` fills our blocks' views and
-        fresh state tensors; -> the exporter's payload header."""
+        fresh state tensors, and answers the exporter's payload frame."""
         handle, timeout_s = request.handle, request.timeout_s
         into = self.check_fetch(handle, request.into_block_ids)
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
@@ -244,15 +245,16 @@ class KVChannel(KVTransport):
         start = time.perf_counter()
         with counted_failures(self.stats, handle.address):
             with self.pool.for_handle(handle, deadline) as chan:
-                chan.send(fetch_header(handle, deadline), deadline)
-                meta = recv_payload(chan, stream, deadline)
-            self.verify(handle, meta, stream)
+                chan.send(fetch_frame(handle, deadline), deadline)
+                payload = recv_payload(chan, stream, deadline)
+            self.verify(handle, payload.checksum, stream)
             sink.commit()
         self.stats.fetched(stream.nbytes, time.perf_counter() - start, handle.address)
         return state
 
-    def verify(self, handle: KVHandle, meta: dict, stream: ByteStream) -> None:
-        expected = handle.checksum or meta.get("checksum")
+    def verify(self, handle: KVHandle, sent: str | None, stream: ByteStream) -> None:
+        """The payload's checksum against the handle's (else the one the exporter `sent` with it)."""
+        expected = handle.checksum or sent
         if not expected:
             return
         got = checksum(checksum_algo(expected), stream.pieces)

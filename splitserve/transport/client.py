@@ -10,7 +10,7 @@ Life of a fetch on the wire (see protocol.py for the frames):
      in the middle of a frame is unknown.
 
 Every mover's fetch takes its connection with `ConnectionPool.for_handle` (which refuses an exporter
-whose layout is not the handle's), asks with `fetch_header`, and counts its failures with
+whose layout is not the handle's), asks with `fetch_frame`, and counts its failures with
 `counted_failures`.
 """
 
@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from splitserve.transport.errors import AuthError, PeerRefused, TransferTimeout, TransportError, error_to_wire
+from splitserve.transport.errors import AuthError, PeerRefused, TransferTimeout, TransportError
+from splitserve.transport.frames import Challenge, Error, Fetch, Frame, Hello, MalformedFrame, Welcome, op
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream
 from splitserve.transport.protocol import (
@@ -107,17 +108,17 @@ class SyncChannel:
         except OSError as exc:
             raise TransportError(f"{what} with {self.address}: {exc}") from exc
 
-    def send(self, header: dict, deadline: Deadline) -> None:
-        frame = encode_frame(header)
-        self._io(f"send {header['op']}", deadline, lambda: self.sock.sendall(frame), sending=True)
+    def send(self, frame: Frame, deadline: Deadline) -> None:
+        data = encode_frame(frame)
+        self._io(f"send {op(frame)}", deadline, lambda: self.sock.sendall(data), sending=True)
 
     def recv_exact(self, nbytes: int, deadline: Deadline, what: str = "receive") -> bytes:
         buf = np.empty(nbytes, dtype=np.uint8)
         self.recv_stream(ByteStream([buf]), deadline, what)
         return buf.tobytes()
 
-    def recv(self, deadline: Deadline) -> tuple[dict, int]:
-        """-> (header, body length); the body, if any, is the caller's to read."""
+    def recv(self, deadline: Deadline) -> tuple[Frame, int]:
+        """-> (the frame's header, body length); the body, if any, is the caller's to read."""
         header_len, body_len = decode_prefix(self.recv_exact(PREFIX.size, deadline, "receive frame"))
         return decode_header(self.recv_exact(header_len, deadline, "receive header")), body_len
 
@@ -165,25 +166,26 @@ class SyncChannel:
 
 def client_handshake(chan: SyncChannel, layout: KVLayout, secret: bytes, deadline: Deadline) -> KVLayout:
     """Prove the secret, check the exporter's proof and layout; -> the exporter's layout."""
-    nonce_s = str(expect(chan.recv(deadline)[0], "challenge").get("nonce", ""))
+    nonce_s = expect(chan.recv(deadline)[0], Challenge).nonce
     nonce_c = new_nonce()
-    hello = {"op": "hello", "nonce": nonce_c, "layout": layout.to_dict()}
-    chan.send({**hello, "proof": proof(secret, "client", nonce_s, nonce_c, layout)}, deadline)
-    answer = chan.recv(deadline)[0]
-    if answer["op"] == "error" and answer.get("code") == PeerRefused.code and "layout" in answer:
-        theirs = KVLayout.from_dict(answer["layout"])
-        raise PeerRefused(f"exporter {chan.address} refused our KV layout", layout.mismatches(theirs))
-    welcome = expect(answer, "welcome")
+    chan.send(
+        Hello(nonce=nonce_c, layout=layout, proof=proof(secret, "client", nonce_s, nonce_c, layout)), deadline
+    )
     try:
-        peer = KVLayout.from_dict(welcome["layout"])
-    except (KeyError, ValueError) as exc:
-        raise TransportError(f"exporter {chan.address} sent a malformed layout: {exc}") from exc
-    if not proof_ok(proof(secret, "server", nonce_s, nonce_c, peer), welcome.get("proof")):
+        answer = chan.recv(deadline)[0]
+    except MalformedFrame as exc:
+        raise TransportError(f"exporter {chan.address} answered our hello with {exc}") from exc
+    if isinstance(answer, Error) and answer.code == PeerRefused.code and answer.layout is not None:
+        theirs = answer.layout
+        raise PeerRefused(f"exporter {chan.address} refused our KV layout", layout.mismatches(theirs))
+    welcome = expect(answer, Welcome)
+    peer = welcome.layout
+    if not proof_ok(proof(secret, "server", nonce_s, nonce_c, peer), welcome.proof):
         raise AuthError(f"exporter {chan.address} could not prove the shared secret")
     mismatches = layout.mismatches(peer)
     if mismatches:
         refusal = PeerRefused(f"exporter {chan.address} has another KV layout", mismatches)
-        chan.send(error_to_wire(refusal), deadline)
+        chan.send(Error.of(refusal), deadline)
         raise refusal
     chan.peer_layout = peer
     return peer
@@ -291,16 +293,18 @@ class ConnectionPool:
             chan.close()
 
 
-def fetch_header(handle: KVHandle, deadline: Deadline, fields: dict | None = None) -> dict:
-    """The fetch request's header for the handle's lease: the backend's `fields`, and the time left."""
-    request = {"op": "fetch", "lease_id": handle.lease_id, "request_id": handle.request_id}
-    return {**request, **(fields or {}), "timeout_s": deadline.remaining("fetch")}
+def fetch_frame(handle: KVHandle, deadline: Deadline, into_run: bool = False) -> Fetch:
+    """The fetch request for the handle's lease, with the time left (and nccl's `into_run`)."""
+    timeout_s = deadline.remaining("fetch")
+    return Fetch(
+        lease_id=handle.lease_id, request_id=handle.request_id, timeout_s=timeout_s, into_run=into_run
+    )
 
 
 @contextmanager
 def counted_failures(stats: TransportStats, address: str) -> Iterator[None]:
-    """A fetch's failures, counted in `stats`; a field missing or mistyped in the exporter's answer
-    (KeyError, TypeError, ValueError) becomes a TransportError that names the exporter."""
+    """A fetch's failures, counted in `stats`; an answer the fetch cannot use (KeyError, TypeError,
+    ValueError: a value out of range, such as bad base64) becomes a TransportError naming the exporter."""
     try:
         yield
     except TransportError as exc:

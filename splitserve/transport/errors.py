@@ -2,8 +2,8 @@
 
 Every failure a fetcher can see is a `TransportError`; the subclasses name the ones a caller treats
 differently (retry elsewhere, recompute, alert). An exporter that refuses a request answers with an
-error frame `{"op": "error", "code": ..., "message": ...}`; the fetcher turns the code back into the
-same exception class with `error_from_wire`.
+error frame (frames.py's `Error`: a code and a message); the fetcher turns the code back into the
+same exception class (`Error.exception`).
 """
 
 from __future__ import annotations
@@ -75,16 +75,6 @@ _BY_CODE: dict[str, type[TransportError]] = {
 }
 
 
-def error_to_wire(exc: TransportError) -> dict:
-    header = {"op": "error", "code": exc.code, "message": str(exc)}
-    if isinstance(exc, PeerRefused):
-        header["mismatches"] = exc.mismatches
-    return header
-
-
-def error_from_wire(header: dict) -> TransportError:
-    code = str(header.get("code", "transport"))
-    message = f"from the peer: {header.get('message', code)}"
-    if code == PeerRefused.code:
-        return PeerRefused("peer refused the layout", [str(m) for m in header.get("mismatches", [])])
-    return _BY_CODE.get(code, TransportError)(message)
+def error_class(code: str) -> type[TransportError]:
+    """The exception class an error frame's code names (an unknown code: TransportError)."""
+    return _BY_CODE.get(code, TransportError)

@@ -12,13 +12,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from splitserve.transport.errors import LeaseExpired, TransportError, UnknownLease, error_to_wire
+from splitserve.transport.errors import LeaseExpired, TransportError, UnknownLease
 from splitserve.transport.fault_plan import Fault, FaultPlan
+from splitserve.transport.frames import Error, Fetch, Frame, Ok, Release, op
 from splitserve.transport.lease import LeaseManager
 from splitserve.transport.protocol import Deadline
 from splitserve.transport.server import AsyncChannel
@@ -41,27 +42,26 @@ class Export:
 @dataclass(frozen=True)
 class PayloadCall:
     """One fetch for a mover to answer (`send_payload`): the fetcher's connection, what the pinned
-    lease keeps, its block ids, the payload header's common fields (`meta`: blocks, checksum), the
-    fault drawn from the plan (tests; `Fault.NONE` in production), the fetch's deadline, the plan, and
-    the fetcher's request header (a backend's own fields, such as nccl's `into_run`)."""
+    lease keeps (its checksum goes in the payload frame), its block ids, the fault drawn from the plan
+    (tests; `Fault.NONE` in production), the fetch's deadline, the plan, and the fetcher's request (a
+    backend's own fields, such as nccl's `into_run`)."""
 
     chan: AsyncChannel
     export: Export
     block_ids: tuple[int, ...]
-    meta: dict
     fault: Fault
     deadline: Deadline
+    request: Fetch
     plan: FaultPlan | None = None  # the plan `fault` was drawn from (tests; None in production)
-    request: dict = field(default_factory=dict)
 
-    def unpack(self) -> tuple[AsyncChannel, Export, tuple[int, ...], dict, Fault, Deadline]:
-        return self.chan, self.export, self.block_ids, self.meta, self.fault, self.deadline
+    def unpack(self) -> tuple[AsyncChannel, Export, tuple[int, ...], Fault, Deadline]:
+        return self.chan, self.export, self.block_ids, self.fault, self.deadline
 
 
 class ServingMover(Protocol):
     """What the exporter's requests use of a mover (channel.py's `PayloadMover` has the whole contract)."""
 
-    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None: ...
+    async def serve_op(self, chan: AsyncChannel, frame: Frame) -> bool | None: ...
 
     async def send_payload(self, call: PayloadCall) -> int: ...
 
@@ -83,32 +83,29 @@ class ExportRequests:
         self.stats = stats
         self.faults = faults  # the fault plan installed now (tests only: None in production)
 
-    async def handle(self, chan: AsyncChannel, header: dict) -> bool:
+    async def handle(self, chan: AsyncChannel, frame: Frame) -> bool:
         """Server loop: serve one request (RequestHandler); the mover's own ops first."""
-        served = await self.mover.serve_op(chan, header)
+        served = await self.mover.serve_op(chan, frame)
         if served is not None:
             return served
-        op = header["op"]
-        if op == "fetch":
-            return await self._serve_fetch(chan, header)
-        if op == "release":
-            released = self.leases.release(str(header.get("lease_id")))
-            deadline = Deadline.after(self.options.connect_timeout_s)
-            await chan.send({"op": "ok", "released": released}, deadline)
+        if isinstance(frame, Fetch):
+            return await self._serve_fetch(chan, frame)
+        if isinstance(frame, Release):
+            released = self.leases.release(frame.lease_id)
+            await chan.send(Ok(released=released), Deadline.after(self.options.connect_timeout_s))
             return True
-        if op == "error":
-            log.warning("kv fetcher %s refused us: %s", chan.peer, header.get("message"))
+        if isinstance(frame, Error):
+            log.warning("kv fetcher %s refused us: %s", chan.peer, frame.message)
             return False
-        bad = TransportError(f"unknown request {op!r}")
-        await chan.send(error_to_wire(bad), Deadline.after(self.options.connect_timeout_s))
+        bad = TransportError(f"unexpected request {op(frame)!r}")
+        await chan.send(Error.of(bad), Deadline.after(self.options.connect_timeout_s))
         return False
 
-    async def _serve_fetch(self, chan: AsyncChannel, header: dict) -> bool:
+    async def _serve_fetch(self, chan: AsyncChannel, request: Fetch) -> bool:
         mark("e.request")
-        asked = float(header.get("timeout_s", self.options.fetch_timeout_s))
-        deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
+        deadline = Deadline.after(min(max(request.timeout_s, 0.001), self.options.max_fetch_s))
         try:
-            with self.leases.pinned(str(header.get("lease_id"))) as lease:
+            with self.leases.pinned(request.lease_id) as lease:
                 plan = self.faults()  # tests only: None in production
                 fault = plan.draw() if plan is not None else Fault.NONE
                 if fault is Fault.DROP:  # never answer; hold on until the fetcher gives up
@@ -116,15 +113,14 @@ class ExportRequests:
                     return False
                 if fault is Fault.DELAY and plan is not None:
                     await asyncio.sleep(plan.knobs.delay_s)
-                meta = {"blocks": len(lease.block_ids), "checksum": lease.payload.checksum}
                 start = time.perf_counter()
-                call = PayloadCall(chan, lease.payload, lease.block_ids, meta, fault, deadline, plan, header)
+                call = PayloadCall(chan, lease.payload, lease.block_ids, fault, deadline, request, plan)
                 nbytes = await self.mover.send_payload(call)
                 self.stats.served(nbytes, time.perf_counter() - start)
                 return fault is not Fault.KILL
         except (LeaseExpired, UnknownLease) as exc:
             self.stats.error(exc)
-            await chan.send(error_to_wire(exc), deadline)
+            await chan.send(Error.of(exc), deadline)
             return True
         except (TransportError, ConnectionError):
             self.stats.count("serve_failures")

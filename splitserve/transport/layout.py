@@ -7,7 +7,8 @@ The engine's cache is one block-major tensor per worker,
 so a block is `block_nbytes` contiguous bytes and a request's KV is its list of block ids. Hybrid models
 add per-request recurrent state of fixed shapes (`state_shapes`), which travels after the blocks.
 
-Both sides of a connection send their layout in the handshake; `mismatches` lists every difference in
+Both sides of a connection send their layout in the handshake (msgspec encodes and decodes the
+dataclass itself, running `__post_init__`'s checks, frames.py); `mismatches` lists every difference in
 words ("block_size: ours 16, peer 32") and any difference refuses the connection. The `fingerprint`
 (a short hash of the layout) is stamped on every handle so a fetcher can tell a handle made for another
 model before it connects.
@@ -16,11 +17,11 @@ model before it connects.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, fields
 from functools import cached_property
 
+import msgspec
 import torch
 
 PROTOCOL_VERSION = 1
@@ -92,32 +93,10 @@ class KVLayout:
     def payload_nbytes(self, num_blocks: int) -> int:
         return num_blocks * self.block_nbytes + self.state_nbytes
 
-    def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["state_shapes"] = [[n, list(s), t] for n, s, t in self.state_shapes]
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict) -> KVLayout:
-        try:
-            states = tuple((str(n), tuple(int(d) for d in s), str(t)) for n, s, t in data["state_shapes"])
-            return cls(
-                model_fingerprint=str(data["model_fingerprint"]),
-                dtype=str(data["dtype"]),
-                block_size=int(data["block_size"]),
-                num_layers=int(data["num_layers"]),
-                num_kv_heads=int(data["num_kv_heads"]),
-                head_dim=int(data["head_dim"]),
-                state_shapes=states,
-                protocol_version=int(data["protocol_version"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed KV layout {data!r}: {exc}") from exc
-
     @cached_property
     def fingerprint(self) -> str:
         """A short stable hash of the whole layout (what a handle is stamped with)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        blob = msgspec.json.encode(self, order="sorted")  # compact JSON, keys sorted
         return hashlib.blake2b(blob, digest_size=12).hexdigest()
 
     def mismatches(self, other: KVLayout) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from splitserve.transport.client import ConnectionPool, SyncChannel
+    from splitserve.transport.frames import Payload
     from splitserve.transport.layout import KVLayout
     from splitserve.transport.lease import LeaseManager
     from splitserve.transport.payload import ByteStream
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from splitserve.transport.transport import ExportRequest, FetchRequest, TransportOptions, TransportStats
     from splitserve.wire.kv_handle import KVHandle
 
-    RecvPayload = Callable[[SyncChannel, ByteStream, Deadline], dict]
+    RecvPayload = Callable[[SyncChannel, ByteStream, Deadline], Payload]
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class MoverPort:
     check_ids: Callable[[Sequence[int], str], tuple[int, ...]]
     # fetcher: the handle is ours to fetch (backend, block count) -> the checked destination ids
     check_fetch: Callable[[KVHandle, Sequence[int]], tuple[int, ...]]
-    # fetcher: the payload's checksum against the handle's (CorruptTransfer)
-    verify: Callable[[KVHandle, dict, ByteStream], None]
+    # fetcher: the payload's checksum against the handle's, else the one the exporter sent (CorruptTransfer)
+    verify: Callable[[KVHandle, str | None, ByteStream], None]
     # fetcher, stream movers: the whole fetch around their `recv_payload`
     stream_fetch: Callable[[FetchRequest, RecvPayload], dict[str, torch.Tensor]]
 

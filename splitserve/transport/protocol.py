@@ -3,7 +3,7 @@
 A frame is a fixed prefix, a JSON header and a raw binary body (no pickle anywhere):
 
     prefix  = magic b"SSKV" | protocol version u16 | flags u16 | header length u32 | body length u64
-    header  = UTF-8 JSON object with an "op"
+    header  = one of frames.py's structs as JSON, told apart by its "op"
     body    = body-length raw bytes (only the exporter sends bodies: the KV payload)
 
 Life of a connection (fetcher = client, exporter = server):
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import socket
@@ -35,13 +34,8 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from splitserve.transport.errors import (
-    AuthError,
-    PeerRefused,
-    TransferTimeout,
-    TransportError,
-    error_from_wire,
-)
+from splitserve.transport.errors import AuthError, PeerRefused, TransferTimeout, TransportError
+from splitserve.transport.frames import Error, F, Frame, decode, encode, op
 from splitserve.transport.layout import PROTOCOL_VERSION, KVLayout
 
 MAGIC = b"SSKV"
@@ -82,9 +76,9 @@ def kernel_timeout(sock: socket.socket, seconds: float, sending: bool) -> None:
 
 
 # -- frames -----------------------------------------------------------------------------------------
-def encode_frame(header: dict, body_nbytes: int = 0) -> bytes:
+def encode_frame(frame: Frame, body_nbytes: int = 0) -> bytes:
     """Prefix + header bytes; the body (if any) is sent right after, from its own buffers."""
-    data = json.dumps(header, separators=(",", ":")).encode()
+    data = encode(frame)
     return PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, len(data), body_nbytes) + data
 
 
@@ -102,23 +96,18 @@ def decode_prefix(raw: bytes) -> tuple[int, int]:
     return header_len, body_len
 
 
-def decode_header(raw: bytes) -> dict:
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TransportError(f"malformed frame header: {exc}") from exc
-    if not isinstance(header, dict) or not isinstance(header.get("op"), str):
-        raise TransportError(f"frame header without an op: {header!r}")
-    return header
+def decode_header(raw: bytes) -> Frame:
+    """The frame a header holds; MalformedFrame (a TransportError) when it holds none (frames.py)."""
+    return decode(raw)
 
 
-def expect(header: dict, op: str) -> dict:
-    """The header if its op is `op`; an error frame becomes its exception; anything else is a fault."""
-    if header["op"] == op:
-        return header
-    if header["op"] == "error":
-        raise error_from_wire(header)
-    raise TransportError(f"protocol error: expected {op!r}, got {header['op']!r}")
+def expect(frame: Frame, kind: type[F]) -> F:
+    """`frame` if it is a `kind`; an error frame becomes its exception; anything else is a fault."""
+    if isinstance(frame, kind):
+        return frame
+    if isinstance(frame, Error):
+        raise frame.exception()
+    raise TransportError(f"protocol error: expected {op(kind)!r}, got {op(frame)!r}")
 
 
 # -- authentication --------------------------------------------------------------------------------

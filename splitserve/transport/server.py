@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from splitserve.tempdirs import owned_tempdir
-from splitserve.transport.errors import AuthError, PeerRefused, TransportError, error_to_wire
+from splitserve.transport.errors import AuthError, PeerRefused, TransportError
+from splitserve.transport.frames import Challenge, Error, Frame, Hello, MalformedFrame, Welcome, op
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream
 from splitserve.transport.protocol import (
@@ -155,10 +156,10 @@ class AsyncChannel:
         return bytes(buf)
 
     async def send(
-        self, header: dict, deadline: Deadline, body_nbytes: int = 0, fds: tuple[int, ...] = ()
+        self, header: Frame, deadline: Deadline, body_nbytes: int = 0, fds: tuple[int, ...] = ()
     ) -> None:
         """One frame (its body, if any, follows with send_stream); `fds` ride along (unix sockets)."""
-        frame, what = encode_frame(header, body_nbytes), f"send {header['op']}"
+        frame, what = encode_frame(header, body_nbytes), f"send {op(header)}"
         if fds:
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
             while True:
@@ -171,7 +172,7 @@ class AsyncChannel:
                     raise TransportError(f"{what} to {self.peer}: {exc}") from exc
         await self._send_all(frame, what, deadline)
 
-    async def recv(self, deadline: Deadline) -> dict:
+    async def recv(self, deadline: Deadline) -> Frame:
         """The next request header; requests never carry a body."""
         header_len, body_len = decode_prefix(await self.recv_exact(PREFIX.size, deadline, "receive"))
         if body_len:
@@ -237,38 +238,35 @@ async def server_handshake(
     Raises AuthError or PeerRefused without answering: the caller counts, then sends `refusal(...)`.
     """
     nonce_s = new_nonce()
-    await chan.send({"op": "challenge", "nonce": nonce_s}, deadline)
-    hello = await chan.recv(deadline)
+    await chan.send(Challenge(nonce=nonce_s), deadline)
     try:
-        if hello["op"] != "hello":
-            raise ValueError(f"expected hello, got {hello['op']!r}")
-        nonce_c, peer = str(hello["nonce"]), KVLayout.from_dict(hello["layout"])
-    except (KeyError, ValueError) as exc:
+        hello = await chan.recv(deadline)
+    except MalformedFrame as exc:
         raise AuthError(f"bad hello: {exc}") from exc
-    if not proof_ok(proof(secret, "client", nonce_s, nonce_c, peer), hello.get("proof")):
+    if not isinstance(hello, Hello):
+        raise AuthError(f"bad hello: expected hello, got {op(hello)!r}")
+    nonce_c, peer = hello.nonce, hello.layout
+    if not proof_ok(proof(secret, "client", nonce_s, nonce_c, peer), hello.proof):
         raise AuthError("authentication failed")
     mismatches = layout.mismatches(peer)
     if mismatches:
         refused = PeerRefused("exporter refused the layout", mismatches)
         refused.authenticated = True  # the peer proved the secret: it may see our layout
         raise refused
-    welcome = {"op": "welcome", "layout": layout.to_dict()}
-    await chan.send({**welcome, "proof": proof(secret, "server", nonce_s, nonce_c, layout)}, deadline)
+    await chan.send(Welcome(layout=layout, proof=proof(secret, "server", nonce_s, nonce_c, layout)), deadline)
     return peer
 
 
-def refusal(exc: TransportError, layout: KVLayout) -> dict:
+def refusal(exc: TransportError, layout: KVLayout) -> Error:
     """The error frame for a refused handshake. A layout refusal of a peer that proved the secret
     carries our layout, so that the fetcher can list the differences from its own side; one that did
     not prove it (another protocol version, refused before any proof) learns nothing of it."""
-    frame = error_to_wire(exc)
-    if isinstance(exc, PeerRefused) and getattr(exc, "authenticated", False):
-        frame["layout"] = layout.to_dict()
-    return frame
+    shown = isinstance(exc, PeerRefused) and getattr(exc, "authenticated", False)
+    return Error.of(exc, layout if shown else None)
 
 
 class RequestHandler(Protocol):
-    async def handle(self, chan: AsyncChannel, header: dict) -> bool:
+    async def handle(self, chan: AsyncChannel, header: Frame) -> bool:
         """Serve one request; False closes the connection."""
         ...
 
@@ -337,6 +335,11 @@ class ExportServer:
             log.warning("kv exporter %s refused %s: %s", self.address, chan.peer, exc)
             with contextlib.suppress(TransportError, OSError):
                 await chan.send(refusal(exc, self.layout), Deadline.after(self.connect_timeout_s))
+        except MalformedFrame as exc:  # an authenticated peer sent a request we cannot read: say why
+            self.counts["malformed_frames"] += 1
+            log.warning("kv exporter %s: %s sent %s", self.address, chan.peer, exc)
+            with contextlib.suppress(TransportError, OSError):
+                await chan.send(Error.of(exc), Deadline.after(self.connect_timeout_s))
         except (TransportError, ConnectionError) as exc:
             log.debug("kv exporter %s: connection %s ended: %s", self.address, chan.peer, exc)
         except Exception:

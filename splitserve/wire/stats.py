@@ -172,6 +172,22 @@ class WorkerStats(Result):
     spec_decode: SpecDecodeCounts | None
 
 
+class WorkerRow(msgspec.Struct):
+    """One worker as a runtime hands it to the router's metrics: its name and role, whether it is up,
+    and its GET /stats, decoded, when it answered (None: down, or no answer this time)."""
+
+    worker: str
+    role: str
+    up: bool
+    stats: WorkerStats | None = None
+
+    def usage(self) -> float | None:
+        """The share of the KV blocks in use, when the worker answered and has blocks."""
+        if self.stats is None or not self.stats.blocks.total:
+            return None
+        return 1 - self.stats.blocks.free / self.stats.blocks.total
+
+
 __all__ = [
     "BlockCounts",
     "CheckpointCounts",
@@ -187,5 +203,6 @@ __all__ = [
     "SpecDecodeCounts",
     "StepCounts",
     "ThreadCounts",
+    "WorkerRow",
     "WorkerStats",
 ]

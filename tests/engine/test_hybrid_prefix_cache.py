@@ -16,12 +16,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SYSTEM = 48  # three blocks of 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _waves() -> list[list[list[int]]]:

@@ -28,14 +28,7 @@ MAX_MODEL_LEN = 256
 WEIGHT_SEED = 1
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # These tensors are tiny: extra intra-op threads only add synchronization, which on a busy
-    # shared machine costs more than the work (50x slower with 2 threads under load).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _hf_generate(model, prompts: list[list[int]]) -> list[list[int]]:

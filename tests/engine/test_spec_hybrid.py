@@ -15,7 +15,6 @@ from splitserve import SamplingParams
 from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.llm import LLM
-from splitserve.model.loader import load_model
 
 PROMPT_LENS = (3, 17, 41, 70)
 MAX_NEW = 20
@@ -23,22 +22,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    torch.manual_seed(1)
-    path = tmp_path_factory.mktemp("qwen3_5_spec")
-    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY_QWEN3_5)).eval().save_pretrained(path)
-    return path, load_model(path, torch.device("cpu"), torch.float32, lambda cfg: 256, progress=False)
+def loaded(tiny_qwen, tiny_qwen_loaded):
+    """The tiny Qwen3.5 checkpoint's path and its loaded weights (the shared session fixtures)."""
+    return tiny_qwen, tiny_qwen_loaded
 
 
 @pytest.fixture(scope="module")

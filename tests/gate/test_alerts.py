@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from worker_rows import worker_row
 
 from splitserve.router.metrics import RouterMetrics
 
@@ -144,13 +145,11 @@ def test_every_alerted_counter_is_there_at_zero_before_its_first_event():
 
 def test_worker_counters_follow_the_workers_totals_across_a_restart():
     m = RouterMetrics("m")
-    row = {"worker": "decode-0", "role": "decode", "up": True, "running": 0, "waiting": 0,
-           "blocks": {"total": 10, "free": 10}, "preemptions": 3,
-           "prefix_cache": {"queries": 40, "hits": 16}}  # fmt: skip
-    m.from_worker_stats([row], ["tcp"])
-    m.from_worker_stats([{**row, "preemptions": 5}], ["tcp"])
-    restarted = {**row, "preemptions": 1, "prefix_cache": {"queries": 8, "hits": 0}}
-    m.from_worker_stats([restarted], ["tcp"])
+    row = {"preemptions": 3, "prefix_cache": {"queries": 40, "hits": 16}}
+    m.from_worker_stats([worker_row("decode-0", "decode", **row)], ["tcp"])
+    m.from_worker_stats([worker_row("decode-0", "decode", **{**row, "preemptions": 5})], ["tcp"])
+    restarted = {"preemptions": 1, "prefix_cache": {"queries": 8, "hits": 0}}
+    m.from_worker_stats([worker_row("decode-0", "decode", **restarted)], ["tcp"])
     value = m.registry.get_sample_value
     lab = {"model_name": "m", "worker": "decode-0", "role": "decode"}
     assert value("splitserve:num_preemptions_total", lab) == 6

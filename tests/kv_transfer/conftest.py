@@ -4,7 +4,8 @@ SmolLM2 chat prompts, tokenized without loading the model in the test process.""
 from __future__ import annotations
 
 import pytest
-from kv_transfer_helpers import QwenPairs, save_tiny_qwen3_5
+from kv_transfer_helpers import QwenPairs
+from tiny_configs import save_tiny_qwen3_5
 
 CHAT = [
     "What is the capital of France?",
@@ -12,11 +13,6 @@ CHAT = [
     "Explain what a hash table is in two sentences.",
     "How many legs does a spider have?",
 ]
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen(tmp_path_factory):
-    return save_tiny_qwen3_5(tmp_path_factory.mktemp("pd-qwen3_5") / "a", seed=1)
 
 
 @pytest.fixture(scope="session")

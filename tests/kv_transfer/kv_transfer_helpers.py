@@ -20,7 +20,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tiny_configs import TINY_QWEN3_5
 
 SECRET_ENV = "SPLITSERVE_PD_TEST_SECRET"
 SECRET = "pd-test-secret"
@@ -43,15 +42,6 @@ NIXL = pytest.param(
 def running(backend: str) -> str:
     """What a worker reports running for `backend`: nixl names the NIXL backend it instantiated."""
     return "nixl/UCX" if backend == "nixl" else backend
-
-
-def save_tiny_qwen3_5(path: Path, seed: int = 1) -> Path:
-    import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    torch.manual_seed(seed)
-    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY_QWEN3_5)).eval().save_pretrained(path)
-    return path
 
 
 def random_prompts(lens: Sequence[int], vocab: int = 512, seed: int = 1) -> list[list[int]]:

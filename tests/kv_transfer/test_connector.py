@@ -7,42 +7,30 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 from kv_transfer_helpers import SECRET, random_prompts
 
 from splitserve import SamplingParams
 from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.kv_connector import KVConnector, KVExport, KVTransferFailed, NoRoom
-from splitserve.model.loader import load_model
 from splitserve.transport import TransportOptions
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = random_prompts((5, 40), seed=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_qwen):
-    return load_model(tiny_qwen, torch.device("cpu"), torch.float32, lambda cfg: 256, progress=False)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
-def make(tiny_qwen, loaded):
+def make(tiny_qwen, tiny_qwen_loaded):
     """make(kv_mb=4, lease_s=30, policy="fail") -> (engine, connector or None); closed after the test."""
     made: list[KVConnector] = []
 
     def _make(connect: bool = True, kv_bytes: int = 4 << 20, lease_s: float = 30.0, policy: str = "fail"):
         config = EngineConfig(model=str(tiny_qwen), max_model_len=256, kv_cache_bytes=kv_bytes,
                               max_num_seqs=4, progress=False)  # fmt: skip
-        engine = LLMEngine(config, tokenizer=None, loaded=loaded)
+        engine = LLMEngine(config, tokenizer=None, loaded=tiny_qwen_loaded)
         if not connect:
             return engine, None
         options = TransportOptions(lease_s=lease_s, fetch_timeout_s=5.0)

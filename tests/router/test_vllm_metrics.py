@@ -6,19 +6,21 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.utils import floatToGoString
+from worker_rows import worker_row
 
 from splitserve.router.vllm_metrics import RunFigures, VllmMetrics, buckets_1_2_5
+from splitserve.wire.stats import WorkerRow
 
 LAB = {"model_name": "m"}
 
 
-def _row(worker: str, role: str, **kw) -> dict:
-    row = {"worker": worker, "role": role, "running": 2, "waiting": 1, "blocks": {"total": 10, "free": 4},
+def _row(worker: str, role: str, **kw) -> WorkerRow:
+    row = {"running": 2, "waiting": 1, "blocks": {"total": 10, "free": 4},
            "preemptions": 3, "prefix_cache": {"queries": 40, "hits": 16},
            "iteration_tokens": {"counts": [0, 2, 0, 1] + [0] * 10, "sum": 30}, "block_size": 16,
            "spec_decode": {"method": "ngram", "num_drafts": 4, "num_draft_tokens": 12,
                            "num_accepted_tokens": 7, "accepted_per_pos": [4, 2, 1]}}  # fmt: skip
-    return {**row, **kw}
+    return worker_row(worker, role, **{**row, **kw})
 
 
 def test_buckets_follow_vllms_1_2_5_series():
@@ -61,7 +63,7 @@ def test_every_worker_is_a_series_and_counters_survive_a_restart():
     v.from_worker_stats([_row("prefill-0", "prefill", preemptions=5), _row("decode-0", "decode")], 0)
     restarted = _row("prefill-0", "prefill", preemptions=1, iteration_tokens={"counts": [1] + [0] * 13,
                                                                               "sum": 1})  # fmt: skip
-    v.from_worker_stats([restarted, {"worker": "decode-1", "role": "decode", "up": False}], 0)
+    v.from_worker_stats([restarted, worker_row("decode-1", "decode", up=False)], 0)
     value = reg.get_sample_value
     p = {**LAB, "worker": "prefill-0", "role": "prefill"}
     assert value("vllm:num_requests_running", p) == 2

@@ -33,7 +33,16 @@ from splitserve.transport import (
     UnknownLease,
     make_transport,
 )
-from splitserve.transport.protocol import PREFIX, decode_header, decode_prefix, encode_frame
+from splitserve.transport.client import SyncChannel, client_handshake
+from splitserve.transport.frames import Challenge, Error, Frame, Welcome
+from splitserve.transport.protocol import (
+    PREFIX,
+    Deadline,
+    decode_header,
+    decode_prefix,
+    encode_frame,
+    resolve_secret,
+)
 from splitserve.transport.transport import TransportOptions
 
 BACKENDS = ["tcp", "shm", "shm-direct", NIXL]
@@ -100,7 +109,13 @@ def _raw_connect(address: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=5)
 
 
-def _read_frame(sock: socket.socket) -> tuple[dict, int]:
+def _raw_frame(header: dict, version: int = 1) -> bytes:
+    """A frame as an untrusted peer may write it: any JSON header, no checks."""
+    data = msgspec.json.encode(header)
+    return PREFIX.pack(b"SSKV", version, 0, len(data), 0) + data
+
+
+def _read_frame(sock: socket.socket) -> tuple[Frame, int]:
     raw = b""
     while len(raw) < PREFIX.size:
         raw += sock.recv(PREFIX.size - len(raw))
@@ -116,13 +131,14 @@ def test_peer_without_the_secret_gets_nothing(make, first):
     exporter = make("tcp")
     handle = export_some(exporter)
     with _raw_connect(handle.address) as sock:
-        assert _read_frame(sock)[0]["op"] == "challenge"
+        assert isinstance(_read_frame(sock)[0], Challenge)
         if first == "fetch":
-            sock.sendall(encode_frame({"op": "fetch", "lease_id": handle.lease_id}))
+            sock.sendall(_raw_frame({"op": "fetch", "lease_id": handle.lease_id}))
         else:
-            sock.sendall(encode_frame({"op": "hello", "nonce": "00", "layout": exporter.layout.to_dict()}))
+            layout = msgspec.to_builtins(exporter.layout)
+            sock.sendall(_raw_frame({"op": "hello", "nonce": "00", "layout": layout, "proof": "00" * 32}))
         header, body = _read_frame(sock)
-        assert header == {"op": "error", "code": "auth", "message": header["message"]} and body == 0
+        assert header == Error(code="auth", message=header.message) and body == 0
         assert sock.recv(1 << 16) == b""  # and it hangs up
     assert exporter.describe()["counts"].get("served", 0) == 0
 
@@ -131,14 +147,12 @@ def test_a_peer_of_another_protocol_version_learns_nothing_of_our_layout(make):
     """Such a peer is refused before it proves the secret, without seeing the exporter's KV layout."""
     exporter = make("tcp")
     with _raw_connect(export_some(exporter).address) as sock:
-        assert _read_frame(sock)[0]["op"] == "challenge"
-        hello = encode_frame({"op": "hello", "nonce": "00", "layout": exporter.layout.to_dict()})
-        sock.sendall(
-            PREFIX.pack(b"SSKV", 99, 0, *PREFIX.unpack(hello[: PREFIX.size])[3:]) + hello[PREFIX.size :]
-        )
+        assert isinstance(_read_frame(sock)[0], Challenge)
+        layout = msgspec.to_builtins(exporter.layout)
+        sock.sendall(_raw_frame({"op": "hello", "nonce": "00", "layout": layout, "proof": "00"}, version=99))
         header, _ = _read_frame(sock)
-        assert header["op"] == "error" and header["code"] == "layout", header
-        assert "layout" not in header and "protocol_version" in header["message"], header
+        assert isinstance(header, Error) and header.code == "layout", header
+        assert header.layout is None and "protocol_version" in header.message, header
 
 
 def test_exporter_that_cannot_prove_the_secret_is_refused(make):
@@ -149,10 +163,9 @@ def test_exporter_that_cannot_prove_the_secret_is_refused(make):
     def impostor():
         conn, _ = listener.accept()
         with conn:
-            conn.sendall(encode_frame({"op": "challenge", "nonce": "ab" * 32}))
+            conn.sendall(encode_frame(Challenge(nonce="ab" * 32)))
             _read_frame(conn)
-            welcome = {"op": "welcome", "proof": "00" * 32, "layout": fetcher.layout.to_dict()}
-            conn.sendall(encode_frame(welcome))
+            conn.sendall(encode_frame(Welcome(proof="00" * 32, layout=fetcher.layout)))
             conn.recv(1)
 
     threading.Thread(target=impostor, daemon=True).start()
@@ -411,3 +424,21 @@ def test_a_process_that_used_nixl_exits_cleanly():
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "closed" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_malformed_request_is_answered_with_what_is_wrong(make):
+    """An authenticated peer whose request does not decode gets an error frame naming the field."""
+    exporter = make("tcp")
+    handle = export_some(exporter)
+    deadline = Deadline.after(5)
+    chan = SyncChannel.connect(handle.address, deadline)
+    try:
+        client_handshake(chan, exporter.layout, resolve_secret(SECRET), deadline)
+        fetch = {"op": "fetch", "lease_id": handle.lease_id, "request_id": "r1", "timeout_s": "soon"}
+        chan.sock.sendall(_raw_frame(fetch))
+        header, _ = chan.recv(deadline)
+        assert isinstance(header, Error) and header.code == "transport", header
+        assert "Expected `float`, got `str` - at `$.timeout_s`" in header.message, header
+        assert exporter.describe()["server"]["malformed_frames"] == 1
+    finally:
+        chan.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 
+import msgspec
 import pytest
 import torch
 from kv_helpers import SECRET, layout_of, small_kv, wait_for
@@ -198,14 +199,14 @@ def test_corruption_is_caught_and_kill_is_an_error(pair, backend):
 
 def test_cuda_ipc_refuses_another_host(pair):
     exporter, fetcher, _ = pair("cuda_ipc")
-    share = {**exporter.mover.link.share(), "host": "some-other-boot-id"}
+    share = msgspec.structs.replace(exporter.mover.link.share(), host="some-other-boot-id")
     with pytest.raises(PeerRefused, match="one host"):
         open_peer(share, fetcher.kv_cache.device, fetcher.layout)
 
 
 def test_cuda_ipc_refuses_a_gpu_it_cannot_see(pair):
     exporter, fetcher, _ = pair("cuda_ipc")
-    share = {**exporter.mover.link.share(), "pid": -1, "handle": "AAAA", "gpu": "GPU-not-here"}
+    share = msgspec.structs.replace(exporter.mover.link.share(), pid=-1, handle=b"\0\0\0", gpu="GPU-not-here")
     with pytest.raises(PeerRefused):
         open_peer(share, torch.device("cuda", 0), fetcher.layout)
 

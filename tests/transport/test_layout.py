@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import msgspec
 import numpy as np
 import pytest
 import torch
 from kv_helpers import layout_of, small_kv
 
-from splitserve.transport import KVHandle, KVLayout, PeerRefused, TransportError
+from splitserve.transport import KVHandle, KVLayout, LeaseExpired, PeerRefused, TransportError
+from splitserve.transport.frames import Done, Error, Kv, MalformedFrame, Ok
 from splitserve.transport.payload import BlockSink, ByteStream, block_runs, source_pieces
 from splitserve.transport.protocol import (
     PREFIX,
@@ -16,6 +20,7 @@ from splitserve.transport.protocol import (
     decode_header,
     decode_prefix,
     encode_frame,
+    expect,
     proof,
     proof_ok,
     resolve_secret,
@@ -55,13 +60,14 @@ def test_mismatches_in_words():
     ]
 
 
-def test_fingerprint_and_dict_round_trip():
-    assert KVLayout.from_dict(BASE.to_dict()) == BASE
-    assert KVLayout.from_dict(BASE.to_dict()).fingerprint == BASE.fingerprint
-    changed = KVLayout.from_dict({**BASE.to_dict(), "head_dim": 64})
-    assert changed.fingerprint != BASE.fingerprint
-    with pytest.raises(ValueError, match="malformed"):
-        KVLayout.from_dict({"dtype": "bfloat16"})
+def test_fingerprint_and_json_round_trip():
+    again = msgspec.json.decode(msgspec.json.encode(BASE), type=KVLayout)
+    assert again == BASE and again.fingerprint == BASE.fingerprint
+    assert replace(BASE, head_dim=64).fingerprint != BASE.fingerprint
+    with pytest.raises(msgspec.ValidationError, match="missing required field"):
+        msgspec.json.decode(b'{"dtype": "bfloat16"}', type=KVLayout)
+    with pytest.raises(msgspec.ValidationError, match="unknown dtype"):  # __post_init__'s checks run
+        msgspec.json.decode(msgspec.json.encode(BASE).replace(b"bfloat16", b"bfloat17"), type=KVLayout)
     with pytest.raises(ValueError, match="unknown dtype"):
         KVLayout("m", "bfloat17", 16, 1, 1, 1)
 
@@ -77,16 +83,47 @@ def test_handle_json_round_trip():
 
 
 def test_frames():
-    frame = encode_frame({"op": "kv", "n": 1}, body_nbytes=123)
+    kv = Kv(blocks=3, checksum="crc32:00", nbytes=123)
+    frame = encode_frame(kv, body_nbytes=123)
     assert decode_prefix(frame[: PREFIX.size]) == (len(frame) - PREFIX.size, 123)
-    assert decode_header(frame[PREFIX.size :]) == {"op": "kv", "n": 1}
+    assert frame[PREFIX.size :] == b'{"op":"kv","blocks":3,"checksum":"crc32:00","nbytes":123}'
+    assert decode_header(frame[PREFIX.size :]) == kv
     with pytest.raises(TransportError, match="magic"):
         decode_prefix(b"HTTP" + frame[4 : PREFIX.size])
     newer = PREFIX.pack(b"SSKV", 99, 0, 2, 0)
     with pytest.raises(PeerRefused, match="protocol_version: ours 1, peer 99"):
         decode_prefix(newer)
-    with pytest.raises(TransportError, match="without an op"):
-        decode_header(b"[1, 2]")
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b"[1, 2]", "Expected `object`, got `array`"),
+        (b"not json", "JSON is malformed"),
+        (b'{"lease_id": "L"}', "missing required field `op`"),
+        (b'{"op": "steal", "lease_id": "L"}', "Invalid value 'steal' - at `$.op`"),
+        (b'{"op": "fetch", "lease_id": "L", "request_id": "r"}', "missing required field `timeout_s`"),
+        (b'{"op": "ack", "slot": "0"}', "Expected `int`, got `str` - at `$.slot`"),
+        (b'{"op": "kv_cuda", "blocks": 1, "block_ids": "%%"}', "Invalid base64"),
+        (b'{"op": "welcome", "proof": "p", "layout": {"dtype": "x"}}', "at `$.layout`"),
+    ],
+)
+def test_a_malformed_frame_says_what_is_wrong(raw, says):
+    with pytest.raises(MalformedFrame, match=re.escape(says)):
+        decode_header(raw)
+
+
+def test_frames_expected_and_error_frames_raised_as_their_class():
+    assert expect(Ok(released=True), Ok).released is True
+    with pytest.raises(TransportError, match="expected 'ok', got 'done'"):
+        expect(Done(), Ok)
+    with pytest.raises(LeaseExpired, match="from the peer: gone"):
+        expect(Error(code="lease_expired", message="gone"), Ok)
+    refusal = Error.of(PeerRefused("refused", ["block_size: ours 16, peer 32"]), BASE)
+    again = decode_header(encode_frame(refusal)[PREFIX.size :])
+    assert again == refusal and again.layout == BASE
+    with pytest.raises(PeerRefused, match="block_size: ours 16, peer 32"):
+        expect(again, Ok)
 
 
 def test_proofs_bind_secret_role_and_layout():
@@ -94,9 +131,7 @@ def test_proofs_bind_secret_role_and_layout():
     assert proof_ok(p, p)
     assert not proof_ok(p, proof(b"other", "client", "n1", "n2", BASE))
     assert not proof_ok(p, proof(b"k", "server", "n1", "n2", BASE))
-    assert not proof_ok(
-        p, proof(b"k", "client", "n1", "n2", KVLayout.from_dict({**BASE.to_dict(), "head_dim": 1}))
-    )
+    assert not proof_ok(p, proof(b"k", "client", "n1", "n2", replace(BASE, head_dim=1)))
     assert not proof_ok(p, None)
 
 

@@ -2,14 +2,17 @@
 `SamplingParams`, `TokenLogprob`), read off what each process actually decodes and answers.
 
 What crosses a process (the roots the scan starts from):
-  - every msgspec struct defined in a module of splitserve/wire;
+  - every msgspec struct defined in a module of splitserve/wire, and the KV transports' control frames
+    (transport/frames.py: every struct there, and the union the transports decode);
   - what each process decodes: the engine core's commands and its spec line, the front end's batches,
-    the worker routes' bodies (`_body(request, X)` in worker/app.py), the router's and the gate's
-    decodes of worker answers (`msgspec.json.decode(..., type=X)`, `Decoder(X)`);
+    the worker routes' bodies (`_body(request, X)` in worker/app.py), the router's, the gate's and the
+    local runtime's decodes of worker answers, and the transports' decodes of frames
+    (`msgspec.json.decode(..., type=X)`, `Decoder(X)`);
   - what the worker's operations answer (the return types of `Worker`'s public methods).
 From those, every field's type is walked (msgspec.inspect). A field fails if it is `Any` (an untyped
 `dict` or `list` is one too: its items are `Any`), or a `dict` not listed in MAPS (a map is allowed where
 its keys are data, not field names). OPEN lists the diagnostic trees that stay free in shape.
+No transport module builds a frame as a dict (a literal with an "op" key), or encodes one by hand.
 And the KV handle has one wire type: `KVExport` (the handle and the generator state) is the only type
 that carries it, and no other class anywhere in splitserve/ redeclares the handle's fields.
 """
@@ -27,6 +30,8 @@ import msgspec
 import msgspec.inspect as mi
 
 import splitserve.wire
+from splitserve.transport import frames
+from splitserve.transport.layout import KVLayout
 from splitserve.wire.kv_handle import KVExport, KVHandle
 
 ROOT = Path(__file__).resolve().parents[2] / "splitserve"
@@ -47,13 +52,14 @@ OPEN: dict[str, str] = {
     "KVTransferCounts.transport": "each transport backend's self-description, for operators",
 }
 # Modules whose decodes of bodies from another process are scanned for their target types.
-DECODING = ("worker", "core", "router", "gate", "runtime")
+DECODING = ("worker", "core", "router", "gate", "runtime", "transport")
 
 
 def _wire_structs() -> list[type]:
     out = []
-    for info in pkgutil.iter_modules(splitserve.wire.__path__):
-        mod = importlib.import_module(f"splitserve.wire.{info.name}")
+    names = [f"splitserve.wire.{info.name}" for info in pkgutil.iter_modules(splitserve.wire.__path__)]
+    for name in [*names, "splitserve.transport.frames"]:
+        mod = importlib.import_module(name)
         for obj in vars(mod).values():
             if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == mod.__name__:
                 out.append(obj)
@@ -158,6 +164,35 @@ def test_the_scan_sees_every_edge() -> None:
         assert cls.__name__ in names, cls
     for name in ("SamplingParams", "GrammarSpec", "TokenLogprob", "Timings"):
         assert name in names, name
+    frames_seen = {t.cls for _, t in _everything() if isinstance(t, mi.StructType)}
+    assert set(typing.get_args(frames.AnyFrame)) <= frames_seen
+    for cls in (
+        frames.Hello,
+        frames.Error,
+        frames.KvNixl,
+        frames.CudaIpcShare,
+        frames.ArenaShare,
+        frames.Region,
+    ):
+        assert cls in frames_seen, cls
+    assert any(isinstance(t, mi.DataclassType) and t.cls is KVLayout for _, t in _everything())
+
+
+def test_no_transport_frame_is_a_dict() -> None:
+    """Frames are built as structs: no dict literal with an "op" key in the transports, and only
+    frames.py turns a header into bytes or back (no json module there either)."""
+    found = []
+    for path in sorted((ROOT / "transport").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Dict) and any(
+                isinstance(k, ast.Constant) and k.value == "op" for k in node.keys
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} imports json" for m in mods if m == "json"]
+    assert not found, found
 
 
 def test_no_untyped_field_crosses_a_process() -> None:

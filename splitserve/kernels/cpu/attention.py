@@ -97,16 +97,25 @@ static inline __m256 dot8(const float* q, const float* k, int64_t kt, int64_t D)
 }
 #endif
 
+// body(rows, t0, n) for each of the task's blocks in order (`cache`: the K or V cache; cb, ct, ch: its
+// block, row and head strides; rows: the block's first row; t0: its first position; n: its rows), the
+// next block's rows prefetched before the body reads this one's
+template <class Body>
+static inline void each_block(const Task& a, const float* cache, int64_t cb, int64_t ct, int64_t ch,
+                              Body body) {
+  const int64_t nblk = (a.L + a.BS - 1) / a.BS;
+  prefetch_block(cache + a.table[0] * cb, std::min(a.BS, a.L), a.nh, a.D, ct, ch);
+  for (int64_t blk = 0, t0 = 0; blk < nblk; ++blk, t0 += a.BS) {
+    if (blk + 1 < nblk)
+      prefetch_block(cache + a.table[blk + 1] * cb, std::min(a.BS, a.L - t0 - a.BS), a.nh, a.D, ct, ch);
+    body(cache + a.table[blk] * cb, t0, std::min(a.BS, a.L - t0));
+  }
+}
+
 // scores s[p * L + t] = scale * q_p . k_t (p = head * G + g), block by block: a block's rows are read
 // from memory once (the first query head) and from L1 for the others
 static void scores(const Task& a, float* s) {
-  const int64_t nblk = (a.L + a.BS - 1) / a.BS;
-  prefetch_block(a.k + a.table[0] * a.kb, std::min(a.BS, a.L), a.nh, a.D, a.kt, a.kh);
-  for (int64_t blk = 0, t0 = 0; blk < nblk; ++blk, t0 += a.BS) {
-    const float* base = a.k + a.table[blk] * a.kb;
-    const int64_t n = std::min(a.BS, a.L - t0);
-    if (blk + 1 < nblk)
-      prefetch_block(a.k + a.table[blk + 1] * a.kb, std::min(a.BS, a.L - t0 - a.BS), a.nh, a.D, a.kt, a.kh);
+  each_block(a, a.k, a.kb, a.kt, a.kh, [&](const float* base, int64_t t0, int64_t n) {
     for (int64_t h = 0; h < a.nh; ++h)
       for (int64_t g = 0; g < a.G; ++g) {
         const float* qg = a.q + (h * a.G + g) * a.D;
@@ -137,7 +146,7 @@ static void scores(const Task& a, float* s) {
           sp[j] = dot * a.scale;
         }
       }
-  }
+  });
 }
 
 // s_p <- exp(s_p - max s_p) in place; -> 1 / sum
@@ -204,20 +213,15 @@ static inline void accumulate(float* acc, const float* p, const float* v, int64_
 
 // out_p = inv_p * sum_t s_p[t] v_t, block by block (a block's value rows read from memory once)
 static void weighted_sum(const Task& a, const float* s, const float* inv, float* acc) {
-  const int64_t P = a.nh * a.G, nblk = (a.L + a.BS - 1) / a.BS;
+  const int64_t P = a.nh * a.G;
   std::fill(acc, acc + P * a.D, 0.f);
-  prefetch_block(a.v + a.table[0] * a.vb, std::min(a.BS, a.L), a.nh, a.D, a.vt, a.vh);
-  for (int64_t blk = 0, t0 = 0; blk < nblk; ++blk, t0 += a.BS) {
-    const float* base = a.v + a.table[blk] * a.vb;
-    const int64_t n = std::min(a.BS, a.L - t0);
-    if (blk + 1 < nblk)
-      prefetch_block(a.v + a.table[blk + 1] * a.vb, std::min(a.BS, a.L - t0 - a.BS), a.nh, a.D, a.vt, a.vh);
+  each_block(a, a.v, a.vb, a.vt, a.vh, [&](const float* base, int64_t t0, int64_t n) {
     for (int64_t h = 0; h < a.nh; ++h)
       for (int64_t g = 0; g < a.G; ++g) {
         const int64_t p = h * a.G + g;
         accumulate(acc + p * a.D, s + p * a.L + t0, base + h * a.vh, n, a.vt, a.D);
       }
-  }
+  });
   for (int64_t p = 0; p < P; ++p)
     for (int64_t d = 0; d < a.D; ++d) a.out[p * a.D + d] = acc[p * a.D + d] * inv[p];
 }

@@ -9,9 +9,9 @@ Life of a connection and of one fetch:
   0. start-up: both workers keep their KV on a GPU. Asking for cuda_ipc on a host without CUDA, or with
      a KV on the CPU, is `BackendUnavailable` (backends.py, `GpuMover.__init__`).
   1. handshake (layouts + shared secret), then on the connection's first fetch the fetcher asks
-     {"op": "cuda_ipc_open", host, pid, gpu}. The exporter answers {"op": "cuda_ipc_handle", ...}: a
-     CUDA IPC handle of its whole KV storage (torch's `UntypedStorage._share_cuda_()`, made once; its
-     bytes ride base64 in the JSON header, nothing is pickled), its GPU's UUID, host id (boot id) and
+     CudaIpcOpen {host, pid, gpu}. The exporter answers CudaIpcShare (frames.py): a CUDA IPC handle
+     of its whole KV storage (torch's `UntypedStorage._share_cuda_()`, made once; its bytes ride
+     base64 in the JSON header, nothing is pickled), its GPU's UUID, host id (boot id) and
      the KV's offset and block size in that storage.
   2. The fetcher refuses (PeerRefused) an exporter on another host or on a GPU it cannot see, and opens
      the handle once per exporter (`UntypedStorage._new_shared_cuda`, kept until close):
@@ -26,13 +26,13 @@ Life of a connection and of one fetch:
      again; still the lease's means its blocks were not handed back before the copy ended. No message
      at all, like an RDMA READ; the release follows in the background as for any backend. A slot
      that says otherwise (ended, or faults injected) sends the fetch down the two-sided path:
-     fetcher -> {"op": "fetch", lease_id, timeout_s}, and at once starts copying the handle's blocks
+     fetcher -> Fetch {lease_id, timeout_s}, and at once starts copying the handle's blocks
      (`prefetch`: safe, see there) while the exporter (lease pinned) answers
-     {"op": "kv_cuda", block_ids, blocks, checksum} + the state tensors as the frame body.
+     KvCuda {block_ids, blocks, checksum} + the state tensors as the frame body.
   4. fetcher: `copy_blocks` kv_src[block_ids] -> kv[into_block_ids] on a side stream of its GPU (one
      cudaMemcpy for one run of ids consecutive on both sides, else one launch of the block-copy
      kernel); two-sided, copies again if the answer names other blocks than the handle;
-     synchronizes, checks its deadline, -> {"op": "done"}.
+     synchronizes, checks its deadline, -> Done.
   5. exporter (two-sided): drops its pin on "done" (or at the deadline, or when the fetcher hangs up).
 
 Checksums work, but on host copies: the exporter copies the blocks to the host at export and the
@@ -62,6 +62,7 @@ from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import PeerRefused, TransportError
 from splitserve.transport.export_requests import Export
+from splitserve.transport.frames import CudaIpcOpen, CudaIpcShare, Fetch, GpuPayload, KvCuda
 from splitserve.transport.gpu.blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
 from splitserve.transport.gpu.cuda_ipc_copy import queue_copy, queue_state_copy, wait_copies
 from splitserve.transport.gpu.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
@@ -84,8 +85,8 @@ class CudaIpcLink:
     """The fetcher's GPU copies the blocks out of the exporter's mapped KV (the module docstring)."""
 
     backend = "cuda_ipc"
-    open_op = "cuda_ipc_open"
-    payload_op = "kv_cuda"
+    open_frame = CudaIpcOpen
+    payload_frame = KvCuda
 
     def __init__(self) -> None:
         self.socket_path = UnixSocketPath()
@@ -94,7 +95,7 @@ class CudaIpcLink:
         self.mover, self.port, self.device = mover, mover.port, mover.device
         options, layout = self.port.options, self.port.layout
         self._key = f"{os.getpid()}-{secrets.token_hex(8)}"
-        self._share: dict | None = None
+        self._share: CudaIpcShare | None = None
         self._share_lock = threading.Lock()
         self._peers: OrderedDict[str, PeerKV] = OrderedDict()  # share key -> the opened mapping
         self._peers_lock = threading.Lock()
@@ -114,13 +115,13 @@ class CudaIpcLink:
             log.warning("cuda_ipc: no lease board (%s): every fetch will ask the exporter first", exc)
             return None
 
-    def share(self) -> dict:
+    def share(self) -> CudaIpcShare:
         with self._share_lock:
             if self._share is None:
-                self._share = share_kv(self.port.kv_cache, self.mover.rows, self._key)
-                board = self.port.leases.board
-                self._share["board"] = board.share() if board is not None else None
-                self._share["state"] = self.arena.share() if self.arena is not None else None
+                board, arena = self.port.leases.board, self.arena
+                self._share = share_kv(self.port.kv_cache, self.mover.rows, self._key,
+                                       board.share() if board is not None else None,
+                                       arena.share() if arena is not None else None)  # fmt: skip
             return self._share
 
     def export(self, request: ExportRequest) -> KVHandle | None:
@@ -152,27 +153,24 @@ class CudaIpcLink:
         if self.arena is not None and isinstance(export, Export) and export.state_row is not None:
             self.arena.free(export.state_row)
 
-    async def serve_open(self, chan: AsyncChannel, header: dict) -> None:
-        if header.get("host") != host_id():
+    async def serve_open(self, chan: AsyncChannel, frame: CudaIpcOpen) -> None:
+        if frame.host != host_id():
             raise PeerRefused("cuda_ipc needs both workers on one host",
-                              [f"host: exporter {host_id()}, fetcher {header.get('host')}"])  # fmt: skip
-        await chan.send(
-            {"op": "cuda_ipc_handle", **self.share()}, Deadline.after(self.port.options.connect_timeout_s)
-        )
+                              [f"host: exporter {host_id()}, fetcher {frame.host}"])  # fmt: skip
+        await chan.send(self.share(), Deadline.after(self.port.options.connect_timeout_s))
         self.port.stats.count("ipc_handles_sent")
 
-    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray, request: dict) -> None:
+    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray, request: Fetch) -> None:
         return None  # the fetcher's GPU copies: nothing to send
 
     # -- fetcher ---------------------------------------------------------------------------------
     def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> NoClose:
-        hello = {"op": self.open_op, "host": host_id(), "pid": os.getpid(), "gpu": self.mover.gpu}
-        chan.send(hello, deadline)
+        chan.send(CudaIpcOpen(host=host_id(), pid=os.getpid(), gpu=self.mover.gpu), deadline)
         try:
-            share = expect(chan.recv(deadline)[0], "cuda_ipc_handle")
+            share = expect(chan.recv(deadline)[0], CudaIpcShare)
         except PeerRefused as exc:
             raise PeerRefused(f"cuda_ipc exporter {handle.address} refused us", exc.mismatches) from exc
-        key = str(share["key"])
+        key = share.key
         with self._peers_lock:
             peer = self._peers.get(key)
             if peer is None:
@@ -183,16 +181,16 @@ class CudaIpcLink:
             self._peers.move_to_end(key)
         return NoClose(peer)
 
-    def _open(self, chan: SyncChannel, share: dict) -> PeerKV:
+    def _open(self, chan: SyncChannel, share: CudaIpcShare) -> PeerKV:
         """Map an exporter's KV, its lease board and its state arena (once per exporter)."""
         with torch.cuda.device(self.device) if self.mover.on_cuda else contextlib.nullcontext():
             peer = open_peer(share, self.device, self.port.layout)
-        peer.board = open_board(share.get("board"), chan.address)
-        if share.get("state") is not None:
+        peer.board = open_board(share.board, chan.address)
+        if share.state is not None:
             index = peer.rows.device.index if peer.rows.is_cuda else None
             try:
-                peer.state_rows = open_arena(share["state"], index)
-                peer.state_wire = str(share["state"]["wire_dtype"])
+                peer.state_rows = open_arena(share.state, index)
+                peer.state_wire = share.state.wire_dtype
             except TransportError as exc:  # its fetches with state then fail, saying why
                 log.warning("cuda_ipc: cannot map %s's state arena: %s", chan.address, exc)
         peer.layout_fingerprint = chan.peer_layout.fingerprint if chan.peer_layout else ""
@@ -256,15 +254,15 @@ class CudaIpcLink:
         return self._copy(mapped, ids, into)
 
     def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
+        self, chan: SyncChannel, peer: Any, meta: GpuPayload, src_ids: np.ndarray, into: np.ndarray,
         deadline: Deadline, early: QueuedCopy | None,
     ) -> dict[str, torch.Tensor] | None:  # fmt: skip
         mapped: PeerKV = peer.value
         if src_ids.min() < 0 or src_ids.max() >= mapped.rows.shape[0]:
             raise TransportError(f"exporter named blocks outside its cache: {src_ids[:16].tolist()}")
         state = None
-        if meta.get("state_row") is not None:  # on the exporter's GPU: copied with the blocks
-            state = self._pull_state(mapped, int(meta["state_row"]), deadline)
+        if meta.state_row is not None:  # on the exporter's GPU: copied with the blocks
+            state = self._pull_state(mapped, meta.state_row, deadline)
         if early is None or not np.array_equal(early.src_ids, src_ids):  # not what we guessed: copy
             # again (behind the first copy on our side stream, so its bytes land last)
             early = self._copy(mapped, src_ids, into)

@@ -4,7 +4,7 @@ of it (the fetcher pulls); nccl.py joins the two GPUs in a two-rank NCCL group p
 which the exporter sends (it pushes) and the fetcher receives.
 
 The mover runs the protocol (the open exchange on a connection's first fetch, the fetch request, the
-payload header and state, "done") and keeps what both need: the device and side stream, the checks,
+payload frame and state, "done") and keeps what both need: the device and side stream, the checks,
 the counters. A link is called at the few points where the backends differ; where it has nothing to
 do, its method answers None.
 """
@@ -23,6 +23,7 @@ import torch
 if TYPE_CHECKING:
     from splitserve.transport.board import LeaseBoard
     from splitserve.transport.client import SyncChannel
+    from splitserve.transport.frames import Fetch, Frame, GpuPayload
     from splitserve.transport.layout import KVLayout
     from splitserve.transport.port import MoverPort
     from splitserve.transport.protocol import Deadline
@@ -74,7 +75,7 @@ class GpuSide(Protocol):
 class Push(Protocol):
     """Exporter: the blocks of one fetch on their way out, queued before the answer goes out."""
 
-    fields: dict  # extra fields of the payload header
+    chunk_blocks: int  # the payload frame's blocks per message (nccl)
 
     def cancel(self) -> None:
         """The answer did not go out: drop what was queued."""
@@ -89,8 +90,8 @@ class GpuLink(Protocol):
     """A GPU backend's part of the GPU mover (the module docstring)."""
 
     backend: str  # the name handles carry
-    open_op: str  # the fetcher's open request on a fresh connection
-    payload_op: str  # the exporter's answer to a fetch
+    open_frame: type[Frame]  # the fetcher's open request on a fresh connection
+    payload_frame: type[GpuPayload]  # the exporter's answer to a fetch
 
     def bind(self, mover: GpuSide) -> None:
         """Once, when the channel is made: the mover's device, side stream, port and counters."""
@@ -106,11 +107,11 @@ class GpuLink(Protocol):
         """The link's own export (cuda_ipc: the state into its GPU arena), or None: the usual lease."""
         ...
 
-    async def serve_open(self, chan: AsyncChannel, header: dict) -> None:
+    async def serve_open(self, chan: AsyncChannel, frame: Frame) -> None:
         """Exporter: answer the open request (PeerRefused: a peer it cannot pair with)."""
         ...
 
-    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray, request: dict) -> Push | None:
+    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray, request: Fetch) -> Push | None:
         """Exporter, on the server loop: the push of the fetch `request` asked for, or None where the
         fetcher copies the blocks itself."""
         ...
@@ -129,11 +130,11 @@ class GpuLink(Protocol):
         ...
 
     def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
+        self, chan: SyncChannel, peer: Any, meta: GpuPayload, src_ids: np.ndarray, into: np.ndarray,
         deadline: Deadline, early: QueuedCopy | None,
     ) -> dict[str, torch.Tensor] | None:  # fmt: skip
         """Fetcher: move the blocks into kv_cache[into], synchronized, within the deadline; -> the
-        state when the answer names a row of the exporter's state arena (`meta["state_row"]`), else
+        state when the answer names a row of the exporter's state arena (`meta.state_row`), else
         None (the state came on the control channel)."""
         ...
 

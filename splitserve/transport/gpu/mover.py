@@ -2,14 +2,14 @@
 cuda_ipc.py's mapping of the exporter's KV, nccl.py's two-rank NCCL group). The mover is what the
 control channel (channel.py) holds and calls; the link is called where the backends differ.
 
-Exporter: a link's open request sets up the connection ("cuda_ipc_open" / "nccl_open"); each fetch
-then gets {"op": payload_op, block_ids (base64 int32), blocks, checksum, ...} + the state tensors as the
-frame body, the link's push (nccl sends the blocks; cuda_ipc has none), and waits for the fetcher's
-"done" with the lease pinned. Fetcher: the link's one-sided read when it has one, else `attach` once
-per connection, then the request, the link's `prefetch` (a copy that may start before the answer),
-the header and state, its `pull`, "done". The state tensors are small and travel on the control
-channel, which owns the connection, the lease and the deadline (the mover sees them through its
-`MoverPort`, port.py).
+Exporter: a link's open request sets up the connection (frames.py: CudaIpcOpen / NcclOpen); each fetch
+then gets the link's payload frame (KvCuda / KvNccl: block ids, blocks, checksum, ...) + the state
+tensors as the frame body, the link's push (nccl sends the blocks; cuda_ipc has none), and waits for the
+fetcher's "done" with the lease pinned. Fetcher: the link's one-sided read when it has one, else `attach`
+once per connection, then the request, the link's `prefetch` (a copy that may start before the answer),
+the header and state, its `pull`, "done". The state tensors are small and travel on the control channel,
+which owns the connection, the lease and the deadline (the mover sees them through its `MoverPort`,
+port.py).
 """
 
 from __future__ import annotations
@@ -25,16 +25,11 @@ import numpy as np
 import torch
 
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.client import SyncChannel, counted_failures, fetch_header
-from splitserve.transport.errors import (
-    BackendUnavailable,
-    CorruptTransfer,
-    PeerRefused,
-    TransportError,
-    error_to_wire,
-)
+from splitserve.transport.client import SyncChannel, counted_failures, fetch_frame
+from splitserve.transport.errors import BackendUnavailable, CorruptTransfer, PeerRefused, TransportError
 from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
+from splitserve.transport.frames import Done, Error, Frame, GpuPayload, op
 from splitserve.transport.gpu.blocks import (
     as_ids,
     cached_ids,
@@ -169,24 +164,26 @@ class GpuMover:
         self.sync_stream()  # the prefill's writes to these blocks land before anyone reads them
         return self.port.lease_export(request, self.check_ids(request.block_ids, "block_ids"))
 
-    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
-        if header["op"] != self.link.open_op:
+    async def serve_op(self, chan: AsyncChannel, frame: Frame) -> bool | None:
+        if not isinstance(frame, self.link.open_frame):
             return None  # the channel's
         try:
-            await self.link.serve_open(chan, header)
+            await self.link.serve_open(chan, frame)
         except PeerRefused as exc:
             self.stats.error(exc)
             log.warning("kv %s exporter refused %s: %s", self.backend, chan.peer, exc)
-            await chan.send(error_to_wire(exc), Deadline.after(self.options.connect_timeout_s))
+            await chan.send(Error.of(exc), Deadline.after(self.options.connect_timeout_s))
             return False
-        chan.notes.add(self.link.open_op)
+        chan.notes.add(op(frame))
         return True
 
     async def send_payload(self, call: PayloadCall) -> int:
-        chan, export, block_ids, meta, fault, deadline = call.unpack()
-        if self.link.open_op not in chan.notes:
-            exc = TransportError(f"{self.backend}: fetch before {self.link.open_op} on this connection")
-            await chan.send(error_to_wire(exc), deadline)
+        chan, export, block_ids, fault, deadline = call.unpack()
+        if op(self.link.open_frame) not in chan.notes:
+            exc = TransportError(
+                f"{self.backend}: fetch before {op(self.link.open_frame)} on this connection"
+            )
+            await chan.send(Error.of(exc), deadline)
             raise exc
         if fault is Fault.KILL:
             return 0  # hang up instead of answering: the fetcher must fail, not hang
@@ -200,10 +197,11 @@ class GpuMover:
         push = self.link.start_push(chan, ids, call.request)
         mark("e.queued")
         try:
-            header = {"op": self.link.payload_op, **meta, "block_ids": ids_to_wire(ids)}
-            header.update(push.fields if push is not None else {})
-            if in_row:
-                header["state_row"] = export.state_row
+            header = self.link.payload_frame(
+                blocks=len(ids), checksum=export.checksum, block_ids=ids_to_wire(ids),
+                state_row=export.state_row if in_row else None,
+                chunk_blocks=push.chunk_blocks if push is not None else 0,
+            )  # fmt: skip
             await chan.send(header, deadline, state.nbytes)
             await chan.send_stream(state, deadline)
         except BaseException:
@@ -216,7 +214,7 @@ class GpuMover:
             await push.finish(deadline)
         pushed = time.perf_counter()
         mark("e.pushed")
-        expect(await chan.recv(deadline), "done")
+        expect(await chan.recv(deadline), Done)
         mark("e.done")
         self.serve_phases.append((answered - start, pushed - answered, time.perf_counter() - pushed))
         return len(ids) * self.layout.block_nbytes + state.nbytes
@@ -236,7 +234,7 @@ class GpuMover:
         if state is None:
             return self._ask(handle, into, deadline)
         end = time.perf_counter()
-        self.verify_blocks(handle, {}, into, {})
+        self.verify_blocks(handle, None, into, {})
         self.phases.append((0.0, 0.0, end - start))
         self.stats.fetched(len(into) * self.layout.block_nbytes, end - start, handle.address)
         self.stats.count("one_sided_fetches")
@@ -250,7 +248,7 @@ class GpuMover:
         with counted_failures(self.stats, handle.address):
             with self.pool.for_handle(handle, deadline) as chan:
                 peer = self.peer(chan, handle, deadline)
-                request = fetch_header(handle, deadline, {"into_run": consecutive_start(into) is not None})
+                request = fetch_frame(handle, deadline, into_run=consecutive_start(into) is not None)
                 sent = time.perf_counter()
                 mark("f.request")
                 chan.send(request, deadline)
@@ -259,9 +257,9 @@ class GpuMover:
                     header, body_nbytes = chan.recv(deadline)
                     answered = time.perf_counter()
                     mark("f.answer")
-                    meta = expect(header, self.link.payload_op)
+                    meta = expect(header, self.link.payload_frame)
                     src_ids = self._peer_ids(meta, len(into))
-                    in_row = meta.get("state_row") is not None
+                    in_row = meta.state_row is not None
                     if body_nbytes != (0 if in_row else body.nbytes):
                         raise TransportError(
                             f"exporter sends {body_nbytes} bytes of state, we expect {body.nbytes}"
@@ -278,8 +276,8 @@ class GpuMover:
                         self.hand_over(exc, early.done)
                     raise
                 deadline.remaining("copy out of the exporter's KV")  # past it the exporter may unpin
-                chan.send({"op": "done"}, deadline)
-            self.verify_blocks(handle, meta, into, state)
+                chan.send(Done(), deadline)
+            self.verify_blocks(handle, meta.checksum, into, state)
         nbytes = len(into) * self.layout.block_nbytes + body.nbytes
         end = time.perf_counter()
         self.phases.append((sent - start, answered - sent, pulled - answered))
@@ -293,14 +291,15 @@ class GpuMover:
             attached = chan.attached[self.backend] = self.link.attach(chan, handle, deadline)
         return attached
 
-    def _peer_ids(self, meta: dict, n: int) -> np.ndarray:
-        ids = ids_from_wire(meta["block_ids"])
+    def _peer_ids(self, meta: GpuPayload, n: int) -> np.ndarray:
+        ids = ids_from_wire(meta.block_ids)
         if ids.size != n:
             raise TransportError(f"exporter names {ids.size} blocks, the handle has {n}")
         return ids
 
-    def verify_blocks(self, handle: KVHandle, meta: dict, into: np.ndarray, state: dict) -> None:
-        expected = handle.checksum or meta.get("checksum")
+    def verify_blocks(self, handle: KVHandle, sent: str | None, into: np.ndarray, state: dict) -> None:
+        """The blocks' checksum against the handle's (else the one the exporter `sent` with them)."""
+        expected = handle.checksum or sent
         if not expected:
             return
         pieces = source_pieces(self.kv_cache, into) + state_pieces(state, self.layout)  # host copies

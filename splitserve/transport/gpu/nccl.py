@@ -8,14 +8,14 @@ Life of a connection and of one fetch:
   0. start-up: both workers keep their KV on a GPU; no CUDA, no NCCL in this torch, or a KV on the
      CPU is `BackendUnavailable`.
   1. handshake (layouts + shared secret), then on the connection's first fetch the fetcher asks
-     {"op": "nccl_open", gpu, timeout_s}. The exporter refuses a fetcher on its own GPU (NCCL cannot
+     NcclOpen {gpu, host, timeout_s} (frames.py). The exporter refuses a fetcher on its own GPU (NCCL cannot
      pair a GPU with itself), starts a TCPStore on a port the OS picks and answers
-     {"op": "nccl_rendezvous", port, prefix, gpu}; both build a `ProcessGroupNCCL` of two ranks
+     NcclRendezvous {port, prefix, gpu}; both build a `ProcessGroupNCCL` of two ranks
      (exporter 0, fetcher 1) on that store under the random prefix (the fetcher reaches the store at
      the host of the handle's address), and a one-byte warm-up send proves the pair works before
-     {"op": "nccl_ready"}. The group lives as long as the connection.
-  2. fetch: fetcher -> {"op": "fetch", lease_id, timeout_s, into_run}; exporter (lease pinned) ->
-     {"op": "kv_nccl", block_ids, blocks, checksum, chunk_blocks} + the state tensors as the frame
+     NcclReady. The group lives as long as the connection.
+  2. fetch: fetcher -> Fetch {lease_id, timeout_s, into_run}; exporter (lease pinned) ->
+     KvNccl {block_ids, blocks, checksum, chunk_blocks} + the state tensors as the frame
      body, then sends the blocks in chunks of `chunk_blocks` (the last may be shorter): all blocks
      in one message when they are one run on both sides (`into_run`: the fetcher's are) or come to
      at most ONE_MESSAGE_BYTES, else about CHUNK_BYTES each. The sends are queued on the server's
@@ -25,7 +25,7 @@ Life of a connection and of one fetch:
      nccl_chunks.py).
   3. fetcher: receives each chunk straight into kv[into] when its ids there are consecutive, else into
      a staging buffer and scatters it (receives run ahead of scatters); waits for all of it within
-     its deadline -> {"op": "done"}.
+     its deadline -> Done.
   4. exporter: drops its pin once its sends completed and "done" came (or at the deadline).
 
 Deadlines: NCCL calls do not time out on their own; each side polls for completion (a CUDA event)
@@ -60,6 +60,7 @@ from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel, parse_address
 from splitserve.transport.errors import PeerRefused, TransportError
+from splitserve.transport.frames import Fetch, GpuPayload, KvNccl, NcclOpen, NcclReady, NcclRendezvous
 from splitserve.transport.gpu.blocks import consecutive_start, host_id
 from splitserve.transport.gpu.link import GpuSide, QueuedCopy
 from splitserve.transport.gpu.mover import GpuMover
@@ -93,8 +94,8 @@ class NcclLink:
     """The blocks over a two-rank NCCL group per connection (the module docstring)."""
 
     backend = "nccl"
-    open_op = "nccl_open"
-    payload_op = "kv_nccl"
+    open_frame = NcclOpen
+    payload_frame = KvNccl
 
     def bind(self, mover: GpuSide) -> None:
         self.mover, self.device, self.options = mover, mover.device, mover.options
@@ -132,17 +133,16 @@ class NcclLink:
             raise PeerRefused("nccl cannot pair a GPU with itself", [both])
 
     # -- exporter --------------------------------------------------------------------------------
-    async def serve_open(self, chan: AsyncChannel, header: dict) -> None:
-        asked = float(header.get("timeout_s", self.options.connect_timeout_s))
-        deadline = Deadline.after(min(max(asked, 0.001), self.options.max_fetch_s))
-        self._refuse_own_gpu(str(header.get("gpu")))
+    async def serve_open(self, chan: AsyncChannel, frame: NcclOpen) -> None:
+        deadline = Deadline.after(min(max(frame.timeout_s, 0.001), self.options.max_fetch_s))
+        self._refuse_own_gpu(frame.gpu)
         host = self.options.host if self.options.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         store = await asyncio.to_thread(
             dist.TCPStore, host, 0, None, True, timedelta(seconds=deadline.remaining("rendezvous")), False
         )
         prefix = f"splitserve-kv/{secrets.token_hex(16)}"
-        answer = {"op": "nccl_rendezvous", "port": store.port, "prefix": prefix, "gpu": self.mover.gpu,
-                  "host": host_id(), "nccl": nccl_version()}  # fmt: skip
+        answer = NcclRendezvous(port=store.port, prefix=prefix, gpu=self.mover.gpu, host=host_id(),
+                                nccl=nccl_version())  # fmt: skip
         await chan.send(answer, deadline)
         try:
             group = make_group(dist.PrefixStore(prefix, store), 0, self.device, self.group_timeout_s)
@@ -150,7 +150,7 @@ class NcclLink:
             raise TransportError(f"nccl: cannot make a process group: {exc}") from exc
         pair = chan.attached["nccl"] = PairGroup(group, store)
         await asyncio.to_thread(self._warmup_send, pair, deadline, lambda: sock_gone(chan.sock))
-        expect(await chan.recv(deadline), "nccl_ready")
+        expect(await chan.recv(deadline), NcclReady)
         self.mover.stats.count("nccl_groups")
 
     def _warmup_send(self, pair: PairGroup, deadline: Deadline, gone: Callable[[], bool]) -> None:
@@ -160,8 +160,8 @@ class NcclLink:
                 work = pair.group.send([byte], 1, 0)
                 wait_done([work], pair, self.device, deadline, gone, "nccl warm-up")
 
-    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray, request: dict) -> NcclPush:
-        per = self.blocks_per_message(block_ids, bool(request.get("into_run")))
+    def start_push(self, chan: AsyncChannel, block_ids: np.ndarray, request: Fetch) -> NcclPush:
+        per = self.blocks_per_message(block_ids, request.into_run)
         return NcclPush(self, chan, block_ids, per)
 
     def enqueue_sends(self, pair: PairGroup, ids: np.ndarray, per: int) -> list[Any]:
@@ -179,20 +179,20 @@ class NcclLink:
 
     # -- fetcher ---------------------------------------------------------------------------------
     def attach(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> PairGroup:
-        chan.send({"op": self.open_op, "gpu": self.mover.gpu, "host": host_id(),
-                   "timeout_s": deadline.remaining("nccl open")}, deadline)  # fmt: skip
+        opening = NcclOpen(gpu=self.mover.gpu, host=host_id(), timeout_s=deadline.remaining("nccl open"))
+        chan.send(opening, deadline)
         try:
-            answer = expect(chan.recv(deadline)[0], "nccl_rendezvous")
+            answer = expect(chan.recv(deadline)[0], NcclRendezvous)
         except PeerRefused as exc:
             raise PeerRefused(f"nccl exporter {handle.address} refused us", exc.mismatches) from exc
-        self._refuse_own_gpu(str(answer["gpu"]))
+        self._refuse_own_gpu(answer.gpu)
         family, target = parse_address(handle.address)
         if family == socket.AF_UNIX:
             raise TransportError(f"nccl needs a tcp exporter address, got {handle.address}")
         try:
-            store = dist.TCPStore(str(target[0]), int(answer["port"]), None, False,
+            store = dist.TCPStore(str(target[0]), answer.port, None, False,
                                   timedelta(seconds=deadline.remaining("rendezvous")), False)  # fmt: skip
-            group = make_group(dist.PrefixStore(str(answer["prefix"]), store), 1, self.device,
+            group = make_group(dist.PrefixStore(answer.prefix, store), 1, self.device,
                                self.group_timeout_s)  # fmt: skip
         except (RuntimeError, ValueError) as exc:
             raise TransportError(f"nccl rendezvous with {handle.address} failed: {exc}") from exc
@@ -206,14 +206,14 @@ class NcclLink:
         return pair
 
     def _warmup_recv(self, chan: SyncChannel, pair: PairGroup, handle: KVHandle, deadline: Deadline) -> None:
-        """The one-byte warm-up proves the pair works; then {"op": "nccl_ready"}."""
+        """The one-byte warm-up proves the pair works; then NcclReady."""
         with aborting(pair, f"nccl warm-up with {handle.address}"), self.mover.on_device():
             byte = torch.zeros(1, dtype=torch.uint8, device=self.device)
             work = pair.group.recv([byte], 0, 0)
             wait_done([work], pair, self.device, deadline, lambda: not chan.alive(), "nccl warm-up")
             if int(byte.item()) != WARMUP_BYTE:
                 raise TransportError(f"nccl warm-up from {handle.address} delivered the wrong byte")
-        chan.send({"op": "nccl_ready"}, deadline)
+        chan.send(NcclReady(), deadline)
 
     def read(self, handle: KVHandle, into: np.ndarray, deadline: Deadline) -> None:
         return None  # every fetch asks the exporter, which sends
@@ -222,13 +222,13 @@ class NcclLink:
         return None  # nothing arrives before the exporter answers
 
     def pull(
-        self, chan: SyncChannel, peer: Any, meta: dict, src_ids: np.ndarray, into: np.ndarray,
+        self, chan: SyncChannel, peer: Any, meta: GpuPayload, src_ids: np.ndarray, into: np.ndarray,
         deadline: Deadline, early: QueuedCopy | None,
     ) -> None:  # fmt: skip
-        if meta.get("state_row") is not None:
+        if meta.state_row is not None:
             raise TransportError("nccl: the exporter named a state arena row, which we cannot read")
         pair: PairGroup = peer
-        per = int(meta["chunk_blocks"])
+        per = meta.chunk_blocks
         if per <= 0:
             raise TransportError(f"exporter announced chunks of {per} blocks")
         with aborting(pair, f"nccl recv from {chan.address}"), self.mover.on_device():
@@ -255,7 +255,7 @@ class NcclPush:
 
     def __init__(self, link: NcclLink, chan: AsyncChannel, ids: np.ndarray, per: int) -> None:
         self.link, self.pair, self.ids, self.per = link, chan.attached["nccl"], ids, per
-        self.fields = {"chunk_blocks": per}
+        self.chunk_blocks = per
         self.gone: Callable[[], bool] = lambda: sock_gone(chan.sock)
         self.early: list[Any] | None = None
         if link.mover.on_cuda and link.send_lock.acquire(blocking=False):

@@ -20,17 +20,17 @@ host way, on the control channel, so nothing is refused.
 
 from __future__ import annotations
 
-import base64
 import math
 import os
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from splitserve.transport.errors import TransportError
+from splitserve.transport.frames import ArenaShare
+from splitserve.transport.gpu.cuda_ipc_share import ipc_storage, open_ipc_storage
 from splitserve.transport.layout import KVLayout, torch_dtype
 
 WIRE_DTYPES = ("float32", "bfloat16")
@@ -107,39 +107,29 @@ class StateArena:
             assert row not in self._free, f"state arena row {row} freed twice"
             self._free.append(row)
 
-    def share(self) -> dict[str, Any]:
-        """The arena as a JSON-able share (a CUDA IPC handle of its storage on CUDA)."""
+    def share(self) -> ArenaShare:
+        """The arena as a share (a CUDA IPC handle of its storage on CUDA)."""
         rows = self.rows
-        out: dict[str, Any] = {"key": self.key, "pid": os.getpid(), "rows": rows.shape[0],
-                               "row_nbytes": self.row_nbytes, "wire_dtype": self.wire_dtype,
-                               "offset": rows.storage_offset(), "handle": None}  # fmt: skip
-        if rows.is_cuda:
-            shared = rows.untyped_storage()._share_cuda_()
-            (_dev, handle, size, offset, ref, ref_offset, _event, _sync) = shared
-            out.update(handle=base64.b64encode(handle).decode(), storage_nbytes=int(size),
-                       storage_offset=int(offset), ref_counter=base64.b64encode(ref).decode(),
-                       ref_counter_offset=int(ref_offset))  # fmt: skip
-        return out
+        storage = ipc_storage(rows) if rows.is_cuda else {}
+        return ArenaShare(key=self.key, pid=os.getpid(), rows=rows.shape[0], row_nbytes=self.row_nbytes,
+                          wire_dtype=self.wire_dtype, offset=rows.storage_offset(), **storage)  # fmt: skip
 
 
-def open_arena(share: dict, device_index: int | None) -> torch.Tensor:
+def open_arena(share: ArenaShare, device_index: int | None) -> torch.Tensor:
     """Fetcher side: the exporter's arena rows [rows, row_nbytes], mapped on GPU `device_index` (the
     device the peer's KV was opened on), or the tensor itself for a same-process exporter."""
-    shape = (int(share["rows"]), int(share["row_nbytes"]))
-    if int(share["pid"]) == os.getpid():
-        rows = _LOCAL.get(str(share["key"]))
+    shape = (share.rows, share.row_nbytes)
+    if share.pid == os.getpid():
+        rows = _LOCAL.get(share.key)
         if rows is None:
             raise TransportError("exporter in this process no longer holds the state arena it shared")
         return rows
-    if share.get("handle") is None or device_index is None:
+    if share.handle is None or device_index is None:
         raise TransportError("cuda_ipc: the exporter's state arena is not on a GPU")
-    unb64 = base64.b64decode
-    args = (unb64(share["handle"]), int(share["storage_nbytes"]), int(share["storage_offset"]),
-            unb64(share["ref_counter"]), int(share["ref_counter_offset"]), b"", False)  # fmt: skip
     try:
-        storage = torch.UntypedStorage._new_shared_cuda(device_index, *args)
+        storage = open_ipc_storage(share, device_index)
     except RuntimeError as exc:
         raise TransportError(f"cuda_ipc: cannot open the exporter's state arena: {exc}") from exc
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    flat.set_(storage, int(share["offset"]), shape, (shape[1], 1))
+    flat.set_(storage, share.offset, shape, (shape[1], 1))
     return flat

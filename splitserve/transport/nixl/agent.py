@@ -27,13 +27,13 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from splitserve.transport.errors import BackendUnavailable, TransferTimeout, TransportError
+from splitserve.transport.frames import Region
 from splitserve.transport.nixl.env import (
     CUDART,
     load_nixl,
@@ -48,36 +48,6 @@ log = logging.getLogger(__name__)
 POLL_PEER_S = 0.005  # while a READ runs, how often the control connection is checked
 _GLOG = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+\] ")  # glog's line prefix
 SPIN_S = 0.0005  # a READ is polled without sleeping this long, then in short naps
-
-
-@dataclass(frozen=True)
-class Region:
-    """A registered KV pool as the peer sees it: base address, size, block size, memory kind, device."""
-
-    addr: int
-    nbytes: int
-    block_nbytes: int
-    mem: str  # "DRAM" | "VRAM"
-    dev: int
-
-    def to_wire(self) -> dict:
-        return {"addr": self.addr, "nbytes": self.nbytes, "block_nbytes": self.block_nbytes,
-                "mem": self.mem, "dev": self.dev}  # fmt: skip
-
-    @classmethod
-    def from_wire(cls, data: object) -> Region:
-        if not isinstance(data, dict):
-            raise TransportError(f"exporter sent a malformed KV region: {data!r}")
-        region = cls(int(data["addr"]), int(data["nbytes"]), int(data["block_nbytes"]), str(data["mem"]),
-                     int(data["dev"]))  # fmt: skip
-        bad_size = region.block_nbytes <= 0 or region.nbytes % region.block_nbytes
-        if bad_size or region.mem not in ("DRAM", "VRAM"):
-            raise TransportError(f"exporter sent a malformed KV region: {data!r}")
-        return region
-
-    @property
-    def num_blocks(self) -> int:
-        return self.nbytes // self.block_nbytes
 
 
 def region_of(kv: torch.Tensor) -> Region:

@@ -10,18 +10,18 @@ Life of a transport and of one fetch:
      requested "nixl/LIBFABRIC", running "nixl/UCX"); none: BackendUnavailable with NIXL's own
      errors, and the worker does not start. The whole KV pool is registered once (DRAM or VRAM), and
      so are the engine's state-slot tensors (`register_states`, state.py) for a hybrid model.
-  1. fetcher -> {"op": "fetch", lease_id, timeout_s}; exporter (lease pinned) -> {"op": "kv_nixl",
-     agent, region (base address, size, block size, memory kind, device), block_ids, blocks,
-     checksum} and the state: where the export's state is a registered slot (the engine keeps it
-     under the lease), `state_slot` + `state_regions` and no body; else the state tensors (copied at
-     export) as the frame body. On the connection's first fetch also `agent_md`, the exporter agent's
-     metadata (base64), which the fetcher loads once per agent.
+  1. fetcher -> Fetch {lease_id, timeout_s}; exporter (lease pinned) -> KvNixl {agent, region (base
+     address, size, block size, memory kind, device), block_ids, blocks, checksum} and the state: where
+     the export's state is a registered slot (the engine keeps it under the lease), `state_slot` +
+     `state_regions` and no body; else the state tensors (copied at export) as the frame body. On the
+     connection's first fetch also `agent_md`, the exporter agent's metadata (base64), which the fetcher
+     loads once per agent.
   2. fetcher: one READ of one descriptor per run of blocks consecutive on both sides (exporter ids
      from the answer, ours from `into_block_ids`) plus one per state tensor (the exporter's slot into
      `into_state`, the engine's slot of the imported request, or a registered scratch slot), polled
-     against its deadline and the control connection; then -> {"op": "done"}. Meanwhile the exporter
+     against its deadline and the control connection; then -> Done. Meanwhile the exporter
      pumps its agent's progress.
-  3. exporter: answers "done" with {"op": "ok"} and drops its pin; the fetcher counts the fetch only
+  3. exporter: answers Done with Ok and drops its pin; the fetcher counts the fetch only
      after that "ok" (so the blocks were pinned for the whole READ), then checks the checksum.
      A "done" past the exporter's deadline, or a hang-up, is an error on both sides.
 
@@ -35,7 +35,6 @@ in the metadata); it got them only after proving the shared secret.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import secrets
@@ -50,12 +49,13 @@ import torch
 
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.channel import KVChannel
-from splitserve.transport.client import SyncChannel, counted_failures, fetch_header
+from splitserve.transport.client import SyncChannel, counted_failures, fetch_frame
 from splitserve.transport.errors import TransportError
 from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
+from splitserve.transport.frames import Done, KvNixl, Ok, Region
 from splitserve.transport.layout import KVLayout, torch_dtype
-from splitserve.transport.nixl.agent import NixlAgent, Region, descriptors, paired_runs
+from splitserve.transport.nixl.agent import NixlAgent, descriptors, paired_runs
 from splitserve.transport.nixl.env import enable_cuda_ipc_get, ucx_error_mode
 from splitserve.transport.nixl.state import StateSlots, peer_regions, remote_descs
 from splitserve.transport.payload import (
@@ -138,20 +138,20 @@ class NixlMover:
 
     # -- exporter side ---------------------------------------------------------------------------
     async def send_payload(self, call: PayloadCall) -> int:
-        chan, export, block_ids, meta, fault, deadline = call.unpack()
-        ids = list(block_ids)
+        chan, export, block_ids, fault, deadline = call.unpack()
+        ids = tuple(block_ids)
         if fault is Fault.CORRUPT:
             ids = ids[1:] + ids[:1]  # point the fetcher at the wrong blocks: the checksum must notice
-        header = {"op": "kv_nixl", **meta, "agent": self.agent.name, "region": self.region.to_wire(),
-                  "block_ids": ids}  # fmt: skip
         slot = self.state_slots.slot_of(export.state, self.layout) if self.state_slots else None
+        regions: tuple[Region, ...] = ()
         if slot is None:  # copies: in the frame body
             state = ByteStream(state_pieces(export.state, self.layout))
         else:  # still in the engine's slot: the fetcher READs it with the blocks
             state = ByteStream([])
-            header.update(state_slot=slot, state_regions=self.state_slots.to_wire())  # type: ignore[union-attr]
-        if "nixl_md" not in chan.notes:
-            header["agent_md"] = base64.b64encode(self.agent.metadata()).decode()
+            regions = self.state_slots.regions  # type: ignore[union-attr]
+        metadata = self.agent.metadata() if "nixl_md" not in chan.notes else None
+        header = KvNixl(blocks=len(ids), checksum=export.checksum, agent=self.agent.name, region=self.region,
+                        block_ids=ids, agent_md=metadata, state_slot=slot, state_regions=regions)  # fmt: skip
         await chan.send(header, deadline, state.nbytes)
         chan.notes.add("nixl_md")
         await chan.send_stream(state, deadline)
@@ -159,10 +159,10 @@ class NixlMover:
             return 0  # hang up while the fetcher reads: it must fail (no "ok"), not hang
         pump = asyncio.ensure_future(self._pump())
         try:
-            expect(await chan.recv(deadline), "done")
+            expect(await chan.recv(deadline), Done)
         finally:
             pump.cancel()
-        await chan.send({"op": "ok"}, deadline)
+        await chan.send(Ok(), deadline)
         return len(ids) * self.layout.block_nbytes + self.layout.state_nbytes
 
     async def _pump(self) -> None:
@@ -178,11 +178,11 @@ class NixlMover:
         start = time.perf_counter()
         with counted_failures(self.stats, handle.address):
             with self.pool.for_handle(handle, deadline) as chan:
-                chan.send(fetch_header(handle, deadline), deadline)
+                chan.send(fetch_frame(handle, deadline), deadline)
                 meta, state = self._read(chan, handle, into, into_state, deadline)
-            if handle.checksum or meta.get("checksum"):  # over host views (CPU KV) or copies (CUDA KV)
+            if handle.checksum or meta.checksum:  # over host views (CPU KV) or copies (CUDA KV)
                 landed = source_pieces(self.kv_cache, into) + host_state_pieces(state, self.layout)
-                self.port.verify(handle, meta, ByteStream(landed))
+                self.port.verify(handle, meta.checksum, ByteStream(landed))
         nbytes = len(into) * self.layout.block_nbytes + self.layout.state_nbytes
         self.stats.fetched(nbytes, time.perf_counter() - start, handle.address)
         return state
@@ -194,12 +194,12 @@ class NixlMover:
         into: tuple[int, ...],
         into_state: Mapping[str, torch.Tensor] | None,
         deadline: Deadline,
-    ) -> tuple[dict, dict[str, torch.Tensor]]:
+    ) -> tuple[KvNixl, dict[str, torch.Tensor]]:
         header, body_nbytes = chan.recv(deadline)
-        meta = expect(header, "kv_nixl")
-        peer, region = str(meta["agent"]), Region.from_wire(meta["region"])
+        meta = expect(header, KvNixl)
+        peer, region = meta.agent, meta.region
         self._know(peer, meta, handle)
-        src = [int(b) for b in meta["block_ids"]]
+        src = meta.block_ids
         if region.block_nbytes != self.layout.block_nbytes or len(src) != len(into):
             raise TransportError(f"exporter {handle.address} offers blocks that do not fit ours")
         if min(src) < 0 or max(src) >= region.num_blocks:
@@ -208,10 +208,10 @@ class NixlMover:
         remote = descriptors(region, [r[0] for r in runs], [r[2] for r in runs])
         local = descriptors(self.region, [r[1] for r in runs], [r[2] for r in runs])
         scratch = False
-        if "state_slot" in meta:  # the state is in the exporter's registered slot: READ it too
+        if meta.state_slot is not None:  # the state is in the exporter's registered slot: READ it too
             if body_nbytes:
                 raise TransportError(f"exporter sends {body_nbytes} bytes of state besides its slot")
-            regions, slot = peer_regions(meta["state_regions"], self.layout, meta["state_slot"], region.mem)
+            regions, slot = peer_regions(meta.state_regions, self.layout, meta.state_slot, region.mem)
             state, ours, scratch = self._state_dest(into_state)
             remote = np.concatenate([remote, remote_descs(regions, slot)])
             local = np.concatenate([local, ours])
@@ -223,22 +223,28 @@ class NixlMover:
             chan.recv_stream(states, deadline, "receive state")
         try:
             used = self.agent.read(peer, local, self.region.mem, remote, region.mem, deadline, chan.alive)
-            chan.send({"op": "done"}, deadline)
-            expect(chan.recv(deadline)[0], "ok")  # the exporter held its pin for the whole READ
+            chan.send(Done(), deadline)
+            expect(chan.recv(deadline)[0], Ok)  # the exporter held its pin for the whole READ
         except BaseException:
             if scratch:  # a late READ may still write it: never hand it out again
                 self._scratch.slot = None
             raise
         if scratch:
             state = {name: t.clone() for name, t in state.items()}
-        how = "state_reads" if "state_slot" in meta else "state_inline" if self.layout.state_shapes else ""
+        how = (
+            "state_reads"
+            if meta.state_slot is not None
+            else "state_inline"
+            if self.layout.state_shapes
+            else ""
+        )
         self._count_read(used, len(runs), len(local) - len(runs), how)
         return meta, state
 
-    def _know(self, peer: str, meta: dict, handle: KVHandle) -> None:
+    def _know(self, peer: str, meta: KvNixl, handle: KVHandle) -> None:
         """Load the exporter agent's metadata if it came and is new to us; it must be known after."""
-        if "agent_md" in meta and not self.agent.knows(peer):
-            loaded = self.agent.load_peer(base64.b64decode(meta["agent_md"]))
+        if meta.agent_md is not None and not self.agent.knows(peer):
+            loaded = self.agent.load_peer(meta.agent_md)
             if loaded != peer:
                 raise TransportError(
                     f"exporter {handle.address} is agent {peer} but sent {loaded}'s metadata"

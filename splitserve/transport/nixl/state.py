@@ -68,26 +68,23 @@ class StateSlots:
         """Nx3 (address, length, device): slot `slot` of each registered tensor."""
         return remote_descs(self.regions, slot)
 
-    def to_wire(self) -> list[dict]:
-        return [r.to_wire() for r in self.regions]
-
 
 def remote_descs(regions: tuple[Region, ...], slot: int) -> np.ndarray:
     rows = [descriptors(r, [slot], [1]) for r in regions]
     return np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.uint64)
 
 
-def peer_regions(data: object, layout: KVLayout, slot: object, mem: str) -> tuple[tuple[Region, ...], int]:
+def peer_regions(
+    regions: tuple[Region, ...], layout: KVLayout, index: int, mem: str
+) -> tuple[tuple[Region, ...], int]:
     """The exporter's state regions and the slot it names, checked against our layout and its KV memory."""
-    if not isinstance(data, list) or len(data) != len(layout.state_shapes):
+    if len(regions) != len(layout.state_shapes):
         want = len(layout.state_shapes)
-        raise TransportError(f"exporter sent {data!r} as state regions; the layout has {want} tensors")
-    regions = tuple(Region.from_wire(r) for r in data)
+        raise TransportError(f"exporter sent {regions!r} as state regions; the layout has {want} tensors")
     for (name, shape, dtype), region in zip(layout.state_shapes, regions, strict=True):
         row = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
         if region.block_nbytes != row or region.mem != mem:
             raise TransportError(f"exporter's state {name!r} is {region}, we expect {row}-byte {mem} rows")
-    index = int(slot)  # type: ignore[call-overload]
     if any(not 0 <= index < r.num_blocks for r in regions):
         raise TransportError(f"exporter named state slot {index}, outside its state tensors")
     return regions, index

@@ -16,6 +16,7 @@ import torch
 
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.client import SyncChannel
+from splitserve.transport.frames import Frame, Payload
 from splitserve.transport.payload import ByteStream, snapshot_state
 from splitserve.transport.protocol import Deadline
 from splitserve.transport.server import AsyncChannel, ListenSpec
@@ -41,11 +42,11 @@ class StreamWire(Protocol):
         ...
 
     async def send_payload(self, call: PayloadCall) -> int:
-        """Exporter: the pinned lease's blocks and state (the `meta` header first); -> bytes sent."""
+        """Exporter: the pinned lease's blocks and state (the payload frame first); -> bytes sent."""
         ...
 
-    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> dict:
-        """Fetcher: fill `stream` (our blocks' views, then fresh state tensors); -> the payload header."""
+    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> Payload:
+        """Fetcher: fill `stream` (our blocks' views, then fresh state tensors); -> the payload frame."""
         ...
 
     def describe(self) -> dict: ...
@@ -82,7 +83,7 @@ class StreamMover:
         """Host copies (the engine reuses its slot at once)."""
         return snapshot_state(self.port.layout, state)
 
-    async def serve_op(self, chan: AsyncChannel, header: dict) -> bool | None:
+    async def serve_op(self, chan: AsyncChannel, frame: Frame) -> bool | None:
         return None  # no open exchange
 
     async def send_payload(self, call: PayloadCall) -> int:

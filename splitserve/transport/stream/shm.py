@@ -22,6 +22,7 @@ from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.export_requests import PayloadCall
+from splitserve.transport.frames import KvDirect, KvShm, Payload
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
 from splitserve.transport.port import MoverPort
@@ -53,27 +54,27 @@ class ShmWire:
         return self.socket_path.listen_spec(self.options.socket_dir)
 
     async def send_payload(self, call: PayloadCall) -> int:
-        chan, export, block_ids, meta, fault, deadline = call.unpack()
+        chan, export, block_ids, fault, deadline = call.unpack()
         shared = shared_kv_of(self.kv_cache)
         if shared is not None:
             state = ByteStream(state_pieces(export.state, self.layout))
-            await send_direct(chan, shared, block_ids, state, meta, deadline, fault)
+            await send_direct(chan, shared, block_ids, state, export.checksum, deadline, fault)
             return len(block_ids) * self.layout.block_nbytes + state.nbytes
         stream = ByteStream(source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout))
         slot_nbytes = self.options.shm_chunk_mb << 20
         await send_staged(
-            chan, stream, {**meta, "nbytes": stream.nbytes}, slot_nbytes, deadline, fault, call.plan
+            chan, stream, len(block_ids), export.checksum, slot_nbytes, deadline, fault, call.plan
         )
         return stream.nbytes
 
-    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> dict:
+    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> Payload:
         header, body_nbytes = chan.recv(deadline)
-        if header["op"] == "kv_direct":
+        if isinstance(header, KvDirect):
             recv_direct(chan, header, body_nbytes, stream, deadline)
             return header
-        meta = expect(header, "kv_shm")
-        if meta.get("nbytes") != stream.nbytes:
-            raise TransportError(f"exporter sends {meta.get('nbytes')} bytes, we expect {stream.nbytes}")
+        meta = expect(header, KvShm)
+        if meta.nbytes != stream.nbytes:
+            raise TransportError(f"exporter sends {meta.nbytes} bytes, we expect {stream.nbytes}")
         recv_staged(chan, meta, stream, deadline)
         return meta
 

@@ -5,12 +5,12 @@ Life of a request's KV in direct mode:
   0. start-up: the exporter allocates its cache with `allocate_shared_kv(shape, dtype)`: a memfd
      (anonymous: it never has a name in /dev/shm, so nothing can leak there) mapped as the tensor.
      ShmTransport sees that its kv is such a tensor and serves fetches in direct mode.
-  1. fetcher -> {"op": "fetch", lease_id}; exporter (the lease pinned) -> {"op": "kv_direct",
+  1. fetcher -> Fetch {lease_id}; exporter (the lease pinned) -> KvDirect {
      block_ids, nbytes, checksum, kv_nbytes} + the state tensors as the frame body; on the
      connection's first fetch the memfd rides along (SCM_RIGHTS on the unix socket).
   2. fetcher: maps the cache read-only (once per connection), reads the state body, copies
      kv_src[block_ids] -> kv[into_block_ids] (one memcpy per run of ids consecutive on both sides),
-     checks its deadline, -> {"op": "done"}.
+     checks its deadline, -> Done.
   3. exporter: drops its pin on "done" (or at the deadline, or when the fetcher hangs up), so the
      blocks can be freed or reused only once the fetcher has stopped reading them.
 
@@ -34,6 +34,7 @@ import torch
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.fault_plan import Fault
+from splitserve.transport.frames import Done, KvDirect
 from splitserve.transport.payload import ByteStream, block_runs
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel
@@ -115,7 +116,7 @@ async def send_direct(
     shared: SharedKV,
     block_ids: Sequence[int],
     state: ByteStream,
-    meta: dict,
+    checksum: str | None,
     deadline: Deadline,
     fault: Fault = Fault.NONE,
 ) -> None:
@@ -126,32 +127,32 @@ async def send_direct(
     if fault is Fault.CORRUPT:
         ids = ids[1:] + ids[:1]  # point the fetcher at the wrong blocks: the checksum must notice
     first = "kv_fd" not in chan.notes
-    header = {"op": "kv_direct", **meta, "block_ids": ids, "kv_nbytes": shared.nbytes, "fd": first}
-    await chan.send({**header, "block_nbytes": shared.block_nbytes}, deadline, state.nbytes,
-                    (shared.fd,) if first else ())  # fmt: skip
+    header = KvDirect(blocks=len(ids), checksum=checksum, block_ids=tuple(ids), kv_nbytes=shared.nbytes,
+                      block_nbytes=shared.block_nbytes, fd=first)  # fmt: skip
+    await chan.send(header, deadline, state.nbytes, (shared.fd,) if first else ())
     chan.notes.add("kv_fd")
     await chan.send_stream(state, deadline)
-    expect(await chan.recv(deadline), "done")
+    expect(await chan.recv(deadline), Done)
 
 
 def recv_direct(
-    chan: SyncChannel, meta: dict, body_nbytes: int, stream: ByteStream, deadline: Deadline
+    chan: SyncChannel, meta: KvDirect, body_nbytes: int, stream: ByteStream, deadline: Deadline
 ) -> None:
     """Fetcher: read the state body, copy the named blocks out of the mapped cache into `stream`."""
     mapped = chan.attached.get("shm_kv")
-    if meta.get("fd"):
+    if meta.fd:
         if not chan.fds:
             raise TransportError("exporter announced its KV descriptor but none arrived")
         if mapped is not None:
             mapped.close()
         fd = chan.fds.pop(0)
-        mapped = chan.attached["shm_kv"] = MappedKV(fd, int(meta["kv_nbytes"]), int(meta["block_nbytes"]))
+        mapped = chan.attached["shm_kv"] = MappedKV(fd, meta.kv_nbytes, meta.block_nbytes)
     if mapped is None:
         raise TransportError("exporter sent a direct-mode answer on a connection without a KV mapping")
-    src = mapped.blocks([int(b) for b in meta.get("block_ids", [])])
+    src = mapped.blocks(meta.block_ids)
     if src.nbytes + body_nbytes != stream.nbytes:
         raise TransportError(f"exporter sends {src.nbytes} + {body_nbytes} bytes, we expect {stream.nbytes}")
     chan.recv_stream(stream.sub(src.nbytes, body_nbytes), deadline)
     stream.copy_stream(src)
     deadline.remaining("copy out of the exporter's KV")  # past it the exporter may have unpinned
-    chan.send({"op": "done"}, deadline)
+    chan.send(Done(), deadline)

@@ -3,11 +3,11 @@
 Used when the exporter's KV is ordinary process memory (the general case). Life of one fetch:
   1. exporter: on the connection's first fetch, creates a two-slot `SharedMemory` segment (name
      `ss_kv_<pid>_<16 random hex>`, unique by O_EXCL); copies the first chunk of the payload out of
-     its leased blocks into slot 0 -> {"op": "kv_shm", segment, slot_nbytes, nbytes, checksum,
+     its leased blocks into slot 0 -> KvShm {segment, slot_nbytes, nbytes, checksum,
      chunk: {slot, pos, nbytes}}
   2. fetcher: maps the segment if it has not yet (without registering it with its own resource
-     tracker: it does not own it), copies the chunk into its kv[into_block_ids] -> {"op": "ack"}.
-     Meanwhile the exporter fills the other slot -> {"op": "chunk", slot, pos, nbytes}; and so on,
+     tracker: it does not own it), copies the chunk into its kv[into_block_ids] -> Ack.
+     Meanwhile the exporter fills the other slot -> Chunk {slot, pos, nbytes}; and so on,
      the two copies overlapping, each slot reused only after its ack.
   3. The first ack tells the exporter the fetcher has the segment mapped: it unlinks the name then.
      Both keep their mappings for the connection's later fetches; the memory goes back to the OS when
@@ -36,6 +36,7 @@ import numpy as np
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.fault_plan import Fault, FaultPlan
+from splitserve.transport.frames import Ack, Chunk, KvShm
 from splitserve.transport.payload import ByteStream
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel
@@ -127,7 +128,8 @@ class AttachedArena:
 async def send_staged(
     chan: AsyncChannel,
     stream: ByteStream,
-    meta: dict,
+    blocks: int,
+    checksum: str | None,
     slot_nbytes: int,
     deadline: Deadline,
     fault: Fault = Fault.NONE,
@@ -151,36 +153,37 @@ async def send_staged(
             await asyncio.to_thread(stream.copy_to, i * chunk, view)
         if fault is Fault.CORRUPT and i == 0 and faults is not None:
             faults.flip(view)
-        where = {"slot": i % 2, "pos": i * chunk, "nbytes": view.nbytes}
+        where = Chunk(slot=i % 2, pos=i * chunk, nbytes=view.nbytes)
         if i == 0:
-            first = {"op": "kv_shm", **meta, "segment": arena.name, "slot_nbytes": arena.slot_nbytes}
-            await chan.send({**first, "chunk": where}, deadline)
+            first = KvShm(blocks=blocks, checksum=checksum, nbytes=stream.nbytes, segment=arena.name,
+                          slot_nbytes=arena.slot_nbytes, chunk=where)  # fmt: skip
+            await chan.send(first, deadline)
         else:
-            await chan.send({"op": "chunk", **where}, deadline)
+            await chan.send(where, deadline)
     for _ in range(min(2, nchunks)):
         await _ack(chan, arena, deadline)
 
 
 async def _ack(chan: AsyncChannel, arena: SharedArena, deadline: Deadline) -> None:
-    expect(await chan.recv(deadline), "ack")
+    expect(await chan.recv(deadline), Ack)
     arena.unlink()  # an ack means the fetcher has it mapped: the name can go (no-op after the first)
 
 
-def recv_staged(chan: SyncChannel, meta: dict, stream: ByteStream, deadline: Deadline) -> None:
+def recv_staged(chan: SyncChannel, meta: KvShm, stream: ByteStream, deadline: Deadline) -> None:
     """Fetcher: copy each announced chunk out of its slot into `stream`, acking each."""
     arena = chan.attached.get("shm")
-    if arena is None or arena.name != meta.get("segment"):
+    if arena is None or arena.name != meta.segment:
         if arena is not None:
             arena.close()
-        arena = chan.attached["shm"] = AttachedArena(str(meta.get("segment")), int(meta["slot_nbytes"]))
-    chunk, pos = meta.get("chunk") or {}, 0
+        arena = chan.attached["shm"] = AttachedArena(meta.segment, meta.slot_nbytes)
+    chunk, pos = meta.chunk, 0
     while True:
-        slot, at, n = int(chunk.get("slot", -1)), int(chunk.get("pos", -1)), int(chunk.get("nbytes", 0))
+        slot, at, n = chunk.slot, chunk.pos, chunk.nbytes
         if slot not in (0, 1) or at != pos or not 0 < n <= arena.slot_nbytes or at + n > stream.nbytes:
             raise TransportError(f"bad shm chunk {chunk} at byte {pos} of {stream.nbytes}")
         stream.copy_from(at, arena.slot(slot)[:n])
-        chan.send({"op": "ack", "slot": slot}, deadline)
+        chan.send(Ack(slot=slot), deadline)
         pos += n
         if pos == stream.nbytes:
             return
-        chunk = expect(chan.recv(deadline)[0], "chunk")
+        chunk = expect(chan.recv(deadline)[0], Chunk)

@@ -1,8 +1,8 @@
 """tcp: the KV payload as the body of one frame on the authenticated connection.
 
 Life of a fetch over tcp:
-  1. fetcher -> {"op": "fetch", lease_id, timeout_s}
-  2. exporter -> {"op": "kv", nbytes, blocks, checksum} + nbytes of body, sent with scatter-gather
+  1. fetcher -> Fetch {lease_id, timeout_s}
+  2. exporter -> Kv {nbytes, blocks, checksum} + nbytes of body, sent with scatter-gather
      `sendmsg` straight from the leased blocks (the frame header, then one iovec per run of
      consecutive block ids, then the state tensors): no staging copy.
   3. fetcher: `recvmsg_into` straight into its own kv[into_block_ids] views and fresh state tensors,
@@ -25,6 +25,7 @@ from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
+from splitserve.transport.frames import Kv
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
 from splitserve.transport.port import MoverPort
@@ -45,11 +46,12 @@ class TcpWire:
         return ListenSpec("tcp", host=self.options.host, port=self.options.port)
 
     async def send_payload(self, call: PayloadCall) -> int:
-        chan, export, block_ids, meta, fault, deadline = call.unpack()
+        chan, export, block_ids, fault, deadline = call.unpack()
         body = ByteStream(source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout))
         if fault is Fault.CORRUPT and call.plan is not None:
             body = call.plan.corrupted(body)
-        frame = encode_frame({"op": "kv", **meta, "nbytes": body.nbytes}, body_nbytes=body.nbytes)
+        header = Kv(blocks=len(block_ids), checksum=export.checksum, nbytes=body.nbytes)
+        frame = encode_frame(header, body_nbytes=body.nbytes)
         stream = ByteStream(
             [np.frombuffer(frame, dtype=np.uint8), *body.pieces]
         )  # one sendmsg: no extra wake-up
@@ -58,10 +60,10 @@ class TcpWire:
         )
         return body.nbytes
 
-    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> dict:
+    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> Kv:
         header, body_nbytes = chan.recv(deadline)
-        meta = expect(header, "kv")
-        if body_nbytes != stream.nbytes or meta.get("nbytes") != stream.nbytes:
+        meta = expect(header, Kv)
+        if body_nbytes != stream.nbytes or meta.nbytes != stream.nbytes:
             raise TransportError(f"exporter sends {body_nbytes} bytes, we expect {stream.nbytes}")
         chan.recv_stream(stream, deadline)
         return meta
