@@ -8,7 +8,8 @@ vLLM metrics (router/vllm_metrics.py) export them.
 
 Two fields are open diagnostic trees, typed `Diagnostics`: the transport's self-description
 (`KVTransferCounts.transport`: per backend, what an operator reads when a transfer is slow) and the
-weight loader's report (`Health.load`). No code reads their fields; everything that is read is typed.
+weight loader's report (`Health.load`). Everything else is typed; of the transport's tree the router
+reads only a few counters, each with a default (the requested backend, fallbacks, fetched bytes, leases).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from splitserve.wire.result import Result
 
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-# An operator's diagnostic tree, free in shape per backend (see the module docstring); nothing reads it.
+# An operator's diagnostic tree, free in shape per backend (see the module docstring).
 Diagnostics: TypeAlias = dict[str, Any]
 
 
