@@ -17,9 +17,8 @@ The router knows a choice's prompt and every token it has streamed. A choice's l
      that kills every worker it lands on stops after that many).
 A worker that changed role since it was picked answers 409 `stale_role` before it starts anything:
 the choice picks again, another worker (`REPICKS` times at most), which is neither a fault nor a
-migration. A worker
-that changes role hands back what is still in flight at its drain deadline (`role_changed`): those
-choices migrate.
+migration. A worker that changes role hands back what is still in flight at its drain deadline
+(`role_changed`): those choices migrate.
 Every migration is logged (one WARNING line: `migrated`, the cause, the worker, the tokens streamed)
 and counted (`splitserve:request_migrations` by cause). While every worker of a role is (re)starting,
 a request waits for one (`Dispatcher._pick`), within its deadline and `router.worker_wait_s`.

@@ -29,6 +29,7 @@ KEY = "sk-role-test"
 PROMPTS = [f"Count from {i} to {i + 40}, separated by commas:" for i in range(3)]
 MAX_TOKENS = 16
 SWITCHES = 10
+SHORT_DRAINS = (3, 7)  # changes from decode whose drain is too short for its streams: those migrate
 MANIFEST = manifest_yaml(
     mode="disaggregated",
     prefill={"replicas": 2},
@@ -118,11 +119,14 @@ def test_a_worker_whose_epoch_changed_unseen_is_picked_again(dep, ref):
 def test_role_switches_under_streaming_load_lose_nothing(dep, ref):
     answers: list[tuple[int, str, list[str]]] = []  # (prompt, outcome, tokens) of every stream
 
+    async def one(client: httpx.AsyncClient, k: int) -> None:
+        outcome, tokens = await _stream(client, dep.url, PROMPTS[k % len(PROMPTS)])
+        answers.append((k % len(PROMPTS), outcome, tokens))
+
     async def load(client: httpx.AsyncClient, stop: asyncio.Event, k: int) -> None:
         """One client's streams, one after another, until `stop`."""
         while not stop.is_set():
-            outcome, tokens = await _stream(client, dep.url, PROMPTS[k % len(PROMPTS)])
-            answers.append((k % len(PROMPTS), outcome, tokens))
+            await one(client, k)
             k += 1
 
     async def serving(role: str) -> dict:
@@ -135,25 +139,38 @@ def test_role_switches_under_streaming_load_lose_nothing(dep, ref):
             await asyncio.sleep(0.05)
         raise AssertionError(f"prefill-1 did not serve as {role}: {s}")
 
+    async def streaming_on(name: str) -> None:
+        for _ in range(200):
+            if (await asyncio.to_thread(dep.worker_stats))[name]["running"]:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no stream reached {name}")
+
     async def main() -> None:
         async with httpx.AsyncClient(timeout=120, headers=dep.headers()) as client:
             stop = asyncio.Event()
-            loaders = [asyncio.create_task(load(client, stop, k)) for k in range(3)]
+            loaders = [asyncio.create_task(load(client, stop, k)) for k in range(2)]
+            bursts: list[asyncio.Task] = []
             await asyncio.sleep(0.5)  # the streams are under way
             for i in range(SWITCHES):
                 role = "decode" if i % 2 == 0 else "prefill"
-                # two changes from decode with a drain too short for their streams: those migrate
-                change = {"role": role, "reason": "test", "drain_timeout_s": 0.01 if i in (3, 7) else 30.0}
+                change = {"role": role, "reason": "test", "drain_timeout_s": 30.0}
+                if i in SHORT_DRAINS:  # a burst, and the change once a stream runs on the worker
+                    bursts += [asyncio.create_task(one(client, k)) for k in range(len(PROMPTS))]
+                    await streaming_on("prefill-1")
+                    change["drain_timeout_s"] = 0.01
                 r = await client.post(f"{dep.url}/admin/workers/prefill-1/role", json=change)
                 assert r.status_code == 200, r.text
                 done = r.json()
                 assert (done["to_role"], done["epoch"], done["reason"]) == (role, i + 1, "test"), done
                 assert min(done["drain_s"], done["reconfigure_s"], done["rejoin_s"]) >= 0, done
+                # a burst at once, beside the steady load: the least loaded pick spreads it over the pool
+                bursts += [asyncio.create_task(one(client, k)) for k in range(len(PROMPTS))]
                 await serving(role)
                 w = await asyncio.to_thread(_worker, dep, "prefill-1")
                 assert (w["role"], w["role_epoch"], w["state"]) == (role, i + 1, "ready"), w
             stop.set()
-            await asyncio.gather(*loaders)
+            await asyncio.gather(*loaders, *bursts)
 
     asyncio.run(main())
     assert len(answers) > SWITCHES, len(answers)
