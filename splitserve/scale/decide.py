@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 Shape = dict[str, int]  # role -> replicas
+TARGET = 0.9  # the planner's bar: a shape holds the SLOs when 90% of requests meet both (as plan/search.py)
 # reasons of a decision: what it was taken on (an add's, a removal's, a hold's)
 REASONS = ("ttft_slo", "itl_slo", "prefill_queue", "decode_queue", "decode_kv", "queue", "low_load",
            "steady", "cooldown", "at_max", "at_min", "warming", "planner")  # fmt: skip
@@ -145,7 +146,7 @@ def _shrink(s: Sample, p: Policy, model: ShapeModel | None) -> Decision:
     roles.sort(key=lambda r: (ratio.get(r, 0.0), -s.replicas[r]))
     for role in roles:
         smaller = {**s.replicas, role: s.replicas[role] - 1}
-        if model is None or model(smaller, s) >= 0.9:
+        if model is None or model(smaller, s) >= TARGET:
             return Decision(role, -1, "low_load", f"figures under {p.low_load:.0%} of the SLOs")
     return Decision(None, 0, "planner", "the simulator says no smaller shape holds the SLOs")
 
