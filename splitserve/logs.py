@@ -61,4 +61,17 @@ def setup_logging(level: str | int | None = None, fmt: str | None = None) -> Non
         logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))
 
 
-__all__ = ["FORMAT_ENV", "LEVEL_ENV", "JsonFormatter", "TEXT_FORMAT", "setup_logging"]
+def worker_line(name: str, line: str) -> str:
+    """A worker's log line as this process prints it: `[name] line`, or, when the line is a JSON object
+    (--log-format json), the object with `"worker": name` added, so that every line stays JSON."""
+    if line.startswith("{"):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict):
+            return json.dumps({**obj, "worker": name})
+    return f"[{name}] {line}"
+
+
+__all__ = ["FORMAT_ENV", "LEVEL_ENV", "JsonFormatter", "TEXT_FORMAT", "setup_logging", "worker_line"]

@@ -16,7 +16,6 @@ While a worker is not ready the router does not send it requests; `workers` is w
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -32,6 +31,7 @@ import msgspec
 from tqdm.auto import tqdm  # here, not at start(): an import there would hold up the router's 503s
 
 from splitserve.config.manifest import Manifest
+from splitserve.logs import worker_line
 from splitserve.runtime.common import core_share_file, describe_worker, worker_argv
 from splitserve.runtime.mps import MpsDaemon, MpsPlan
 from splitserve.runtime.mps import plan as mps_plan
@@ -388,17 +388,4 @@ class LocalRuntime:
         return {"on": self.mps.start, "devices": self.mps.devices, "why": self.mps.why}
 
 
-def worker_line(name: str, line: str) -> str:
-    """A worker's log line as this process prints it: `[name] line`, or, when the line is a JSON object
-    (--log-format json), the object with `"worker": name` added, so that every line stays JSON."""
-    if line.startswith("{"):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None
-        if isinstance(obj, dict):
-            return json.dumps({**obj, "worker": name})
-    return f"[{name}] {line}"
-
-
-__all__ = ["LocalRuntime", "StartupError", "WorkerProcess", "worker_argv", "worker_line"]
+__all__ = ["LocalRuntime", "StartupError", "WorkerProcess", "worker_argv"]

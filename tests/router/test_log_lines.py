@@ -8,8 +8,7 @@ import logging
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.logs import TEXT_FORMAT, JsonFormatter
-from splitserve.runtime.local import worker_line
+from splitserve.logs import TEXT_FORMAT, JsonFormatter, worker_line
 from splitserve.wire.stats import (
     BlockCounts,
     IterationTokens,
