@@ -104,7 +104,10 @@ class Picker:
         return self._by_hash(workers, prompt_ids)  # prefix_affinity, and cache_aware's fallback
 
     def _least(self, workers: Sequence[WorkerEndpoint]) -> WorkerEndpoint:
-        return min(workers, key=lambda w: (w.inflight, next(self._rr) % len(workers)))
+        """The worker with the fewest requests in flight; ties go round the workers, one pick a step."""
+        start, n = next(self._rr), len(workers)
+        i = min(range(n), key=lambda i: (workers[i].inflight, (i - start) % n))
+        return workers[i]
 
     def _by_hash(self, workers: Sequence[WorkerEndpoint], prompt_ids: Sequence[int]) -> WorkerEndpoint:
         """Prefix affinity: rendezvous hashing of the prompt's leading whole blocks, so that prompts

@@ -95,3 +95,13 @@ def test_a_stale_view_or_a_full_cache_changes_the_pick():
     picker.cache.follower.indexes["b"].seen -= 60  # nothing heard from b for a minute
     c = picker.choose(workers, "prefill", list(range(1, 2 + 20 * BS)))
     assert c.how == "fallback" and c.worker.name == picker._by_hash(workers, list(range(1, 2 + 20 * BS))).name
+
+
+def test_least_loaded_ties_go_round_every_worker():
+    """Idle workers take turns, for two workers as for three (a tie-break that moved in steps of the
+    worker count would send every pick to the same one)."""
+    for n in (2, 3):
+        workers = [SimpleNamespace(name=f"prefill-{i}", inflight=0) for i in range(n)]
+        picker = Picker(RouterSection(policy="least_loaded"), BS)
+        picks = [picker.pick(workers, "prefill", [1] * 64).name for _ in range(2 * n)]
+        assert sorted(picks) == sorted([w.name for w in workers] * 2), picks
