@@ -98,6 +98,11 @@ class Manifest(Section):
             except ValidationError as exc:
                 reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
                 raise ValueError(f"{name}.engine over the top-level engine section: {reasons}") from None
+        if self.mode == "disaggregated" and len({_mtp(self.engine_for(r)) for r in pools}) > 1:
+            raise ValueError(
+                'speculative method "mtp" must be on for both roles or neither: the MTP head\'s K/V '
+                "are layers of the KV cache that the transfer moves (prefill computes them for the prompt)"
+            )
         sizes = {name: self.tensor_parallel_size(name) for name in pools}
         if self.mode == "disaggregated" and max(sizes.values()) > 1:
             raise ValueError(
@@ -162,6 +167,10 @@ def parse_manifest(text: str, source: str = "<string>", overrides: dict[str, Any
         if len(errors) > MAX_PROBLEMS:
             problems.append(f"... and {len(errors) - MAX_PROBLEMS} more")
         raise ManifestError(source, problems) from None
+
+
+def _mtp(engine: EngineSection) -> bool:
+    return (engine.speculative_config or {}).get("method") == "mtp"
 
 
 def _set_path(data: dict, keys: list[str], value: Any) -> None:
