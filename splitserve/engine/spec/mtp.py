@@ -27,6 +27,7 @@ there (drafts only: the target verifies every token).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -133,4 +134,6 @@ class MTPDrafter:
         inputs = runner.prepare(subs)
         ctx = ForwardContext(runner.attn, inputs.meta, runner.kv_cache, runner.states)
         ids = torch.tensor(next_ids, dtype=torch.int64, device=hidden.device)
-        return self.head(self.target, ids, hidden, inputs.positions, ctx, step)
+        # NOTE: Triton launches on the current CUDA device, whatever its tensors' device (as runner.py)
+        with torch.cuda.device(hidden.device) if hidden.device.type == "cuda" else nullcontext():
+            return self.head(self.target, ids, hidden, inputs.positions, ctx, step)
