@@ -108,6 +108,11 @@ class Manifest(Section):
             lo, hi = pool.min_replicas, pool.max_replicas
             if (lo is not None and pool.replicas < lo) or (hi is not None and pool.replicas > hi):
                 raise ValueError(f"{name}.replicas ({pool.replicas}) must lie within its min/max_replicas")
+        if self.mode == "disaggregated" and len({_mtp(self.engine_for(r)) for r in pools}) > 1:
+            raise ValueError(
+                'speculative method "mtp" must be on for both roles or neither: the MTP head\'s K/V '
+                "are layers of the KV cache that the transfer moves (prefill computes them for the prompt)"
+            )
         sizes = {name: self.tensor_parallel_size(name) for name in pools}
         if self.mode == "disaggregated" and max(sizes.values()) > 1:
             raise ValueError(
@@ -172,6 +177,10 @@ def parse_manifest(text: str, source: str = "<string>", overrides: dict[str, Any
         if len(errors) > MAX_PROBLEMS:
             problems.append(f"... and {len(errors) - MAX_PROBLEMS} more")
         raise ManifestError(source, problems) from None
+
+
+def _mtp(engine: EngineSection) -> bool:
+    return (engine.speculative_config or {}).get("method") == "mtp"
 
 
 def _set_path(data: dict, keys: list[str], value: Any) -> None:

@@ -1,6 +1,10 @@
 """`SpeculativeConfig`: what vLLM's `--speculative-config` JSON holds, for the methods this engine has.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    {"method": "mtp", "num_speculative_tokens": 2}
+
+`ngram`: prompt lookup, for every model. `mtp`: the checkpoint's own multi-token-prediction head
+(Qwen3.5's `mtp.*` layers; model/qwen3_5_mtp.py); the prompt_lookup fields do not apply to it.
 
 `disable_by_batch_size` (vLLM's name): no request drafts while this many or more requests run, since a
 large batch is compute-bound and a verify step's extra rows cost more than the steps they save.
@@ -12,7 +16,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 

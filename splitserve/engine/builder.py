@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.config.engine import EngineConfig
+from splitserve.config.speculative import speculative_config
 from splitserve.engine import cpu_heap
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.block_pool import BlockPool
@@ -69,6 +70,7 @@ class EngineParts:
     runner: ModelRunner
     graph_capture_s: float
     memory_plan: MemoryPlan | None  # CUDA: how the worker's share was divided (engine/memory_plan.py)
+    mtp_head: torch.nn.Module | None = None  # speculative method "mtp": the model's MTP head
 
 
 def build(
@@ -117,11 +119,15 @@ def build(
         if built := wait_started():  # the engine is built once its ops are: no request waits on a compiler
             log.warning("CPU ops compiled at start (`python -m splitserve.model.prepare` builds them "
                         "ahead): %s", ", ".join(built))  # fmt: skip
+    mtp_head = _mtp_head(config, loaded, device, dtype)
+    # NOTE: the MTP drafter reads the target's hidden states of every step, which graph replays skip
     graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill and tp is None
+    graphs = graphs and mtp_head is None
     if device.type == "cuda" and not graphs:
         log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
-    layout = (cfg.num_kv_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)  # of one block
-    one_block = block_bytes(cfg, block_size, dtype)
+    kv_layers = cfg.num_kv_layers + (mtp_head.num_kv_layers if mtp_head is not None else 0)
+    layout = (kv_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)  # of one block
+    one_block = block_bytes(cfg, block_size, dtype, kv_layers)
     plan, max_seqs = None, config.max_num_seqs
     if device.type == "cuda":
         with torch.cuda.device(device):  # Triton launches on the current device
@@ -179,7 +185,24 @@ def build(
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s", num_blocks, block_size,
              kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
     return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,
-                       scheduler, runner, graph_capture_s, plan)  # fmt: skip
+                       scheduler, runner, graph_capture_s, plan, mtp_head)  # fmt: skip
+
+
+def _mtp_head(
+    config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module | None:
+    """The MTP head (model/qwen3_5_mtp.py) where the speculative method is "mtp"; its K/V layers join
+    the cache's layout after the target's."""
+    spec = speculative_config(config.speculative_config)
+    if spec is None or spec.method != "mtp":
+        return None
+    if not loaded.config.num_mtp_layers:
+        raise ValueError(f'speculative method "mtp": {loaded.config.architecture} has no MTP head')
+    from splitserve.model.qwen3_5_mtp import load_mtp
+
+    head = load_mtp(loaded, device, dtype)
+    log.info("MTP head: %d layer(s), %d KV layer(s) after the model's", len(head.layers), head.num_kv_layers)
+    return head
 
 
 def attention_backend(

@@ -16,10 +16,12 @@ if TYPE_CHECKING:
     from splitserve.config.engine import EngineConfig
 
 
-def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all layers (K and V)."""
+def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layers: int | None = None) -> int:
+    """Bytes of one KV block across all layers (K and V); `layers`: the cache's KV layers where they
+    are more than the model's (an MTP head's)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    layers = cfg.num_kv_layers if layers is None else layers
+    return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:

@@ -42,6 +42,7 @@ from splitserve.engine.overlap import OverlappedSteps
 from splitserve.engine.request import RequestOutput, Status
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.spec.mtp import MTPDrafter
 from splitserve.engine.spec.verify import SpecDecoder, has_drafts
 from splitserve.engine.stats import EngineStats, StepTokens
 from splitserve.engine.table import RequestTable
@@ -90,7 +91,8 @@ class LLMEngine:
                                      config.grammar_timeout_s)  # fmt: skip
         self.scheduler.on_export = self.transfers.export
         self.prefault = KVPrefault(self.kv_cache, self.pool)  # CPU: for a serving loop's idle turns
-        self.spec = SpecDecoder.create(config.speculative_config, self.states.states)  # None: off
+        mtp = MTPDrafter(p.mtp_head, p.loaded.model) if p.mtp_head is not None else None
+        self.spec = SpecDecoder.create(config.speculative_config, self.states.states, mtp)  # None: off
         overlap = config.async_scheduling if config.tensor_parallel_size == 1 else False  # (nor verify steps)
         overlap = (self.device.type == "cuda" if overlap is None else overlap) and not self.spec
         self.overlap = OverlappedSteps(self.scheduler, self.runner, self.sampler, self.table,
@@ -265,7 +267,7 @@ class LLMEngine:
         assert spec is not None
         spec.propose(self.scheduler, self.max_model_len)
         sched = self._schedule()
-        if sched is None or not has_drafts(sched):
+        if sched is None or not (has_drafts(sched) or spec.every_step):
             return [] if sched is None else self._run(sched)
         return self.table.outputs(spec.run(sched, self.runner, self.sampler, self.scheduler))
 

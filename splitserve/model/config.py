@@ -58,6 +58,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # hybrid models: "full_attention" | "linear_attention" per layer
     partial_rotary_factor: float = 1.0
     linear: LinearAttentionConfig | None = None
+    num_mtp_layers: int = 0  # Qwen3.5: layers of the multi-token-prediction head (`mtp.*`) the checkpoint has
 
     @property
     def kv_layer_ids(self) -> tuple[int, ...]:
@@ -129,6 +130,7 @@ def _hybrid_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     ]
     rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     return {
+        "num_mtp_layers": int(cfg.get("mtp_num_hidden_layers") or 0),
         "layer_types": tuple(types),
         "partial_rotary_factor": float(
             rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))

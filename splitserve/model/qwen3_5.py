@@ -31,7 +31,8 @@ per-chunk torch rule is the CPU path and the reference. A slot is zeroed when al
 state before a sequence's first token; a prefix-cache hit copies a state checkpoint into it
 (engine/state_cache.py).
 
-Out of scope: the vision tower (`model.visual.*`) and the multi-token-prediction head (`mtp.*`) of
+The multi-token-prediction head (`mtp.*`) is a module of its own (qwen3_5_mtp.py), loaded when
+speculative decoding asks for it. Out of scope: the vision tower (`model.visual.*`) of
 `Qwen3_5ForConditionalGeneration` checkpoints (only the language model is loaded, its
 `model.language_model.*` names read as `model.*`); GGUF files for qwen35.
 """
@@ -228,7 +229,8 @@ class Qwen3_5LM(nn.Module):
         """Copy HF-named tensors into this model's (merged) parameters; every parameter must be set.
 
         Accepts `Qwen3_5ForCausalLM` names and `Qwen3_5ForConditionalGeneration` ones
-        (`model.language_model.*`); vision-tower and MTP tensors are skipped.
+        (`model.language_model.*`); vision-tower and MTP tensors are skipped (the MTP head loads its own:
+        qwen3_5_mtp.py).
         """
         load_mapped_weights(
             self, tensors, self.map_weight_name, self.expected_weight_keys(), self.cfg.architecture

@@ -45,6 +45,12 @@ def map_name(name: str, merged: Merged) -> tuple[str | None, tuple[int, int] | N
         if name.startswith(prefix):
             name = name[len(prefix) :]
             break
+    return map_layer_name(name, merged)
+
+
+def map_layer_name(name: str, merged: Merged) -> tuple[str | None, tuple[int, int] | None]:
+    """A name below the model's prefix (`layers.N.self_attn.q_proj.weight`, `norm.weight`) -> (ours,
+    row range inside a merged weight or None)."""
     parts = name.split(".")
     if len(parts) >= 5 and parts[0] == "layers" and parts[3] in merged:
         target, rows = merged[parts[3]]
@@ -66,8 +72,9 @@ def expected_keys(model: nn.Module, merged: Merged) -> list[str]:
     return keys
 
 
-def hf_named(model: nn.Module, merged: Merged) -> dict[str, torch.Tensor]:
-    """`model`'s parameters under `Qwen3_5ForCausalLM` names, merged weights split by rows (views)."""
+def hf_named(model: nn.Module, merged: Merged, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """`model`'s parameters under `Qwen3_5ForCausalLM` names (`prefix`: where its layers live; `mtp.`
+    for the MTP head), merged weights split by rows (views)."""
     parts: dict[str, list[tuple[str, tuple[int, int]]]] = {}
     for hf_module, (target, rows) in merged.items():
         parts.setdefault(target, []).append((hf_module, rows))
@@ -76,7 +83,7 @@ def hf_named(model: nn.Module, merged: Merged) -> dict[str, torch.Tensor]:
         t, pieces = param.detach(), name.split(".")
         if len(pieces) >= 5 and pieces[0] == "layers" and pieces[3] in parts:
             for hf_module, (a, b) in parts[pieces[3]]:
-                out["model." + ".".join([*pieces[:3], hf_module, *pieces[4:]])] = t[a:b]
+                out[prefix + ".".join([*pieces[:3], hf_module, *pieces[4:]])] = t[a:b]
         else:
-            out[name if name.startswith("lm_head.") else f"model.{name}"] = t
+            out[name if name.startswith("lm_head.") else f"{prefix}{name}"] = t
     return out

@@ -134,9 +134,11 @@ QWEN3_5_9B: dict[str, Any] = {
     "max_position_embeddings": 32768,
     "tie_word_embeddings": False,
     "attention_bias": False,
+    "mtp_num_hidden_layers": 1,  # the multi-token-prediction head (model/qwen3_5_mtp.py)
 }
 
-#: A small hybrid (8 layers: 6 Gated DeltaNet, 2 gated attention) for CPU smoke runs and unit tests.
+#: A small hybrid (8 layers: 6 Gated DeltaNet, 2 gated attention; a one-layer MTP head) for CPU smoke runs
+#: and unit tests.
 TINY_QWEN3_5: dict[str, Any] = {
     **QWEN3_5_9B,
     "vocab_size": 512,

@@ -227,6 +227,18 @@ def test_pool_engine_may_not_change_the_kv_layout(pool):
     assert "KV layout" in problem and "top-level engine section" in problem
 
 
+def test_speculation_per_role_and_mtp_on_both_sides_of_the_split():
+    ngram = "{method: ngram, num_speculative_tokens: 3}"
+    m = parse_manifest(f"mode: disaggregated\ndecode:\n  engine:\n    speculative_config: {ngram}\n")
+    assert m.engine_for("decode").speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert m.engine_for("prefill").speculative_config is None
+    mtp = "{method: mtp, num_speculative_tokens: 2}"
+    both = parse_manifest(f"mode: disaggregated\nengine: {{speculative_config: {mtp}}}\n")
+    assert both.engine_for("prefill").speculative_config == both.engine_for("decode").speculative_config
+    with pytest.raises(ManifestError, match="both roles or neither"):
+        parse_manifest(f"mode: disaggregated\ndecode:\n  engine:\n    speculative_config: {mtp}\n")
+
+
 def test_pool_engine_errors_name_path_and_line():
     text = """\
 mode: disaggregated

@@ -4,10 +4,12 @@ A step with drafts, for a request whose known tokens end at position p0 (its las
 computed) and drafts d1..dk:
 
   1. `propose` (before the schedule): each eligible running request gets up to k drafts
-     (`Request.draft_token_ids`); the scheduler appends those that fit to its chunk, which then
+     (`Request.draft_token_ids`: n-gram lookup, or those the MTP head made after the last step,
+     mtp.py); the scheduler appends those that fit to its chunk, which then
      computes positions ..p0 and p0+1..p0+k, with a logits row at p0 and at each draft.
   2. The step runs (hybrid models: each drafted request's recurrent and conv state copied first).
-  3. `accept.py` turns the rows into the tokens produced: the accepted drafts d1..dm, then one more
+  3. `accept.py` turns the rows into the tokens produced (with the MTP drafter, its head then catches
+     up over the step's positions, mtp.py): the accepted drafts d1..dm, then one more
      (the target's correction, or the bonus token when m = k). They are appended one by one with the
      usual stop checks (a stop or max_tokens inside the run ends it there); before the j-th token,
      positions up to p0 + j - 1 count as computed, as after a plain decode step.
@@ -16,6 +18,7 @@ computed) and drafts d1..dk:
      request's known tokens are returned. A hybrid model's state has consumed every draft: when
      some were rejected it is restored from the copy and the chunk's tokens count as uncomputed
      again, so the next step recomputes them (with the new token, and drafts of its own).
+  5. The MTP drafter makes the next step's drafts from the head's state at the new end.
 
 Which requests draft: greedy or sampled ones without logprobs, penalties, a grammar, a pending
 min_tokens or a KV export. Back-off: (a) no request drafts while `disable_by_batch_size` or more run
@@ -38,6 +41,7 @@ from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, target_probs
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from splitserve.engine.spec.accept import accept_greedy, accept_sampled
+from splitserve.engine.spec.mtp import MTPDrafter
 from splitserve.engine.spec.ngram import NgramDrafter
 
 MAX_PAUSE = 32  # steps a request that keeps missing waits before drafting again, at most
@@ -83,20 +87,32 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, states: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, states: dict[str, torch.Tensor], mtp: MTPDrafter | None = None
+    ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.drafter = NgramDrafter(*config.ngram_range)
+        self.mtp = mtp  # method "mtp": the head's drafts instead of the n-gram lookup's
         self.states = states  # hybrid models' state pools ({} for others)
         self.counters = SpecCounters()
+        self.max_model_len = 0  # set by `propose`
 
     @classmethod
     def create(
-        cls, config: SpeculativeConfig | dict | str | None, states: dict[str, torch.Tensor]
+        cls,
+        config: SpeculativeConfig | dict | str | None,
+        states: dict[str, torch.Tensor],
+        mtp: MTPDrafter | None = None,
     ) -> SpecDecoder | None:
         """The decoder `config` asks for (parsed as `speculative_config` does), or None when it is off."""
         parsed = speculative_config(config)
-        return None if parsed is None else cls(parsed, states)
+        return None if parsed is None else cls(parsed, states, mtp)
+
+    @property
+    def every_step(self) -> bool:
+        """Whether every step runs through `run`, drafts or not (the MTP head catches up on each)."""
+        return self.mtp is not None
 
     def stats(self) -> SpecStats:
         c = self.counters
@@ -107,8 +123,8 @@ class SpecDecoder:
 
     def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
         """Set the drafts of each running request that drafts this step (see the module docstring)."""
-        cap = self.config.disable_by_batch_size
-        capped = cap is not None and len(scheduler.running) >= cap
+        self.max_model_len = max_model_len
+        capped = self._capped(scheduler)
         for req in scheduler.running:
             req.draft_token_ids = []  # none left from a step that did not schedule it
             if capped:
@@ -116,10 +132,24 @@ class SpecDecoder:
             if req.draft_pause > 0:
                 req.draft_pause -= 1
                 continue
-            k = min(self.k, req.max_tokens - len(req.output_token_ids) - 1, max_model_len - req.num_tokens)
-            if k > 0 and _drafts_allowed(req) and req.num_tokens - req.num_computed_tokens <= 1 + self.k:
-                tokens = np.asarray(req.prompt_token_ids + req.output_token_ids, dtype=np.int64)
-                req.draft_token_ids = self.drafter.propose(tokens, k)
+            k = self._budget(req)
+            if k > 0 and req.num_tokens - req.num_computed_tokens <= 1 + self.k:
+                if self.mtp is not None:
+                    req.draft_token_ids = self.mtp.take(req)[:k]
+                else:
+                    tokens = np.asarray(req.prompt_token_ids + req.output_token_ids, dtype=np.int64)
+                    req.draft_token_ids = self.drafter.propose(tokens, k)
+
+    def _capped(self, scheduler: Scheduler) -> bool:
+        cap = self.config.disable_by_batch_size
+        return cap is not None and len(scheduler.running) >= cap
+
+    def _budget(self, req: Request) -> int:
+        """How many drafts `req` may verify in its next step (0: none)."""
+        if not _drafts_allowed(req):
+            return 0
+        return max(0, min(self.k, req.max_tokens - len(req.output_token_ids) - 1,
+                          self.max_model_len - req.num_tokens))  # fmt: skip
 
     # ---- the verify step --------------------------------------------------------------------------
 
@@ -142,21 +172,30 @@ class SpecDecoder:
                 plain_rows.append(row)
             row += 1 + len(c.drafts)
         tokens, logprobs = sampler(logits[plain_rows], plain) if plain else ([], [])
-        for c in sched.chunks:
-            if not c.drafts:
-                c.request.num_computed_tokens += c.num_tokens
+        runs = [(c, self._accept(c, rows, sampler)) for c, rows in verified]
+        if self.mtp is not None:  # before any token is appended: a KV export leaves with its blocks
+            produced = {id(r): [t] for r, t in zip(plain, tokens, strict=True)}
+            produced.update((id(c.request), p) for c, p in runs)
+            self.mtp.catch_up(runner, sched.chunks, produced)
+        scheduler.advance(SchedulerOutput([c for c in sched.chunks if not c.drafts], []))
         now = time.monotonic()
         for req, token, lp in zip(plain, tokens, logprobs, strict=True):
             req.first_token_time = req.first_token_time or now
             scheduler.append_token(req, token, lp)
-        for c, rows in verified:
-            self._take_run(c, rows, saved.get(id(c.request)), sampler, scheduler)
+        for c, produced_run in runs:
+            self._take_run(c, produced_run, saved.get(id(c.request)), scheduler)
         scheduler.cache_filled_blocks(sched)
-        return plain + [c.request for c, _ in verified]
+        took = plain + [c.request for c, _ in verified]
+        if self.mtp is not None and not self._capped(scheduler):
+            self.mtp.draft(runner, scheduler.block_manager, self._budget_now, took)
+        return took
 
-    def _take_run(self, c: ScheduledChunk, rows: torch.Tensor, saved: dict[str, torch.Tensor] | None,
-                  sampler: Sampler, scheduler: Scheduler) -> None:  # fmt: skip
-        """Accept `c`'s drafts against its logits `rows` [1 + k, V], append the tokens, roll back."""
+    def _budget_now(self, req: Request) -> int:
+        """MTP: the drafts `req` may take next step, if it is not pausing (its pause runs in `propose`)."""
+        return 0 if req.draft_pause > 0 else self._budget(req)
+
+    def _accept(self, c: ScheduledChunk, rows: torch.Tensor, sampler: Sampler) -> list[int]:
+        """`c`'s drafts against its logits `rows` [1 + k, V]: the tokens its run produces (counted)."""
         req = c.request
         if req.params.greedy:
             produced = accept_greedy(rows[:, : sampler.vocab_size], c.drafts)
@@ -164,9 +203,15 @@ class SpecDecoder:
             probs = target_probs(rows[:, : sampler.vocab_size], [req] * len(rows))
             gen = req.generator if req.generator is not None else sampler.generator
             produced = accept_sampled(probs, c.drafts, gen)
+        self.counters.count(len(c.drafts), len(produced) - 1)
+        _back_off(req, len(produced) - 1)
+        return produced
+
+    def _take_run(self, c: ScheduledChunk, produced: list[int], saved: dict[str, torch.Tensor] | None,
+                  scheduler: Scheduler) -> None:  # fmt: skip
+        """Append the tokens of `c`'s run, then roll back what rejected drafts left."""
+        req = c.request
         accepted = len(produced) - 1
-        self.counters.count(len(c.drafts), accepted)
-        _back_off(req, accepted)
         last = c.start + c.num_tokens - len(c.drafts) - 1  # p0: the last known token's position
         for j, token in enumerate(produced, 1):
             req.num_computed_tokens = last + j

@@ -1,0 +1,139 @@
+"""MTP drafting: Qwen3.5's multi-token-prediction head (model/qwen3_5_mtp.py) proposes the drafts.
+
+The head at position i reads the target's hidden state h_i and the token at i + 1, and guesses the
+token at i + 2; its layer's K/V sit in the request's own blocks (extra KV layers after the target's).
+Two parts per engine step, on the target's hidden states of that step (kept by a forward hook on the
+target; CUDA graphs are off with this drafter, so every step runs the model eagerly):
+
+  1. `catch_up` (after the target ran and its tokens were decided, before they are appended): the head
+     runs over every position of the step whose next token is now known and whose target state
+     stands: a prompt chunk's positions (a middle chunk's last next token is the prompt's own; the
+     last chunk's is the sampled token), a decode's one, a verify chunk's positions up to the last
+     accepted draft. Its K/V there are what later drafts attend to, so they are written for every
+     request, drafting or not, a KV export included (the prefill side hands them over with the
+     prompt's KV). Positions past the last accepted draft are left for the next step to overwrite.
+  2. `draft` (after the tokens were appended): for each request that drafts, with its last two known
+     tokens at positions q and q + 1, the head's output at q gives the first draft (argmax: a point
+     mass, as the acceptance rules take it); each further draft j runs the head once more at position
+     q + j on its own previous output state and draft j - 1 (K/V written at q + j, in blocks allocated
+     for it and trimmed after: the next step's catch-up writes those positions again from the target's
+     states). Greedy drafts: the output distribution is the target's either way (accept.py).
+
+A prefix-cache hit reuses the head's K/V with the blocks; the K/V of a block's last position was made
+with the token after it, so a request that shares the block but not that token drafts a little worse
+there (drafts only: the target verifies every token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.request import Request
+from splitserve.engine.scheduler import ScheduledChunk
+from splitserve.engine.spec.rows import order_key
+from splitserve.model.decoder import ForwardContext
+
+
+class MTPDrafter:
+    def __init__(self, head: torch.nn.Module, target: torch.nn.Module) -> None:
+        self.head = head  # Qwen3_5MTP
+        self.target = target  # Qwen3_5LM
+        self.vocab_size = target.cfg.vocab_size
+        self._hidden: torch.Tensor | None = None  # the target's last forward output [T, H]
+        self._last: dict[int, tuple[torch.Tensor, int]] = {}  # id(req) -> (head's state at q, q)
+        self.drafts: dict[int, tuple[int, list[int]]] = {}  # id(req) -> (its num_tokens, drafts)
+        target.register_forward_hook(self._keep_hidden)
+
+    def _keep_hidden(self, module: Any, args: Any, output: torch.Tensor) -> None:
+        self._hidden = output
+
+    def take(self, req: Request) -> list[int]:
+        """The drafts made for `req` after its last step, if its tokens have not moved since."""
+        made = self.drafts.pop(id(req), None)
+        return made[1] if made is not None and made[0] == req.num_tokens else []
+
+    @torch.inference_mode()
+    def catch_up(self, runner: Any, chunks: Sequence[ScheduledChunk], produced: dict[int, list[int]]) -> None:
+        """Run the head over the positions of the step `chunks` (as `runner.execute` ordered them)
+        whose next token is known; `produced`: id(request) -> the tokens this step gives it (not yet
+        appended). Keeps the head's state at the last position of each request that got tokens."""
+        hidden, self._hidden = self._hidden, None
+        assert hidden is not None, "the target ran no forward pass this step"
+        pieces: list[tuple[ScheduledChunk, range, list[int]]] = []
+        row = 0
+        for c in sorted(chunks, key=order_key):  # the runner's row order (a hybrid model: no decode rows)
+            req = c.request
+            known_end = c.start + c.num_tokens - len(c.drafts)  # positions before it hold known tokens
+            nxt = req.token_ids(c.start + 1, min(req.num_tokens, known_end + 1)) + produced.get(id(req), [])
+            n = min(len(nxt), c.num_tokens)
+            if n > 0:
+                pieces.append((ScheduledChunk(req, c.start, n), range(row, row + n), list(nxt[:n])))
+            row += c.num_tokens
+        self._last = {}
+        if not pieces:
+            return
+        pieces.sort(key=lambda p: order_key(p[0]))
+        subs = [p[0] for p in pieces]
+        rows = torch.tensor([r for p in pieces for r in p[1]], device=hidden.device)
+        out = self._run(runner, subs, [t for p in pieces for t in p[2]], hidden[rows], step=0)
+        end = 0
+        for sub, _, _ in pieces:
+            end += sub.num_tokens
+            if id(sub.request) in produced:
+                self._last[id(sub.request)] = (out[end - 1], sub.start + sub.num_tokens - 1)
+
+    @torch.inference_mode()
+    def draft(self, runner: Any, blocks: BlockManager, budget: Callable[[Request], int],
+              reqs: Sequence[Request]) -> None:  # fmt: skip
+        """Drafts for each of `reqs` whose last position the step's catch-up reached (up to
+        `budget(req)` of them; 0: none), kept for `take`."""
+        self.drafts = {}
+        todo: list[tuple[Request, int]] = []  # (request, drafts it may take)
+        states: list[torch.Tensor] = []
+        for req in reqs:
+            last = self._last.get(id(req))
+            if last is None or req.finished or last[1] != req.num_tokens - 2:
+                continue
+            k = budget(req)
+            if k > 1 and not blocks.allocate(req, req.num_tokens - 2 + k - req.num_computed_tokens):
+                k = 1  # no room for the further steps' K/V: the first draft needs none
+            if k > 0:
+                todo.append((req, k))
+                states.append(last[0])
+        if not todo:
+            return
+        made: list[list[int]] = [[] for _ in todo]
+        active = list(range(len(todo)))  # the entries of `todo` that `state`'s rows belong to, in order
+        state = torch.stack(states)  # [R, H]: the head's state at each one's last drafted position
+        for step in range(max(k for _, k in todo)):
+            guesses = self.target.compute_logits(state)[:, : self.vocab_size].argmax(dim=-1).tolist()
+            for i, guess in zip(active, guesses, strict=True):
+                made[i].append(int(guess))
+            more = [(row, i) for row, i in enumerate(active) if todo[i][1] > step + 1]
+            if not more:
+                break
+            # the head at position q + 1 + step, on the draft just made (q: the second-to-last known)
+            more.sort(key=lambda ri: todo[ri[1]][0].num_tokens)  # decode rows by context length
+            subs = [ScheduledChunk(todo[i][0], todo[i][0].num_tokens - 1 + step, 1) for _, i in more]
+            rows = torch.tensor([row for row, _ in more], device=state.device)
+            state = self._run(runner, subs, [made[i][-1] for _, i in more], state[rows], step + 1)
+            active = [i for _, i in more]
+        for (req, k), drafts in zip(todo, made, strict=True):
+            if k > 1:
+                blocks.trim(req)
+            self.drafts[id(req)] = (req.num_tokens, drafts)
+
+    def _run(self, runner: Any, subs: list[ScheduledChunk], next_ids: list[int], hidden: torch.Tensor,
+             step: int) -> torch.Tensor:  # fmt: skip
+        """The head over `subs` (in the runner's order), `next_ids` and `hidden` row for row."""
+        inputs = runner.prepare(subs)
+        ctx = ForwardContext(runner.attn, inputs.meta, runner.kv_cache, runner.states)
+        ids = torch.tensor(next_ids, dtype=torch.int64, device=hidden.device)
+        # NOTE: Triton launches on the current CUDA device, whatever its tensors' device (as runner.py)
+        with torch.cuda.device(hidden.device) if hidden.device.type == "cuda" else nullcontext():
+            return self.head(self.target, ids, hidden, inputs.positions, ctx, step)
