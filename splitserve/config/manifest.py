@@ -98,13 +98,6 @@ class Manifest(Section):
             except ValidationError as exc:
                 reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
                 raise ValueError(f"{name}.engine over the top-level engine section: {reasons}") from None
-        sizes = {name: self.tensor_parallel_size(name) for name in pools}
-        if self.mode == "disaggregated" and max(sizes.values()) > 1:
-            raise ValueError(
-                f"tensor parallelism in disaggregated mode is not supported yet (prefill "
-                f"{sizes['prefill']}, decode {sizes['decode']} ranks): the KV transfer moves one rank's "
-                "heads; use mode: colocated, or tensor_parallel_size 1 for both roles"
-            )
         return self
 
     def tensor_parallel_size(self, role: str) -> int:
