@@ -214,9 +214,19 @@ class KVConnector:
 
     def discard(self, handle: KVHandle) -> None:
         if self.transport is not None:
-            self._releaser.submit(self._release, handle)
+            self._releaser.submit(self.release, handle)
 
-    def _release(self, handle: KVHandle) -> None:
+    def fetch_blocks(
+        self, handle: KVHandle, block_ids: Sequence[int], timeout_s: float
+    ) -> dict[str, torch.Tensor]:
+        """Fetch `handle` into our `block_ids` now, from an exporter of any tensor-parallel size (a
+        transport probe's fetch); -> the state tensors."""
+        assert self.transport is not None
+        if handle.shards and self.sharded is not None:
+            return self.sharded.fetch(handle, block_ids, timeout_s)
+        return self.transport.fetch(handle, block_ids, timeout_s)
+
+    def release(self, handle: KVHandle) -> None:
         """End the handle's lease(s): every rank's, for an exporter at tensor_parallel_size > 1."""
         assert self.transport is not None
         if handle.shards and self.sharded is not None:
@@ -252,7 +262,7 @@ class KVConnector:
                     load.ready.synchronize()  # NOTE: the engine's zero_() must not land after the READ
                 if handle.shards and self.sharded is not None:
                     state = self.sharded.fetch(handle, load.block_ids, left)
-                else:
+                else:  # (in place into the slot, where the transport reads state so)
                     state = self.transport.fetch(handle, load.block_ids, left, into_state=load.state)
             except Exception as exc:  # noqa: BLE001 - every failure follows the policy
                 error = exc
@@ -262,7 +272,7 @@ class KVConnector:
                 self.count("fetched_bytes", nbytes)
                 self.count("fetch_seconds", time.perf_counter() - start)
         if not isinstance(error, REFUSALS):  # a refused peer would refuse the release too
-            self._releaser.submit(self._release, handle)
+            self._releaser.submit(self.release, handle)
         return LoadDone(load.request_id, error, state, nbytes)
 
     # ---- both -----------------------------------------------------------------------------------

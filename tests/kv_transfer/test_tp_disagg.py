@@ -18,7 +18,9 @@ from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.tp.kv_routes import Plan
+from splitserve.engine.tp.pools import mapped
 from splitserve.model.config import ModelConfig
+from splitserve.model.parallel import kv_head_index
 from splitserve.model.random_weights import random_source_config
 from splitserve.transport import PeerRefused, TransportOptions
 
@@ -108,9 +110,9 @@ def _all_free(engine: LLMEngine, timeout_s: float = 10.0) -> bool:
 
 
 def _leases(conn: KVConnector) -> int:
-    desc = conn.transport.describe()
+    """Leases still held, on every rank's transport."""
     ranks = getattr(conn.transport, "ranks", [conn.transport])
-    return sum(t.describe()["leases"]["active"] for t in ranks) if desc else 0
+    return sum(t.describe()["leases"]["active"] for t in ranks)
 
 
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:qwen3.5-tiny"])
@@ -147,3 +149,34 @@ def test_sizes_the_model_cannot_split_are_refused_naming_both():
     hybrid = ModelConfig.from_hf(random_source_config("random:qwen3.5-tiny"))
     plan = Plan.build(hybrid, 1, 2)  # each decode rank slices the one prefill rank's channels
     assert plan.needed == [0] and len(plan.states["conv"][1][0].src_pos) < hybrid.linear.conv_dim
+
+
+def _rank_pools(engine: LLMEngine) -> list[torch.Tensor]:
+    if engine.config.tensor_parallel_size == 1:
+        return [engine.kv_cache]
+    return [engine.kv_cache, *(kv for kv, _ in mapped(engine.runner.group))]
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)], ids=lambda s: f"P{s[0]}D{s[1]}")
+def test_a_probe_moves_each_head_to_the_rank_that_owns_it(engines, sizes):
+    """A transport probe (what `splitserve verify` times) between the sizes: random bytes in the prefill
+    ranks' blocks land, head by head, in the decode ranks that own those heads, and nowhere else."""
+    model = "random:qwen3.5-tiny"
+    (p, pc), (d, dc) = engines.get(model, sizes[0]), engines.get(model, sizes[1], name="b")
+    cfg = ModelConfig.from_hf(random_source_config(model))
+    lease, into = p.lease_blocks(3), d.lease_blocks(3, touch=True)
+    src, dst = _rank_pools(p), _rank_pools(d)
+    gen = torch.Generator().manual_seed(5)
+    for kv in src:
+        kv[lease.block_ids] = torch.randn(kv[lease.block_ids].shape, generator=gen)
+    handle = pc.transport.export("probe", lease.block_ids, lease.num_tokens, lease.state)
+    assert handle.tp_size == sizes[0] and len(handle.shards) == (sizes[0] if sizes[0] > 1 else 0)
+    dc.fetch_blocks(handle, into.block_ids, 20.0)
+    dc.release(handle)
+    full = torch.empty((3, *src[0].shape[1:4], cfg.num_kv_heads, src[0].shape[5]))
+    for rank, kv in enumerate(src):  # the model's heads, from whichever prefill rank holds each
+        full[..., kv_head_index(cfg, sizes[0], rank), :] = kv[lease.block_ids]
+    for rank, kv in enumerate(dst):
+        assert torch.equal(kv[into.block_ids], full[..., kv_head_index(cfg, sizes[1], rank), :])
+    d.release_blocks(into)
+    assert _all_free(d) and _all_free(p)

@@ -213,7 +213,7 @@ class TPTransport(KVTransport):
         handles: list[tuple[KVTransport, KVHandle]] = []
         try:
             for rank, transport in enumerate(self.ranks):
-                state = None if slot is None else {n: t[slot] for n, t in self.states[rank].items()}
+                state = _rank_state(request.state, self.states[rank], slot)
                 made = transport.export_request(dataclasses.replace(request, state=state))
                 handles.append((transport, made))
         except BaseException:
@@ -272,15 +272,23 @@ class TPTransport(KVTransport):
 
 
 def _slot(state: Mapping[str, torch.Tensor] | None, pool: Mapping[str, torch.Tensor]) -> int | None:
-    """The slot of rank 0's pool that an export's state views are."""
+    """The slot of rank 0's pool that an export's state views are; None for state that is not one."""
     if not state:
         return None
     name, view = next(iter(state.items()))
     t = pool[name]
     slot = (view.data_ptr() - t.data_ptr()) // (t[0].numel() * t.element_size())
-    if not 0 <= slot < t.shape[0] or t[slot].data_ptr() != view.data_ptr():
-        raise ValueError("a tensor-parallel export's state must be a slot of the engine's state pool")
-    return slot
+    return slot if 0 <= slot < t.shape[0] and t[slot].data_ptr() == view.data_ptr() else None
+
+
+def _rank_state(
+    state: Mapping[str, torch.Tensor] | None, pool: Mapping[str, torch.Tensor], slot: int | None
+) -> dict[str, torch.Tensor] | None:
+    """What one rank exports as state: its own slot's views, or (state that is no slot: a transport
+    probe's) a copy of its slot 0, of its own shapes."""
+    if not state:
+        return None
+    return {name: t[slot] if slot is not None else t[0].clone() for name, t in pool.items()}
 
 
 __all__ = ["Opener", "ShardedFetch", "TPTransport", "shard_handle", "shards_of"]
