@@ -281,6 +281,8 @@ class KVConnector:
         """Connect (and handshake) with an exporter now; -> its layout. Raises PeerRefused / AuthError."""
         if self.transport is None:
             raise ValueError("no kv transport: cannot check a peer")
+        if self.sharded is not None:  # the exporter may run at another tensor-parallel size
+            return self.sharded.check_peer(address, timeout_s)
         return self.transport.check_peer(address, timeout_s)
 
     def _refusal(self, handle: KVHandle, timeout_s: float) -> BaseException:

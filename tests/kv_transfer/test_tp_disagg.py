@@ -160,7 +160,8 @@ def _rank_pools(engine: LLMEngine) -> list[torch.Tensor]:
 @pytest.mark.parametrize("sizes", [(2, 1), (1, 2)], ids=lambda s: f"P{s[0]}D{s[1]}")
 def test_a_probe_moves_each_head_to_the_rank_that_owns_it(engines, sizes):
     """A transport probe (what `splitserve verify` times) between the sizes: random bytes in the prefill
-    ranks' blocks land, head by head, in the decode ranks that own those heads, and nowhere else."""
+    ranks' blocks land, head by head, in the decode ranks that own those heads, and nowhere else. The
+    handshake check (a worker rejoining after a role change) finds the exporter's rank layout."""
     model = "random:qwen3.5-tiny"
     (p, pc), (d, dc) = engines.get(model, sizes[0]), engines.get(model, sizes[1], name="b")
     cfg = ModelConfig.from_hf(random_source_config(model))
@@ -171,6 +172,8 @@ def test_a_probe_moves_each_head_to_the_rank_that_owns_it(engines, sizes):
         kv[lease.block_ids] = torch.randn(kv[lease.block_ids].shape, generator=gen)
     handle = pc.transport.export("probe", lease.block_ids, lease.num_tokens, lease.state)
     assert handle.tp_size == sizes[0] and len(handle.shards) == (sizes[0] if sizes[0] > 1 else 0)
+    peer = dc.check_peer(pc.transport.listen(), 5.0)
+    assert peer.num_kv_heads == len(kv_head_index(cfg, sizes[0], 0)) and peer.model_fingerprint
     dc.fetch_blocks(handle, into.block_ids, 20.0)
     dc.release(handle)
     full = torch.empty((3, *src[0].shape[1:4], cfg.num_kv_heads, src[0].shape[5]))

@@ -40,6 +40,8 @@ from splitserve.transport.lease import FreeCallback
 from splitserve.transport.transport import ExportRequest, FetchRequest, KVTransport
 from splitserve.wire.kv_handle import KVHandle, KVShard
 
+MAX_PEER_SIZE = 8  # the largest exporter size `check_peer` tries
+
 # a fetch-only transport over a staging tensor with the given layout (the connector's backend and secret)
 Opener = Callable[[torch.Tensor, KVLayout], KVTransport]
 
@@ -110,6 +112,35 @@ class ShardedFetch:
                 sharding = sharding or Plan.build(self.cfg, handle.tp_size, len(self.kvs)).src
                 same = self._peer(sharding.rank_layout(self.full, p), p).transport
             (own or same).release(one)  # type: ignore[union-attr]
+
+    def check_peer(self, address: str, timeout_s: float) -> KVLayout:
+        """Handshake with the exporter at `address` now, whatever its tensor-parallel size: with our own
+        rank layout first, then with rank 0's layout at each other size the model splits into (up to
+        `MAX_PEER_SIZE`); -> the exporter's layout. The first refusal (our own layout's) when none fits."""
+        deadline = time.monotonic() + timeout_s
+        tried = {self.direct[0].layout.fingerprint}
+        try:
+            return self.direct[0].check_peer(address, timeout_s)
+        except PeerRefused as exc:
+            refused = exc
+        for size in range(1, MAX_PEER_SIZE + 1):
+            try:
+                layout = Plan.build(self.cfg, size, len(self.kvs)).src.rank_layout(self.full, 0)
+            except PeerRefused:
+                continue
+            if layout.fingerprint in tried:
+                continue
+            tried.add(layout.fingerprint)
+            transport = self.opener(
+                torch.empty((1, *layout.block_shape), dtype=torch_dtype(layout.dtype)), layout
+            )
+            try:
+                return transport.check_peer(address, _left(deadline))
+            except PeerRefused:
+                continue
+            finally:
+                transport.close()
+        raise refused
 
     def close(self) -> None:
         with self._lock:
@@ -247,7 +278,8 @@ class TPTransport(KVTransport):
         return self.ranks[0].address
 
     def check_peer(self, address: str, timeout_s: float) -> KVLayout:
-        return self.ranks[0].check_peer(address, timeout_s)
+        assert self.fetcher is not None
+        return self.fetcher.check_peer(address, timeout_s)
 
     def install_faults(self, plan: FaultPlan | None) -> None:
         for t in self.ranks:
