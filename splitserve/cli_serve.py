@@ -137,7 +137,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict[str, Any
     tp = args.tensor_parallel_size
     if tp is not None:
         o["model.tensor_parallel_size"] = tp
-        if tp > 1 and "mode" not in o:  # tensor parallelism serves colocated workers only, for now
+        if tp > 1 and "mode" not in o:  # as vLLM's -tp: one engine over n ranks, unless --mode says
             o["mode"] = "colocated"
     manifest, target = None, args.target
     if target is not None and target.lower().endswith(MANIFEST_SUFFIXES):

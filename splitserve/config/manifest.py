@@ -113,13 +113,6 @@ class Manifest(Section):
                 'speculative method "mtp" must be on for both roles or neither: the MTP head\'s K/V '
                 "are layers of the KV cache that the transfer moves (prefill computes them for the prompt)"
             )
-        sizes = {name: self.tensor_parallel_size(name) for name in pools}
-        if self.mode == "disaggregated" and max(sizes.values()) > 1:
-            raise ValueError(
-                f"tensor parallelism in disaggregated mode is not supported yet (prefill "
-                f"{sizes['prefill']}, decode {sizes['decode']} ranks): the KV transfer moves one rank's "
-                "heads; use mode: colocated, or tensor_parallel_size 1 for both roles"
-            )
         return self
 
     def tensor_parallel_size(self, role: str) -> int:

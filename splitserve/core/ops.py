@@ -208,11 +208,11 @@ class CoreOps:
         lease = self.core.on_loop(lambda: engine.lease_blocks(handle.num_blocks, touch=True))
         start = time.perf_counter()
         try:
-            conn.transport.fetch(handle, lease.block_ids, op.timeout_s)
+            conn.fetch_blocks(handle, lease.block_ids, op.timeout_s)  # from every rank of the exporter
             seconds = time.perf_counter() - start
         finally:
             self.core.on_loop_nowait(lambda: engine.release_blocks(lease))
-            conn.transport.release(handle)
+            conn.release(handle)
         nbytes = lease.nbytes
         return ops.ProbeResult(nbytes, seconds, nbytes / seconds / 1e9, handle.num_blocks, conn.backend_name,
                                handle.address)  # fmt: skip

@@ -21,11 +21,6 @@ def open_engine(config: Any) -> tuple[LLMEngine, KVConnector | None, str | None]
     from splitserve.engine.kv_connector import KVConnector
     from splitserve.transport.backends import preflight
 
-    if config.role != "colocated" and config.engine.tensor_parallel_size > 1:
-        raise ValueError(
-            f"a {config.role} worker at tensor_parallel_size {config.engine.tensor_parallel_size}: the KV "
-            "transfer moves one rank's heads; tensor parallelism serves colocated workers only"
-        )
     if config.role != "colocated" and not config.kv_fallback:  # fail before the model loads
         preflight(config.kv_backend, config.transport_options())
     engine = LLMEngine(config.engine_config())

@@ -30,6 +30,7 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
 from splitserve.engine.tp import build as tp_build
+from splitserve.engine.tp import pools as tp_pools
 from splitserve.engine.tp.journal import JournaledCheckpoints, JournaledStatePool
 from splitserve.engine.tp.runner import TPRunner
 from splitserve.kernels.cpu import linear as cpu_linear
@@ -149,8 +150,12 @@ def build(
         num_blocks, max_seqs = tp.agree_min(num_blocks, max_seqs)
     # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
     kv_shape = (num_blocks + int(graphs), *layout)
-    kv = allocate_kv_cache(kv_shape, dtype, device, shared=config.kv_shared_memory)
+    # a rank other than 0 on the CPU: its pools in shared memory, for rank 0's KV transfer (tp/pools.py)
+    shared_rank = tp is not None and tp.rank > 0 and device.type == "cpu"
+    kv = allocate_kv_cache(kv_shape, dtype, device, shared=config.kv_shared_memory or shared_rank)
     states = (JournaledStatePool if tp else StatePool)(loaded.model.state_shapes(), max_seqs, device, graphs)
+    if shared_rank:
+        tp_pools.publish(tp, kv, states)
     prefix_caching = config.enable_prefix_caching
     checkpoints = None
     if prefix_caching and states.enabled:  # hybrid: prefixes end at recurrent-state checkpoints

@@ -48,6 +48,11 @@ from splitserve.engine.kv_transfer_types import (
     payload_nbytes,
 )
 from splitserve.engine.request import Request
+from splitserve.engine.tp.build import full_model_config
+from splitserve.engine.tp.kv_ranks import open_ranks
+from splitserve.engine.tp.kv_routes import Sharding
+from splitserve.engine.tp.kv_transport import ShardedFetch
+from splitserve.model.config import ModelConfig
 from splitserve.transport import (
     KVHandle,
     KVLayout,
@@ -58,6 +63,7 @@ from splitserve.transport import (
     make_transport,
 )
 from splitserve.transport.layout import dtype_name
+from splitserve.transport.lease import FreeCallback
 
 if TYPE_CHECKING:
     from splitserve.engine.engine import LLMEngine
@@ -66,15 +72,26 @@ log = logging.getLogger(__name__)
 
 
 def engine_layout(engine: LLMEngine) -> KVLayout:
-    """The layout two engines must share to exchange KV: weights fingerprint, KV and state shapes."""
+    """The layout two engines must share to exchange KV: weights fingerprint, KV and state shapes. At
+    tensor_parallel_size > 1, the model's unsharded layout (what engines of every size agree on)."""
+    cfg = model_config(engine)
     ckpt = engine.loaded.checkpoint
     if ckpt is not None:
         fingerprint = ckpt.fingerprint()
     else:  # random weights: the config is all there is to compare
-        fingerprint = "config:" + hashlib.sha256(repr(engine.model_config).encode()).hexdigest()
+        fingerprint = "config:" + hashlib.sha256(repr(cfg).encode()).hexdigest()
     shapes = engine.loaded.model.state_shapes()
     states = [(name, tuple(shape), dtype_name(dtype)) for name, (shape, dtype) in shapes.items()]
-    return KVLayout.from_tensor(engine.kv_cache, fingerprint, states)
+    layout = KVLayout.from_tensor(engine.kv_cache, fingerprint, states)
+    size = engine.config.tensor_parallel_size
+    return layout if size == 1 else Sharding.of(cfg, size).full_layout(layout, cfg.num_kv_heads)
+
+
+def model_config(engine: LLMEngine) -> ModelConfig:
+    """The unsharded model's config (an engine at tensor_parallel_size > 1 holds a rank's)."""
+    if engine.config.tensor_parallel_size == 1:
+        return engine.model_config
+    return full_model_config(engine.config)
 
 
 class KVConnector:
@@ -107,6 +124,7 @@ class KVConnector:
         self._lock = threading.Lock()  # guards the counters, written by fetch threads too
         self._fetcher = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-fetch")
         self._releaser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-release")
+        self.sharded: ShardedFetch | None = None  # fetches handles of another tensor-parallel size
 
     @classmethod
     def open(
@@ -123,12 +141,26 @@ class KVConnector:
         logged and counted) for this engine's KV cache, attached to the engine."""
         options = options or TransportOptions()
         conn = cls(engine_layout(engine), engine.kv_cache, None, policy, options.fetch_timeout_s)
-        conn.transport = make_transport(
-            backend, engine.kv_cache, conn.layout, secret=secret, on_free=conn.on_lease_end, options=options,
-            fallback=fallback,
-        )  # fmt: skip
-        if engine.states.enabled:
-            conn.holds_state = conn.transport.register_states(engine.states.states)
+
+        def make(kv: torch.Tensor, layout: KVLayout, on_free: FreeCallback | None) -> KVTransport:
+            return make_transport(backend, kv, layout, secret=secret, on_free=on_free, options=options,
+                                  fallback=fallback)  # fmt: skip
+
+        def opener(kv: torch.Tensor, layout: KVLayout) -> KVTransport:
+            return make_transport(conn.backend_name or backend, kv, layout, secret=secret, options=options)
+
+        if engine.config.tensor_parallel_size > 1:
+            conn.transport = open_ranks(engine, conn.layout, model_config(engine), make, opener,
+                                        conn.on_lease_end)  # fmt: skip
+        else:
+            conn.transport = make(engine.kv_cache, conn.layout, conn.on_lease_end)
+            # a handle from an exporter at tensor_parallel_size > 1: gathered into our one pool
+            max_blocks = -(-engine.max_model_len // engine.block_size)
+            conn.sharded = ShardedFetch(
+                model_config(engine), conn.layout, [engine.kv_cache], [conn.transport], opener, max_blocks
+            )
+            if engine.states.enabled:
+                conn.holds_state = conn.transport.register_states(engine.states.states)
         engine.attach_kv_connector(conn)
         return conn
 
@@ -182,7 +214,25 @@ class KVConnector:
 
     def discard(self, handle: KVHandle) -> None:
         if self.transport is not None:
-            self._releaser.submit(self.transport.release, handle)
+            self._releaser.submit(self.release, handle)
+
+    def fetch_blocks(
+        self, handle: KVHandle, block_ids: Sequence[int], timeout_s: float
+    ) -> dict[str, torch.Tensor]:
+        """Fetch `handle` into our `block_ids` now, from an exporter of any tensor-parallel size (a
+        transport probe's fetch); -> the state tensors."""
+        assert self.transport is not None
+        if handle.shards and self.sharded is not None:
+            return self.sharded.fetch(handle, block_ids, timeout_s)
+        return self.transport.fetch(handle, block_ids, timeout_s)
+
+    def release(self, handle: KVHandle) -> None:
+        """End the handle's lease(s): every rank's, for an exporter at tensor_parallel_size > 1."""
+        assert self.transport is not None
+        if handle.shards and self.sharded is not None:
+            self.sharded.release(handle)
+        else:
+            self.transport.release(handle)
 
     def _load(self, load: KVLoad) -> None:
         """A fetch thread: fill the load's blocks from the exporter, have the lease released, post
@@ -210,7 +260,10 @@ class KVConnector:
             try:
                 if load.ready is not None:
                     load.ready.synchronize()  # NOTE: the engine's zero_() must not land after the READ
-                state = self.transport.fetch(handle, load.block_ids, left, into_state=load.state)
+                if handle.shards and self.sharded is not None:
+                    state = self.sharded.fetch(handle, load.block_ids, left)
+                else:  # (in place into the slot, where the transport reads state so)
+                    state = self.transport.fetch(handle, load.block_ids, left, into_state=load.state)
             except Exception as exc:  # noqa: BLE001 - every failure follows the policy
                 error = exc
             else:
@@ -219,7 +272,7 @@ class KVConnector:
                 self.count("fetched_bytes", nbytes)
                 self.count("fetch_seconds", time.perf_counter() - start)
         if not isinstance(error, REFUSALS):  # a refused peer would refuse the release too
-            self._releaser.submit(self.transport.release, handle)
+            self._releaser.submit(self.release, handle)
         return LoadDone(load.request_id, error, state, nbytes)
 
     # ---- both -----------------------------------------------------------------------------------
@@ -228,6 +281,8 @@ class KVConnector:
         """Connect (and handshake) with an exporter now; -> its layout. Raises PeerRefused / AuthError."""
         if self.transport is None:
             raise ValueError("no kv transport: cannot check a peer")
+        if self.sharded is not None:  # the exporter may run at another tensor-parallel size
+            return self.sharded.check_peer(address, timeout_s)
         return self.transport.check_peer(address, timeout_s)
 
     def _refusal(self, handle: KVHandle, timeout_s: float) -> BaseException:
@@ -271,6 +326,8 @@ class KVConnector:
     def close(self) -> None:
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._releaser.shutdown(wait=True, cancel_futures=False)
+        if self.sharded is not None:
+            self.sharded.close()
         if self.transport is not None:
             self.transport.close()
 

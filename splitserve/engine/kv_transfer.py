@@ -367,6 +367,9 @@ class KVTransfers:
         for name, t in self.states.states.items():  # t [num_slots, *shape]
             if state[name].data_ptr() != t[req.state_slot].data_ptr():  # not written in place
                 t[req.state_slot].copy_(state[name])
+        put_ranks = getattr(self.states, "put_ranks", None)  # tensor parallel: the other ranks' parts
+        if put_ranks is not None:
+            put_ranks(req.state_slot, state)
 
 
 __all__ = ["POLICIES", "REFUSALS", "BlockLease", "EnginePort", "ImportOutcome", "KVTransfers"]

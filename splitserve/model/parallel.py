@@ -95,6 +95,26 @@ def kv_heads_of(cfg: ModelConfig, size: int, rank: int) -> tuple[int, int]:
     return head, head + 1
 
 
+def kv_head_index(cfg: ModelConfig, size: int, rank: int) -> list[int]:
+    """The model's KV heads rank `rank` of `size` holds, in the order of its cache's head axis."""
+    return list(range(*kv_heads_of(cfg, size, rank)))
+
+
+def state_index(cfg: ModelConfig, size: int, rank: int) -> dict[str, tuple[int, list[int], int]]:
+    """For each recurrent-state tensor (the model's `state_shapes` names): (the axis split across ranks,
+    the model's channels along it that rank `rank` holds, in its order, the model's count of them).
+    Axis 0 of each is the layer; the Gated DeltaNet conv window holds q, k and v channels, the
+    recurrent state one matrix per value head."""
+    lin = cfg.linear
+    if lin is None:
+        return {}
+    kh, vh = _split(lin.num_key_heads, size, rank), _split(lin.num_value_heads, size, rank)
+    dk, dv, key = lin.key_head_dim, lin.value_head_dim, lin.num_key_heads * lin.key_head_dim
+    conv = [*range(kh[0] * dk, kh[1] * dk), *range(key + kh[0] * dk, key + kh[1] * dk),
+            *range(2 * key + vh[0] * dv, 2 * key + vh[1] * dv)]  # fmt: skip
+    return {"conv": (1, conv, lin.conv_dim), "recurrent": (1, list(range(*vh)), lin.num_value_heads)}
+
+
 def vocab_rows(vocab: int, size: int, rank: int) -> tuple[int, int, int]:
     """(first id, ids held, rows per rank): each rank holds ceil(V / n) rows, the last padded."""
     per = -(-vocab // size)
@@ -240,10 +260,12 @@ __all__ = [
     "VocabParallelEmbedding",
     "check_divisible",
     "gather_logits",
+    "kv_head_index",
     "kv_heads_of",
     "parallelize_",
     "shard_config",
     "shard_model",
     "shard_tensor",
+    "state_index",
     "vocab_rows",
 ]

@@ -23,6 +23,16 @@ from msgspec.structs import force_setattr
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
+class KVShard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One tensor-parallel rank's part of an export: its server, its lease and its own layout (the
+    rank's KV heads and state channels). The block ids are the handle's, the same on every rank."""
+
+    address: str
+    lease_id: str
+    layout_fingerprint: str
+    checksum: str | None = None
+
+
 class KVHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backend: str
     address: str  # "host:port" or "unix:/path/to.sock" of the exporter's server
@@ -35,6 +45,10 @@ class KVHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checksum: str | None = None  # "crc32:1a2b3c4d" or "blake2b:<hex>"
     lease_slot: int | None = None  # cuda_ipc: the lease's slot on the exporter's lease board (board.py)
     state_row: int | None = None  # cuda_ipc: the row of the exporter's state arena (state_arena.py)
+    # an exporter at tensor_parallel_size > 1: its size and each rank's part, rank order (the fields
+    # above then name rank 0's server and lease, and the model's unsharded layout)
+    tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    shards: tuple[KVShard, ...] = ()
 
     def __post_init__(self) -> None:
         force_setattr(self, "block_ids", tuple(int(b) for b in self.block_ids))
@@ -54,4 +68,4 @@ class KVExport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     generator_state: bytes | None = None  # torch.Generator.get_state() of a seeded request
 
 
-__all__ = ["KVExport", "KVHandle"]
+__all__ = ["KVExport", "KVHandle", "KVShard"]

@@ -47,8 +47,6 @@ def test_a_model_path_is_served_under_its_own_name_as_vllm_does(tmp_path):
 
 
 def test_refusals_say_why(capsys, tmp_path):
-    assert main(["serve", "--tensor-parallel-size", "2", "--mode", "disaggregated"]) == 2
-    assert "tensor parallelism in disaggregated mode is not supported yet" in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "missing.yaml")]) == 2
     assert "no such manifest file" in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "missing-model")]) == 2
@@ -76,8 +74,12 @@ def test_the_manifest_takes_vllm_names():
         parse_manifest("mode: colocated\nmodel: {tensor_parallel_size: 2}").tensor_parallel_size("colocated")
         == 2
     )
-    with pytest.raises(ManifestError, match="tensor parallelism in disaggregated mode is not supported yet"):
-        parse_manifest("model: {tensor_parallel_size: 2}")
+    pd = parse_manifest("model: {tensor_parallel_size: 2}\ndecode: {engine: {tensor_parallel_size: 1}}")
+    assert (pd.mode, pd.tensor_parallel_size("prefill"), pd.tensor_parallel_size("decode")) == (
+        "disaggregated",
+        2,
+        1,
+    )  # prefill and decode at different sizes (the KV moves between the layouts)
 
 
 def test_the_api_key_from_the_environment(monkeypatch):

@@ -35,12 +35,13 @@ def join(config: EngineConfig) -> tuple[TPGroup, RankProcesses | None]:
         raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1")
     if _WORKER_GROUP is not None:
         return _WORKER_GROUP, None
-    check_divisible(_model_config(config), config.tensor_parallel_size)  # before any rank starts
+    check_divisible(full_model_config(config), config.tensor_parallel_size)  # before any rank starts
     ranks = RankProcesses.start(config, config.torch_device())
     return ranks.group, ranks
 
 
-def _model_config(config: EngineConfig) -> ModelConfig:
+def full_model_config(config: EngineConfig) -> ModelConfig:
+    """The unsharded model's config (what every size splits)."""
     if is_random_source(config.model):
         return ModelConfig.from_hf(random_source_config(str(config.model)))
     hf = open_checkpoint(resolve_model_path(config.model)).hf_config
@@ -78,4 +79,4 @@ def wire_journal(
         runner.start(ranks, journal)  # type: ignore[attr-defined]
 
 
-__all__ = ["join", "load_shard", "wire_journal"]
+__all__ = ["full_model_config", "join", "load_shard", "wire_journal"]

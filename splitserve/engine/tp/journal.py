@@ -10,12 +10,16 @@ journal: they travel in the step itself.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
 
-Op = tuple[str, int, int]  # ("zero", slot, 0) | ("save", entry, slot) | ("restore", entry, slot)
+# ("zero", slot, 0) | ("save", entry, slot) | ("restore", entry, slot)
+# | ("put", slot, {rank: {name: tensor}}): a KV import's state, each rank's own channels
+Op = tuple[str, int, Any]
 
 
 class JournaledStatePool(StatePool):
@@ -26,6 +30,17 @@ class JournaledStatePool(StatePool):
         if slot is not None:
             self.journal.append(("zero", slot, 0))
         return slot
+
+    def put_ranks(self, slot: int, state: dict[str, torch.Tensor]) -> None:
+        """An imported request's state for the other ranks (`name@rank` keys of a tensor-parallel
+        fetch): each rank copies its own into `slot` before the next step, after the slot's zeroing."""
+        ranks: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in state.items():
+            name, _, rank = key.partition("@")
+            if rank:
+                ranks.setdefault(int(rank), {})[name] = t
+        if ranks:
+            self.journal.append(("put", slot, ranks))
 
 
 class JournaledCheckpoints(StateCheckpoints):
@@ -40,10 +55,15 @@ class JournaledCheckpoints(StateCheckpoints):
         self.journal.append(("restore", self._index[block_hash], slot))
 
 
-def replay(ops: list[Op], states: dict[str, torch.Tensor], checkpoints: StateCheckpoints | None) -> None:
+def replay(
+    ops: list[Op], states: dict[str, torch.Tensor], checkpoints: StateCheckpoints | None, rank: int
+) -> None:
     """Apply rank 0's operations to this rank's state pool and checkpoints."""
     for op, a, b in ops:
-        if op == "zero":
+        if op == "put":
+            for name, t in b.get(rank, {}).items():
+                states[name][a].copy_(t)
+        elif op == "zero":
             for t in states.values():
                 t[a].zero_()
         elif op == "save" and checkpoints is not None:

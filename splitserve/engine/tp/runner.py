@@ -108,7 +108,7 @@ def serve_rank(runner: ModelRunner, group: TPGroup, checkpoints: StateCheckpoint
         step: Step | None = group.broadcast()
         if step is None:
             return
-        replay(step.journal, runner.states, checkpoints)
+        replay(step.journal, runner.states, checkpoints, group.rank)
         chunks = [rebuild(s) for s in step.chunks]
         with torch.inference_mode(), _on_device(runner.device):
             runner._execute(chunks, None)

@@ -1,0 +1,185 @@
+"""Prefill and decode at different tensor-parallel sizes, engine to engine in one process (each engine
+at size 2 starts its rank 1 as a child process, fp32, gloo): a request prefilled at size P and decoded
+at size D gives the greedy tokens of one engine at size 1, for tiny random-weight Llama (one KV head,
+replicated on both ranks) and the Qwen3.5 hybrid (KV heads and Gated DeltaNet state channels split),
+for P/D 1/2, 2/1 and 2/2, over tcp and shm. Each decode rank is written only its own heads; every
+lease and block is free afterwards on both sides."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from kv_transfer_helpers import SECRET, random_prompts
+
+from splitserve import SamplingParams
+from splitserve.config.engine import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.kv_connector import KVConnector
+from splitserve.engine.tp.kv_routes import Plan
+from splitserve.engine.tp.pools import mapped
+from splitserve.model.config import ModelConfig
+from splitserve.model.parallel import kv_head_index
+from splitserve.model.random_weights import random_source_config
+from splitserve.transport import PeerRefused, TransportOptions
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = random_prompts((5, 37, 18), vocab=500, seed=7)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Engines:
+    """One engine (with its connector) per (model, size, backend, name), made on first use."""
+
+    def __init__(self) -> None:
+        self.made: dict[tuple, tuple[LLMEngine, KVConnector]] = {}
+
+    def get(
+        self, model: str, size: int, backend: str = "tcp", name: str = "a"
+    ) -> tuple[LLMEngine, KVConnector]:
+        key = (model, size, backend, name)
+        if key not in self.made:
+            config = EngineConfig(model=model, device="cpu", dtype="float32", max_model_len=128,
+                                  kv_cache_bytes=1 << 20, max_num_seqs=4, tensor_parallel_size=size,
+                                  kv_shared_memory=backend == "shm", progress=False)  # fmt: skip
+            engine = LLMEngine(config, tokenizer=None)
+            options = TransportOptions(lease_s=30.0, fetch_timeout_s=20.0)
+            self.made[key] = engine, KVConnector.open(engine, backend, secret=SECRET, options=options)
+        return self.made[key]
+
+    def close(self) -> None:
+        for engine, conn in self.made.values():
+            conn.close()
+            if engine.config.tensor_parallel_size > 1:
+                engine.runner.close()
+
+
+@pytest.fixture(scope="module")
+def engines():
+    made = Engines()
+    yield made
+    made.close()
+
+
+def _run(engine: LLMEngine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def _colocated(engine: LLMEngine) -> list[list[int]]:
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, GREEDY, request_id=f"c{i}")
+    done = _run(engine)
+    return [done[f"c{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
+
+
+def _disaggregated(p: LLMEngine, d: LLMEngine, tag: str) -> list[list[int]]:
+    for i, prompt in enumerate(PROMPTS):
+        p.add_request(prompt, GREEDY, request_id=f"{tag}p{i}", kv_transfer="export")
+    exported = _run(p)
+    for i, prompt in enumerate(PROMPTS):
+        out = exported[f"{tag}p{i}"]
+        d.add_request_with_kv(out.kv_export.handle, prompt, out.outputs[0].token_ids[0], GREEDY, f"{tag}d{i}")
+    done = _run(d)
+    return [done[f"{tag}d{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
+
+
+def _all_free(engine: LLMEngine, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        engine.free_released_kv()
+        free = (
+            engine.pool.num_free == engine.pool.num_blocks
+            and engine.states.num_free == engine.states.num_slots
+        )
+        if free or time.monotonic() > deadline:
+            return free
+        time.sleep(0.05)
+
+
+def _leases(conn: KVConnector) -> int:
+    """Leases still held, on every rank's transport."""
+    ranks = getattr(conn.transport, "ranks", [conn.transport])
+    return sum(t.describe()["leases"]["active"] for t in ranks)
+
+
+@pytest.mark.parametrize("model", ["random:tiny-llama", "random:qwen3.5-tiny"])
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 1), (2, 2)], ids=lambda s: f"P{s[0]}D{s[1]}")
+def test_pd_across_tensor_parallel_sizes_equals_colocated(engines, model, sizes):
+    reference = _colocated(engines.get(model, 1)[0])
+    assert any(len(set(t)) > 2 for t in reference)  # not a degenerate repeat
+    (p, pc), (d, dc) = engines.get(model, sizes[0]), engines.get(model, sizes[1], name="b")
+    assert _disaggregated(p, d, f"{sizes}") == reference
+    assert _all_free(d) and _all_free(p)
+    assert _leases(pc) == 0
+    if sizes[1] == 2:  # each decode rank was written its own heads only: the same bytes on both
+        written = dc.transport.describe()["tensor_parallel"]["fetched_bytes"]
+        assert written[0] == written[1] > 0
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)], ids=lambda s: f"P{s[0]}D{s[1]}")
+def test_the_hybrid_over_shm(engines, sizes):
+    model = "random:qwen3.5-tiny"
+    reference = _colocated(engines.get(model, 1)[0])
+    p, d = engines.get(model, sizes[0], "shm"), engines.get(model, sizes[1], "shm", name="b")
+    assert _disaggregated(p[0], d[0], f"shm{sizes}") == reference
+    assert _all_free(d[0]) and _all_free(p[0])
+
+
+def test_sizes_the_model_cannot_split_are_refused_naming_both():
+    cfg = ModelConfig.from_hf(random_source_config("random:tiny-llama"))
+    with pytest.raises(
+        PeerRefused, match="tensor_parallel_size 3 onto a decode replica at tensor_parallel_size 2"
+    ):
+        Plan.build(cfg, 3, 2)
+    plan = Plan.build(cfg, 2, 1)  # one KV head on both prefill ranks: read once, from rank 0
+    assert plan.needed == [0] and [r.src for r in plan.kv[0]] == [0]
+    hybrid = ModelConfig.from_hf(random_source_config("random:qwen3.5-tiny"))
+    plan = Plan.build(hybrid, 1, 2)  # each decode rank slices the one prefill rank's channels
+    assert plan.needed == [0] and len(plan.states["conv"][1][0].src_pos) < hybrid.linear.conv_dim
+
+
+def _rank_pools(engine: LLMEngine) -> list[torch.Tensor]:
+    if engine.config.tensor_parallel_size == 1:
+        return [engine.kv_cache]
+    return [engine.kv_cache, *(kv for kv, _ in mapped(engine.runner.group))]
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)], ids=lambda s: f"P{s[0]}D{s[1]}")
+def test_a_probe_moves_each_head_to_the_rank_that_owns_it(engines, sizes):
+    """A transport probe (what `splitserve verify` times) between the sizes: random bytes in the prefill
+    ranks' blocks land, head by head, in the decode ranks that own those heads, and nowhere else. The
+    handshake check (a worker rejoining after a role change) finds the exporter's rank layout."""
+    model = "random:qwen3.5-tiny"
+    (p, pc), (d, dc) = engines.get(model, sizes[0]), engines.get(model, sizes[1], name="b")
+    cfg = ModelConfig.from_hf(random_source_config(model))
+    lease, into = p.lease_blocks(3), d.lease_blocks(3, touch=True)
+    src, dst = _rank_pools(p), _rank_pools(d)
+    gen = torch.Generator().manual_seed(5)
+    for kv in src:
+        kv[lease.block_ids] = torch.randn(kv[lease.block_ids].shape, generator=gen)
+    handle = pc.transport.export("probe", lease.block_ids, lease.num_tokens, lease.state)
+    assert handle.tp_size == sizes[0] and len(handle.shards) == (sizes[0] if sizes[0] > 1 else 0)
+    peer = dc.check_peer(pc.transport.listen(), 5.0)
+    assert peer.num_kv_heads == len(kv_head_index(cfg, sizes[0], 0)) and peer.model_fingerprint
+    dc.fetch_blocks(handle, into.block_ids, 20.0)
+    dc.release(handle)
+    full = torch.empty((3, *src[0].shape[1:4], cfg.num_kv_heads, src[0].shape[5]))
+    for rank, kv in enumerate(src):  # the model's heads, from whichever prefill rank holds each
+        full[..., kv_head_index(cfg, sizes[0], rank), :] = kv[lease.block_ids]
+    for rank, kv in enumerate(dst):
+        assert torch.equal(kv[into.block_ids], full[..., kv_head_index(cfg, sizes[1], rank), :])
+    d.release_blocks(into)
+    assert _all_free(d) and _all_free(p)
