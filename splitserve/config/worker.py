@@ -46,6 +46,7 @@ class WorkerConfig:
     core_total: int = 0  # the host's cores the sharing workers split (at most this many threads)
     decode_pace_s: float = 0.0  # lending decode worker: at most one step per this while another is busy
     stream_interval: int = 1  # tokens a stream line holds at least (fewer only when it ends)
+    role_epoch: int = 0  # how many times the runtime changed this worker's role (wire/role.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

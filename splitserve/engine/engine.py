@@ -147,8 +147,14 @@ class LLMEngine:
         if compiled is not None and not compiled.done():
             self._compiling.add(compiled, children)  # queued by a step's poll once compiled
             return request_id
+        try:
+            for child in children:
+                grammar = compiled.result() if compiled else None
+                child.grammar = self.grammars.for_request(child.params, grammar, child.earlier_output)
+        except ValueError:  # a GrammarError: a resumed answer its grammar refuses
+            self.table.pop(request_id)
+            raise
         for child in children:
-            child.grammar = self.grammars.for_request(child.params, compiled.result() if compiled else None)
             self.scheduler.add(child)
         return request_id
 

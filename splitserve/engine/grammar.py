@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from splitserve.engine.thinking import ThinkingGate
-from splitserve.sampling.grammar_check import build_grammar
+from splitserve.sampling.grammar_check import GrammarError, build_grammar
 from splitserve.sampling.params import GrammarSpec, SamplingParams
 
 if TYPE_CHECKING:
@@ -125,14 +125,21 @@ class Grammars:
         return Matcher(compiled, self._json_safe if spec.kind in ("json", "json_object") else None)
 
     def for_request(
-        self, params: SamplingParams, compiled: xgrammar.CompiledGrammar | None = None
+        self,
+        params: SamplingParams,
+        compiled: xgrammar.CompiledGrammar | None = None,
+        earlier: Sequence[int] = (),
     ) -> Matcher | None:
         """A request's fresh matcher: its grammar (compiled, or waited for as `matcher` does) behind its
-        thinking block's gate; None for a request with neither."""
+        thinking block's gate, moved past a migrated request's `earlier` output (Request.earlier_output);
+        None for a request with neither. Raises GrammarError if the grammar refuses an earlier token."""
         if params.grammar is None and params.thinking is None:
             return None
         matcher = self.matcher(params.grammar, compiled) if params.grammar is not None else Matcher(None)
         matcher.gate = ThinkingGate(params.thinking) if params.thinking is not None else None
+        for i, token in enumerate(earlier):
+            if not matcher.accept(token):
+                raise GrammarError(f"the resumed answer's token {i} ({token}) is not in its grammar")
         return matcher
 
     def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
@@ -183,6 +190,12 @@ class Matcher:
     @property
     def thinking(self) -> bool:
         return self.gate is not None and self.gate.open
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether the next step's sampling depends on this step's token (a grammar to advance, or an
+        open thinking block whose end or budget it may reach); once a grammarless block is over, none."""
+        return self.matcher is not None or self.thinking
 
     @property
     def masks(self) -> bool:

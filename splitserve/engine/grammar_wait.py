@@ -43,10 +43,17 @@ class GrammarWaits:
             if not fut.done() and not self.grammars.late(since, self.timeout_s):
                 waiting.append((fut, children, since))
                 continue
-            error = self._error(fut)
-            for child in live:
+            error, matchers = self._error(fut), []
+            if error is None:
+                try:
+                    matchers = [
+                        self.grammars.for_request(c.params, fut.result(), c.earlier_output) for c in live
+                    ]
+                except GrammarError as exc:  # a resumed answer its grammar refuses
+                    error = exc
+            for child, matcher in zip(live, matchers or [None] * len(live), strict=True):
                 if error is None:
-                    child.grammar = self.grammars.for_request(child.params, fut.result())
+                    child.grammar = matcher
                     queue(child)
                 else:
                     child.status, child.finish_reason = Status.FINISHED, "abort"

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.engine.request import Request
+from splitserve.engine.sampler import replay_draw
 from splitserve.model.tokenizer import Tokenizer
 from splitserve.sampling.params import SamplingParams
 
@@ -79,6 +80,9 @@ class RequestFactory:
         if child_params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(child_params.seed)
+            if not child_params.greedy:  # a migrated request: past the draws of its earlier output
+                for _ in range(min(child_params.resumed, len(prompt_ids))):
+                    replay_draw(req.generator, self.vocab_size)
         if self.tokenizer is not None and child_params.detokenize:
             req.detokenizer = self.tokenizer.decode_stream(child_params.skip_special_tokens)
         return req

@@ -68,7 +68,8 @@ class TransferPort:
         if not self._table.holds(req):
             self._table.check_free(req.request_id)
             self.register(req)
-        req.grammar = self._grammars.for_request(req.params)  # the first token is replayed into it below
+        # a resumed answer's earlier output, then the first token (below), replayed into the matcher
+        req.grammar = self._grammars.for_request(req.params, None, req.earlier_output)
         self._scheduler.kv_loaded(req, computed)
         req.first_token_time = time.monotonic()
         self._scheduler.append_token(req, first_token, logprob)

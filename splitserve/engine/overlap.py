@@ -127,7 +127,7 @@ class OverlappedSteps:
             raise
         reqs = [c.request for c in sample_chunks]
         outputs: list[RequestOutput] = []
-        if inflight is not None and any(r.grammar is not None for r in reqs):
+        if inflight is not None and any(r.grammar is not None and r.grammar.needs_tokens for r in reqs):
             # the masks of this step need the pending step's tokens in the matchers: read it first (while
             # this step's forward runs), then fill the masks, then enqueue the masked sampling
             outputs, inflight = self._read(inflight), None

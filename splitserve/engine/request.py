@@ -90,6 +90,12 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def earlier_output(self) -> list[int]:
+        """A migrated request's own earlier output: its prompt's last `params.resumed` tokens."""
+        n = self.params.resumed
+        return self.prompt_token_ids[len(self.prompt_token_ids) - n :] if n else []
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -105,7 +105,9 @@ class Sampler:
             p = r.params
             if not p.has_penalties:
                 continue
-            out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+            out_ids = torch.tensor(
+                r.earlier_output + r.output_token_ids, dtype=torch.long, device=logits.device
+            )
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, device=logits.device).unique()
                 row = logits[i, seen]

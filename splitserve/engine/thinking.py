@@ -10,6 +10,10 @@ thinking, so `ThinkingGate` stands in front of the grammar's matcher (grammar.py
     one token a step: every other token's logit is -inf (`forced_token`);
   - when `end` has been sampled (or `forced` written), the block is over and the grammar takes every
     token from the next one on.
+For a model that opens the block itself (`start`: Qwen3's template leaves `<think>` to the model), the
+gate waits first: the answer's first tokens are compared with `start`; once they all match, the block
+is open and counting starts; at the first that does not, there is no block and the gate is done. Such a
+request carries no grammar (router/thinking.py refuses the pair): nothing is masked while it waits.
 Everything here is a function of the tokens the request has sampled, so a decode engine that replays
 the prefill's first token into a fresh gate (engine.py's `adopt`) is in the prefill's state.
 """
@@ -24,21 +28,30 @@ class ThinkingGate:
 
     def __init__(self, spec: ThinkingSpec) -> None:
         self.spec = spec
-        self.open = True  # the block has not ended
+        self.open = True  # the block has not ended (or, waiting for `start`, may still begin)
+        self._started = len(spec.start) == 0  # the block has begun (its `start` is written)
+        self._seen = 0  # tokens of `start` matched so far
         self.tokens = 0  # tokens sampled in the block, its end included
         self._recent: list[int] = []  # the last len(end) tokens sampled
         self._forcing = 0  # how many of `forced` are written (0: not forcing)
 
     def forced_token(self) -> int | None:
         """The token the next step must sample (the budget is spent), or None."""
-        if not self.open or self.spec.budget is None:
+        if not self.open or not self._started or self.spec.budget is None:
             return None
         if self._forcing == 0 and self.tokens < self.spec.budget:
             return None
         return self.spec.forced[self._forcing]
 
     def accept(self, token: int) -> None:
-        """A token sampled while the block is open."""
+        """A token sampled while the block is open (or may still begin)."""
+        if not self._started:
+            if token != self.spec.start[self._seen]:
+                self.open = False  # the answer opens no block
+                return
+            self._seen += 1
+            self._started = self._seen == len(self.spec.start)
+            return
         forced = self.forced_token()
         self.tokens += 1
         if forced is not None:

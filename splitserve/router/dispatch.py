@@ -40,6 +40,7 @@ from splitserve.router.worker_answers import (
     as_json,
     lines,
     piece,
+    stamp,
     stream_cut,
     timings,
     worker_error,
@@ -201,7 +202,7 @@ class Dispatcher:
         await self._pick("decode", prompt_ids, at)  # none ready: wait before a prefill holds KV for it
         pf = await self._pick("prefill", prompt_ids, at)
         body = PrefillRequest(prompt_token_ids=prompt_ids, sampling_params=params, request_id=rid,
-                              resumed=resumed)  # fmt: skip
+                              resumed=resumed, stamp=stamp(pf))  # fmt: skip
         start = time.perf_counter()
         pf.inflight += 1
         try:
@@ -241,7 +242,7 @@ class Dispatcher:
         dbody = DecodeRequest(
             prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob,
             kv_export=kv_export, sampling_params=params, request_id=rid, timeout_s=t.kv_transfer_s,
-            stream=True, resumed=resumed,
+            stream=True, resumed=resumed, stamp=stamp(dc),
         )  # fmt: skip
         claimed = False
         try:

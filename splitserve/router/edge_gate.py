@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from splitserve.router.access_log import record
-from splitserve.router.gate import GATED
+from splitserve.router.gate import GATED, GATED_PREFIXES
 
 log = logging.getLogger("splitserve.access")
 
@@ -22,7 +22,7 @@ class EdgeGate:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
-        if path in GATED or path.startswith("/v1/models/"):
+        if path in GATED or path.startswith(GATED_PREFIXES):
             start = time.perf_counter()
             try:
                 server = self.get()

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # the routes that want a key (unknown paths go on to their 404)
 GATED = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
          "/admin/deployment"}  # fmt: skip
+GATED_PREFIXES = ("/v1/models/", "/admin/")  # and every path under these
 MAX_CLIENTS = 1 << 16  # buckets kept; the least recently seen client's is dropped past this
 LOG_LINES_PER_S = 10  # refusals logged a second at most (bursts of 5 s worth)
 
@@ -102,4 +103,4 @@ def _bearer(scope: dict) -> bytes | None:
     return None
 
 
-__all__ = ["GATED", "Gate", "TokenBuckets"]
+__all__ = ["GATED", "GATED_PREFIXES", "Gate", "TokenBuckets"]

@@ -13,17 +13,22 @@ The router knows a choice's prompt and every token it has streamed. A choice's l
      the client sees one unbroken stream. A prefill worker's fault is a migration with nothing
      streamed: the prompt is prefilled again.
   3. Anything else ends the choice with its error, as without migration: the input refused, a stage's
-     deadline, the request's own deadline, a grammar-constrained choice that has streamed tokens (its
-     grammar's matcher would start over on the new worker), or more than `router.max_migrations`
-     faults (so a request that kills every worker it lands on stops after that many).
+     deadline, the request's own deadline, or more than `router.max_migrations` faults (so a request
+     that kills every worker it lands on stops after that many).
+A worker that changed role since it was picked answers 409 `stale_role` before it starts anything:
+the choice picks again, another worker (`REPICKS` times at most), which is neither a fault nor a
+migration. A worker
+that changes role hands back what is still in flight at its drain deadline (`role_changed`): those
+choices migrate.
 Every migration is logged (one WARNING line: `migrated`, the cause, the worker, the tokens streamed)
 and counted (`splitserve:request_migrations` by cause). While every worker of a role is (re)starting,
 a request waits for one (`Dispatcher._pick`), within its deadline and `router.worker_wait_s`.
 
 Greedy choices are token-exact with a fault-free run: the next token's logits come from a prefill of
 the same tokens instead of a decode step, equal up to floating-point rounding (see docs/restarts.md).
-A seeded sampled choice restarts its random generator from the seed at the migration: it stays
-reproducible, but differs from the fault-free run after that point.
+So are seeded sampled ones, and constrained ones keep their grammar: the new worker's engine takes the
+`resumed` tokens as the request's own output (sampling/params.py), its seeded generator moved past
+their draws, its grammar's matcher and thinking gate past the tokens themselves.
 """
 
 from __future__ import annotations
@@ -53,8 +58,11 @@ FAULTS = {
     # after its answer), so it is the one avoided (`transport.policy: recompute` never gets here)
     "kv_transfer_failed": "KV transfer failed",
     "kv_transport": "KV transport failed",
+    "role_changed": "worker changed role",  # still in flight when its drain ended (runtime/role_switch.py)
 }
 KV_FAULTS = ("kv_transfer_failed", "kv_transport")  # not a timeout: an overloaded decode worker is no fault
+REPICK = "stale_role"  # a worker's answer: it changed role since it was picked
+REPICKS = 8  # 409 stale_role answers one choice takes (a worker picked just as it changed role)
 AVOID_S = 10.0  # a worker that failed a choice is not picked for it again for this long (same address)
 
 
@@ -102,25 +110,33 @@ async def migrating(
     deadline: float | None = None,
     on_migrated: Callable[[str], None] | None = None,
 ) -> AsyncIterator[Any]:
-    """The choice's pieces, over as many attempts as its faults take (see the module doc)."""
+    """The choice's pieces, over as many attempts as its faults take (see the module doc).
+    `on_migrated(cause)` is told of each migration, and of each re-pick (`REPICK`)."""
     streamed: list[int] = []
     at = Attempt(deadline)
-    migrations = 0
+    migrations = repicks = 0
     while True:
         rid = request_id if not migrations else f"{request_id}-m{migrations}"
+        rid = rid if not repicks else f"{rid}-r{repicks}"
         try:
             async for piece in attempt(index, prompt_ids + streamed, params, rid, len(streamed), at):
                 streamed += piece.token_ids
                 yield piece
             return
         except APIError as exc:
+            if exc.code == REPICK and repicks < REPICKS:
+                repicks += 1
+                if at.worker is not None:  # the router's view of it lags: another worker for this choice
+                    at.avoid[(at.worker.name, at.worker.url)] = time.perf_counter() + AVOID_S
+                    at.worker = None
+                log.info("request %s: choice %d picks again: %s", request_id, index, exc.message)
+                if on_migrated is not None:
+                    on_migrated(REPICK)
+                continue
             cause = fault_cause(exc)
             worker = at.worker
             late = deadline is not None and time.perf_counter() >= deadline
-            # a grammar's matcher would restart at the migration point: constrained choices migrate only
-            # before their first token
-            constrained = params.grammar is not None and bool(streamed)
-            if cause is None or worker is None or late or constrained or config.on_fault == "fail":
+            if cause is None or worker is None or late or config.on_fault == "fail":
                 raise
             if migrations >= config.max_migrations:
                 log.warning("request %s: choice %d not migrated: %d migrations already (%s on %s)",
@@ -136,8 +152,9 @@ async def migrating(
 
 
 def migration_counter(registry: CollectorRegistry, model: str) -> Callable[[str], None]:
-    """`splitserve:request_migrations{model_name, cause}` in `registry`, each cause at 0 from the start;
-    -> the call that counts one migration."""
+    """`splitserve:request_migrations{model_name, cause}` in `registry`, each cause at 0 from the start,
+    and `splitserve:request_repicks{model_name}`; -> the call that counts one migration by its cause, or
+    one re-pick (`REPICK`)."""
     counter = Counter(
         "splitserve:request_migrations",
         "Choices of requests moved to another worker after a worker's fault, by cause",
@@ -146,7 +163,18 @@ def migration_counter(registry: CollectorRegistry, model: str) -> Callable[[str]
     )
     for cause in FAULTS:
         counter.labels(model, cause)
-    return lambda cause: counter.labels(model, cause).inc()
+    why = "Choices picked again after a worker answered that it changed role (409 stale_role)"
+    repicks = Counter("splitserve:request_repicks", why, ["model_name"], registry=registry).labels(model)
+    return lambda cause: repicks.inc() if cause == REPICK else counter.labels(model, cause).inc()
 
 
-__all__ = ["FAULTS", "KV_FAULTS", "Attempt", "fault_cause", "migrating", "migration_counter"]
+__all__ = [
+    "FAULTS",
+    "KV_FAULTS",
+    "REPICK",
+    "REPICKS",
+    "Attempt",
+    "fault_cause",
+    "migrating",
+    "migration_counter",
+]

@@ -1,7 +1,7 @@
 """The API's routes and error handlers on a FastAPI app: the generating routes (endpoints.py), the
-utility routes (utility_routes.py: tokenize, detokenize, ...), models, /admin/deployment, /health and
-/metrics, behind the access log, the docs guard and error containment. Errors: an `APIError` answers
-its own status and OpenAI-style body; any other exception is a 500 that names only its type.
+utility routes (utility_routes.py: tokenize, detokenize, ...), models, the admin routes (admin.py),
+/health and /metrics, behind the access log, the docs guard and error containment. Errors: an `APIError`
+answers its own status and OpenAI-style body; any other exception is a 500 that names only its type.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from splitserve.router import endpoints
 from splitserve.router.access_log import AccessLog
+from splitserve.router.admin import install_admin_routes
 from splitserve.router.contain import ContainErrors
 from splitserve.router.edge_gate import EdgeGate
 from splitserve.router.guard import METRICS_TYPE, DocsGuard, MetricsEndpoint
@@ -89,10 +90,7 @@ def install_routes(app: FastAPI, get: Callable[[], OpenAIServer]) -> None:
 
     install_utility_routes(app, get)
 
-    @app.get("/admin/deployment")
-    async def deployment(request: Request) -> dict:
-        get().check_auth(request)
-        return get().deployment()
+    install_admin_routes(app, get)
 
     @app.get("/health")
     async def health() -> JSONResponse:

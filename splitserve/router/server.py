@@ -43,6 +43,7 @@ from splitserve.router.parsers import chosen_parsers
 from splitserve.router.tools import template_knows_tools
 from splitserve.router.vllm_metrics import VllmMetrics
 from splitserve.wire.ops import ProbeResult
+from splitserve.wire.role import RoleChangeRequest, RoleChangeResult
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ class OpenAIServer:
         self.runs: set[Any] = set()
         self.itl = self.metrics.itl.labels(info.served_name)
         self.generated = self.metrics.generation_tokens.labels(info.served_name)
+        # POST /admin/workers/{name}/role: the runtime's role change (runtime/role_switch.py), where its
+        # runtime has one
+        self.change_role: Callable[[str, RoleChangeRequest], Awaitable[RoleChangeResult]] | None = None
 
     def _migrated(self, cause: str) -> None:
         self._count_migration(cause)

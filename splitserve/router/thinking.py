@@ -11,6 +11,9 @@ template's reasoning shape, parsers/reasoning.py).
     params carry `thinking` (sampling/params.py) whenever the answer is constrained (the grammar then
     holds only what follows `</think>`) or a `thinking_token_budget` (vLLM's name) bounds it: after that
     many tokens the engine writes `\\n</think>\\n\\n` and the answer begins.
+  - When the model opens the block itself (Qwen3's template leaves `<think>` to it), a budget still
+    holds: `thinking.start` makes the engine wait for the answer's `<think>`. With a constrained answer
+    that is a 400: the grammar holds from the first token, so the model could not open the block.
   - `ThinkingTokens` counts each choice's thinking tokens off its token ids, for usage's
     `completion_tokens_details.reasoning_tokens`: the block's tokens, its `<think>` and `</think>` included.
 """
@@ -64,15 +67,22 @@ def thinking_params(
         if budget is not None and reasoning is None:
             raise APIError(400, "thinking_token_budget: this model does not think (its chat template has no "
                            "thinking block)", param="thinking_token_budget")  # fmt: skip
-        if budget is not None and not prompt_tail.rstrip().endswith(END_THINK):  # not thinking off
-            raise APIError(400, "thinking_token_budget: this model's prompt does not open its thinking "
-                           "block, so the budget cannot be held", param="thinking_token_budget")  # fmt: skip
-        return None
+        if budget is None or prompt_tail.rstrip().endswith(END_THINK):  # no budget, or thinking off
+            return None
+        if constrained:  # the grammar holds from the answer's first token: no room to open a block
+            raise APIError(400, "thinking_token_budget with a constrained answer (response_format, a "
+                           "forced tool call) needs a chat template whose prompt opens the thinking block; "
+                           "this model opens it itself", param="thinking_token_budget")  # fmt: skip
+        start = tokenizer.encode(THINK, add_special_tokens=False)  # the model writes <think> first
+        return ThinkingSpec(tuple(_ids(tokenizer, END_THINK)), tuple(_ids(tokenizer, FORCED_END)), budget,
+                            tuple(start))  # fmt: skip
     if not constrained and budget is None:
         return None
-    end = tokenizer.encode(END_THINK, add_special_tokens=False)
-    forced = tokenizer.encode(FORCED_END, add_special_tokens=False)
-    return ThinkingSpec(tuple(end), tuple(forced), budget)
+    return ThinkingSpec(tuple(_ids(tokenizer, END_THINK)), tuple(_ids(tokenizer, FORCED_END)), budget)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 class ThinkingTokens:

@@ -14,6 +14,7 @@ import msgspec
 from splitserve.router.openai_protocol import APIError
 from splitserve.sampling.logprobs import TokenLogprob
 from splitserve.wire.http import StreamLine, Timings
+from splitserve.wire.role import ROLE_CHANGED, RoleStamp
 
 
 class WorkerEndpoint(Protocol):
@@ -58,6 +59,9 @@ async def lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
 
 
 def piece(worker: WorkerEndpoint, line: StreamLine, index: int) -> Piece:
+    if line.finished and line.finish_reason == ROLE_CHANGED:
+        raise APIError(503, f"worker {worker.name} changed role under the request", type="server_error",
+                       code=ROLE_CHANGED)  # fmt: skip
     if line.finished and line.finish_reason in (None, "abort", "error"):
         raise APIError(
             502,
@@ -67,6 +71,13 @@ def piece(worker: WorkerEndpoint, line: StreamLine, index: int) -> Piece:
         )
     return Piece(index, line.token_ids, line.text, line.logprobs, line.finish_reason, line.finished,
                  timings(line.timings))  # fmt: skip
+
+
+def stamp(worker: WorkerEndpoint) -> RoleStamp | None:
+    """The role and epoch `worker` was picked under, for its worker to check (None: the runtime keeps
+    no role epochs)."""
+    epoch = getattr(worker, "epoch", None)
+    return None if epoch is None else RoleStamp(worker.role, epoch)
 
 
 def timings(t: Timings | None) -> dict[str, Any]:
@@ -104,6 +115,8 @@ def worker_error(worker: WorkerEndpoint, status: int, content: bytes) -> APIErro
         message, kind = content[:200].decode(errors="replace"), ""
     if status == 400:
         return APIError(400, message or "the worker refused the request")
+    if status == 409 and kind == "stale_role":  # it changed role since it was picked: pick again (migrate.py)
+        return APIError(409, f"{worker.name}: {message}", type="server_error", code="stale_role")
     if status == 504:
         return APIError(504, f"{worker.name}: {message}", type="timeout", code="kv_transfer_timeout")
     if status == 503:
@@ -125,6 +138,7 @@ __all__ = [
     "as_json",
     "lines",
     "piece",
+    "stamp",
     "stream_cut",
     "timings",
     "worker_error",

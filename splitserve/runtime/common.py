@@ -27,6 +27,11 @@ def worker_argv(
     deployment's secret in the environment variable `secret_env`: it keys the KV handshake and the
     worker API's token. `core_share`: the local runtime's file of lent cores (`lending_slots`)."""
     config = worker_config(manifest, role, index, "-", "127.0.0.1", core_share)
+    return config_argv(manifest, config, secret_env)
+
+
+def config_argv(manifest: Manifest, config: WorkerConfig, secret_env: str) -> list[str]:
+    """A worker's command line for `config` (see `worker_argv`)."""
     spec = config.to_json(include_secret=False)
     argv = [sys.executable, "-m", "splitserve.worker.main", "--spec", spec, "--kv-secret-env", secret_env,
             "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
@@ -182,6 +187,7 @@ def describe_worker(w: WorkerView, **extra: Any) -> dict:
 
 __all__ = [
     "WorkerView",
+    "config_argv",
     "core_share_file",
     "cpu_workers",
     "describe_worker",

@@ -33,6 +33,7 @@ from splitserve.router.stats_log import StatsLogger
 from splitserve.router.warmup import warm_up
 from splitserve.runtime import startup_report
 from splitserve.runtime.local import LocalRuntime
+from splitserve.runtime.role_switch import RoleSwitcher
 from splitserve.runtime.start_gate import StartGate
 from splitserve.runtime.startup_report import phases
 from splitserve.runtime.zygote import Zygote
@@ -161,6 +162,9 @@ async def _start(
         manifest, runtime, tokenizer, info, runtime.describe, lambda: _worker_stats(runtime),
         runtime.worker_headers,
     )  # fmt: skip
+    # POST /admin/workers/{name}/role, and a scaling controller's entry point (runtime.change_role)
+    switcher = RoleSwitcher(runtime, api.metrics.registry, info.served_name)
+    api.change_role = runtime.change_role = switcher.switch
     prober = KVProber(manifest, runtime.ready, api.on_probe, runtime.worker_headers)
     stats_line = StatsLogger(api, manifest.server.log_stats_interval_s)
 

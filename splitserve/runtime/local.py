@@ -25,7 +25,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -42,6 +42,7 @@ from splitserve.runtime.zygote import wanted as zygote_wanted
 from splitserve.tempdirs import CORE_SOCKETS, sweep_stale
 from splitserve.wire.auth import worker_headers
 from splitserve.wire.lifecycle import Launch
+from splitserve.wire.role import RoleChangeRequest, RoleChangeResult
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class WorkerProcess:
     role: str
     argv: list[str]
     env: dict[str, str] = field(repr=False)
-    state: str = "new"  # new | starting | ready | restarting | failed | stopped
+    state: str = "new"  # new | starting | ready | restarting | failed | stopped | draining | switching
     url: str | None = None
     kv_address: str | None = None
     info: dict = field(default_factory=dict)  # the worker's ready line / last /health
@@ -71,6 +72,7 @@ class WorkerProcess:
     startup_s: float | None = None  # the last spawn -> ready time
     last_exit: int | None = None
     inflight: int = 0  # the router's count of requests on this worker
+    epoch: int = 0  # its role epoch: role changes so far (runtime/role_switch.py), stamped on calls
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
 
     @property
@@ -82,7 +84,7 @@ class WorkerProcess:
         return self.proc.pid if self.proc is not None else None
 
     def describe(self) -> dict:
-        return describe_worker(self)
+        return describe_worker(self, role_epoch=self.epoch)
 
 
 @dataclass
@@ -117,6 +119,8 @@ class LocalRuntime:
         self.mps: MpsPlan | None = None  # what start() decided about CUDA MPS (runtime/mps.py)
         self._mps_daemon: MpsDaemon | None = None
         self.zygote = zygote  # the engine-core fork server (runtime/zygote.py), if begun already
+        # a worker's role change (runtime/role_switch.py), once launch.py made it: for a scaling controller
+        self.change_role: Callable[[str, RoleChangeRequest], Awaitable[RoleChangeResult]] | None = None
 
     def ready(self, role: str) -> list[WorkerProcess]:
         return [w for w in self.workers if w.role == role and w.ready]

@@ -58,16 +58,20 @@ class ThinkingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the thinking free of the grammar, which constrains only what follows the block's end, and may bound
     it (engine/thinking.py). `end`: the token ids that end the block (`</think>`); `forced`: those written
     in its place once `budget` thinking tokens have been sampled (empty: `end`); `budget`: None for no
-    bound (vLLM's `thinking_token_budget`)."""
+    bound (vLLM's `thinking_token_budget`); `start`: for a model that opens the block itself (its prompt
+    does not), the ids that open it: the block begins once the answer's first tokens are these, and there
+    is none if they are not (empty: the prompt opened it)."""
 
     end: tuple[int, ...]
     forced: tuple[int, ...] = ()
     budget: int | None = None
+    start: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         force_setattr(self, "end", tuple(self.end))
         force_setattr(self, "forced", tuple(self.forced) or tuple(self.end))
-        ids = self.end + self.forced
+        force_setattr(self, "start", tuple(self.start))
+        ids = self.end + self.forced + self.start
         if not self.end or not all(_int_in(t, 0, _INT32) for t in ids):
             raise ValueError("thinking.end and thinking.forced must be token ids, end at least one")
         if self.budget is not None and not _int_in(self.budget, 0, _INT32):
@@ -95,6 +99,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     detokenize: bool = True
     grammar: GrammarSpec | None = None  # a dict of its fields is taken too
     thinking: ThinkingSpec | None = None  # likewise
+    # a migrated request (router/migrate.py): its prompt's last `resumed` tokens are its own earlier
+    # output. A seeded generator is moved past their draws and the presence and frequency penalties
+    # count them, so the tokens after the migration are those of a run without it
+    resumed: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -153,6 +161,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (self.repetition_penalty > 0, "repetition_penalty must be positive"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
             (self.min_tokens >= 0, "min_tokens must be non-negative"),
+            (isinstance(self.resumed, int) and self.resumed >= 0, "resumed must be a non-negative integer"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
         ]

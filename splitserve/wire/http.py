@@ -10,8 +10,12 @@ structs, JSON on the wire, the same definition on both sides.
     POST /kv/probe/export  ProbeExportRequest -> ProbeExported (wire/ops.py)
     POST /kv/probe         ProbeRequest    -> ProbeResult (wire/ops.py)
     POST /debug/faults     FaultKnobs (wire/ops.py) -> FaultsSet
+    POST /role/prepare     (no body) -> Ok: a role change's drain has begun (wire/role.py)
+    POST /role             RoleSwitch (wire/role.py) -> Health (wire/stats.py)
     GET  /stats            WorkerStats (wire/stats.py);  GET /health: Health (wire/stats.py)
 
+/prefill, /decode and /kv/* take an optional `stamp` (wire/role.py): the role and role epoch the caller
+picked the worker under; a worker whose own differ answers 409 `stale_role`.
 Decoding checks every field (types, ranges, no unknown field; sampling params by `SamplingParams`'s
 own checks), and a body that fails is a 400 with msgspec's message naming the field.
 """
@@ -25,6 +29,7 @@ import msgspec
 from splitserve.sampling.logprobs import TokenLogprob
 from splitserve.sampling.params import SamplingParams
 from splitserve.wire.kv_handle import KVExport
+from splitserve.wire.role import RoleStamp
 
 NonEmptyIds = Annotated[list[int], msgspec.Meta(min_length=1)]
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -63,6 +68,7 @@ class PrefillRequest(_Body):
     # that failed; the engine prefills them with the prompt, max_tokens and min_tokens count them, and
     # the text stream goes on after them
     resumed: NonNegative = 0
+    stamp: RoleStamp | None = None  # the role and epoch the caller picked this worker under
 
     def prompt_input(self) -> str | list[int]:
         return _prompt_input(self.prompt, self.prompt_token_ids)
@@ -92,6 +98,7 @@ class DecodeRequest(_Body):
     timeout_s: Positive | None = None  # room + fetch; default --kv-fetch-timeout-s
     stream: bool = True
     resumed: NonNegative = 0  # as PrefillRequest.resumed
+    stamp: RoleStamp | None = None  # as PrefillRequest.stamp
 
 
 class GenerateRequest(_Body):
@@ -114,20 +121,24 @@ class ReleaseRequest(_Body):
     """Give back an export's blocks now (e.g. its decode peer was refused and cannot release it)."""
 
     kv_export: KVExport  # as /prefill returned it
+    stamp: RoleStamp | None = None  # as PrefillRequest.stamp
 
 
 class PeerRequest(_Body):
     address: str  # a prefill worker's kv_address (from its /health)
     timeout_s: Positive = 5.0
+    stamp: RoleStamp | None = None
 
 
 class ProbeExportRequest(_Body):
     num_blocks: Annotated[int, msgspec.Meta(ge=1)] = 64
+    stamp: RoleStamp | None = None
 
 
 class ProbeRequest(_Body):
     kv_export: KVExport  # as /kv/probe/export returned it
     timeout_s: Positive = 30.0
+    stamp: RoleStamp | None = None
 
 
 class StreamLine(msgspec.Struct, omit_defaults=False):

@@ -59,6 +59,7 @@ class Health(msgspec.Struct):
     startup: dict[str, float]  # this process's age at the end of each start-up phase, by phase
     engine: EngineSettings
     pid: int | None = None  # the front end's (set by the worker, not the core)
+    role_epoch: int = 0  # how many times the worker changed role (wire/role.py; set by the worker)
 
 
 class BlockCounts(msgspec.Struct):

@@ -4,7 +4,9 @@ Errors are `{"error": {"type", "message", ...}}` with a status that says what to
 engine core picks it, core/errors.py's `error_info`):
 400 a bad request or an endpoint this role does not serve; 403 the KV peer could not prove the shared
 secret; 409 the KV peer's layout differs (the list of differences is in `mismatches`); 503 no room
-in time or the engine is gone; 504 the KV fetch ran past its deadline; 502 any other transfer failure.
+in time or the engine is gone; 409 `stale_role` a call stamped with a role or role epoch this worker
+no longer has, or made while it changes role (wire/role.py); 504 the KV fetch ran past its deadline;
+502 any other transfer failure.
 A /decode or /generate stream answers its status before the first line: a failed KV import
 (policy "fail") is an HTTP error, never a half-written stream.
 """
@@ -25,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from splitserve.config.worker import WorkerConfig
 from splitserve.web.edge_guard import ReadLimits, guarded_protocol
 from splitserve.web.listen import KEEP_ALIVE_S, listen
 from splitserve.wire.auth import worker_token
@@ -42,9 +45,10 @@ from splitserve.wire.http import (
     StreamLine,
 )
 from splitserve.wire.ops import FaultKnobs, Ok
+from splitserve.wire.role import ROLE_CHANGED, RoleSwitch
 from splitserve.worker.core_client import CoreDead
 from splitserve.worker.metrics import render_worker_metrics
-from splitserve.worker.service import Worker
+from splitserve.worker.service import StaleRole, Worker
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,11 @@ def _install_errors(app: FastAPI) -> None:
         if info.request_id is not None:
             extra["request_id"] = info.request_id
         return _error(info.status, info.type, info.message, **extra)
+
+    @app.exception_handler(StaleRole)
+    async def stale_role(_: Request, exc: StaleRole) -> JSONResponse:
+        return _error(409, "stale_role", str(exc), param=None, code="stale_role", role=exc.role,
+                      epoch=exc.epoch)  # fmt: skip
 
     @app.exception_handler(CoreDead)
     async def core_dead(_: Request, exc: CoreDead) -> JSONResponse:
@@ -104,14 +113,20 @@ async def _ndjson(lines: AsyncIterator[StreamLine], stream: bool) -> StreamingRe
 
     async def body() -> AsyncIterator[bytes]:
         encode = LINE_ENCODER.encode
+        sent = 0
         try:
             if first is not None:
                 yield encode(first) + b"\n"
+                sent += len(first.token_ids)
             async for line in lines:
                 yield encode(line) + b"\n"
+                sent += len(line.token_ids)
         except (CoreDead, CoreError) as exc:  # the core died (or failed it) mid-stream: one line, no
             # traceback; the stream ends without a finished line, which the router counts as a cut
             rid = first.request_id if first is not None else "-"
+            if isinstance(exc, CoreError) and exc.info.type == ROLE_CHANGED:  # the router migrates it
+                yield encode(StreamLine(rid, sent, [], "", True, ROLE_CHANGED)) + b"\n"
+                return
             log.warning("stream of %s cut: %s: %s", rid, type(exc).__name__, exc)
         finally:
             with contextlib.suppress(Exception):
@@ -206,20 +221,35 @@ def build_app(worker: Worker, on_ready: Callable[[], None] | None = None) -> Fas
     @app.post("/kv/connect")
     async def connect(request: Request) -> Response:
         req = await _body(request, PeerRequest)
-        return _json(await worker.check_peer(req.address, req.timeout_s))
+        return _json(await worker.check_peer(req.address, req.timeout_s, req.stamp))
 
     @app.post("/kv/release")
     async def release(request: Request) -> Response:
-        return _json(await worker.release((await _body(request, ReleaseRequest)).kv_export))
+        req = await _body(request, ReleaseRequest)
+        return _json(await worker.release(req.kv_export, req.stamp))
 
     @app.post("/kv/probe/export")
     async def probe_export(request: Request) -> Response:
-        return _json(await worker.probe_export((await _body(request, ProbeExportRequest)).num_blocks))
+        req = await _body(request, ProbeExportRequest)
+        return _json(await worker.probe_export(req.num_blocks, req.stamp))
 
     @app.post("/kv/probe")
     async def probe(request: Request) -> Response:
         req = await _body(request, ProbeRequest)
-        return _json(await worker.probe(req.kv_export, req.timeout_s))
+        return _json(await worker.probe(req.kv_export, req.timeout_s, req.stamp))
+
+    @app.post("/role/prepare")
+    async def prepare_role() -> Response:
+        """The runtime's, as a role change's drain begins: start the next engine core's imports."""
+        worker.prepare_role()
+        return _json(Ok())
+
+    @app.post("/role")
+    async def role(request: Request) -> Response:
+        """The runtime's: restart the engine core in another role (Worker.change_role)."""
+        spec = (await _body(request, RoleSwitch)).spec
+        config = WorkerConfig.from_json(spec, kv_secret=worker.config.kv_secret)
+        return _json(await worker.change_role(config))
 
     @app.post("/debug/faults")
     async def faults(request: Request) -> Response:

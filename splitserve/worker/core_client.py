@@ -304,6 +304,20 @@ class CoreClient:
         if self.on_death is not None:
             self.on_death(why)
 
+    def fail_all(self, info: wire.ErrorInfo) -> int:
+        """Fail every request and operation in flight with `info` (their callers answer its status),
+        and take no more: the core is about to be replaced. -> how many requests."""
+        self.dead = info.message
+        err = wire.CoreError(info)
+        failed = len(self.streams)
+        for s in self.streams.values():
+            s.fail(err)
+        self.streams.clear()
+        for fut in self.calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        return failed
+
     # ---- stop ------------------------------------------------------------------------------------
 
     def close(self, timeout_s: float = 10.0) -> None:

@@ -6,6 +6,7 @@ a disaggregated request are told there)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -33,11 +34,23 @@ from splitserve.wire.http import (
     Timings,
 )
 from splitserve.wire.kv_handle import KVExport
+from splitserve.wire.role import ROLE_CHANGED, RoleStamp
 from splitserve.wire.stats import Health, WorkerStats
-from splitserve.worker.core_client import CoreClient, RequestStream
+from splitserve.worker.core_client import CoreClient, CoreDead, RequestStream
 from splitserve.worker.text_stream import TextStream
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
+SWITCHABLE = ("prefill", "decode")
+
+
+class StaleRole(Exception):
+    """A call made for a role or role epoch this worker no longer has, or made while it changes role:
+    answered 409 `stale_role`, on which the router picks a worker again."""
+
+    def __init__(self, message: str, role: str, epoch: int) -> None:
+        super().__init__(message)
+        self.role, self.epoch = role, epoch
 
 
 class Worker:
@@ -61,6 +74,8 @@ class Worker:
         self.kv_address: str | None = self.info.kv_address
         self._ids = itertools.count()
         self._tag = secrets.token_hex(4)  # request ids unique across workers: decode keeps them
+        self.switching = False  # the engine core is being replaced for another role (change_role)
+        self.next_core: CoreClient | None = None  # a core started ahead of a role change (prepare_role)
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """From the event loop that serves HTTP, before the first request."""
@@ -72,9 +87,20 @@ class Worker:
     def _new_id(self, kind: str) -> str:
         return f"{kind}-{self._tag}-{next(self._ids)}"
 
-    def _need(self, role: str) -> None:
+    def _need(self, role: str, stamp: RoleStamp | None = None) -> None:
+        self._check_stamp(stamp)
         if self.config.role != role:
             raise RoleError(f"this is a {self.config.role} worker: only a {role} worker serves that")
+
+    def _check_stamp(self, stamp: RoleStamp | None) -> None:
+        """409 for a call stamped with another role or epoch than this worker's, or made while it changes
+        role (stamped or not)."""
+        role, epoch = self.config.role, self.config.role_epoch
+        if self.switching:
+            raise StaleRole(f"this worker is changing role (from {role}, epoch {epoch})", role, epoch)
+        if stamp is not None and (stamp.role != role or stamp.epoch != epoch):
+            raise StaleRole(f"this worker is a {role} worker at role epoch {epoch}; the call was made for a "
+                            f"{stamp.role} worker at epoch {stamp.epoch}", role, epoch)  # fmt: skip
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
@@ -101,7 +127,7 @@ class Worker:
     # ---- requests --------------------------------------------------------------------------------
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
-        self._need("prefill")
+        self._need("prefill", req.stamp)
         params = await self._params(req.sampling_params)
         ids = self._prompt_ids(req.prompt_input())
         rid = req.request_id or self._new_id("pf")
@@ -134,7 +160,7 @@ class Worker:
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[StreamLine]:
         """Lines from the first token on; a failed import (CoreError) comes before the first line."""
-        self._need("decode")
+        self._need("decode", req.stamp)
         params = await self._params(req.sampling_params)
         rid = req.request_id or req.kv_export.handle.request_id or self._new_id("dc")
         ids = list(req.prompt_token_ids)
@@ -202,36 +228,84 @@ class Worker:
         status = "ok" if self.alive() else "engine_dead"
         if status == "ok" and self.client.stopped():
             status = "engine_stopped"  # answered with a 503: missed health checks get it replaced
-        return replace(self.info, status=status, pid=os.getpid())
+        if status == "ok" and self.switching:
+            status = "switching"
+        return replace(self.info, status=status, pid=os.getpid(), role_epoch=self.config.role_epoch)
 
     async def stats(self) -> WorkerStats:
         return _expect(await self.client.call(ops.GetStats(self.client.call_id())), WorkerStats)
 
-    async def check_peer(self, address: str, timeout_s: float) -> ops.PeerChecked:
+    async def check_peer(
+        self, address: str, timeout_s: float, stamp: RoleStamp | None = None
+    ) -> ops.PeerChecked:
         """Handshake with an exporter now (decode side); refused pairs raise CoreError (403 / 409)."""
+        self._check_stamp(stamp)
         if self.config.role == "colocated":
             raise RoleError("a colocated worker has no KV transport")
         op = ops.CheckPeer(self.client.call_id(), address, timeout_s)
         return _expect(await self.client.call(op, wait_s=timeout_s + 5), ops.PeerChecked)
 
-    async def release(self, kv_export: KVExport) -> ops.Ok:
-        self._need("prefill")
+    async def release(self, kv_export: KVExport, stamp: RoleStamp | None = None) -> ops.Ok:
+        self._need("prefill", stamp)
         return _expect(await self.client.call(ops.Release(self.client.call_id(), kv_export)), ops.Ok)
 
-    async def probe_export(self, num_blocks: int) -> ops.ProbeExported:
-        self._need("prefill")
+    async def probe_export(self, num_blocks: int, stamp: RoleStamp | None = None) -> ops.ProbeExported:
+        self._need("prefill", stamp)
         op = ops.ProbeExport(self.client.call_id(), num_blocks)
         return _expect(await self.client.call(op), ops.ProbeExported)
 
-    async def probe(self, kv_export: KVExport, timeout_s: float) -> ops.ProbeResult:
-        self._need("decode")
+    async def probe(
+        self, kv_export: KVExport, timeout_s: float, stamp: RoleStamp | None = None
+    ) -> ops.ProbeResult:
+        self._need("decode", stamp)
         op = ops.Probe(self.client.call_id(), kv_export, timeout_s)
         return _expect(await self.client.call(op, wait_s=timeout_s + 5), ops.ProbeResult)
 
     async def set_faults(self, knobs: ops.FaultKnobs) -> ops.FaultsSet:
         return _expect(await self.client.call(ops.SetFaults(self.client.call_id(), knobs)), ops.FaultsSet)
 
+    def prepare_role(self) -> None:
+        """A role change is coming (its drain has begun): start the next engine core now, so that its
+        imports (and a GPU's context) are done by the time the old core stops."""
+        if self.next_core is None:
+            self.next_core = CoreClient.spawn()
+
+    async def change_role(self, config: WorkerConfig) -> Health:
+        """Serve `config`'s role from now on (its engine section, its side of the KV transport, its role
+        epoch): requests still in flight fail as `role_changed` (503: the router migrates them), the old
+        engine core stops (its KV pool and transport go with it) and a new one starts. The front end, its
+        address, its tokenizer and its token stay. A core that does not start ends this process (the
+        runtime restarts the worker, in its new role)."""
+        if config.role not in SWITCHABLE or self.config.role not in SWITCHABLE:
+            raise ValueError(f"a role change is between {SWITCHABLE}: {self.config.role} -> {config.role}")
+        self._check_stamp(None)  # one change at a time
+        config = dataclasses.replace(config, kv_secret=self.config.kv_secret)
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self.switching = True
+        old, new = self.client, self.next_core or CoreClient.spawn()  # it imports while the old one stops
+        self.next_core = None
+        why = f"the worker changes role ({self.config.role} -> {config.role})"
+        failed = old.fail_all(wire.ErrorInfo(503, ROLE_CHANGED, why))
+        await asyncio.sleep(0)  # the failed requests' handlers run before the old sockets close
+        await asyncio.to_thread(old.close)
+        try:
+            new.begin(config, log_level=level)
+            info = await asyncio.to_thread(new.wait_ready)
+        except CoreDead as exc:
+            if old.on_death is not None:
+                old.on_death(f"the engine core for the {config.role} role did not start: {exc}")
+            raise
+        new.on_death = old.on_death
+        new.attach(asyncio.get_running_loop())
+        self.client, self.config, self.info, self.kv_address = new, config, info, info.kv_address
+        self.switching = False
+        log.info("%s: %d requests in flight handed back; role epoch now %d", why, failed,
+                 config.role_epoch)  # fmt: skip
+        return self.health()
+
     async def close(self) -> None:
+        if self.next_core is not None:
+            await asyncio.to_thread(self.next_core.close)
         await asyncio.to_thread(self.client.close)
         if self.config.core_share:  # a runtime that was SIGKILLed cannot remove its folder of lent cores
             remove_if_orphaned(os.path.dirname(self.config.core_share), CORES_PREFIX)
@@ -239,7 +313,8 @@ class Worker:
 
 def _resumed(params: SamplingParams, ids: list[int], resumed: int) -> SamplingParams:
     """The sampling params of a migrated request, whose last `resumed` prompt tokens are its completion's
-    first: they count against max_tokens and min_tokens."""
+    first: they count against max_tokens and min_tokens, and the engine takes them as the request's own
+    output (`SamplingParams.resumed`: a seeded generator's draws, the penalties)."""
     if not resumed:
         return params
     if resumed >= len(ids):
@@ -247,7 +322,8 @@ def _resumed(params: SamplingParams, ids: list[int], resumed: int) -> SamplingPa
     if params.max_tokens is not None and params.max_tokens <= resumed:
         raise ValueError(f"resumed ({resumed}) leaves no room under max_tokens ({params.max_tokens})")
     max_tokens = None if params.max_tokens is None else params.max_tokens - resumed
-    return replace(params, min_tokens=max(0, params.min_tokens - resumed), max_tokens=max_tokens)
+    min_tokens = max(0, params.min_tokens - resumed)
+    return replace(params, min_tokens=min_tokens, max_tokens=max_tokens, resumed=resumed)
 
 
 def core_params(params: SamplingParams) -> SamplingParams:

@@ -171,7 +171,8 @@ def bad_input_battery(ctx: Context) -> tuple[str, list[str]]:
 def _bad_input_cases() -> list:
     from chaos_harness import _load  # serve_harness, which test_bad_input imports, is loaded by then
 
-    return _load("chaos_serve_bad_input", serve.__file__.rsplit("/", 1)[0] + "/test_bad_input.py").CASES
+    path = os.path.join(os.path.dirname(serve.__file__), "router", "test_bad_input.py")
+    return _load("chaos_serve_bad_input", path).CASES
 
 
 # ---- the HTTP edge: slowloris -------------------------------------------------------------------

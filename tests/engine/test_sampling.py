@@ -104,6 +104,22 @@ def test_seeded_sampling_is_independent_of_the_batch(llm, chat_ids, smol_tokeniz
     assert any(o.outputs[0].token_ids != ref for o in outs[-len(other_seeds) :])
 
 
+@pytest.mark.parametrize("penalty", [0.0, 0.7])
+def test_a_resumed_request_samples_the_tokens_of_one_run_whole(llm, chat_ids, penalty):
+    """A migrated request (`resumed`: its prompt's tail is its own earlier output) samples, seeded, the
+    same tokens as the run it continues: its generator is past the earlier draws and the frequency
+    penalty counts the earlier tokens."""
+    kw = {"temperature": 0.9, "seed": 11, "ignore_eos": True, "frequency_penalty": penalty}
+    prompt = chat_ids("Tell me about the sea.")
+    (whole,) = _gen(llm, [prompt], SamplingParams(max_tokens=24, **kw))
+    ids = list(whole.outputs[0].token_ids)
+    for k in (1, 9):
+        (rest,) = _gen(llm, [prompt + ids[:k]], SamplingParams(max_tokens=24 - k, resumed=k, **kw))
+        assert list(rest.outputs[0].token_ids) == ids[k:], k
+    (fresh,) = _gen(llm, [prompt + ids[:9]], SamplingParams(max_tokens=15, **kw))
+    assert list(fresh.outputs[0].token_ids) != ids[9:]  # without `resumed`: the seed's first draws
+
+
 def test_n_samples_share_the_prompt_blocks(llm, chat_ids):
     prompt = chat_ids("Write a haiku about the sea.")
     full_blocks = (len(prompt) - 1) // llm.engine.block_size

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import msgspec
 import pytest
 
 from splitserve import LLM, SamplingParams
@@ -80,6 +81,18 @@ def test_a_budget_without_a_grammar(llm, end_ids):
     assert got[head:] == rest
 
 
+def test_a_block_the_model_opens_itself_is_bounded_and_one_it_does_not_open_is_not(llm, end_ids):
+    """`start`: the model's own first tokens open the block (greedy's first token stands for `<think>`
+    here); 3 thinking tokens after it, then the end forced. A `start` the answer does not begin with
+    leaves the answer as the model writes it."""
+    free = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    opened = ThinkingSpec(end_ids, budget=3, start=(free[0],))
+    got = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, thinking=opened))
+    assert got[:4] == free[:4] and tuple(got[4 : 4 + len(end_ids)]) == end_ids
+    other = ThinkingSpec(end_ids, budget=0, start=(free[0] + 1,))
+    assert tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, thinking=other)) == free
+
+
 def test_forced_text_other_than_the_end(llm, end_ids):
     forced = tuple(llm.engine.tokenizer.encode("\n</think>\n\n", add_special_tokens=False))
     params = SamplingParams(temperature=0, max_tokens=60, grammar=SPEC,
@@ -104,6 +117,27 @@ def test_an_adopted_first_token_puts_the_decode_side_in_the_prefill_state(llm, e
     while engine.has_unfinished_requests():
         engine.step()
     assert req.output_token_ids == whole
+
+
+@pytest.mark.parametrize("k", [2, 6, 14])
+def test_a_resumed_constrained_answer_goes_on_as_one_run(llm, end_ids, k):
+    """A migrated request (`resumed`): its earlier output, in its prompt, moves the gate and the grammar's
+    matcher on (inside the thinking, at its forced end, inside the JSON), and the rest is the whole run's."""
+    params = SamplingParams(
+        temperature=0, max_tokens=60, grammar=SPEC, thinking=ThinkingSpec(end_ids, budget=4)
+    )
+    whole = tokens(llm, params)
+    rest = tokens(llm, msgspec.structs.replace(params, max_tokens=60 - k, resumed=k), PROMPT + whole[:k])
+    assert rest == whole[k:]
+
+
+def test_a_resumed_answer_its_grammar_refuses_is_an_error_and_holds_nothing(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, grammar=SPEC, resumed=2)
+    bad = llm.engine.tokenizer.encode("no", add_special_tokens=False)[:1] * 2  # not a JSON object's start
+    with pytest.raises(ValueError, match="not in its grammar"):
+        tokens(llm, params, PROMPT + bad)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
 
 
 def test_overlapped_steps_give_the_same_tokens(end_ids):

@@ -1,8 +1,8 @@
 """Requests in flight survive a worker's fault (router/migrate.py), through a real disaggregated deployment
 with its standby spare: a decode worker's engine core or front end killed with SIGKILL mid-stream, a
-prefill worker's while it prefills. Every stream ends "ok" with the greedy answer of a fault-free run,
-token for token; the migrations are counted by cause; a request that arrives while the worker restarts
-waits for it instead of a 503; nothing stays allocated afterwards."""
+prefill worker's while it prefills. Every stream ends "ok" with the answer of a fault-free run, token for
+token, greedy, seeded or held to a schema; the migrations are counted by cause; a request that arrives
+while the worker restarts waits for it instead of a 503; nothing stays allocated afterwards."""
 
 from __future__ import annotations
 
@@ -41,13 +41,24 @@ def dep():
     assert d.stop() == 0, "\n".join(d.log)
 
 
+NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 40}
+
+
+def _sampling(prompt: str) -> dict:
+    """Greedy, seeded sampling for every other prompt of PROMPTS, and one greedy answer held to a JSON
+    schema (its grammar goes on where the failed worker left it)."""
+    if prompt == PROMPTS[2]:
+        return {"temperature": 0, "structured_outputs": {"json": NUMBERS}}
+    return {"temperature": 0.8, "seed": 3} if prompt in PROMPTS[1::2] else {"temperature": 0}
+
+
 def _body(prompt: str, stream: bool) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
-            "ignore_eos": True, "logprobs": 0}  # fmt: skip
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": stream, "ignore_eos": True,
+            "logprobs": 0, **_sampling(prompt)}  # fmt: skip
 
 
 def _reference(dep, prompts: list[str]) -> list[list[str]]:
-    """The greedy answers' tokens, one request at a time, with no fault."""
+    """The answers' tokens, one request at a time, with no fault."""
     out = []
     for prompt in prompts:
         r = httpx.post(f"{dep.url}/v1/completions", json=_body(prompt, False), timeout=120)

@@ -61,8 +61,15 @@ def test_thinking_params_for_a_prompt_that_opens_the_block(tok):
     assert thinking_params(tok, "qwen3", closed, True, 5) is None  # thinking off: no block to bound
     with pytest.raises(APIError, match="does not think"):
         thinking_params(tok, None, "", False, 5)
-    with pytest.raises(APIError, match="does not open its thinking block"):
-        thinking_params(tok, "qwen3", "<|im_start|>assistant\n", False, 5)
+    own = thinking_params(tok, "qwen3", "<|im_start|>assistant\n", False, 5)  # the model writes <think>
+    assert (
+        own is not None
+        and own.budget == 5
+        and own.start == tuple(tok.encode("<think>", add_special_tokens=False))
+    )
+    with pytest.raises(APIError, match="opens it itself") as err:
+        thinking_params(tok, "qwen3", "<|im_start|>assistant\n", True, 5)
+    assert err.value.status == 400 and err.value.param == "thinking_token_budget"
 
 
 def test_thinking_tokens_counted_to_the_end_of_the_block():
