@@ -95,6 +95,10 @@ async def run_manifest(manifest: Manifest, progress: bool = True, zygote: Zygote
     tokenizer = load_tokenizer(manifest.model.source, manifest.model.tokenizer)
     use_chat_template(tokenizer, manifest.model.chat_template)  # vLLM's --chat-template
     mark("tokenizer")
+    from splitserve.heap import freeze_heap
+
+    # the collector's pass over the imports (~50 ms) now, not once the port answers (the 503s would wait)
+    freeze_heap("router imports")
 
     def on_event(kind: str, worker: object) -> None:
         if api is not None:
