@@ -4,7 +4,7 @@ interpreter start-up and imports again (on a 2-core host, two cores importing at
 The local runtime starts it for CPU deployments (runtime/zygote.py) and hands it a listening Unix
 socket; a front end finds it through `$SPLITSERVE_CORE_ZYGOTE` (worker/core_fork.py).
 
-    python -m splitserve.core.zygote FD        # FD: the listening socket, inherited
+    python -m splitserve.core.zygote FD FOLDER     # FD: the listening socket, inherited; FOLDER: its folder
 
 Per connection: the front end sends a `CoreFork` line with three file descriptors (SCM_RIGHTS): the
 core's stdin (a pipe the front end writes the spec to and keeps open), stdout and stderr. The server
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -69,6 +70,7 @@ def _child(listener: socket.socket, conn: socket.socket, req: CoreFork, fds: lis
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         for s in (listener, conn, *_children.values()):
             s.close()
@@ -129,9 +131,20 @@ def serve(listener: socket.socket) -> None:
             pass  # the front end went away: its core sees its stdin end and goes too
 
 
+def _on_sigterm(folder: str | None, parent: int) -> None:
+    """SIGTERM (the runtime's stop, or PR_SET_PDEATHSIG): where the runtime died (we were given to
+    another parent), remove the socket's folder it would have removed."""
+    if folder and os.getppid() != parent:
+        shutil.rmtree(folder, ignore_errors=True)
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """argv: the listening socket's descriptor, then its folder (removed if the runtime dies)."""
     args = sys.argv[1:] if argv is None else argv
     listener = socket.socket(fileno=int(args[0]))
+    folder, parent = (args[1] if len(args) > 1 else None), os.getppid()
+    signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(folder, parent))
     from splitserve.core import loop
 
     loop.warm_imports()

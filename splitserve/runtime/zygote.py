@@ -2,9 +2,9 @@
 engine are imported once, while the router imports its own modules, and every engine core (each
 worker's, the warm spare's, a restart's) is a fork of it instead of a fresh interpreter.
 
-`start_zygote(manifest, env)` makes a private folder with a listening Unix socket, spawns
-`python -m splitserve.core.zygote FD` with it (PR_SET_PDEATHSIG: it dies with this process) and
-returns the handle; the front ends find the socket through `$SPLITSERVE_CORE_ZYGOTE` in their
+`start_zygote(env)` makes a private folder with a listening Unix socket, spawns `python -m
+splitserve.core.zygote FD FOLDER` with it (PR_SET_PDEATHSIG: it dies with this process, and removes the
+folder then) and returns the handle; the front ends find the socket through `$SPLITSERVE_CORE_ZYGOTE` in their
 environment (`Zygote.env`). CPU deployments only: a process that forks must not have made a CUDA
 context, and a GPU core's start is its context and weights, not its imports. `SPLITSERVE_CORE_FORK=0`
 turns it off (every core then imports on its own, as on a GPU host).
@@ -81,7 +81,7 @@ def start_zygote(env: dict[str, str]) -> Zygote:
         listener.bind(os.path.join(folder, "fork.sock"))
         listener.listen(64)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.core.zygote", str(listener.fileno())],
+            [sys.executable, "-m", "splitserve.core.zygote", str(listener.fileno()), folder],
             env={**env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
             pass_fds=(listener.fileno(),), preexec_fn=die_with_parent, start_new_session=True,
         )  # fmt: skip
