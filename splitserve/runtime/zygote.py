@@ -13,6 +13,7 @@ This module imports nothing heavy: `splitserve serve` calls it before the router
 from __future__ import annotations
 
 import glob
+import io
 import os
 import shutil
 import socket
@@ -72,6 +73,14 @@ def early(argv: list[str]) -> Zygote | None:
     return start_zygote(dict(os.environ))
 
 
+def _stderr_fd() -> int | None:
+    """Our stderr's descriptor for the server's stdout (None: inherit ours, where stderr is no file)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return None
+
+
 def start_zygote(env: dict[str, str]) -> Zygote:
     """Spawn the fork server; it answers its first request once its imports are done (the socket
     listens from now on: a front end that asks earlier waits in the backlog)."""
@@ -82,7 +91,7 @@ def start_zygote(env: dict[str, str]) -> Zygote:
         listener.listen(64)
         proc = subprocess.Popen(
             [sys.executable, "-m", "splitserve.core.zygote", str(listener.fileno()), folder],
-            env={**env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
+            env={**env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=_stderr_fd(),
             pass_fds=(listener.fileno(),), preexec_fn=die_with_parent, start_new_session=True,
         )  # fmt: skip
     except BaseException:
