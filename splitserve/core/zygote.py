@@ -12,9 +12,9 @@ forks; the child takes those as 0, 1 and 2, the front end's environment, and run
 main from its spec on (core/loop.py `serve_spec`). The server answers `CoreForked` with the pid and,
 once it has reaped the child, `CoreExited` with its status, then closes the connection.
 
-Lifetimes: the server dies with the runtime (PR_SET_PDEATHSIG, set by its spawner), and a forked core
-dies with the server (PR_SET_PDEATHSIG) and with its front end (the end of its stdin: the front end
-holds the write end until the core has exited, so that a SIGKILLed front end closes it).
+Lifetimes: the server dies with the runtime (PR_SET_PDEATHSIG, set by its spawner); a forked core lives
+as long as its front end: it stops when told, and dies when its stdin ends (the front end holds the
+write end until the core has exited, so that a SIGKILLed front end closes it).
 Fork safety: the server runs one thread and never runs a torch op, so that no thread pool (torch's
 intra-op OpenMP pool) or ZMQ context exists when it forks; each core makes its own.
 """
@@ -82,7 +82,8 @@ def _child(listener: socket.socket, conn: socket.socket, req: CoreFork, fds: lis
         os.environ.update(req.env)
         from splitserve.core import loop
 
-        loop.die_with_parent()
+        # no PR_SET_PDEATHSIG to this server: the core lives as long as its front end (which stops it
+        # gracefully, its transport's files removed) and no longer (the end of its stdin)
         code = loop.serve_spec(lifeline=True)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -2,9 +2,9 @@
 `fork_core()` asks the server named by `$SPLITSERVE_CORE_ZYGOTE` and returns a `ForkedCore`, which the
 core client (core_client.py) uses as it would a `subprocess.Popen`: `pid`, `stdin`, `poll()`,
 `wait()`, `terminate()`, `kill()`. The core is the server's child, not ours: its exit status comes
-from the server over the connection the request was made on (a server that went away reads as the
-core's SIGKILL, which its PR_SET_PDEATHSIG made it). Our end of its stdin stays open until it has
-exited: the core takes the pipe's end as ours (see zygote.py)."""
+from the server over the connection the request was made on (where the server went first, the core's
+pid is watched until it has gone, and its status reads as SIGKILL). Our end of its stdin stays open
+until it has exited: the core takes the pipe's end as ours (see zygote.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import IO
 
 import msgspec
 
+from splitserve.tempdirs import process_gone
 from splitserve.wire.lifecycle import ZYGOTE_ENV, CoreExited, CoreFork, CoreForked
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ class ForkedCore:
             if not self._forked.is_set():
                 log.error("the engine-core fork server did not fork a core: %s", exc)
         self._forked.set()
+        while code == -signal.SIGKILL and self._pid is not None and not process_gone(self._pid):
+            time.sleep(0.1)  # the server went first: the core is nobody's child now; watch its pid
         answers.close()
         self._conn.close()
         self.returncode = code
