@@ -21,6 +21,7 @@ from splitserve.config.engine import EngineConfig
 from splitserve.logs import setup_logging
 from splitserve.model.errors import ModelLoadError
 from splitserve.runtime.kuberay import KubeRayOptions
+from splitserve.runtime.zygote import Zygote
 from splitserve.sampling.params import SamplingParams
 
 
@@ -82,7 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from splitserve.runtime import zygote
+
+    # `serve` on a CPU host: the engine cores' fork server first, before this parser and the manifest
+    early = zygote.early(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return _main(build_parser().parse_args(argv), early)
+    finally:
+        if early is not None:
+            early.stop()
+
+
+def _main(args: argparse.Namespace, early: Zygote | None) -> int:
     try:
         if args.command == "serve":  # as vllm serve: INFO (the access log, the stats line) unless told
             setup_logging(args.log_level or ("DEBUG" if args.verbose else "INFO"), args.log_format)
@@ -91,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "models":
             return _models(args)
         if args.command == "serve":
-            return _serve(args)
+            return _serve(args, early)
         if args.command == "bench":
             from splitserve.ab.cli import run as run_bench
 
@@ -110,24 +122,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, early: Zygote | None = None) -> int:
     import asyncio
+    import os
 
     from splitserve.config import dump_manifest, load_manifest
-    from splitserve.runtime.launch import run_manifest
+    from splitserve.runtime import zygote
 
     path, overrides = serve_overrides(args)
     manifest = load_manifest(path, overrides)
     if args.print_manifest:
         print(dump_manifest(manifest), end="")
         return 0
+    if early is not None and not zygote.wanted(manifest):
+        early.stop()  # a GPU or Ray deployment: its cores start on their own
+        early = None
     if manifest.runtime.kind == "ray":
         try:
             from splitserve.runtime import ray_serve
         except ImportError as exc:
             raise ValueError(f"runtime.kind ray needs Ray: pip install 'splitserve[ray]' ({exc})") from exc
         return ray_serve.run(manifest)
-    return asyncio.run(run_manifest(manifest, progress=not args.no_progress))
+    # the engine cores' fork server before the router's imports, which its own (torch) run beside
+    server = early or (zygote.start_zygote(dict(os.environ)) if zygote.wanted(manifest) else None)
+    try:
+        from splitserve.runtime.launch import run_manifest
+
+        return asyncio.run(run_manifest(manifest, progress=not args.no_progress, zygote=server))
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def _render(args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ The loop (`EngineCore.run`), one turn per engine step:
 Which cores a step runs on, what an idle worker lends, and decode pacing (a pause after a step, its
 cores lent) are the policy's (policy.py).
 If a step raises, each request in flight is stepped alone (engine/isolate.py): those whose own step
-raises are refused with a 5xx, the others go on. The core dies with its front end (PR_SET_PDEATHSIG);
+raises are refused with a 5xx, the others go on. The core dies with its front end (PR_SET_PDEATHSIG, or
+the end of its stdin when the fork server, zygote.py, made it);
 the front end notices the core's death (worker/main.py).
 """
 
@@ -29,6 +30,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -49,6 +51,7 @@ from splitserve.wire.stats import Health
 
 log = logging.getLogger(__name__)
 
+DEFERRED_AFTER_S = 2.0  # after ready, the build's deferred work (oneDNN layouts) runs in a thread
 IDLE_WAIT_MS = 100  # the longest the loop sleeps with nothing to do (an import waiting for room too)
 
 
@@ -108,6 +111,8 @@ class EngineCore:
 
         freeze_heap("engine core")  # loaded and warmed up: what lives now lives for good
         self.batches.send(wire.batch_encoder.encode(wire.Batch(events=[wire.Ready(self.info())])))
+        if self.engine.device.type == "cpu":  # what the build left for after ready (builder.py)
+            threading.Timer(DEFERRED_AFTER_S, self._finish_deferred).start()
         while not self.stopping:
             t0, busy = self._take_commands()
             self._send(self._step())
@@ -116,6 +121,12 @@ class EngineCore:
                 if (end := self.policy.pace(t0)) is not None:
                     self._lend_until(end)
         self.close()
+
+    def _finish_deferred(self) -> None:
+        from splitserve.kernels.cpu.linear import pack_deferred
+
+        if not self.stopping and (n := pack_deferred(self.engine.loaded.model)):
+            log.info("CPU: oneDNN layouts of %d projections made after ready", n)
 
     def _take_commands(self) -> tuple[float, bool]:
         """Drain the commands (waiting for one only while there is no work), then run the calls queued
@@ -315,30 +326,57 @@ class EngineCore:
             self.connector.close()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:
         raise SystemExit(0)
 
 
-def main() -> int:
-    """Import what the engine needs first (so a spare core waits warm), then read the spec line."""
-    _die_with_parent()
-    import torch
+def warm_imports() -> None:
+    """What an engine core imports before its spec: a spare core waits with them done, and the fork
+    server (zygote.py) does them once for the cores it forks."""
+    import torch  # noqa: F401
 
     from splitserve.engine import engine as _engine  # noqa: F401 - the import is the point
     from splitserve.engine.tp import ranks as tp_ranks
+    from splitserve.kernels.cpu import linear as cpu_linear
     from splitserve.model import loader as _loader  # noqa: F401
 
     tp_ranks.EXIT_ON_RANK_DEATH = True  # a dead tensor-parallel rank takes this replica down whole
+    cpu_linear.DEFER_ONEDNN = True  # oneDNN's layouts once ready (`_finish_deferred`)
+
+
+def main() -> int:
+    """Import what the engine needs first (so a spare core waits warm), then read the spec line."""
+    die_with_parent()
+    warm_imports()
+    import torch
 
     if torch.cuda.is_available():
         torch.cuda.init()
+    return serve_spec()
+
+
+def _exit_at_eof() -> None:
+    """The front end's end of stdin closed (it exited, or was killed): go too, as PR_SET_PDEATHSIG
+    would have us go if the front end were our parent."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdin.read()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def serve_spec(lifeline: bool = False) -> int:
+    """Read the spec line, build the engine, run the loop. `lifeline`: the front end keeps our stdin
+    open while it lives (a forked core: its parent is the fork server, not the front end)."""
+    import torch
+
     mark("imports")  # start-up phases, in the worker's ready line (startup_clock.py)
     line = sys.stdin.readline()
     if not line:
         return 0  # the front end went away before handing us a spec
+    if lifeline:
+        threading.Thread(target=_exit_at_eof, name="core-lifeline", daemon=True).start()
     spec = msgspec.json.decode(line, type=wire.CoreSpec)
     from splitserve.logs import setup_logging
 

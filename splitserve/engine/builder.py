@@ -109,7 +109,9 @@ def build(
     if device.type == "cpu":
         if cpu_heap.keep_freed_memory():
             log.info("CPU: malloc keeps freed blocks up to 32 MB (step temporaries reuse mapped pages)")
-        counts = cpu_linear.prepare_model(loaded.model, config.cpu_weights)
+        # an engine core's own weights: oneDNN's layout for long products after ready (core/loop.py)
+        defer = owned and cpu_linear.DEFER_ONEDNN
+        counts = cpu_linear.prepare_model(loaded.model, config.cpu_weights, defer=defer)
         dropped = cpu_linear.drop_dense(loaded.model) if owned and cpu_linear.DROP_DENSE else 0
         log.info("CPU projections (%s): %s; dense copies dropped: %.0f MB", config.cpu_weights, counts,
                  dropped / 2**20)  # fmt: skip

@@ -37,6 +37,7 @@ from splitserve.runtime.local import LocalRuntime
 from splitserve.runtime.role_switch import RoleSwitcher
 from splitserve.runtime.start_gate import StartGate
 from splitserve.runtime.startup_report import phases
+from splitserve.runtime.zygote import Zygote
 from splitserve.startup_clock import mark, marks, process_age_s
 from splitserve.web.edge_guard import ReadLimits, guarded_protocol
 from splitserve.web.listen import KEEP_ALIVE_S, listen
@@ -65,7 +66,8 @@ async def _worker_stats(runtime: LocalRuntime, timeout_s: float = 2.0) -> list[W
     return list(await asyncio.gather(*(one(w) for w in runtime.workers)))
 
 
-async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
+async def run_manifest(manifest: Manifest, progress: bool = True, zygote: Zygote | None = None) -> int:
+    """Serve `manifest` until a signal; `zygote`: the engine-core fork server, when begun already."""
     if manifest.runtime.kind != "local":
         raise ValueError(
             f"runtime.kind {manifest.runtime.kind!r} is not available from `splitserve serve` yet"
@@ -95,17 +97,26 @@ async def run_manifest(manifest: Manifest, progress: bool = True) -> int:
     tokenizer = load_tokenizer(manifest.model.source, manifest.model.tokenizer)
     use_chat_template(tokenizer, manifest.model.chat_template)  # vLLM's --chat-template
     mark("tokenizer")
-    # bind (a busy port fails fast), and answer on it at once: 503 "starting" until ready
-    sock, url = listen(manifest.server.host, manifest.server.port, backlog=1024)
-    gate = StartGate(manifest.mode)
-    server = _Server(_uvicorn_config(manifest, gate))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    from splitserve.heap import freeze_heap
+
+    # the collector's pass over the imports (~50 ms) now, not once the port answers (the 503s would wait)
+    freeze_heap("router imports")
 
     def on_event(kind: str, worker: object) -> None:
         if api is not None:
             api.on_worker_event(kind, worker)
 
-    runtime = LocalRuntime(manifest, on_event)
+    runtime = LocalRuntime(manifest, on_event, zygote)  # before the port: its HTTP client takes ~50 ms
+    # bind (a busy port fails fast), and answer on it at once: 503 "starting" until ready
+    sock, url = listen(manifest.server.host, manifest.server.port, backlog=1024)
+    gate = StartGate(manifest.mode)
+    server = _Server(_uvicorn_config(manifest, gate))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    # uvicorn's own start (its config, its protocol classes) before the workers' spawns take the CPU
+    for _ in range(100):
+        if server.started or serving.done():
+            break
+        await asyncio.sleep(0.005)
     try:
         starting = asyncio.create_task(_start(manifest, runtime, tokenizer, progress))
         stopper = asyncio.create_task(stop.wait())
@@ -135,7 +146,7 @@ def _uvicorn_config(manifest: Manifest, app: StartGate) -> uvicorn.Config:
     drain time; no uvicorn lifespan (`run_manifest` runs the API's around its serving)."""
     srv = manifest.server
     limits = ReadLimits(srv.header_timeout_s, srv.body_timeout_s, srv.max_header_bytes)
-    return uvicorn.Config(app, log_level="warning", lifespan="off",
+    return uvicorn.Config(app, log_level="warning", lifespan="off", ws="none",
                           timeout_graceful_shutdown=int(manifest.runtime.drain_timeout_s),
                           timeout_keep_alive=KEEP_ALIVE_S, http=guarded_protocol(limits))  # fmt: skip
 

@@ -36,6 +36,8 @@ from splitserve.runtime.common import core_share_file, describe_worker, worker_a
 from splitserve.runtime.mps import MpsDaemon, MpsPlan
 from splitserve.runtime.mps import plan as mps_plan
 from splitserve.runtime.standby import Standby, die_with_parent, kill, spawn_standby, taken_or_dead
+from splitserve.runtime.zygote import Zygote, start_zygote
+from splitserve.runtime.zygote import wanted as zygote_wanted
 from splitserve.tempdirs import CORE_SOCKETS, sweep_stale
 from splitserve.wire.auth import worker_headers
 from splitserve.wire.lifecycle import Launch, ReadyLine
@@ -103,7 +105,8 @@ class _Owner:
 
 
 class LocalRuntime:
-    def __init__(self, manifest: Manifest, on_event: Callable[[str, WorkerProcess], None] | None = None):
+    def __init__(self, manifest: Manifest, on_event: Callable[[str, WorkerProcess], None] | None = None,
+                 zygote: Zygote | None = None):  # fmt: skip
         self.manifest = manifest
         self.rt = manifest.runtime
         self.on_event = on_event or (lambda _kind, _w: None)
@@ -127,6 +130,7 @@ class LocalRuntime:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self.worker_headers)
         self.mps: MpsPlan | None = None  # what start() decided about CUDA MPS (runtime/mps.py)
         self._mps_daemon: MpsDaemon | None = None
+        self.zygote = zygote  # the engine-core fork server (runtime/zygote.py), if begun already
         # a worker's role change (runtime/role_switch.py), once launch.py made it: for a scaling controller
         self.change_role: Callable[[str, RoleChangeRequest], Awaitable[RoleChangeResult]] | None = None
 
@@ -143,6 +147,10 @@ class LocalRuntime:
     async def start(self, progress: bool = True) -> None:
         """Spawn every worker and wait until all are ready; raises StartupError if one fails."""
         self._start_mps()
+        if self.zygote is None and zygote_wanted(self.manifest, self.env):
+            self.zygote = start_zygote(self.env)
+        if self.zygote is not None:
+            self.env.update(self.zygote.env)  # the cores of workers, spare and restarts are its forks
         bar = tqdm(
             total=len(self.workers),
             desc="starting workers (loading weights)",
@@ -371,6 +379,8 @@ class LocalRuntime:
             w.state = "stopped"
         if self._mps_daemon is not None:
             await asyncio.to_thread(self._mps_daemon.stop)
+        if self.zygote is not None:
+            await asyncio.to_thread(self.zygote.stop)
         if self.core_share is not None:
             shutil.rmtree(os.path.dirname(self.core_share), ignore_errors=True)
         sweep_stale(CORE_SOCKETS)  # the socket folders of engine cores SIGKILLed with their front end

@@ -37,6 +37,7 @@ from splitserve.wire import core as wire
 from splitserve.wire import ops
 from splitserve.wire.http import Timings
 from splitserve.wire.stats import Health
+from splitserve.worker.core_fork import ForkedCore, fork_core
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class RequestStream:
 
 
 class CoreClient:
-    def __init__(self, proc: subprocess.Popen, ctx: zmq.Context, sockdir: str) -> None:
+    def __init__(self, proc: subprocess.Popen | ForkedCore, ctx: zmq.Context, sockdir: str) -> None:
         self.proc, self.ctx, self.sockdir = proc, ctx, sockdir
         self.commands = ctx.socket(zmq.PUSH)
         self.commands.setsockopt(zmq.SNDHWM, 0)
@@ -128,10 +129,14 @@ class CoreClient:
         sockdir = owned_tempdir(_PREFIX)
         # NOTE: the core's stdout is our stderr: a worker's stdout carries its ready line alone, and
         # libraries in the core (NIXL's logger, UCX) print to stdout
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.core.loop"], stdin=subprocess.PIPE, text=True,
-            stdout=sys.stderr.fileno(), env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        # from the fork server where the local runtime started one (core_fork.py): no imports
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc: subprocess.Popen | ForkedCore | None = fork_core(env)
+        if proc is None:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "splitserve.core.loop"], stdin=subprocess.PIPE, text=True,
+                stdout=sys.stderr.fileno(), env=env,
+            )  # fmt: skip
         return cls(proc, zmq.Context(io_threads=1), sockdir)
 
     # ---- start -----------------------------------------------------------------------------------
@@ -147,7 +152,8 @@ class CoreClient:
         try:
             self.proc.stdin.write(msgspec.json.encode(spec).decode() + "\n")
             self.proc.stdin.flush()
-            self.proc.stdin.close()
+            if not getattr(self.proc, "keeps_stdin", False):
+                self.proc.stdin.close()
         except BrokenPipeError:
             pass
 

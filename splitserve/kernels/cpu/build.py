@@ -140,11 +140,11 @@ class CppOps:
         """The shared library: from the cache when this source, these flags and this torch built it
         before, else compiled into a temporary name and renamed into place, so that concurrent builders
         (two workers) and a build killed half way leave no lock and no partial file behind."""
-        from torch.utils import cpp_extension
-
         lib = self.path()
         if lib.exists():
             return lib
+        from torch.utils import cpp_extension  # only to compile (it imports setuptools: 0.06 s)
+
         lib.parent.mkdir(parents=True, exist_ok=True)
         if announce:  # at run time: a start that compiles is one that setup did not prepare
             log.warning("compiling %s (%s); `python -m splitserve.model.prepare` builds it ahead",
@@ -186,6 +186,13 @@ class CppOps:
         if self.thread is not None:
             self.thread.join(timeout_s)
         return self.ready()
+
+
+def load_cached() -> list[str]:
+    """Load every switched-on op library of the modules imported so far that is already built (none is
+    compiled); -> their names. The engine-core fork server (core/zygote.py) does this once, so that the
+    cores it forks find them loaded."""
+    return [ops.name for ops in ALL if ops.enabled and ops.loaded is None and ops.cached() and ops.load()]
 
 
 def wait_started(timeout_s: float = 900.0) -> list[str]:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,9 @@ GROUP = 32  # int4: inputs per scale/offset pair (Q4_0/Q4_1's block)
 INT4_BF16_ROWS = int(os.environ.get("SPLITSERVE_CPU_INT4_BF16_ROWS", "10"))  # int4 option: bf16 from here
 GEMV_ROWS = 2  # fp32 with the dense weights kept: up to this many rows through F.linear (MKL)
 PANELS_MEMORY_SHARE = 0.25  # the panels' most bytes, as a share of the host's available memory
+# an engine core sets it: engines that loaded their own weights defer oneDNN's layouts (prepare_model)
+DEFER_ONEDNN = False
+_PACKING = threading.Lock()  # deferred oneDNN layouts (OneDNNMatmul.pack_now)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -92,10 +96,13 @@ class OneDNNMatmul:
     oneDNN there on Intel: `gemv_dense()`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: bool = False,
-                 panels: bool = False, amx: bool = False, head: bool = False) -> None:  # fmt: skip
-        self.packed, self.bias = pack(weight), bias
+                 panels: bool = False, amx: bool = False, head: bool = False,
+                 defer: bool = False) -> None:  # fmt: skip
         self.head = head  # the LM head: kernels/cpu/amx.py's op from fewer rows
         self.panels = cpu_gemm.pack(weight) if panels else None
+        # `defer` (with panels): oneDNN's layout on first use or by `pack_deferred`, not now
+        self.bias, self._unpacked = bias, weight if defer and self.panels is not None else None
+        self.packed: torch.Tensor | None = pack(weight) if self._unpacked is None else None
         self.amx = cpu_amx.blocks(weight) if amx else None
         self.n = weight.shape[0]
         self.dense = weight if dense and not panels else None
@@ -113,7 +120,15 @@ class OneDNNMatmul:
             return cpu_gemm.matmul(x, self.panels, self.n, self.bias)
         if self.dense is not None and rows <= GEMV_ROWS:
             return F.linear(x, self.dense, self.bias)
-        return packed_linear(x, self.packed, self.bias)
+        return packed_linear(x, self.packed if self.packed is not None else self.pack_now(), self.bias)
+
+    def pack_now(self) -> torch.Tensor:
+        """oneDNN's layout of a deferred weight, made once (whichever thread comes first)."""
+        with _PACKING:
+            if self.packed is None:
+                assert self._unpacked is not None
+                self.packed, self._unpacked = pack(self._unpacked), None
+            return self.packed
 
 
 def gemv_dense() -> bool:
@@ -221,9 +236,12 @@ class Int8Matmul:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).float()
 
 
-def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]:
+def prepare_model(model: nn.Module, cpu_weights: str = "fp32", defer: bool = False) -> dict[str, int]:
     """Give every `Linear` of a CPU fp32 model (and a decoder's LM head) its `cpu_matmul`; -> counts by
-    kind. `cpu_weights`: "fp32" (oneDNN, unless SPLITSERVE_CPU_ONEDNN=0) or "int4"."""
+    kind. `cpu_weights`: "fp32" (oneDNN, unless SPLITSERVE_CPU_ONEDNN=0) or "int4". `defer`: where the
+    panels take 1 to cpu_gemm.MAX_ROWS rows, oneDNN's layout (for longer products: prompts past 128
+    tokens) is made on first use or by `pack_deferred`, not now: about half of a start's CPU time on
+    the weights, which a served engine spends once it is ready."""
     from splitserve.model.layers import Linear
 
     if cpu_weights not in CPU_WEIGHTS:
@@ -253,15 +271,24 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32") -> dict[str, int]
             if quant:
                 module.cpu_matmul = Int4Matmul(module.weight, module.bias)
             else:
-                module.cpu_matmul = OneDNNMatmul(module.weight, module.bias, dense, panels, amx)
+                module.cpu_matmul = OneDNNMatmul(module.weight, module.bias, dense, panels, amx, defer=defer)
             kind = "int4" if quant else fp32 + (" + amx" if module.cpu_matmul.amx is not None else "")
             counts[kind] = counts.get(kind, 0) + 1
     if head is not None and usable(head):
-        fp32_head = OneDNNMatmul(head, None, dense, panels, amx, head=True) if not int4 else None
+        fp32_head = OneDNNMatmul(head, None, dense, panels, amx, True, defer) if not int4 else None
         model.cpu_lm_head = Int8Matmul(head) if int4 else fp32_head
         on_amx = not int4 and model.cpu_lm_head.amx is not None
         counts["lm_head int8" if int4 else f"lm_head {fp32}" + (" + amx" if on_amx else "")] = 1
     return counts
+
+
+def pack_deferred(model: nn.Module) -> int:
+    """Make every oneDNN layout `prepare_model(defer=True)` left for later; -> how many were left."""
+    mats = [getattr(m, "cpu_matmul", None) for m in model.modules()] + [getattr(model, "cpu_lm_head", None)]
+    left = [m for m in mats if isinstance(m, OneDNNMatmul) and m.packed is None]
+    for m in left:
+        m.pack_now()
+    return len(left)
 
 
 def drop_dense(model: nn.Module) -> int:
