@@ -41,7 +41,7 @@ import zmq
 from splitserve.core.errors import error_info
 from splitserve.core.ops import CoreOps
 from splitserve.core.policy import CorePolicy
-from splitserve.core.setup import open_engine
+from splitserve.core.setup import open_engine, warm_imports
 from splitserve.engine import kv_events
 from splitserve.startup_clock import mark
 from splitserve.wire import core as wire
@@ -331,20 +331,6 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:
         raise SystemExit(0)
-
-
-def warm_imports() -> None:
-    """What an engine core imports before its spec: a spare core waits with them done, and the fork
-    server (zygote.py) does them once for the cores it forks."""
-    import torch  # noqa: F401
-
-    from splitserve.engine import engine as _engine  # noqa: F401 - the import is the point
-    from splitserve.engine.tp import ranks as tp_ranks
-    from splitserve.kernels.cpu import linear as cpu_linear
-    from splitserve.model import loader as _loader  # noqa: F401
-
-    tp_ranks.EXIT_ON_RANK_DEATH = True  # a dead tensor-parallel rank takes this replica down whole
-    cpu_linear.DEFER_ONEDNN = True  # oneDNN's layouts once ready (`_finish_deferred`)
 
 
 def main() -> int:

@@ -50,4 +50,18 @@ def open_engine(config: Any) -> tuple[LLMEngine, KVConnector | None, str | None]
     return engine, connector, kv_address
 
 
-__all__ = ["open_engine"]
+def warm_imports() -> None:
+    """What an engine core imports before its spec: a spare core waits with them done, and the fork
+    server (zygote.py) does them once for the cores it forks."""
+    import torch  # noqa: F401
+
+    from splitserve.engine import engine as _engine  # noqa: F401 - the import is the point
+    from splitserve.engine.tp import ranks as tp_ranks
+    from splitserve.kernels.cpu import linear as cpu_linear
+    from splitserve.model import loader as _loader  # noqa: F401
+
+    tp_ranks.EXIT_ON_RANK_DEATH = True  # a dead tensor-parallel rank takes this replica down whole
+    cpu_linear.DEFER_ONEDNN = True  # oneDNN's layouts once ready (`_finish_deferred`)
+
+
+__all__ = ["open_engine", "warm_imports"]

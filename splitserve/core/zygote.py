@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     listener = socket.socket(fileno=int(args[0]))
     folder, parent = (args[1] if len(args) > 1 else None), os.getppid()
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(folder, parent))
-    from splitserve.core import loop
+    from splitserve.core import loop, setup  # noqa: F401 - loop: imported here once, for every core
 
-    loop.warm_imports()
+    setup.warm_imports()
     # and what a core's build imports on some paths (a GGUF checkpoint, a KV connector), once here
     import splitserve.engine.kv_connector  # noqa: F401
     import splitserve.model.gguf_loader  # noqa: F401

@@ -32,12 +32,11 @@ from tqdm.auto import tqdm  # here, not at start(): an import there would hold u
 
 from splitserve.config.manifest import Manifest
 from splitserve.logs import worker_line
+from splitserve.runtime import zygote as forks
 from splitserve.runtime.common import core_share_file, describe_worker, worker_argv
 from splitserve.runtime.mps import MpsDaemon, MpsPlan
 from splitserve.runtime.mps import plan as mps_plan
 from splitserve.runtime.standby import Standby, die_with_parent, kill, spawn_standby, taken_or_dead
-from splitserve.runtime.zygote import Zygote, start_zygote
-from splitserve.runtime.zygote import wanted as zygote_wanted
 from splitserve.tempdirs import CORE_SOCKETS, sweep_stale
 from splitserve.wire.auth import worker_headers
 from splitserve.wire.lifecycle import Launch, ReadyLine
@@ -106,7 +105,7 @@ class _Owner:
 
 class LocalRuntime:
     def __init__(self, manifest: Manifest, on_event: Callable[[str, WorkerProcess], None] | None = None,
-                 zygote: Zygote | None = None):  # fmt: skip
+                 zygote: forks.Zygote | None = None):  # fmt: skip
         self.manifest = manifest
         self.rt = manifest.runtime
         self.on_event = on_event or (lambda _kind, _w: None)
@@ -147,8 +146,8 @@ class LocalRuntime:
     async def start(self, progress: bool = True) -> None:
         """Spawn every worker and wait until all are ready; raises StartupError if one fails."""
         self._start_mps()
-        if self.zygote is None and zygote_wanted(self.manifest, self.env):
-            self.zygote = start_zygote(self.env)
+        if self.zygote is None and forks.wanted(self.manifest, self.env):
+            self.zygote = forks.start_zygote(self.env)
         if self.zygote is not None:
             self.env.update(self.zygote.env)  # the cores of workers, spare and restarts are its forks
         bar = tqdm(

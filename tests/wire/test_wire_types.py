@@ -43,6 +43,7 @@ MAPS: dict[str, str] = {
     "ReadyLine.front_end": "the front end's start-up phase -> its age when it ended",
     "KVTransferCounts.counts": "counter name -> running total (the connector adds counters as it grows)",
     "KVTransferCounts.failures": "error class -> failed fetches",
+    "CoreFork.env": "environment variable -> value, the forked engine core's environment",
 }
 # Diagnostic trees free in shape, which no code reads (wire/stats.py `Diagnostics`). Shrink this list;
 # never grow it.
