@@ -100,11 +100,20 @@ def _child(listener: socket.socket, conn: socket.socket, req: CoreFork, fds: lis
         os._exit(code)
 
 
-def serve(listener: socket.socket) -> None:
-    """Accept, fork, answer; forever (the runtime ends it)."""
+def serve(listener: socket.socket, folder: str | None = None, parent: int | None = None) -> None:
+    """Accept, fork, answer; forever (the runtime ends it). Every second without a request it also
+    looks for its runtime: gone (we were given to another parent), it goes as the SIGTERM of
+    PR_SET_PDEATHSIG would have it go, its socket's folder removed."""
     signal.signal(signal.SIGCHLD, _reap)
+    listener.settimeout(1.0)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if parent is not None and _runtime_gone(parent):
+                _on_sigterm(folder, parent)
+            continue
+        conn.settimeout(None)
         try:
             req, fds = _receive(conn)
         except (OSError, msgspec.DecodeError, ValueError):
@@ -135,9 +144,22 @@ def serve(listener: socket.socket) -> None:
 def _on_sigterm(folder: str | None, parent: int) -> None:
     """SIGTERM (the runtime's stop, or PR_SET_PDEATHSIG): where the runtime died (we were given to
     another parent), remove the socket's folder it would have removed."""
-    if folder and os.getppid() != parent:
+    if folder and _runtime_gone(parent):
         shutil.rmtree(folder, ignore_errors=True)
     os._exit(0)
+
+
+def _runtime_gone(parent: int) -> bool:
+    """The runtime is dead: we were given to another parent, or it is exiting (PR_SET_PDEATHSIG can
+    arrive while the killed runtime is still our parent, a zombie or on its way to one)."""
+    if os.getppid() != parent:
+        return True
+    try:
+        with open(f"/proc/{parent}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X", "x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gc.collect()
     gc.freeze()  # what the forked cores share stays shared: the collector does not touch it
-    serve(listener)
+    serve(listener, folder, parent)
     return 0
 
 
