@@ -43,17 +43,16 @@ class GrammarWaits:
             if not fut.done() and not self.grammars.late(since, self.timeout_s):
                 waiting.append((fut, children, since))
                 continue
-            error, matchers = self._error(fut), []
+            error = self._error(fut)
             if error is None:
                 try:
-                    matchers = [
-                        self.grammars.for_request(c.params, fut.result(), c.earlier_output) for c in live
-                    ]
+                    compiled, make = fut.result(), self.grammars.for_request
+                    for child in live:
+                        child.grammar = make(child.params, compiled, child.earlier_output)
                 except GrammarError as exc:  # a resumed answer its grammar refuses
                     error = exc
-            for child, matcher in zip(live, matchers or [None] * len(live), strict=True):
+            for child in live:
                 if error is None:
-                    child.grammar = matcher
                     queue(child)
                 else:
                     child.status, child.finish_reason = Status.FINISHED, "abort"
