@@ -1,4 +1,5 @@
-"""A worker that changes role at run time (local runtime): prefill <-> decode, keeping its name.
+"""A worker that changes role at run time: prefill <-> decode, keeping its name (the local runtime here;
+the Ray runtime supplies its own side of it in runtime/ray_role.py).
 
 `RoleSwitcher.switch(name, RoleChangeRequest(role=...))` is the one entry point: the router's admin
 route (POST /admin/workers/{name}/role) calls it, and so may a scaling controller (as
