@@ -151,7 +151,9 @@ class WorkerReplica:
     def check_health(self) -> None:
         if not self.http.is_alive():
             raise RuntimeError("the worker's HTTP server stopped")
-        if not self.worker.alive():
+        # NOTE: a role change stops the old engine core before the new one is ready; a new core that
+        # does not start ends this process (the worker app's on_death), which Serve sees
+        if not self.worker.alive() and not self.worker.switching:
             raise RuntimeError("the worker's engine core died")
 
     def info(self) -> dict:
