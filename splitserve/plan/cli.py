@@ -108,7 +108,8 @@ def _profile(args: argparse.Namespace, manifest) -> Profile:  # noqa: ANN001
         from splitserve.runtime.common import worker_config
 
         engine = worker_config(manifest, "colocated", 0, None, "127.0.0.1").engine
-        profile = profile_engine(engine, manifest.transport.backend, threads=args.threads)
+        pinned = manifest.runtime.pin_cores  # time the steps as the manifest's workers will run them
+        profile = profile_engine(engine, manifest.transport.backend, threads=args.threads, pinned=pinned)
         if args.save_profile:
             profile.save(args.save_profile)
             print(f"profile saved: {args.save_profile}")

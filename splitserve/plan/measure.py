@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.config.engine import EngineConfig
+from splitserve.core.pinning import host_cpus, pin
 from splitserve.engine.engine import LLMEngine
 from splitserve.plan.cost import chunk_pairs
 from splitserve.plan.profile import Profile, StepPoint, TransferPoint, fitted_cost
@@ -178,11 +179,15 @@ def profile_engine(
     threads: int = 1,
     grid: Grid | None = None,
     log=print,  # noqa: ANN001
+    pinned: bool = False,
 ) -> Profile:
-    """Build an engine with `config`, time the grid, fit. `threads`: torch threads (a CPU worker's)."""
+    """Build an engine with `config`, time the grid, fit. `threads`: torch threads (a CPU worker's).
+    `pinned`: time it bound to `threads` CPUs of its own, as a `runtime.pin_cores` worker runs."""
     grid = grid or Grid()
     started = time.perf_counter()
-    before = torch.get_num_threads()
+    before, affinity = torch.get_num_threads(), host_cpus()
+    if pinned:
+        pin(affinity[:threads])
     torch.set_num_threads(threads)
     try:
         log("profiling: loading the model ...")
@@ -191,6 +196,8 @@ def profile_engine(
         transfers, per_token, state = measure_transfers(engine, backend, grid, log)
     finally:
         torch.set_num_threads(before)
+        if pinned:
+            pin(affinity)
     cost, step_fit, transfer_fit = fitted_cost(steps, transfers, per_token, state)
     device = engine.device
     return Profile(
@@ -198,6 +205,7 @@ def profile_engine(
         device=str(device),
         dtype=str(engine.dtype).removeprefix("torch."),
         threads=threads,
+        pinned=pinned,
         backend=backend,
         block_size=engine.block_size,
         max_num_batched_tokens=config.batched_tokens(device),
