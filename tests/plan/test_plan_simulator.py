@@ -127,6 +127,25 @@ def test_least_loaded_routing_spreads_a_burst_over_replicas():
     assert [p.prefill_tokens for p in run.replicas[:2]] == [200, 200]
 
 
+def test_ties_go_round_the_replicas_as_the_router_breaks_them():
+    # each request ends before the next arrives, so every pick is a tie at 0 in flight: the router's
+    # rotating start sends them to replicas 0, 1, 0
+    run = simulate([req(i, 100, 2, t=float(i)) for i in range(3)], Deployment.colocated(2, BIG), COST)
+    assert [r.prefill_tokens for r in run.replicas] == [200, 100]
+    assert all(r.ttft_s == pytest.approx(0.110) for r in run.records)
+
+
+def test_steps_that_overlap_on_one_host_run_corun_factor_times_slower():
+    # two replicas, a step of 110 ms each; b starts 50 ms after a, and at half speed while they overlap:
+    # a has 60 ms of work left at 50 ms, run at half speed it ends at 170 ms; b did 60 ms of its 110 by
+    # then and runs the last 50 alone, ending at 220 ms
+    slow = StepCost(base_s=0.010, prefill_token_s=0.001, corun_factor=2.0)
+    run = simulate([req(0, 100, 1), req(1, 100, 1, t=0.05)], Deployment.colocated(2, BIG), slow)
+    assert [r.token_s[0] for r in run.records] == pytest.approx([0.170, 0.220])
+    apart = simulate([req(0, 100, 1), req(1, 100, 1, t=0.2)], Deployment.colocated(2, BIG), slow)
+    assert [r.ttft_s for r in apart.records] == pytest.approx([0.110, 0.110])  # no overlap: full speed
+
+
 def test_goodput_and_cost_follow_the_ab_definitions():
     limits = EngineLimits(max_num_batched_tokens=4096, max_num_seqs=2)
     run = simulate([req(i, 10, 3) for i in range(4)], Deployment.colocated(1, limits), COST)
