@@ -255,8 +255,6 @@ class _Sim:
             self.push(now + nxt.think_s, "arrive", nxt.index)
 
 
-
-
 def simulate(trace: Sequence[BenchRequest], deployment: Deployment, cost: StepCost) -> SimRun:
     """Run `trace` (arrival times set, e.g. by `ab.workload.at_rate`) through `deployment`."""
     if deployment.decode < 1:
