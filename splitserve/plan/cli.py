@@ -38,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--save-profile", default=None, metavar="FILE", help="write the profile taken now here")
     p.add_argument("--profile-only", action="store_true", help="profile, print the fit, and stop")
     p.add_argument("--threads", type=int, default=1, help="torch threads of one CPU worker (profiling)")
+    p.add_argument(
+        "--pin-cores", action="store_true", help="profile as a pinned worker (default: runtime.pin_cores)"
+    )
     w = p.add_argument_group("workload (as splitserve bench)")
     w.add_argument("--workload", choices=WORKLOADS, default="synthetic")
     w.add_argument("--num-prompts", type=int, default=200)
@@ -108,7 +111,7 @@ def _profile(args: argparse.Namespace, manifest) -> Profile:  # noqa: ANN001
         from splitserve.runtime.common import worker_config
 
         engine = worker_config(manifest, "colocated", 0, None, "127.0.0.1").engine
-        pinned = manifest.runtime.pin_cores  # time the steps as the manifest's workers will run them
+        pinned = args.pin_cores or manifest.runtime.pin_cores  # as the manifest's workers will run
         profile = profile_engine(engine, manifest.transport.backend, threads=args.threads, pinned=pinned)
         if args.save_profile:
             profile.save(args.save_profile)

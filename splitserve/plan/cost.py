@@ -55,8 +55,9 @@ class StepCost(msgspec.Struct, frozen=True, kw_only=True):
     bytes_per_s: float = float("inf")
     kv_bytes_per_token: int = 0
     state_bytes: int = 0  # recurrent state of hybrid models, per request
-    # a step runs this many times slower while another worker of the host is in a step too (workers on
-    # cores of their own still share the memory bus and the last-level cache); 1: no such slowdown
+    # a decode-only step runs this many times slower while another worker of the host is in one too:
+    # on cores of their own, both still stream the weights through one memory bus (prompt steps are
+    # bound by compute, and measured unslowed); 1: no such slowdown
     corun_factor: float = 1.0
 
     def step_s(self, shape: StepShape) -> float:

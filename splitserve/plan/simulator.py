@@ -11,9 +11,11 @@ A request's life, as the router and workers run it:
                     `max_num_seqs` slot -> one token per step
                     (a request of one output token ends at the prefill worker: nothing to move)
 
-Each replica runs `replica.Replica`'s step loop; a step's time is the cost model's. Agent sessions'
-later turns arrive a think time after the previous turn's last token. Ties between events at the
-same time are broken by the order they were made in, so that a run is a function of its inputs.
+Each replica runs `replica.Replica`'s step loop; a step's time is the cost model's, stretched while
+it overlaps another replica's (a decode-only step beside another: `StepCost.corun_factor`). The
+router picks the replica with the fewest requests in flight, its ties going round the replicas.
+Agent sessions' later turns arrive a think time after the previous turn's last token. Ties between
+events at the same time are broken by the order they were made in, so that a run is a function of its inputs.
 """
 
 from __future__ import annotations
@@ -186,11 +188,12 @@ class _Sim:
 
     def _retime(self, now: float) -> None:
         """A step started or ended: every step in flight goes on at the speed the host now allows it
-        (1 alone; 1 / `corun_factor` while another worker is in a step too), and its end is pushed
-        again where that speed moved it (the earlier push goes stale)."""
+        (a decode-only step beside another worker's decode-only step: 1 / `corun_factor`; else 1), and
+        its end is pushed again where that speed moved it (the earlier push goes stale)."""
         busy = [r for r in self.prefill + self.decode if r.busy]
-        rate = 1.0 / self.cost.corun_factor if len(busy) > 1 else 1.0
+        shared = sum(r.decode_only for r in busy) > 1
         for r in busy:
+            rate = 1.0 / self.cost.corun_factor if shared and r.decode_only else 1.0
             clock = self.clocks[r.name]
             end = clock.run_at(rate, now)
             if end is not None:

@@ -135,15 +135,29 @@ def test_ties_go_round_the_replicas_as_the_router_breaks_them():
     assert all(r.ttft_s == pytest.approx(0.110) for r in run.records)
 
 
-def test_steps_that_overlap_on_one_host_run_corun_factor_times_slower():
-    # two replicas, a step of 110 ms each; b starts 50 ms after a, and at half speed while they overlap:
-    # a has 60 ms of work left at 50 ms, run at half speed it ends at 170 ms; b did 60 ms of its 110 by
-    # then and runs the last 50 alone, ending at 220 ms
+def test_decode_steps_that_overlap_on_one_host_run_corun_factor_times_slower():
+    # two replicas; a prompt step of 10 ms + 10 tokens = 20 ms, a decode step of 10 ms (twice that
+    # while the other replica decodes too); prompt steps run at full speed whatever the other does
     slow = StepCost(base_s=0.010, prefill_token_s=0.001, corun_factor=2.0)
-    run = simulate([req(0, 100, 1), req(1, 100, 1, t=0.05)], Deployment.colocated(2, BIG), slow)
-    assert [r.token_s[0] for r in run.records] == pytest.approx([0.170, 0.220])
-    apart = simulate([req(0, 100, 1), req(1, 100, 1, t=0.2)], Deployment.colocated(2, BIG), slow)
-    assert [r.ttft_s for r in apart.records] == pytest.approx([0.110, 0.110])  # no overlap: full speed
+    both = simulate([req(0, 10, 3), req(1, 10, 3)], Deployment.colocated(2, BIG), slow)
+    assert [r.token_s for r in both.records] == [pytest.approx([0.020, 0.040, 0.060])] * 2
+    # b's prompt step runs beside a's decode steps: neither slows
+    beside = simulate([req(0, 10, 3), req(1, 10, 1, t=0.020)], Deployment.colocated(2, BIG), slow)
+    assert [r.token_s for r in beside.records] == [
+        pytest.approx([0.020, 0.030, 0.040]),
+        pytest.approx([0.040]),
+    ]
+    # partial overlaps: a decodes alone from 20 ms until b's prompt step ends at 25 ms (5 ms done),
+    # then both decode: a's last 5 ms take 10 (ends at 35 ms), b's first step is half done by then;
+    # a's next step starts beside it, b's last 5 ms take 10 (ends at 45 ms), a's step then runs its
+    # last 5 ms alone (ends at 50 ms)
+    partial = simulate([req(0, 10, 3), req(1, 10, 2, t=0.005)], Deployment.colocated(2, BIG), slow)
+    assert [r.token_s for r in partial.records] == [
+        pytest.approx([0.020, 0.035, 0.050]),
+        pytest.approx([0.025, 0.045]),
+    ]
+    apart = simulate([req(0, 10, 2), req(1, 10, 2, t=0.2)], Deployment.colocated(2, BIG), slow)
+    assert [r.tpot_s for r in apart.records] == pytest.approx([0.010, 0.010])  # no overlap: full speed
 
 
 def test_goodput_and_cost_follow_the_ab_definitions():
