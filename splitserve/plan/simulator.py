@@ -197,7 +197,7 @@ class _Sim:
             clock = self.clocks[r.name]
             end = clock.run_at(rate, now)
             if end is not None:
-                self.push(end, "step", (r, clock.version))
+                self.push(end, "step", (r, clock, clock.version))
 
     def _arrive(self, now: float, rid: int) -> None:
         req, rec = self.trace[rid], self.records[rid]
@@ -211,9 +211,9 @@ class _Sim:
         replica.add(Seq(rid, req.prompt_len, stop, blocks))
         self._kick(replica, now)
 
-    def _step_end(self, now: float, replica: Replica, version: int) -> None:
-        if self.clocks[replica.name].version != version:
-            return  # the step's speed changed after this end was pushed: a later push ends it
+    def _step_end(self, now: float, replica: Replica, clock: _StepClock, version: int) -> None:
+        if self.clocks[replica.name] is not clock or clock.version != version:
+            return  # the step's speed changed after this end was pushed (or it ended): a later push ends it
         sampled, finished = replica.end_step(now)
         self._retime(now)
         role_prefill = replica in self.prefill

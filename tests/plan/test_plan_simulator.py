@@ -160,6 +160,17 @@ def test_decode_steps_that_overlap_on_one_host_run_corun_factor_times_slower():
     assert [r.tpot_s for r in apart.records] == pytest.approx([0.010, 0.010])  # no overlap: full speed
 
 
+def test_a_re_timed_step_ends_once_and_never_early():
+    # many overlaps: an end pushed before a re-timing must not end the replica's next step
+    slow = StepCost(base_s=0.010, prefill_token_s=0.001, decode_seq_s=0.002, corun_factor=1.5)
+    spec = WorkloadSpec(kind="synthetic", num_prompts=40, seed=5)
+    trace = at_rate(build_trace(spec), 8.0, 1.0, seed=5)
+    run = simulate(trace, Deployment.colocated(2, BIG), slow)
+    for r in run.records:
+        assert r.ttft_s >= slow.prefill_s(r.prompt_len) - 1e-9
+        assert min(r.itl_s) >= 0.012 - 1e-9  # a decode step of one request at full speed
+
+
 def test_goodput_and_cost_follow_the_ab_definitions():
     limits = EngineLimits(max_num_batched_tokens=4096, max_num_seqs=2)
     run = simulate([req(i, 10, 3) for i in range(4)], Deployment.colocated(1, limits), COST)
