@@ -20,6 +20,8 @@ import math
 import sys
 from pathlib import Path
 
+import msgspec
+
 from splitserve.ab.metrics import SLO
 from splitserve.ab.workload import WORKLOADS, LengthDist, WorkloadSpec, at_rate, build_trace
 from splitserve.plan.manifest_out import device_kind, limits_for, plan_manifest, write_manifest
@@ -113,6 +115,13 @@ def _profile(args: argparse.Namespace, manifest) -> Profile:  # noqa: ANN001
         engine = worker_config(manifest, "colocated", 0, None, "127.0.0.1").engine
         pinned = args.pin_cores or manifest.runtime.pin_cores  # as the manifest's workers will run
         profile = profile_engine(engine, manifest.transport.backend, threads=args.threads, pinned=pinned)
+        if pinned:  # the served path on this host's pinned shares: what serving adds to each step
+            from splitserve.core.pinning import host_cpus
+            from splitserve.plan.served import measure_served
+
+            workers = max(1, len(host_cpus()) // args.threads)
+            factor = measure_served(manifest, profile.cost, workers)
+            profile.cost = msgspec.structs.replace(profile.cost, served_factor=factor)
         if args.save_profile:
             profile.save(args.save_profile)
             print(f"profile saved: {args.save_profile}")

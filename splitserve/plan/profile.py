@@ -90,7 +90,8 @@ class Profile(msgspec.Struct, kw_only=True):
                 f"request + {c.decode_context_s * 1e6:.3f} us/context token",
                 f"    fit over {self.step_fit.points} steps: rms {self.step_fit.rms_rel:.1%}, "
                 f"worst {self.step_fit.max_rel:.1%} ({self.step_fit.worst})",
-                f"  a decode-only step beside another worker's: x{c.corun_factor:.2f} (co-run, pinned)",
+                f"  a decode-only step beside another worker's: x{c.corun_factor:.2f} (co-run, pinned); "
+                f"served: x{c.served_factor:.2f}",
                 f"  handoff = {c.latency_s * 1e3:.2f} ms + bytes / {c.bytes_per_s / 1e9:.2f} GB/s; "
                 f"{c.kv_bytes_per_token} B/token + {c.state_bytes} B state per request",
                 f"    fit over {self.transfer_fit.points} transfers: rms {self.transfer_fit.rms_rel:.1%}, "
