@@ -2,10 +2,11 @@
 CPUs evenly among its CPU workers (`split_cpus`), and each worker's front end and engine core bind
 every thread they have to their share (`pin`), with torch running one intra-op thread per CPU given.
 
-Pinned workers never share compute with each other, so a step's time is what a profile timed on the
-same number of cores says (splitserve/plan), whatever the other workers do; the router and a load
-client on the same host are not pinned and run on whichever core is free. Pinning replaces core
-lending (share.py): a pinned worker cannot run on a core it does not own.
+Pinned workers share no compute, so a step's time is what a profile timed on as many cores of its
+own says (splitserve/plan), whatever the other workers do, except for the memory bus they still share
+(plan/corun.py measures that). The router and a load client on the same host are not pinned and run
+on whichever core is free. Pinning replaces core lending (share.py): a pinned worker cannot run on a
+core it does not own.
 """
 
 from __future__ import annotations

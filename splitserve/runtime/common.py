@@ -114,8 +114,8 @@ def cpu_workers(manifest: Manifest) -> list[tuple[str, int]]:
 
 def lending_slots(manifest: Manifest) -> dict[tuple[str, int], int]:
     """The CPU workers that lend each other idle cores (core/share.py), each with its slot: those
-    whose threads the manifest leaves to the runtime (`cpu_threads`), when there are two or more and
-    `runtime.lend_cores` is on."""
+    whose threads the manifest leaves to the runtime (`cpu_threads`), when there are two or more,
+    `runtime.lend_cores` is on and `runtime.pin_cores` off."""
     if not manifest.runtime.lend_cores or manifest.runtime.pin_cores:
         return {}
     lenders = [(r, i) for r, i in cpu_workers(manifest) if manifest.engine_for(r).threads is None]
