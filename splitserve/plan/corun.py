@@ -6,15 +6,16 @@ memory bus and the last-level cache. A decode step streams every weight once for
 so it is bound by memory bandwidth, and two of them at once slow each other; a prompt step is bound
 by compute and is not slowed (docs/plan.md has the measurements on this repository's 2-core host).
 
-`measure_corun` times decode steps of the profiling engine alone, then beside a neighbour process
-(`python -m splitserve.plan.corun`: the same engine, pinned to another CPU, decoding a batch in a loop
-until its stdin closes), and returns the ratio of the medians.
+`measure_corun` times decode steps of the profiling engine beside a neighbour process (`python -m
+splitserve.plan.corun`: the same engine, pinned to another CPU, decoding a batch in a loop until its
+stdin closes), paused and running in turn, and returns the ratio of the medians.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from typing import Any
 
 NEIGHBOUR_BATCH = (4, 256)  # (requests, prompt tokens) the neighbour decodes
 TIMED_BATCH = (4, 256)  # the profiling engine's decode batch, timed alone and beside it
+ROUNDS, ROUND_STEPS = 4, 8  # alternations of (neighbour paused, neighbour decoding), steps timed in each
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -42,48 +44,60 @@ def drain(engine: Any, ids: list[str]) -> None:
         engine.step()
 
 
-def _decode_ms(engine, batch: int, context: int, steps: int = 15) -> float:  # noqa: ANN001
-    """Median time of a decode step of `batch` requests at about `context` tokens."""
-    from splitserve.sampling.params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True, detokenize=False)
-    prompts = random_prompts(batch, context, engine.model_config.vocab_size, 7)
-    ids = [engine.add_request(p, params) for p in prompts]
-    for _ in range(3):  # the prompts' step(s) and the first decode step
-        engine.step()
+def _step_times(engine, steps: int) -> list[float]:  # noqa: ANN001
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    drain(engine, ids)
-    return statistics.median(times) * 1e3
+    return times
 
 
 def measure_corun(engine, config, cpus: Sequence[int], log=print) -> float:  # noqa: ANN001
-    """The factor for `engine` (built from the EngineConfig `config`), the neighbour pinned to `cpus`."""
-    alone = _decode_ms(engine, *TIMED_BATCH)
+    """The factor for `engine` (built from the EngineConfig `config`), the neighbour pinned to `cpus`.
+    The neighbour is paused (SIGSTOP) and resumed in turn, so that the steps alone and beside it
+    alternate and a drift in the host's speed meets both."""
+    from splitserve.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True, detokenize=False)
+    ids = [
+        engine.add_request(p, params) for p in random_prompts(*TIMED_BATCH, engine.model_config.vocab_size, 7)
+    ]
+    _step_times(engine, 3)  # the prompts' step(s) and the first decode step
     spec = json.dumps({"config": dataclasses.asdict(config), "cpus": list(cpus)})
     argv = [sys.executable, "-m", "splitserve.plan.corun"]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    alone: list[float] = []
+    beside: list[float] = []
     try:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(spec + "\n")
         proc.stdin.flush()
         if proc.stdout.readline().strip() != "decoding":
             raise RuntimeError("the co-run neighbour did not start")
-        beside = _decode_ms(engine, *TIMED_BATCH)
+        for _ in range(ROUNDS):
+            proc.send_signal(signal.SIGSTOP)
+            alone += _step_times(engine, ROUND_STEPS)
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.1)  # its step under way again
+            beside += _step_times(engine, ROUND_STEPS)
     finally:
-        if proc.stdin is not None:
-            proc.stdin.close()  # the neighbour stops at its next step
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    factor = max(1.0, beside / alone)
-    log(f"  co-run: a decode step {alone:.1f} ms alone, {beside:.1f} ms beside a decoding neighbour")
-    return factor
+        drain(engine, ids)
+        _stop(proc)
+    a, b = statistics.median(alone) * 1e3, statistics.median(beside) * 1e3
+    log(f"  co-run: a decode step {a:.1f} ms alone, {b:.1f} ms beside a decoding neighbour")
+    return max(1.0, b / a)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGCONT)
+    if proc.stdin is not None:
+        proc.stdin.close()  # the neighbour stops at its next step
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _neighbour() -> int:
