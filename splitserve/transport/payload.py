@@ -14,13 +14,16 @@ content is undefined and the caller frees them (or recomputes).
 from __future__ import annotations
 
 import bisect
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from splitserve.transport.layout import KVLayout, torch_dtype
+from splitserve.transport.errors import TransportError
+from splitserve.transport.frames import Select
+from splitserve.transport.layout import KVLayout, itemsize, torch_dtype
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 WINDOW_BYTES = 8 << 20  # one sendmsg / recvmsg_into call is offered this much (> socket buffers)
@@ -173,3 +176,87 @@ def state_pieces(state: Mapping[str, torch.Tensor], layout: KVLayout) -> list[np
 def host_state_pieces(state: Mapping[str, torch.Tensor], layout: KVLayout) -> list[np.ndarray]:
     """state_pieces of tensors that may live on a device (copied to the host first: checksums)."""
     return [tensor_bytes(state[name].detach().cpu().contiguous()) for name, _, _ in layout.state_shapes]
+
+
+# -- part of a payload: some KV heads and state channels (frames.Select) ----------------------------
+def run_views(rows: np.ndarray, runs: Sequence[tuple[int, int]], unit: int) -> list[np.ndarray]:
+    """rows: [R, C] bytes; -> for each row, the columns of each run (units of `unit` bytes), in order:
+    one zero-copy view each. A run covering whole rows stays one view."""
+    if len(runs) == 1 and runs[0] == (0, rows.shape[1] // unit):
+        return [rows.reshape(-1)]
+    cols = [rows[:, first * unit : (first + n) * unit] for first, n in runs if n]
+    return [piece for row in zip(*cols, strict=True) for piece in row]
+
+
+def head_pieces(
+    rows: np.ndarray, layout: KVLayout, block_ids: Sequence[int], heads: Sequence[tuple[int, int]]
+) -> list[np.ndarray]:
+    """The `heads` runs of kv[block_ids], with `rows` the cache's bytes [num_blocks, block_nbytes] of
+    `layout`: block by block, for each (layer, k/v, position) row of a block, each run in order."""
+    unit = layout.head_dim * itemsize(layout.dtype)  # one head's bytes in a row
+    width = layout.num_kv_heads * unit
+    out: list[np.ndarray] = []
+    for start, n in block_runs(block_ids):
+        out += run_views(rows[start : start + n].reshape(-1, width), heads, unit)  # [n * L * 2 * bs, H * D]
+    return out
+
+
+def channel_pieces(
+    state: Mapping[str, torch.Tensor], picks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]
+) -> list[np.ndarray]:
+    """For each (name, axis, runs): the runs of state[name] along `axis`, for each index of the axes
+    before it, in order (contiguous CPU tensors; views)."""
+    out: list[np.ndarray] = []
+    for name, axis, runs in picks:
+        t = state[name]
+        unit = math.prod(t.shape[axis + 1 :]) * t.element_size()
+        out += run_views(tensor_bytes(t).reshape(math.prod(t.shape[:axis]), -1), runs, unit)
+    return out
+
+
+def selected_pieces(
+    kv: torch.Tensor, layout: KVLayout, block_ids: Sequence[int], state: Mapping[str, torch.Tensor],
+    select: Select,
+) -> list[np.ndarray]:  # fmt: skip
+    """What the exporter sends for a fetch that selects part of the payload: the selected heads of
+    the blocks (views of kv, or of one staged host copy), then the selected state channels."""
+    check_select(layout, select)
+    if direct_access(kv):
+        rows, ids = tensor_bytes(kv).reshape(kv.shape[0], -1), list(block_ids)
+    else:
+        staged = kv[torch.as_tensor(block_ids, device=kv.device)].contiguous().cpu()  # [n, L, 2, bs, H, D]
+        rows, ids = tensor_bytes(staged).reshape(len(block_ids), -1), list(range(len(block_ids)))
+    host = {name: t.detach().cpu().contiguous() for name, t in state.items()}
+    return head_pieces(rows, layout, ids, select.heads) + channel_pieces(host, select.states)
+
+
+def selected_nbytes(layout: KVLayout, num_blocks: int, select: Select | None) -> int:
+    """The bytes of a payload of `num_blocks` blocks (the part `select` picks, when given)."""
+    if select is None:
+        return layout.payload_nbytes(num_blocks)
+    row_heads = sum(n for _, n in select.heads) * layout.head_dim * itemsize(layout.dtype)
+    total = num_blocks * layout.num_layers * 2 * layout.block_size * row_heads
+    shapes = {name: (shape, dtype) for name, shape, dtype in layout.state_shapes}
+    for name, axis, runs in select.states:
+        shape, dtype = shapes[name]
+        total += math.prod(shape) // max(1, shape[axis]) * sum(n for _, n in runs) * itemsize(dtype)
+    return total
+
+
+def check_select(layout: KVLayout, select: Select) -> None:
+    """TransportError when `select` names heads or channels `layout` does not have."""
+    shapes = {name: shape for name, shape, _ in layout.state_shapes}
+    bad = [f"heads {r}" for r in select.heads if not _fits(r, layout.num_kv_heads)]
+    for name, axis, runs in select.states:
+        shape = shapes.get(name)
+        if shape is None or not 0 <= axis < len(shape):
+            bad.append(f"state {name!r} axis {axis}")
+        else:
+            bad += [f"state {name!r} channels {r}" for r in runs if not _fits(r, shape[axis])]
+    if bad:
+        raise TransportError(f"the fetch selects what the exporter's layout lacks: {', '.join(bad[:4])}")
+
+
+def _fits(run: tuple[int, int], count: int) -> bool:
+    first, n = run
+    return 0 <= first and 0 <= n and first + n <= count
