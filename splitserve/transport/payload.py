@@ -52,6 +52,13 @@ class ByteStream:
 
     def window(self, pos: int, max_bytes: int = WINDOW_BYTES) -> list[np.ndarray]:
         """At most IOV_MAX views from `pos` on: one sendmsg / recvmsg_into call's worth."""
+        i = bisect.bisect_right(self.starts, pos) - 1
+        if pos == self.starts[i]:  # at a piece's start (every window of a receive): whole pieces
+            j = min(i + IOV_MAX, len(self.pieces))
+            while j > i + 1 and self.starts[j] - pos > max_bytes:
+                j = i + 1 + (j - i - 1) // 2
+            if self.starts[j] - pos <= max_bytes:
+                return self.pieces[i:j]
         out = []
         for seg in self.segments(pos, max_bytes):
             out.append(seg)
@@ -184,8 +191,8 @@ def run_views(rows: np.ndarray, runs: Sequence[tuple[int, int]], unit: int) -> l
     one zero-copy view each. A run covering whole rows stays one view."""
     if len(runs) == 1 and runs[0] == (0, rows.shape[1] // unit):
         return [rows.reshape(-1)]
-    cols = [rows[:, first * unit : (first + n) * unit] for first, n in runs if n]
-    return [piece for row in zip(*cols, strict=True) for piece in row]
+    cols = [list(rows[:, first * unit : (first + n) * unit]) for first, n in runs if n]  # rows, in C
+    return cols[0] if len(cols) == 1 else [piece for row in zip(*cols, strict=True) for piece in row]
 
 
 def head_pieces(
@@ -218,16 +225,22 @@ def selected_pieces(
     kv: torch.Tensor, layout: KVLayout, block_ids: Sequence[int], state: Mapping[str, torch.Tensor],
     select: Select,
 ) -> list[np.ndarray]:  # fmt: skip
-    """What the exporter sends for a fetch that selects part of the payload: the selected heads of
-    the blocks (views of kv, or of one staged host copy), then the selected state channels."""
+    """What the exporter sends for a fetch that selects part of the payload, in `head_pieces` and
+    `channel_pieces` order: the selected heads of the blocks, then the selected state channels,
+    each gathered into one host tensor (a strided part would otherwise take an iovec per row)."""
     check_select(layout, select)
-    if direct_access(kv):
-        rows, ids = tensor_bytes(kv).reshape(kv.shape[0], -1), list(block_ids)
-    else:
-        staged = kv[torch.as_tensor(block_ids, device=kv.device)].contiguous().cpu()  # [n, L, 2, bs, H, D]
-        rows, ids = tensor_bytes(staged).reshape(len(block_ids), -1), list(range(len(block_ids)))
-    host = {name: t.detach().cpu().contiguous() for name, t in state.items()}
-    return head_pieces(rows, layout, ids, select.heads) + channel_pieces(host, select.states)
+    ids = torch.as_tensor(list(block_ids), device=kv.device)
+    heads = _positions(select.heads, kv.device)
+    blocks = kv.index_select(0, ids).index_select(4, heads).cpu()  # [n, L, 2, bs, selected heads, D]
+    out = [tensor_bytes(blocks)]
+    for name, axis, runs in select.states:
+        t = state[name]
+        out.append(tensor_bytes(t.index_select(axis, _positions(runs, t.device)).cpu().contiguous()))
+    return out
+
+
+def _positions(runs: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor([i for first, n in runs for i in range(first, first + n)], device=device)
 
 
 def selected_nbytes(layout: KVLayout, num_blocks: int, select: Select | None) -> int:

@@ -241,9 +241,11 @@ def test_a_prefill_rank_that_hangs_up_fails_the_fetch_and_every_lease_ends(engin
     try:
         p.add_request(PROMPTS[0], GREEDY, request_id="hangup-p", kv_transfer="export")
         out = _run(p)["hangup-p"]
-        d.add_request_with_kv(out.kv_export.handle, PROMPTS[0], out.outputs[0].token_ids[0], GREEDY, "hangup")
-        failed = _run(d)["hangup"]
-        assert isinstance(failed.error, KVTransferFailed) and isinstance(failed.error.cause, TransportError)
+        with pytest.raises(KVTransferFailed) as failed:
+            d.add_request_with_kv(
+                out.kv_export.handle, PROMPTS[0], out.outputs[0].token_ids[0], GREEDY, "hangup"
+            )
+        assert isinstance(failed.value.cause, TransportError)
     finally:
         pc.transport.ranks[1].install_faults(None)
     assert _all_free(d) and _all_free(p) and _leases(pc) == 0

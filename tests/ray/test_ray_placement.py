@@ -34,21 +34,6 @@ def cluster():
     c.shutdown()
 
 
-class Where:
-    """Stands in for a worker replica: tells where it runs and which group holds it."""
-
-    def __call__(self) -> dict:
-        from ray.util.placement_group import get_current_placement_group
-
-        group = get_current_placement_group()
-        return {
-            "node": ray.get_runtime_context().get_node_id(),
-            "group": group.id.hex() if group else None,
-            "bundles": group.bundle_specs if group else [],
-            "rank_gpus": rank_gpus(),
-        }
-
-
 def test_a_replica_of_two_ranks_gets_a_group_of_two_bundles_on_one_node(cluster):
     manifest = parse_manifest("""
 name: tp
@@ -63,6 +48,21 @@ colocated: {replicas: 1, placement: {resources: {tp_node: 0.5}, num_cpus: 1}}
         "placement_group_strategy": STRATEGY,
     }
     assert replica_placement(actor, 1, on_gpu=False) == (actor, {})
+
+    class Where:  # defined here: Ray pickles it by value
+        """Stands in for a worker replica: tells where it runs and which group holds it."""
+
+        def __call__(self) -> dict:
+            from ray.util.placement_group import get_current_placement_group
+
+            pg = get_current_placement_group()
+            return {
+                "node": ray.get_runtime_context().get_node_id(),
+                "group": pg.id.hex() if pg else None,
+                "bundles": pg.bundle_specs if pg else [],
+                "rank_gpus": rank_gpus(),
+            }
+
     handle = serve.run(
         serve.deployment(Where, name="tp-colocated", ray_actor_options=actor, **group).bind(),
         name="tp",

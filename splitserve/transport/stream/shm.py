@@ -28,6 +28,7 @@ from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import (
     ByteStream,
     channel_pieces,
+    check_select,
     selected_nbytes,
     selected_pieces,
     source_pieces,
@@ -67,8 +68,10 @@ class ShmWire:
         if shared is not None:  # the fetcher copies the blocks (or its heads of them) itself
             digest, state = export.checksum, ByteStream(state_pieces(export.state, self.layout))
             if select is not None:
-                pieces = selected_pieces(self.kv_cache, self.layout, block_ids, export.state, select)
-                digest = checksum_like(digest, pieces)
+                check_select(self.layout, select)
+                if digest:
+                    pieces = selected_pieces(self.kv_cache, self.layout, block_ids, export.state, select)
+                    digest = checksum_like(digest, pieces)
                 state = ByteStream(channel_pieces(export.state, select.states))
             await send_direct(chan, shared, block_ids, state, digest, deadline, fault)
             return selected_nbytes(self.layout, len(block_ids), select)

@@ -5,7 +5,8 @@ Life of a fetch over tcp:
   2. exporter -> Kv {nbytes, blocks, checksum} + nbytes of body, sent with scatter-gather
      `sendmsg` straight from the leased blocks (the frame header, then one iovec per run of
      consecutive block ids, then the state tensors): no staging copy. A fetch that selects some
-     heads and state channels (`Fetch.select`) gets those only, one iovec per row and run.
+     heads and state channels (`Fetch.select`) gets those only, gathered into one host tensor per
+     part; the fetcher receives them straight into its own blocks (an iovec per row and run).
   3. fetcher: `recvmsg_into` straight into its own kv[into_block_ids] views and fresh state tensors,
      then the checksum (channel.py).
 
@@ -52,7 +53,7 @@ class TcpWire:
         if select is None:
             pieces = source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout)
             body = ByteStream(pieces)
-        else:  # some heads and state channels: strided views of the same tensors
+        else:  # some heads and state channels, gathered into host tensors (payload.py)
             body = ByteStream(selected_pieces(self.kv_cache, self.layout, block_ids, export.state, select))
             digest = checksum_like(digest, body.pieces)
         if fault is Fault.CORRUPT and call.plan is not None:
