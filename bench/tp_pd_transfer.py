@@ -7,9 +7,11 @@ exported by an engine at size P and imported by one at size D; the script prints
 bytes each prefill rank served, the bytes written into each decode rank's pool (its own KV heads and
 state channels only), the mean fetch seconds of a request (the decode connector's `fetch_seconds`
 over its `fetches`), and its ratio against 1 -> 1 (the baseline). At P == D every decode rank
-fetches its twin's part straight into its pool; otherwise the parts come through rank 0's staging
-buffer. Greedy tokens are compared with the baseline (they must be equal). A shared 2-core host: no
-speed goal, the figure shows what the staging and the extra servers cost.
+fetches its twin's part straight into its pool; otherwise each decode rank reads only its own heads
+and state channels from each prefill rank holding them, straight into its pool (one fetch per pair
+of ranks that share heads, nothing staged). Greedy tokens are compared with the baseline (they must
+be equal). A shared 2-core host: no speed goal, the figure shows what the extra fetches and servers
+cost.
 
     python bench/tp_pd_transfer.py
     python bench/tp_pd_transfer.py --model random:tiny-llama --requests 8 --prompt-len 200

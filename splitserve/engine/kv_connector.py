@@ -154,10 +154,9 @@ class KVConnector:
                                         conn.on_lease_end)  # fmt: skip
         else:
             conn.transport = make(engine.kv_cache, conn.layout, conn.on_lease_end)
-            # a handle from an exporter at tensor_parallel_size > 1: gathered into our one pool
-            max_blocks = -(-engine.max_model_len // engine.block_size)
+            # a handle from an exporter at tensor_parallel_size > 1: each rank's heads read into our one pool
             conn.sharded = ShardedFetch(
-                model_config(engine), conn.layout, [engine.kv_cache], [conn.transport], opener, max_blocks
+                model_config(engine), conn.layout, [engine.kv_cache], [conn.transport], opener
             )
             if engine.states.enabled:
                 conn.holds_state = conn.transport.register_states(engine.states.states)

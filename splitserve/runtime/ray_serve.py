@@ -6,7 +6,9 @@ Pieces (one Serve application per manifest):
   <name>-prefill / <name>-decode / <name>-colocated   Serve deployments, `replicas` each (or autoscaled
       between `min_replicas` and `max_replicas`: on Serve's queue signal, or with `scaling.enabled` to
       the count the router's SLO controller asks for, runtime/ray_scale.py), placed by each pool's
-      `placement` (Ray resources such as {"prefill_node": 1}, node labels, CPUs/GPUs per replica). A
+      `placement` (Ray resources such as {"prefill_node": 1}, node labels, CPUs/GPUs per replica); a
+      replica at tensor_parallel_size > 1 in a placement group of one bundle per rank on one node
+      (runtime/ray_placement.py). A
       replica builds the same `Worker` the local runtime starts as a process, serves the worker HTTP API
       on its node's address (port from the OS), and registers itself with the deployment's registry
       actor. Serve health-checks it
@@ -46,6 +48,7 @@ from splitserve.config.manifest_sections import PlacementSection
 from splitserve.router.routes import install_routes
 from splitserve.router.server import ModelInfo, OpenAIServer
 from splitserve.runtime.common import worker_config
+from splitserve.runtime.ray_placement import replica_placement, show_rank_gpus
 from splitserve.runtime.ray_workers import RayWorkers
 from splitserve.wire.auth import worker_headers
 
@@ -105,6 +108,8 @@ class WorkerReplica:
         host = ray.util.get_node_ip_address()
         ctx = serve.get_replica_context()
         self.id = ctx.replica_id.unique_id
+        if manifest.tensor_parallel_size(role) > 1:
+            show_rank_gpus()  # before the engine starts its ranks (ray_placement.py)
         self.worker = Worker(worker_config(manifest, role, 0, secret, host))
         ready, url = threading.Event(), []
 
@@ -261,11 +266,14 @@ def build_app(manifest: Manifest, secret: str | None = None) -> Any:
     workers = []
     for role, pool in manifest.pools().items():
         on_gpu = any(d.startswith("cuda") for d in pool.devices) or manifest.model.device.startswith("cuda")
-        # a replica's tensor-parallel ranks run in its one actor (its engine core starts them): one GPU each
-        gpus = float(manifest.tensor_parallel_size(role)) if on_gpu else 0
+        # a replica's tensor-parallel ranks are its actor's children: one bundle each, on one node
+        size = manifest.tensor_parallel_size(role)
+        actor = _actor_options(pool.placement, 1.0 if on_gpu else 0, {t.secret_env: secret})
+        actor, group = replica_placement(actor, size, on_gpu)
         opts: dict[str, Any] = {
             "name": f"{manifest.name}-{role}",
-            "ray_actor_options": _actor_options(pool.placement, gpus, {t.secret_env: secret}),
+            "ray_actor_options": actor,
+            **group,
             "health_check_period_s": rt.health_interval_s,
             "health_check_timeout_s": max(10.0, 5 * rt.health_interval_s),
             "max_ongoing_requests": 4096,

@@ -30,11 +30,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import msgspec
 import torch
 
 from splitserve.transport.board import LeaseBoard
-from splitserve.transport.client import ConnectionPool, SyncChannel, counted_failures, fetch_frame
+from splitserve.transport.client import ConnectionPool, counted_failures, fetch_frame
 from splitserve.transport.errors import (
+    BackendUnavailable,
     CorruptTransfer,
     PeerRefused,
     TransportError,
@@ -42,7 +44,7 @@ from splitserve.transport.errors import (
 from splitserve.transport.export_requests import Export, ExportRequests, PayloadCall
 from splitserve.transport.fabric import host_fabric
 from splitserve.transport.fault_plan import FaultPlan
-from splitserve.transport.frames import Frame, Ok, Payload, Release
+from splitserve.transport.frames import Frame, Ok, Payload, Release, Select
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import FreeCallback, LeaseManager
 from splitserve.transport.payload import (
@@ -233,24 +235,42 @@ class KVChannel(KVTransport):
         return self.mover.fetch(request)
 
     def stream_fetch(
-        self, request: FetchRequest, recv_payload: Callable[[SyncChannel, ByteStream, Deadline], Payload]
+        self,
+        request: FetchRequest,
+        recv_payload: Callable[..., Payload],
+        part: tuple[Select, ByteStream] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """A stream mover's `fetch`: `recv_payload(chan, stream, deadline)` fills our blocks' views and
-        fresh state tensors, and answers the exporter's payload frame."""
+        """A stream mover's `fetch`: `recv_payload(chan, stream, deadline, select)` fills our blocks'
+        views and fresh state tensors (or, for `part`, the views it names), and answers the exporter's
+        payload frame; -> the state (none for a part)."""
         handle, timeout_s = request.handle, request.timeout_s
-        into = self.check_fetch(handle, request.into_block_ids)
+        into = self.check_fetch(handle, request.into_block_ids) if part is None else ()
         deadline = Deadline.after(timeout_s if timeout_s is not None else self.options.fetch_timeout_s)
-        sink, state = BlockSink(self.kv_cache, into), empty_state(self.layout)
-        stream = ByteStream(sink.pieces + state_pieces(state, self.layout))
+        if part is None:
+            select, sink, state = None, BlockSink(self.kv_cache, into), empty_state(self.layout)
+            stream = ByteStream(sink.pieces + state_pieces(state, self.layout))
+        else:  # the exporter's checksum covers its whole payload: the part's comes with it
+            (select, stream), sink, state = part, None, {}
+            handle = msgspec.structs.replace(handle, checksum=None)
         start = time.perf_counter()
         with counted_failures(self.stats, handle.address):
             with self.pool.for_handle(handle, deadline) as chan:
-                chan.send(fetch_frame(handle, deadline), deadline)
-                payload = recv_payload(chan, stream, deadline)
+                chan.send(fetch_frame(handle, deadline, select=select), deadline)
+                payload = recv_payload(chan, stream, deadline, select)
             self.verify(handle, payload.checksum, stream)
-            sink.commit()
+            if sink is not None:
+                sink.commit()
         self.stats.fetched(stream.nbytes, time.perf_counter() - start, handle.address)
         return state
+
+    def fetch_part(self, request: FetchRequest, select: Select, into: ByteStream) -> None:
+        """Fetch only the `select`ed heads and state channels of the handle's payload (the exporter's
+        layout, this channel's) into `into`: views of another tensor, such as a tensor-parallel rank's
+        pool of a different layout. The stream backends only (tcp, shm)."""
+        fetch_part = getattr(self.mover, "fetch_part", None)
+        if fetch_part is None:
+            raise BackendUnavailable(f"{self.backend} cannot fetch part of a payload")
+        fetch_part(request, select, into)
 
     def verify(self, handle: KVHandle, sent: str | None, stream: ByteStream) -> None:
         """The payload's checksum against the handle's (else the one the exporter `sent` with it)."""

@@ -29,7 +29,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from splitserve.transport.errors import AuthError, PeerRefused, TransferTimeout, TransportError
-from splitserve.transport.frames import Challenge, Error, Fetch, Frame, Hello, MalformedFrame, Welcome, op
+from splitserve.transport.frames import (
+    Challenge,
+    Error,
+    Fetch,
+    Frame,
+    Hello,
+    MalformedFrame,
+    Select,
+    Welcome,
+    op,
+)
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.payload import ByteStream
 from splitserve.transport.protocol import (
@@ -293,12 +303,14 @@ class ConnectionPool:
             chan.close()
 
 
-def fetch_frame(handle: KVHandle, deadline: Deadline, into_run: bool = False) -> Fetch:
-    """The fetch request for the handle's lease, with the time left (and nccl's `into_run`)."""
+def fetch_frame(
+    handle: KVHandle, deadline: Deadline, into_run: bool = False, select: Select | None = None
+) -> Fetch:
+    """The fetch request for the handle's lease, with the time left (and nccl's `into_run`, the part
+    a fetch of some heads and state channels `select`s)."""
     timeout_s = deadline.remaining("fetch")
-    return Fetch(
-        lease_id=handle.lease_id, request_id=handle.request_id, timeout_s=timeout_s, into_run=into_run
-    )
+    return Fetch(lease_id=handle.lease_id, request_id=handle.request_id, timeout_s=timeout_s,
+                 into_run=into_run, select=select)  # fmt: skip
 
 
 @contextmanager

@@ -70,11 +70,25 @@ class Error(Frame, tag="error", kw_only=True):
 
 
 # -- requests and short answers ------------------------------------------------------------------
+Runs = tuple[tuple[int, int], ...]  # (first, count) along one axis, in payload order
+
+
+class Select(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Part of a lease's payload: what a fetcher holding only some of the exporter's KV heads and state
+    channels asks for (tensor parallelism at another size). `heads`: runs along every block's head
+    axis; `states`: (name, split axis, runs along it) per state tensor. The bytes' order is
+    payload.py's `selected_pieces`."""
+
+    heads: Runs
+    states: tuple[tuple[str, int, Runs], ...] = ()
+
+
 class Fetch(Frame, tag="fetch", kw_only=True):
     lease_id: str
     request_id: str
     timeout_s: float
     into_run: bool = False  # nccl: the fetcher's blocks are one run (one message is enough)
+    select: Select | None = None  # tcp, shm: only these heads and state channels (None: all)
 
 
 class Release(Frame, tag="release", kw_only=True):

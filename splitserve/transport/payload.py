@@ -14,13 +14,16 @@ content is undefined and the caller frees them (or recomputes).
 from __future__ import annotations
 
 import bisect
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from splitserve.transport.layout import KVLayout, torch_dtype
+from splitserve.transport.errors import TransportError
+from splitserve.transport.frames import Select
+from splitserve.transport.layout import KVLayout, itemsize, torch_dtype
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 WINDOW_BYTES = 8 << 20  # one sendmsg / recvmsg_into call is offered this much (> socket buffers)
@@ -49,6 +52,13 @@ class ByteStream:
 
     def window(self, pos: int, max_bytes: int = WINDOW_BYTES) -> list[np.ndarray]:
         """At most IOV_MAX views from `pos` on: one sendmsg / recvmsg_into call's worth."""
+        i = bisect.bisect_right(self.starts, pos) - 1
+        if pos == self.starts[i]:  # at a piece's start (every window of a receive): whole pieces
+            j = min(i + IOV_MAX, len(self.pieces))
+            while j > i + 1 and self.starts[j] - pos > max_bytes:
+                j = i + 1 + (j - i - 1) // 2
+            if self.starts[j] - pos <= max_bytes:
+                return self.pieces[i:j]
         out = []
         for seg in self.segments(pos, max_bytes):
             out.append(seg)
@@ -173,3 +183,93 @@ def state_pieces(state: Mapping[str, torch.Tensor], layout: KVLayout) -> list[np
 def host_state_pieces(state: Mapping[str, torch.Tensor], layout: KVLayout) -> list[np.ndarray]:
     """state_pieces of tensors that may live on a device (copied to the host first: checksums)."""
     return [tensor_bytes(state[name].detach().cpu().contiguous()) for name, _, _ in layout.state_shapes]
+
+
+# -- part of a payload: some KV heads and state channels (frames.Select) ----------------------------
+def run_views(rows: np.ndarray, runs: Sequence[tuple[int, int]], unit: int) -> list[np.ndarray]:
+    """rows: [R, C] bytes; -> for each row, the columns of each run (units of `unit` bytes), in order:
+    one zero-copy view each. A run covering whole rows stays one view."""
+    if len(runs) == 1 and runs[0] == (0, rows.shape[1] // unit):
+        return [rows.reshape(-1)]
+    cols = [list(rows[:, first * unit : (first + n) * unit]) for first, n in runs if n]  # rows, in C
+    return cols[0] if len(cols) == 1 else [piece for row in zip(*cols, strict=True) for piece in row]
+
+
+def head_pieces(
+    rows: np.ndarray, layout: KVLayout, block_ids: Sequence[int], heads: Sequence[tuple[int, int]]
+) -> list[np.ndarray]:
+    """The `heads` runs of kv[block_ids], with `rows` the cache's bytes [num_blocks, block_nbytes] of
+    `layout`: block by block, for each (layer, k/v, position) row of a block, each run in order."""
+    unit = layout.head_dim * itemsize(layout.dtype)  # one head's bytes in a row
+    width = layout.num_kv_heads * unit
+    out: list[np.ndarray] = []
+    for start, n in block_runs(block_ids):
+        out += run_views(rows[start : start + n].reshape(-1, width), heads, unit)  # [n * L * 2 * bs, H * D]
+    return out
+
+
+def channel_pieces(
+    state: Mapping[str, torch.Tensor], picks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]
+) -> list[np.ndarray]:
+    """For each (name, axis, runs): the runs of state[name] along `axis`, for each index of the axes
+    before it, in order (contiguous CPU tensors; views)."""
+    out: list[np.ndarray] = []
+    for name, axis, runs in picks:
+        t = state[name]
+        unit = math.prod(t.shape[axis + 1 :]) * t.element_size()
+        out += run_views(tensor_bytes(t).reshape(math.prod(t.shape[:axis]), -1), runs, unit)
+    return out
+
+
+def selected_pieces(
+    kv: torch.Tensor, layout: KVLayout, block_ids: Sequence[int], state: Mapping[str, torch.Tensor],
+    select: Select,
+) -> list[np.ndarray]:  # fmt: skip
+    """What the exporter sends for a fetch that selects part of the payload, in `head_pieces` and
+    `channel_pieces` order: the selected heads of the blocks, then the selected state channels,
+    each gathered into one host tensor (a strided part would otherwise take an iovec per row)."""
+    check_select(layout, select)
+    ids = torch.as_tensor(list(block_ids), device=kv.device)
+    heads = _positions(select.heads, kv.device)
+    blocks = kv.index_select(0, ids).index_select(4, heads).cpu()  # [n, L, 2, bs, selected heads, D]
+    out = [tensor_bytes(blocks)]
+    for name, axis, runs in select.states:
+        t = state[name]
+        out.append(tensor_bytes(t.index_select(axis, _positions(runs, t.device)).cpu().contiguous()))
+    return out
+
+
+def _positions(runs: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor([i for first, n in runs for i in range(first, first + n)], device=device)
+
+
+def selected_nbytes(layout: KVLayout, num_blocks: int, select: Select | None) -> int:
+    """The bytes of a payload of `num_blocks` blocks (the part `select` picks, when given)."""
+    if select is None:
+        return layout.payload_nbytes(num_blocks)
+    row_heads = sum(n for _, n in select.heads) * layout.head_dim * itemsize(layout.dtype)
+    total = num_blocks * layout.num_layers * 2 * layout.block_size * row_heads
+    shapes = {name: (shape, dtype) for name, shape, dtype in layout.state_shapes}
+    for name, axis, runs in select.states:
+        shape, dtype = shapes[name]
+        total += math.prod(shape) // max(1, shape[axis]) * sum(n for _, n in runs) * itemsize(dtype)
+    return total
+
+
+def check_select(layout: KVLayout, select: Select) -> None:
+    """TransportError when `select` names heads or channels `layout` does not have."""
+    shapes = {name: shape for name, shape, _ in layout.state_shapes}
+    bad = [f"heads {r}" for r in select.heads if not _fits(r, layout.num_kv_heads)]
+    for name, axis, runs in select.states:
+        shape = shapes.get(name)
+        if shape is None or not 0 <= axis < len(shape):
+            bad.append(f"state {name!r} axis {axis}")
+        else:
+            bad += [f"state {name!r} channels {r}" for r in runs if not _fits(r, shape[axis])]
+    if bad:
+        raise TransportError(f"the fetch selects what the exporter's layout lacks: {', '.join(bad[:4])}")
+
+
+def _fits(run: tuple[int, int], count: int) -> bool:
+    first, n = run
+    return 0 <= first and 0 <= n and first + n <= count

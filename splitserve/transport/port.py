@@ -16,16 +16,15 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from splitserve.transport.client import ConnectionPool, SyncChannel
+    from splitserve.transport.client import ConnectionPool
     from splitserve.transport.frames import Payload
     from splitserve.transport.layout import KVLayout
     from splitserve.transport.lease import LeaseManager
     from splitserve.transport.payload import ByteStream
-    from splitserve.transport.protocol import Deadline
-    from splitserve.transport.transport import ExportRequest, FetchRequest, TransportOptions, TransportStats
+    from splitserve.transport.transport import ExportRequest, TransportOptions, TransportStats
     from splitserve.wire.kv_handle import KVHandle
 
-    RecvPayload = Callable[[SyncChannel, ByteStream, Deadline], Payload]
+    RecvPayload = Callable[..., Payload]  # (chan, stream, deadline, select=None)
 
 
 @dataclass(frozen=True)
@@ -48,8 +47,9 @@ class MoverPort:
     check_fetch: Callable[[KVHandle, Sequence[int]], tuple[int, ...]]
     # fetcher: the payload's checksum against the handle's, else the one the exporter sent (CorruptTransfer)
     verify: Callable[[KVHandle, str | None, ByteStream], None]
-    # fetcher, stream movers: the whole fetch around their `recv_payload`
-    stream_fetch: Callable[[FetchRequest, RecvPayload], dict[str, torch.Tensor]]
+    # fetcher, stream movers: the whole fetch around their `recv_payload` (request, recv_payload, and
+    # for part of a payload (select, the views it goes to))
+    stream_fetch: Callable[..., dict[str, torch.Tensor]]
 
 
 __all__ = ["MoverPort"]

@@ -150,6 +150,12 @@ def checksum(algo: str, buffers: Iterable) -> str:
     raise ValueError(f"unknown checksum {algo!r}; choose one of {CHECKSUMS}")
 
 
+def checksum_like(example: str | None, buffers: Iterable) -> str | None:
+    """The checksum of `buffers` by the algorithm of `example` (None: none). An exporter answering a
+    fetch for part of a payload sends this, since the export's own checksum covers the whole."""
+    return checksum(checksum_algo(example), buffers) if example else None
+
+
 def checksum_algo(value: str) -> str:
     algo = value.split(":", 1)[0]
     if algo not in CHECKSUMS:

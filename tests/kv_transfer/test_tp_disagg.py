@@ -3,7 +3,8 @@ at size 2 starts its rank 1 as a child process, fp32, gloo): a request prefilled
 at size D gives the greedy tokens of one engine at size 1, for tiny random-weight Llama (one KV head,
 replicated on both ranks) and the Qwen3.5 hybrid (KV heads and Gated DeltaNet state channels split),
 for P/D 1/2, 2/1 and 2/2, over tcp and shm. Each decode rank is written only its own heads; every
-lease and block is free afterwards on both sides."""
+lease and block is free afterwards on both sides, also when a prefill rank hangs up mid-import. Each
+decode rank reads its own share over its own channels, with nothing staged."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ from splitserve import SamplingParams
 from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.kv_connector import KVConnector
+from splitserve.engine.kv_transfer import KVTransferFailed
 from splitserve.engine.tp.kv_routes import Plan
 from splitserve.engine.tp.pools import mapped
 from splitserve.model.config import ModelConfig
 from splitserve.model.parallel import kv_head_index
 from splitserve.model.random_weights import random_source_config
-from splitserve.transport import PeerRefused, TransportOptions
+from splitserve.transport import PeerRefused, TransportError, TransportOptions
+from splitserve.transport.fault_plan import FaultPlan
+from splitserve.wire.ops import FaultKnobs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = random_prompts((5, 37, 18), vocab=500, seed=7)
@@ -183,3 +187,66 @@ def test_a_probe_moves_each_head_to_the_rank_that_owns_it(engines, sizes):
         assert torch.equal(kv[into.block_ids], full[..., kv_head_index(cfg, sizes[1], rank), :])
     d.release_blocks(into)
     assert _all_free(d) and _all_free(p)
+
+
+def _fetcher(conn: KVConnector):
+    """The decode side's part reader: the TP transport's, or a size-1 connector's own."""
+    return getattr(conn.transport, "fetcher", None) or conn.sharded
+
+
+def _served(conn: KVConnector) -> list[int]:
+    ranks = getattr(conn.transport, "ranks", [conn.transport])
+    return [int(t.stats.snapshot()["counts"].get("served_bytes", 0)) for t in ranks]
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("model", ["random:tiny-llama", "random:qwen3.5-tiny"])
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)], ids=lambda s: f"P{s[0]}D{s[1]}")
+def test_each_decode_rank_reads_its_own_share_with_no_staging(engines, backend, model, sizes):
+    """Across sizes each decode rank reads, over channels of its own, exactly its rank layout's bytes
+    (its KV heads and state channels), from the prefill ranks holding them; each prefill rank serves
+    exactly what the decode ranks read of it; no channel of the decode side holds a request's blocks
+    (one unused block each: nothing is staged)."""
+    (p, pc), (d, dc) = engines.get(model, sizes[0], backend), engines.get(model, sizes[1], backend, "b")
+    cfg = ModelConfig.from_hf(random_source_config(model))
+    fetcher, n = _fetcher(dc), 3
+    before_parts, before_served = fetcher.describe(), _served(pc)
+    lease, into = p.lease_blocks(n), d.lease_blocks(n, touch=True)
+    handle = pc.transport.export("share", lease.block_ids, lease.num_tokens, lease.state)
+    dc.fetch_blocks(handle, into.block_ids, 20.0)
+    dc.release(handle)
+    d.release_blocks(into)
+    after = fetcher.describe()
+    read = [a["fetched_bytes"] - b["fetched_bytes"] for a, b in zip(after, before_parts, strict=True)]
+    owned = [Plan.build(cfg, *sizes).dst.rank_layout(dc.layout, r).payload_nbytes(n) for r in range(sizes[1])]
+    assert read == owned
+    served = [a - b for a, b in zip(_served(pc), before_served, strict=True)]
+    from_rank = [0] * sizes[0]  # what the decode ranks' channels say they read of each prefill rank
+    for a, b in zip(after, before_parts, strict=True):
+        for q in range(sizes[0]):
+            from_rank[q] += a["from"].get(q, 0) - b["from"].get(q, 0)
+    assert served == from_rank and sum(served) == sum(owned)
+    assert all(t.kv_cache.shape[0] == 1 for t in fetcher.peers.values())
+    assert _all_free(d) and _all_free(p) and _leases(pc) == 0
+
+
+def test_a_prefill_rank_that_hangs_up_fails_the_fetch_and_every_lease_ends(engines):
+    """Prefill at size 2, decode at 1: prefill rank 1 hangs up on every fetch. The import fails with a
+    transport error (no token from half the heads), the connector releases both ranks' leases, and
+    the blocks come back on both sides; with the fault gone, the next import succeeds."""
+    model = "random:qwen3.5-tiny"
+    (p, pc), (d, _) = engines.get(model, 2), engines.get(model, 1, name="b")
+    reference = _colocated(engines.get(model, 1)[0])
+    pc.transport.ranks[1].install_faults(FaultPlan(FaultKnobs(kill=1.0)))
+    try:
+        p.add_request(PROMPTS[0], GREEDY, request_id="hangup-p", kv_transfer="export")
+        out = _run(p)["hangup-p"]
+        with pytest.raises(KVTransferFailed) as failed:
+            d.add_request_with_kv(
+                out.kv_export.handle, PROMPTS[0], out.outputs[0].token_ids[0], GREEDY, "hangup"
+            )
+        assert isinstance(failed.value.cause, TransportError)
+    finally:
+        pc.transport.ranks[1].install_faults(None)
+    assert _all_free(d) and _all_free(p) and _leases(pc) == 0
+    assert _disaggregated(p, d, "after-hangup")[0] == reference[0]

@@ -37,8 +37,7 @@ def open_ranks(
     pools = [(engine.kv_cache, engine.states.states), *mapped(group)]
     tp = TPTransport(full, [states for _, states in pools], on_free)
     ranks = [make(kv, sharding.rank_layout(full, r), tp.rank_freed) for r, (kv, _) in enumerate(pools)]
-    max_blocks = -(-engine.max_model_len // engine.block_size)
-    tp.attach(ranks, ShardedFetch(cfg, full, [kv for kv, _ in pools], ranks, opener, max_blocks))
+    tp.attach(ranks, ShardedFetch(cfg, full, [kv for kv, _ in pools], ranks, opener))
     return tp
 
 

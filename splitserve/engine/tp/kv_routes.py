@@ -9,23 +9,21 @@ positions `src` along the split axis go to positions `dst` of this rank's tensor
 
     plan = Plan.build(cfg, prefill_size, decode_size)   # PeerRefused if the sizes cannot be mapped
     plan.needed                                          # the prefill ranks any decode rank reads
-    scatter_blocks(plan.kv[d], staged, kv_d, into_ids)   # staged[p]: [n, L, 2, bs, heads_p, D]
-    plan.state(d, name, staged_states, shape)            # one decode rank's state tensor
+    parts(plan, d)                                       # decode rank d's reads, one per prefill rank:
+                                                         # the runs it asks for, the runs they fill
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
 from splitserve.model.config import ModelConfig
 from splitserve.model.parallel import check_divisible, kv_head_index, state_index
 from splitserve.transport.errors import PeerRefused
+from splitserve.transport.frames import Runs, Select
 from splitserve.transport.layout import KVLayout
-
-KV_AXIS = 3  # of one block [L, 2, block_size, heads, head_dim]
 
 
 @dataclass(frozen=True)
@@ -128,30 +126,53 @@ class Plan:
         ranks |= {r.src for per_name in self.states.values() for per_rank in per_name for r in per_rank}
         return sorted(ranks)
 
-    def state(
-        self, rank: int, name: str, staged: dict[int, dict[str, torch.Tensor]], shape: Any
-    ) -> torch.Tensor:
-        """Decode rank `rank`'s tensor `name` ([*shape]) from the prefill ranks' staged states."""
-        axis = self.dst.states[name][0]
-        first = staged[self.states[name][rank][0].src][name]
-        out = torch.empty(tuple(shape), dtype=first.dtype)
-        for r in self.states[name][rank]:
-            out.index_copy_(axis, r.dst_pos, staged[r.src][name].index_select(axis, r.src_pos))
-        return out
+
+def paired_runs(route: Route) -> tuple[Runs, Runs]:
+    """The route's positions as runs (first, count) contiguous on both sides: (source runs, ours)."""
+    src: list[tuple[int, int]] = []
+    dst: list[tuple[int, int]] = []
+    last = None
+    for s, d in zip(route.src_pos.tolist(), route.dst_pos.tolist(), strict=True):
+        if last is not None and (s, d) == (last[0] + 1, last[1] + 1):
+            src[-1], dst[-1] = (src[-1][0], src[-1][1] + 1), (dst[-1][0], dst[-1][1] + 1)
+        else:
+            src.append((s, 1))
+            dst.append((d, 1))
+        last = (s, d)
+    return tuple(src), tuple(dst)
 
 
-def scatter_blocks(
-    per_rank: list[Route], staged: dict[int, torch.Tensor], kv: torch.Tensor, into: list[int]
-) -> int:
-    """Copy each route's heads of the staged blocks (staged[p]: [n, L, 2, bs, heads_p, D]) into
-    kv[into]; -> the bytes written (this rank's heads only)."""
-    nbytes = 0
-    for r in per_rank:
-        src = staged[r.src].index_select(KV_AXIS + 1, r.src_pos)  # [n, L, 2, bs, k, D]
-        for i, block in enumerate(into):
-            kv[block].index_copy_(KV_AXIS, r.dst_pos, src[i])
-        nbytes += src.numel() * src.element_size()
-    return nbytes
+@dataclass(frozen=True)
+class Part:
+    """What one decode rank reads from one prefill rank: runs of the source's KV heads and state
+    channels (`select`, the fetch asks for these) and where each run lands in ours (`heads`, `states`,
+    the same shapes of runs in the same order)."""
+
+    src: int
+    select: Select
+    heads: Runs
+    states: tuple[tuple[str, int, Runs], ...]
 
 
-__all__ = ["KV_AXIS", "Plan", "Route", "Sharding", "routes", "scatter_blocks"]
+def parts(plan: Plan, rank: int) -> list[Part]:
+    """Decode rank `rank`'s parts, one per prefill rank it reads from (rank order)."""
+    by_src: dict[int, tuple[list, list, list, list]] = {}
+    for r in plan.kv[rank]:
+        src, dst = paired_runs(r)
+        entry = by_src.setdefault(r.src, ([], [], [], []))
+        entry[0].extend(src)
+        entry[1].extend(dst)
+    for name, per_rank in plan.states.items():
+        axis = plan.dst.states[name][0]
+        for r in per_rank[rank]:
+            src, dst = paired_runs(r)
+            entry = by_src.setdefault(r.src, ([], [], [], []))
+            entry[2].append((name, axis, src))
+            entry[3].append((name, axis, dst))
+    return [
+        Part(p, Select(tuple(sh), tuple(ss)), tuple(dh), tuple(ds))
+        for p, (sh, dh, ss, ds) in sorted(by_src.items())
+    ]
+
+
+__all__ = ["Part", "Plan", "Route", "Sharding", "paired_runs", "parts", "routes"]

@@ -10,18 +10,19 @@ Decode replica at size D (`ShardedFetch`):
   - P == D with the same rank layouts: decode rank d fetches prefill rank d's shard straight into
     its own pool, for every d (no staging);
   - otherwise (P > D gathers several prefill ranks into one decode rank, P < D slices one among
-    several, a KV head replicated below the rank count is read once): each prefill rank some decode
-    rank reads is fetched once into a host staging buffer, and each decode rank's heads and state
-    channels are copied from there into its pool (kv_routes.py). A size pair the model cannot be
-    split into is refused before any byte moves, naming both sizes; a rank layout the exporter
-    does not have is refused by its handshake, with the same words.
+    several, a KV head replicated below the rank count is read by each rank that holds it): each
+    decode rank reads, from each prefill rank holding some of its heads and state channels, only
+    those (a fetch that `select`s runs of heads and channels, kv_routes.py's `parts`), straight into
+    its own blocks and fresh state tensors, over a channel of that prefill rank's layout that is its
+    own: no staging buffer, every byte moves once, and each rank's counters show its own share. A
+    size pair the model cannot be split into is refused before any byte moves, naming both sizes;
+    a rank layout the exporter does not have is refused by its handshake, with the same words.
 The state of decode ranks 1..D-1 comes back under `name@rank` keys; the engine's state pool hands it
 to those ranks with the next step (journal.py's "put").
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -31,18 +32,19 @@ from collections.abc import Callable, Mapping, Sequence
 import msgspec
 import torch
 
-from splitserve.engine.tp.kv_routes import Plan, scatter_blocks
+from splitserve.engine.tp.kv_routes import Plan, parts
 from splitserve.model.config import ModelConfig
 from splitserve.transport.errors import PeerRefused, TransferTimeout
 from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.layout import KVLayout, torch_dtype
 from splitserve.transport.lease import FreeCallback
+from splitserve.transport.payload import ByteStream, channel_pieces, empty_state, head_pieces, tensor_bytes
 from splitserve.transport.transport import ExportRequest, FetchRequest, KVTransport
 from splitserve.wire.kv_handle import KVHandle, KVShard
 
 MAX_PEER_SIZE = 8  # the largest exporter size `check_peer` tries
 
-# a fetch-only transport over a staging tensor with the given layout (the connector's backend and secret)
+# a fetch-only transport over a tensor with the given layout (the connector's backend and secret)
 Opener = Callable[[torch.Tensor, KVLayout], KVTransport]
 
 
@@ -60,16 +62,6 @@ def shard_handle(handle: KVHandle, shard: KVShard) -> KVHandle:
     )  # fmt: skip
 
 
-class _Peer:
-    """A fetch-only transport with one prefill rank's layout, over a host staging buffer that holds
-    one request's blocks (kept: its connections are reused), and the lock of that buffer."""
-
-    def __init__(self, opener: Opener, layout: KVLayout, max_blocks: int) -> None:
-        self.blocks = torch.empty((max_blocks, *layout.block_shape), dtype=torch_dtype(layout.dtype))
-        self.transport = opener(self.blocks, layout)
-        self.lock = threading.Lock()
-
-
 class ShardedFetch:
     """Decode side: fill our ranks' pools (`kvs`, rank order) from a handle of any exporter size, and
     release such handles (each rank's lease through a connection of that rank's layout)."""
@@ -81,12 +73,12 @@ class ShardedFetch:
         kvs: Sequence[torch.Tensor],
         direct: Sequence[KVTransport],
         opener: Opener,
-        max_blocks: int,
     ) -> None:
         self.cfg, self.full, self.kvs, self.direct, self.opener = cfg, full, list(kvs), list(direct), opener
-        self.max_blocks = max_blocks  # of one request
         self.rank_bytes = [0] * len(self.kvs)  # KV and state bytes written into each rank's pool
-        self._peers: dict[tuple[str, int], _Peer] = {}  # (layout fingerprint, prefill rank) -> its staging
+        # (prefill rank's layout fingerprint, prefill rank, decode rank) -> the decode rank's fetch-only
+        # channel of that layout (its connections, its counters)
+        self.peers: dict[tuple[str, int, int], KVTransport] = {}
         self._lock = threading.Lock()
 
     def fetch(self, handle: KVHandle, into: Sequence[int], timeout_s: float) -> dict[str, torch.Tensor]:
@@ -98,7 +90,8 @@ class ShardedFetch:
             s.layout_fingerprint == t.layout.fingerprint for s, t in zip(shards, self.direct, strict=True)
         ):
             return self._direct(handle, shards, into, deadline)
-        return self._staged(handle, shards, list(into), Plan.build(self.cfg, handle.tp_size, size), deadline)
+        plan = Plan.build(self.cfg, handle.tp_size, size)  # refuses before any byte moves
+        return self._by_parts(handle, shards, list(into), plan, deadline)
 
     def release(self, handle: KVHandle) -> None:
         """End every rank's lease of `handle`: our own server's locally, a peer's over a connection
@@ -110,7 +103,7 @@ class ShardedFetch:
             same = next((t for t in self.direct if t.layout.fingerprint == shard.layout_fingerprint), None)
             if own is None and same is None:
                 sharding = sharding or Plan.build(self.cfg, handle.tp_size, len(self.kvs)).src
-                same = self._peer(sharding.rank_layout(self.full, p), p).transport
+                same = self._peer(sharding.rank_layout(self.full, p), p, 0)
             (own or same).release(one)  # type: ignore[union-attr]
 
     def check_peer(self, address: str, timeout_s: float) -> KVLayout:
@@ -131,9 +124,7 @@ class ShardedFetch:
             if layout.fingerprint in tried:
                 continue
             tried.add(layout.fingerprint)
-            transport = self.opener(
-                torch.empty((1, *layout.block_shape), dtype=torch_dtype(layout.dtype)), layout
-            )
+            transport = self._open(layout)
             try:
                 return transport.check_peer(address, _left(deadline))
             except PeerRefused:
@@ -142,18 +133,38 @@ class ShardedFetch:
                 transport.close()
         raise refused
 
+    def describe(self) -> list[dict]:
+        """Per decode rank: the bytes its own channels fetched from each prefill rank."""
+        out: list[dict] = [{"fetched_bytes": 0, "from": {}} for _ in self.kvs]
+        with self._lock:
+            peers = list(self.peers.items())
+        for (_, p, d), t in peers:
+            nbytes = int(t.stats.snapshot()["counts"].get("fetched_bytes", 0))
+            out[d]["fetched_bytes"] += nbytes
+            out[d]["from"][p] = out[d]["from"].get(p, 0) + nbytes
+        return out
+
     def close(self) -> None:
         with self._lock:
-            peers, self._peers = list(self._peers.values()), {}
+            peers, self.peers = list(self.peers.values()), {}
         for peer in peers:
-            peer.transport.close()
+            peer.close()
 
-    def _peer(self, layout: KVLayout, rank: int) -> _Peer:
-        key = (layout.fingerprint, rank)
+    def _open(self, layout: KVLayout) -> KVTransport:
+        """A fetch-only channel of `layout` (its own pool is one unused block: it fetches parts only)."""
+        return self.opener(torch.empty((1, *layout.block_shape), dtype=torch_dtype(layout.dtype)), layout)
+
+    def _peer(self, layout: KVLayout, src: int, rank: int) -> KVTransport:
+        key = (layout.fingerprint, src, rank)
         with self._lock:
-            if key not in self._peers:
-                self._peers[key] = _Peer(self.opener, layout, self.max_blocks)
-            return self._peers[key]
+            if key in self.peers:
+                return self.peers[key]
+        made = self._open(layout)  # NOTE: not under the lock (the opener reads our describe())
+        with self._lock:
+            peer = self.peers.setdefault(key, made)
+        if peer is not made:
+            made.close()
+        return peer
 
     def _direct(
         self, handle: KVHandle, shards: Sequence[KVShard], into: Sequence[int], deadline: float
@@ -165,37 +176,33 @@ class ShardedFetch:
             self._count(rank, transport.layout.payload_nbytes(len(into)))
         return out
 
-    def _staged(
+    def _by_parts(
         self, handle: KVHandle, shards: Sequence[KVShard], into: list[int], plan: Plan, deadline: float
     ) -> dict[str, torch.Tensor]:
-        n = len(into)
-        peers = {p: self._peer(plan.src.rank_layout(self.full, p), p) for p in plan.needed}
-        with contextlib.ExitStack() as held:
-            for p in plan.needed:  # in rank order: two fetches never wait on each other's buffers
-                held.enter_context(peers[p].lock)
-            states = {p: self._stage(handle, shards[p], peers[p], n, plan, deadline) for p in plan.needed}
-            blocks = {p: peer.blocks[:n] for p, peer in peers.items()}
-            out: dict[str, torch.Tensor] = {}
-            for rank, kv in enumerate(self.kvs):
-                nbytes = scatter_blocks(plan.kv[rank], blocks, kv, into)
-                for name, shape, _ in plan.dst.rank_layout(self.full, rank).state_shapes:
-                    t = plan.state(rank, name, states, shape)
-                    out[name if rank == 0 else f"{name}@{rank}"] = t
-                    nbytes += t.numel() * t.element_size()
-                self._count(rank, nbytes)
+        """Each decode rank reads its own heads and state channels from each prefill rank that holds
+        them, straight into its pool and fresh state tensors (no staging: every byte moves once)."""
+        out: dict[str, torch.Tensor] = {}
+        for rank, kv in enumerate(self.kvs):
+            layout = plan.dst.rank_layout(self.full, rank)
+            rows = tensor_bytes(kv).reshape(kv.shape[0], -1)  # [num_blocks, block_nbytes]
+            state = empty_state(layout)
+            for part in parts(plan, rank):
+                peer = self._peer(plan.src.rank_layout(self.full, part.src), part.src, rank)
+                dst = ByteStream(
+                    head_pieces(rows, layout, into, part.heads) + channel_pieces(state, part.states)
+                )
+                request = FetchRequest(shard_handle(handle, shards[part.src]), into, _left(deadline))
+                try:
+                    peer.fetch_part(request, part.select, dst)  # type: ignore[attr-defined]  # a KVChannel
+                except PeerRefused as exc:
+                    raise PeerRefused(
+                        f"cannot map a prefill replica at tensor_parallel_size {plan.src.size} onto a "
+                        f"decode replica at tensor_parallel_size {plan.dst.size}",
+                        exc.mismatches or [str(exc)],
+                    ) from None
+                self._count(rank, dst.nbytes)
+            out.update({name if rank == 0 else f"{name}@{rank}": t for name, t in state.items()})
         return out
-
-    def _stage(
-        self, handle: KVHandle, shard: KVShard, peer: _Peer, n: int, plan: Plan, deadline: float
-    ) -> dict[str, torch.Tensor]:
-        try:
-            return peer.transport.fetch(shard_handle(handle, shard), range(n), _left(deadline))
-        except PeerRefused as exc:
-            raise PeerRefused(
-                f"cannot map a prefill replica at tensor_parallel_size {plan.src.size} onto a "
-                f"decode replica at tensor_parallel_size {plan.dst.size}",
-                exc.mismatches or [str(exc)],
-            ) from None
 
     def _count(self, rank: int, nbytes: int) -> None:
         with self._lock:
@@ -293,6 +300,7 @@ class TPTransport(KVTransport):
             "addresses": [t.address for t in self.ranks],
             "served_bytes": [t.stats.snapshot()["counts"].get("served_bytes", 0) for t in self.ranks],
             "fetched_bytes": list(self.fetcher.rank_bytes) if self.fetcher else [],
+            "parts": self.fetcher.describe() if self.fetcher else [],
         }
         return out
 

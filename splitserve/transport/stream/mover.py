@@ -16,7 +16,7 @@ import torch
 
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.client import SyncChannel
-from splitserve.transport.frames import Frame, Payload
+from splitserve.transport.frames import Frame, Payload, Select
 from splitserve.transport.payload import ByteStream, snapshot_state
 from splitserve.transport.protocol import Deadline
 from splitserve.transport.server import AsyncChannel, ListenSpec
@@ -45,8 +45,11 @@ class StreamWire(Protocol):
         """Exporter: the pinned lease's blocks and state (the payload frame first); -> bytes sent."""
         ...
 
-    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> Payload:
-        """Fetcher: fill `stream` (our blocks' views, then fresh state tensors); -> the payload frame."""
+    def recv_payload(
+        self, chan: SyncChannel, stream: ByteStream, deadline: Deadline, select: Select | None = None
+    ) -> Payload:
+        """Fetcher: fill `stream` (our blocks' views, then fresh state tensors; or, for a fetch that
+        `select`s some heads and state channels, the views those go to); -> the payload frame."""
         ...
 
     def describe(self) -> dict: ...
@@ -91,6 +94,10 @@ class StreamMover:
 
     def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
         return self.port.stream_fetch(request, self.wire.recv_payload)
+
+    def fetch_part(self, request: FetchRequest, select: Select, into: ByteStream) -> None:
+        """Only the `select`ed heads and state channels, into the views `into` (channel.py)."""
+        self.port.stream_fetch(request, self.wire.recv_payload, (select, into))
 
     def describe(self) -> dict:
         return self.wire.describe()

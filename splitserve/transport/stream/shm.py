@@ -9,7 +9,8 @@ takes one of two paths, picked by the exporter:
   staged  (shm_staged.py) any other KV: the payload streams through two slots of a segment made per
           connection; the exporter copies out of its blocks while the fetcher copies into its own.
 
-Both send the state tensors along, and the fetcher checks the checksum afterwards (channel.py).
+Both send the state tensors along, and the fetcher checks the checksum afterwards (channel.py). A
+fetch that selects some heads and state channels (`Fetch.select`) moves those only, on either path.
 """
 
 from __future__ import annotations
@@ -22,11 +23,19 @@ from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.export_requests import PayloadCall
-from splitserve.transport.frames import KvDirect, KvShm, Payload
+from splitserve.transport.frames import KvDirect, KvShm, Payload, Select
 from splitserve.transport.layout import KVLayout
-from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
+from splitserve.transport.payload import (
+    ByteStream,
+    channel_pieces,
+    check_select,
+    selected_nbytes,
+    selected_pieces,
+    source_pieces,
+    state_pieces,
+)
 from splitserve.transport.port import MoverPort
-from splitserve.transport.protocol import Deadline, expect
+from splitserve.transport.protocol import Deadline, checksum_like, expect
 from splitserve.transport.server import ListenSpec, UnixSocketPath
 from splitserve.transport.stream.mover import StreamMover
 from splitserve.transport.stream.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
@@ -55,22 +64,34 @@ class ShmWire:
 
     async def send_payload(self, call: PayloadCall) -> int:
         chan, export, block_ids, fault, deadline = call.unpack()
-        shared = shared_kv_of(self.kv_cache)
-        if shared is not None:
-            state = ByteStream(state_pieces(export.state, self.layout))
-            await send_direct(chan, shared, block_ids, state, export.checksum, deadline, fault)
-            return len(block_ids) * self.layout.block_nbytes + state.nbytes
-        stream = ByteStream(source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout))
+        shared, select = shared_kv_of(self.kv_cache), call.request.select
+        if shared is not None:  # the fetcher copies the blocks (or its heads of them) itself
+            digest, state = export.checksum, ByteStream(state_pieces(export.state, self.layout))
+            if select is not None:
+                check_select(self.layout, select)
+                if digest:
+                    pieces = selected_pieces(self.kv_cache, self.layout, block_ids, export.state, select)
+                    digest = checksum_like(digest, pieces)
+                state = ByteStream(channel_pieces(export.state, select.states))
+            await send_direct(chan, shared, block_ids, state, digest, deadline, fault)
+            return selected_nbytes(self.layout, len(block_ids), select)
+        if select is None:
+            pieces = source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout)
+            stream = ByteStream(pieces)
+            digest = export.checksum
+        else:
+            stream = ByteStream(selected_pieces(self.kv_cache, self.layout, block_ids, export.state, select))
+            digest = checksum_like(export.checksum, stream.pieces)
         slot_nbytes = self.options.shm_chunk_mb << 20
-        await send_staged(
-            chan, stream, len(block_ids), export.checksum, slot_nbytes, deadline, fault, call.plan
-        )
+        await send_staged(chan, stream, len(block_ids), digest, slot_nbytes, deadline, fault, call.plan)
         return stream.nbytes
 
-    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> Payload:
+    def recv_payload(
+        self, chan: SyncChannel, stream: ByteStream, deadline: Deadline, select: Select | None = None
+    ) -> Payload:
         header, body_nbytes = chan.recv(deadline)
         if isinstance(header, KvDirect):
-            recv_direct(chan, header, body_nbytes, stream, deadline)
+            recv_direct(chan, header, body_nbytes, stream, deadline, select)
             return header
         meta = expect(header, KvShm)
         if meta.nbytes != stream.nbytes:

@@ -34,8 +34,9 @@ import torch
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.frames import Done, KvDirect
-from splitserve.transport.payload import ByteStream, block_runs
+from splitserve.transport.frames import Done, KvDirect, Select
+from splitserve.transport.layout import KVLayout
+from splitserve.transport.payload import ByteStream, block_runs, check_select, head_pieces
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel
 
@@ -99,11 +100,17 @@ class MappedKV:
             os.close(fd)
         self.rows: np.ndarray | None = np.frombuffer(self._mmap, dtype=np.uint8).reshape(-1, block_nbytes)
 
-    def blocks(self, block_ids: Sequence[int]) -> ByteStream:
+    def blocks(
+        self, block_ids: Sequence[int], layout: KVLayout | None = None, select: Select | None = None
+    ) -> ByteStream:
+        """The named blocks (only the `select`ed heads of them, in the exporter's `layout`)."""
         rows = self.rows
         assert rows is not None
         if not block_ids or min(block_ids) < 0 or max(block_ids) >= rows.shape[0]:
             raise TransportError(f"exporter named blocks outside its cache: {list(block_ids)[:16]}")
+        if select is not None and layout is not None:
+            check_select(layout, select)
+            return ByteStream(head_pieces(rows, layout, block_ids, select.heads))
         return ByteStream([rows[start : start + n].reshape(-1) for start, n in block_runs(block_ids)])
 
     def close(self) -> None:
@@ -136,9 +143,15 @@ async def send_direct(
 
 
 def recv_direct(
-    chan: SyncChannel, meta: KvDirect, body_nbytes: int, stream: ByteStream, deadline: Deadline
+    chan: SyncChannel,
+    meta: KvDirect,
+    body_nbytes: int,
+    stream: ByteStream,
+    deadline: Deadline,
+    select: Select | None = None,
 ) -> None:
-    """Fetcher: read the state body, copy the named blocks out of the mapped cache into `stream`."""
+    """Fetcher: read the state body, copy the named blocks (the `select`ed heads of them) out of the
+    mapped cache into `stream`."""
     mapped = chan.attached.get("shm_kv")
     if meta.fd:
         if not chan.fds:
@@ -149,7 +162,7 @@ def recv_direct(
         mapped = chan.attached["shm_kv"] = MappedKV(fd, meta.kv_nbytes, meta.block_nbytes)
     if mapped is None:
         raise TransportError("exporter sent a direct-mode answer on a connection without a KV mapping")
-    src = mapped.blocks(meta.block_ids)
+    src = mapped.blocks(meta.block_ids, chan.peer_layout, select)
     if src.nbytes + body_nbytes != stream.nbytes:
         raise TransportError(f"exporter sends {src.nbytes} + {body_nbytes} bytes, we expect {stream.nbytes}")
     chan.recv_stream(stream.sub(src.nbytes, body_nbytes), deadline)

@@ -4,7 +4,9 @@ Life of a fetch over tcp:
   1. fetcher -> Fetch {lease_id, timeout_s}
   2. exporter -> Kv {nbytes, blocks, checksum} + nbytes of body, sent with scatter-gather
      `sendmsg` straight from the leased blocks (the frame header, then one iovec per run of
-     consecutive block ids, then the state tensors): no staging copy.
+     consecutive block ids, then the state tensors): no staging copy. A fetch that selects some
+     heads and state channels (`Fetch.select`) gets those only, gathered into one host tensor per
+     part; the fetcher receives them straight into its own blocks (an iovec per row and run).
   3. fetcher: `recvmsg_into` straight into its own kv[into_block_ids] views and fresh state tensors,
      then the checksum (channel.py).
 
@@ -25,11 +27,11 @@ from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import TransportError
 from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.frames import Kv
+from splitserve.transport.frames import Kv, Select
 from splitserve.transport.layout import KVLayout
-from splitserve.transport.payload import ByteStream, source_pieces, state_pieces
+from splitserve.transport.payload import ByteStream, selected_pieces, source_pieces, state_pieces
 from splitserve.transport.port import MoverPort
-from splitserve.transport.protocol import Deadline, encode_frame, expect
+from splitserve.transport.protocol import Deadline, checksum_like, encode_frame, expect
 from splitserve.transport.server import ListenSpec
 from splitserve.transport.stream.mover import StreamMover
 
@@ -47,10 +49,16 @@ class TcpWire:
 
     async def send_payload(self, call: PayloadCall) -> int:
         chan, export, block_ids, fault, deadline = call.unpack()
-        body = ByteStream(source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout))
+        select, digest = call.request.select, export.checksum
+        if select is None:
+            pieces = source_pieces(self.kv_cache, block_ids) + state_pieces(export.state, self.layout)
+            body = ByteStream(pieces)
+        else:  # some heads and state channels, gathered into host tensors (payload.py)
+            body = ByteStream(selected_pieces(self.kv_cache, self.layout, block_ids, export.state, select))
+            digest = checksum_like(digest, body.pieces)
         if fault is Fault.CORRUPT and call.plan is not None:
             body = call.plan.corrupted(body)
-        header = Kv(blocks=len(block_ids), checksum=export.checksum, nbytes=body.nbytes)
+        header = Kv(blocks=len(block_ids), checksum=digest, nbytes=body.nbytes)
         frame = encode_frame(header, body_nbytes=body.nbytes)
         stream = ByteStream(
             [np.frombuffer(frame, dtype=np.uint8), *body.pieces]
@@ -60,7 +68,9 @@ class TcpWire:
         )
         return body.nbytes
 
-    def recv_payload(self, chan: SyncChannel, stream: ByteStream, deadline: Deadline) -> Kv:
+    def recv_payload(
+        self, chan: SyncChannel, stream: ByteStream, deadline: Deadline, select: Select | None = None
+    ) -> Kv:
         header, body_nbytes = chan.recv(deadline)
         meta = expect(header, Kv)
         if body_nbytes != stream.nbytes or meta.nbytes != stream.nbytes:
