@@ -111,7 +111,8 @@ def build(
             log.info("CPU: malloc keeps freed blocks up to 32 MB (step temporaries reuse mapped pages)")
         # an engine core's own weights: oneDNN's layout for long products after ready (core/loop.py)
         defer = owned and cpu_linear.DEFER_ONEDNN
-        counts = cpu_linear.prepare_model(loaded.model, config.cpu_weights, defer=defer)
+        panels = _panel_store(config, loaded)
+        counts = cpu_linear.prepare_model(loaded.model, config.cpu_weights, defer, panels)
         dropped = cpu_linear.drop_dense(loaded.model) if owned and cpu_linear.DROP_DENSE else 0
         log.info("CPU projections (%s): %s; dense copies dropped: %.0f MB", config.cpu_weights, counts,
                  dropped / 2**20)  # fmt: skip
@@ -193,6 +194,17 @@ def build(
              kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
     return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,
                        scheduler, runner, graph_capture_s, plan, mtp_head)  # fmt: skip
+
+
+def _panel_store(config: EngineConfig, loaded: LoadedModel) -> cpu_linear.PanelStore | None:
+    """Weights mapped from the weight cache: their decode panels are mapped from it too, written there
+    by the first engine that packs them (kernels/cpu/panel_cache.py)."""
+    cache, found = config.weight_cache(), loaded.load_stats.get("cache") or {}
+    if cache is None or loaded.load_stats.get("method") != "cache-mmap" or "path" not in found:
+        return None
+    from splitserve.kernels.cpu.panel_cache import cached_panels
+
+    return lambda weights: cached_panels(cache, found["path"], weights)
 
 
 def _mtp_head(

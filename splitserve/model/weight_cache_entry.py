@@ -5,8 +5,10 @@ tensors, mapped (`map_entry`, CPU) or streamed to a device (`stream_entry`). `We
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -171,6 +173,32 @@ def read_entry(path: Path) -> Entry:
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptEntry(f"unreadable footer: {exc!r}") from exc
     return entry
+
+
+VERIFIED = ".verified"  # the stamp beside an entry: the file's state when its checksums last matched
+
+
+def _file_state(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
+
+
+def verified_before(path: Path) -> bool:
+    """Whether every chunk's CRC32 matched when the entry was last checked and the file is unchanged
+    since (size, mtime, ctime and inode as the stamp has them: any write or replacement changes one)."""
+    try:
+        return path.with_name(path.name + VERIFIED).read_text() == _file_state(path)
+    except OSError:
+        return False
+
+
+def stamp_verified(path: Path) -> None:
+    """Note that the entry, as it is now, has been checked (built, or its checksums matched)."""
+    stamp = path.with_name(path.name + VERIFIED)
+    tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(_file_state(path))
+        os.replace(tmp, stamp)
 
 
 def map_entry(entry: Entry, verify: bool, threads: int | None = None) -> dict[str, torch.Tensor]:
