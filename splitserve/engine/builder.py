@@ -111,7 +111,7 @@ def build(
             log.info("CPU: malloc keeps freed blocks up to 32 MB (step temporaries reuse mapped pages)")
         # an engine core's own weights: oneDNN's layout for long products after ready (core/loop.py)
         defer = owned and cpu_linear.DEFER_ONEDNN
-        panels = _panel_store(config, loaded)
+        panels = panel_store(config, loaded)  # mapped from the weight cache, not packed here
         counts = cpu_linear.prepare_model(loaded.model, config.cpu_weights, defer, panels)
         dropped = cpu_linear.drop_dense(loaded.model) if owned and cpu_linear.DROP_DENSE else 0
         log.info("CPU projections (%s): %s; dense copies dropped: %.0f MB", config.cpu_weights, counts,
@@ -196,7 +196,7 @@ def build(
                        scheduler, runner, graph_capture_s, plan, mtp_head)  # fmt: skip
 
 
-def _panel_store(config: EngineConfig, loaded: LoadedModel) -> cpu_linear.PanelStore | None:
+def panel_store(config: EngineConfig, loaded: LoadedModel) -> cpu_linear.PanelStore | None:
     """Weights mapped from the weight cache: their decode panels are mapped from it too, written there
     by the first engine that packs them (kernels/cpu/panel_cache.py)."""
     cache, found = config.weight_cache(), loaded.load_stats.get("cache") or {}
@@ -255,4 +255,11 @@ def linear_attention_backend(config: EngineConfig, loaded: LoadedModel, device: 
     log.info("linear-attention prefill: %s", backend)
 
 
-__all__ = ["EngineParts", "attention_backend", "build", "linear_attention_backend", "state_bytes"]
+__all__ = [
+    "EngineParts",
+    "attention_backend",
+    "build",
+    "linear_attention_backend",
+    "panel_store",
+    "state_bytes",
+]
