@@ -38,7 +38,7 @@ keeps only the cheap checks (truncation, header damage), not bit flips in the da
 accidental damage, not tampering: the cache directory must be as trusted as the checkpoint.
 
 Size: ``max_bytes`` bounds the directory's entries; the least recently used ones (by mtime, which a
-hit refreshes) are deleted to make room, and an entry that cannot fit (or finds no free disk space,
+hit refreshes, every ten minutes at most) are deleted to make room, and an entry that cannot fit (or finds no free disk space,
 checked with ``posix_fallocate``) is not written: the model then loads without the cache.
 """
 
@@ -89,6 +89,7 @@ from splitserve.tempdirs import process_gone
 log = logging.getLogger(__name__)
 
 _RESERVE_FREE_BYTES = 512 << 20  # leave this much free on the cache's file system
+TOUCH_S = 600.0  # a hit refreshes an entry's mtime (its place in the LRU order) at most this often
 
 LookupStatus = Literal["hit", "miss", "stale", "corrupt"]
 
@@ -188,11 +189,12 @@ class WeightCache:
         return entry, "hit"
 
     def touch(self, entry: Entry) -> None:
-        """Mark as recently used (eviction is least-recently-used by mtime). With `verify`, the entry
-        was checked (or built) on this load: its stamp says so, so that the next load skips the CRC32s
-        while the file is unchanged (weight_cache_entry.py `verified_before`)."""
+        """Mark as recently used (eviction is least-recently-used by mtime, kept to `TOUCH_S`). With
+        `verify`, the entry was checked (or built) on this load: its stamp says so, so that later
+        loads skip the CRC32s while the file is unchanged (weight_cache_entry.py `verified_before`)."""
         with contextlib.suppress(OSError):
-            os.utime(entry.path)
+            if time.time() - entry.path.stat().st_mtime > TOUCH_S:  # (each touch unsettles the stamp)
+                os.utime(entry.path)
             if self.verify:
                 stamp_verified(entry.path)
 

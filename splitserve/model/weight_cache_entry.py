@@ -176,6 +176,9 @@ def read_entry(path: Path) -> Entry:
 
 
 VERIFIED = ".verified"  # the stamp beside an entry: the file's state when its checksums last matched
+# NOTE: file times advance by the kernel's clock tick (a few ms): a stamp written less than this after
+# the file's last change could miss a write in the same tick, so it is not trusted (checked again)
+RACY_S = 0.1
 
 
 def _file_state(path: Path) -> str:
@@ -186,8 +189,10 @@ def _file_state(path: Path) -> str:
 def verified_before(path: Path) -> bool:
     """Whether every chunk's CRC32 matched when the entry was last checked and the file is unchanged
     since (size, mtime, ctime and inode as the stamp has them: any write or replacement changes one)."""
+    stamp = path.with_name(path.name + VERIFIED)
     try:
-        return path.with_name(path.name + VERIFIED).read_text() == _file_state(path)
+        st, changed = stamp.stat(), path.stat().st_ctime_ns
+        return st.st_mtime_ns - changed >= RACY_S * 1e9 and stamp.read_text() == _file_state(path)
     except OSError:
         return False
 
