@@ -89,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # `serve` on a CPU host: the engine cores' fork server first, before this parser and the manifest
     early = zygote.early(list(sys.argv[1:] if argv is None else argv))
+    if early is not None:
+        from splitserve.heap import pause_collector
+
+        pause_collector()  # over the router's imports; `run_manifest` turns it back on (freeze_heap)
     try:
         return _main(build_parser().parse_args(argv), early)
     finally:
@@ -129,6 +133,7 @@ def _main(args: argparse.Namespace, early: Zygote | None) -> int:
 
 def _serve(args: argparse.Namespace, early: Zygote | None = None) -> int:
     import asyncio
+    import gc
     import os
 
     from splitserve.cli_serve import serve_overrides
@@ -144,6 +149,7 @@ def _serve(args: argparse.Namespace, early: Zygote | None = None) -> int:
         early.stop()  # a GPU or Ray deployment: its cores start on their own
         early = None
     if manifest.runtime.kind == "ray":
+        gc.enable()  # paused over the imports (main); the local runtime's `run_manifest` enables it
         try:
             from splitserve.runtime import ray_serve
         except ImportError as exc:

@@ -37,9 +37,9 @@ on CUDA it runs in the reader threads, overlapped with the host-to-device copies
 keeps only the cheap checks (truncation, header damage), not bit flips in the data. CRC32 detects
 accidental damage, not tampering: the cache directory must be as trusted as the checkpoint.
 
-Size: ``max_bytes`` bounds the directory's entries; the least recently used ones (by mtime, which a
-hit refreshes, every ten minutes at most) are deleted to make room, and an entry that cannot fit (or finds no free disk space,
-checked with ``posix_fallocate``) is not written: the model then loads without the cache.
+Size: ``max_bytes`` bounds the directory's entries; the least recently used ones (by mtime, which a hit
+refreshes, at most every 10 min) are deleted to make room, and an entry that cannot fit (or finds no free
+disk space, checked with ``posix_fallocate``) is not written: the model then loads without the cache.
 """
 
 from __future__ import annotations
