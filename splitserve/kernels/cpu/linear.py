@@ -39,8 +39,10 @@ mapping, shared by workers).
 
 **Decode batches on AVX-512 hosts.** 1 to `cpu_gemm.MAX_ROWS` rows go to kernels/cpu/gemm.py's op over a
 third layout of the weight (panels of 32 outputs), oneDNN above; MKL's GEMV is not needed, so the dense
-weights are dropped. Memory: the panels are the worker's own (~540 MB for the default model, measured
-`Pss_Anon` of a served core 2.18 GB against 1.62 GB + 0.56 GB of the shared weight-cache file before).
+weights are dropped. Memory: packed here, the panels are the worker's own (~540 MB for the default model,
+measured `Pss_Anon` of a served core 2.18 GB against 1.62 GB + 0.56 GB of the shared weight-cache file
+before); an engine that loads through the weight cache maps them from it instead (kernels/cpu/panel_cache.py),
+shared with every core on the host.
 The panels are a second private copy beside oneDNN's, so `prepare_model` builds them only where they
 take at most `PANELS_MEMORY_SHARE` of the host's available memory (`MemAvailable`) at load: a large
 fp32 model on a small host keeps one layout (oneDNN, and MKL's GEMV on Intel) instead of running out of
