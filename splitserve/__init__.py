@@ -1,7 +1,5 @@
 """splitserve: prefill/decode disaggregated LLM serving on an engine of its own."""
 
-from splitserve.sampling.params import SamplingParams
-
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
@@ -11,6 +9,7 @@ _LAZY = {
     "LLM": "splitserve.engine.llm",
     "AsyncLLM": "splitserve.engine.async_engine",
     "EngineConfig": "splitserve.config.engine",
+    "SamplingParams": "splitserve.sampling.params",
     "RequestOutput": "splitserve.engine.request",
     "CompletionOutput": "splitserve.engine.request",
 }

@@ -10,19 +10,17 @@ splitserve models                                      # what the default model 
 
 from __future__ import annotations
 
+# NOTE: nothing heavy at the top: `splitserve serve` starts the engine cores' fork server first thing
+# in main(), and every import before it holds its start up (the parser's pydantic sections: ~0.2 s)
 import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import splitserve
-from splitserve.cli_serve import add_serve_parser, serve_overrides
-from splitserve.config.engine import EngineConfig
-from splitserve.logs import setup_logging
-from splitserve.model.errors import ModelLoadError
-from splitserve.runtime.kuberay import KubeRayOptions
-from splitserve.runtime.zygote import Zygote
-from splitserve.sampling.params import SamplingParams
+if TYPE_CHECKING:
+    from splitserve.runtime.zygote import Zygote
+    from splitserve.sampling.params import SamplingParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +37,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import splitserve
+    from splitserve.cli_serve import add_serve_parser
+    from splitserve.runtime.kuberay import KubeRayOptions
+
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--version", action="version", version=f"splitserve {splitserve.__version__}")
@@ -87,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # `serve` on a CPU host: the engine cores' fork server first, before this parser and the manifest
     early = zygote.early(list(sys.argv[1:] if argv is None else argv))
+    if early is not None:
+        from splitserve.heap import pause_collector
+
+        pause_collector()  # over the router's imports; `run_manifest` turns it back on (freeze_heap)
     try:
         return _main(build_parser().parse_args(argv), early)
     finally:
@@ -95,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, early: Zygote | None) -> int:
+    from splitserve.logs import setup_logging
+    from splitserve.model.errors import ModelLoadError
+
     try:
         if args.command == "serve":  # as vllm serve: INFO (the access log, the stats line) unless told
             setup_logging(args.log_level or ("DEBUG" if args.verbose else "INFO"), args.log_format)
@@ -124,8 +133,10 @@ def _main(args: argparse.Namespace, early: Zygote | None) -> int:
 
 def _serve(args: argparse.Namespace, early: Zygote | None = None) -> int:
     import asyncio
+    import gc
     import os
 
+    from splitserve.cli_serve import serve_overrides
     from splitserve.config import dump_manifest, load_manifest
     from splitserve.runtime import zygote
 
@@ -138,6 +149,7 @@ def _serve(args: argparse.Namespace, early: Zygote | None = None) -> int:
         early.stop()  # a GPU or Ray deployment: its cores start on their own
         early = None
     if manifest.runtime.kind == "ray":
+        gc.enable()  # paused over the imports (main); the local runtime's `run_manifest` enables it
         try:
             from splitserve.runtime import ray_serve
         except ImportError as exc:
@@ -156,7 +168,7 @@ def _serve(args: argparse.Namespace, early: Zygote | None = None) -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from splitserve.config import load_manifest
-    from splitserve.runtime.kuberay import render_yaml
+    from splitserve.runtime.kuberay import KubeRayOptions, render_yaml
 
     opts = KubeRayOptions(
         image=args.image,
@@ -212,7 +224,9 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from splitserve.config.engine import EngineConfig
     from splitserve.engine.engine import LLMEngine
+    from splitserve.sampling.params import SamplingParams
 
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len

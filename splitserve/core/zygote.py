@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     listener = socket.socket(fileno=int(args[0]))
     folder, parent = (args[1] if len(args) > 1 else None), os.getppid()
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(folder, parent))
+    import gc
+
+    gc.disable()  # no collector passes over the imports (~0.1-0.3 s of them: heap.py); one pass below
     from splitserve.core import loop, setup  # noqa: F401 - loop: imported here once, for every core
 
     setup.warm_imports()
@@ -178,10 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve.kernels.cpu import build
 
     build.load_cached()
-    import gc
-
     gc.collect()
     gc.freeze()  # what the forked cores share stays shared: the collector does not touch it
+    gc.enable()  # in the forked cores too
     serve(listener, folder, parent)
     return 0
 

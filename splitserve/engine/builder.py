@@ -111,7 +111,8 @@ def build(
             log.info("CPU: malloc keeps freed blocks up to 32 MB (step temporaries reuse mapped pages)")
         # an engine core's own weights: oneDNN's layout for long products after ready (core/loop.py)
         defer = owned and cpu_linear.DEFER_ONEDNN
-        counts = cpu_linear.prepare_model(loaded.model, config.cpu_weights, defer=defer)
+        panels = panel_store(config, loaded)  # mapped from the weight cache, not packed here
+        counts = cpu_linear.prepare_model(loaded.model, config.cpu_weights, defer, panels)
         dropped = cpu_linear.drop_dense(loaded.model) if owned and cpu_linear.DROP_DENSE else 0
         log.info("CPU projections (%s): %s; dense copies dropped: %.0f MB", config.cpu_weights, counts,
                  dropped / 2**20)  # fmt: skip
@@ -195,6 +196,17 @@ def build(
                        scheduler, runner, graph_capture_s, plan, mtp_head)  # fmt: skip
 
 
+def panel_store(config: EngineConfig, loaded: LoadedModel) -> cpu_linear.PanelStore | None:
+    """Weights mapped from the weight cache: their decode panels are mapped from it too, written there
+    by the first engine that packs them (kernels/cpu/panel_cache.py)."""
+    cache, found = config.weight_cache(), loaded.load_stats.get("cache") or {}
+    if cache is None or loaded.load_stats.get("method") != "cache-mmap" or "path" not in found:
+        return None
+    from splitserve.kernels.cpu.panel_cache import cached_panels
+
+    return lambda weights: cached_panels(cache, found["path"], weights)
+
+
 def _mtp_head(
     config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module | None:
@@ -243,4 +255,11 @@ def linear_attention_backend(config: EngineConfig, loaded: LoadedModel, device: 
     log.info("linear-attention prefill: %s", backend)
 
 
-__all__ = ["EngineParts", "attention_backend", "build", "linear_attention_backend", "state_bytes"]
+__all__ = [
+    "EngineParts",
+    "attention_backend",
+    "build",
+    "linear_attention_backend",
+    "panel_store",
+    "state_bytes",
+]

@@ -51,6 +51,7 @@ from splitserve.model.weight_cache import (
     open_checkpoint_memo,
     stream_entry,
 )
+from splitserve.model.weight_cache_entry import verified_before
 from splitserve.model.weights import load_mapped_weights
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class _Loader:
                 if entry is None:
                     report["status"] = "skipped"
                     return None
-            verify = cache.verify and not report["built"]
+            verify = cache.verify and not report["built"] and not verified_before(entry.path)
             try:
                 tensors, method = self._materialize(entry, verify)
             except ChecksumMismatch as exc:

@@ -7,7 +7,8 @@ Three things, each skipped when already done (a second run takes about as long a
   1. the CPU C++ ops (kernels/cpu/build.py) this host runs, compiled into torch's extensions cache;
   2. the tokenizer: a GGUF vocabulary converted once to a `tokenizer.json` under the cache directory,
      which the router and every worker then load (model/tokenizer.py);
-  3. the weight cache entry (model/weight_cache.py) of the model in the dtype a CPU worker loads.
+  3. the weight cache entry (model/weight_cache.py) of the model in the dtype a CPU worker loads, and
+     on an AVX-512 host the entry of its decode panels beside it (kernels/cpu/panel_cache.py).
 A start after it compiles and converts nothing. Prints one line per step, with its seconds.
 """
 
@@ -84,7 +85,20 @@ def prepare_weights(model: str | None) -> str:
     device = config.torch_device()
     loaded = load_model(resolve_model_path(model), device, config.torch_dtype(device),
                         config.resolve_max_model_len, progress=False, weight_cache=cache)  # fmt: skip
-    return f"{loaded.load_stats['cache']['status']} ({loaded.load_stats['cache'].get('path')})"
+    from splitserve.engine.builder import panel_store
+    from splitserve.kernels.cpu import linear as cpu_linear
+
+    store, panels = panel_store(config, loaded), "no decode panels on this host"
+    if store is not None:  # as an engine core's build maps them: packed and written here once
+
+        def keep(weights: dict) -> dict | None:
+            nonlocal panels
+            found = store(weights)
+            panels = "decode panels cached" if found else "decode panels not cached (no room)"
+            return found
+
+        cpu_linear.prepare_model(loaded.model, config.cpu_weights, defer=True, panel_store=keep)
+    return f"{loaded.load_stats['cache']['status']} ({loaded.load_stats['cache'].get('path')}); {panels}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,8 +26,10 @@ Validity:
   mtime of each checkpoint file it was built from: if a file at the same path has changed since,
   the entry is rebuilt (this catches in-place edits the sampled fingerprint would miss).
 * corrupt - a bad preamble, footer CRC, size or tensor table is detected when the entry is looked
-  up (cheap); with ``verify`` (the default) every data chunk's CRC32 is checked while loading. Either
-  way the entry is deleted and rebuilt from the checkpoint, never served.
+  up (cheap); with ``verify`` (the default) every data chunk's CRC32 is checked while loading, once:
+  a stamp beside the entry (``.verified``) records the file's size, mtime, ctime and inode then, and
+  later loads skip the CRC32s while those are unchanged. Either way a bad entry is deleted and
+  rebuilt from the checkpoint, never served.
 
 The cost of ``verify``: zlib's CRC32 runs at about 2 GB/s per core. On CPU the check is spread over
 the cores and doubles as pre-faulting the mapping (pages the first forward pass would fault anyway);
@@ -35,9 +37,9 @@ on CUDA it runs in the reader threads, overlapped with the host-to-device copies
 keeps only the cheap checks (truncation, header damage), not bit flips in the data. CRC32 detects
 accidental damage, not tampering: the cache directory must be as trusted as the checkpoint.
 
-Size: ``max_bytes`` bounds the directory's entries; the least recently used ones (by mtime, which a
-hit refreshes) are deleted to make room, and an entry that cannot fit (or finds no free disk space,
-checked with ``posix_fallocate``) is not written: the model then loads without the cache.
+Size: ``max_bytes`` bounds the directory's entries; the least recently used ones (by mtime, which a hit
+refreshes, at most every 10 min) are deleted to make room, and an entry that cannot fit (or finds no free
+disk space, checked with ``posix_fallocate``) is not written: the model then loads without the cache.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from splitserve.model.weight_cache_entry import (
     MAGIC,
     PREAMBLE,
     SUFFIX,
+    VERIFIED,
     CorruptEntry,
     Entry,
     Layout,
@@ -78,6 +81,7 @@ from splitserve.model.weight_cache_entry import (
     dtype_name,
     map_entry,
     read_entry,
+    stamp_verified,
     stream_entry,
 )
 from splitserve.tempdirs import process_gone
@@ -85,6 +89,7 @@ from splitserve.tempdirs import process_gone
 log = logging.getLogger(__name__)
 
 _RESERVE_FREE_BYTES = 512 << 20  # leave this much free on the cache's file system
+TOUCH_S = 600.0  # a hit refreshes an entry's mtime (its place in the LRU order) at most this often
 
 LookupStatus = Literal["hit", "miss", "stale", "corrupt"]
 
@@ -112,12 +117,6 @@ def splitserve_version() -> str:
         return importlib.metadata.version("splitserve")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-# ------------------------------------------------------------------------------------------- layout
-
-
-# -------------------------------------------------------------------------------------------- entry
 
 
 # -------------------------------------------------------------------------------------------- cache
@@ -190,13 +189,19 @@ class WeightCache:
         return entry, "hit"
 
     def touch(self, entry: Entry) -> None:
-        """Mark as recently used (eviction is least-recently-used by mtime)."""
+        """Mark as recently used (eviction is least-recently-used by mtime, kept to `TOUCH_S`). With
+        `verify`, the entry was checked (or built) on this load: its stamp says so, so that later
+        loads skip the CRC32s while the file is unchanged (weight_cache_entry.py `verified_before`)."""
         with contextlib.suppress(OSError):
-            os.utime(entry.path)
+            if time.time() - entry.path.stat().st_mtime > TOUCH_S:  # (each touch unsettles the stamp)
+                os.utime(entry.path)
+            if self.verify:
+                stamp_verified(entry.path)
 
     def remove(self, path: Path) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        for p in (path, path.with_name(path.name + VERIFIED)):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
 
     @contextlib.contextmanager
     def lock(self, path: Path) -> Iterator[None]:
@@ -372,9 +377,6 @@ def open_checkpoint_memo(path: str | os.PathLike[str], directory: Path) -> Check
             tmp.write_text(json.dumps(data), encoding="utf-8")
             os.replace(tmp, memo)
     return ckpt
-
-
-# ------------------------------------------------------------------------------------ materializing
 
 
 # the entry's own names, for the loader and tests: weight_cache_entry.py

@@ -5,8 +5,10 @@ tensors, mapped (`map_entry`, CPU) or streamed to a device (`stream_entry`). `We
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -171,6 +173,37 @@ def read_entry(path: Path) -> Entry:
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptEntry(f"unreadable footer: {exc!r}") from exc
     return entry
+
+
+VERIFIED = ".verified"  # the stamp beside an entry: the file's state when its checksums last matched
+# NOTE: file times advance by the kernel's clock tick (a few ms): a stamp written less than this after
+# the file's last change could miss a write in the same tick, so it is not trusted (checked again)
+RACY_S = 0.1
+
+
+def _file_state(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
+
+
+def verified_before(path: Path) -> bool:
+    """Whether every chunk's CRC32 matched when the entry was last checked and the file is unchanged
+    since (size, mtime, ctime and inode as the stamp has them: any write or replacement changes one)."""
+    stamp = path.with_name(path.name + VERIFIED)
+    try:
+        st, changed = stamp.stat(), path.stat().st_ctime_ns
+        return st.st_mtime_ns - changed >= RACY_S * 1e9 and stamp.read_text() == _file_state(path)
+    except OSError:
+        return False
+
+
+def stamp_verified(path: Path) -> None:
+    """Note that the entry, as it is now, has been checked (built, or its checksums matched)."""
+    stamp = path.with_name(path.name + VERIFIED)
+    tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(_file_state(path))
+        os.replace(tmp, stamp)
 
 
 def map_entry(entry: Entry, verify: bool, threads: int | None = None) -> dict[str, torch.Tensor]:

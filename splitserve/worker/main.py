@@ -79,6 +79,9 @@ def standby() -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from splitserve.heap import pause_collector
+
+    pause_collector()  # until ready (`freeze_heap` below): no collector passes over the imports
     # SIGTERM before serving (a standby told to go): unwind, so that the core and its sockets go too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     client = CoreClient.spawn()  # the core imports torch and the engine meanwhile

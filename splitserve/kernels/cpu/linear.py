@@ -39,8 +39,10 @@ mapping, shared by workers).
 
 **Decode batches on AVX-512 hosts.** 1 to `cpu_gemm.MAX_ROWS` rows go to kernels/cpu/gemm.py's op over a
 third layout of the weight (panels of 32 outputs), oneDNN above; MKL's GEMV is not needed, so the dense
-weights are dropped. Memory: the panels are the worker's own (~540 MB for the default model, measured
-`Pss_Anon` of a served core 2.18 GB against 1.62 GB + 0.56 GB of the shared weight-cache file before).
+weights are dropped. Memory: packed here, the panels are the worker's own (~540 MB for the default model,
+measured `Pss_Anon` of a served core 2.18 GB against 1.62 GB + 0.56 GB of the shared weight-cache file
+before); an engine that loads through the weight cache maps them from it instead (kernels/cpu/panel_cache.py),
+shared with every core on the host.
 The panels are a second private copy beside oneDNN's, so `prepare_model` builds them only where they
 take at most `PANELS_MEMORY_SHARE` of the host's available memory (`MemAvailable`) at load: a large
 fp32 model on a small host keeps one layout (oneDNN, and MKL's GEMV on Intel) instead of running out of
@@ -53,6 +55,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -96,16 +99,18 @@ class OneDNNMatmul:
     oneDNN there on Intel: `gemv_dense()`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: bool = False,
-                 panels: bool = False, amx: bool = False, head: bool = False,
+                 panels: bool | torch.Tensor = False, amx: bool = False, head: bool = False,
                  defer: bool = False) -> None:  # fmt: skip
         self.head = head  # the LM head: kernels/cpu/amx.py's op from fewer rows
-        self.panels = cpu_gemm.pack(weight) if panels else None
+        # `panels`: True packs them here; a tensor is them, packed already (kernels/cpu/panel_cache.py)
+        made = isinstance(panels, torch.Tensor)
+        self.panels = panels if made else cpu_gemm.pack(weight) if panels else None
         # `defer` (with panels): oneDNN's layout on first use or by `pack_deferred`, not now
         self.bias, self._unpacked = bias, weight if defer and self.panels is not None else None
         self.packed: torch.Tensor | None = pack(weight) if self._unpacked is None else None
         self.amx = cpu_amx.blocks(weight) if amx else None
         self.n = weight.shape[0]
-        self.dense = weight if dense and not panels else None
+        self.dense = weight if dense and self.panels is None else None
 
     def takes_amx(self, rows: int) -> bool:
         """Whether a product of `rows` rows runs on kernels/cpu/amx.py's op now."""
@@ -236,12 +241,19 @@ class Int8Matmul:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).float()
 
 
-def prepare_model(model: nn.Module, cpu_weights: str = "fp32", defer: bool = False) -> dict[str, int]:
+PanelStore = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor] | None]
+
+
+def prepare_model(
+    model: nn.Module, cpu_weights: str = "fp32", defer: bool = False, panel_store: PanelStore | None = None
+) -> dict[str, int]:
     """Give every `Linear` of a CPU fp32 model (and a decoder's LM head) its `cpu_matmul`; -> counts by
     kind. `cpu_weights`: "fp32" (oneDNN, unless SPLITSERVE_CPU_ONEDNN=0) or "int4". `defer`: where the
     panels take 1 to cpu_gemm.MAX_ROWS rows, oneDNN's layout (for longer products: prompts past 128
     tokens) is made on first use or by `pack_deferred`, not now: about half of a start's CPU time on
-    the weights, which a served engine spends once it is ready."""
+    the weights, which a served engine spends once it is ready. `panel_store`: given {name: weight}
+    of the projections that take panels, their panels made elsewhere (kernels/cpu/panel_cache.py: mapped
+    from the weight cache) or None (then they are packed here)."""
     from splitserve.model.layers import Linear
 
     if cpu_weights not in CPU_WEIGHTS:
@@ -265,17 +277,24 @@ def prepare_model(model: nn.Module, cpu_weights: str = "fp32", defer: bool = Fal
     amx = not int4 and bool(weights) and cpu_amx.ENABLED and cpu_amx.supported() and panels_fit(nbytes // 2)
     amx = amx and cpu_amx.start()
 
-    for module in model.modules():
-        if isinstance(module, Linear) and usable(module.weight):
-            quant = int4 and module.weight.shape[1] % GROUP == 0
-            if quant:
-                module.cpu_matmul = Int4Matmul(module.weight, module.bias)
-            else:
-                module.cpu_matmul = OneDNNMatmul(module.weight, module.bias, dense, panels, amx, defer=defer)
-            kind = "int4" if quant else fp32 + (" + amx" if module.cpu_matmul.amx is not None else "")
-            counts[kind] = counts.get(kind, 0) + 1
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear) and usable(m.weight)}
+    made = None
+    if panels and panel_store is not None:
+        named = {name: m.weight for name, m in linears.items()}
+        made = panel_store(named | ({"lm_head": head} if head is not None and usable(head) else {}))
+    made = made or {}
+    for name, module in linears.items():
+        quant = int4 and module.weight.shape[1] % GROUP == 0
+        if quant:
+            module.cpu_matmul = Int4Matmul(module.weight, module.bias)
+        else:
+            got = made.get(name, panels)
+            module.cpu_matmul = OneDNNMatmul(module.weight, module.bias, dense, got, amx, defer=defer)
+        kind = "int4" if quant else fp32 + (" + amx" if module.cpu_matmul.amx is not None else "")
+        counts[kind] = counts.get(kind, 0) + 1
     if head is not None and usable(head):
-        fp32_head = OneDNNMatmul(head, None, dense, panels, amx, True, defer) if not int4 else None
+        got = made.get("lm_head", panels)
+        fp32_head = OneDNNMatmul(head, None, dense, got, amx, True, defer) if not int4 else None
         model.cpu_lm_head = Int8Matmul(head) if int4 else fp32_head
         on_amx = not int4 and model.cpu_lm_head.amx is not None
         counts["lm_head int8" if int4 else f"lm_head {fp32}" + (" + amx" if on_amx else "")] = 1
