@@ -1,7 +1,7 @@
 """A tensor-parallel replica's placement on a real (local) Ray cluster: Serve reserves one placement
 group per replica, one bundle per rank, packed on one node (STRICT_PACK), and places the replica's
-actor in its first bundle; the group goes with the replica. The cluster: a head with one CPU and a
-node with two (marked by a custom resource), so that two ranks fit only on that node."""
+actor in its first bundle; the group goes with the replica. The session's cluster (conftest.py) gains a node
+with two CPUs, marked by a custom resource, so that two ranks fit only on that node."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from splitserve.config import parse_manifest  # noqa: E402
 from splitserve.runtime.ray_placement import STRATEGY, rank_gpus, replica_placement  # noqa: E402
@@ -20,21 +19,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    mem = 150 * 2**20
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": mem, "include_dashboard": False},
-    )
-    c.add_node(num_cpus=2, resources={"tp_node": 1}, object_store_memory=mem)
-    ray.init(address=c.address, namespace="splitserve-placement", logging_level="WARNING")
-    yield c
-    serve.shutdown()
-    ray.shutdown()
-    c.shutdown()
+def tp_node(cluster, serve_port):  # noqa: ANN001
+    """A node with two CPUs, marked `tp_node`, added to the session's cluster for this module; Serve on
+    the session's port (it keeps the port it first started on)."""
+    node = cluster.add_node(num_cpus=2, resources={"tp_node": 1}, object_store_memory=150 * 2**20)
+    cluster.wait_for_nodes()
+    serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
+    yield node
+    cluster.remove_node(node)
 
 
-def test_a_replica_of_two_ranks_gets_a_group_of_two_bundles_on_one_node(cluster):
+def test_a_replica_of_two_ranks_gets_a_group_of_two_bundles_on_one_node(tp_node):
     manifest = parse_manifest("""
 name: tp
 mode: colocated
