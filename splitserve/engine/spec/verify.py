@@ -3,7 +3,8 @@
 A step with drafts, for a request whose known tokens end at position p0 (its last token, not yet
 computed) and drafts d1..dk:
 
-  1. `propose` (before the schedule): each eligible running request gets up to k drafts
+  1. `propose` (before the schedule): each eligible running request, and each waiting one whose KV
+     was imported (so a decode engine verifies from a request's first step), gets up to k drafts
      (`Request.draft_token_ids`: n-gram lookup, or those the MTP head made after the last step,
      mtp.py); the scheduler appends those that fit to its chunk, which then
      computes positions ..p0 and p0+1..p0+k, with a logits row at p0 and at each draft.
