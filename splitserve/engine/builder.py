@@ -72,6 +72,7 @@ class EngineParts:
     graph_capture_s: float
     memory_plan: MemoryPlan | None  # CUDA: how the worker's share was divided (engine/memory_plan.py)
     mtp_head: torch.nn.Module | None = None  # speculative method "mtp": the model's MTP head
+    state_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # each state slot's tensors
 
 
 def build(
@@ -156,7 +157,8 @@ def build(
     # a rank other than 0 on the CPU: its pools in shared memory, for rank 0's KV transfer (tp/pools.py)
     shared_rank = tp is not None and tp.rank > 0 and device.type == "cpu"
     kv = allocate_kv_cache(kv_shape, dtype, device, shared=config.kv_shared_memory or shared_rank)
-    states = (JournaledStatePool if tp else StatePool)(loaded.model.state_shapes(), max_seqs, device, graphs)
+    shapes = {**loaded.model.state_shapes(), **(mtp_head.state_shapes() if mtp_head is not None else {})}
+    states = (JournaledStatePool if tp else StatePool)(shapes, max_seqs, device, graphs)
     if shared_rank:
         tp_pools.publish(tp, kv, states)
     prefix_caching = config.enable_prefix_caching
@@ -193,7 +195,7 @@ def build(
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB); attention: %s", num_blocks, block_size,
              kv.numel() * kv.element_size() / 2**30, type(attn).__name__)  # fmt: skip
     return EngineParts(device, dtype, loaded, path, max_model_len, tok, eos_token_ids, kv, states, pool,
-                       scheduler, runner, graph_capture_s, plan, mtp_head)  # fmt: skip
+                       scheduler, runner, graph_capture_s, plan, mtp_head, shapes)  # fmt: skip
 
 
 def panel_store(config: EngineConfig, loaded: LoadedModel) -> cpu_linear.PanelStore | None:

@@ -74,6 +74,7 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = p.tokenizer
         self.eos_token_ids, self.block_size = p.eos_token_ids, config.block_size
         self.kv_cache, self.states, self.pool = p.kv_cache, p.states, p.pool  # KV, state slots, blocks
+        self.state_shapes = p.state_shapes or {}  # (shape, dtype) of each state slot's tensors, by name
         self.scheduler, self.runner, self.graph_capture_s = p.scheduler, p.runner, p.graph_capture_s
         self.memory_plan = p.memory_plan  # CUDA: the worker's share, piece by piece (engine/memory_plan.py)
         cfg = self.model_config
@@ -265,7 +266,7 @@ class LLMEngine:
         """Drafts proposed, then a step that verifies them (spec/verify.py), or a plain one if none fit."""
         spec = self.spec
         assert spec is not None
-        spec.propose(self.scheduler, self.max_model_len)
+        spec.propose(self.scheduler, self.max_model_len, self.runner)
         sched = self._schedule()
         if sched is None or not (has_drafts(sched) or spec.every_step):
             return [] if sched is None else self._run(sched)

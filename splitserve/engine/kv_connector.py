@@ -80,7 +80,7 @@ def engine_layout(engine: LLMEngine) -> KVLayout:
         fingerprint = ckpt.fingerprint()
     else:  # random weights: the config is all there is to compare
         fingerprint = "config:" + hashlib.sha256(repr(cfg).encode()).hexdigest()
-    shapes = engine.loaded.model.state_shapes()
+    shapes = engine.state_shapes  # the model's recurrent state, and the MTP head's (qwen3_5_mtp.py)
     states = [(name, tuple(shape), dtype_name(dtype)) for name, (shape, dtype) in shapes.items()]
     layout = KVLayout.from_tensor(engine.kv_cache, fingerprint, states)
     size = engine.config.tensor_parallel_size

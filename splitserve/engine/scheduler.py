@@ -174,7 +174,8 @@ class Scheduler:
             cached = len(prefix) * self.block_manager.block_size
             n = min(req.num_tokens - req.num_computed_tokens - cached, budget)
             n = self.block_manager.chunk_tokens(req, req.num_computed_tokens + cached, n)
-            if not self.block_manager.allocate(req, n, prefix):
+            drafts = self._drafts(req, n, budget) if req.num_computed_tokens else ()  # a KV import's
+            if not drafts and not self.block_manager.allocate(req, n, prefix):
                 self.waiting.appendleft(req)
                 break
             if req.num_preemptions == 0:
@@ -187,8 +188,8 @@ class Scheduler:
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            budget -= n
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n + len(drafts), drafts))
+            budget -= n + len(drafts)
         self.waiting.extendleft(reversed(skipped))
         return budget
 

@@ -9,7 +9,9 @@ repeats the head on its own output hidden state and its own previous guess (engi
 
 The head's layer keeps K/V like any attention layer: in the engine's KV cache, as extra layers after the
 target's (`kv_index = cfg.num_kv_layers + n`), in the request's own blocks, so they are freed, trimmed
-and transferred with the request's KV.
+and transferred with the request's KV. Its output state at a request's last prompt position, which the
+first drafts start from, is one more per-request state (`state_shapes`: `STATE`, [H] in the model's
+dtype) in the engine's state slots, so a KV export carries it with the recurrent state.
 
 Checkpoint names (`Qwen3_5ForConditionalGeneration` and `Qwen3_5ForCausalLM` alike): `mtp.fc.weight`,
 `mtp.pre_fc_norm_embedding.weight`, `mtp.pre_fc_norm_hidden.weight`, `mtp.norm.weight` and
@@ -32,6 +34,7 @@ from splitserve.model.random_weights import init_random_
 from splitserve.model.weights import load_mapped_weights
 
 PREFIX = "mtp."
+STATE = "mtp_hidden"  # the state slot's entry: the head's output state at the last prompt position
 
 
 class Qwen3_5MTP(nn.Module):
@@ -71,6 +74,10 @@ class Qwen3_5MTP(nn.Module):
     @property
     def num_kv_layers(self) -> int:
         return len(self.layers)
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The per-request state the head adds to the target's (the engine's state slots)."""
+        return {STATE: ((self.cfg.hidden_size,), self.fc.weight.dtype)}
 
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy the checkpoint's `mtp.*` tensors in; every parameter must be set."""

@@ -120,6 +120,7 @@ class SpecDecodeCounts(msgspec.Struct):
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_pos: tuple[int, ...]
+    num_first_step_drafts: int = 0  # verify runs at a request's first decode step (local or imported KV)
 
 
 class KVTransferCounts(msgspec.Struct):

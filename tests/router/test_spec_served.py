@@ -77,5 +77,7 @@ def test_mtp_served_split_equals_no_speculation():
         _check(dep, "random:qwen3.5-tiny", prompts, expected)
         decode = [c for name, c in _spec_counts(dep).items() if name.startswith("decode")]
         assert decode and all(c["method"] == "mtp" and c["num_drafts"] > 0 for c in decode)
+        # drafts from the first step after each import: the head's state came with the KV
+        assert sum(c["num_first_step_drafts"] for c in decode) == 2 * len(prompts)  # whole and streamed
     finally:
         assert dep.stop() == 0, "\n".join(dep.log)

@@ -19,6 +19,12 @@ target; CUDA graphs are off with this drafter, so every step runs the model eage
      for it and trimmed after: the next step's catch-up writes those positions again from the target's
      states). Greedy drafts: the output distribution is the target's either way (accept.py).
 
+Through the split: the prefill engine's catch-up over a prompt's last chunk writes the head's K/V at
+every prompt position into the blocks that are exported, and the head's state at the last one into the
+request's state slot (`STATE`), which the export carries with the recurrent state. The decode engine,
+once the KV and state arrived, drafts from that state (`resume`) before the request's first step, so
+that step already verifies drafts.
+
 A prefix-cache hit reuses the head's K/V with the blocks; the K/V of a block's last position was made
 with the token after it, so a request that shares the block but not that token drafts a little worse
 there (drafts only: the target verifies every token).
@@ -37,6 +43,7 @@ from splitserve.engine.request import Request
 from splitserve.engine.scheduler import ScheduledChunk
 from splitserve.engine.spec.rows import order_key
 from splitserve.model.decoder import ForwardContext
+from splitserve.model.qwen3_5_mtp import STATE
 
 
 class MTPDrafter:
@@ -84,8 +91,11 @@ class MTPDrafter:
         end = 0
         for sub, _, _ in pieces:
             end += sub.num_tokens
-            if id(sub.request) in produced:
-                self._last[id(sub.request)] = (out[end - 1], sub.start + sub.num_tokens - 1)
+            req = sub.request
+            if id(req) in produced:
+                self._last[id(req)] = (out[end - 1], sub.start + sub.num_tokens - 1)
+                if req.export_kv and req.state_slot is not None:  # leaves with the KV (module docstring)
+                    runner.states[STATE][req.state_slot].copy_(out[end - 1])
 
     @torch.inference_mode()
     def draft(self, runner: Any, blocks: BlockManager, budget: Callable[[Request], int],
@@ -93,10 +103,25 @@ class MTPDrafter:
         """Drafts for each of `reqs` whose last position the step's catch-up reached (up to
         `budget(req)` of them; 0: none), kept for `take`."""
         self.drafts = {}
+        self._make(runner, blocks, budget, reqs, self._last)
+
+    @torch.inference_mode()
+    def resume(self, runner: Any, blocks: BlockManager, budget: Callable[[Request], int],
+               reqs: Sequence[Request]) -> None:  # fmt: skip
+        """Drafts for `reqs`, whose KV and state were imported (prompt computed elsewhere, first token
+        appended), from the head's state at the last prompt position that came in their state slot."""
+        last = {id(r): (runner.states[STATE][r.state_slot], r.num_tokens - 2) for r in reqs
+                if r.state_slot is not None}  # fmt: skip
+        self._make(runner, blocks, budget, reqs, last)
+
+    def _make(self, runner: Any, blocks: BlockManager, budget: Callable[[Request], int],
+              reqs: Sequence[Request], lasts: dict[int, tuple[torch.Tensor, int]]) -> None:  # fmt: skip
+        """Drafts for each of `reqs` from the head's state at its second-to-last known position
+        (`lasts`: id(request) -> (state [H], position)), into `self.drafts`."""
         todo: list[tuple[Request, int]] = []  # (request, drafts it may take)
         states: list[torch.Tensor] = []
         for req in reqs:
-            last = self._last.get(id(req))
+            last = lasts.get(id(req))
             if last is None or req.finished or last[1] != req.num_tokens - 2:
                 continue
             k = budget(req)

@@ -3,7 +3,8 @@
 A step with drafts, for a request whose known tokens end at position p0 (its last token, not yet
 computed) and drafts d1..dk:
 
-  1. `propose` (before the schedule): each eligible running request gets up to k drafts
+  1. `propose` (before the schedule): each eligible running request, and each waiting one whose KV
+     was imported (so a decode engine verifies from a request's first step), gets up to k drafts
      (`Request.draft_token_ids`: n-gram lookup, or those the MTP head made after the last step,
      mtp.py); the scheduler appends those that fit to its chunk, which then
      computes positions ..p0 and p0+1..p0+k, with a logits row at p0 and at each draft.
@@ -55,9 +56,11 @@ class SpecCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    num_first_step_drafts: int = 0  # verify runs at a request's first decode step (after its prompt)
 
-    def count(self, drafted: int, accepted: int) -> None:
+    def count(self, drafted: int, accepted: int, first_step: bool = False) -> None:
         self.num_drafts += 1
+        self.num_first_step_drafts += first_step
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         if len(self.accepted_per_pos) < drafted:
@@ -75,6 +78,7 @@ class SpecStats:
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_pos: tuple[int, ...]
+    num_first_step_drafts: int = 0  # verify runs at a request's first decode step (local or imported KV)
 
     @property
     def acceptance_rate(self) -> float:
@@ -117,15 +121,19 @@ class SpecDecoder:
     def stats(self) -> SpecStats:
         c = self.counters
         return SpecStats(self.config.method, c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
-                         tuple(c.accepted_per_pos))  # fmt: skip
+                         tuple(c.accepted_per_pos), c.num_first_step_drafts)  # fmt: skip
 
     # ---- drafting ---------------------------------------------------------------------------------
 
-    def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
-        """Set the drafts of each running request that drafts this step (see the module docstring)."""
+    def propose(self, scheduler: Scheduler, max_model_len: int, runner: Any = None) -> None:
+        """Set the drafts of each running request that drafts this step, and of each waiting one whose
+        KV was imported (its first step then verifies drafts too; see the module docstring)."""
         self.max_model_len = max_model_len
         capped = self._capped(scheduler)
-        for req in scheduler.running:
+        imported = [r for r in scheduler.waiting if _kv_imported(r)]
+        if self.mtp is not None and imported and not capped:
+            self.mtp.resume(runner, scheduler.block_manager, self._budget_now, imported)
+        for req in [*scheduler.running, *imported]:
             req.draft_token_ids = []  # none left from a step that did not schedule it
             if capped:
                 continue
@@ -203,7 +211,8 @@ class SpecDecoder:
             probs = target_probs(rows[:, : sampler.vocab_size], [req] * len(rows))
             gen = req.generator if req.generator is not None else sampler.generator
             produced = accept_sampled(probs, c.drafts, gen)
-        self.counters.count(len(c.drafts), len(produced) - 1)
+        first = c.start == req.num_prompt_tokens and len(req.output_token_ids) == 1
+        self.counters.count(len(c.drafts), len(produced) - 1, first)
         _back_off(req, len(produced) - 1)
         return produced
 
@@ -249,6 +258,12 @@ def _drafts_allowed(req: Request) -> bool:
         and len(req.output_token_ids) >= p.min_tokens
         and bool(req.output_token_ids)
     )
+
+
+def _kv_imported(req: Request) -> bool:
+    """Whether waiting `req` came with its prompt's KV from another engine and has only its first
+    token, appended there, left to compute (a local request waits with nothing computed)."""
+    return req.num_computed_tokens > 0 and req.num_tokens - req.num_computed_tokens == 1
 
 
 def _back_off(req: Request, accepted: int) -> None:

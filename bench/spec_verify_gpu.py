@@ -1,0 +1,175 @@
+"""Speculative decoding on a GPU at Qwen3.5-9B shape (random bf16 weights, its MTP head included).
+
+Two parts, each against its baseline measured in the same run:
+
+  * step cost: B requests with `--prompt-len`-token prompts prefilled, then the model step alone
+    (`ModelRunner.execute`), median of `--iters`: a plain decode step (one token a request; CUDA
+    graphs as the engine replays them, and eager) against a verify step of k + 1 tokens a request
+    (the drafts' rows, as the engine runs them), for each k and batch.
+  * tokens/s: `--decode-tokens` greedy tokens a request at batch B, plain decoding (graphs on, as
+    served) against `method: mtp` with k drafts, the acceptance forced to `--acceptance` per draft
+    (random weights accept nothing: each draft is taken while a seeded coin says so, and the token
+    after the last taken one is the target's own), the MTP head's drafting and the hybrid state's
+    rollback included.
+
+Without CUDA it prints a line and exits 0.
+
+    python bench/spec_verify_gpu.py                          # ~3 min on an H100
+    python bench/spec_verify_gpu.py --ks 1,2,3 --batches 1,32 --acceptance 0.6
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from splitserve.config.engine import EngineConfig  # noqa: E402
+from splitserve.engine.engine import LLMEngine  # noqa: E402
+from splitserve.engine.scheduler import ScheduledChunk  # noqa: E402
+from splitserve.engine.spec import verify  # noqa: E402
+from splitserve.sampling.params import SamplingParams  # noqa: E402
+
+MODEL = "random:qwen3.5-9b"
+
+
+def config(args: argparse.Namespace, spec: dict | None) -> EngineConfig:
+    max_len = args.prompt_len + args.decode_tokens + 16
+    batch = max(int(b) for b in args.batches.split(","))
+    return EngineConfig(
+        model=MODEL, device="cuda", dtype="bfloat16", max_model_len=max_len, max_num_seqs=batch,
+        max_num_batched_tokens=max(batch * args.prompt_len, 2048), enable_prefix_caching=False,
+        kv_cache_bytes=2 * batch * max_len * 64 * 2**10 + 2**28, speculative_config=spec, progress=False,
+    )  # fmt: skip
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 200_000, (n, length), generator=g).tolist()
+
+
+def timed(fn, iters: int) -> float:  # noqa: ANN001
+    """Median seconds of `fn()` over `iters` runs, after two warm-ups."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def step_costs(engine: LLMEngine, batch: int, ks: Sequence[int], args: argparse.Namespace) -> None:
+    """Plain decode step against verify steps of k + 1 tokens, for `batch` requests after prefill."""
+    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts(batch, args.prompt_len, seed=batch)]
+    while any(not engine.requests[r].output_token_ids for r in ids):
+        engine.step()
+    reqs = [engine.requests[r] for r in ids]
+    runner, blocks = engine.runner, engine.scheduler.block_manager
+    plain = [ScheduledChunk(r, r.num_computed_tokens, 1) for r in reqs]
+    graphs = runner.graphs
+    t_graph = timed(lambda: runner.execute(plain), args.iters) if graphs is not None else float("nan")
+    runner.graphs = None
+    t_eager = timed(lambda: runner.execute(plain), args.iters)
+    for k in ks:
+        for r in reqs:
+            assert blocks.allocate(r, 1 + k), "the KV cache is too small for the verify rows"
+        chunks = [ScheduledChunk(r, r.num_computed_tokens, 1 + k, (7,) * k) for r in reqs]
+        t_verify = timed(lambda c=chunks: runner.execute(c), args.iters)
+        for r in reqs:
+            blocks.trim(r)
+        base = t_graph if graphs is not None else t_eager
+        print(f"batch {batch:3d}  k={k}: verify step {t_verify * 1e3:7.2f} ms   plain step "
+              f"{base * 1e3:6.2f} ms (graphs) / {t_eager * 1e3:6.2f} ms (eager)   "
+              f"verify/plain {t_verify / base:5.2f}x (break-even accepted length)")  # fmt: skip
+    runner.graphs = graphs
+    for r in ids:
+        engine.abort(r)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def forced_accept(rate: float, seed: int):  # noqa: ANN201
+    """A greedy acceptance rule that takes each draft while a seeded coin lands under `rate`, then the
+    target's own token at the first row not taken."""
+    rng = random.Random(seed)
+
+    def accept(logits: torch.Tensor, drafts: Sequence[int]) -> list[int]:
+        m = 0
+        while m < len(drafts) and rng.random() < rate:
+            m += 1
+        return [*drafts[:m], int(logits[m].argmax())]
+
+    return accept
+
+
+def decode_rate(engine: LLMEngine, batch: int, args: argparse.Namespace) -> float:
+    """Output tokens/s of the decode part (after every request has its first token)."""
+    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts(batch, args.prompt_len, seed=100 + batch)]
+    while any(r in engine.requests and not engine.requests[r].output_token_ids for r in ids):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    return batch * (args.decode_tokens - 1) / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ks", default="1,2,3")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--acceptance", type=float, default=0.6, help="forced per-draft acceptance")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("spec_verify_gpu: skipped (needs a CUDA device)")
+        return 0
+    ks = [int(k) for k in args.ks.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    t0 = time.perf_counter()
+    plain = LLMEngine(config(args, None), tokenizer=None)
+    print(f"{torch.cuda.get_device_name()}: {MODEL} bf16, prompts of {args.prompt_len} tokens "
+          f"(built in {time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    print("-- step cost (ModelRunner.execute, median of", args.iters, "runs)")
+    for b in batches:
+        step_costs(plain, b, ks, args)
+    print(f"-- decode tokens/s, {args.decode_tokens} tokens a request, mtp acceptance forced to "
+          f"{args.acceptance:.2f} a draft")  # fmt: skip
+    base = {b: decode_rate(plain, b, args) for b in batches}
+    spec_cfg = {"method": "mtp", "num_speculative_tokens": max(ks)}
+    spec = LLMEngine(config(args, spec_cfg), tokenizer=None, loaded=plain.loaded)
+    assert spec.spec is not None
+    verify.accept_greedy = forced_accept(args.acceptance, seed=0)  # the verify step's greedy rule
+    for k in ks:
+        spec.spec.k = k
+        for b in batches:
+            before = spec.spec.stats()
+            rate = decode_rate(spec, b, args)
+            after = spec.spec.stats()
+            drafted = after.num_draft_tokens - before.num_draft_tokens
+            accepted = after.num_accepted_tokens - before.num_accepted_tokens
+            print(f"batch {b:3d}  k={k}: mtp {rate:8.1f} tok/s   plain {base[b]:8.1f} tok/s   "
+                  f"ratio {rate / base[b]:5.2f}x   acceptance {accepted / max(drafted, 1):.2f}")  # fmt: skip
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

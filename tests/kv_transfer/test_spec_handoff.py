@@ -1,0 +1,114 @@
+"""Speculative decoding across the split, in one process (tiny random Qwen3.5 with its MTP head, tcp):
+the decode engine verifies drafts from a request's first step after its KV was imported, with `ngram`
+(prompt lookup over the prompt and the first token) and with `mtp` (from the head's state at the last
+prompt position, which travels in the request's state slot beside the recurrent state); the output
+equals the output without speculation, token for token."""
+
+from __future__ import annotations
+
+import pytest
+from kv_transfer_helpers import SECRET
+
+from splitserve import SamplingParams
+from splitserve.config.engine import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.kv_connector import KVConnector
+from splitserve.engine.spec.verify import SpecDecoder
+from splitserve.model.qwen3_5_mtp import STATE
+from splitserve.transport import TransportOptions
+
+MODEL = "random:qwen3.5-tiny"
+VOCAB = 512
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
+# every token of the vocabulary occurs in the first two prompts: whatever the first token, a lookup finds it
+PROMPTS = [[(7 * i) % VOCAB for i in range(VOCAB)], [(11 * i + 3) % VOCAB for i in range(VOCAB)],
+           [5, 17, 300, 42, 7, 99, 250, 5, 17, 300, 42, 7]]  # fmt: skip
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _engine(spec: dict | None) -> LLMEngine:
+    config = EngineConfig(model=MODEL, device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=4,
+                          kv_cache_bytes=8 << 20, speculative_config=spec, progress=False)  # fmt: skip
+    return LLMEngine(config, tokenizer=None)
+
+
+def _run(engine: LLMEngine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def _first_step_drafts(engine: LLMEngine) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Record the drafts each request verifies at its first decode step, by prompt."""
+    seen: dict[tuple[int, ...], tuple[int, ...]] = {}
+    spec = engine.spec
+    assert spec is not None
+    accept = spec._accept
+
+    def recording(c, rows, sampler):
+        req = c.request
+        if c.start == req.num_prompt_tokens and len(req.output_token_ids) == 1:
+            seen[tuple(req.prompt_token_ids)] = c.drafts
+        return accept(c, rows, sampler)
+
+    spec._accept = recording  # type: ignore[method-assign]
+    return seen
+
+
+def _colocated(engine: LLMEngine) -> list[list[int]]:
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, GREEDY, request_id=f"c{i}")
+    done = _run(engine)
+    return [done[f"c{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
+
+
+def _split(prefill: LLMEngine, decode: LLMEngine) -> list[list[int]]:
+    options = TransportOptions(lease_s=30.0, fetch_timeout_s=5.0)
+    conns = [KVConnector.open(e, "tcp", secret=SECRET, options=options) for e in (prefill, decode)]
+    try:
+        for i, p in enumerate(PROMPTS):
+            prefill.add_request(p, GREEDY, request_id=f"r{i}", kv_transfer="export")
+        outs = _run(prefill)
+        for i, p in enumerate(PROMPTS):
+            out = outs[f"r{i}"]
+            decode.add_request_with_kv(out.kv_export.handle, p, out.outputs[0].token_ids[0], GREEDY, f"d{i}")
+        done = _run(decode)
+    finally:
+        for conn in conns:
+            conn.close()
+    return [done[f"d{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    return _colocated(_engine(None))
+
+
+@pytest.mark.parametrize("spec", [NGRAM, MTP], ids=["ngram", "mtp"])
+def test_decode_verifies_drafts_from_its_first_step_after_the_import(plain, spec):
+    colocated = _engine(spec)
+    want = _first_step_drafts(colocated)
+    assert _colocated(colocated) == plain
+    prefill, decode = _engine(spec), _engine(spec)
+    got = _first_step_drafts(decode)
+    assert _split(prefill, decode) == plain
+    stats = decode.spec.stats() if isinstance(decode.spec, SpecDecoder) else None
+    assert got == want  # the same drafts as after a local prefill (mtp: the head's state came along)
+    assert stats is not None and stats.num_first_step_drafts == len(got) >= 2
+    assert all(len(d) == spec["num_speculative_tokens"] for d in got.values())
+    assert prefill.spec.stats().num_drafts == 0  # a prefill engine stops at the first token
+
+
+def test_the_heads_state_travels_in_the_layout():
+    """The MTP head's state is part of the state slots a KV export carries, so the handshake's layout
+    (and its fingerprint) differs from an engine's without it."""
+    with_head, without = _engine(MTP), _engine(None)
+    assert with_head.state_shapes[STATE] == ((64,), with_head.dtype)
+    assert STATE not in without.state_shapes
+    assert with_head.states.states[STATE].shape[1:] == (64,)
