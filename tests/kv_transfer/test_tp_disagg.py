@@ -112,7 +112,7 @@ def _all_free(engine: LLMEngine, timeout_s: float = 10.0) -> bool:
 def _leases(conn: KVConnector) -> int:
     """Leases still held, on every rank's transport."""
     ranks = getattr(conn.transport, "ranks", [conn.transport])
-    return sum(t.describe()["leases"]["active"] for t in ranks)
+    return sum(t.describe().leases.active for t in ranks)
 
 
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:qwen3.5-tiny"])
@@ -125,7 +125,7 @@ def test_pd_across_tensor_parallel_sizes_equals_colocated(engines, model, sizes)
     assert _all_free(d) and _all_free(p)
     assert _leases(pc) == 0
     if sizes[1] == 2:  # each decode rank was written its own heads only: the same bytes on both
-        written = dc.transport.describe()["tensor_parallel"]["fetched_bytes"]
+        written = dc.transport.describe().tensor_parallel.fetched_bytes
         assert written[0] == written[1] > 0
 
 

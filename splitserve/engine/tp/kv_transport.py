@@ -39,6 +39,7 @@ from splitserve.transport.layout import KVLayout, torch_dtype
 from splitserve.transport.lease import FreeCallback
 from splitserve.transport.transport import ExportRequest, FetchRequest, KVTransport
 from splitserve.wire.kv_handle import KVHandle, KVShard
+from splitserve.wire.transport_info import TensorParallelInfo, TransportInfo
 
 MAX_PEER_SIZE = 8  # the largest exporter size `check_peer` tries
 
@@ -285,16 +286,16 @@ class TPTransport(KVTransport):
         for t in self.ranks:
             t.install_faults(plan)
 
-    def describe(self) -> dict:
-        out = self.ranks[0].describe()
-        out["layout_fingerprint"] = self.layout.fingerprint
-        out["tensor_parallel"] = {
-            "size": len(self.ranks),
-            "addresses": [t.address for t in self.ranks],
-            "served_bytes": [t.stats.snapshot()["counts"].get("served_bytes", 0) for t in self.ranks],
-            "fetched_bytes": list(self.fetcher.rank_bytes) if self.fetcher else [],
-        }
-        return out
+    def describe(self) -> TransportInfo:
+        group = TensorParallelInfo(
+            size=len(self.ranks),
+            addresses=[t.address for t in self.ranks],
+            served_bytes=[t.stats.snapshot()["counts"].get("served_bytes", 0) for t in self.ranks],
+            fetched_bytes=list(self.fetcher.rank_bytes) if self.fetcher else [],
+        )
+        return msgspec.structs.replace(
+            self.ranks[0].describe(), layout_fingerprint=self.layout.fingerprint, tensor_parallel=group
+        )
 
     def close(self) -> None:
         if self.fetcher is not None:

@@ -22,6 +22,7 @@ from splitserve.transport.protocol import Deadline
 from splitserve.transport.server import AsyncChannel, ListenSpec
 from splitserve.transport.transport import ExportRequest, FetchRequest
 from splitserve.wire.kv_handle import KVHandle
+from splitserve.wire.transport_info import MoverInfo
 
 if TYPE_CHECKING:
     from splitserve.transport.export_requests import PayloadCall
@@ -49,7 +50,7 @@ class StreamWire(Protocol):
         """Fetcher: fill `stream` (our blocks' views, then fresh state tensors); -> the payload frame."""
         ...
 
-    def describe(self) -> dict: ...
+    def describe(self) -> MoverInfo: ...
 
     def close(self) -> None: ...
 
@@ -92,7 +93,7 @@ class StreamMover:
     def fetch(self, request: FetchRequest) -> dict[str, torch.Tensor]:
         return self.port.stream_fetch(request, self.wire.recv_payload)
 
-    def describe(self) -> dict:
+    def describe(self) -> MoverInfo:
         return self.wire.describe()
 
     def close(self) -> None:
