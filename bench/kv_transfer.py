@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 
@@ -247,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
         progress.update(1)
     finally:
         progress.close()
-        described = {b: t.describe() for b, t in by_backend.items()}
+        described = {b: msgspec.to_builtins(t.describe()) for b, t in by_backend.items()}
         for t in by_backend.values():
             t.close()
         exporter.stop()

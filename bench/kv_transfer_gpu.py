@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
@@ -108,13 +109,13 @@ def exporter_main(conn, caches: dict[str, tuple[dict, int]], secret: str, tracin
         elif cmd == "phases":  # the exporter's serve phases since the last call, per backend
             out = {}
             for b in BACKENDS:
-                out[b] = transports[args[0], b].describe().get("serve_phases_ms")
+                out[b] = transports[args[0], b].describe().serve_phases_ms
                 transports[args[0], b].mover.serve_phases.clear()
             conn.send(out)
         elif cmd == "trace":
             conn.send(trace.events())
         elif cmd == "describe":
-            conn.send({f"{n}/{b}": t.describe() for (n, b), t in transports.items()})
+            conn.send({f"{n}/{b}": msgspec.to_builtins(t.describe()) for (n, b), t in transports.items()})
         elif cmd == "stop":
             for t in transports.values():
                 t.close()
@@ -297,7 +298,7 @@ def measure(
     try:
         times = alternate(runs, reps)
         timelines = traced(exporter, fetchers, name, handles, into) if trace.ON else None
-        phases = {b: fetchers.t[name, b].describe().get("fetch_phases_ms") for b in BACKENDS}
+        phases = {b: fetchers.t[name, b].describe().fetch_phases_ms for b in BACKENDS}
         phases["exporter"] = exporter.call("phases", name)
         check = None
         if n * block >= BULK_BYTES or n == 1:  # the bytes that arrived are the exporter's
@@ -537,7 +538,8 @@ def run(args: argparse.Namespace) -> dict:
         if "nccl" in BACKENDS:
             nccl_ceiling = nccl_raw(exporter, fetchers.raw_dst, raw_sizes, args.reps or 10)
         described = exporter.call("describe")
-        described.update({f"fetcher {n}/{b}": t.describe() for (n, b), t in fetchers.t.items()})
+        ours = {f"fetcher {n}/{b}": msgspec.to_builtins(t.describe()) for (n, b), t in fetchers.t.items()}
+        described.update(ours)
     finally:
         fetchers.close()
         exporter.stop()

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
@@ -71,7 +72,7 @@ def exporter_main(conn, setup_dict: dict) -> None:
     kv = setup.kv_cache()
     kv.view(torch.uint8).random_(0, 256)  # random bytes, every page touched
     t = make_transport("nixl", kv, setup.layout(), secret=setup.secret, options=setup.options())
-    conn.send(("ready", t.describe()["nixl"]))
+    conn.send(("ready", msgspec.to_builtins(t.describe().nixl)))
     while True:
         cmd, *args = conn.recv()
         if cmd == "export":
@@ -150,9 +151,9 @@ def run_shape(setup: Setup, sizes_blocks: list[int], reps: int) -> list[dict]:
                         "bytes": nbytes,
                         "nixl_gbps": nbytes / seconds / 1e9,
                         "copy_gbps": nbytes / copy_s / 1e9,
-                        "backend": info["backend"],
-                        "descriptors": info["nixl"]["descriptors_last"],
-                        "memory": info["nixl"]["memory"],
+                        "backend": info.backend,
+                        "descriptors": info.nixl.descriptors_last if info.nixl else None,
+                        "memory": info.nixl.memory if info.nixl else None,
                     }
                 )
                 print(_row(rows[-1]), flush=True)

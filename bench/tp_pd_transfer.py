@@ -62,8 +62,8 @@ def run(model: str, p_size: int, d_size: int, prompts: list[list[int]]) -> dict:
         done = drain(d)
         ranks = getattr(pc.transport, "ranks", [pc.transport])
         served = [t.stats.snapshot()["counts"].get("served_bytes", 0) for t in ranks]
-        tp = dc.transport.describe().get("tensor_parallel")
-        written = tp["fetched_bytes"] if tp else [int(dc.counts["fetched_bytes"])]
+        tp = dc.transport.describe().tensor_parallel
+        written = tp.fetched_bytes if tp else [int(dc.counts["fetched_bytes"])]
         fetch_s = dc.counts["fetch_seconds"] / max(1, dc.counts["fetches"])
         tokens = [done[f"d{i}"].outputs[0].token_ids for i in range(len(prompts))]
         return {"served": served, "written": written, "fetch_s": fetch_s, "tokens": tokens}

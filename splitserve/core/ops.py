@@ -100,13 +100,13 @@ class CoreOps:
 
     def health(self) -> Health:
         conn, engine = self.core.connector, self.engine
-        desc = conn.transport.describe() if conn and conn.transport else {}
+        desc = conn.transport.describe() if conn and conn.transport else None
         st = engine.stats()
         return Health(
             status="ok", role=self.config.role, model=str(engine.model_path),
-            tokenizer=self.config.engine.tokenizer, core_pid=os.getpid(), kv_backend=desc.get("backend"),
-            kv_address=self.core.kv_address, layout_fingerprint=desc.get("layout_fingerprint"),
-            kv_requested=desc.get("requested"), max_model_len=engine.max_model_len,
+            tokenizer=self.config.engine.tokenizer, core_pid=os.getpid(), kv_backend=desc and desc.backend,
+            kv_address=self.core.kv_address, layout_fingerprint=desc and desc.layout_fingerprint,
+            kv_requested=desc and desc.requested, max_model_len=engine.max_model_len,
             block_bytes=st.block_bytes, num_blocks=st.blocks.total,
             vocab_size=engine.model_config.vocab_size, device=str(engine.device),
             dtype=str(engine.dtype).removeprefix("torch."),

@@ -307,14 +307,14 @@ class KVConnector:
     @property
     def backend_name(self) -> str | None:
         """The backend the transport actually runs (after any fallback), not the one asked for."""
-        return self.transport.describe().get("backend") if self.transport is not None else None
+        return self.transport.describe().backend if self.transport is not None else None
 
     def stats(self) -> dict:
         with self._lock:
             counts, failures, loading = dict(self.counts), dict(self.failures), self._loading
-        desc = self.transport.describe() if self.transport is not None else {}
+        desc = self.transport.describe() if self.transport is not None else None
         return {
-            "backend": desc.get("backend"),
+            "backend": desc.backend if desc is not None else None,
             "policy": self.policy,
             "importing": loading,  # loads in flight (the engine's stats count those waiting for room too)
             "counts": counts,

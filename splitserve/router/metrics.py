@@ -360,9 +360,9 @@ class RouterMetrics:
             if transfer is not None and transfer.backend:
                 backend = transfer.backend
                 self.kv_backend_ok.labels(*lab).set(1 if backend in required else 0)
-                tr = transfer.transport  # the transport's self-description (a diagnostic tree)
-                self.kv_backend.labels(*lab, backend, tr.get("requested") or backend).set(1)
-                self.kv_fallbacks.labels(*lab).set((tr.get("counts") or {}).get("fallbacks", 0))
+                tr = transfer.transport  # the transport's self-description
+                self.kv_backend.labels(*lab, backend, tr.requested if tr is not None else backend).set(1)
+                self.kv_fallbacks.labels(*lab).set(tr.counts.get("fallbacks", 0) if tr is not None else 0)
 
     def _advance(self, counter: Counter, lab: tuple[str, ...], total: int) -> None:
         """A worker's running total into a counter: the increase since the last scrape (a restarted

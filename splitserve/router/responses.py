@@ -204,11 +204,12 @@ def _tool_echo(tool: dict[str, Any]) -> dict[str, Any]:
 def _usage(chat_usage: dict | None) -> dict | None:
     if not chat_usage:
         return None
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
         "input_tokens": chat_usage["prompt_tokens"],
         "output_tokens": chat_usage["completion_tokens"],
         "total_tokens": chat_usage["total_tokens"],
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens_details": {
             "reasoning_tokens": (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
         },

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -18,6 +17,7 @@ import msgspec
 from splitserve.router.dispatch import Piece
 from splitserve.router.metrics import ttft_breakdown
 from splitserve.router.openai_protocol import APIError
+from splitserve.router.usage import ChoiceTally, usage
 from splitserve.router.vllm_metrics import RunFigures
 from splitserve.sampling.logprobs import TokenLogprob
 from splitserve.sampling.params import SamplingParams
@@ -28,18 +28,6 @@ if TYPE_CHECKING:
     from splitserve.router.thinking import ThinkingTokens
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Choice:
-    index: int
-    prompt_len: int
-    tokens: int = 0
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    last_time: float = 0.0
-    thinking: ThinkingTokens | None = None  # its thinking tokens counted (a model that thinks)
 
 
 _DEADLINE = object()  # queued by a run's deadline timer
@@ -61,14 +49,14 @@ class Run:
         self.s, self.kind, self.req, self.params, self.rid, self.start = server, kind, req, params, rid, start
         self.created = int(time.time())
         self.deadline = start + server.manifest.router.timeouts.request_s
-        self.choices: list[_Choice] = []
+        self.choices: list[ChoiceTally] = []
         self.echo: list[str] = []
         self.jobs: list[tuple[int, list[int], SamplingParams]] = []
         for p_idx, (ids, echo) in enumerate(prompts):
             for i in range(req.n):
                 index = p_idx * req.n + i
                 choice_params = params.for_child(i)  # a distinct seed per choice
-                self.choices.append(_Choice(index, len(ids)))
+                self.choices.append(ChoiceTally(index, len(ids), p_idx))
                 self.echo.append(echo)
                 self.jobs.append((index, ids, choice_params))
         self.prompt_tokens = sum(len(ids) for ids, _ in prompts)
@@ -163,6 +151,7 @@ class Run:
         c = self.choices[piece.index]
         m, name = self.s.metrics, self.s.info.served_name
         if c.last_time == 0.0:
+            c.cached = piece.metrics.get("cached_tokens") or 0  # the first piece carries the timings
             ttft = now - self.start
             m.observe_first(ttft, piece.metrics)
             self.s.vllm.observe_first(ttft, piece.metrics)
@@ -193,16 +182,7 @@ class Run:
         return {"x-request-id": self.rid, **ttft_breakdown(self.ttft or 0.0, self.first_metrics)}
 
     def usage(self) -> dict:
-        done = sum(c.tokens for c in self.choices)
-        out: dict[str, Any] = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": done,
-            "total_tokens": self.prompt_tokens + done,
-        }
-        if any(c.thinking is not None for c in self.choices):
-            thought = sum(c.thinking.count for c in self.choices if c.thinking is not None)
-            out["completion_tokens_details"] = {"reasoning_tokens": thought}
-        return out
+        return usage(self.choices, self.prompt_tokens)
 
     def _finish_metrics(self) -> None:
         m, name = self.s.metrics, self.s.info.served_name

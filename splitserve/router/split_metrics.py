@@ -68,8 +68,8 @@ class SplitMetrics:
         counts = kv.counts if kv is not None else {}
         advance(self.recomputed, lab, int(counts.get("recomputed_tokens", 0)))
         advance(self.imported, lab, int(counts.get("imported_tokens", 0)))
-        transport = kv.transport if kv is not None else {}  # the transport's self-description
-        advance(self.fetched, lab, (transport.get("counts") or {}).get("fetched_bytes", 0))
+        transport = kv.transport if kv is not None else None  # the transport's self-description
+        advance(self.fetched, lab, transport.counts.get("fetched_bytes", 0) if transport is not None else 0)
         if stats.kv_bytes_per_token:
             self.per_token.labels(*lab).set(stats.kv_bytes_per_token)
 

@@ -216,9 +216,8 @@ class RoleSwitcher:
             stats = msgspec.json.decode(r.content, type=WorkerStats)
         except (httpx.HTTPError, ValueError):
             return 0, 0  # gone: its requests are failing over already
-        transport = stats.kv_transfer.transport if stats.kv_transfer is not None else {}  # diagnostics
-        leases = transport.get("leases") or {}
-        return stats.unfinished, int(leases.get("active", 0))
+        transport = stats.kv_transfer.transport if stats.kv_transfer is not None else None
+        return stats.unfinished, transport.leases.active if transport is not None else 0
 
     async def _reconfigure(self, w: WorkerProcess, role: str) -> Health:
         """The worker's new role in its engine core (and the runtime's record); -> its health."""

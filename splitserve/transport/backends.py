@@ -9,7 +9,7 @@
 
 A backend that cannot run raises `BackendUnavailable` naming what is missing (a start-up error); another
 backend is used only when the caller lists it in `make_transport(..., fallback=[...])`, and then a
-WARNING is logged and `describe()["counts"]["fallbacks"]` says so.
+WARNING is logged and `describe().counts["fallbacks"]` says so.
 """
 
 from __future__ import annotations

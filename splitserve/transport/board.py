@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from splitserve.transport.frames import BoardShare
+from splitserve.wire.transport_info import BoardInfo
 
 ONE_SIDED = 1  # flags bit: fetchers may read without asking
 DEFAULT_SLOTS = 8191  # + the flags word: 64 KiB
@@ -104,16 +105,10 @@ class LeaseBoard:
     def share(self) -> BoardShare:
         return BoardShare(self.path, self.slots)
 
-    def describe(self) -> dict:
+    def describe(self) -> BoardInfo:
         with self._lock:
             used = self.slots - len(self._free)
-        return {
-            "path": self.path,
-            "slots": self.slots,
-            "used": used,
-            "full": self.full,
-            "one_sided": bool(int(self.words[0])),
-        }
+        return BoardInfo(self.path, self.slots, used, self.full, bool(int(self.words[0])))
 
     def close(self) -> None:
         """Unlink the file and unmap it (idempotent); fetchers that mapped it keep their copy, whose

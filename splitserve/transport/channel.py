@@ -66,6 +66,7 @@ from splitserve.transport.transport import (
     TransportStats,
 )
 from splitserve.wire.kv_handle import KVHandle
+from splitserve.wire.transport_info import LeaseCounts, MoverInfo, TransportInfo
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class PayloadMover(Protocol):
       both      backend                           the backend's name, carried in handles
                 bind(port)                        once, when the channel is made: keep it, set up devices
                 register_states(states) -> bool   the engine's state slots, once (True: moved in place)
-                describe() -> dict                fields merged into the channel's describe()
+                describe() -> MoverInfo           its part of the channel's describe() (wire/transport_info)
                 close()                           after the channel closed its server, pool and leases
       exporter  listen_spec() -> ListenSpec       where the server listens (tcp host:port, unix path)
                 make_board() -> LeaseBoard|None   a lease board for one-sided reads (board.py), or None
@@ -105,7 +106,7 @@ class PayloadMover(Protocol):
 
     def register_states(self, states: Mapping[str, torch.Tensor]) -> bool: ...
 
-    def describe(self) -> dict: ...
+    def describe(self) -> MoverInfo: ...
 
     def close(self) -> None: ...
 
@@ -322,21 +323,17 @@ class KVChannel(KVTransport):
     def address(self) -> str | None:
         return self._server.address if self._server else None
 
-    def describe(self) -> dict:
-        out = self.stats.snapshot()
-        out["address"] = self.address
-        out["layout_fingerprint"] = self.layout.fingerprint
-        out["checksum"] = self.options.checksum
-        out["leases"] = {"active": self.leases.active(), **self.leases.counts}
-        out["connections_opened"] = self.pool.opened
-        out["connections_reaped"] = self.pool.reaped
-        if self._server is not None:
-            out["server"] = dict(self._server.counts)
-        if self.faults is not None:
-            out["faults"] = dict(self.faults.counts)
-        out.update(self.mover.describe())
-        out["fabric"] = host_fabric().to_dict(self.stats.backend, self.kv_cache.device.type == "cuda")
-        return out
+    def describe(self) -> TransportInfo:
+        ended = self.leases.counts
+        return TransportInfo(
+            **self.stats.snapshot(), **msgspec.structs.asdict(self.mover.describe()),
+            address=self.address, layout_fingerprint=self.layout.fingerprint, checksum=self.options.checksum,
+            leases=LeaseCounts(self.leases.active(), ended["granted"], ended["released"], ended["expired"]),
+            connections_opened=self.pool.opened, connections_reaped=self.pool.reaped,
+            server=None if self._server is None else dict(self._server.counts),
+            faults=None if self.faults is None else dict(self.faults.counts),
+            fabric=host_fabric().info(self.stats.backend, self.kv_cache.device.type == "cuda"),
+        )  # fmt: skip
 
     def close(self) -> None:
         with self._lock:

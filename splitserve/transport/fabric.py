@@ -23,6 +23,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.wire.transport_info import FabricInfo
+
 PEERMEM_MODULES = ("nvidia_peermem", "nv_peer_mem")
 DMABUF_KERNEL = (5, 12)  # Linux gained RDMA dma-buf import in 5.12
 
@@ -54,14 +56,10 @@ class Fabric:
             return f"RDMA devices {names}; GPUDirect RDMA available ({self.gpudirect_via})"
         return f"RDMA devices {names}; no GPUDirect RDMA: KV is staged through host memory"
 
-    def to_dict(self, backend: str, kv_on_gpu: bool) -> dict[str, object]:
-        return {
-            "devices": [d.name for d in self.devices],
-            "kinds": self.kinds(),
-            "gpudirect": self.gpudirect,
-            "gpudirect_via": self.gpudirect_via,
-            "path": self.path(backend, kv_on_gpu),
-        }
+    def info(self, backend: str, kv_on_gpu: bool) -> FabricInfo:
+        """As a transport's description carries it (wire/transport_info.py)."""
+        names, path = [d.name for d in self.devices], self.path(backend, kv_on_gpu)
+        return FabricInfo(names, self.kinds(), self.gpudirect, self.gpudirect_via, path)
 
 
 def _driver(dev: Path) -> str:

@@ -10,11 +10,12 @@ behave as they would in production.
 
 from __future__ import annotations
 
-from msgspec.structs import asdict
+import msgspec
 
 from splitserve.transport.fault_plan import Fault, FaultKnobs, FaultPlan
 from splitserve.transport.transport import KVTransport
 from splitserve.transport.wrapped import WrappedTransport
+from splitserve.wire.transport_info import TransportInfo
 
 __all__ = ["Fault", "FaultKnobs", "FaultPlan", "FaultyTransport"]
 
@@ -37,5 +38,5 @@ class FaultyTransport(WrappedTransport):
         self.plan = FaultPlan(FaultKnobs(drop, delay, corrupt, kill, delay_s, seed))
         inner.install_faults(self.plan)
 
-    def describe(self) -> dict:
-        return {**self.inner.describe(), "fault_knobs": asdict(self.plan.knobs)}
+    def describe(self) -> TransportInfo:
+        return msgspec.structs.replace(self.inner.describe(), fault_knobs=self.plan.knobs)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import torch
 
 from splitserve.transport.transport import FetchRequest, KVTransport
 from splitserve.transport.wrapped import WrappedTransport
+from splitserve.wire.transport_info import TransportInfo
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +39,8 @@ class PartialTransport(WrappedTransport):
         self.stats.count("fetched_bytes", -len(lost) * kv[0].numel() * kv.element_size())
         return state
 
-    def describe(self) -> dict:
-        return {**self.inner.describe(), "fetch_fraction": self.fraction}
+    def describe(self) -> TransportInfo:
+        return msgspec.structs.replace(self.inner.describe(), fetch_fraction=self.fraction)
 
 
 def with_test_hooks(

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import torch
 
 from splitserve.transport.transport import FetchRequest, KVTransport
 from splitserve.transport.wrapped import WrappedTransport
+from splitserve.wire.transport_info import TransportInfo
 
 
 class ThrottledTransport(WrappedTransport):
@@ -33,8 +35,8 @@ class ThrottledTransport(WrappedTransport):
             time.sleep(left)
         return state
 
-    def describe(self) -> dict:
-        return {**self.inner.describe(), "throttle_gbps": self.gbps}
+    def describe(self) -> TransportInfo:
+        return msgspec.structs.replace(self.inner.describe(), throttle_gbps=self.gbps)
 
 
 __all__ = ["ThrottledTransport"]

@@ -27,6 +27,7 @@ import torch
 from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.layout import KVLayout
 from splitserve.wire.kv_handle import KVHandle
+from splitserve.wire.transport_info import TransportInfo
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +217,9 @@ class KVTransport(ABC):
         """Tests: break the exporter's answers according to `plan` (fault_plan.py); None: stop."""
 
     @abstractmethod
-    def describe(self) -> dict:
-        """Backend actually running, peer, measured GB/s of recent transfers, counts."""
+    def describe(self) -> TransportInfo:
+        """Backend actually running, peer, measured GB/s of recent transfers, counts (the struct a
+        worker's /stats carries, wire/transport_info.py)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -12,6 +12,7 @@ from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.transport import ExportRequest, FetchRequest, KVTransport
 from splitserve.wire.kv_handle import KVHandle
+from splitserve.wire.transport_info import TransportInfo
 
 
 class WrappedTransport(KVTransport):
@@ -49,7 +50,7 @@ class WrappedTransport(KVTransport):
     def install_faults(self, plan: FaultPlan | None) -> None:
         self.inner.install_faults(plan)
 
-    def describe(self) -> dict:
+    def describe(self) -> TransportInfo:
         return self.inner.describe()
 
     def close(self) -> None:

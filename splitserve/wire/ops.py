@@ -17,22 +17,7 @@ import msgspec
 from splitserve.wire.kv_handle import KVExport
 from splitserve.wire.result import Result
 from splitserve.wire.stats import WorkerStats
-
-
-class FaultKnobs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How an exporter misbehaves on each fetch it serves (test-only, --enable-fault-injection)."""
-
-    drop: float = 0.0  # probabilities, each in [0, 1], summing to at most 1
-    delay: float = 0.0
-    corrupt: float = 0.0
-    kill: float = 0.0
-    delay_s: float = 5.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        probs = (self.drop, self.delay, self.corrupt, self.kill)
-        if any(p < 0 for p in probs) or sum(probs) > 1 + 1e-9:
-            raise ValueError(f"fault probabilities must be >= 0 and sum to <= 1, got {probs}")
+from splitserve.wire.transport_info import FaultKnobs  # also a transport description's part
 
 
 class KVLayoutInfo(msgspec.Struct):

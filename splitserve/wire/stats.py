@@ -6,10 +6,10 @@ and metrics, and the worker's own GET /metrics.
 `vllm:iteration_tokens_total`): `WorkerStats.iteration_tokens` counts steps per bucket, the router's
 vLLM metrics (router/vllm_metrics.py) export them.
 
-Two fields are open diagnostic trees, typed `Diagnostics`: the transport's self-description
-(`KVTransferCounts.transport`: per backend, what an operator reads when a transfer is slow) and the
-weight loader's report (`Health.load`). Everything else is typed; of the transport's tree the router
-reads only a few counters, each with a default (the requested backend, fallbacks, fetched bytes, leases).
+One field is an open diagnostic tree, typed `Diagnostics`: the weight loader's report (`Health.load`).
+Everything else is typed, the transport's self-description (`KVTransferCounts.transport`,
+wire/transport_info.py) included: the router and the runtimes read its counters by name (the requested
+backend, fallbacks, fetched bytes, active leases).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, TypeAlias
 import msgspec
 
 from splitserve.wire.result import Result
+from splitserve.wire.transport_info import TransportInfo
 
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -129,7 +130,7 @@ class KVTransferCounts(msgspec.Struct):
     importing: int
     counts: dict[str, float]  # running totals by name (exports, fetches, fetched_bytes, fetch_seconds, ...)
     failures: dict[str, int]  # failed fetches by error class
-    transport: Diagnostics  # the transport's self-description (see the module docstring)
+    transport: TransportInfo | None  # the transport's self-description (wire/transport_info.py)
 
 
 class MemoryBytes(msgspec.Struct):

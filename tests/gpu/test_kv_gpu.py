@@ -168,19 +168,19 @@ def test_fetch_across_processes_is_exact(exporter, fetcher_for, backend, case):
         time.sleep(0.05)
     assert ids in exporter.call("freed")
     info = fetcher.describe()
-    assert info["backend"] == backend and info["counts"]["fetches"] == 1
+    assert info.backend == backend and info.counts["fetches"] == 1
     if exporter.spec.checksum:
-        assert info["counts"]["checksums_verified"] == 1
+        assert info.counts["checksums_verified"] == 1
     if backend == "cuda_ipc":  # read one-sided (the lease board), no round trip, unless state must
         # travel the host way (with checksums the exporter keeps no state arena: state_arena.py)
         host_state = bool(exporter.spec.states and exporter.spec.checksum)
-        assert info["counts"].get("one_sided_fetches", 0) == (0 if host_state else 1)
-        (peer,) = info["cuda_ipc"]["peers"]
+        assert info.counts.get("one_sided_fetches", 0) == (0 if host_state else 1)
+        (peer,) = info.cuda_ipc.peers
         staged = TWO_GPUS and not torch.cuda.can_device_access_peer(1, 0)
-        assert peer["mode"] == ("staged" if staged else "p2p")
-        assert info["copies"]
-        if peer["mode"] == "p2p" and case != "one-run":  # many runs: one launch of the kernel
-            assert set(info["copies"]) == {"p2p_kernel"}, info["copies"]
+        assert peer.mode == ("staged" if staged else "p2p")
+        assert info.copies
+        if peer.mode == "p2p" and case != "one-run":  # many runs: one launch of the kernel
+            assert set(info.copies) == {"p2p_kernel"}, info.copies
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -217,7 +217,7 @@ def test_cuda_ipc_in_one_process_reads_the_tensor_directly():
         handle = exp.export("local", ids, 64, spec.state("local"))
         fet.fetch(handle, into, timeout_s=30)
         assert torch.equal(dst[into].cpu().view(torch.uint8), src[ids].cpu().view(torch.uint8))
-        assert fet.describe()["cuda_ipc"]["peers"][0]["mode"] == "local"
+        assert fet.describe().cuda_ipc.peers[0].mode == "local"
     finally:
         fet.close()
         exp.close()
@@ -321,7 +321,7 @@ def test_engine_disaggregated_on_two_gpus_equals_colocated(backend, eager):
         colocated = _run(d)
         for i in range(len(prompts)):
             assert split[f"d{i}"].outputs[0].token_ids == colocated[f"c{i}"].outputs[0].token_ids
-        assert conns[1].transport.describe()["counts"]["fetches"] == len(prompts)
+        assert conns[1].transport.describe().counts["fetches"] == len(prompts)
     finally:
         for conn in conns:
             conn.close()

@@ -81,7 +81,7 @@ def test_mismatched_peer_refused(workers, tiny_qwen, other_tiny_qwen, knobs, fie
         assert [m for m in err.cause.mismatches if m.startswith(f"{field}:")], err.cause.mismatches
         assert f"{field}: ours" in str(err)
         assert conn.failures["PeerRefused"] == 1 and conn.counts["failed"] == 1
-        assert conn.stats()["transport"]["counts"].get("fetches", 0) == 0  # no KV moved
+        assert conn.stats()["transport"].counts.get("fetches", 0) == 0  # no KV moved
         assert p.post("/kv/release", {"kv_export": pre["kv_export"]}).status_code == 200
         assert_pools_full(p)
     finally:

@@ -116,7 +116,7 @@ def _all_free(engine: LLMEngine, timeout_s: float = 10.0) -> bool:
 def _leases(conn: KVConnector) -> int:
     """Leases still held, on every rank's transport."""
     ranks = getattr(conn.transport, "ranks", [conn.transport])
-    return sum(t.describe()["leases"]["active"] for t in ranks)
+    return sum(t.describe().leases.active for t in ranks)
 
 
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:qwen3.5-tiny"])
@@ -129,7 +129,7 @@ def test_pd_across_tensor_parallel_sizes_equals_colocated(engines, model, sizes)
     assert _all_free(d) and _all_free(p)
     assert _leases(pc) == 0
     if sizes[1] == 2:  # each decode rank was written its own heads only: the same bytes on both
-        written = dc.transport.describe()["tensor_parallel"]["fetched_bytes"]
+        written = dc.transport.describe().tensor_parallel.fetched_bytes
         assert written[0] == written[1] > 0
 
 
@@ -217,14 +217,14 @@ def test_each_decode_rank_reads_its_own_share_with_no_staging(engines, backend, 
     dc.release(handle)
     d.release_blocks(into)
     after = fetcher.describe()
-    read = [a["fetched_bytes"] - b["fetched_bytes"] for a, b in zip(after, before_parts, strict=True)]
+    read = [a.fetched_bytes - b.fetched_bytes for a, b in zip(after, before_parts, strict=True)]
     owned = [Plan.build(cfg, *sizes).dst.rank_layout(dc.layout, r).payload_nbytes(n) for r in range(sizes[1])]
     assert read == owned
     served = [a - b for a, b in zip(_served(pc), before_served, strict=True)]
     from_rank = [0] * sizes[0]  # what the decode ranks' channels say they read of each prefill rank
     for a, b in zip(after, before_parts, strict=True):
         for q in range(sizes[0]):
-            from_rank[q] += a["from"].get(q, 0) - b["from"].get(q, 0)
+            from_rank[q] += a.by_prefill_rank.get(q, 0) - b.by_prefill_rank.get(q, 0)
     assert served == from_rank and sum(served) == sum(owned)
     assert all(t.kv_cache.shape[0] == 1 for t in fetcher.peers.values())
     assert _all_free(d) and _all_free(p) and _leases(pc) == 0

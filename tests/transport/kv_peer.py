@@ -81,7 +81,7 @@ def _serve(conn, spec_dict: dict) -> None:
         elif cmd == "freed":
             conn.send(list(freed))
         elif cmd == "describe":
-            conn.send(transports[args[0]].describe())
+            conn.send(msgspec.to_builtins(transports[args[0]].describe()))
         elif cmd == "stop":
             for t in transports.values():
                 t.close()

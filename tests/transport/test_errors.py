@@ -70,8 +70,8 @@ def test_mismatched_layout_is_refused_by_both_sides(make, peer_kv, peer_fp, expe
     with pytest.raises(PeerRefused) as info:
         fetcher.fetch(handle, [0, 1, 2, 3], timeout_s=5)
     assert expected in info.value.mismatches
-    assert exporter.describe()["server"]["refused_layout"] == 1
-    assert exporter.describe()["counts"].get("served", 0) == 0
+    assert exporter.describe().server["refused_layout"] == 1
+    assert exporter.describe().counts.get("served", 0) == 0
 
 
 def test_mismatched_state_shapes_are_listed(make):
@@ -90,7 +90,7 @@ def test_wrong_secret_is_refused_before_any_kv(make, backend):
     with pytest.raises(AuthError):
         make(handle.backend, secret="not-the-secret").fetch(handle, [0, 1, 2, 3], timeout_s=5)
     info = exporter.describe()
-    assert info["server"]["refused_auth"] == 1 and info["counts"].get("served", 0) == 0
+    assert info.server["refused_auth"] == 1 and info.counts.get("served", 0) == 0
 
 
 def test_no_secret_at_all_is_a_start_up_error(make):
@@ -140,7 +140,7 @@ def test_peer_without_the_secret_gets_nothing(make, first):
         header, body = _read_frame(sock)
         assert header == Error(code="auth", message=header.message) and body == 0
         assert sock.recv(1 << 16) == b""  # and it hangs up
-    assert exporter.describe()["counts"].get("served", 0) == 0
+    assert exporter.describe().counts.get("served", 0) == 0
 
 
 def test_a_peer_of_another_protocol_version_learns_nothing_of_our_layout(make):
@@ -187,7 +187,7 @@ def test_dropped_or_stalled_fetch_times_out_within_the_deadline(make, backend, k
     with pytest.raises(TransferTimeout):
         make(handle.backend).fetch(handle, [0, 1, 2, 3], timeout_s=deadline)
     assert time.monotonic() - start < deadline + MARGIN_S
-    assert exporter.describe()["faults"][knob] == 1
+    assert exporter.describe().faults[knob] == 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -198,7 +198,7 @@ def test_corruption_is_caught_by_the_checksum(make, backend):
     fetcher = make(handle.backend)
     with pytest.raises(CorruptTransfer):
         fetcher.fetch(handle, [0, 1, 2, 3], timeout_s=5)
-    assert fetcher.describe()["errors"] == {"CorruptTransfer": 1}
+    assert fetcher.describe().errors == {"CorruptTransfer": 1}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -303,8 +303,8 @@ def test_explicit_fallback_is_logged_and_counted(make, caplog):
         t = make_transport("nccl", kv, layout_of(kv), secret=SECRET, fallback=["cuda_ipc", "tcp"])
     try:
         info = t.describe()
-        assert info["backend"] == "tcp" and info["requested"] == "nccl"
-        assert info["counts"]["fallbacks"] == 1 and len(info["fallback_reasons"]) == 2
+        assert info.backend == "tcp" and info.requested == "nccl"
+        assert info.counts["fallbacks"] == 1 and len(info.fallback_reasons) == 2
         assert any("falling back to 'tcp'" in r.message for r in caplog.records)
     finally:
         t.close()
@@ -316,8 +316,8 @@ def test_direct_mode_is_used_for_shared_kv_and_reports_it(make):
     fetcher = make("shm", kv_cache=torch.zeros_like(small_kv()))
     fetcher.fetch(handle, [9, 8, 7, 6], timeout_s=5)
     assert torch.equal(fetcher.kv_cache[[9, 8, 7, 6]], small_kv()[[2, 3, 4, 5]])
-    assert exporter.describe()["shm_mode"] == "direct" and fetcher.describe()["shm_mode"] == "staged"
-    assert fetcher.describe()["counts"]["checksums_verified"] == 1
+    assert exporter.describe().shm_mode == "direct" and fetcher.describe().shm_mode == "staged"
+    assert fetcher.describe().counts["checksums_verified"] == 1
 
 
 # -- nixl: the reference deployment's trap (LIBFABRIC asked, UCX is what runs here) -----------------
@@ -339,16 +339,16 @@ def test_nixl_declared_fallback_serves_logs_loudly_and_is_counted(make, caplog):
     with caplog.at_level(logging.ERROR, logger="splitserve.transport.nixl.mover"):
         exporter = make("nixl", nixl_backends=("LIBFABRIC", "UCX"), checksum="crc32")
     info = exporter.describe()
-    assert info["backend"] == "nixl/UCX" and info["requested"] == "nixl/LIBFABRIC", info
-    assert info["counts"]["fallbacks"] == 1 and "NIXL_ERR_NOT_FOUND" in info["fallback_reasons"][0]
+    assert info.backend == "nixl/UCX" and info.requested == "nixl/LIBFABRIC", info
+    assert info.counts["fallbacks"] == 1 and "NIXL_ERR_NOT_FOUND" in info.fallback_reasons[0]
     assert any("KV TRANSPORT FALLBACK" in r.message for r in caplog.records)
     handle = export_some(exporter)
     fetcher = make("nixl", kv_cache=torch.zeros_like(exporter.kv_cache))
     fetcher.fetch(handle, [0, 1, 2, 3], timeout_s=5)
     assert torch.equal(fetcher.kv_cache[[0, 1, 2, 3]], exporter.kv_cache[[2, 3, 4, 5]])
     got = fetcher.describe()
-    assert got["backend"] == "nixl/UCX" and got["nixl"]["reads_UCX"] == 1
-    assert got["nixl"]["descriptors_last"] == 1  # ids 2..5 -> 0..3: one run on both sides, one descriptor
+    assert got.backend == "nixl/UCX" and got.nixl.reads["UCX"] == 1
+    assert got.nixl.descriptors_last == 1  # ids 2..5 -> 0..3: one run on both sides, one descriptor
 
 
 def test_nixl_ucx_error_mode_is_none_for_gpu_memory_and_peer_for_host(monkeypatch):
@@ -367,7 +367,7 @@ def test_nixl_ucx_backend_gets_its_error_mode_with_the_plugins_other_defaults(ma
 
     monkeypatch.setenv(UCX_ERROR_ENV, "none")  # what a GPU pool gets, here on host memory
     exporter = make("nixl")
-    assert exporter.describe()["nixl"]["ucx_error_handling"] == "none"
+    assert exporter.describe().nixl.ucx_error_handling == "none"
     params = exporter.mover.agent.agent.get_backend_params("UCX")  # NixlMover -> NixlAgent -> NIXL's
     assert params.get("ucx_error_handling_mode") == "none" and "num_workers" in params, params
     monkeypatch.setenv(UCX_ERROR_ENV, "peer")
@@ -439,6 +439,6 @@ def test_a_malformed_request_is_answered_with_what_is_wrong(make):
         header, _ = chan.recv(deadline)
         assert isinstance(header, Error) and header.code == "transport", header
         assert "Expected `float`, got `str` - at `$.timeout_s`" in header.message, header
-        assert exporter.describe()["server"]["malformed_frames"] == 1
+        assert exporter.describe().server["malformed_frames"] == 1
     finally:
         chan.close()

@@ -41,7 +41,7 @@ def test_efa_without_gpudirect_stages_through_host_memory(tmp_path):
     assert not fabric.gpudirect
     said = fabric.path("nixl/LIBFABRIC", kv_on_gpu=True)
     assert said.endswith("no GPUDirect RDMA: KV is staged through host memory")
-    assert fabric.to_dict("nixl/LIBFABRIC", True)["kinds"] == ["efa"]
+    assert fabric.info("nixl/LIBFABRIC", True).kinds == ["efa"]
 
 
 def test_peer_memory_module_or_dmabuf_gives_gpudirect(tmp_path):

@@ -103,8 +103,8 @@ def test_explicit_fallback_to_tcp(backend):
     t = make_transport(backend, kv, layout_of(kv), secret=SECRET, fallback=["tcp"])
     try:
         info = t.describe()
-        assert info["backend"] == "tcp" and info["requested"] == backend
-        assert info["counts"]["fallbacks"] == 1 and backend in info["fallback_reasons"][0]
+        assert info.backend == "tcp" and info.requested == backend
+        assert info.counts["fallbacks"] == 1 and backend in info.fallback_reasons[0]
     finally:
         t.close()
 
@@ -130,8 +130,8 @@ def test_round_trip(pair, backend, checksum, ids, into):
     fetcher.release(handle)
     assert wait_for(lambda: freed == [ids])
     info = fetcher.describe()
-    assert info["backend"] == backend and info["counts"]["fetches"] == 1
-    assert info["counts"].get("checksums_verified", 0) == (1 if checksum else 0)
+    assert info.backend == backend and info.counts["fetches"] == 1
+    assert info.counts.get("checksums_verified", 0) == (1 if checksum else 0)
     with pytest.raises(LeaseExpired):
         fetcher.fetch(handle, into, timeout_s=5)
 
@@ -143,9 +143,9 @@ def test_connection_is_reused_and_opened_once(pair, backend):
         handle = exporter.export(f"r{i}", [i * 3, i * 3 + 1], 32)
         fetcher.fetch(handle, [40 - i * 2, 41 - i * 2], timeout_s=10)
         fetcher.release(handle)
-    assert fetcher.describe()["connections_opened"] == 1
+    assert fetcher.describe().connections_opened == 1
     key = "ipc_handles_opened" if backend == "cuda_ipc" else "nccl_groups"
-    assert fetcher.describe()["counts"][key] == 1
+    assert fetcher.describe().counts[key] == 1
 
 
 def test_nccl_chunks_mix_direct_and_staged(pair, monkeypatch):
@@ -159,7 +159,7 @@ def test_nccl_chunks_mix_direct_and_staged(pair, monkeypatch):
     handle = exporter.export("r", ids, len(ids) * 16)
     fetcher.fetch(handle, into, timeout_s=10)
     assert torch.equal(fetcher.kv_cache[into], exporter.kv_cache[ids])
-    assert fetcher.describe()["copies"] == {"chunks": 4, "chunks_staged": 2}
+    assert fetcher.describe().copies == {"chunks": 4, "chunks_staged": 2}
 
 
 @pytest.mark.parametrize("backend", ["cuda_ipc", "nccl"])
@@ -219,11 +219,11 @@ def test_cuda_ipc_reads_one_sided_and_stops_when_the_lease_ends(pair):
     assert handle.lease_slot is not None and board.words[handle.lease_slot] != 0
     fetcher.fetch(handle, [0, 40, 41], timeout_s=10)
     assert torch.equal(fetcher.kv_cache[[0, 40, 41]], exporter.kv_cache[[9, 2, 30]])
-    counts = fetcher.describe()["counts"]
+    counts = fetcher.describe().counts
     assert counts["one_sided_fetches"] == 1 and counts["fetches"] == 1
-    assert "served" not in exporter.describe()["counts"]  # no request reached the exporter
+    assert "served" not in exporter.describe().counts  # no request reached the exporter
     fetcher.fetch(handle, [3, 4, 5], timeout_s=10)  # again: still live
-    assert fetcher.describe()["counts"]["one_sided_fetches"] == 2
+    assert fetcher.describe().counts["one_sided_fetches"] == 2
     fetcher.release(handle)
     assert wait_for(lambda: freed == [[9, 2, 30]])
     assert board.words[handle.lease_slot] == 0  # cleared before the blocks were freed
@@ -245,7 +245,7 @@ def test_cuda_ipc_one_sided_read_of_a_lease_ending_mid_copy_is_refused(pair, mon
     monkeypatch.setattr(fetcher.mover.link, "_copy", copy_then_lose_the_lease)
     with pytest.raises(LeaseExpired):
         fetcher.fetch(handle, [10, 11], timeout_s=5)
-    assert fetcher.describe()["counts"]["one_sided_lost"] == 1
+    assert fetcher.describe().counts["one_sided_lost"] == 1
     assert [1, 2] in freed
 
 
@@ -256,29 +256,29 @@ def test_cuda_ipc_one_sided_read_from_a_dead_exporter_is_an_error(pair):
     exporter._server.close()  # its process "dies": the board still says live, the socket is gone
     with pytest.raises(TransportError):
         fetcher.fetch(handle, [12, 13], timeout_s=5)
-    assert fetcher.describe()["counts"]["one_sided_fetches"] == 1
+    assert fetcher.describe().counts["one_sided_fetches"] == 1
 
 
 def test_cuda_ipc_asks_first_for_state_faults_and_a_full_board(pair, monkeypatch):
     # no state arena: the state travels on the control channel, so the fetch asks first
     exporter, fetcher, _ = pair("cuda_ipc", state_arena_rows=0)
     fetcher.fetch(exporter.export("s", [1, 2], 32, some_state()), [3, 4], timeout_s=10)
-    assert "one_sided_fetches" not in fetcher.describe()["counts"]
+    assert "one_sided_fetches" not in fetcher.describe().counts
     exporter, fetcher, _ = pair("cuda_ipc", states=())
     exporter.listen()
     monkeypatch.setattr(exporter.leases.board, "_free", [exporter.leases.board._free[-1]])  # 1 slot
     first, second = exporter.export("a", [1], 16), exporter.export("b", [2], 16)
     assert first.lease_slot is not None and second.lease_slot is None
-    assert exporter.describe()["cuda_ipc"]["lease_board"]["full"] == 1
+    assert exporter.describe().cuda_ipc.lease_board.full == 1
     fetcher.fetch(second, [5], timeout_s=10)
-    assert fetcher.describe()["counts"]["fetches"] == 1
-    assert "one_sided_fetches" not in fetcher.describe()["counts"]
+    assert fetcher.describe().counts["fetches"] == 1
+    assert "one_sided_fetches" not in fetcher.describe().counts
     exporter.install_faults(FaultPlan(FaultKnobs()))  # a fault plan: every fetch must meet it
     fetcher.fetch(first, [6], timeout_s=10)
-    assert "one_sided_fetches" not in fetcher.describe()["counts"]
+    assert "one_sided_fetches" not in fetcher.describe().counts
     exporter.install_faults(None)
     fetcher.fetch(first, [6], timeout_s=10)
-    assert fetcher.describe()["counts"]["one_sided_fetches"] == 1
+    assert fetcher.describe().counts["one_sided_fetches"] == 1
     assert torch.equal(fetcher.kv_cache[[5, 6]], exporter.kv_cache[[2, 1]])
 
 
@@ -292,11 +292,11 @@ def test_cuda_ipc_state_arena(pair):
     assert handle.state_row is not None and exporter.mover.link.arena.num_free == 1
     got = fetcher.fetch(handle, [3, 4], timeout_s=10)
     assert all(torch.equal(got[k], state[k]) for k in state)
-    assert fetcher.describe()["counts"]["one_sided_fetches"] == 1
+    assert fetcher.describe().counts["one_sided_fetches"] == 1
     exporter.install_faults(FaultPlan(FaultKnobs()))  # two-sided: the answer names the row
     got = fetcher.fetch(handle, [5, 6], timeout_s=10)
     assert all(torch.equal(got[k], state[k]) for k in state)
-    assert fetcher.describe()["counts"]["state_rows_read"] == 2
+    assert fetcher.describe().counts["state_rows_read"] == 2
     exporter.install_faults(None)
     second, third = exporter.export("b", [7], 16, some_state(4)), exporter.export("c", [8], 16, some_state(5))
     assert second.state_row is not None and third.state_row is None  # full: the host way

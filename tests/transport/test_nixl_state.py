@@ -29,9 +29,9 @@ def test_state_slots_are_read_in_place_by_nixl(make):
     assert all(got[name].data_ptr() == into[name].data_ptr() for name in into)  # written in place
     assert all(torch.equal(ours[name][1], theirs[name][2]) for name in into)
     assert torch.equal(fetcher.kv_cache[[10, 11, 5]], kv[[3, 4, 9]])
-    nixl = fetcher.describe()["nixl"]
-    assert nixl["state_reads"] == 1 and nixl["state_descriptors_last"] == 2 and "state_inline" not in nixl
-    assert fetcher.describe()["counts"]["checksums_verified"] == 1  # the checksum covers the state too
+    nixl = fetcher.describe().nixl
+    assert nixl.state_reads == 1 and nixl.state_descriptors_last == 2 and nixl.state_inline == 0
+    assert fetcher.describe().counts["checksums_verified"] == 1  # the checksum covers the state too
 
     # no slot of ours (a probe, a library caller): a scratch slot, registered on first use; copies back
     got = fetcher.fetch(handle, [10, 11, 5], timeout_s=10)
@@ -42,4 +42,4 @@ def test_state_slots_are_read_in_place_by_nixl(make):
     copies = {name: t[0].clone() for name, t in theirs.items()}
     got = fetcher.fetch(exporter.export("r2", [6], 5, copies), [7], timeout_s=10, into_state=into)
     assert all(torch.equal(got[name], copies[name]) for name in got)
-    assert fetcher.describe()["nixl"]["state_inline"] == 1
+    assert fetcher.describe().nixl.state_inline == 1

@@ -68,9 +68,9 @@ def test_round_trip_between_processes(exporter, fetcher, backend):
     for name, tensor in make_state(SPEC, f"req-{backend}").items():
         assert torch.equal(state[name], tensor), name
     info = t.describe()
-    assert info["backend"] in (handle.backend, "nixl/UCX") and info["peer"] == handle.address
-    assert info["counts"]["fetches"] == 1 and info["fetch_gbps_last"] > 0
-    assert info["counts"]["checksums_verified"] == 1
+    assert info.backend in (handle.backend, "nixl/UCX") and info.peer == handle.address
+    assert info.counts["fetches"] == 1 and info.fetch_gbps_last > 0
+    assert info.counts["checksums_verified"] == 1
 
     t.release(handle)
     assert wait_for(lambda: exporter.freed().count(src_ids) > freed_before)
@@ -90,7 +90,7 @@ def test_large_payload_many_chunks_and_reused_connection(exporter, fetcher, back
         t.fetch(handle, dst, timeout_s=20)
         assert torch.equal(t.kv_cache[dst], make_kv(SPEC)[src])
         t.release(handle)
-    assert t.describe()["connections_opened"] == 1
+    assert t.describe().connections_opened == 1
     assert not our_segments()
 
 

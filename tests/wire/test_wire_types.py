@@ -44,13 +44,29 @@ MAPS: dict[str, str] = {
     "KVTransferCounts.counts": "counter name -> running total (the connector adds counters as it grows)",
     "KVTransferCounts.failures": "error class -> failed fetches",
     "CoreFork.env": "environment variable -> value, the forked engine core's environment",
+    # the transport's self-description (wire/transport_info.py), its maps and the mover's part of it
+    **{
+        f"{cls}.{name}": what
+        for cls in ("TransportInfo", "MoverInfo")
+        for name, what in {
+            "copies": "how a GPU mover's blocks moved -> count",
+            "fetch_phases_ms": "a fetch's phase -> its median ms",
+            "serve_phases_ms": "a served fetch's phase -> its median ms",
+        }.items()
+    },
+    "TransportInfo.counts": "the transport's counter name -> running total",
+    "TransportInfo.errors": "error class -> failed transfers",
+    "TransportInfo.server": "the exporter's server: counter (connections, refusals by cause) -> count",
+    "TransportInfo.faults": "injected fault kind -> count (tests)",
+    "CudaIpcInfo.p2p_access": "another GPU's index -> whether this GPU reaches it directly",
+    "NixlInfo.failed": "NIXL backend -> why it did not start",
+    "NixlInfo.reads": "NIXL backend that served reads -> reads",
 }
 # Diagnostic trees free in shape, which no code reads (wire/stats.py `Diagnostics`). Shrink this list;
 # never grow it.
 OPEN: dict[str, str] = {
     "Health.load": "the weight loader's report: stages and reader statistics vary by load method",
     "ReadyLine.load": "the same, in the ready line",
-    "KVTransferCounts.transport": "each transport backend's self-description, for operators",
 }
 # Modules whose decodes of bodies from another process are scanned for their target types.
 DECODING = ("worker", "core", "router", "gate", "runtime", "transport")
@@ -193,6 +209,26 @@ def test_no_transport_frame_is_a_dict() -> None:
             if isinstance(node, ast.Import | ast.ImportFrom):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 found += [f"{path.relative_to(ROOT)}:{node.lineno} imports json" for m in mods if m == "json"]
+    assert not found, found
+
+
+def test_the_transport_describes_itself_in_a_wire_struct() -> None:
+    """The transport's self-description reaches /stats as `TransportInfo` (scanned with WorkerStats), and
+    every `describe()` of the transports, their movers and links, and the tensor-parallel group returns
+    a struct of wire/transport_info.py, never a dict."""
+    from splitserve.wire import transport_info
+
+    assert "KVTransferCounts.transport" not in OPEN
+    structs = {t.cls for _, t in _everything() if isinstance(t, mi.StructType)}
+    assert {transport_info.TransportInfo, transport_info.NixlInfo, transport_info.CudaIpcInfo} <= structs
+    wire_names = set(transport_info.__all__)
+    found = []
+    for path in [*sorted((ROOT / "transport").rglob("*.py")), ROOT / "engine" / "tp" / "kv_transport.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "describe":
+                returns = ast.unparse(node.returns) if node.returns is not None else "(none)"
+                if not set(returns.replace(" ", "").split("|")) <= wire_names:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} -> {returns}")
     assert not found, found
 
 

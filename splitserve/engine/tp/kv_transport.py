@@ -41,6 +41,7 @@ from splitserve.transport.lease import FreeCallback
 from splitserve.transport.payload import ByteStream, channel_pieces, empty_state, head_pieces, tensor_bytes
 from splitserve.transport.transport import ExportRequest, FetchRequest, KVTransport
 from splitserve.wire.kv_handle import KVHandle, KVShard
+from splitserve.wire.transport_info import RankParts, TensorParallelInfo, TransportInfo
 
 MAX_PEER_SIZE = 8  # the largest exporter size `check_peer` tries
 
@@ -133,15 +134,15 @@ class ShardedFetch:
                 transport.close()
         raise refused
 
-    def describe(self) -> list[dict]:
+    def describe(self) -> list[RankParts]:
         """Per decode rank: the bytes its own channels fetched from each prefill rank."""
-        out: list[dict] = [{"fetched_bytes": 0, "from": {}} for _ in self.kvs]
+        out = [RankParts() for _ in self.kvs]
         with self._lock:
             peers = list(self.peers.items())
         for (_, p, d), t in peers:
             nbytes = int(t.stats.snapshot()["counts"].get("fetched_bytes", 0))
-            out[d]["fetched_bytes"] += nbytes
-            out[d]["from"][p] = out[d]["from"].get(p, 0) + nbytes
+            out[d].fetched_bytes += nbytes
+            out[d].by_prefill_rank[p] = out[d].by_prefill_rank.get(p, 0) + nbytes
         return out
 
     def close(self) -> None:
@@ -292,17 +293,17 @@ class TPTransport(KVTransport):
         for t in self.ranks:
             t.install_faults(plan)
 
-    def describe(self) -> dict:
-        out = self.ranks[0].describe()
-        out["layout_fingerprint"] = self.layout.fingerprint
-        out["tensor_parallel"] = {
-            "size": len(self.ranks),
-            "addresses": [t.address for t in self.ranks],
-            "served_bytes": [t.stats.snapshot()["counts"].get("served_bytes", 0) for t in self.ranks],
-            "fetched_bytes": list(self.fetcher.rank_bytes) if self.fetcher else [],
-            "parts": self.fetcher.describe() if self.fetcher else [],
-        }
-        return out
+    def describe(self) -> TransportInfo:
+        group = TensorParallelInfo(
+            size=len(self.ranks),
+            addresses=[t.address for t in self.ranks],
+            served_bytes=[t.stats.snapshot()["counts"].get("served_bytes", 0) for t in self.ranks],
+            fetched_bytes=list(self.fetcher.rank_bytes) if self.fetcher else [],
+            parts=self.fetcher.describe() if self.fetcher else [],
+        )
+        return msgspec.structs.replace(
+            self.ranks[0].describe(), layout_fingerprint=self.layout.fingerprint, tensor_parallel=group
+        )
 
     def close(self) -> None:
         if self.fetcher is not None:

@@ -75,6 +75,7 @@ from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
 from splitserve.transport.trace import mark
 from splitserve.transport.transport import ExportRequest
 from splitserve.wire.kv_handle import KVHandle
+from splitserve.wire.transport_info import CudaIpcInfo
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ class CudaIpcLink:
         how, done = queue_copy(self.mover, mapped, self.mover.rows, src_ids, into)
         return QueuedCopy(src_ids, how, done)
 
-    def describe(self) -> dict:
+    def describe(self) -> CudaIpcInfo:
         with self._peers_lock:
             peers = [p.describe() for p in self._peers.values()]
         p2p = None
@@ -297,8 +298,7 @@ class CudaIpcLink:
                 if i != index
             }
         board = self.port.leases.board
-        return {"peers": peers, "p2p_access": p2p, "checksum_on": "host copies",
-                "lease_board": None if board is None else board.describe()}  # fmt: skip
+        return CudaIpcInfo(peers, p2p, "host copies", None if board is None else board.describe())
 
     def close(self) -> None:
         with self._peers_lock:

@@ -17,6 +17,7 @@ from splitserve.transport.errors import BackendUnavailable, PeerRefused, Transpo
 from splitserve.transport.frames import ArenaShare, BoardShare, CudaIpcShare, IpcStorage
 from splitserve.transport.gpu.blocks import gpu_uuid, host_id, local_gpu
 from splitserve.transport.layout import KVLayout
+from splitserve.wire.transport_info import PeerInfo
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +80,8 @@ class PeerKV:
     state_rows: torch.Tensor | None = None  # the exporter's state arena [rows, row_nbytes] (state_arena.py)
     state_wire: str = "float32"
 
-    def describe(self) -> dict:
-        return {"mode": self.mode, "gpu": self.gpu, "device": str(self.rows.device),
-                "one_sided": self.board is not None}  # fmt: skip
+    def describe(self) -> PeerInfo:
+        return PeerInfo(self.mode, self.gpu, str(self.rows.device), self.board is not None)
 
 
 def open_peer(share: CudaIpcShare, dst: torch.device, layout: KVLayout) -> PeerKV:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from splitserve.wire.transport_info import CudaIpcInfo, NcclInfo
+
 if TYPE_CHECKING:
     from splitserve.transport.board import LeaseBoard
     from splitserve.transport.client import SyncChannel
@@ -138,7 +140,7 @@ class GpuLink(Protocol):
         None (the state came on the control channel)."""
         ...
 
-    def describe(self) -> dict: ...
+    def describe(self) -> CudaIpcInfo | NcclInfo: ...
 
     def close(self) -> None: ...
 

@@ -49,6 +49,7 @@ from splitserve.transport.server import AsyncChannel, ListenSpec
 from splitserve.transport.trace import mark
 from splitserve.transport.transport import ExportRequest, FetchRequest
 from splitserve.wire.kv_handle import KVHandle
+from splitserve.wire.transport_info import CudaIpcInfo, MoverInfo, NcclInfo
 
 log = logging.getLogger(__name__)
 
@@ -311,18 +312,18 @@ class GpuMover:
             raise CorruptTransfer(f"payload of {where}: checksum {got}, expected {expected}")
         self.stats.count("checksums_verified")
 
-    def describe(self) -> dict:
-        out: dict[str, Any] = {}
-        out["device"] = str(self.device)
-        out["gpu"] = self.gpu
-        out["copies"] = dict(self.gpu_counts)
+    def describe(self) -> MoverInfo:
         # medians of recent transfers, ms. Fetcher: setup (checks, connection), request -> answer,
         # pull (the rest of the copy / the receive). Exporter: answer (header and state out), push
         # (nccl: until its sends completed), then until the fetcher's "done".
-        out["fetch_phases_ms"] = _medians(self.phases, ("setup", "answer", "pull"))
-        out["serve_phases_ms"] = _medians(self.serve_phases, ("answer", "push", "until_done"))
-        out[self.backend] = self.link.describe()
-        return out
+        link = self.link.describe()
+        return MoverInfo(
+            device=str(self.device), gpu=self.gpu, copies=dict(self.gpu_counts),
+            fetch_phases_ms=_medians(self.phases, ("setup", "answer", "pull")),
+            serve_phases_ms=_medians(self.serve_phases, ("answer", "push", "until_done")),
+            cuda_ipc=link if isinstance(link, CudaIpcInfo) else None,
+            nccl=link if isinstance(link, NcclInfo) else None,
+        )  # fmt: skip
 
 
 def _medians(samples: deque, names: tuple[str, ...]) -> dict[str, float] | None:

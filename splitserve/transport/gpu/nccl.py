@@ -79,6 +79,7 @@ from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
 from splitserve.transport.transport import ExportRequest
 from splitserve.wire.kv_handle import KVHandle
+from splitserve.wire.transport_info import NcclInfo
 
 log = logging.getLogger(__name__)
 
@@ -237,11 +238,10 @@ class NcclLink:
         self.mover.gpu_counts["chunks"] += len(chunk_spans(len(into), per))
         self.mover.gpu_counts["chunks_staged"] += staged
 
-    def describe(self) -> dict:
+    def describe(self) -> NcclInfo:
         calls = sorted(self.send_calls)
-        return {"version": nccl_version(), "chunk_blocks": self.chunk_blocks,
-                "send_calls_ms": round(1e3 * calls[len(calls) // 2], 3) if calls else None,
-                "checksum_on": "host copies"}  # fmt: skip
+        median = round(1e3 * calls[len(calls) // 2], 3) if calls else None
+        return NcclInfo(nccl_version(), self.chunk_blocks, median, "host copies")
 
     def close(self) -> None:
         pass

@@ -25,7 +25,7 @@ Life of a transport and of one fetch:
      after that "ok" (so the blocks were pinned for the whole READ), then checks the checksum.
      A "done" past the exporter's deadline, or a hang-up, is an error on both sides.
 
-Every fetch reads back which backend NIXL used and reports it (`describe()["backend"]`, "nixl/UCX"),
+Every fetch reads back which backend NIXL used and reports it (`describe().backend`, "nixl/UCX"),
 and how the state came (`nixl.state_reads` by NIXL, `nixl.state_inline` in the frame body).
 
 NOTE: the fetcher can READ the exporter's whole registered pool and state slots (their memory keys are
@@ -72,6 +72,7 @@ from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
 from splitserve.transport.transport import ExportRequest, FetchRequest
 from splitserve.wire.kv_handle import KVHandle
+from splitserve.wire.transport_info import MoverInfo, NixlInfo
 
 log = logging.getLogger(__name__)
 
@@ -280,24 +281,17 @@ class NixlMover:
             self.stats.backend = f"nixl/{used}"  # read back from NIXL, per transfer
 
     # -- both ------------------------------------------------------------------------------------
-    def describe(self) -> dict:
-        out: dict[str, Any] = {}
+    def describe(self) -> MoverInfo:
         with self.stats._lock:  # noqa: SLF001
             counts = dict(self.nixl_counts)
-        out["nixl"] = {
-            "backend": self.agent.backend,
-            "asked": list(self.agent.wanted),
-            "failed": dict(self.agent.failed),
-            "module": self.agent.module,
-            "agent": self.agent.name,
-            "memory": self.region.mem,
-            "ucx_error_handling": self.agent.ucx_error_mode,
-            "ucx_cuda_ipc_get": self.cuda_ipc_get,
-            "registered_bytes": self.region.nbytes,
-            "state_slots_registered": self.state_slots is not None,
-            **counts,
-        }
-        return out
+        reads = {k.removeprefix("reads_"): n for k, n in counts.items() if k.startswith("reads_")}
+        a = self.agent
+        return MoverInfo(nixl=NixlInfo(
+            backend=a.backend, asked=list(a.wanted), failed=dict(a.failed), module=a.module, agent=a.name,
+            memory=self.region.mem, ucx_error_handling=a.ucx_error_mode, ucx_cuda_ipc_get=self.cuda_ipc_get,
+            registered_bytes=self.region.nbytes, state_slots_registered=self.state_slots is not None,
+            reads=reads, **{k: n for k, n in counts.items() if not k.startswith("reads_")},
+        ))  # fmt: skip
 
     def close(self) -> None:
         self.agent.close()

@@ -22,6 +22,7 @@ from splitserve.transport.protocol import Deadline
 from splitserve.transport.server import AsyncChannel, ListenSpec
 from splitserve.transport.transport import ExportRequest, FetchRequest
 from splitserve.wire.kv_handle import KVHandle
+from splitserve.wire.transport_info import MoverInfo
 
 if TYPE_CHECKING:
     from splitserve.transport.export_requests import PayloadCall
@@ -52,7 +53,7 @@ class StreamWire(Protocol):
         `select`s some heads and state channels, the views those go to); -> the payload frame."""
         ...
 
-    def describe(self) -> dict: ...
+    def describe(self) -> MoverInfo: ...
 
     def close(self) -> None: ...
 
@@ -99,7 +100,7 @@ class StreamMover:
         """Only the `select`ed heads and state channels, into the views `into` (channel.py)."""
         self.port.stream_fetch(request, self.wire.recv_payload, (select, into))
 
-    def describe(self) -> dict:
+    def describe(self) -> MoverInfo:
         return self.wire.describe()
 
     def close(self) -> None:

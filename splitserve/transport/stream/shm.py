@@ -40,6 +40,7 @@ from splitserve.transport.server import ListenSpec, UnixSocketPath
 from splitserve.transport.stream.mover import StreamMover
 from splitserve.transport.stream.shm_direct import allocate_shared_kv, recv_direct, send_direct, shared_kv_of
 from splitserve.transport.stream.shm_staged import SEGMENT_PREFIX, recv_staged, send_staged
+from splitserve.wire.transport_info import MoverInfo
 
 __all__ = ["SEGMENT_PREFIX", "ShmWire", "ShmTransport", "allocate_shared_kv"]
 
@@ -99,8 +100,8 @@ class ShmWire:
         recv_staged(chan, meta, stream, deadline)
         return meta
 
-    def describe(self) -> dict:
-        return {"shm_mode": self.mode}
+    def describe(self) -> MoverInfo:
+        return MoverInfo(shm_mode=self.mode)
 
     def close(self) -> None:
         self.socket_path.close()

@@ -34,6 +34,7 @@ from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, checksum_like, encode_frame, expect
 from splitserve.transport.server import ListenSpec
 from splitserve.transport.stream.mover import StreamMover
+from splitserve.wire.transport_info import MoverInfo
 
 
 class TcpWire:
@@ -78,8 +79,8 @@ class TcpWire:
         chan.recv_stream(stream, deadline)
         return meta
 
-    def describe(self) -> dict:
-        return {}
+    def describe(self) -> MoverInfo:
+        return MoverInfo()
 
     def close(self) -> None:
         pass
