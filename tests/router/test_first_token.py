@@ -102,7 +102,7 @@ def _sum(text: str, name: str, *labels: str) -> float:
 
 def test_the_first_chunk_leaves_the_transfer_out_of_ttft_but_the_transfer_is_counted(disaggregated):
     def metrics() -> tuple[float, float, float]:
-        text = httpx.get(f"{disaggregated.url}/metrics", timeout=10).text
+        text = httpx.get(f"{disaggregated.url}/metrics?fresh=1", timeout=10).text
         return (
             _sum(text, "splitserve:kv_transfers_total", 'backend="shm"', 'outcome="ok"'),
             _sum(text, "splitserve:kv_transfer_seconds_count", 'backend="shm"'),

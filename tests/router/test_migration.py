@@ -103,7 +103,7 @@ def _wait_streaming(dep, role: str, timeout_s: float = 30.0) -> None:
 
 
 def _migrations(dep) -> float:
-    text = httpx.get(f"{dep.url}/metrics", timeout=10).text
+    text = httpx.get(f"{dep.url}/metrics?fresh=1", timeout=10).text  # the next snapshot, not the last
     return sum(
         float(m) for m in re.findall(r"^splitserve:request_migrations_total\{[^}]*\} (\S+)$", text, re.M)
     )
