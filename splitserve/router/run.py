@@ -356,6 +356,7 @@ class Run:
                 yield self._chunk([], False, usage=True)
         except APIError as exc:
             self.s.metrics.errors.labels(self.s.info.served_name, str(exc.status)).inc()
+            self.s.kv_failed(exc)
             yield sse_frame({**exc.body(), "status": exc.status})
         except asyncio.CancelledError:
             log.info("client went away from %s; aborting its choices", self.rid)
