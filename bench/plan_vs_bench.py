@@ -1,16 +1,22 @@
 """The planner against measurement: `splitserve plan`'s simulator, on a saved profile, replays the very
-traces a `splitserve bench` run sent (its trace-<i>.jsonl files: arrival times, prompt and output
+traces `splitserve bench` runs sent (their trace-<i>.jsonl files: arrival times, prompt and output
 lengths) on each target's deployment (colocated N, or P prefill + D decode, read off the report), and
 prints predicted beside measured for goodput, TTFT p50/p90 and TPOT p50/p90, with the error of each.
+Workers pinned to cores of their own (`runtime.pin_cores`), the profile timed pinned as well, and the
+router least-loaded (the simulated router's policy):
 
-    splitserve plan --profile-only --save-profile bench/results/profile-cpu.json examples/colocated.yaml
-    splitserve bench examples/colocated.yaml examples/disaggregated.yaml --set colocated.replicas=2 \\
-        --request-rates 0.25 0.5 1 --num-prompts 20 --out bench/results/ab-plan
-    python bench/plan_vs_bench.py bench/results/ab-plan --profile bench/results/profile-cpu.json
+    splitserve plan --profile-only --pin-cores --save-profile bench/results/profile-pinned.json \
+        examples/colocated.yaml
+    PIN="--set runtime.pin_cores=true --set router.policy=least_loaded"
+    splitserve bench examples/colocated.yaml --set colocated.replicas=2 $PIN \
+        --request-rates 0.25 0.5 1 --num-prompts 16 --out bench/results/plan-colocated
+    splitserve bench examples/disaggregated.yaml $PIN \
+        --request-rates 0.25 0.5 1 --num-prompts 16 --out bench/results/plan-disaggregated
+    python bench/plan_vs_bench.py bench/results/plan-colocated bench/results/plan-disaggregated \
+        --profile bench/results/profile-pinned.json
 
-Goal: every cell within 15%. The simulator's known blind spots are printed with the table: the router,
-the load client and the workers' front ends share the host's cores with the engines (the profile times
-an engine alone), prompts are random ids (no prefix-cache hits either way), no KV-capacity preemption.
+Goal: every cell within 15%. Prompts are random ids (no prefix-cache hits either way); the simulator
+does not model KV-capacity preemption; docs/plan.md says which cells miss and why.
 """
 
 from __future__ import annotations
@@ -65,18 +71,19 @@ def compare(folder: Path, profile: Profile, limits: EngineLimits) -> list[dict]:
             for name, pred, meas in CELLS:
                 p, m = pred(fig), meas(measured)
                 err = (p - m) / m if m else math.nan
-                rows.append({"target": target["name"], "deployment": dep.name, "rate": point["rate"],
+                rows.append({"run": folder.name, "deployment": dep.name, "rate": point["rate"],
                              "metric": name, "predicted": p, "measured": m, "error": err})  # fmt: skip
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = ("target", "deployment", "rate", "metric", "predicted", "measured", "error")
-    lines = ["{:<14} {:<13} {:>5} {:<9} {:>10} {:>10} {:>8}".format(*head)]
+    keys = ("run", "deployment", "rate", "metric", "predicted", "measured", "error")
+    lines = ["{:<22} {:<13} {:>5} {:<9} {:>10} {:>10} {:>8}".format(*keys)]
     for r in rows:
         ok = "" if abs(r["error"]) <= GOAL else "  (past 15%)"
-        cells = [r[k] for k in ("target", "deployment", "rate", "metric", "predicted", "measured", "error")]
-        lines.append("{:<14} {:<13} {:>5g} {:<9} {:>10.3f} {:>10.3f} {:>+8.1%}".format(*cells) + ok)
+        lines.append(
+            "{:<22} {:<13} {:>5g} {:<9} {:>10.3f} {:>10.3f} {:>+8.1%}".format(*(r[k] for k in keys)) + ok
+        )
     inside = sum(abs(r["error"]) <= GOAL for r in rows)
     lines.append(f"{inside} of {len(rows)} cells within {GOAL:.0%} (goodput in req/s, latencies in ms)")
     return "\n".join(lines)
@@ -84,7 +91,9 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("report", help="a `splitserve bench` output folder (report.json, trace-<i>.jsonl)")
+    ap.add_argument(
+        "reports", nargs="+", help="`splitserve bench` output folders (report.json, trace-<i>.jsonl)"
+    )
     ap.add_argument("--profile", required=True, help="a saved profile (splitserve plan --save-profile)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the bench manifests' engine")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -93,7 +102,7 @@ def main() -> int:
     profile = Profile.load(args.profile)
     limits = EngineLimits(args.max_num_batched_tokens, args.max_num_seqs, profile.block_size)
     print(profile.describe())
-    rows = compare(Path(args.report), profile, limits)
+    rows = [row for folder in args.reports for row in compare(Path(folder), profile, limits)]
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

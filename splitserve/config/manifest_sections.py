@@ -346,6 +346,8 @@ class RuntimeSection(Section):
     worker_args: list[str] = Field(default_factory=list)  # extra worker flags (tests, debugging)
     standby: bool = True  # local: keep a spare process with its imports done, for fast restarts
     lend_cores: bool = True  # local: CPU workers lend idle cores to each other (core/share.py)
+    # local: each CPU worker pinned to its own share of the host's cores, no lending (core/pinning.py)
+    pin_cores: bool = False
     # local, lending: while another worker of the host is busy, a decode worker starts at most one step
     # per this many ms and lends its cores in between (core/share.py); null: slos.itl_ms; 0: off
     decode_pace_ms: float | None = Field(default=None, ge=0, le=60_000)

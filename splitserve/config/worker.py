@@ -45,6 +45,7 @@ class WorkerConfig:
     core_slot: int = 0  # this worker's slot in it
     core_total: int = 0  # the host's cores the sharing workers split (at most this many threads)
     decode_pace_s: float = 0.0  # lending decode worker: at most one step per this while another is busy
+    cpus: tuple[int, ...] = ()  # the CPUs its front end and engine core are pinned to; (): not pinned
     stream_interval: int = 1  # tokens a stream line holds at least (fewer only when it ends)
     role_epoch: int = 0  # how many times the runtime changed this worker's role (wire/role.py)
 
@@ -57,6 +58,7 @@ class WorkerConfig:
             raise ValueError("http_auth needs the deployment's secret (kv_secret) to derive its token")
         object.__setattr__(self, "kv_fallback", tuple(self.kv_fallback))
         object.__setattr__(self, "kv_nixl_backends", tuple(self.kv_nixl_backends))
+        object.__setattr__(self, "cpus", tuple(self.cpus))
 
     def engine_config(self) -> EngineConfig:
         """The engine as the core builds it: no progress bars; a prefill worker's cache in a memfd

@@ -367,8 +367,11 @@ def serve_spec(lifeline: bool = False) -> int:
     from splitserve.logs import setup_logging
 
     setup_logging(spec.log_level)  # text or JSON, as the front end ($SPLITSERVE_LOG_FORMAT)
-    torch.set_num_threads(max(1, spec.threads))
     from splitserve.config.worker import WorkerConfig
+    from splitserve.core.pinning import pin
+
+    pin(msgspec.json.decode(spec.config).get("cpus") or ())  # runtime.pin_cores: this worker's own CPUs
+    torch.set_num_threads(max(1, spec.threads))
     from splitserve.model.errors import ModelLoadError
     from splitserve.transport import TransportError
 

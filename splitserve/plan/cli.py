@@ -20,6 +20,8 @@ import math
 import sys
 from pathlib import Path
 
+import msgspec
+
 from splitserve.ab.metrics import SLO
 from splitserve.ab.workload import WORKLOADS, LengthDist, WorkloadSpec, at_rate, build_trace
 from splitserve.plan.manifest_out import device_kind, limits_for, plan_manifest, write_manifest
@@ -38,6 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--save-profile", default=None, metavar="FILE", help="write the profile taken now here")
     p.add_argument("--profile-only", action="store_true", help="profile, print the fit, and stop")
     p.add_argument("--threads", type=int, default=1, help="torch threads of one CPU worker (profiling)")
+    p.add_argument(
+        "--pin-cores", action="store_true", help="profile as a pinned worker (default: runtime.pin_cores)"
+    )
     w = p.add_argument_group("workload (as splitserve bench)")
     w.add_argument("--workload", choices=WORKLOADS, default="synthetic")
     w.add_argument("--num-prompts", type=int, default=200)
@@ -108,7 +113,15 @@ def _profile(args: argparse.Namespace, manifest) -> Profile:  # noqa: ANN001
         from splitserve.runtime.common import worker_config
 
         engine = worker_config(manifest, "colocated", 0, None, "127.0.0.1").engine
-        profile = profile_engine(engine, manifest.transport.backend, threads=args.threads)
+        pinned = args.pin_cores or manifest.runtime.pin_cores  # as the manifest's workers will run
+        profile = profile_engine(engine, manifest.transport.backend, threads=args.threads, pinned=pinned)
+        if pinned:  # the served path on this host's pinned shares: what serving adds to each step
+            from splitserve.core.pinning import host_cpus
+            from splitserve.plan.served import measure_served
+
+            workers = max(1, len(host_cpus()) // args.threads)
+            factor = measure_served(manifest, profile.cost, workers)
+            profile.cost = msgspec.structs.replace(profile.cost, served_factor=factor)
         if args.save_profile:
             profile.save(args.save_profile)
             print(f"profile saved: {args.save_profile}")

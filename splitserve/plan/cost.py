@@ -8,10 +8,11 @@ A step's work is summarized by its `StepShape`:
     decode_seqs      requests that compute one token in the step (decoding)
     decode_context   sum of those requests' context lengths (the KV each one reads)
 
-and its time is a linear function of those four (plus a fixed cost per step):
+and its time is a linear function of those four (plus a fixed cost per step), stretched by what
+serving adds to the engine's time (`served_factor`, measured through the server: served.py):
 
-    step_s = base_s + prefill_token_s * prefill_tokens + prefill_pair_s * prefill_pairs
-             + decode_seq_s * decode_seqs + decode_context_s * decode_context
+    step_s = served_factor * (base_s + prefill_token_s * prefill_tokens + prefill_pair_s * prefill_pairs
+                              + decode_seq_s * decode_seqs + decode_context_s * decode_context)
 
 A handoff of a prompt of L tokens moves `kv_bytes_per_token * L + state_bytes` bytes and takes
 `latency_s + bytes / bytes_per_s`. `profile.py` fits the coefficients to steps measured on the real
@@ -55,11 +56,18 @@ class StepCost(msgspec.Struct, frozen=True, kw_only=True):
     bytes_per_s: float = float("inf")
     kv_bytes_per_token: int = 0
     state_bytes: int = 0  # recurrent state of hybrid models, per request
+    # a decode-only step runs this many times slower while another worker of the host is in one too:
+    # on cores of their own, both still stream the weights through one memory bus (prompt steps are
+    # bound by compute, and measured unslowed); 1: no such slowdown
+    corun_factor: float = 1.0
+    # a step through the server (load client, router and front end beside the engine) over the same
+    # step in the engine alone (served.py); 1: the engine's own times
+    served_factor: float = 1.0
 
     def step_s(self, shape: StepShape) -> float:
         if shape.empty:
             return 0.0
-        return (
+        return self.served_factor * (
             self.base_s
             + self.prefill_token_s * shape.prefill_tokens
             + self.prefill_pair_s * shape.prefill_pairs

@@ -4,9 +4,10 @@ workers run) and KV handoffs timed over the real transport, fitted into a `Profi
 The grid is small on purpose (about a minute for the default model on one CPU core):
     prefill   one prompt at a time of 32 .. 1024 tokens (one step each), and a long prompt chunked
               by a smaller step budget (its later chunks attend to the earlier ones)
-    decode    batches of 1, 4 and 16 requests at contexts of 64 and 512 tokens, a few steps each
+    decode    batches of 1 to 16 requests at contexts of 64 to 512 tokens, a few steps each
               (the steps that prefilled them are kept too: mixed shapes)
     handoff   1 .. 64 KV blocks exported by one transport and fetched by another, in this process
+    co-run    pinned: decode steps beside a neighbour decoding on other CPUs (corun.py)
 Every step's shape is read off the scheduler's own output for that step, so what is fitted is what
 the engine scheduled. The first step at each new shape (oneDNN builds its kernels then) is not kept.
 """
@@ -17,10 +18,15 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from splitserve.config.engine import EngineConfig
+from splitserve.core.pinning import host_cpus, pin
 from splitserve.engine.engine import LLMEngine
+from splitserve.plan.corun import drain as _drain
+from splitserve.plan.corun import measure_corun
+from splitserve.plan.corun import random_prompts as _prompts
 from splitserve.plan.cost import chunk_pairs
 from splitserve.plan.profile import Profile, StepPoint, TransferPoint, fitted_cost
 from splitserve.sampling.params import SamplingParams
@@ -32,7 +38,15 @@ class Grid:
     chunked_len: int = 1024
     chunk_budget: int = 384
     # (batch, context) of the decode points
-    decode_shapes: tuple[tuple[int, int], ...] = ((1, 64), (8, 64), (16, 64), (1, 512), (8, 512))
+    decode_shapes: tuple[tuple[int, int], ...] = (
+        (1, 64),
+        (2, 256),
+        (4, 256),
+        (8, 64),
+        (16, 64),
+        (1, 512),
+        (8, 512),
+    )
     decode_steps: int = 5
     transfer_blocks: tuple[int, ...] = (1, 4, 16, 64)
     transfer_reps: int = 5
@@ -69,18 +83,6 @@ class _StepRecorder:
                 p_tokens += c.num_tokens
                 pairs += chunk_pairs(c.start, c.num_tokens)
         return StepPoint(p_tokens, pairs, d_seqs, d_ctx, dt)
-
-
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab, (n, length), generator=gen).tolist()
-
-
-def _drain(engine: LLMEngine, ids: list[str]) -> None:
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def _run_prompts(
@@ -178,26 +180,36 @@ def profile_engine(
     threads: int = 1,
     grid: Grid | None = None,
     log=print,  # noqa: ANN001
+    pinned: bool = False,
 ) -> Profile:
-    """Build an engine with `config`, time the grid, fit. `threads`: torch threads (a CPU worker's)."""
+    """Build an engine with `config`, time the grid, fit. `threads`: torch threads (a CPU worker's).
+    `pinned`: time it bound to `threads` CPUs of its own, as a `runtime.pin_cores` worker runs."""
     grid = grid or Grid()
     started = time.perf_counter()
-    before = torch.get_num_threads()
+    before, affinity = torch.get_num_threads(), host_cpus()
+    if pinned:
+        pin(affinity[:threads])
     torch.set_num_threads(threads)
     try:
         log("profiling: loading the model ...")
         engine = LLMEngine(config, tokenizer=False)
         steps = measure_steps(engine, grid, log)
         transfers, per_token, state = measure_transfers(engine, backend, grid, log)
+        others = affinity[threads : 2 * threads]  # a neighbour's CPUs, as a second pinned worker's
+        corun = measure_corun(engine, config, others, log) if pinned and len(others) == threads else 1.0
     finally:
         torch.set_num_threads(before)
+        if pinned:
+            pin(affinity)
     cost, step_fit, transfer_fit = fitted_cost(steps, transfers, per_token, state)
+    cost = msgspec.structs.replace(cost, corun_factor=corun)
     device = engine.device
     return Profile(
         model=config.model or "default",
         device=str(device),
         dtype=str(engine.dtype).removeprefix("torch."),
         threads=threads,
+        pinned=pinned,
         backend=backend,
         block_size=engine.block_size,
         max_num_batched_tokens=config.batched_tokens(device),

@@ -51,6 +51,7 @@ class Profile(msgspec.Struct, kw_only=True):
     device: str
     dtype: str
     threads: int  # torch threads per worker the steps were timed with (CPU)
+    pinned: bool = False  # timed bound to `threads` CPUs of its own (runtime.pin_cores)
     backend: str  # the KV transport the handoff was timed over
     block_size: int
     max_num_batched_tokens: int
@@ -81,13 +82,16 @@ class Profile(msgspec.Struct, kw_only=True):
         c = self.cost
         return "\n".join(
             [
-                f"profile: {self.model} on {self.device} ({self.dtype}, {self.threads} thread(s)), "
+                f"profile: {self.model} on {self.device} ({self.dtype}, {self.threads} thread(s)"
+                f"{', pinned' if self.pinned else ''}), "
                 f"KV over {self.backend}; measured in {self.measured_s:.0f} s",
                 f"  step = {c.base_s * 1e3:.2f} ms + {c.prefill_token_s * 1e6:.1f} us/prompt token "
                 f"+ {c.prefill_pair_s * 1e9:.3f} ns/query-key pair + {c.decode_seq_s * 1e3:.3f} ms/decoding "
                 f"request + {c.decode_context_s * 1e6:.3f} us/context token",
                 f"    fit over {self.step_fit.points} steps: rms {self.step_fit.rms_rel:.1%}, "
                 f"worst {self.step_fit.max_rel:.1%} ({self.step_fit.worst})",
+                f"  a decode-only step beside another worker's: x{c.corun_factor:.2f} (co-run, pinned); "
+                f"served: x{c.served_factor:.2f}",
                 f"  handoff = {c.latency_s * 1e3:.2f} ms + bytes / {c.bytes_per_s / 1e9:.2f} GB/s; "
                 f"{c.kv_bytes_per_token} B/token + {c.state_bytes} B state per request",
                 f"    fit over {self.transfer_fit.points} transfers: rms {self.transfer_fit.rms_rel:.1%}, "

@@ -74,6 +74,7 @@ class Replica:
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.busy = False
+        self.decode_only = False  # the step in flight computes no prompt token
         self.cached: set[int] = set()
         self._chunks: list[Chunk] = []
         self.steps = 0
@@ -107,7 +108,9 @@ class Replica:
             chunks.append(Chunk(seq, seq.computed, n))
             budget -= n
         self._chunks = chunks
-        dt = self.cost.step_s(_shape(chunks))
+        shape = _shape(chunks)
+        self.decode_only = shape.prefill_tokens == 0  # a memory-bound step (cost.corun_factor)
+        dt = self.cost.step_s(shape)
         self.busy = True
         self.steps += 1
         self.busy_s += dt

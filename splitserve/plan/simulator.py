@@ -11,9 +11,11 @@ A request's life, as the router and workers run it:
                     `max_num_seqs` slot -> one token per step
                     (a request of one output token ends at the prefill worker: nothing to move)
 
-Each replica runs `replica.Replica`'s step loop; a step's time is the cost model's. Agent sessions'
-later turns arrive a think time after the previous turn's last token. Ties between events at the
-same time are broken by the order they were made in, so that a run is a function of its inputs.
+Each replica runs `replica.Replica`'s step loop; a step's time is the cost model's, stretched while
+it overlaps another replica's (a decode-only step beside another: `StepCost.corun_factor`). The
+router picks the replica with the fewest requests in flight, its ties going round the replicas.
+Agent sessions' later turns arrive a think time after the previous turn's last token. Ties between
+events at the same time are broken by the order they were made in, so that a run is a function of its inputs.
 """
 
 from __future__ import annotations
@@ -91,6 +93,28 @@ class RequestRecord:
 
 
 @dataclass
+class _StepClock:
+    """A step in flight: `work_s` of its time alone still to run, at `rate` (1: alone) since `since`.
+    `version` counts the pushes of its end; only the latest one ends the step."""
+
+    work_s: float
+    since: float
+    end: float  # where it ends at full speed (pushed as is, so that an unshared step ends exactly there)
+    rate: float = 0.0
+    version: int = 0
+
+    def run_at(self, rate: float, now: float) -> float | None:
+        """Go on at `rate` from `now`; -> the new end to push, or None if the speed did not change."""
+        self.work_s -= (now - self.since) * self.rate
+        self.since = now
+        if rate == self.rate:
+            return None
+        first, self.rate = self.rate == 0.0, rate
+        self.version += 1
+        return self.end if first and rate == 1.0 else now + self.work_s / rate
+
+
+@dataclass
 class SimRun:
     deployment: Deployment
     records: list[RequestRecord]
@@ -123,6 +147,8 @@ class _Sim:
         self.events: list[tuple[float, int, int, str, object]] = []
         self.n = 0
         self.pending: set[str] = set()
+        self.picks = 0  # the router's pick counter: its ties go round the workers (router/dispatch.py)
+        self.clocks: dict[str, _StepClock] = {}  # each replica's step in flight
 
     def push(self, t: float, kind: str, data: object, priority: int = 0) -> None:
         heapq.heappush(self.events, (t, priority, self.n, kind, data))
@@ -139,7 +165,7 @@ class _Sim:
             elif kind == "arrive":
                 self._arrive(now, data)  # type: ignore[arg-type]
             elif kind == "step":
-                self._step_end(now, data)  # type: ignore[arg-type]
+                self._step_end(now, *data)  # type: ignore[misc]
             else:
                 self._handoff(now, data)  # type: ignore[arg-type]
         unfinished = [r.index for r in self.records.values() if len(r.token_s) < r.output_len]
@@ -156,7 +182,22 @@ class _Sim:
     def _start(self, now: float, replica: Replica) -> None:
         self.pending.discard(replica.name)
         if not replica.busy and replica.has_work():
-            self.push(replica.start_step(now), "step", replica)
+            end = replica.start_step(now)
+            self.clocks[replica.name] = _StepClock(end - now, now, end)
+            self._retime(now)
+
+    def _retime(self, now: float) -> None:
+        """A step started or ended: every step in flight goes on at the speed the host now allows it
+        (a decode-only step beside another worker's decode-only step: 1 / `corun_factor`; else 1), and
+        its end is pushed again where that speed moved it (the earlier push goes stale)."""
+        busy = [r for r in self.prefill + self.decode if r.busy]
+        shared = sum(r.decode_only for r in busy) > 1
+        for r in busy:
+            rate = 1.0 / self.cost.corun_factor if shared and r.decode_only else 1.0
+            clock = self.clocks[r.name]
+            end = clock.run_at(rate, now)
+            if end is not None:
+                self.push(end, "step", (r, clock, clock.version))
 
     def _arrive(self, now: float, rid: int) -> None:
         req, rec = self.trace[rid], self.records[rid]
@@ -164,14 +205,17 @@ class _Sim:
         prompt = req.prompt if isinstance(req.prompt, tuple) else ()
         blocks = block_hashes(prompt, self.block_size)
         if self.dep.disaggregated:
-            replica, stop = _least_loaded(self.prefill), 1
+            replica, stop = self._least_loaded(self.prefill), 1
         else:
-            replica, stop = _least_loaded(self.decode), req.output_len
+            replica, stop = self._least_loaded(self.decode), req.output_len
         replica.add(Seq(rid, req.prompt_len, stop, blocks))
         self._kick(replica, now)
 
-    def _step_end(self, now: float, replica: Replica) -> None:
+    def _step_end(self, now: float, replica: Replica, clock: _StepClock, version: int) -> None:
+        if self.clocks[replica.name] is not clock or clock.version != version:
+            return  # the step's speed changed after this end was pushed (or it ended): a later push ends it
         sampled, finished = replica.end_step(now)
+        self._retime(now)
         role_prefill = replica in self.prefill
         for seq in sampled:
             rec = self.records[seq.rid]
@@ -191,10 +235,19 @@ class _Sim:
     def _handoff(self, now: float, rid: int) -> None:
         rec = self.records[rid]
         rec.token_s.append(now)  # the first token, sampled by the prefill worker, streams from here
-        replica = _least_loaded(self.decode)
+        replica = self._least_loaded(self.decode)
         seq = Seq(rid, rec.prompt_len, rec.output_len, computed=rec.prompt_len, sampled=1)
         replica.add(seq)
         self._kick(replica, now)
+
+    def _least_loaded(self, replicas: list[Replica]) -> Replica:
+        """The router's least-loaded pick: fewest requests in flight; ties go round the replicas, the
+        start moving one place with each pick among several (a lone replica is no pick)."""
+        if len(replicas) == 1:
+            return replicas[0]
+        start, n = self.picks, len(replicas)
+        self.picks += 1
+        return min(replicas, key=lambda r: (r.outstanding, (replicas.index(r) - start) % n))
 
     def _finished(self, now: float, rid: int) -> None:
         req = self.trace[rid]
@@ -203,11 +256,6 @@ class _Sim:
         nxt = self.next_turn.get((req.session, req.turn + 1))
         if nxt is not None:
             self.push(now + nxt.think_s, "arrive", nxt.index)
-
-
-def _least_loaded(replicas: list[Replica]) -> Replica:
-    """The router's least-loaded pick: fewest requests in flight, the first such on a tie."""
-    return min(replicas, key=lambda r: r.outstanding)
 
 
 def simulate(trace: Sequence[BenchRequest], deployment: Deployment, cost: StepCost) -> SimRun:

@@ -6,7 +6,8 @@
 
 A role change answers 200 once the worker serves its new role; 404 for an unknown worker; 409 when the
 worker is not ready, already has that role, is changing role already, or is the last ready worker of
-its role (unless `force`); 501 where the runtime cannot change roles (runtime/role_switch.py).
+its role (unless `force`); 501 where the runtime cannot change roles. The local runtime's switch is
+runtime/role_switch.py, the Ray runtime's runtime/ray_role.py.
 """
 
 from __future__ import annotations

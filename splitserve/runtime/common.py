@@ -4,6 +4,7 @@ either runtime (`describe_worker`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,8 +27,13 @@ def worker_argv(
     """The command line of one worker: its `worker_config` as JSON (`--spec`, no secret), then
     `runtime.worker_args` (flags given beside the spec override its fields). Every role gets the
     deployment's secret in the environment variable `secret_env`: it keys the KV handshake and the
-    worker API's token. `core_share`: the local runtime's file of lent cores (`lending_slots`)."""
+    worker API's token. `core_share`: the local runtime's file of lent cores (`lending_slots`).
+    With `runtime.pin_cores`, the worker is pinned to its share of this host's CPUs (`pinned_cpus`)."""
     config = worker_config(manifest, role, index, "-", "127.0.0.1", core_share)
+    cpus = pinned_cpus(manifest).get((role, index))
+    if cpus:
+        threads = manifest.engine_for(role).threads or len(cpus)
+        config = dataclasses.replace(config, cpus=cpus, threads=threads)
     return config_argv(manifest, config, secret_env)
 
 
@@ -108,13 +114,24 @@ def cpu_workers(manifest: Manifest) -> list[tuple[str, int]]:
 
 def lending_slots(manifest: Manifest) -> dict[tuple[str, int], int]:
     """The CPU workers that lend each other idle cores (core/share.py), each with its slot: those
-    whose threads the manifest leaves to the runtime (`cpu_threads`), when there are two or more and
-    `runtime.lend_cores` is on."""
-    if not manifest.runtime.lend_cores:
+    whose threads the manifest leaves to the runtime (`cpu_threads`), when there are two or more,
+    `runtime.lend_cores` is on and `runtime.pin_cores` off."""
+    if not manifest.runtime.lend_cores or manifest.runtime.pin_cores:
         return {}
     lenders = [(r, i) for r, i in cpu_workers(manifest) if manifest.engine_for(r).threads is None]
     lenders = [(r, i) for r, i in lenders if manifest.tensor_parallel_size(r) == 1]  # one process each
     return {w: slot for slot, w in enumerate(lenders)} if len(lenders) > 1 else {}
+
+
+def pinned_cpus(manifest: Manifest) -> dict[tuple[str, int], tuple[int, ...]]:
+    """With `runtime.pin_cores`: each single-process CPU worker's own CPUs, this host's split evenly
+    among them in pool order (core/pinning.py); else nothing is pinned."""
+    from splitserve.core.pinning import host_cpus, split_cpus
+
+    if not manifest.runtime.pin_cores:
+        return {}
+    workers = [(r, i) for r, i in cpu_workers(manifest) if manifest.tensor_parallel_size(r) == 1]
+    return dict(zip(workers, split_cpus(host_cpus(), len(workers)), strict=True))
 
 
 def core_share_file(manifest: Manifest) -> str | None:
@@ -194,6 +211,7 @@ __all__ = [
     "cpu_workers",
     "describe_worker",
     "lending_slots",
+    "pinned_cpus",
     "pool_device",
     "worker_argv",
     "worker_config",

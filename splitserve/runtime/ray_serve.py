@@ -11,7 +11,8 @@ Pieces (one Serve application per manifest):
       on its node's address (port from the OS), and registers itself with the deployment's registry
       actor. Serve health-checks it
       (`check_health`: the HTTP server and the engine thread are alive) and replaces it when it fails
-      or its process dies; the new replica registers under a new id.
+      or its process dies; the new replica registers under a new id. A replica can change role
+      (prefill <-> decode) in place: POST /admin/workers/{name}/role, runtime/ray_role.py.
   <name>-router   the Serve ingress: the same OpenAI API (`install_routes`) and `Dispatcher` as the local
       runtime. It reads the registry, health-checks every worker it lists over HTTP and routes only to
       ready ones, dropping those that stopped answering.
@@ -83,6 +84,11 @@ class Registry:
     def unregister(self, replica_id: str) -> None:
         self.entries.pop(replica_id, None)
 
+    def update(self, replica_id: str, change: dict) -> None:
+        """A listed replica's entry changed (its role, runtime/ray_role.py)."""
+        if replica_id in self.entries:
+            self.entries[replica_id] = {**self.entries[replica_id], **change}
+
     def list(self) -> list[dict]:
         return list(self.entries.values())
 
@@ -145,7 +151,9 @@ class WorkerReplica:
     def check_health(self) -> None:
         if not self.http.is_alive():
             raise RuntimeError("the worker's HTTP server stopped")
-        if not self.worker.alive():
+        # NOTE: a role change stops the old engine core before the new one is ready; a new core that
+        # does not start ends this process (the worker app's on_death), which Serve sees
+        if not self.worker.alive() and not self.worker.switching:
             raise RuntimeError("the worker's engine core died")
 
     def info(self) -> dict:
@@ -197,6 +205,10 @@ class Router:
         self.prober.start()
         self.stats_line = StatsLogger(server, m.server.log_stats_interval_s)
         self.stats_line.start()
+        from splitserve.runtime.ray_role import RayRoleSwitcher  # POST /admin/workers/{name}/role
+
+        roles = RayRoleSwitcher(m, self.workers, self.registry, server.metrics.registry, info.served_name)
+        server.change_role = roles.switch
         if m.scaling.enabled:
             from splitserve.runtime.ray_scale import ray_controller
 

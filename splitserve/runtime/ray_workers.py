@@ -36,6 +36,7 @@ class RayEndpoint:
     misses: int = 0
     restarts: int = 0
     startup_s: float | None = None  # Serve starts the replicas: not measured here
+    epoch: int = 0  # its role epoch: role changes so far (runtime/ray_role.py), stamped on calls
     last_exit: int | None = None
     listed: bool = True  # in the registry; a replica that left it is draining
 
@@ -44,7 +45,7 @@ class RayEndpoint:
         return self.state == "ready"
 
     def describe(self) -> dict:
-        return describe_worker(self, node_id=self.node_id)
+        return describe_worker(self, node_id=self.node_id, role_epoch=self.epoch)
 
 
 class RayWorkers:
@@ -55,6 +56,7 @@ class RayWorkers:
         self.interval_s = interval_s
         self.failures = failures
         self.endpoints: dict[str, RayEndpoint] = {}
+        self.changing: set[str] = set()  # workers changing role (runtime/ray_role.py): their state is its
         self.http = httpx.AsyncClient(timeout=max(1.0, 2 * interval_s), headers=headers)
 
     def ready(self, role: str) -> list[RayEndpoint]:
@@ -70,6 +72,7 @@ class RayWorkers:
             e.listed = e.id in listed
         for entry in entries:
             if entry["id"] not in self.endpoints:
+                health = msgspec.convert(entry["info"], Health)
                 self.endpoints[entry["id"]] = RayEndpoint(
                     entry["id"],
                     entry["name"],
@@ -79,11 +82,14 @@ class RayWorkers:
                     entry["node_id"],
                     entry["pid"],
                     dict(entry["info"]),
-                    msgspec.convert(entry["info"], Health),
+                    health,
+                    epoch=health.role_epoch,
                 )
         await asyncio.gather(*(self._check(e) for e in list(self.endpoints.values())))
 
     async def _check(self, e: RayEndpoint) -> None:
+        if e.name in self.changing:
+            return
         try:
             r = await self.http.get(f"{e.url}/health")
             r.raise_for_status()

@@ -1,4 +1,5 @@
-"""A worker that changes role at run time (local runtime): prefill <-> decode, keeping its name.
+"""A worker that changes role at run time: prefill <-> decode, keeping its name (the local runtime here;
+the Ray runtime supplies its own side of it in runtime/ray_role.py).
 
 `RoleSwitcher.switch(name, RoleChangeRequest(role=...))` is the one entry point: the router's admin
 route (POST /admin/workers/{name}/role) calls it, and so may a scaling controller (as
@@ -89,16 +90,51 @@ class _Metrics:
 
 
 class RoleSwitcher:
-    """Changes workers' roles in a `LocalRuntime` (see the module doc)."""
+    """Changes workers' roles in a `LocalRuntime` (see the module doc). What differs on another runtime
+    is in the few methods under "the runtime's side" (runtime/ray_role.py: the Ray runtime's)."""
 
     def __init__(
         self, runtime: LocalRuntime, registry: CollectorRegistry | None = None, model: str = ""
     ) -> None:
-        self.runtime, self.manifest = runtime, runtime.manifest
+        self.runtime, rt = runtime, runtime.rt
+        self._begin(
+            runtime.manifest, runtime._http, rt.drain_timeout_s, rt.startup_timeout_s, registry, model
+        )
+
+    def _begin(self, manifest: Manifest, http: httpx.AsyncClient, drain_timeout_s: float,
+               startup_timeout_s: float, registry: CollectorRegistry | None, model: str) -> None:  # fmt: skip
+        """`http`: the worker API's client (its bearer token set)."""
+        self.manifest, self.http = manifest, http
+        self.drain_timeout_s, self.startup_timeout_s = drain_timeout_s, startup_timeout_s
         self.metrics = _Metrics(registry if registry is not None else CollectorRegistry(), model)
         self.changing: set[str] = set()  # workers whose role is changing now
-        for w in runtime.workers:
+        for w in self.workers():
             self.metrics.epoch.labels(model, w.name).set(w.epoch)
+
+    # the runtime's side: its workers, the new config, a failed reconfigure, the worker rejoining
+
+    def workers(self) -> list:
+        return self.runtime.workers
+
+    def ready(self, role: str) -> list:
+        return self.runtime.ready(role)
+
+    def new_config(self, w: WorkerProcess, role: str, epoch: int) -> WorkerConfig:
+        """`w`'s config in `role`; its command line follows (a restart starts it in its new role)."""
+        config = switched_config(self.manifest, w.name, role, epoch, self.runtime.core_share)
+        w.argv = config_argv(self.manifest, config, self.manifest.transport.secret_env)
+        return config
+
+    async def not_taken(self, w: WorkerProcess) -> None:
+        """`w` did not take its new role: killed, the runtime restarts it in that role."""
+        w.state = "restarting"
+        if w.proc is not None:
+            await self.runtime._kill(w.proc)
+
+    async def rejoined(self, w: WorkerProcess, info: Health) -> None:
+        """`w` serves its new role: role, epoch, KV address and state as one change (no await between)."""
+        w.info, w.health = {**w.info, **msgspec.to_builtins(info)}, info
+        w.kv_address, w.state = info.kv_address, "ready"
 
     async def switch(self, name: str, change: RoleChangeRequest) -> RoleChangeResult:
         """Move worker `name` to `change.role`; -> how it went. Raises APIError (404, 409, 502). A
@@ -112,7 +148,7 @@ class RoleSwitcher:
         name, start, from_role = w.name, time.perf_counter(), w.role
         outcome = "failed"
         try:
-            timeout = change.drain_timeout_s or self.runtime.rt.drain_timeout_s
+            timeout = change.drain_timeout_s or self.drain_timeout_s
             left = await self._drain(w, timeout)
             drained = time.perf_counter()
             info = await self._reconfigure(w, change.role)
@@ -141,7 +177,7 @@ class RoleSwitcher:
         return result
 
     def _check(self, name: str, change: RoleChangeRequest) -> WorkerProcess:
-        w = next((x for x in self.runtime.workers if x.name == name), None)
+        w = next((x for x in self.workers() if x.name == name), None)
         if w is None:
             raise APIError(404, f"no worker is named {name!r}", code="worker_not_found")
         refusal = None
@@ -153,7 +189,7 @@ class RoleSwitcher:
             refusal = f"{name} is a {w.role} worker already"
         elif not w.ready:
             refusal = f"{name} is not ready ({w.state})"
-        elif not change.force and not [x for x in self.runtime.ready(w.role) if x is not w]:
+        elif not change.force and not [x for x in self.ready(w.role) if x is not w]:
             refusal = f"{name} is the last ready {w.role} worker: the change would leave none (force it)"
         if refusal is not None:
             raise APIError(409, refusal, type="invalid_request_error", code="role_change_refused")
@@ -163,7 +199,7 @@ class RoleSwitcher:
         """Until nothing is on `w` (router side and worker side), or `timeout_s`; -> what is left."""
         deadline = time.monotonic() + timeout_s
         with contextlib.suppress(httpx.HTTPError):  # a head start only
-            await self.runtime._http.post(f"{w.url}/role/prepare", timeout=10)
+            await self.http.post(f"{w.url}/role/prepare", timeout=10)
         while True:
             unfinished, leased = await self._busy(w)
             left = max(w.inflight, unfinished) + leased
@@ -175,7 +211,7 @@ class RoleSwitcher:
         """The worker's requests unfinished, and its KV exports still leased (a decode worker may yet
         fetch them)."""
         try:
-            r = await self.runtime._http.get(f"{w.url}/stats", timeout=30)
+            r = await self.http.get(f"{w.url}/stats", timeout=30)
             r.raise_for_status()
             stats = msgspec.json.decode(r.content, type=WorkerStats)
         except (httpx.HTTPError, ValueError):
@@ -185,40 +221,34 @@ class RoleSwitcher:
         return stats.unfinished, int(leases.get("active", 0))
 
     async def _reconfigure(self, w: WorkerProcess, role: str) -> Health:
-        """The worker's new role on its command line and in its engine core; -> its health."""
+        """The worker's new role in its engine core (and the runtime's record); -> its health."""
         epoch = w.epoch + 1
-        config = switched_config(self.manifest, w.name, role, epoch, self.runtime.core_share)
+        config = self.new_config(w, role, epoch)
         w.role, w.epoch, w.state = role, epoch, "switching"
-        w.argv = config_argv(self.manifest, config, self.manifest.transport.secret_env)
         body = msgspec.json.encode(RoleSwitch(spec=config.to_json(include_secret=False)))
         try:
-            r = await self.runtime._http.post(f"{w.url}/role", content=body,
-                                              timeout=self.runtime.rt.startup_timeout_s)  # fmt: skip
+            r = await self.http.post(f"{w.url}/role", content=body, timeout=self.startup_timeout_s)
             r.raise_for_status()
             return msgspec.json.decode(r.content, type=Health)
         except (httpx.HTTPError, ValueError) as exc:
-            log.error("worker %s did not take the %s role (%s); restarting it in that role", w.name, role,
-                      exc)  # fmt: skip
-            w.state = "restarting"
-            if w.proc is not None:
-                await self.runtime._kill(w.proc)
-            raise APIError(502, f"{w.name} did not take the {role} role ({exc}); it restarts in that role",
+            log.error("worker %s did not take the %s role (%s); restarting it", w.name, role, exc)
+            await self.not_taken(w)
+            raise APIError(502, f"{w.name} did not take the {role} role ({exc}); it restarts",
                            type="server_error", code="role_change_failed") from None  # fmt: skip
 
     async def _rejoin(self, w: WorkerProcess, info: Health) -> None:
         """Check the KV handshake with each ready worker of the other role, then make `w` ready."""
-        pairs = [(w, p.kv_address) for p in self.runtime.ready("prefill")] if w.role == "decode" else [
-            (d, info.kv_address) for d in self.runtime.ready("decode")]  # fmt: skip
+        pairs = [(w, p.kv_address) for p in self.ready("prefill")] if w.role == "decode" else [
+            (d, info.kv_address) for d in self.ready("decode")]  # fmt: skip
         for decode, address in pairs:
             body = msgspec.json.encode(PeerRequest(address=address or "", timeout_s=5.0))
             try:
-                r = await self.runtime._http.post(f"{decode.url}/kv/connect", content=body, timeout=10)
+                r = await self.http.post(f"{decode.url}/kv/connect", content=body, timeout=10)
                 r.raise_for_status()
             except httpx.HTTPError as exc:  # the fetch will say so again, and the router migrates
                 log.warning("worker %s: KV handshake %s -> %s failed on rejoining: %s", w.name, decode.name,
                             address, exc)  # fmt: skip
-        w.info, w.health = {**w.info, **msgspec.to_builtins(info)}, info
-        w.kv_address, w.state = info.kv_address, "ready"
+        await self.rejoined(w, info)
 
 
 __all__ = ["PHASES", "RoleSwitcher", "switched_config"]

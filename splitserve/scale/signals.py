@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Histogram
 
 from splitserve.scale.decide import Sample, Shape
+from splitserve.wire.stats import WorkerRow
 
 Buckets = list[tuple[float, float]]  # (upper bound, cumulative count)
 
@@ -58,21 +59,21 @@ def _total(counter: Counter, model: str) -> float:
     return 0.0
 
 
-def role_figures(rows: Sequence[dict]) -> tuple[dict[str, int], dict[str, int], dict[str, float]]:
-    """Worker /stats rows -> per role: requests waiting, requests running, the fullest KV (0..1)."""
+def role_figures(rows: Sequence[WorkerRow]) -> tuple[dict[str, int], dict[str, int], dict[str, float]]:
+    """Workers' rows -> per role: requests waiting, requests running, the fullest KV (0..1, blocks held
+    for a late copy counted free). A worker down or without an answer this time adds nothing."""
     waiting: dict[str, int] = {}
     running: dict[str, int] = {}
     kv: dict[str, float] = {}
     for row in rows:
-        role = row.get("role", "")
-        if not row.get("up", True) or "running" not in row:
+        s = row.stats
+        if not row.up or s is None:
             continue
-        waiting[role] = waiting.get(role, 0) + int(row.get("waiting", 0))
-        running[role] = running.get(role, 0) + int(row.get("running", 0))
-        blocks = row.get("blocks") or {}
-        if blocks.get("total"):
-            used = 1.0 - (blocks["free"] + blocks.get("held", 0)) / blocks["total"]
-            kv[role] = max(kv.get(role, 0.0), used)
+        waiting[row.role] = waiting.get(row.role, 0) + s.waiting
+        running[row.role] = running.get(row.role, 0) + s.running
+        if s.blocks.total:
+            used = 1.0 - (s.blocks.free + s.blocks.held) / s.blocks.total
+            kv[row.role] = max(kv.get(row.role, 0.0), used)
     return waiting, running, kv
 
 
@@ -98,7 +99,7 @@ class RouterSignals:
         percentile: float,
         min_requests: int,
         window_s: float,
-        worker_stats: Callable[[], Awaitable[list[dict]]],
+        worker_stats: Callable[[], Awaitable[list[WorkerRow]]],
         shape: Callable[[], tuple[Shape, int]],
         start: float | None = None,  # time.monotonic() of the first snapshot (default: now)
     ) -> None:

@@ -38,6 +38,7 @@ import msgspec
 
 from splitserve.config.worker import ROLES, WorkerConfig
 from splitserve.core.ops import RoleError
+from splitserve.core.pinning import pin
 from splitserve.model.errors import ModelLoadError
 from splitserve.startup_clock import mark, marks
 from splitserve.transport import TransportError
@@ -97,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mark("imports")  # start-up phases, in the ready line (startup_clock.py)
     try:
         config = config_from_args(args)
+        pin(config.cpus)  # runtime.pin_cores: the front end on its worker's own CPUs (its core pins itself)
         worker = Worker(config, client)
     except SystemExit:  # SIGTERM while loading
         client.close(1)

@@ -99,3 +99,31 @@ def test_profiling_the_real_engine_times_the_grid_it_asks_for():
     assert profile.cost.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: K and V, 30 layers, 3 heads
     assert [t.bytes for t in profile.transfers] == [16 * 46080, 64 * 46080]
     assert profile.step_fit.points == len(profile.steps) and profile.backend == "shm"
+
+
+def test_a_pinned_profile_runs_on_its_cpu_and_measures_the_corun_factor(monkeypatch):
+    from splitserve.config.engine import EngineConfig
+    from splitserve.core.pinning import host_cpus
+    from splitserve.plan import measure
+
+    cpus = host_cpus()
+    if len(cpus) < 2:
+        pytest.skip("one CPU: no neighbour to co-run with")
+    seen = {}
+
+    def corun(engine, config, others, log):  # noqa: ANN001, ANN202
+        seen.update(affinity=host_cpus(), others=list(others))
+        return real(engine, config, others, log)
+
+    real = measure.measure_corun
+    monkeypatch.setattr(measure, "measure_corun", corun)
+    grid = measure.Grid(
+        prefill_lens=(32,), chunked_len=64, chunk_budget=32, decode_shapes=((1, 32), (2, 32)),
+        decode_steps=2, transfer_blocks=(1, 2), transfer_reps=1,
+    )  # fmt: skip
+    config = EngineConfig(progress=False, kv_cache_bytes=64 << 20, max_model_len=512)
+    profile = measure.profile_engine(config, "shm", threads=1, grid=grid, log=lambda *_: None, pinned=True)
+    assert seen == {"affinity": cpus[:1], "others": cpus[1:2]}  # timed on its CPU, the neighbour on the next
+    assert host_cpus() == cpus  # and let go afterwards
+    assert profile.pinned and profile.cost.corun_factor >= 1.0
+    assert "co-run" in profile.describe()

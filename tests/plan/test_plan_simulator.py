@@ -127,6 +127,50 @@ def test_least_loaded_routing_spreads_a_burst_over_replicas():
     assert [p.prefill_tokens for p in run.replicas[:2]] == [200, 200]
 
 
+def test_ties_go_round_the_replicas_as_the_router_breaks_them():
+    # each request ends before the next arrives, so every pick is a tie at 0 in flight: the router's
+    # rotating start sends them to replicas 0, 1, 0
+    run = simulate([req(i, 100, 2, t=float(i)) for i in range(3)], Deployment.colocated(2, BIG), COST)
+    assert [r.prefill_tokens for r in run.replicas] == [200, 100]
+    assert all(r.ttft_s == pytest.approx(0.110) for r in run.records)
+
+
+def test_decode_steps_that_overlap_on_one_host_run_corun_factor_times_slower():
+    # two replicas; a prompt step of 10 ms + 10 tokens = 20 ms, a decode step of 10 ms (twice that
+    # while the other replica decodes too); prompt steps run at full speed whatever the other does
+    slow = StepCost(base_s=0.010, prefill_token_s=0.001, corun_factor=2.0)
+    both = simulate([req(0, 10, 3), req(1, 10, 3)], Deployment.colocated(2, BIG), slow)
+    assert [r.token_s for r in both.records] == [pytest.approx([0.020, 0.040, 0.060])] * 2
+    # b's prompt step runs beside a's decode steps: neither slows
+    beside = simulate([req(0, 10, 3), req(1, 10, 1, t=0.020)], Deployment.colocated(2, BIG), slow)
+    assert [r.token_s for r in beside.records] == [
+        pytest.approx([0.020, 0.030, 0.040]),
+        pytest.approx([0.040]),
+    ]
+    # partial overlaps: a decodes alone from 20 ms until b's prompt step ends at 25 ms (5 ms done),
+    # then both decode: a's last 5 ms take 10 (ends at 35 ms), b's first step is half done by then;
+    # a's next step starts beside it, b's last 5 ms take 10 (ends at 45 ms), a's step then runs its
+    # last 5 ms alone (ends at 50 ms)
+    partial = simulate([req(0, 10, 3), req(1, 10, 2, t=0.005)], Deployment.colocated(2, BIG), slow)
+    assert [r.token_s for r in partial.records] == [
+        pytest.approx([0.020, 0.035, 0.050]),
+        pytest.approx([0.025, 0.045]),
+    ]
+    apart = simulate([req(0, 10, 2), req(1, 10, 2, t=0.2)], Deployment.colocated(2, BIG), slow)
+    assert [r.tpot_s for r in apart.records] == pytest.approx([0.010, 0.010])  # no overlap: full speed
+
+
+def test_a_re_timed_step_ends_once_and_never_early():
+    # many overlaps: an end pushed before a re-timing must not end the replica's next step
+    slow = StepCost(base_s=0.010, prefill_token_s=0.001, decode_seq_s=0.002, corun_factor=1.5)
+    spec = WorkloadSpec(kind="synthetic", num_prompts=40, seed=5)
+    trace = at_rate(build_trace(spec), 8.0, 1.0, seed=5)
+    run = simulate(trace, Deployment.colocated(2, BIG), slow)
+    for r in run.records:
+        assert r.ttft_s >= slow.prefill_s(r.prompt_len) - 1e-9
+        assert min(r.itl_s) >= 0.012 - 1e-9  # a decode step of one request at full speed
+
+
 def test_goodput_and_cost_follow_the_ab_definitions():
     limits = EngineLimits(max_num_batched_tokens=4096, max_num_seqs=2)
     run = simulate([req(i, 10, 3) for i in range(4)], Deployment.colocated(1, limits), COST)

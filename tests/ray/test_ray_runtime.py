@@ -1,21 +1,19 @@
-"""The Ray runtime on a real (local) Ray cluster of three nodes: a head with no model resources, a prefill
-node and a decode node marked by custom resources. Greedy output through it equals the engine's; each
-replica runs where its placement says; a killed decode replica is replaced by Serve."""
+"""The Ray runtime on a real (local) Ray cluster of three nodes (tests/ray/conftest.py): a head with no
+model resources, a prefill node and a decode node marked by custom resources. Greedy output through it
+equals the engine's; each replica runs where its placement says; a killed decode replica is replaced by
+Serve."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import socket
 import time
 
 import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
 from splitserve import SamplingParams  # noqa: E402
 from splitserve.config import parse_manifest  # noqa: E402
 
@@ -24,40 +22,11 @@ MODEL = "smollm2-135m-instruct"
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def cluster():
-    mem = 150 * 2**20
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "resources": {"head": 1},
-            "object_store_memory": mem,
-            "include_dashboard": False,
-        },
-    )
-    c.add_node(num_cpus=1, resources={"prefill_node": 1}, object_store_memory=mem)
-    c.add_node(num_cpus=1, resources={"decode_node": 1}, object_store_memory=mem)
-    ray.init(address=c.address, namespace="splitserve-test", logging_level="WARNING")
-    yield c
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
-    c.shutdown()
-
-
-@pytest.fixture(scope="module")
-def deployment(cluster):
+def deployment(cluster, serve_port):
     from splitserve.runtime import ray_serve
 
-    port = _free_port()
+    port = serve_port
     manifest = parse_manifest(f"""
 name: raytest
 mode: disaggregated

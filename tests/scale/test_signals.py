@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from worker_rows import worker_row
 
 from splitserve.router.metrics import RouterMetrics
 from splitserve.scale.decide import Sample
 from splitserve.scale.signals import RouterSignals, quantile, role_figures
+from splitserve.wire.stats import WorkerRow
 
 
 def test_quantile_of_an_interval_is_interpolated_within_its_bucket():
@@ -25,28 +27,11 @@ def test_quantile_of_an_interval_is_interpolated_within_its_bucket():
 
 def test_role_figures_from_worker_stats():
     rows = [
-        {
-            "role": "prefill",
-            "up": True,
-            "running": 1,
-            "waiting": 5,
-            "blocks": {"total": 100, "free": 90, "held": 0},
-        },
-        {
-            "role": "prefill",
-            "up": True,
-            "running": 2,
-            "waiting": 1,
-            "blocks": {"total": 100, "free": 50, "held": 0},
-        },
-        {
-            "role": "decode",
-            "up": True,
-            "running": 7,
-            "waiting": 0,
-            "blocks": {"total": 10, "free": 1, "held": 0},
-        },
-        {"role": "decode", "up": False},
+        worker_row("prefill-0", "prefill", running=1, waiting=5, blocks={"free": 9}),
+        worker_row("prefill-1", "prefill", running=2, waiting=1, blocks={"free": 4, "held": 1}),
+        worker_row("decode-0", "decode", running=7, blocks={"free": 1}),
+        worker_row("decode-1", "decode", up=False),
+        WorkerRow("decode-2", "decode", True),  # up, but no answer this time
     ]
     waiting, running, kv = role_figures(rows)
     assert waiting == {"prefill": 6, "decode": 0}
@@ -57,8 +42,8 @@ def test_role_figures_from_worker_stats():
 def test_router_signals_read_the_router_histograms_per_interval():
     m = RouterMetrics("tiny")
 
-    async def stats() -> list[dict]:
-        return [{"role": "prefill", "running": 0, "waiting": 2}]
+    async def stats() -> list[WorkerRow]:
+        return [worker_row("prefill-0", "prefill", waiting=2)]
 
     signals = RouterSignals(
         m, "tiny", 0.9, 3, 5.0, stats, lambda: ({"prefill": 1, "decode": 1}, 0), start=0.0

@@ -279,6 +279,18 @@ def copy_blocks(
     return "gather_scatter"
 
 
+def warm_copy_kernel(rows: torch.Tensor) -> None:
+    """Compile the block-copy kernel for these rows before the first fetch needs it. Triton builds it at
+    its first launch, ~250 ms on an H100, and the first scattered pattern (a prefix-cache hit's shared
+    blocks beside fresh ones) would pay that inside a request's TTFT. Copies two blocks onto themselves
+    (the same bits back), so it runs only while no request holds blocks: at the mover's start."""
+    if not rows.is_cuda or rows.shape[0] < 3 or _block_copy() is None:
+        return
+    with torch.cuda.device(rows.device):
+        copy_blocks(rows, rows, [0, 2], [0, 2])
+        torch.cuda.current_stream(rows.device).synchronize()
+
+
 def ids_to_wire(ids: Sequence[int]) -> bytes:
     """Block ids as little-endian int32 bytes (base64 in the frame: thousands of ids cost microseconds,
     not a JSON list's milliseconds)."""

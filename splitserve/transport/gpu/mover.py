@@ -39,6 +39,7 @@ from splitserve.transport.gpu.blocks import (
     ids_from_wire,
     ids_to_wire,
     kv_rows,
+    warm_copy_kernel,
 )
 from splitserve.transport.gpu.link import GpuLink
 from splitserve.transport.payload import ByteStream, empty_state, snapshot_state, source_pieces, state_pieces
@@ -87,6 +88,7 @@ class GpuMover:
         self.phases: deque[tuple[float, float, float]] = deque(maxlen=64)  # fetcher: see describe()
         self.serve_phases: deque[tuple[float, float, float]] = deque(maxlen=64)  # exporter: likewise
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        warm_copy_kernel(self.rows)
         self.link.bind(self)
 
     # -- device helpers (the links use them too) ---------------------------------------------------

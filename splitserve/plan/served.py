@@ -1,0 +1,74 @@
+"""The served path against the engine alone: a profile's `served_factor` (`StepCost.served_factor`).
+
+A request through `splitserve serve` takes longer than the engine's steps for it: the load client,
+the router and the worker's front end (HTTP, streaming, detokenization) share the host's CPUs with
+the engine cores, and a worker's engine runs under its front end. `measure_served` starts the
+manifest's model colocated, one pinned replica per share of this host's CPUs (the profile's), sends
+prompts of 128-448 random token ids one at a time through the same load client `splitserve bench`
+uses, and compares each with the profile: time to first token over the profile's prefill step, and
+the median time between tokens over its decode step. The factor is the median of those ratios; the
+simulator stretches every step by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Callable
+
+import yaml
+
+from splitserve.config.manifest import Manifest, parse_manifest
+from splitserve.plan.cost import StepCost
+
+PROMPT_LENS = (128, 192, 256, 320, 384, 448)
+OUTPUT_LEN = 24
+GAP_S = 2.0  # between sends: each request runs alone (longest: ~1 s prefill + 24 steps of ~35 ms)
+
+
+def served_manifest(manifest: Manifest, workers: int) -> Manifest:
+    """`manifest`'s model and engine, colocated on `workers` pinned replicas, no spare, port 0."""
+    overrides = {"mode": "colocated", "colocated.replicas": workers, "runtime.pin_cores": True,
+                 "runtime.standby": False, "server.port": 0, "router.policy": "least_loaded"}  # fmt: skip
+    return parse_manifest(yaml.safe_dump(manifest.model_dump(mode="json")), "served probe", overrides)
+
+
+def served_factor(results: list, cost: StepCost) -> float:
+    """The median of TTFT / predicted prefill and median ITL / predicted decode step over `results`
+    (the load client's RequestResults of lone requests)."""
+    ratios = []
+    for r in results:
+        if not r.success or not r.itl_s:
+            continue
+        ratios.append(r.ttft_s / cost.prefill_s(r.prompt_len))
+        ratios.append(statistics.median(r.itl_s) / cost.decode_s(1, r.prompt_len + len(r.itl_s) // 2))
+    if not ratios:
+        raise RuntimeError("the served probe got no answer")
+    return statistics.median(ratios)
+
+
+def measure_served(manifest: Manifest, cost: StepCost, workers: int, log: Callable = print) -> float:
+    from splitserve.ab.client import run_trace
+    from splitserve.ab.drive import ClientOptions
+    from splitserve.ab.workload import BenchRequest
+    from splitserve.plan.corun import random_prompts
+    from splitserve.runtime.process import start_serve
+
+    served = served_manifest(manifest, workers)
+    trace = [
+        BenchRequest(i, tuple(random_prompts(1, n, 1000, 40 + i)[0]), n, OUTPUT_LEN, arrival_s=i * GAP_S)
+        for i, n in enumerate(PROMPT_LENS)
+    ]
+    sp = start_serve(served, timeout_s=300)
+    try:
+        keys = served.server.keys()
+        opts = ClientOptions(served.model.resolved_served_name(), api_key=keys[0] if keys else None)
+        results, _ = asyncio.run(run_trace(sp.url, trace, opts))
+    finally:
+        sp.stop()
+    factor = served_factor(results, cost)
+    log(f"  served: {len(results)} lone requests through the server, x{factor:.2f} the engine's steps")
+    return factor
+
+
+__all__ = ["measure_served", "served_factor", "served_manifest"]

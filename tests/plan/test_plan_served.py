@@ -1,0 +1,49 @@
+"""The served probe (plan/served.py): the factor from lone requests' timings against the profile
+(computed by hand), the deployment it serves, and a real probe through `splitserve serve`."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from splitserve.ab.drive import RequestResult
+from splitserve.config.manifest import load_manifest
+from splitserve.plan import served
+from splitserve.plan.cost import StepCost
+
+COST = StepCost(base_s=0.010, prefill_token_s=0.001, decode_seq_s=0.002)  # prefill of 100: 110 ms
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "disaggregated.yaml"
+
+
+def _result(prompt_len: int, ttft_s: float, itl_s: list[float], ok: bool = True) -> RequestResult:
+    return RequestResult(0, "synthetic", prompt_len, len(itl_s) + 1, success=ok, ttft_s=ttft_s, itl_s=itl_s)
+
+
+def test_the_factor_is_the_median_of_first_token_and_token_gap_ratios():
+    results = [
+        _result(100, 0.110 * 1.2, [0.012 * 1.1] * 4),  # prefill 110 ms, a decode step 12 ms
+        _result(190, 0.200 * 1.3, [0.012, 0.012 * 1.05, 0.012 * 1.05]),
+        _result(100, 9.0, [], ok=False),  # a failure counts for nothing
+    ]
+    # ratios 1.2, 1.1, 1.3, 1.05: the median is 1.15
+    assert served.served_factor(results, COST) == pytest.approx(1.15)
+    with pytest.raises(RuntimeError, match="no answer"):
+        served.served_factor(results[2:], COST)
+
+
+def test_the_probe_serves_the_model_colocated_on_pinned_shares():
+    m = served.served_manifest(load_manifest(EXAMPLE), workers=2)
+    assert m.mode == "colocated" and m.pools()["colocated"].replicas == 2
+    assert m.runtime.pin_cores and not m.runtime.standby and m.router.policy == "least_loaded"
+    assert m.transport.backend == "shm"  # the rest is the manifest's
+
+
+def test_a_real_probe_through_the_server_gives_a_finite_factor(monkeypatch):
+    monkeypatch.setattr(served, "PROMPT_LENS", (64, 96))
+    monkeypatch.setattr(served, "GAP_S", 1.0)
+    lines: list[str] = []
+    factor = served.measure_served(load_manifest(EXAMPLE), COST, workers=2, log=lines.append)
+    assert math.isfinite(factor) and factor > 0
+    assert lines and "2 lone requests" in lines[0]
