@@ -3,9 +3,12 @@
     python bench/hybrid_served.py --tokenizer TOKDIR                      # random:qwen3.5-9b, both modes
     python bench/hybrid_served.py --model random:qwen3.5-tiny --modes disaggregated --kv-backend tcp \
         --prompt-len 256 --requests 8 --max-tokens 16 --prefix-len 128 --suffix-len 16   # CPU smoke run
+    python bench/hybrid_served.py --tokenizer TOKDIR --first-token prefill decode   # both, one run
 
 Per mode (`splitserve serve` started from a manifest; disaggregated: one prefill and one decode worker
-on the same device, each with its `engine.memory_utilization` share, KV and state over `--kv-backend`):
+on the same device, each with its `engine.memory_utilization` share, KV and state over `--kv-backend`,
+once per `--first-token` setting given, `router.first_token`: whether a streamed first token goes as the
+prefill worker answers or after the decode worker has fetched the KV; the setting is printed):
 1. disaggregated: `splitserve verify` against the running deployment (probe `--probe-mb`, floor
    `--min-gbps`), its table printed;
 2. TTFT of one `--prompt-len` prompt, alone, `--ttft-reps` distinct prompts after one warm-up: the
@@ -92,7 +95,7 @@ def worker_stats(url: str) -> dict:
     return out
 
 
-def run_mode(args: argparse.Namespace, mode: str) -> dict:
+def run_mode(args: argparse.Namespace, mode: str, first_token: str | None = None) -> dict:
     import asyncio
 
     from splitserve.config import load_manifest
@@ -117,11 +120,16 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         knobs["transport.backend"] = args.kv_backend
     if args.device:
         knobs["model.device"] = args.device
-    res: dict = {"mode": mode}
+    if first_token:
+        knobs["router.first_token"] = first_token
+    manifest = load_manifest(None, knobs)
+    setting = f"router.first_token: {manifest.router.first_token}" if mode == "disaggregated" else ""
+    res: dict = {"mode": mode, "first_token": manifest.router.first_token if setting else None}
     t0 = time.perf_counter()
-    with start_serve(load_manifest(None, knobs), echo=args.echo, timeout_s=args.start_timeout) as sp:
+    with start_serve(manifest, echo=args.echo, timeout_s=args.start_timeout) as sp:
         url, model = sp.url, sp.ready["model"]
-        print(f"== {mode}: ready in {time.perf_counter() - t0:.1f} s ({url})", flush=True)
+        print(f"== {mode}{f' ({setting})' if setting else ''}: ready in {time.perf_counter() - t0:.1f} s "
+              f"({url})", flush=True)  # fmt: skip
         if mode == "disaggregated" and not args.no_verify:
             rep = asyncio.run(verify_url(url, None, os.environ["SPLITSERVE_KV_SECRET"], timeout_s=120))
             print(rep.table(), flush=True)
@@ -168,6 +176,8 @@ def main() -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--modes", nargs="+", default=["disaggregated", "colocated"])
     ap.add_argument("--kv-backend", default="cuda_ipc")
+    what = "router.first_token, disaggregated: a run per setting (default: the manifest's)"
+    ap.add_argument("--first-token", nargs="+", default=[None], choices=("prefill", "decode"), help=what)
     ap.add_argument("--memory-utilization", type=float, default=0.45, help="each worker's device share")
     ap.add_argument("--kv-cache-mb", type=int, default=None, help="instead of --memory-utilization")
     ap.add_argument("--budget", type=int, default=16384, help="engine.max_num_batched_tokens")
@@ -194,12 +204,13 @@ def main() -> int:
     os.environ.setdefault("SPLITSERVE_KV_SECRET", os.urandom(16).hex())
     globals()["MAX_ID"] = args.max_id
     results = []
-    for mode in args.modes:
+    runs = [(m, ft) for m in args.modes for ft in (args.first_token if m == "disaggregated" else [None])]
+    for mode, first_token in runs:
         try:
-            results.append(run_mode(args, mode))
+            results.append(run_mode(args, mode, first_token))
         except Exception as exc:  # noqa: BLE001 - one mode's failure must not lose the other's figures
             print(f"== {mode} FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
-            results.append({"mode": mode, "error": repr(exc)[-3000:]})
+            results.append({"mode": mode, "first_token": first_token, "error": repr(exc)[-3000:]})
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1, default=str))

@@ -143,10 +143,11 @@ def hf_smol_greedy(hf_smol, chat_prompt_ids, smol_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def disaggregated() -> Deployment:
-    """Disaggregated (1 prefill + 1 decode over shm), API keys on."""
+    """Disaggregated (1 prefill + 1 decode over shm), API keys on; a streamed choice's first token goes
+    ahead of the KV transfer (`router.first_token: prefill`, test_first_token.py)."""
     from serve_harness import API_KEY, manifest_yaml, start_deployment  # imports the openai client
 
-    dep = start_deployment(manifest_yaml(mode="disaggregated"), API_KEY)
+    dep = start_deployment(manifest_yaml(mode="disaggregated", router={"first_token": "prefill"}), API_KEY)
     yield dep
     assert dep.stop() == 0, "\n".join(dep.log)
 

@@ -100,6 +100,9 @@ def server_breakdown(d: Samples) -> dict:
     }
     ttft_ms = ttft_sum / ttft_n * 1e3 if ttft_n else math.nan
     residual = ttft_ms - sum(v for v in parts.values() if not math.isnan(v))
+    # the transfer's share of TTFT counts what TTFT waited for: a streamed first token that went ahead
+    # of the transfer (`router.first_token: prefill`) waited for none of it; NaN: no transfer at all
+    on_path = max(0.0, residual) * ttft_n / 1e3 if ttft_n else 0.0
     errors = {
         dict(labels).get("status", "?"): int(v)
         for (n, labels), v in d.items()
@@ -113,7 +116,7 @@ def server_breakdown(d: Samples) -> dict:
         "first_decode_ms": parts["first_decode"],
         "kv": kv,
         "kv_seconds": kv_secs,
-        "kv_share_of_ttft": kv_secs / ttft_sum if ttft_sum > 0 and kv else math.nan,  # NaN: no transfer
+        "kv_share_of_ttft": min(kv_secs, on_path) / ttft_sum if ttft_sum > 0 and kv else math.nan,
         "errors_by_status": errors,
         "generation_tokens": int(_sum(d, f"{P}generation_tokens_total")),
         "prompt_tokens": int(_sum(d, f"{P}prompt_tokens_total")),

@@ -12,7 +12,8 @@
                 the KV layout's (block_size), which prefill and decode workers must share
     transport: {backend, required_backends, fallback, nixl_backends, lease_s, fetch_timeout_s, policy,
                 checksum, secret_env, secret}
-    router:    {policy, timeouts per stage, on_fault: migrate | fail, max_migrations, worker_wait_s}
+    router:    {policy, timeouts per stage, on_fault: migrate | fail, max_migrations, worker_wait_s,
+                first_token: prefill | decode}
     server:    {host, port, api_keys, api_keys_env, max_body_bytes, max_concurrent_requests,
                 max_queued_requests, stream_interval, access_log, log_stats_interval_s, metrics_auth,
                 reject_unknown_fields, cors, trust_request_chat_template, header_timeout_s,

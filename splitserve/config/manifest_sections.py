@@ -276,6 +276,11 @@ class RouterSection(Section):
     # how long a request waits for a ready worker of a role whose workers are all (re)starting, within
     # its deadline; 0: a 503 at once
     worker_wait_s: float = Field(default=60.0, ge=0, le=3600, allow_inf_nan=False)
+    # disaggregated, a streamed choice's first token: "prefill" sends it as soon as the prefill worker
+    # answers (TTFT without the KV transfer, the decode worker's import and its hop), the decode stream
+    # going on after it; "decode" holds it until the decode worker streams it (router/first_token.py).
+    # A non-streamed answer is sent whole either way.
+    first_token: Literal["decode", "prefill"] = "prefill"
 
 
 class ServerSection(Section):

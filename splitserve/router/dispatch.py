@@ -6,6 +6,8 @@ Disaggregated, one choice (`Dispatcher.run`):
   2. pick a decode worker (least loaded) and POST /decode with the handle, streamed: the worker
      reserves blocks, fetches the KV (bounded by `timeouts.kv_transfer_s`), releases the lease and
      streams NDJSON lines from the first token on; between two lines at most `timeouts.inter_token_s`.
+     Streamed under `router.first_token: prefill`, the first token goes to the client between the two
+     steps, and the decode stream goes on without it (first_token.py).
   Colocated: one POST /generate, streamed, on a colocated worker.
 A worker's fault under a choice (its process or engine core died, its stream was cut) migrates the choice
 to another worker, which goes on from the tokens already streamed (migrate.py). Every other failure
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -34,6 +37,7 @@ from splitserve.config.manifest_sections import RouterSection
 from splitserve.router.cache_follow import CacheFollower
 from splitserve.router.cache_metrics import CacheMetrics
 from splitserve.router.cache_policy import CacheAwarePolicy, Choice
+from splitserve.router.first_token import SentFirst, early_piece
 from splitserve.router.idle_deadline import IdleDeadline
 from splitserve.router.migrate import KV_FAULTS, Attempt, migrating
 from splitserve.router.openai_protocol import APIError
@@ -202,16 +206,19 @@ class Dispatcher:
 
     def run(
         self, index: int, prompt_ids: list[int], params: SamplingParams, request_id: str,
-        deadline: float | None = None,
+        deadline: float | None = None, stream: bool = False,
     ) -> AsyncIterator[Piece]:  # fmt: skip
         """The choice's pieces; `deadline` (time.perf_counter()): the request's, which bounds waits for
-        a worker and migrations."""
-        return migrating(self._attempt, self.config, index, prompt_ids, params, request_id, deadline,
+        a worker and migrations; `stream`: the client reads them as they come (`router.first_token`)."""
+        early = stream and self.config.first_token == "prefill"
+        attempt = functools.partial(self._attempt, early=early)
+        return migrating(attempt, self.config, index, prompt_ids, params, request_id, deadline,
                          self.on_migrated)  # fmt: skip
 
     async def _attempt(
-        self, index: int, ids: list[int], params: SamplingParams, rid: str, resumed: int, at: Attempt
-    ) -> AsyncIterator[Piece]:
+        self, index: int, ids: list[int], params: SamplingParams, rid: str, resumed: int, at: Attempt,
+        early: bool = False,
+    ) -> AsyncIterator[Piece]:  # fmt: skip
         """One try at a choice (migrate.py): `ids` the prompt, its last `resumed` tokens the completion's
         own (streamed before a fault)."""
         if self.mode == "colocated":
@@ -226,7 +233,7 @@ class Dispatcher:
             finally:
                 choice.done()
             return
-        async for p in self._disaggregated(index, ids, params, rid, resumed, at):
+        async for p in self._disaggregated(index, ids, params, rid, resumed, at, early):
             yield p
 
     async def _pick(self, role: str, prompt_ids: Sequence[int], at: Attempt) -> Choice:
@@ -246,8 +253,9 @@ class Dispatcher:
             await asyncio.sleep(0.05)
 
     async def _disaggregated(
-        self, index: int, prompt_ids: list[int], params: SamplingParams, rid: str, resumed: int, at: Attempt
-    ) -> AsyncIterator[Piece]:
+        self, index: int, prompt_ids: list[int], params: SamplingParams, rid: str, resumed: int, at: Attempt,
+        early: bool = False,
+    ) -> AsyncIterator[Piece]:  # fmt: skip
         t = self.config.timeouts
         await self._pick("decode", prompt_ids, at)  # none ready: wait before a prefill holds KV for it
         choice = await self._pick("prefill", prompt_ids, at)
@@ -292,24 +300,22 @@ class Dispatcher:
             lps = None if pre.logprob is None else [pre.logprob]
             yield Piece(index, [pre.first_token], pre.text, lps, pre.finish_reason, True, metrics)
             return
-        kv_export = pre.kv_export
+        kv_export, claimed = pre.kv_export, False
         try:
+            if early:  # the first token now; a fault from here on is mid-stream (migrate.py)
+                yield early_piece(index, pre, metrics)
             dc = (await self._pick("decode", prompt_ids, at)).worker
-        except (APIError, asyncio.CancelledError):
-            self._later(self._post_quietly(pf, "/kv/release", ReleaseRequest(kv_export=kv_export)))
-            raise
-        dbody = DecodeRequest(
-            prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob,
-            kv_export=kv_export, sampling_params=params, request_id=rid, timeout_s=t.kv_transfer_s,
-            stream=True, resumed=resumed, stamp=stamp(dc),
-        )  # fmt: skip
-        claimed = False
-        try:
+            dbody = DecodeRequest(
+                prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob,
+                kv_export=kv_export, sampling_params=params, request_id=rid, timeout_s=t.kv_transfer_s,
+                stream=True, resumed=resumed, stamp=stamp(dc),
+            )  # fmt: skip
+            sent = SentFirst(pre, rid) if early else None
             async for p in self._stream(dc, "/decode", dbody, index, rid, t.kv_transfer_s + t.connect_s):
                 if not claimed:
                     claimed = True
-                    p.metrics = {**metrics, **p.metrics}
-                yield p
+                    p.metrics = p.metrics if early else {**metrics, **p.metrics}
+                yield p if sent is None else sent(p)
         except APIError as exc:
             if not claimed and exc.code in KV_FAULTS:
                 at.on(pf)  # the KV did not come from the prefill worker: it is the one to avoid

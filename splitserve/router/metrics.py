@@ -19,48 +19,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from splitserve.router.split_metrics import SplitMetrics
 from splitserve.wire.stats import WorkerRow
 
-_LATENCY = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_ITL = (
-    0.001,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+            20.0, 40.0, 80.0)  # fmt: skip
+_ITL = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+        0.75, 1.0, 2.5)  # fmt: skip
 _BYTES = tuple(float(1 << k) for k in range(10, 34, 2))
 # the statuses the API answers with (openai_protocol.APIError's and starlette's)
 ERROR_STATUSES = ("400", "401", "404", "405", "413", "422", "429", "499", "500", "502", "503", "504")
@@ -294,13 +256,18 @@ class RouterMetrics:
             self.queue.labels(lab).observe(queue)
         if prefill is not None:
             self.prefill.labels(lab).observe(prefill)
-        backend = m.get("kv_backend")
+        self.observe_transfer(m)
+        known = sum(x for x in (queue, prefill, kv_fetch, m.get("kv_wait_s")) if x is not None)
+        self.first_decode.labels(lab).observe(max(0.0, ttft - known))
+
+    def observe_transfer(self, m: dict) -> None:
+        """A KV transfer, as the decode worker's first line reports it (m: the workers' metrics): the
+        choice's first piece, or a later one when the first token went ahead (`router.first_token`)."""
+        backend, kv_fetch, lab = m.get("kv_backend"), m.get("kv_fetch_s"), self.model
         if kv_fetch is not None and backend:
             self.kv_seconds.labels(lab, backend).observe(kv_fetch)
             self.kv_bytes.labels(lab, backend).inc(m.get("kv_bytes") or 0)
             self.kv_transfers.labels(lab, backend, "recomputed" if m.get("kv_error") else "ok").inc()
-        known = sum(x for x in (queue, prefill, kv_fetch, m.get("kv_wait_s")) if x is not None)
-        self.first_decode.labels(lab).observe(max(0.0, ttft - known))
 
     def observe_done(self, e2e: float, ttft: float | None, output_tokens: int) -> None:
         """A request finished: its decode time and time per output token (TPOT)."""

@@ -110,11 +110,7 @@ async def respond(
         body = await unless_disconnected(request, run.collect(first))
         return JSONResponse(body, headers=run.headers())
     except APIError as exc:
-        if exc.code in ("kv_transfer_failed", "kv_transfer_timeout", "kv_transport"):
-            # NOTE: labelled with the manifest's backend: the error does not say which one failed
-            backend = server.manifest.transport.backend
-            server.metrics.kv_failures.labels(name, backend, exc.code).inc()
-            server.vllm.kv_failed.labels(name, backend).inc()
+        server.kv_failed(exc)
         raise
     finally:
         if not handed_over:

@@ -87,7 +87,8 @@ class Run:
     async def _one(self, index: int, ids: list[int], params: SamplingParams, rid: str) -> None:
         end: BaseException | int | None = index  # what the consumer hears last from this choice
         try:
-            async for piece in self.s.dispatcher.run(index, ids, params, rid, self.deadline):
+            stream = bool(self.req.stream)  # streamed: the first token may go ahead (router.first_token)
+            async for piece in self.s.dispatcher.run(index, ids, params, rid, self.deadline, stream):
                 self.queue.put_nowait(piece)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             end = exc
@@ -157,13 +158,17 @@ class Run:
             self.s.vllm.observe_first(ttft, piece.metrics)
             if self.ttft is None:
                 self.ttft, self.first_metrics = ttft, piece.metrics
-        elif piece.token_ids:
+        elif piece.metrics:  # a KV transfer after the first token (router.first_token), or a migration's
+            m.observe_transfer(piece.metrics)
+            self.s.vllm.observe_transfer(piece.metrics)
+        if c.last_time and piece.token_ids:
             gap = (now - c.last_time) / len(piece.token_ids)
             observe, observe_vllm = self.s.itl.observe, self.s.vllm.itl_bound.observe
             for _ in piece.token_ids:
                 observe(gap)
                 observe_vllm(gap)
-        c.last_time = now
+        if piece.token_ids or not c.last_time:  # an emptied piece (first_token.py) is no token's time
+            c.last_time = now
         c.tokens += len(piece.token_ids)
         if c.thinking is not None:
             c.thinking.feed(piece.token_ids)
@@ -225,14 +230,8 @@ class Run:
                     reason = "tool_calls" if parsed.calls and reason == "stop" else reason
                 choices.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": reason})
             else:
-                choices.append(
-                    {
-                        "index": c.index,
-                        "text": echo + c.text,
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
+                choices.append({"index": c.index, "text": echo + c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason})  # fmt: skip
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {
             "id": self.rid,
@@ -298,6 +297,9 @@ class Run:
             offsets = [0] * len(self.choices)
             tools = [self.output() for _ in self.choices] if self.output is not None else None
             while piece is not None:
+                if not (piece.token_ids or piece.text or piece.finished):  # a KV transfer's figures alone
+                    piece = await self.next()
+                    continue
                 c = self.choices[piece.index]
                 lp = None
                 if self.params.logprobs is not None:
@@ -334,6 +336,7 @@ class Run:
                 yield self._chunk([], False, usage=True)
         except APIError as exc:
             self.s.metrics.errors.labels(self.s.info.served_name, str(exc.status)).inc()
+            self.s.kv_failed(exc)
             yield sse_frame({**exc.body(), "status": exc.status})
         except asyncio.CancelledError:
             log.info("client went away from %s; aborting its choices", self.rid)

@@ -36,7 +36,7 @@ from splitserve.router.gate import Gate
 from splitserve.router.guard import MetricsSnapshot
 from splitserve.router.json_edge import parse_json
 from splitserve.router.lenient import ignored_fields_counter
-from splitserve.router.metrics import RouterMetrics
+from splitserve.router.metrics import KV_FAILURE_KINDS, RouterMetrics
 from splitserve.router.migrate import KV_FAULTS, migration_counter
 from splitserve.router.openai_protocol import APIError
 from splitserve.router.parsers import chosen_parsers
@@ -124,6 +124,15 @@ class OpenAIServer:
         if cause in KV_FAULTS:  # a failed transfer is one, whether the client sees it or not
             backend = self.manifest.transport.backend
             self.metrics.kv_failures.labels(self.info.served_name, backend, cause).inc()
+
+    def kv_failed(self, exc: APIError) -> None:
+        """Count a KV transfer's failure that ends a choice, before its first token or after it (a first
+        token sent ahead of the transfer: `router.first_token`)."""
+        if exc.code in KV_FAILURE_KINDS:
+            # NOTE: labelled with the manifest's backend: the error does not say which one failed
+            backend, name = self.manifest.transport.backend, self.info.served_name
+            self.metrics.kv_failures.labels(name, backend, exc.code).inc()
+            self.vllm.kv_failed.labels(name, backend).inc()
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id) if self.tokenizer is not None else str(token_id)

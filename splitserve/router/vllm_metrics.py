@@ -208,6 +208,10 @@ class VllmMetrics:
     def observe_first(self, ttft: float, m: dict) -> None:
         """A choice's first token: TTFT, and the KV transfer that preceded it (m: the workers' metrics)."""
         self.ttft.labels(self.model).observe(ttft)
+        self.observe_transfer(m)
+
+    def observe_transfer(self, m: dict) -> None:
+        """A KV transfer as the decode worker's first line reports it (`RouterMetrics.observe_transfer`)."""
         backend = m.get("kv_backend")
         if m.get("kv_fetch_s") is None or not backend:
             return

@@ -54,6 +54,18 @@ def test_breakdown_from_the_routers_metrics():
     assert c["kv"] == {} and math.isnan(c["kv_share_of_ttft"]) and c["transfer_incl_wait_ms"] == 0.0
 
 
+def test_a_first_token_ahead_of_the_transfer_leaves_it_out_of_ttft():
+    """`router.first_token: prefill`: the first token is the prefill worker's, the transfer is counted
+    with the decode worker's first line after it, and is no part of TTFT."""
+    m = RouterMetrics("smol")
+    m.observe_first(0.6, {"queue_s": 0.1, "prefill_s": 0.4, "kv_backend": "shm"})
+    m.observe_transfer({"kv_fetch_s": 0.2, "kv_wait_s": 0.1, "kv_backend": "shm", "kv_bytes": 1 << 20})
+    s = server_breakdown(delta(None, parse_metrics(m.render().decode())))
+    assert s["ttft_ms"] == pytest.approx(600.0) and s["first_decode_ms"] == pytest.approx(100.0)
+    assert s["kv"]["shm"]["transfers"] == 1 and s["kv"]["shm"]["outcomes"] == {"ok": 1}
+    assert s["transfer_incl_wait_ms"] == 0.0 and s["kv_share_of_ttft"] == 0.0
+
+
 def test_hardware_and_price_per_hour():
     prices = {"cpu": 0.05, "cuda": 4.0}
     dis = load_manifest(None, {"model.device": "cpu", "decode.replicas": 2})

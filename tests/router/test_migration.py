@@ -2,7 +2,9 @@
 with its standby spare: a decode worker's engine core or front end killed with SIGKILL mid-stream, a
 prefill worker's while it prefills. Every stream ends "ok" with the answer of a fault-free run, token for
 token, greedy, seeded or held to a schema; the migrations are counted by cause; a request that arrives
-while the worker restarts waits for it instead of a 503; nothing stays allocated afterwards."""
+while the worker restarts waits for it instead of a 503; nothing stays allocated afterwards. Streamed, the
+first token is the prefill worker's (`router.first_token: prefill`): a decode worker killed after it, while
+it fetches the KV, is a fault mid-stream, and the stream goes on from that token."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import time
 
 import httpx
 import pytest
-from serve_harness import MODEL, manifest_yaml, start_deployment
+from serve_harness import MODEL, SECRET, manifest_yaml, start_deployment
+
+from splitserve.wire.auth import worker_headers
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +36,12 @@ def dep():
             # no prefix cache: the fault-free reference run would leave the long prompts cached, and the
             # killed run's prefill would be over before the kill could strike it
             engine={"enable_prefix_caching": False},
-            router={"timeouts": {"inter_token_s": 10, "kv_transfer_s": 10, "prefill_s": 30}},
+            router={
+                "timeouts": {"inter_token_s": 10, "kv_transfer_s": 10, "prefill_s": 30},
+                "first_token": "prefill",
+            },
             transport={"lease_s": 10},
-            runtime={"standby": True},
+            runtime={"standby": True, "worker_args": ["--enable-fault-injection"]},
         )
     )
     yield d
@@ -96,7 +103,7 @@ def _wait_streaming(dep, role: str, timeout_s: float = 30.0) -> None:
 
 
 def _migrations(dep) -> float:
-    text = httpx.get(f"{dep.url}/metrics", timeout=10).text
+    text = httpx.get(f"{dep.url}/metrics?fresh=1", timeout=10).text  # the next snapshot, not the last
     return sum(
         float(m) for m in re.findall(r"^splitserve:request_migrations_total\{[^}]*\} (\S+)$", text, re.M)
     )
@@ -158,3 +165,40 @@ def test_a_prefill_worker_killed_while_it_prefills_costs_no_answer(dep):
     for (outcome, tokens), expected in zip(asyncio.run(main()), ref, strict=True):
         assert outcome == "ok" and tokens == expected, (outcome, tokens, expected)
     _after(dep, "prefill-0", restarts)
+
+
+def _faults(dep, worker: str, knobs: dict) -> None:
+    r = httpx.post(f"{dep.worker_urls()[worker]}/debug/faults", json=knobs, headers=worker_headers(SECRET),
+                   timeout=10)  # fmt: skip
+    assert r.status_code == 200, r.text
+
+
+def test_a_decode_worker_killed_after_the_first_token_costs_no_answer(dep):
+    """The prefill worker serves each KV fetch 2 s late: the first token reaches the client while the
+    decode worker still fetches (it is importing once the client has it, and no other token came), then
+    the decode worker's engine core is killed; the choice migrates with that token and ends as without
+    a fault, token for token."""
+    ref = _reference(dep, PROMPTS[:1])[0]
+    restarts = {w["name"]: w["restarts"] for w in dep.health()["workers"]}["decode-0"]
+    migrated = _migrations(dep)
+    _faults(dep, "prefill-0", {"delay": 1.0, "delay_s": 2.0})
+    tokens: list[str] = []
+    try:
+        url = f"{dep.url}/v1/completions"
+        with httpx.stream("POST", url, json=_body(PROMPTS[0], True), timeout=120) as r:
+            events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+            tokens += next(events)["choices"][0]["logprobs"]["tokens"]
+            assert len(tokens) == 1
+            deadline = time.monotonic() + 10
+            while not dep.worker_stats()["decode-0"]["importing"]:
+                assert time.monotonic() < deadline, "the decode worker never fetched"
+                time.sleep(0.02)
+            os.kill(_pid(dep, "decode-0", "engine core"), signal.SIGKILL)
+            for event in events:
+                assert "error" not in event, event
+                tokens += event["choices"][0]["logprobs"]["tokens"]
+    finally:
+        _faults(dep, "prefill-0", {})
+    assert tokens == ref
+    assert _migrations(dep) == migrated + 1
+    _after(dep, "decode-0", restarts)

@@ -113,6 +113,37 @@ async def test_a_decode_worker_that_never_answers_is_a_504_at_the_transfer_deadl
         server.close()
 
 
+async def test_a_first_token_sent_ahead_gives_the_kv_back_when_the_decode_worker_never_answers() -> None:
+    """`router.first_token: prefill`, streamed: the prefill worker's token is the choice's first piece
+    before the decode worker has answered anything; the decode stage's deadline then ends the choice,
+    and the export the decode worker never took is released."""
+    server, url, seen = await _fake_worker(
+        {"/prefill": PREFILL_ANSWER, "/decode": None, "/kv/release": b"{}"}
+    )
+    workers = _Workers(_Endpoint("prefill-0", "prefill", url), _Endpoint("decode-0", "decode", url))
+    router = RouterSection.model_validate(
+        {"first_token": "prefill", "timeouts": {"request_s": 600, "kv_transfer_s": 0.4, "connect_s": 0.2}}
+    )
+    dispatcher = Dispatcher(workers, router, "disaggregated")
+    pieces = []
+    try:
+        with pytest.raises(APIError) as info:
+            async with asyncio.timeout(10):
+                params = SamplingParams(max_tokens=8)
+                async for p in dispatcher.run(0, [1, 2, 3, 4], params, "r", stream=True):
+                    pieces.append(p)
+        assert [(p.token_ids, p.text, p.finished) for p in pieces] == [([7], "x", False)]
+        assert pieces[0].metrics["kv_backend"] == "shm" and "kv_fetch_s" not in pieces[0].metrics
+        assert info.value.status == 504 and info.value.code == "worker_timeout", info.value
+        deadline = time.monotonic() + 5
+        while "/kv/release" not in seen and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert seen[:2] == ["/prefill", "/decode"] and "/kv/release" in seen, seen
+    finally:
+        await dispatcher.close()
+        server.close()
+
+
 async def test_a_colocated_worker_that_never_answers_is_a_504_at_the_prefill_deadline() -> None:
     server, url, _ = await _fake_worker({"/generate": None, "/abort": b"{}"})
     dispatcher = Dispatcher(
