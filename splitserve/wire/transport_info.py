@@ -169,6 +169,7 @@ __all__ = [
     "MoverInfo",
     "NcclInfo",
     "NixlInfo",
+    "RankParts",
     "PeerInfo",
     "TensorParallelInfo",
     "TransportInfo",

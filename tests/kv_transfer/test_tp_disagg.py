@@ -210,13 +210,13 @@ def test_each_decode_rank_reads_its_own_share_with_no_staging(engines, backend, 
     (p, pc), (d, dc) = engines.get(model, sizes[0], backend), engines.get(model, sizes[1], backend, "b")
     cfg = ModelConfig.from_hf(random_source_config(model))
     fetcher, n = _fetcher(dc), 3
-    before_parts, before_served = fetcher.describe(), _served(pc)
+    before_parts, before_served = fetcher.rank_parts(), _served(pc)
     lease, into = p.lease_blocks(n), d.lease_blocks(n, touch=True)
     handle = pc.transport.export("share", lease.block_ids, lease.num_tokens, lease.state)
     dc.fetch_blocks(handle, into.block_ids, 20.0)
     dc.release(handle)
     d.release_blocks(into)
-    after = fetcher.describe()
+    after = fetcher.rank_parts()
     read = [a.fetched_bytes - b.fetched_bytes for a, b in zip(after, before_parts, strict=True)]
     owned = [Plan.build(cfg, *sizes).dst.rank_layout(dc.layout, r).payload_nbytes(n) for r in range(sizes[1])]
     assert read == owned

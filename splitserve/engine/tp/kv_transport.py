@@ -134,7 +134,7 @@ class ShardedFetch:
                 transport.close()
         raise refused
 
-    def describe(self) -> list[RankParts]:
+    def rank_parts(self) -> list[RankParts]:
         """Per decode rank: the bytes its own channels fetched from each prefill rank."""
         out = [RankParts() for _ in self.kvs]
         with self._lock:
@@ -299,7 +299,7 @@ class TPTransport(KVTransport):
             addresses=[t.address for t in self.ranks],
             served_bytes=[t.stats.snapshot()["counts"].get("served_bytes", 0) for t in self.ranks],
             fetched_bytes=list(self.fetcher.rank_bytes) if self.fetcher else [],
-            parts=self.fetcher.describe() if self.fetcher else [],
+            parts=self.fetcher.rank_parts() if self.fetcher else [],
         )
         return msgspec.structs.replace(
             self.ranks[0].describe(), layout_fingerprint=self.layout.fingerprint, tensor_parallel=group
