@@ -61,6 +61,7 @@ MAPS: dict[str, str] = {
     "CudaIpcInfo.p2p_access": "another GPU's index -> whether this GPU reaches it directly",
     "NixlInfo.failed": "NIXL backend -> why it did not start",
     "NixlInfo.reads": "NIXL backend that served reads -> reads",
+    "RankParts.by_prefill_rank": "a prefill rank -> bytes one decode rank fetched from it",
 }
 # Diagnostic trees free in shape, which no code reads (wire/stats.py `Diagnostics`). Shrink this list;
 # never grow it.
