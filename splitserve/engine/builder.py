@@ -204,6 +204,8 @@ def panel_store(config: EngineConfig, loaded: LoadedModel) -> cpu_linear.PanelSt
     cache, found = config.weight_cache(), loaded.load_stats.get("cache") or {}
     if cache is None or loaded.load_stats.get("method") != "cache-mmap" or "path" not in found:
         return None
+    if config.tensor_parallel_size > 1:  # each rank packs its own shard: the entry holds whole weights
+        return None
     from splitserve.kernels.cpu.panel_cache import cached_panels
 
     return lambda weights: cached_panels(cache, found["path"], weights)

@@ -18,7 +18,9 @@ from splitserve.sampling.params import SamplingParams
 class _StrayCancel:
     """Awaits a future that another task cancels: the CancelledError comes from below, not from Run."""
 
-    async def run(self, index: int, ids: list[int], params: SamplingParams, rid: str, deadline=None):
+    async def run(
+        self, index: int, ids: list[int], params: SamplingParams, rid: str, deadline=None, stream=False
+    ):
         fut = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.05, fut.cancel)
         await fut
@@ -26,7 +28,9 @@ class _StrayCancel:
 
 
 class _Hang:
-    async def run(self, index: int, ids: list[int], params: SamplingParams, rid: str, deadline=None):
+    async def run(
+        self, index: int, ids: list[int], params: SamplingParams, rid: str, deadline=None, stream=False
+    ):
         await asyncio.sleep(3600)
         yield
 
@@ -36,7 +40,7 @@ def _run(dispatcher: object, request_s: float = 600.0) -> Run:
         dispatcher=dispatcher,
         manifest=SimpleNamespace(router=SimpleNamespace(timeouts=SimpleNamespace(request_s=request_s))),
     )
-    req = SimpleNamespace(n=1)
+    req = SimpleNamespace(n=1, stream=False)
     return Run(
         server, "completion", req, [([1, 2, 3], "")], SamplingParams(), "cmpl-test", time.perf_counter()
     )
