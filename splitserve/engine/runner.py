@@ -25,7 +25,7 @@ import torch
 from splitserve.engine.isolate import check_fault
 from splitserve.engine.prefill_graphs import PrefillGraphs
 from splitserve.engine.scheduler import ScheduledChunk
-from splitserve.engine.spec.rows import VerifyRow, as_rows, order_key, row_token, sample_rows
+from splitserve.engine.spec.rows import VerifyRow, as_rows, order_key
 from splitserve.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -128,9 +128,8 @@ class ModelRunner:
     def _execute(
         self, chunks: list[ScheduledChunk], feed: Feed | None
     ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        rows = chunks if self.states or self.graphs is None else as_rows(chunks)  # verify chunks: rows.py
-        if self.graphs is not None and self.graphs.accepts(rows):
-            return self.graphs.run(rows, feed)
+        if self.graphs is not None and self.graphs.accepts(chunks):
+            return self.graphs.run(chunks, feed)
         if self.prefill_graphs is not None and self.prefill_graphs.accepts(chunks):
             return self.prefill_graphs.run(chunks)
         inputs = self.prepare(chunks, feed)
@@ -378,7 +377,7 @@ class DecodeGraphs:
                 fed.append((i, feed[1][id(req)]))
                 host[0, i] = 0  # on the device: set below
             else:
-                host[0, i] = row_token(c)
+                host[0, i] = req.token_ids(p, p + 1)[0]
             host[1, i] = p
             host[2, i] = blocks[p // bs] * bs + p % bs
             host[3, i] = p + 1
@@ -391,8 +390,8 @@ class DecodeGraphs:
             self.runner.put_fed(self.inputs[0], fed, feed[0])
         self.graphs[size].replay()
         logits = self.logits[size]
-        sample, sampled = sample_rows(chunks)  # a verify chunk: a row at its last known token and each draft
+        sample = [i for i, c in enumerate(chunks) if c.samples]
         if len(sample) == b:
-            return logits[:b], sampled
+            return logits[:b], list(chunks)
         rows = torch.tensor(sample, dtype=torch.int64).to(dev, non_blocking=True)
-        return logits[rows], sampled
+        return logits[rows], [chunks[i] for i in sample]
