@@ -5,6 +5,7 @@ import mode): `from conftest import ...` would reach whichever folder's conftest
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -146,3 +147,19 @@ def _nullable(node):
 
 def sse_events(raw: str) -> list[str]:
     return [m.group(1) for m in re.finditer(r"^data: (.*)$", raw, flags=re.M)]
+
+
+async def stream_tokens(client: httpx.AsyncClient, url: str, body: dict) -> tuple[str, list[str]]:
+    """A streamed `/v1/completions` with `logprobs`: ("ok" or the error, the tokens streamed), whether the
+    error is the status or an event in the stream."""
+    tokens: list[str] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return f"status {r.status_code}: {(await r.aread())[:300]!r}", tokens
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return f"error {event['error']}", tokens
+                tokens += event["choices"][0]["logprobs"]["tokens"]
+    return "ok", tokens

@@ -9,12 +9,11 @@ afterwards every KV block is free and no export is leased, on every worker."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 import pytest
-from serve_harness import MODEL, SECRET
+from serve_harness import MODEL, SECRET, stream_tokens
 
 from splitserve.config import parse_manifest
 from splitserve.wire.auth import worker_headers
@@ -66,18 +65,7 @@ def _switch(url: str, name: str, **body) -> httpx.Response:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, list[str]]:
-    """-> ("ok" or the error, the tokens streamed)."""
-    tokens: list[str] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=_body(prompt, True)) as r:
-        if r.status_code != 200:
-            return f"status {r.status_code}: {(await r.aread())[:300]!r}", tokens
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return f"error {event['error']}", tokens
-                tokens += event["choices"][0]["logprobs"]["tokens"]
-    return "ok", tokens
+    return await stream_tokens(client, url, _body(prompt, True))
 
 
 def test_refusals(url):

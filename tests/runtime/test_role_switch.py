@@ -11,13 +11,12 @@ and no export is leased, on every worker."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 
 import httpx
 import pytest
 import yaml
-from serve_harness import MODEL, SECRET, manifest_yaml, start_deployment
+from serve_harness import MODEL, SECRET, manifest_yaml, start_deployment, stream_tokens
 
 from splitserve.config import parse_manifest
 from splitserve.runtime.role_switch import switched_config
@@ -68,18 +67,7 @@ def _reference(dep) -> list[list[str]]:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, list[str]]:
-    """-> ("ok" or the error, the tokens streamed)."""
-    tokens: list[str] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=_body(prompt, True)) as r:
-        if r.status_code != 200:
-            return f"status {r.status_code}: {(await r.aread())[:300]!r}", tokens
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return f"error {event['error']}", tokens
-                tokens += event["choices"][0]["logprobs"]["tokens"]
-    return "ok", tokens
+    return await stream_tokens(client, url, _body(prompt, True))
 
 
 def _switch(dep, name: str, **body) -> httpx.Response:
