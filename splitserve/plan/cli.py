@@ -90,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
         price = args.price_per_device_hour
         if price is None:
             price = manifest.prices.usd_per_hour.get(kind, math.nan)
-        deployments = candidates(args.devices, lambda role: limits_for(manifest, role, profile))
+        deployments = candidates(
+            args.devices, lambda role: limits_for(manifest, role, profile), manifest.router.first_token
+        )
     except ValueError as exc:
         print(f"splitserve plan: error: {exc}", file=sys.stderr)
         return 2
@@ -120,8 +122,8 @@ def _profile(args: argparse.Namespace, manifest) -> Profile:  # noqa: ANN001
             from splitserve.plan.served import measure_served
 
             workers = max(1, len(host_cpus()) // args.threads)
-            factor = measure_served(manifest, profile.cost, workers)
-            profile.cost = msgspec.structs.replace(profile.cost, served_factor=factor)
+            factor, request_s = measure_served(manifest, profile.cost, workers)
+            profile.cost = msgspec.structs.replace(profile.cost, served_factor=factor, request_s=request_s)
         if args.save_profile:
             profile.save(args.save_profile)
             print(f"profile saved: {args.save_profile}")

@@ -14,6 +14,8 @@ serving adds to the engine's time (`served_factor`, measured through the server:
     step_s = served_factor * (base_s + prefill_token_s * prefill_tokens + prefill_pair_s * prefill_pairs
                               + decode_seq_s * decode_seqs + decode_context_s * decode_context)
 
+A token reaches the client `request_s` after the step that sampled it (the fixed cost of the request's
+way through the load client, the router and the worker's front end; TTFT carries it, token gaps do not).
 A handoff of a prompt of L tokens moves `kv_bytes_per_token * L + state_bytes` bytes and takes
 `latency_s + bytes / bytes_per_s`. `profile.py` fits the coefficients to steps measured on the real
 engine and the real transport; tests set them by hand.
@@ -56,13 +58,18 @@ class StepCost(msgspec.Struct, frozen=True, kw_only=True):
     bytes_per_s: float = float("inf")
     kv_bytes_per_token: int = 0
     state_bytes: int = 0  # recurrent state of hybrid models, per request
-    # a decode-only step runs this many times slower while another worker of the host is in one too:
-    # on cores of their own, both still stream the weights through one memory bus (prompt steps are
-    # bound by compute, and measured unslowed); 1: no such slowdown
-    corun_factor: float = 1.0
+    # a step runs this many times slower while another worker of the host is in a step too (workers on
+    # cores of their own still share one memory bus and the last-level cache; corun.py measures them):
+    corun_factor: float = 1.0  # a decode-only step beside a decode-only step
+    corun_prefill_factor: float = 1.0  # a step with prompt tokens beside a decode-only step
+    corun_decode_prefill_factor: float = 1.0  # a decode-only step beside a step with prompt tokens
+    corun_prefill_prefill_factor: float = 1.0  # a step with prompt tokens beside another such
     # a step through the server (load client, router and front end beside the engine) over the same
     # step in the engine alone (served.py); 1: the engine's own times
     served_factor: float = 1.0
+    # a request's fixed way outside the engine's steps (the load client, the router, the worker's front
+    # end, HTTP and streaming): each token reaches the client this long after its step ends (served.py)
+    request_s: float = 0.0
 
     def step_s(self, shape: StepShape) -> float:
         if shape.empty:
@@ -74,6 +81,12 @@ class StepCost(msgspec.Struct, frozen=True, kw_only=True):
             + self.decode_seq_s * shape.decode_seqs
             + self.decode_context_s * shape.decode_context
         )
+
+    def corun(self, prompt: bool, beside_prompt: bool) -> float:
+        """The slowdown of a step (`prompt`: it computes prompt tokens) beside another worker's step."""
+        if prompt:
+            return self.corun_prefill_prefill_factor if beside_prompt else self.corun_prefill_factor
+        return self.corun_decode_prefill_factor if beside_prompt else self.corun_factor
 
     def handoff_bytes(self, prompt_tokens: int) -> int:
         return self.kv_bytes_per_token * prompt_tokens + self.state_bytes

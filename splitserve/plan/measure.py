@@ -1,13 +1,17 @@
 """Profiling on this host: engine steps timed on the real engine (`LLMEngine`, the offline API the
 workers run) and KV handoffs timed over the real transport, fitted into a `Profile`.
 
-The grid is small on purpose (about a minute for the default model on one CPU core):
-    prefill   one prompt at a time of 32 .. 1024 tokens (one step each), and a long prompt chunked
-              by a smaller step budget (its later chunks attend to the earlier ones)
+The grid is small on purpose (about two minutes for the default model on one CPU core):
+    prefill   one prompt at a time of 64 .. 1024 tokens (one step each), and a long prompt chunked
+              by a smaller step budget (its later chunks attend to the earlier ones), the whole set
+              timed in `prefill_rounds` rounds (fresh prompts each round, so that no prefix is
+              cached) and each shape kept at its median: a host whose speed drifts for a second
+              moves one round, not the fit; the spread between rounds is kept in the profile
     decode    batches of 1 to 16 requests at contexts of 64 to 512 tokens, a few steps each
               (the steps that prefilled them are kept too: mixed shapes)
     handoff   1 .. 64 KV blocks exported by one transport and fetched by another, in this process
-    co-run    pinned: decode steps beside a neighbour decoding on other CPUs (corun.py)
+    co-run    pinned: decode and prompt steps beside a neighbour decoding or prefilling on other
+              CPUs (corun.py)
 Every step's shape is read off the scheduler's own output for that step, so what is fitted is what
 the engine scheduled. The first step at each new shape (oneDNN builds its kernels then) is not kept.
 """
@@ -34,9 +38,12 @@ from splitserve.sampling.params import SamplingParams
 
 @dataclass(frozen=True)
 class Grid:
-    prefill_lens: tuple[int, ...] = (64, 256, 512, 1024)
+    # lone prompts, dense where served prompts mostly are (a step of one long prompt costs more per
+    # token than one of several short prompts of the same total: the decode batches' prefills below)
+    prefill_lens: tuple[int, ...] = (64, 128, 256, 384, 512, 1024)
     chunked_len: int = 1024
     chunk_budget: int = 384
+    prefill_rounds: int = 3
     # (batch, context) of the decode points
     decode_shapes: tuple[tuple[int, int], ...] = (
         (1, 64),
@@ -103,22 +110,51 @@ def _run_prompts(
     return points
 
 
-def measure_steps(engine: LLMEngine, grid: Grid, log=print) -> list[StepPoint]:  # noqa: ANN001
+def _prefill_round(rec: _StepRecorder, grid: Grid, vocab: int, seed: int) -> list[StepPoint]:
+    """Every prefill shape of the grid once, with prompts of their own (`seed`)."""
+    points: list[StepPoint] = []
+    for i, length in enumerate(grid.prefill_lens):
+        points += _run_prompts(rec, _prompts(1, length, vocab, seed + i), 1, keep=True)
+    sched = rec.engine.scheduler
+    budget, sched.max_num_batched_tokens = sched.max_num_batched_tokens, grid.chunk_budget
+    try:
+        points += _run_prompts(rec, _prompts(1, grid.chunked_len, vocab, seed + 99), 1, keep=True)
+    finally:
+        sched.max_num_batched_tokens = budget
+    return points
+
+
+def median_by_shape(points: list[StepPoint]) -> tuple[list[StepPoint], list[float]]:
+    """One point per distinct shape (in order of first appearance) at the median of its times; and each
+    shape's spread, (slowest - fastest) / median, over its repeats."""
+    groups: dict[tuple, list[float]] = {}
+    for p in points:
+        groups.setdefault((p.prefill_tokens, p.prefill_pairs, p.decode_seqs, p.decode_context), []).append(
+            p.seconds
+        )
+    out, spread = [], []
+    for shape, times in groups.items():
+        mid = statistics.median(times)
+        out.append(StepPoint(*shape, mid))
+        spread.append((max(times) - min(times)) / mid)
+    return out, spread
+
+
+def measure_steps(engine: LLMEngine, grid: Grid, log=print) -> tuple[list[StepPoint], list[float]]:  # noqa: ANN001
+    """-> (the steps, each prefill shape's spread over the rounds)."""
     rec, vocab = _StepRecorder(engine), engine.model_config.vocab_size
     _run_prompts(rec, _prompts(2, 48, vocab, 1), 8, keep=False)  # warm-up: first use of the kernels
     for _ in range(4):
         rec.step()
     _drain(engine, rec.ids)
-    points: list[StepPoint] = []
-    for i, length in enumerate(grid.prefill_lens):
-        points += _run_prompts(rec, _prompts(1, length, vocab, 10 + i), 1, keep=True)
-    sched = engine.scheduler
-    budget, sched.max_num_batched_tokens = sched.max_num_batched_tokens, grid.chunk_budget
-    try:
-        points += _run_prompts(rec, _prompts(1, grid.chunked_len, vocab, 20), 1, keep=True)
-    finally:
-        sched.max_num_batched_tokens = budget
-    log(f"  prefill: {len(points)} steps timed")
+    rounds: list[StepPoint] = []
+    for r in range(max(1, grid.prefill_rounds)):
+        rounds += _prefill_round(rec, grid, vocab, 1000 * (r + 1))
+    points, spread = median_by_shape(rounds)
+    log(
+        f"  prefill: {len(points)} shapes timed {grid.prefill_rounds}x, spread between rounds "
+        f"median {statistics.median(spread):.1%}, worst {max(spread):.1%}"
+    )
     for i, (batch, ctx) in enumerate(grid.decode_shapes):
         points += _run_prompts(rec, _prompts(batch, ctx, vocab, 30 + i), 100_000, keep=True)
         rec.step()  # the first step at this batch shape warms it
@@ -128,7 +164,7 @@ def measure_steps(engine: LLMEngine, grid: Grid, log=print) -> list[StepPoint]: 
                 points.append(p)
         _drain(engine, rec.ids)
     log(f"  prefill + decode: {len(points)} steps timed")
-    return points
+    return points, spread
 
 
 def measure_transfers(
@@ -193,16 +229,16 @@ def profile_engine(
     try:
         log("profiling: loading the model ...")
         engine = LLMEngine(config, tokenizer=False)
-        steps = measure_steps(engine, grid, log)
+        steps, spread = measure_steps(engine, grid, log)
         transfers, per_token, state = measure_transfers(engine, backend, grid, log)
         others = affinity[threads : 2 * threads]  # a neighbour's CPUs, as a second pinned worker's
-        corun = measure_corun(engine, config, others, log) if pinned and len(others) == threads else 1.0
+        corun = measure_corun(engine, config, others, log) if pinned and len(others) == threads else {}
     finally:
         torch.set_num_threads(before)
         if pinned:
             pin(affinity)
     cost, step_fit, transfer_fit = fitted_cost(steps, transfers, per_token, state)
-    cost = msgspec.structs.replace(cost, corun_factor=corun)
+    cost = msgspec.structs.replace(cost, **corun)
     device = engine.device
     return Profile(
         model=config.model or "default",
@@ -220,7 +256,8 @@ def profile_engine(
         steps=steps,
         transfers=transfers,
         measured_s=time.perf_counter() - started,
+        prefill_spread=(statistics.median(spread), max(spread)),
     )
 
 
-__all__ = ["Grid", "measure_steps", "measure_transfers", "profile_engine"]
+__all__ = ["Grid", "measure_steps", "median_by_shape", "measure_transfers", "profile_engine"]

@@ -62,6 +62,9 @@ class Profile(msgspec.Struct, kw_only=True):
     steps: list[StepPoint] = []
     transfers: list[TransferPoint] = []
     measured_s: float = 0.0  # wall time of the profiling run
+    # the prefill shapes' (slowest - fastest) / median over the profile's rounds: (median, worst);
+    # the host's own noise at profiling time, which no fit removes
+    prefill_spread: tuple[float, float] = (0.0, 0.0)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(self), indent=1))
@@ -89,9 +92,13 @@ class Profile(msgspec.Struct, kw_only=True):
                 f"+ {c.prefill_pair_s * 1e9:.3f} ns/query-key pair + {c.decode_seq_s * 1e3:.3f} ms/decoding "
                 f"request + {c.decode_context_s * 1e6:.3f} us/context token",
                 f"    fit over {self.step_fit.points} steps: rms {self.step_fit.rms_rel:.1%}, "
-                f"worst {self.step_fit.max_rel:.1%} ({self.step_fit.worst})",
-                f"  a decode-only step beside another worker's: x{c.corun_factor:.2f} (co-run, pinned); "
-                f"served: x{c.served_factor:.2f}",
+                f"worst {self.step_fit.max_rel:.1%} ({self.step_fit.worst}); a prefill's spread between "
+                f"rounds: median {self.prefill_spread[0]:.1%}, worst {self.prefill_spread[1]:.1%}",
+                f"  co-run (pinned), a step beside another worker's: decode|decode x{c.corun_factor:.2f}, "
+                f"prompt|decode x{c.corun_prefill_factor:.2f}, "
+                f"decode|prompt x{c.corun_decode_prefill_factor:.2f}, "
+                f"prompt|prompt x{c.corun_prefill_prefill_factor:.2f}",
+                f"  served: x{c.served_factor:.2f} the engine's steps + {c.request_s * 1e3:.1f} ms a request",
                 f"  handoff = {c.latency_s * 1e3:.2f} ms + bytes / {c.bytes_per_s / 1e9:.2f} GB/s; "
                 f"{c.kv_bytes_per_token} B/token + {c.state_bytes} B state per request",
                 f"    fit over {self.transfer_fit.points} transfers: rms {self.transfer_fit.rms_rel:.1%}, "

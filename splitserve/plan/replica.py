@@ -109,7 +109,7 @@ class Replica:
             budget -= n
         self._chunks = chunks
         shape = _shape(chunks)
-        self.decode_only = shape.prefill_tokens == 0  # a memory-bound step (cost.corun_factor)
+        self.decode_only = shape.prefill_tokens == 0  # a memory-bound step (cost.StepCost.corun)
         dt = self.cost.step_s(shape)
         self.busy = True
         self.steps += 1

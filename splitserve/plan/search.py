@@ -22,14 +22,19 @@ from splitserve.plan.replica import EngineLimits
 from splitserve.plan.simulator import Deployment, simulate
 
 
-def candidates(devices: int, limits: Callable[[str], EngineLimits]) -> list[Deployment]:
-    """Colocated 1..devices, then every xP:yD with x + y <= devices. `limits(role)`: a role's knobs."""
+def candidates(
+    devices: int, limits: Callable[[str], EngineLimits], first_token: str = "prefill"
+) -> list[Deployment]:
+    """Colocated 1..devices, then every xP:yD with x + y <= devices. `limits(role)`: a role's knobs;
+    `first_token`: the router's `router.first_token` (when a split's first token streams)."""
     if devices < 1:
         raise ValueError("--devices must be at least 1")
     out = [Deployment(0, n, limits("colocated")) for n in range(1, devices + 1)]
     for total in range(2, devices + 1):
         for p in range(1, total):
-            out.append(Deployment(p, total - p, limits("decode"), limits("prefill"), limits("decode")))
+            out.append(
+                Deployment(p, total - p, limits("decode"), limits("prefill"), limits("decode"), first_token)
+            )
     return out
 
 

@@ -7,12 +7,19 @@ A request's life, as the router and workers run it:
                     in its queue -> prefilled in chunks (continuous batching) -> one token per step
     disaggregated   arrive -> the least-loaded prefill worker prefills it and samples its first token
                     -> the handoff moves its KV (`StepCost.transfer_s`) -> the least-loaded decode
-                    worker takes it (its first token reaches the client now) -> waits for a
-                    `max_num_seqs` slot -> one token per step
+                    worker takes it -> waits for a `max_num_seqs` slot -> one token per step
                     (a request of one output token ends at the prefill worker: nothing to move)
+                    The first token reaches the client as the router's `router.first_token` says:
+                    "prefill" (the default) as the prefill worker answers, "decode" once the decode
+                    worker has the KV.
+
+Every token reaches the client `StepCost.request_s` after the step that sampled it: the fixed part
+of a request's way that is no engine step (the load client, the router, the worker's front end and
+HTTP; served.py measures it), so that TTFT and e2e carry it once and the gaps between tokens not at all.
 
 Each replica runs `replica.Replica`'s step loop; a step's time is the cost model's, stretched while
-it overlaps another replica's (a decode-only step beside another: `StepCost.corun_factor`). The
+it overlaps another replica's step (`StepCost.corun`: by its kind and the other's, decode-only or
+with prompt tokens; beside several, the largest factor). The
 router picks the replica with the fewest requests in flight, its ties going round the replicas.
 Agent sessions' later turns arrive a think time after the previous turn's last token. Ties between
 events at the same time are broken by the order they were made in, so that a run is a function of its inputs.
@@ -40,14 +47,19 @@ class Deployment:
     limits: EngineLimits = _LIMITS
     prefill_limits: EngineLimits | None = None  # a role's own engine knobs (default: `limits`)
     decode_limits: EngineLimits | None = None
+    first_token: str = "prefill"  # disaggregated: when the first token streams (`router.first_token`)
 
     @classmethod
     def colocated(cls, n: int, limits: EngineLimits = _LIMITS) -> Deployment:
         return cls(0, n, limits)
 
     @classmethod
-    def split(cls, p: int, d: int, limits: EngineLimits = _LIMITS) -> Deployment:
-        return cls(p, d, limits)
+    def split(
+        cls, p: int, d: int, limits: EngineLimits = _LIMITS, first_token: str = "prefill"
+    ) -> Deployment:
+        if first_token not in ("prefill", "decode"):
+            raise ValueError(f"first_token: 'prefill' or 'decode', not {first_token!r}")
+        return cls(p, d, limits, first_token=first_token)
 
     @property
     def disaggregated(self) -> bool:
@@ -188,12 +200,12 @@ class _Sim:
 
     def _retime(self, now: float) -> None:
         """A step started or ended: every step in flight goes on at the speed the host now allows it
-        (a decode-only step beside another worker's decode-only step: 1 / `corun_factor`; else 1), and
-        its end is pushed again where that speed moved it (the earlier push goes stale)."""
+        (beside other workers' steps: 1 / the largest `StepCost.corun` factor among them; alone: 1),
+        and its end is pushed again where that speed moved it (the earlier push goes stale)."""
         busy = [r for r in self.prefill + self.decode if r.busy]
-        shared = sum(r.decode_only for r in busy) > 1
         for r in busy:
-            rate = 1.0 / self.cost.corun_factor if shared and r.decode_only else 1.0
+            factors = [self.cost.corun(not r.decode_only, not o.decode_only) for o in busy if o is not r]
+            rate = 1.0 / max(factors, default=1.0)
             clock = self.clocks[r.name]
             end = clock.run_at(rate, now)
             if end is not None:
@@ -217,24 +229,26 @@ class _Sim:
         sampled, finished = replica.end_step(now)
         self._retime(now)
         role_prefill = replica in self.prefill
+        early = self.dep.first_token == "prefill"  # the prefill worker's answer carries the first token
         for seq in sampled:
             rec = self.records[seq.rid]
             if seq.sampled == 1 and seq.cached:
                 rec.cached_tokens = seq.cached
-            if not role_prefill or rec.output_len == 1:
-                rec.token_s.append(now)
+            if not role_prefill or rec.output_len == 1 or early:
+                rec.token_s.append(now + self.cost.request_s)
         for seq in finished:
             rec = self.records[seq.rid]
             if role_prefill and rec.output_len > 1:
                 rec.transfer_s = self.cost.transfer_s(seq.prompt_len)
                 self.push(now + rec.transfer_s, "handoff", seq.rid)
             else:
-                self._finished(now, seq.rid)
+                self._finished(now + self.cost.request_s, seq.rid)
         self._kick(replica, now)
 
     def _handoff(self, now: float, rid: int) -> None:
         rec = self.records[rid]
-        rec.token_s.append(now)  # the first token, sampled by the prefill worker, streams from here
+        if self.dep.first_token == "decode":  # the first token, sampled by the prefill worker, streams now
+            rec.token_s.append(now + self.cost.request_s)
         replica = self._least_loaded(self.decode)
         seq = Seq(rid, rec.prompt_len, rec.output_len, computed=rec.prompt_len, sampled=1)
         replica.add(seq)

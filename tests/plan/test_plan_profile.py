@@ -99,6 +99,9 @@ def test_profiling_the_real_engine_times_the_grid_it_asks_for():
     assert profile.cost.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: K and V, 30 layers, 3 heads
     assert [t.bytes for t in profile.transfers] == [16 * 46080, 64 * 46080]
     assert profile.step_fit.points == len(profile.steps) and profile.backend == "shm"
+    # each prefill shape timed in 3 rounds of fresh prompts, kept once: the spread is the rounds' own
+    assert 0 <= profile.prefill_spread[0] <= profile.prefill_spread[1]
+    assert "spread between rounds" in profile.describe()
 
 
 def test_a_pinned_profile_runs_on_its_cpu_and_measures_the_corun_factor(monkeypatch):
@@ -127,3 +130,14 @@ def test_a_pinned_profile_runs_on_its_cpu_and_measures_the_corun_factor(monkeypa
     assert host_cpus() == cpus  # and let go afterwards
     assert profile.pinned and profile.cost.corun_factor >= 1.0
     assert "co-run" in profile.describe()
+
+
+def test_repeated_prefill_shapes_are_kept_at_their_median_with_their_spread():
+    from splitserve.plan.measure import median_by_shape
+
+    a, b = (64, chunk_pairs(0, 64), 0, 0), (256, chunk_pairs(0, 256), 0, 0)
+    rounds = [StepPoint(*a, 0.10), StepPoint(*b, 0.50), StepPoint(*a, 0.12), StepPoint(*b, 0.40)]
+    rounds += [StepPoint(*a, 0.30), StepPoint(*b, 0.45)]  # a slow moment of the host meets one round
+    points, spread = median_by_shape(rounds)
+    assert points == [StepPoint(*a, 0.12), StepPoint(*b, 0.45)]  # first-seen order, the medians
+    assert spread == pytest.approx([(0.30 - 0.10) / 0.12, (0.50 - 0.40) / 0.45])

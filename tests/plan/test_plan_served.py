@@ -17,8 +17,13 @@ COST = StepCost(base_s=0.010, prefill_token_s=0.001, decode_seq_s=0.002)  # pref
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "disaggregated.yaml"
 
 
-def _result(prompt_len: int, ttft_s: float, itl_s: list[float], ok: bool = True) -> RequestResult:
-    return RequestResult(0, "synthetic", prompt_len, len(itl_s) + 1, success=ok, ttft_s=ttft_s, itl_s=itl_s)
+def _result(
+    prompt_len: int, ttft_s: float, itl_s: list[float], ok: bool = True, server_ms: dict | None = None
+) -> RequestResult:
+    return RequestResult(
+        0, "synthetic", prompt_len, len(itl_s) + 1, success=ok, ttft_s=ttft_s, itl_s=itl_s,
+        server_ms=server_ms or {},
+    )  # fmt: skip
 
 
 def test_the_factor_is_the_median_of_first_token_and_token_gap_ratios():
@@ -33,6 +38,22 @@ def test_the_factor_is_the_median_of_first_token_and_token_gap_ratios():
         served.served_factor(results[2:], COST)
 
 
+def test_the_request_cost_is_what_lies_outside_the_routers_queue_and_prefill():
+    results = [
+        _result(100, 0.118, [0.0144], server_ms={"queue": 0.5, "prefill": 110.5, "ttft": 115.0}),  # 7 ms
+        _result(100, 0.125, [0.0144], server_ms={"queue": 1.0, "prefill": 115.0, "ttft": 120.0}),  # 9 ms
+        _result(100, 0.131, [0.0144], server_ms={"queue": 0.0, "prefill": 120.0, "ttft": 125.0}),  # 11 ms
+        _result(100, 0.900, [], ok=False, server_ms={"queue": 0.0, "prefill": 1.0}),  # a failure: none
+        _result(100, 0.200, [0.012]),  # no router timings (another server): none
+    ]
+    assert served.request_cost(results) == pytest.approx(0.009)
+    assert served.request_cost(results[3:]) == 0.0
+    # the factor then compares what is left of the first token's time with the prefill step
+    factor = served.served_factor(results[:3], COST, request_s=0.009)
+    # prefill ratios (118-9, 125-9, 131-9) / 110 = 0.991, 1.055, 1.109; decode ratios 14.4 / 12 = 1.2
+    assert factor == pytest.approx((1.109 + 1.2) / 2, abs=1e-3)
+
+
 def test_the_probe_serves_the_model_colocated_on_pinned_shares():
     m = served.served_manifest(load_manifest(EXAMPLE), workers=2)
     assert m.mode == "colocated" and m.pools()["colocated"].replicas == 2
@@ -44,6 +65,8 @@ def test_a_real_probe_through_the_server_gives_a_finite_factor(monkeypatch):
     monkeypatch.setattr(served, "PROMPT_LENS", (64, 96))
     monkeypatch.setattr(served, "GAP_S", 1.0)
     lines: list[str] = []
-    factor = served.measure_served(load_manifest(EXAMPLE), COST, workers=2, log=lines.append)
+    monkeypatch.setattr(served, "ROUNDS", 1)
+    factor, request_s = served.measure_served(load_manifest(EXAMPLE), COST, workers=2, log=lines.append)
     assert math.isfinite(factor) and factor > 0
+    assert 0 < request_s < 1  # the router's timings came back with the answers
     assert lines and "2 lone requests" in lines[0]

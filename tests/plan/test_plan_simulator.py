@@ -27,17 +27,43 @@ def req(i: int, plen: int, out: int, t: float = 0.0, prompt: tuple[int, ...] | N
     return BenchRequest(i, ids, len(ids), out, arrival_s=t)
 
 
-def test_one_request_disaggregated_ttft_is_prefill_plus_transfer_and_tpot_one_decode_step():
+def test_one_request_disaggregated_first_token_as_the_prefill_worker_answers():
+    """`router.first_token: prefill` (the router's default): the first token reaches the client as the
+    prefill step ends; the handoff and the decode worker's first step fall in the first token gap."""
     run = simulate([req(0, 100, 5)], Deployment.split(1, 1, BIG), COST)
     (r,) = run.records
     prefill = 0.010 + 100 * 0.001  # one step of the whole prompt
     transfer = 0.005 + 100 * 100 / 1e6
-    assert r.ttft_s == pytest.approx(prefill + transfer)
-    assert r.tpot_s == pytest.approx(0.010 + 0.002)  # one decode step per token
+    assert r.ttft_s == pytest.approx(prefill)
+    assert r.itl_s == pytest.approx([transfer + 0.012] + [0.012] * 3)  # one decode step per token
     assert r.e2e_s == pytest.approx(prefill + transfer + 4 * 0.012)
-    assert r.itl_s == pytest.approx([0.012] * 4)
+    assert r.tpot_s == pytest.approx((transfer + 4 * 0.012) / 4)
     assert r.transfer_s == pytest.approx(transfer)
     assert run.replicas[0].prefill_tokens == 100 and run.replicas[1].prefill_tokens == 0
+
+
+def test_one_request_disaggregated_first_token_once_the_decode_worker_has_the_kv():
+    run = simulate([req(0, 100, 5)], Deployment.split(1, 1, BIG, first_token="decode"), COST)
+    (r,) = run.records
+    prefill, transfer = 0.110, 0.005 + 100 * 100 / 1e6
+    assert r.ttft_s == pytest.approx(prefill + transfer)
+    assert r.tpot_s == pytest.approx(0.010 + 0.002)
+    assert r.itl_s == pytest.approx([0.012] * 4)
+    with pytest.raises(ValueError, match="first_token"):
+        Deployment.split(1, 1, BIG, first_token="router")
+
+
+@pytest.mark.parametrize("first_token", ["prefill", "decode"])
+def test_the_fixed_request_cost_delays_every_token_once(first_token: str):
+    """`request_s` (the load client, router and front end): TTFT and e2e carry it once, token gaps not."""
+    plain = simulate([req(0, 100, 5)], Deployment.split(1, 1, BIG, first_token=first_token), COST)
+    cost = StepCost(**{**{f: getattr(COST, f) for f in COST.__struct_fields__}, "request_s": 0.007})
+    late = simulate([req(0, 100, 5)], Deployment.split(1, 1, BIG, first_token=first_token), cost)
+    (a,), (b,) = plain.records, late.records
+    assert b.ttft_s == pytest.approx(a.ttft_s + 0.007) and b.e2e_s == pytest.approx(a.e2e_s + 0.007)
+    assert b.itl_s == pytest.approx(a.itl_s)
+    (c,) = simulate([req(0, 100, 5)], Deployment.colocated(1, BIG), cost).records
+    assert c.ttft_s == pytest.approx(0.110 + 0.007) and c.tpot_s == pytest.approx(0.012)
 
 
 def test_one_request_colocated_has_no_transfer():
@@ -69,10 +95,10 @@ def test_a_prefill_queue_with_deterministic_arrivals(gap: float):
     limits = EngineLimits(max_num_batched_tokens=100, max_num_seqs=64)
     trace = [req(k, 100, 2, t=k * gap) for k in range(6)]
     run = simulate(trace, Deployment.split(1, 1, limits), COST)
-    service, transfer = 0.110, 0.015
+    service = 0.110  # the first token streams as the prefill worker answers: the handoff is after it
     for k, r in enumerate(run.records):
         start = max(k * gap, k * service)
-        assert r.ttft_s == pytest.approx(start + service + transfer - k * gap), k
+        assert r.ttft_s == pytest.approx(start + service - k * gap), k
     busy = run.replicas[0].busy_s
     assert busy == pytest.approx(6 * service)
 
@@ -123,7 +149,7 @@ def test_a_shared_prefix_is_prefilled_once_per_replica():
 def test_least_loaded_routing_spreads_a_burst_over_replicas():
     run = simulate([req(i, 100, 2) for i in range(4)], Deployment.split(2, 2, BIG), COST)
     # two prompts on each prefill worker, prefilled together: 10 ms + 200 tokens
-    assert all(r.ttft_s == pytest.approx(0.210 + 0.015) for r in run.records)
+    assert all(r.ttft_s == pytest.approx(0.210) for r in run.records)  # the first token as prefill answers
     assert [p.prefill_tokens for p in run.replicas[:2]] == [200, 200]
 
 
@@ -158,6 +184,25 @@ def test_decode_steps_that_overlap_on_one_host_run_corun_factor_times_slower():
     ]
     apart = simulate([req(0, 10, 2), req(1, 10, 2, t=0.2)], Deployment.colocated(2, BIG), slow)
     assert [r.tpot_s for r in apart.records] == pytest.approx([0.010, 0.010])  # no overlap: full speed
+
+
+def test_a_step_beside_another_kind_of_step_runs_that_pairings_factor_slower():
+    """Prompt steps beside a decoding worker x2, decode steps beside a prompt step x1.5, two prompt
+    steps x1.5 (StepCost.corun); 10 ms a step + 1 ms a prompt token."""
+    slow = StepCost(
+        base_s=0.010, prefill_token_s=0.001, corun_prefill_factor=2.0, corun_decode_prefill_factor=1.5,
+        corun_prefill_prefill_factor=1.5,
+    )  # fmt: skip
+    run = simulate([req(0, 10, 3), req(1, 10, 1, t=0.020)], Deployment.colocated(2, BIG), slow)
+    a, b = run.records
+    # a prefills alone (0-20 ms); then its two decode steps run beside b's prompt step at 2/3 speed
+    # (15 ms each), while b's 20 ms of prompt work runs at half speed: 15 ms of it by 50 ms, the last
+    # 5 ms alone
+    assert a.token_s == pytest.approx([0.020, 0.035, 0.050])
+    assert b.token_s == pytest.approx([0.055])
+    both = simulate([req(0, 10, 1), req(1, 10, 1)], Deployment.colocated(2, BIG), slow)
+    assert [r.token_s for r in both.records] == [pytest.approx([0.030])] * 2
+    assert slow.corun(prompt=False, beside_prompt=False) == 1.0  # decode beside decode: unset here
 
 
 def test_a_re_timed_step_ends_once_and_never_early():
