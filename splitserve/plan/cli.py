@@ -122,8 +122,10 @@ def _profile(args: argparse.Namespace, manifest) -> Profile:  # noqa: ANN001
             from splitserve.plan.served import measure_served
 
             workers = max(1, len(host_cpus()) // args.threads)
-            factor, request_s = measure_served(manifest, profile.cost, workers)
-            profile.cost = msgspec.structs.replace(profile.cost, served_factor=factor, request_s=request_s)
+            prefill, decode, request_s = measure_served(manifest, profile.cost, workers)
+            profile.cost = msgspec.structs.replace(
+                profile.cost, served_factor=prefill, served_decode_factor=decode, request_s=request_s
+            )
         if args.save_profile:
             profile.save(args.save_profile)
             print(f"profile saved: {args.save_profile}")

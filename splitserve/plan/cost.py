@@ -9,10 +9,12 @@ A step's work is summarized by its `StepShape`:
     decode_context   sum of those requests' context lengths (the KV each one reads)
 
 and its time is a linear function of those four (plus a fixed cost per step), stretched by what
-serving adds to the engine's time (`served_factor`, measured through the server: served.py):
+serving adds to the engine's time (measured through the server: served.py; `served_factor` for a step
+with prompt tokens, `served_decode_factor` for a decode-only step, whose every token the front end
+streams, a larger share of a 30 ms step than of a 800 ms prompt step):
 
-    step_s = served_factor * (base_s + prefill_token_s * prefill_tokens + prefill_pair_s * prefill_pairs
-                              + decode_seq_s * decode_seqs + decode_context_s * decode_context)
+    step_s = served * (base_s + prefill_token_s * prefill_tokens + prefill_pair_s * prefill_pairs
+                       + decode_seq_s * decode_seqs + decode_context_s * decode_context)
 
 A token reaches the client `request_s` after the step that sampled it (the fixed cost of the request's
 way through the load client, the router and the worker's front end; TTFT carries it, token gaps do not).
@@ -66,7 +68,8 @@ class StepCost(msgspec.Struct, frozen=True, kw_only=True):
     corun_prefill_prefill_factor: float = 1.0  # a step with prompt tokens beside another such
     # a step through the server (load client, router and front end beside the engine) over the same
     # step in the engine alone (served.py); 1: the engine's own times
-    served_factor: float = 1.0
+    served_factor: float = 1.0  # steps with prompt tokens
+    served_decode_factor: float = 1.0  # decode-only steps
     # a request's fixed way outside the engine's steps (the load client, the router, the worker's front
     # end, HTTP and streaming): each token reaches the client this long after its step ends (served.py)
     request_s: float = 0.0
@@ -74,7 +77,8 @@ class StepCost(msgspec.Struct, frozen=True, kw_only=True):
     def step_s(self, shape: StepShape) -> float:
         if shape.empty:
             return 0.0
-        return self.served_factor * (
+        served = self.served_factor if shape.prefill_tokens else self.served_decode_factor
+        return served * (
             self.base_s
             + self.prefill_token_s * shape.prefill_tokens
             + self.prefill_pair_s * shape.prefill_pairs

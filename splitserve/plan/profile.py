@@ -98,7 +98,8 @@ class Profile(msgspec.Struct, kw_only=True):
                 f"prompt|decode x{c.corun_prefill_factor:.2f}, "
                 f"decode|prompt x{c.corun_decode_prefill_factor:.2f}, "
                 f"prompt|prompt x{c.corun_prefill_prefill_factor:.2f}",
-                f"  served: x{c.served_factor:.2f} the engine's steps + {c.request_s * 1e3:.1f} ms a request",
+                f"  served: prompt steps x{c.served_factor:.3f} the engine's, decode steps "
+                f"x{c.served_decode_factor:.3f}, + {c.request_s * 1e3:.1f} ms a request",
                 f"  handoff = {c.latency_s * 1e3:.2f} ms + bytes / {c.bytes_per_s / 1e9:.2f} GB/s; "
                 f"{c.kv_bytes_per_token} B/token + {c.state_bytes} B state per request",
                 f"    fit over {self.transfer_fit.points} transfers: rms {self.transfer_fit.rms_rel:.1%}, "

@@ -1,4 +1,5 @@
-"""The served path against the engine alone: a profile's `served_factor` (`StepCost.served_factor`).
+"""The served path against the engine alone: a profile's `request_s`, `served_factor` and
+`served_decode_factor` (`StepCost`'s).
 
 A request through `splitserve serve` takes longer than the engine's steps for it: the load client,
 the router and the worker's front end (HTTP, streaming, detokenization) share the host's CPUs with
@@ -11,9 +12,10 @@ prompts of 128-448 random token ids one at a time (`ROUNDS` times each) through 
                     router's own timing of the worker's queue and prefill (the load client, the router,
                     HTTP and streaming); the median over the requests. The simulator adds it to
                     every token's delivery, so TTFT carries it once.
-    served_factor   the median of (time to first token - request_s) over the profile's prefill step
-                    and of the median time between tokens over its decode step; the simulator
-                    stretches every step by it.
+    served_factor   the median of (time to first token - request_s) over the profile's prefill
+                    step; the simulator stretches every step with prompt tokens by it
+    served_decode_factor  the median of each request's median time between tokens over the
+                    profile's decode step; the simulator stretches every decode-only step by it
 """
 
 from __future__ import annotations
@@ -51,24 +53,25 @@ def request_cost(results: list) -> float:
     return max(0.0, statistics.median(outside)) if outside else 0.0
 
 
-def served_factor(results: list, cost: StepCost, request_s: float = 0.0) -> float:
-    """The median of (TTFT - `request_s`) / predicted prefill and median ITL / predicted decode step
-    over `results` (the load client's RequestResults of lone requests)."""
-    ratios = []
+def served_factors(results: list, cost: StepCost, request_s: float = 0.0) -> tuple[float, float]:
+    """-> (the median of (TTFT - `request_s`) / predicted prefill, the median of median ITL / predicted
+    decode step) over `results` (the load client's RequestResults of lone requests)."""
+    prefill, decode = [], []
     for r in results:
         if not r.success or not r.itl_s:
             continue
-        ratios.append((r.ttft_s - request_s) / cost.prefill_s(r.prompt_len))
-        ratios.append(statistics.median(r.itl_s) / cost.decode_s(1, r.prompt_len + len(r.itl_s) // 2))
-    if not ratios:
+        prefill.append((r.ttft_s - request_s) / cost.prefill_s(r.prompt_len))
+        decode.append(statistics.median(r.itl_s) / cost.decode_s(1, r.prompt_len + len(r.itl_s) // 2))
+    if not prefill:
         raise RuntimeError("the served probe got no answer")
-    return statistics.median(ratios)
+    return statistics.median(prefill), statistics.median(decode)
 
 
 def measure_served(
     manifest: Manifest, cost: StepCost, workers: int, log: Callable = print
-) -> tuple[float, float]:
-    """-> (served_factor, request_s) of `manifest`'s model served on `workers` pinned replicas."""
+) -> tuple[float, float, float]:
+    """-> (served_factor, served_decode_factor, request_s) of `manifest`'s model served on `workers`
+    pinned replicas."""
     from splitserve.ab.client import run_trace
     from splitserve.ab.drive import ClientOptions
     from splitserve.ab.workload import BenchRequest
@@ -89,12 +92,12 @@ def measure_served(
     finally:
         sp.stop()
     request_s = request_cost(results)
-    factor = served_factor(results, cost, request_s)
+    prefill, decode = served_factors(results, cost, request_s)
     log(
-        f"  served: {len(results)} lone requests through the server, x{factor:.2f} the engine's steps "
-        f"+ {request_s * 1e3:.1f} ms a request outside them"
+        f"  served: {len(results)} lone requests through the server: prompt steps x{prefill:.3f} the "
+        f"engine's, decode steps x{decode:.3f}, + {request_s * 1e3:.1f} ms a request outside them"
     )
-    return factor, request_s
+    return prefill, decode, request_s
 
 
-__all__ = ["measure_served", "request_cost", "served_factor", "served_manifest"]
+__all__ = ["measure_served", "request_cost", "served_factors", "served_manifest"]

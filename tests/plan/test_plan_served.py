@@ -1,4 +1,4 @@
-"""The served probe (plan/served.py): the factor from lone requests' timings against the profile
+"""The served probe (plan/served.py): the factors from lone requests' timings against the profile
 (computed by hand), the deployment it serves, and a real probe through `splitserve serve`."""
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ def _result(
     )  # fmt: skip
 
 
-def test_the_factor_is_the_median_of_first_token_and_token_gap_ratios():
+def test_the_factors_are_the_medians_of_first_token_and_of_token_gap_ratios():
     results = [
         _result(100, 0.110 * 1.2, [0.012 * 1.1] * 4),  # prefill 110 ms, a decode step 12 ms
         _result(190, 0.200 * 1.3, [0.012, 0.012 * 1.05, 0.012 * 1.05]),
         _result(100, 9.0, [], ok=False),  # a failure counts for nothing
     ]
-    # ratios 1.2, 1.1, 1.3, 1.05: the median is 1.15
-    assert served.served_factor(results, COST) == pytest.approx(1.15)
+    # first token 1.2 and 1.3 the prefill step; token gaps 1.1 and 1.05 the decode step
+    assert served.served_factors(results, COST) == pytest.approx((1.25, 1.075))
     with pytest.raises(RuntimeError, match="no answer"):
-        served.served_factor(results[2:], COST)
+        served.served_factors(results[2:], COST)
 
 
 def test_the_request_cost_is_what_lies_outside_the_routers_queue_and_prefill():
@@ -49,9 +49,9 @@ def test_the_request_cost_is_what_lies_outside_the_routers_queue_and_prefill():
     assert served.request_cost(results) == pytest.approx(0.009)
     assert served.request_cost(results[3:]) == 0.0
     # the factor then compares what is left of the first token's time with the prefill step
-    factor = served.served_factor(results[:3], COST, request_s=0.009)
+    factors = served.served_factors(results[:3], COST, request_s=0.009)
     # prefill ratios (118-9, 125-9, 131-9) / 110 = 0.991, 1.055, 1.109; decode ratios 14.4 / 12 = 1.2
-    assert factor == pytest.approx((1.109 + 1.2) / 2, abs=1e-3)
+    assert factors == pytest.approx((1.0545, 1.2), abs=1e-3)
 
 
 def test_the_probe_serves_the_model_colocated_on_pinned_shares():
@@ -66,7 +66,7 @@ def test_a_real_probe_through_the_server_gives_a_finite_factor(monkeypatch):
     monkeypatch.setattr(served, "GAP_S", 1.0)
     lines: list[str] = []
     monkeypatch.setattr(served, "ROUNDS", 1)
-    factor, request_s = served.measure_served(load_manifest(EXAMPLE), COST, workers=2, log=lines.append)
-    assert math.isfinite(factor) and factor > 0
+    prefill, decode, request_s = served.measure_served(load_manifest(EXAMPLE), COST, 2, log=lines.append)
+    assert all(math.isfinite(f) and f > 0 for f in (prefill, decode))
     assert 0 < request_s < 1  # the router's timings came back with the answers
     assert lines and "2 lone requests" in lines[0]

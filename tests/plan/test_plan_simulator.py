@@ -246,3 +246,14 @@ def test_agent_turns_arrive_a_think_time_after_the_previous_turn():
         if t.turn > 0:
             prev = next(p for p in trace if p.session == t.session and p.turn == t.turn - 1)
             assert by_index[t.index].arrival_s == pytest.approx(by_index[prev.index].token_s[-1] + t.think_s)
+
+
+def test_served_factors_stretch_prompt_steps_and_decode_steps_apart():
+    cost = StepCost(
+        base_s=0.010, prefill_token_s=0.001, decode_seq_s=0.002, served_factor=1.1, served_decode_factor=1.5
+    )
+    (r,) = simulate([req(0, 100, 3)], Deployment.colocated(1, BIG), cost).records
+    assert r.ttft_s == pytest.approx(0.110 * 1.1)
+    assert r.itl_s == pytest.approx([0.012 * 1.5] * 2)
+    mixed = StepShape(prefill_tokens=10, prefill_pairs=chunk_pairs(0, 10), decode_seqs=1)
+    assert cost.step_s(mixed) == pytest.approx(1.1 * (0.010 + 0.010 + 0.002))  # a prompt step's factor
