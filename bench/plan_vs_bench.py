@@ -198,6 +198,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows: list[dict]) -> str:
+    """docs/plan.md's table: a row per deployment and rate, a cell per metric: predicted / measured in
+    each run (the runs replay one trace, so one prediction), the errors after; x: past 15% and
+    counted; s: a saturated point's cell, not counted."""
+    cells: dict[tuple, dict[str, list[dict]]] = {}
+    for r in rows:
+        cells.setdefault((r["deployment"], r["rate"]), {}).setdefault(r["metric"], []).append(r)
+    names = [n for n, *_ in CELLS] + (
+        ["throughput"] if any(r["metric"] == "throughput" for r in rows) else []
+    )
+    out = ["| deployment | rate | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for (dep, rate), by_metric in cells.items():
+        row = [dep, f"{rate:g}"]
+        for name in names:
+            rs = by_metric.get(name, [])
+            if not rs:
+                row.append("")
+                continue
+            fmt = (
+                "{:.3f}"
+                if name in ("goodput", "throughput")
+                else "{:.0f}"
+                if rs[0]["measured"] > 100
+                else "{:.1f}"
+            )
+            errs = ", ".join(
+                f"{r['error']:+.0%}"
+                + (" **s**" if not r["counted"] else " **x**" if abs(r["error"]) > GOAL else "")
+                for r in rs
+            )
+            meas = ", ".join(fmt.format(r["measured"]) for r in rs)
+            row.append(f"{fmt.format(rs[0]['predicted'])} / {meas} ({errs})")
+        out.append("| " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
 def summary(rows: list[dict]) -> str:
     counted = [r for r in rows if r["counted"]]
     inside = sum(abs(r["error"]) <= GOAL for r in counted)
@@ -226,6 +262,7 @@ def main() -> int:
     ap.add_argument(
         "--breakdown", action="store_true", help="also print where each point's first-token time went"
     )
+    ap.add_argument("--markdown", action="store_true", help="also print docs/plan.md's table")
     args = ap.parse_args()
     for i, path in enumerate(args.profile):
         profile = Profile.load(path)
@@ -238,6 +275,8 @@ def main() -> int:
             print(table(rows))
             if args.breakdown:
                 print("\n".join(BREAKDOWN))
+            if args.markdown:
+                print(markdown(rows))
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
         else:
