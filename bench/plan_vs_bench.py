@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 from splitserve.ab.metrics import SLO, tpot_s  # noqa: E402
 from splitserve.ab.workload import load_trace  # noqa: E402
 from splitserve.plan.goodput import figures  # noqa: E402
-from splitserve.plan.profile import Profile  # noqa: E402
+from splitserve.plan.profile import Profile, pooled  # noqa: E402
 from splitserve.plan.replica import EngineLimits  # noqa: E402
 from splitserve.plan.simulator import Deployment, simulate  # noqa: E402
 
@@ -263,9 +263,14 @@ def main() -> int:
         "--breakdown", action="store_true", help="also print where each point's first-token time went"
     )
     ap.add_argument("--markdown", action="store_true", help="also print docs/plan.md's table")
+    ap.add_argument(
+        "--pool", action="store_true", help="the table for the profiles pooled (each coefficient's median)"
+    )
     args = ap.parse_args()
-    for i, path in enumerate(args.profile):
-        profile = Profile.load(path)
+    profiles = [(path, Profile.load(path)) for path in args.profile]
+    if args.pool:
+        profiles.insert(0, ("pooled", pooled([p for _, p in profiles])))
+    for i, (path, profile) in enumerate(profiles):
         limits = EngineLimits(args.max_num_batched_tokens, args.max_num_seqs, profile.block_size)
         rows = [
             r for folder in args.reports for r in compare(Path(folder), profile, limits, args.first_token)

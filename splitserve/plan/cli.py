@@ -25,7 +25,7 @@ import msgspec
 from splitserve.ab.metrics import SLO
 from splitserve.ab.workload import WORKLOADS, LengthDist, WorkloadSpec, at_rate, build_trace
 from splitserve.plan.manifest_out import device_kind, limits_for, plan_manifest, write_manifest
-from splitserve.plan.profile import Profile
+from splitserve.plan.profile import Profile, pooled
 from splitserve.plan.search import candidates, choose, evaluate
 
 
@@ -36,7 +36,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__.split("\n")[0],
     )
     p.add_argument("manifest", nargs="?", default=None, help="the base manifest (model, engine, transport)")
-    p.add_argument("--profile", default=None, help="a saved profile (JSON); default: profile now")
+    p.add_argument(
+        "--profile",
+        nargs="+",
+        default=None,
+        help="saved profiles (JSON; several: pooled, each coefficient at its median); default: profile now",
+    )
     p.add_argument("--save-profile", default=None, metavar="FILE", help="write the profile taken now here")
     p.add_argument("--profile-only", action="store_true", help="profile, print the fit, and stop")
     p.add_argument("--threads", type=int, default=1, help="torch threads of one CPU worker (profiling)")
@@ -109,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace, manifest) -> Profile:  # noqa: ANN001
     if args.profile:
-        profile = Profile.load(args.profile)
+        profile = pooled([Profile.load(path) for path in args.profile])
     else:
         from splitserve.plan.measure import profile_engine
         from splitserve.runtime.common import worker_config

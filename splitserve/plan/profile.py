@@ -11,6 +11,8 @@ residuals: the planner prints them, and a bad fit is there to be seen, not hidde
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -173,6 +175,46 @@ def fitted_cost(
     return cost, step_fit, transfer_fit
 
 
+def pooled(profiles: Sequence[Profile]) -> Profile:
+    """One profile from several of one model on one host: each coefficient of the cost at its median
+    over them (a profile taken while the host ran slow or fast moves the median less than it moves
+    itself), their steps and transfers together, the fit reports those of the pooled coefficients."""
+    if not profiles:
+        raise ValueError("no profile to pool")
+    first = profiles[0]
+    keys = ("model", "device", "dtype", "threads", "pinned", "backend", "block_size")
+    for p in profiles[1:]:
+        if any(getattr(p, k) != getattr(first, k) for k in keys):
+            raise ValueError(
+                "profiles of different models, devices or knobs cannot be pooled: " + ", ".join(keys)
+            )
+    if len(profiles) == 1:
+        return first
+    fields = {}
+    for name in StepCost.__struct_fields__:
+        mid = statistics.median(getattr(p.cost, name) for p in profiles)
+        fields[name] = round(mid) if isinstance(getattr(first.cost, name), int) else mid
+    cost = StepCost(**fields)
+    steps = [s for p in profiles for s in p.steps]
+    transfers = [t for p in profiles for t in p.transfers]
+    coef = np.array([fields[f] for f in STEP_FEATURES])
+    y = np.array([s.seconds for s in steps], dtype=float)
+    step_fit = _report(
+        np.array([_step_row(s) for s in steps]) @ coef, y, [f"step {i}" for i in range(len(y))]
+    )
+    ty = np.array([t.seconds for t in transfers], dtype=float)
+    fitted = np.array([cost.latency_s + t.bytes / cost.bytes_per_s for t in transfers])
+    transfer_fit = _report(fitted, ty, [f"{t.bytes / 2**20:.1f} MiB" for t in transfers])
+    spread = (
+        statistics.median(p.prefill_spread[0] for p in profiles),
+        max(p.prefill_spread[1] for p in profiles),
+    )
+    return msgspec.structs.replace(
+        first, cost=cost, step_fit=step_fit, transfer_fit=transfer_fit, steps=steps, transfers=transfers,
+        measured_s=sum(p.measured_s for p in profiles), prefill_spread=spread,
+    )  # fmt: skip
+
+
 __all__ = [
     "FitReport",
     "Profile",
@@ -182,4 +224,5 @@ __all__ = [
     "fit_transfers",
     "fitted_cost",
     "nonneg_relative_fit",
+    "pooled",
 ]

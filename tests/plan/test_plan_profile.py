@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ from splitserve.plan.profile import (
     fit_transfers,
     fitted_cost,
     nonneg_relative_fit,
+    pooled,
 )
 
 TRUE = StepCost(
@@ -141,3 +143,35 @@ def test_repeated_prefill_shapes_are_kept_at_their_median_with_their_spread():
     points, spread = median_by_shape(rounds)
     assert points == [StepPoint(*a, 0.12), StepPoint(*b, 0.45)]  # first-seen order, the medians
     assert spread == pytest.approx([(0.30 - 0.10) / 0.12, (0.50 - 0.40) / 0.45])
+
+
+def test_pooled_profiles_take_each_coefficients_median():
+    def profile(scale: float, corun: float, spread: tuple[float, float]) -> Profile:
+        cost = StepCost(
+            base_s=0.02 * scale, prefill_token_s=0.002 * scale, decode_seq_s=0.0013, corun_factor=corun,
+            latency_s=2e-4, bytes_per_s=8e9, kv_bytes_per_token=46080, request_s=0.009 * scale,
+        )  # fmt: skip
+        transfers = [TransferPoint(1 << 20, 2e-4 + (1 << 20) / 8e9)]
+        _, step_fit, transfer_fit = fitted_cost(_points(cost), transfers, 46080, 0)
+        return Profile(
+            model="m", device="cpu", dtype="float32", threads=1, backend="shm", block_size=16,
+            max_num_batched_tokens=2048, max_num_seqs=64, cost=cost, step_fit=step_fit,
+            transfer_fit=transfer_fit, steps=_points(cost), transfers=transfers, measured_s=60.0,
+            prefill_spread=spread,
+        )  # fmt: skip
+
+    # a profile taken while the host ran 10% slow, one 5% fast, one as usual: the usual one's costs
+    slow, fast, usual = (
+        profile(1.10, 1.3, (0.06, 0.11)),
+        profile(0.95, 1.05, (0.03, 0.04)),
+        profile(1.0, 1.07, (0.02, 0.03)),
+    )
+    p = pooled([slow, fast, usual])
+    assert p.cost.prefill_token_s == pytest.approx(0.002) and p.cost.base_s == pytest.approx(0.02)
+    assert p.cost.request_s == pytest.approx(0.009) and p.cost.corun_factor == pytest.approx(1.07)
+    assert p.cost.kv_bytes_per_token == 46080 and isinstance(p.cost.kv_bytes_per_token, int)
+    assert len(p.steps) == 3 * len(_points(TRUE)) and p.measured_s == 180.0
+    assert p.prefill_spread == (0.03, 0.11)  # the median of the medians, the worst of the worsts
+    assert pooled([usual]) is usual
+    with pytest.raises(ValueError, match="cannot be pooled"):
+        pooled([usual, msgspec.structs.replace(usual, threads=2)])
