@@ -2,18 +2,18 @@
 traces `splitserve bench` runs sent (their trace-<i>.jsonl files: arrival times, prompt and output
 lengths) on each target's deployment (colocated N, or P prefill + D decode, read off the report), and
 prints predicted beside measured for goodput, TTFT p50/p90 and TPOT p50/p90, with the error of each.
-Workers pinned to cores of their own (`runtime.pin_cores`), the profile timed pinned as well, and the
-router least-loaded (the simulated router's policy):
+Workers pinned to cores of their own (`runtime.pin_cores`), the profiles timed pinned as well, the
+router least-loaded (the simulated router's policy), no spare worker process:
 
-    splitserve plan --profile-only --pin-cores --save-profile bench/results/profile-pinned.json \
-        examples/colocated.yaml
-    PIN="--set runtime.pin_cores=true --set router.policy=least_loaded"
+    PIN="--set runtime.pin_cores=true --set router.policy=least_loaded --set runtime.standby=false"
     splitserve bench examples/colocated.yaml --set colocated.replicas=2 $PIN \
-        --request-rates 0.25 0.5 1 --num-prompts 16 --out bench/results/plan-colocated
+        --request-rates 0.25 0.5 1 --num-prompts 32 --out bench/results/plan-check/colocated-a
     splitserve bench examples/disaggregated.yaml $PIN \
-        --request-rates 0.25 0.5 1 --num-prompts 16 --out bench/results/plan-disaggregated
-    python bench/plan_vs_bench.py bench/results/plan-colocated bench/results/plan-disaggregated \
-        --profile bench/results/profile-pinned.json
+        --request-rates 0.25 0.5 1 --num-prompts 32 --out bench/results/plan-check/disaggregated-a
+    splitserve plan --profile-only --pin-cores --save-profile bench/results/plan-check/profile-2.json \
+        examples/colocated.yaml      # and more profiles, at other moments
+    python bench/plan_vs_bench.py bench/results/plan-check/{colocated,disaggregated}-a \
+        --profile bench/results/plan-check/profile-*.json --pool
 
 Goal: every cell within 15%. Prompts are random ids (no prefix-cache hits either way); the simulator
 does not model KV-capacity preemption; docs/plan.md says which cells miss and why.
