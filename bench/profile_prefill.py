@@ -52,8 +52,22 @@ def graphs(engine: LLMEngine, saved: object, mode: str) -> None:
     engine.runner.prefill_graphs = saved if mode == "on" else None
 
 
-def prefix_hits(engine: LLMEngine, saved: object, prefix: int, tail: int, reps: int) -> None:
-    """Hit (3rd request on, sharing a `prefix`-token system prompt) vs miss TTFT, graphs on and off."""
+def profile_one(engine: LLMEngine, prompts: torch.Tensor, top: int) -> None:
+    """One prefill under torch.profiler: GPU kernel time against the wall, the top kernels, host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = prefill_once(engine, prompts)
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"GPU kernel time {gpu:.1f} ms in a {t * 1e3:.1f} ms prefill (under the profiler)")
+    print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
+
+
+def prefix_hits(engine: LLMEngine, saved: object, prefix: int, tail: int, reps: int, top: int = 0) -> None:
+    """Hit (3rd request on, sharing a `prefix`-token system prompt) vs miss TTFT, graphs on and off;
+    with `top`, one more hit (graphs on) is profiled."""
     gen = torch.Generator().manual_seed(5)
     for mode in ("on", "off"):
         graphs(engine, saved, mode)
@@ -64,6 +78,9 @@ def prefix_hits(engine: LLMEngine, saved: object, prefix: int, tail: int, reps: 
         hit = [prefill_once(engine, p) for p in shared][2:]
         miss = [prefill_once(engine, torch.randint(0, 248320, (1, prefix + tail), generator=gen))
                 for _ in range(reps)]  # fmt: skip
+        if mode == "on" and top:
+            one = torch.cat([system, torch.randint(0, 248320, (1, tail), generator=gen)], 1)
+            profile_one(engine, one, top)
         h, m = statistics.median(hit), statistics.median(miss)
         print(f"prefix {prefix} + {tail}, prefill graphs {mode}: hit {h * 1e3:.1f} ms (runs "
               f"{', '.join(f'{x * 1e3:.1f}' for x in hit)}), miss {m * 1e3:.1f} ms (runs "
@@ -120,7 +137,7 @@ def main() -> int:
     print(f"prefill graphs captured: {saved.sizes if saved else None}; start-up graph capture "
           f"{engine.graph_capture_s:.1f} s", flush=True)  # fmt: skip
     if args.prefix:
-        prefix_hits(engine, saved, *args.prefix, max(args.repeats, 3) + 2)
+        prefix_hits(engine, saved, *args.prefix, max(args.repeats, 3) + 2, args.top)
     gen = torch.Generator().manual_seed(0)
     graphs(engine, saved, "off" if args.prefill_graphs == "off" else "on")
     by_graphs = args.prefill_graphs == "both"  # else by --fla-direct
@@ -159,16 +176,8 @@ def main() -> int:
     if args.cprofile:
         cprofile_steps(engine, saved, args.batch, args.prompt_len)
     switch(modes[0])
-    batches, t = first, t_first
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        prefill_once(engine, batches[1])
-    events = prof.key_averages()
-    gpu = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"GPU kernel time {gpu:.1f} ms in a {t * 1e3:.1f} ms prefill")
-    print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=70))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=70))
+    print(f"median prefill {t_first * 1e3:.1f} ms; one more under the profiler:")
+    profile_one(engine, first[1], args.top)
     return 0
 
 
