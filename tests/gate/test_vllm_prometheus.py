@@ -70,18 +70,25 @@ def test_a_vllm_dashboard_and_a_keda_query_find_their_series(disaggregated, tmp_
     prom = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         asyncio.run(_load(disaggregated, seconds=8.0))
-        time.sleep(3)  # the last scrapes after the load
-        missing = {}
-        for title, query in QUERIES.items():
-            r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": query}, timeout=10).json()
-            if r["status"] != "success" or not r["data"]["result"]:
-                missing[title] = r
+        deadline = time.monotonic() + 15  # the last scrapes after the load (one a second)
+        while (missing := _missing(port)) and time.monotonic() < deadline:
+            time.sleep(0.25)
         assert not missing, missing
         up = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": "up"}, timeout=10).json()
         assert [x["value"][1] for x in up["data"]["result"]] == ["1"]  # the one target, scraped without a key
     finally:
         prom.terminate()
         prom.wait(timeout=30)
+
+
+def _missing(port: int) -> dict[str, dict]:
+    """The dashboard's queries that return no data yet, with Prometheus' answers."""
+    missing = {}
+    for title, query in QUERIES.items():
+        r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": query}, timeout=10).json()
+        if r["status"] != "success" or not r["data"]["result"]:
+            missing[title] = r
+    return missing
 
 
 async def _load(dep, seconds: float) -> None:

@@ -48,6 +48,13 @@ def dep():
     assert d.stop() == 0, "\n".join(d.log)
 
 
+@pytest.fixture(scope="module")
+def ref(dep) -> list[list[str]]:
+    """The fault-free answers to PROMPTS, one request at a time, asked once of the deployment as it
+    started: every run with a fault, on restarted workers too, must end with these tokens."""
+    return _reference(dep, PROMPTS)
+
+
 NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 40}
 
 
@@ -125,8 +132,7 @@ def _after(dep, worker: str, restarts: int) -> None:
 
 
 @pytest.mark.parametrize("process", ["engine core", "front end"])
-def test_a_decode_worker_killed_mid_stream_costs_no_answer(dep, process):
-    ref = _reference(dep, PROMPTS)
+def test_a_decode_worker_killed_mid_stream_costs_no_answer(dep, ref, process):
     restarts = {w["name"]: w["restarts"] for w in dep.health()["workers"]}["decode-0"]
     migrated = _migrations(dep)
     pid = _pid(dep, "decode-0", process)
@@ -173,12 +179,12 @@ def _faults(dep, worker: str, knobs: dict) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_a_decode_worker_killed_after_the_first_token_costs_no_answer(dep):
+def test_a_decode_worker_killed_after_the_first_token_costs_no_answer(dep, ref):
     """The prefill worker serves each KV fetch 2 s late: the first token reaches the client while the
     decode worker still fetches (it is importing once the client has it, and no other token came), then
     the decode worker's engine core is killed; the choice migrates with that token and ends as without
     a fault, token for token."""
-    ref = _reference(dep, PROMPTS[:1])[0]
+    expected = ref[0]
     restarts = {w["name"]: w["restarts"] for w in dep.health()["workers"]}["decode-0"]
     migrated = _migrations(dep)
     _faults(dep, "prefill-0", {"delay": 1.0, "delay_s": 2.0})
@@ -199,6 +205,6 @@ def test_a_decode_worker_killed_after_the_first_token_costs_no_answer(dep):
                 tokens += event["choices"][0]["logprobs"]["tokens"]
     finally:
         _faults(dep, "prefill-0", {})
-    assert tokens == ref
+    assert tokens == expected
     assert _migrations(dep) == migrated + 1
     _after(dep, "decode-0", restarts)

@@ -85,19 +85,26 @@ async def _answer(client: Any, kw: dict[str, Any], stream: bool) -> dict[str, An
     return {**out, "reasoning": out["reasoning"] or None, "content": out["content"] or None, "calls": calls}
 
 
-def _answers(dep: Any, kws: list[dict[str, Any]], stream: bool, at_once: int = 16) -> list[dict[str, Any]]:
-    """Each request's answer, `at_once` in flight: 100 at once would hold more KV than the decode worker's
+def _answers(
+    deps: tuple[Any, ...], kws: list[dict[str, Any]], stream: bool, at_once: int = 32
+) -> list[list[dict[str, Any]]]:
+    """Each deployment's answer to each request, the deployments asked side by side (their processes share
+    the CPU), `at_once` requests in flight on each: 100 at once would hold more KV than the decode worker's
     pool, and an import that waits past its deadline for room is a 503 under the `fail` policy."""
-    gate = asyncio.Semaphore(at_once)
 
-    async def one(client: Any, kw: dict[str, Any]) -> dict[str, Any]:
-        async with gate:
-            return await _answer(client, kw, stream)
-
-    async def run() -> list[dict[str, Any]]:
+    async def on(dep: Any) -> list[dict[str, Any]]:
+        gate = asyncio.Semaphore(at_once)
         async with dep.async_client(timeout=300) as client:
             model = (await client.models.list()).data[0].id
-            return await asyncio.gather(*(one(client, {"model": model, **kw}) for kw in kws))
+
+            async def one(kw: dict[str, Any]) -> dict[str, Any]:
+                async with gate:
+                    return await _answer(client, {"model": model, **kw}, stream)
+
+            return await asyncio.gather(*(one(kw) for kw in kws))
+
+    async def run() -> list[list[dict[str, Any]]]:
+        return await asyncio.gather(*(on(dep) for dep in deps))
 
     return asyncio.run(run())
 
@@ -116,8 +123,8 @@ def test_forced_calls_after_bounded_thinking_100_of_100_split_as_colocated(
     kws = [{"messages": ASK, "tools": TOOLS, "tool_choice": NAMED if choice == "named" else "required",
             "temperature": 1.0, "seed": seed, "max_tokens": 200, "parallel_tool_calls": False,
             "extra_body": {"thinking_token_budget": seed % 8}} for seed in range(100)]  # fmt: skip
-    colocated = _answers(qwen_served, kws, stream)
-    assert _answers(qwen_split, kws, stream) == colocated
+    colocated, split = _answers((qwen_served, qwen_split), kws, stream)
+    assert split == colocated
     for answer in colocated:
         assert answer["finish"] == "tool_calls" and answer["content"] is None, answer
         ((name, arguments),) = answer["calls"]
@@ -137,8 +144,8 @@ def test_a_json_schema_answer_after_bounded_thinking_split_as_colocated(qwen_ser
     fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": CITY_SCHEMA, "strict": True}}
     kws = [{"messages": ASK, "response_format": fmt, "temperature": 1.0, "seed": seed, "max_tokens": 120,
             "extra_body": {"thinking_token_budget": 3 + seed}} for seed in range(12)]  # fmt: skip
-    colocated = _answers(qwen_served, kws, stream)
-    assert _answers(qwen_split, kws, stream) == colocated
+    colocated, split = _answers((qwen_served, qwen_split), kws, stream)
+    assert split == colocated
     for kw, answer in zip(kws, colocated, strict=True):
         budget = kw["extra_body"]["thinking_token_budget"]
         assert answer["finish"] == "stop" and answer["reasoning"] and not answer["calls"], answer

@@ -24,7 +24,7 @@ def test_a_killed_standby_is_replaced_within_the_backoff():
     manifest = load_manifest(None, {
         "mode": "colocated", "model.source": "random:tiny-chat", "model.max_model_len": 256,
         "engine.kv_cache_mb": 8, "runtime.standby": True, "runtime.warm_up": False,
-        "runtime.restart_backoff_s": 2.0, "runtime.restart_backoff_max_s": 8.0,
+        "runtime.restart_backoff_s": 1.0, "runtime.restart_backoff_max_s": 4.0,
     })  # fmt: skip
     backoff = manifest.runtime.restart_backoff_s
 
@@ -36,7 +36,9 @@ def test_a_killed_standby_is_replaced_within_the_backoff():
         try:
             for round_ in range(3):
                 old = await _wait_for_spare(rt, None, 300)
-                await asyncio.sleep(1.0)  # its engine core up, its socket folder made
+                made = time.monotonic() + 10
+                while not _folders(old.pid) and time.monotonic() < made:
+                    await asyncio.sleep(0.05)  # its engine core up, its socket folder made
                 assert _folders(old.pid)
                 t0 = time.monotonic()
                 os.kill(old.pid, signal.SIGKILL)
