@@ -4,10 +4,11 @@ at size D gives the greedy tokens of one engine at size 1, for tiny random-weigh
 replicated on both ranks) and the Qwen3.5 hybrid (KV heads and Gated DeltaNet state channels split),
 for P/D 1/2, 2/1 and 2/2, over tcp and shm. Each decode rank is written only its own heads; every
 lease and block is free afterwards on both sides, also when a prefill rank hangs up mid-import. Each
-decode rank reads its own share over its own channels, with nothing staged."""
+decode rank reads its own share over its own channels, in its own process, with nothing staged."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -206,7 +207,7 @@ def test_each_decode_rank_reads_its_own_share_with_no_staging(engines, backend, 
     """Across sizes each decode rank reads, over channels of its own, exactly its rank layout's bytes
     (its KV heads and state channels), from the prefill ranks holding them; each prefill rank serves
     exactly what the decode ranks read of it; no channel of the decode side holds a request's blocks
-    (one unused block each: nothing is staged)."""
+    (one unused block each: nothing is staged); each decode rank's reads ran in that rank's process."""
     (p, pc), (d, dc) = engines.get(model, sizes[0], backend), engines.get(model, sizes[1], backend, "b")
     cfg = ModelConfig.from_hf(random_source_config(model))
     fetcher, n = _fetcher(dc), 3
@@ -227,6 +228,9 @@ def test_each_decode_rank_reads_its_own_share_with_no_staging(engines, backend, 
             from_rank[q] += a.by_prefill_rank.get(q, 0) - b.by_prefill_rank.get(q, 0)
     assert served == from_rank and sum(served) == sum(owned)
     assert all(t.kv_cache.shape[0] == 1 for t in fetcher.peers.values())
+    # each decode rank read in its own process: rank 0 in the engine's, rank r in its rank process
+    pids = [os.getpid()] + ([proc.pid for proc in d.runner.ranks.procs] if sizes[1] > 1 else [])
+    assert [a.pid for a in after] == pids
     assert _all_free(d) and _all_free(p) and _leases(pc) == 0
 
 
