@@ -52,7 +52,7 @@ from splitserve.engine.tp.build import full_model_config
 from splitserve.engine.tp.kv_ranks import open_ranks
 from splitserve.engine.tp.kv_routes import Sharding
 from splitserve.engine.tp.kv_transport import ShardedFetch
-from splitserve.engine.tp.rank_reads import Reach
+from splitserve.engine.tp.read_orders import Reach
 from splitserve.model.config import ModelConfig
 from splitserve.transport import (
     KVHandle,

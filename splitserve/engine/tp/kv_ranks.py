@@ -13,7 +13,7 @@ import torch
 from splitserve.engine.tp.kv_routes import Sharding
 from splitserve.engine.tp.kv_transport import Opener, ShardedFetch, TPTransport
 from splitserve.engine.tp.pools import mapped
-from splitserve.engine.tp.rank_reads import Reach, RemoteReads
+from splitserve.engine.tp.read_orders import Reach, RemoteReads
 from splitserve.model.config import ModelConfig
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import FreeCallback
@@ -46,7 +46,7 @@ def open_ranks(
     pools = [(engine.kv_cache, engine.states.states), *mapped(group)]
     tp = TPTransport(full, [states for _, states in pools], on_free)
     ranks = [make(kv, sharding.rank_layout(full, r), tp.rank_freed) for r, (kv, _) in enumerate(pools)]
-    remote = RemoteReads(group.store.port, group.size, reach)
+    remote = RemoteReads(group.store, group.size, reach)
     tp.attach(ranks, ShardedFetch(cfg, full, engine.kv_cache, ranks, opener, remote))
     return tp
 

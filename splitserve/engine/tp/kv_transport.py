@@ -7,8 +7,8 @@ lease and layout (`KVHandle.shards`), and is stamped with the model's unsharded 
 decode replica of any size accepts it. The engine's blocks are freed once every rank's lease ended.
 
 Decode replica at size D (`ShardedFetch`): each decode rank reads its own share in its own process,
-into its own pool (rank_reads.py: rank 0 orders the other ranks' reads and waits for all of them; a
-failure on any rank fails the fetch):
+into its own pool (rank_reads.py; read_orders.py: rank 0 orders the other ranks' reads and waits for
+all of them; a failure on any rank fails the fetch):
   - P == D with the same rank layouts: decode rank d fetches prefill rank d's whole shard;
   - otherwise (P > D gathers several prefill ranks into one decode rank, P < D slices one among
     several, a KV head replicated below the rank count is read by each rank that holds it): each
@@ -35,16 +35,8 @@ import msgspec
 import torch
 
 from splitserve.engine.tp.kv_routes import Plan, Sharding
-from splitserve.engine.tp.rank_reads import (
-    Held,
-    Opener,
-    RankReader,
-    ReadDone,
-    RemoteReads,
-    left_s,
-    shard_handle,
-    shards_of,
-)
+from splitserve.engine.tp.rank_reads import Held, Opener, RankReader, left_s, shard_handle, shards_of
+from splitserve.engine.tp.read_orders import ReadDone, RemoteReads
 from splitserve.model.config import ModelConfig
 from splitserve.transport.errors import PeerRefused
 from splitserve.transport.fault_plan import FaultPlan
@@ -178,6 +170,8 @@ class ShardedFetch:
 
     def close(self) -> None:
         self.local.close()
+        if self.remote is not None:
+            self.remote.close()
 
     def _count(self, rank: int, nbytes: int, pid: int, by_src: dict[int, int]) -> None:
         with self._lock:

@@ -42,7 +42,7 @@ def main() -> int:
     from splitserve.engine.builder import build
     from splitserve.engine.tp import build as tp_build
     from splitserve.engine.tp.group import TPGroup, rank_device
-    from splitserve.engine.tp.rank_reads import RankReadService
+    from splitserve.engine.tp.read_orders import RankReadService
     from splitserve.engine.tp.runner import serve_rank
 
     torch.set_num_threads(int(spec["threads"]))
