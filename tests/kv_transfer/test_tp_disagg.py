@@ -4,7 +4,8 @@ at size D gives the greedy tokens of one engine at size 1, for tiny random-weigh
 replicated on both ranks) and the Qwen3.5 hybrid (KV heads and Gated DeltaNet state channels split),
 for P/D 1/2, 2/1 and 2/2, over tcp and shm. Each decode rank is written only its own heads; every
 lease and block is free afterwards on both sides, also when a prefill rank hangs up mid-import. Each
-decode rank reads its own share over its own channels, in its own process, with nothing staged."""
+decode rank reads its own share over its own channels, in its own process, and no channel holds a copy
+of a request's blocks."""
 
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def test_each_decode_rank_reads_its_own_share_with_no_staging(engines, backend, 
     """Across sizes each decode rank reads, over channels of its own, exactly its rank layout's bytes
     (its KV heads and state channels), from the prefill ranks holding them; each prefill rank serves
     exactly what the decode ranks read of it; no channel of the decode side holds a request's blocks
-    (one unused block each: nothing is staged); each decode rank's reads ran in that rank's process."""
+    (one unused block each); each decode rank's reads ran in that rank's process."""
     (p, pc), (d, dc) = engines.get(model, sizes[0], backend), engines.get(model, sizes[1], backend, "b")
     cfg = ModelConfig.from_hf(random_source_config(model))
     fetcher, n = _fetcher(dc), 3

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from splitserve.engine.tp.rank_reads import RankReader, drop, keep
 from splitserve.model.config import ModelConfig
+from splitserve.transport.backends import make_transport
 from splitserve.transport.errors import PeerRefused, TransferTimeout, TransportError
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.transport import KVTransport
@@ -148,8 +149,6 @@ class RankReadService:
         assert order.reach is not None and order.cfg is not None and order.full is not None
         key = (order.reach, order.full.fingerprint)
         if key not in self.readers:
-            from splitserve.transport import make_transport
-
             reach = order.reach
 
             def opener(kv: torch.Tensor, layout: KVLayout) -> KVTransport:
@@ -174,6 +173,7 @@ class RemoteReads:
         self._gone: set[int] = set()  # ranks whose connection closed
         self._arrived = threading.Condition()
         self._send_lock = threading.Lock()
+        self._closed = False
         threading.Thread(target=self._accept, name="tp-read-accept", daemon=True).start()
         store.set(WHERE_KEY, json.dumps({"port": self._listener.address[1], "key": key.hex()}))
 
@@ -193,7 +193,8 @@ class RemoteReads:
             try:
                 done: ReadDone = conn.recv()
             except (EOFError, OSError):
-                log.error("decode rank %d's read connection closed", rank)
+                if not self._closed:
+                    log.warning("decode rank %d's read connection closed", rank)
                 with self._arrived:
                     self._gone.add(rank)
                     self._arrived.notify_all()
@@ -266,6 +267,7 @@ class RemoteReads:
         self._send(rank, ReadOrder(self._seq(rank), None, drop=seq), time.monotonic() + 1.0)
 
     def close(self) -> None:
+        self._closed = True
         self._listener.close()
         for conn in list(self._conns.values()):
             conn.close()
