@@ -30,8 +30,11 @@ from splitserve.transport.transport import FetchRequest, KVTransport
 from splitserve.wire.kv_handle import KVHandle, KVShard
 
 Opener = Callable[[torch.Tensor, KVLayout], KVTransport]  # a fetch-only transport over a tensor
-HELD_MAX = 256  # imported state kept for steps to come, per rank (older ones of failed imports go)
+# Read state no step took: that of a probe's fetch, or of an import that failed after the reads. An
+# import's is taken by the step after its reads end (milliseconds); what is older than this goes.
+HELD_TTL_S = 300.0
 HELD: dict[int, dict[str, torch.Tensor]] = {}  # rank r's read state by order seq, until its "put"
+_held_at: dict[int, float] = {}  # when each entry of HELD was read
 _held_lock = threading.Lock()
 
 
@@ -140,17 +143,20 @@ class Held:
 
 
 def keep(seq: int, state: dict[str, torch.Tensor]) -> None:
-    """Hold the state this rank read for order `seq` until its "put" (past `HELD_MAX`, the oldest go:
-    those of imports that failed after the read)."""
+    """Hold the state this rank read for order `seq` until its "put" (or `HELD_TTL_S`)."""
+    now = time.monotonic()
     with _held_lock:
-        HELD[seq] = state
-        while len(HELD) > HELD_MAX:
-            HELD.pop(next(iter(HELD)))
+        while _held_at and now - next(iter(_held_at.values())) > HELD_TTL_S:
+            oldest = next(iter(_held_at))  # (insertion order is time order)
+            del _held_at[oldest]
+            HELD.pop(oldest, None)
+        HELD[seq], _held_at[seq] = state, now
 
 
 def drop(seq: int) -> None:
     with _held_lock:
         HELD.pop(seq, None)
+        _held_at.pop(seq, None)
 
 
 def held_tensor(t: torch.Tensor | Held) -> torch.Tensor:
@@ -159,15 +165,18 @@ def held_tensor(t: torch.Tensor | Held) -> torch.Tensor:
         return t
     with _held_lock:
         state = HELD.get(t.seq, {})
+        if t.name not in state:
+            raise RuntimeError(f"decode rank {t.rank} holds no state {t.name!r} of read {t.seq}")
         out = state.pop(t.name)
         if not state:
             HELD.pop(t.seq, None)
+            _held_at.pop(t.seq, None)
     return out
 
 
 __all__ = [
     "HELD",
-    "HELD_MAX",
+    "HELD_TTL_S",
     "Held",
     "Opener",
     "RankReader",
