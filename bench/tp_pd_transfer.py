@@ -8,10 +8,12 @@ bytes each prefill rank served, the bytes written into each decode rank's pool (
 state channels only), the mean fetch seconds of a request (the decode connector's `fetch_seconds`
 over its `fetches`), and its ratio against 1 -> 1 (the baseline). At P == D every decode rank
 fetches its twin's part straight into its pool; otherwise each decode rank reads only its own heads
-and state channels from each prefill rank holding them, straight into its pool (one fetch per pair
-of ranks that share heads, nothing staged). Greedy tokens are compared with the baseline (they must
-be equal). A shared 2-core host: no speed goal, the figure shows what the extra fetches and servers
-cost.
+and state channels from each prefill rank holding them (one fetch per pair of ranks that share
+heads): straight into its pool where a part fills whole rows of its blocks, else into one host buffer
+placed by a strided copy per run of heads (transport/part_sink.py). Each decode rank reads in its own
+process (rank 0's orders go to the others: engine/tp/read_orders.py). Greedy tokens are compared
+with the baseline (they must be equal). A shared 2-core host: no speed goal, the figure shows what the
+extra fetches and servers cost.
 
     python bench/tp_pd_transfer.py
     python bench/tp_pd_transfer.py --model random:tiny-llama --requests 8 --prompt-len 200

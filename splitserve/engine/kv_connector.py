@@ -52,6 +52,7 @@ from splitserve.engine.tp.build import full_model_config
 from splitserve.engine.tp.kv_ranks import open_ranks
 from splitserve.engine.tp.kv_routes import Sharding
 from splitserve.engine.tp.kv_transport import ShardedFetch
+from splitserve.engine.tp.read_orders import Reach
 from splitserve.model.config import ModelConfig
 from splitserve.transport import (
     KVHandle,
@@ -150,13 +151,17 @@ class KVConnector:
             return make_transport(conn.backend_name or backend, kv, layout, secret=secret, options=options)
 
         if engine.config.tensor_parallel_size > 1:
+
+            def reach() -> Reach:
+                return Reach(conn.backend_name or backend, secret, options)
+
             conn.transport = open_ranks(engine, conn.layout, model_config(engine), make, opener,
-                                        conn.on_lease_end)  # fmt: skip
+                                        conn.on_lease_end, reach)  # fmt: skip
         else:
             conn.transport = make(engine.kv_cache, conn.layout, conn.on_lease_end)
             # a handle from an exporter at tensor_parallel_size > 1: each rank's heads read into our one pool
             conn.sharded = ShardedFetch(
-                model_config(engine), conn.layout, [engine.kv_cache], [conn.transport], opener
+                model_config(engine), conn.layout, engine.kv_cache, [conn.transport], opener
             )
             if engine.states.enabled:
                 conn.holds_state = conn.transport.register_states(engine.states.states)

@@ -63,7 +63,9 @@ def restore_generator(req: Request, state: bytes | None, vocab_size: int) -> Non
 
 def payload_nbytes(handle: KVHandle, state: dict[str, torch.Tensor], kv: torch.Tensor) -> int:
     block = kv[0].numel() * kv.element_size()
-    return handle.num_blocks * block + sum(t.numel() * t.element_size() for t in state.values())
+    return handle.num_blocks * block + sum(
+        t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor)
+    )
 
 
 __all__ = ["ImportSpec", "KVExport", "KVTransferFailed", "NoRoom", "payload_nbytes", "restore_generator"]

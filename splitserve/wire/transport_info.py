@@ -104,10 +104,11 @@ class NixlInfo(msgspec.Struct):
 
 class RankParts(msgspec.Struct):
     """One decode rank's reads across tensor-parallel sizes: bytes its own channels fetched, in all and
-    by prefill rank."""
+    by prefill rank, and the process that read them."""
 
     fetched_bytes: int = 0
     by_prefill_rank: dict[int, int] = msgspec.field(default_factory=dict, name="from")
+    pid: int = 0  # the process that ran this rank's reads (its own)
 
 
 class TensorParallelInfo(msgspec.Struct):

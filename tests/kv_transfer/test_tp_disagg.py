@@ -4,10 +4,12 @@ at size D gives the greedy tokens of one engine at size 1, for tiny random-weigh
 replicated on both ranks) and the Qwen3.5 hybrid (KV heads and Gated DeltaNet state channels split),
 for P/D 1/2, 2/1 and 2/2, over tcp and shm. Each decode rank is written only its own heads; every
 lease and block is free afterwards on both sides, also when a prefill rank hangs up mid-import. Each
-decode rank reads its own share over its own channels, with nothing staged."""
+decode rank reads its own share over its own channels, in its own process, and no channel holds a copy
+of a request's blocks."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -206,7 +208,7 @@ def test_each_decode_rank_reads_its_own_share_with_no_staging(engines, backend, 
     """Across sizes each decode rank reads, over channels of its own, exactly its rank layout's bytes
     (its KV heads and state channels), from the prefill ranks holding them; each prefill rank serves
     exactly what the decode ranks read of it; no channel of the decode side holds a request's blocks
-    (one unused block each: nothing is staged)."""
+    (one unused block each); each decode rank's reads ran in that rank's process."""
     (p, pc), (d, dc) = engines.get(model, sizes[0], backend), engines.get(model, sizes[1], backend, "b")
     cfg = ModelConfig.from_hf(random_source_config(model))
     fetcher, n = _fetcher(dc), 3
@@ -227,26 +229,33 @@ def test_each_decode_rank_reads_its_own_share_with_no_staging(engines, backend, 
             from_rank[q] += a.by_prefill_rank.get(q, 0) - b.by_prefill_rank.get(q, 0)
     assert served == from_rank and sum(served) == sum(owned)
     assert all(t.kv_cache.shape[0] == 1 for t in fetcher.peers.values())
+    # each decode rank read in its own process: rank 0 in the engine's, rank r in its rank process
+    pids = [os.getpid()] + ([proc.pid for proc in d.runner.ranks.procs] if sizes[1] > 1 else [])
+    assert [a.pid for a in after] == pids
     assert _all_free(d) and _all_free(p) and _leases(pc) == 0
 
 
-def test_a_prefill_rank_that_hangs_up_fails_the_fetch_and_every_lease_ends(engines):
-    """Prefill at size 2, decode at 1: prefill rank 1 hangs up on every fetch. The import fails with a
-    transport error (no token from half the heads), the connector releases both ranks' leases, and
-    the blocks come back on both sides; with the fault gone, the next import succeeds."""
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)], ids=lambda s: f"P{s[0]}D{s[1]}")
+def test_a_prefill_rank_that_hangs_up_fails_the_fetch_and_every_lease_ends(engines, sizes):
+    """A prefill rank hangs up on every fetch: prefill rank 1 of 2 (decode at 1: half the heads come
+    from it), or the one prefill rank of a size-1 replica (decode at 2: both decode ranks' reads fail,
+    rank 1's in its own process). The import fails with a transport error, the connector releases every
+    rank's lease, and the blocks come back on both sides; with the fault gone, the next import
+    succeeds."""
     model = "random:qwen3.5-tiny"
-    (p, pc), (d, _) = engines.get(model, 2), engines.get(model, 1, name="b")
+    (p, pc), (d, _) = engines.get(model, sizes[0]), engines.get(model, sizes[1], name="b")
     reference = _colocated(engines.get(model, 1)[0])
-    pc.transport.ranks[1].install_faults(FaultPlan(FaultKnobs(kill=1.0)))
+    faulty = pc.transport.ranks[1] if sizes[0] == 2 else pc.transport
+    faulty.install_faults(FaultPlan(FaultKnobs(kill=1.0)))
     try:
-        p.add_request(PROMPTS[0], GREEDY, request_id="hangup-p", kv_transfer="export")
-        out = _run(p)["hangup-p"]
+        p.add_request(PROMPTS[0], GREEDY, request_id=f"hangup-p{sizes}", kv_transfer="export")
+        out = _run(p)[f"hangup-p{sizes}"]
         with pytest.raises(KVTransferFailed) as failed:
             d.add_request_with_kv(
-                out.kv_export.handle, PROMPTS[0], out.outputs[0].token_ids[0], GREEDY, "hangup"
+                out.kv_export.handle, PROMPTS[0], out.outputs[0].token_ids[0], GREEDY, f"hangup{sizes}"
             )
         assert isinstance(failed.value.cause, TransportError)
     finally:
-        pc.transport.ranks[1].install_faults(None)
+        faulty.install_faults(None)
     assert _all_free(d) and _all_free(p) and _leases(pc) == 0
-    assert _disaggregated(p, d, "after-hangup")[0] == reference[0]
+    assert _disaggregated(p, d, f"after-hangup{sizes}")[0] == reference[0]

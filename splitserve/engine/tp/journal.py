@@ -16,9 +16,11 @@ import torch
 
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
+from splitserve.engine.tp.rank_reads import held_tensor
 
 # ("zero", slot, 0) | ("save", entry, slot) | ("restore", entry, slot)
-# | ("put", slot, {rank: {name: tensor}}): a KV import's state, each rank's own channels
+# | ("put", slot, {rank: {name: Held}}): a KV import's state, each rank's own channels, which that rank
+#   read and keeps (rank_reads.py)
 Op = tuple[str, int, Any]
 
 
@@ -31,7 +33,7 @@ class JournaledStatePool(StatePool):
             self.journal.append(("zero", slot, 0))
         return slot
 
-    def put_ranks(self, slot: int, state: dict[str, torch.Tensor]) -> None:
+    def put_ranks(self, slot: int, state: dict[str, Any]) -> None:
         """An imported request's state for the other ranks (`name@rank` keys of a tensor-parallel
         fetch): each rank copies its own into `slot` before the next step, after the slot's zeroing."""
         ranks: dict[int, dict[str, torch.Tensor]] = {}
@@ -62,7 +64,7 @@ def replay(
     for op, a, b in ops:
         if op == "put":
             for name, t in b.get(rank, {}).items():
-                states[name][a].copy_(t)
+                states[name][a].copy_(held_tensor(t))
         elif op == "zero":
             for t in states.values():
                 t[a].zero_()

@@ -1,6 +1,7 @@
 """The KV transport of an engine at tensor_parallel_size > 1 (rank 0's process): one transport per
-rank over that rank's pool (rank 0's own, the others mapped from shared memory: pools.py), joined in
-one `TPTransport` (kv_transport.py)."""
+rank over that rank's pool (rank 0's own, the others mapped from shared memory: pools.py) serves
+exports, joined in one `TPTransport` (kv_transport.py); imports are read by each rank in its own
+process (rank_reads.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from splitserve.engine.tp.kv_routes import Sharding
 from splitserve.engine.tp.kv_transport import Opener, ShardedFetch, TPTransport
 from splitserve.engine.tp.pools import mapped
+from splitserve.engine.tp.read_orders import Reach, RemoteReads
 from splitserve.model.config import ModelConfig
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import FreeCallback
@@ -25,9 +27,16 @@ Maker = Callable[[torch.Tensor, KVLayout, FreeCallback | None], KVTransport]
 
 
 def open_ranks(
-    engine: LLMEngine, full: KVLayout, cfg: ModelConfig, make: Maker, opener: Opener, on_free: FreeCallback
+    engine: LLMEngine,
+    full: KVLayout,
+    cfg: ModelConfig,
+    make: Maker,
+    opener: Opener,
+    on_free: FreeCallback,
+    reach: Callable[[], Reach],
 ) -> TPTransport:
-    """A transport serving and filling every rank's pool of `engine` (rank 0 of its group)."""
+    """A transport serving every rank's pool of `engine` (rank 0 of its group) and filling them, each
+    rank's in its own process (`reach`: how the other ranks open their channels)."""
     if engine.device.type != "cpu":
         raise ValueError(
             "a disaggregated replica at tensor_parallel_size > 1 moves its KV on the CPU only for now"
@@ -37,7 +46,8 @@ def open_ranks(
     pools = [(engine.kv_cache, engine.states.states), *mapped(group)]
     tp = TPTransport(full, [states for _, states in pools], on_free)
     ranks = [make(kv, sharding.rank_layout(full, r), tp.rank_freed) for r, (kv, _) in enumerate(pools)]
-    tp.attach(ranks, ShardedFetch(cfg, full, [kv for kv, _ in pools], ranks, opener))
+    remote = RemoteReads(group.store, group.size, reach)
+    tp.attach(ranks, ShardedFetch(cfg, full, engine.kv_cache, ranks, opener, remote))
     return tp
 
 

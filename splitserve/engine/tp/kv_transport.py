@@ -6,93 +6,112 @@ the request's blocks and copies its state on every rank; the handle names P and 
 lease and layout (`KVHandle.shards`), and is stamped with the model's unsharded layout, so that a
 decode replica of any size accepts it. The engine's blocks are freed once every rank's lease ended.
 
-Decode replica at size D (`ShardedFetch`):
-  - P == D with the same rank layouts: decode rank d fetches prefill rank d's shard straight into
-    its own pool, for every d (no staging);
+Decode replica at size D (`ShardedFetch`): each decode rank reads its own share in its own process,
+into its own pool (rank_reads.py; read_orders.py: rank 0 orders the other ranks' reads and waits for
+all of them; a failure on any rank fails the fetch):
+  - P == D with the same rank layouts: decode rank d fetches prefill rank d's whole shard;
   - otherwise (P > D gathers several prefill ranks into one decode rank, P < D slices one among
     several, a KV head replicated below the rank count is read by each rank that holds it): each
     decode rank reads, from each prefill rank holding some of its heads and state channels, only
-    those (a fetch that `select`s runs of heads and channels, kv_routes.py's `parts`), straight into
-    its own blocks and fresh state tensors, over a channel of that prefill rank's layout that is its
-    own: no staging buffer, every byte moves once, and each rank's counters show its own share. A
-    size pair the model cannot be split into is refused before any byte moves, naming both sizes;
-    a rank layout the exporter does not have is refused by its handshake, with the same words.
-The state of decode ranks 1..D-1 comes back under `name@rank` keys; the engine's state pool hands it
-to those ranks with the next step (journal.py's "put").
+    those (a fetch that `select`s runs of heads and channels, kv_routes.py's `parts`), over a channel
+    of that prefill rank's layout that is its own, into its own blocks and fresh state tensors
+    (transport/part_sink.py): every byte crosses the wire once, and each rank's counters show its
+    own share. A size pair the model cannot be split into is refused before any byte moves, naming
+    both sizes; a rank layout the exporter does not have is refused by its handshake, in the same words.
+The state decode ranks 1..D-1 read stays in their processes; it comes back as `name@rank` keys holding
+a `Held`, which the engine's state pool sends with the next step (journal.py's "put").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 import torch
 
-from splitserve.engine.tp.kv_routes import Plan, parts
+from splitserve.engine.tp.kv_routes import Plan, Sharding
+from splitserve.engine.tp.rank_reads import Held, Opener, RankReader, left_s, shard_handle, shards_of
+from splitserve.engine.tp.read_orders import ReadDone, RemoteReads
 from splitserve.model.config import ModelConfig
-from splitserve.transport.errors import PeerRefused, TransferTimeout
+from splitserve.transport.errors import PeerRefused
 from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.layout import KVLayout, torch_dtype
 from splitserve.transport.lease import FreeCallback
-from splitserve.transport.payload import ByteStream, channel_pieces, empty_state, head_pieces, tensor_bytes
 from splitserve.transport.transport import ExportRequest, FetchRequest, KVTransport
 from splitserve.wire.kv_handle import KVHandle, KVShard
 from splitserve.wire.transport_info import RankParts, TensorParallelInfo, TransportInfo
 
 MAX_PEER_SIZE = 8  # the largest exporter size `check_peer` tries
 
-# a fetch-only transport over a tensor with the given layout (the connector's backend and secret)
-Opener = Callable[[torch.Tensor, KVLayout], KVTransport]
-
-
-def shards_of(handle: KVHandle) -> tuple[KVShard, ...]:
-    if handle.shards:
-        return handle.shards
-    return (KVShard(handle.address, handle.lease_id, handle.layout_fingerprint, handle.checksum),)
-
-
-def shard_handle(handle: KVHandle, shard: KVShard) -> KVHandle:
-    """One rank's part of `handle`, as a plain handle its transport fetches and releases by."""
-    return msgspec.structs.replace(
-        handle, address=shard.address, lease_id=shard.lease_id, layout_fingerprint=shard.layout_fingerprint,
-        checksum=shard.checksum, tp_size=1, shards=(),
-    )  # fmt: skip
-
 
 class ShardedFetch:
-    """Decode side: fill our ranks' pools (`kvs`, rank order) from a handle of any exporter size, and
-    release such handles (each rank's lease through a connection of that rank's layout)."""
+    """Decode side: fill our ranks' pools from a handle of any exporter size (rank 0's own here, each
+    other rank's in that rank's process: rank_reads.py), and release such handles (each rank's lease
+    through a connection of that rank's layout)."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         full: KVLayout,
-        kvs: Sequence[torch.Tensor],
+        kv: torch.Tensor,
         direct: Sequence[KVTransport],
         opener: Opener,
+        remote: RemoteReads | None = None,
     ) -> None:
-        self.cfg, self.full, self.kvs, self.direct, self.opener = cfg, full, list(kvs), list(direct), opener
-        self.rank_bytes = [0] * len(self.kvs)  # KV and state bytes written into each rank's pool
-        # (prefill rank's layout fingerprint, prefill rank, decode rank) -> the decode rank's fetch-only
-        # channel of that layout (its connections, its counters)
-        self.peers: dict[tuple[str, int, int], KVTransport] = {}
+        self.cfg, self.full, self.direct, self.opener, self.remote = cfg, full, list(direct), opener, remote
+        self.size = len(self.direct)
+        self.local = RankReader(cfg, full, 0, self.size, kv, opener, own=self.direct[0])
+        self.layouts = [Sharding.of(cfg, self.size).rank_layout(full, r) for r in range(self.size)]
+        self.rank_bytes = [0] * self.size  # KV and state bytes written into each rank's pool
+        self.remote_parts = [RankParts() for _ in range(self.size)]  # ranks 1.., from their outcomes
         self._lock = threading.Lock()
 
-    def fetch(self, handle: KVHandle, into: Sequence[int], timeout_s: float) -> dict[str, torch.Tensor]:
+    @property
+    def peers(self) -> dict:
+        """Rank 0's fetch-only channels (prefill layout fingerprint, prefill rank) -> channel."""
+        return self.local.peers
+
+    def fetch(self, handle: KVHandle, into: Sequence[int], timeout_s: float) -> dict[str, object]:
+        """Every rank's share of `handle` into its pool, each rank reading in its own process; ->
+        rank 0's state tensors, and each other rank's as `name@rank` -> `Held` (kept by that rank).
+        Raises when any rank's read failed, once every rank has ended its own."""
         deadline = time.monotonic() + timeout_s
-        shards, size = shards_of(handle), len(self.kvs)
+        shards = shards_of(handle)
         if len(shards) != handle.tp_size:
             raise PeerRefused(f"handle {handle.request_id} names {len(shards)} ranks for {handle.tp_size}")
-        if handle.tp_size == size and all(
-            s.layout_fingerprint == t.layout.fingerprint for s, t in zip(shards, self.direct, strict=True)
-        ):
-            return self._direct(handle, shards, into, deadline)
-        plan = Plan.build(self.cfg, handle.tp_size, size)  # refuses before any byte moves
-        return self._by_parts(handle, shards, list(into), plan, deadline)
+        whole = handle.tp_size == self.size and all(
+            s.layout_fingerprint == t.fingerprint for s, t in zip(shards, self.layouts, strict=True)
+        )
+        if not whole:
+            Plan.build(self.cfg, handle.tp_size, self.size)  # refuses before any byte moves
+        remote = self.remote if self.size > 1 else None
+        seqs = remote.start(handle, into, deadline, whole, self.cfg, self.full) if remote else []
+        before, error, state = self.local.nbytes, None, {}
+        try:
+            state = self.local.read(handle, into, deadline, whole)
+        except Exception as exc:  # noqa: BLE001 - raised once every rank has ended its read
+            error = exc
+        outcomes = remote.wait(seqs, deadline) if remote else []
+        self._count(0, self.local.nbytes - before, os.getpid(), {})
+        for rank, done in enumerate(outcomes, start=1):
+            failed = done if isinstance(done, BaseException) else done.exception(rank)
+            error = error or failed
+            if not isinstance(done, BaseException) and failed is None:
+                self._count(rank, done.nbytes, done.pid, done.by_src)
+        if error is not None:
+            for rank, (seq, done) in enumerate(zip(seqs, outcomes, strict=True), start=1):
+                if isinstance(done, ReadDone) and done.error is None and remote is not None:
+                    remote.drop(rank, seq)
+            raise error
+        out: dict[str, object] = dict(state)
+        for rank, (seq, done) in enumerate(zip(seqs, outcomes, strict=True), start=1):
+            out.update({f"{name}@{rank}": Held(rank, seq, name) for name in done.names})  # type: ignore[union-attr]
+        return out
 
     def release(self, handle: KVHandle) -> None:
         """End every rank's lease of `handle`: our own server's locally, a peer's over a connection
@@ -103,8 +122,8 @@ class ShardedFetch:
             own = next((t for t in self.direct if t.address == shard.address), None)
             same = next((t for t in self.direct if t.layout.fingerprint == shard.layout_fingerprint), None)
             if own is None and same is None:
-                sharding = sharding or Plan.build(self.cfg, handle.tp_size, len(self.kvs)).src
-                same = self._peer(sharding.rank_layout(self.full, p), p, 0)
+                sharding = sharding or Plan.build(self.cfg, handle.tp_size, self.size).src
+                same = self.local.peer(sharding.rank_layout(self.full, p), p)
             (own or same).release(one)  # type: ignore[union-attr]
 
     def check_peer(self, address: str, timeout_s: float) -> KVLayout:
@@ -116,105 +135,52 @@ class ShardedFetch:
         try:
             return self.direct[0].check_peer(address, timeout_s)
         except PeerRefused as exc:
-            refused = exc
+            refusal = exc
         for size in range(1, MAX_PEER_SIZE + 1):
             try:
-                layout = Plan.build(self.cfg, size, len(self.kvs)).src.rank_layout(self.full, 0)
+                layout = Plan.build(self.cfg, size, self.size).src.rank_layout(self.full, 0)
             except PeerRefused:
                 continue
             if layout.fingerprint in tried:
                 continue
             tried.add(layout.fingerprint)
-            transport = self._open(layout)
+            transport = self.opener(
+                torch.empty((1, *layout.block_shape), dtype=torch_dtype(layout.dtype)), layout
+            )
             try:
-                return transport.check_peer(address, _left(deadline))
+                return transport.check_peer(address, left_s(deadline))
             except PeerRefused:
                 continue
             finally:
                 transport.close()
-        raise refused
+        raise refusal
 
     def rank_parts(self) -> list[RankParts]:
-        """Per decode rank: the bytes its own channels fetched from each prefill rank."""
-        out = [RankParts() for _ in self.kvs]
+        """Per decode rank: the bytes its own channels fetched from each prefill rank, and the process
+        that read them."""
         with self._lock:
-            peers = list(self.peers.items())
-        for (_, p, d), t in peers:
-            nbytes = int(t.stats.snapshot()["counts"].get("fetched_bytes", 0))
-            out[d].fetched_bytes += nbytes
-            out[d].by_prefill_rank[p] = out[d].by_prefill_rank.get(p, 0) + nbytes
+            out = [
+                msgspec.structs.replace(p, by_prefill_rank=dict(p.by_prefill_rank)) for p in self.remote_parts
+            ]
+        for p, nbytes in self.local.by_src.items():
+            out[0].fetched_bytes += nbytes
+            out[0].by_prefill_rank[p] = out[0].by_prefill_rank.get(p, 0) + nbytes
+        out[0].pid = os.getpid()
         return out
 
     def close(self) -> None:
-        with self._lock:
-            peers, self.peers = list(self.peers.values()), {}
-        for peer in peers:
-            peer.close()
+        self.local.close()
+        if self.remote is not None:
+            self.remote.close()
 
-    def _open(self, layout: KVLayout) -> KVTransport:
-        """A fetch-only channel of `layout` (its own pool is one unused block: it fetches parts only)."""
-        return self.opener(torch.empty((1, *layout.block_shape), dtype=torch_dtype(layout.dtype)), layout)
-
-    def _peer(self, layout: KVLayout, src: int, rank: int) -> KVTransport:
-        key = (layout.fingerprint, src, rank)
-        with self._lock:
-            if key in self.peers:
-                return self.peers[key]
-        made = self._open(layout)  # NOTE: not under the lock (the opener reads our describe())
-        with self._lock:
-            peer = self.peers.setdefault(key, made)
-        if peer is not made:
-            made.close()
-        return peer
-
-    def _direct(
-        self, handle: KVHandle, shards: Sequence[KVShard], into: Sequence[int], deadline: float
-    ) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for rank, (shard, transport) in enumerate(zip(shards, self.direct, strict=True)):
-            state = transport.fetch(shard_handle(handle, shard), into, _left(deadline))
-            out.update({name if rank == 0 else f"{name}@{rank}": t for name, t in state.items()})
-            self._count(rank, transport.layout.payload_nbytes(len(into)))
-        return out
-
-    def _by_parts(
-        self, handle: KVHandle, shards: Sequence[KVShard], into: list[int], plan: Plan, deadline: float
-    ) -> dict[str, torch.Tensor]:
-        """Each decode rank reads its own heads and state channels from each prefill rank that holds
-        them, straight into its pool and fresh state tensors (no staging: every byte moves once)."""
-        out: dict[str, torch.Tensor] = {}
-        for rank, kv in enumerate(self.kvs):
-            layout = plan.dst.rank_layout(self.full, rank)
-            rows = tensor_bytes(kv).reshape(kv.shape[0], -1)  # [num_blocks, block_nbytes]
-            state = empty_state(layout)
-            for part in parts(plan, rank):
-                peer = self._peer(plan.src.rank_layout(self.full, part.src), part.src, rank)
-                dst = ByteStream(
-                    head_pieces(rows, layout, into, part.heads) + channel_pieces(state, part.states)
-                )
-                request = FetchRequest(shard_handle(handle, shards[part.src]), into, _left(deadline))
-                try:
-                    peer.fetch_part(request, part.select, dst)  # type: ignore[attr-defined]  # a KVChannel
-                except PeerRefused as exc:
-                    raise PeerRefused(
-                        f"cannot map a prefill replica at tensor_parallel_size {plan.src.size} onto a "
-                        f"decode replica at tensor_parallel_size {plan.dst.size}",
-                        exc.mismatches or [str(exc)],
-                    ) from None
-                self._count(rank, dst.nbytes)
-            out.update({name if rank == 0 else f"{name}@{rank}": t for name, t in state.items()})
-        return out
-
-    def _count(self, rank: int, nbytes: int) -> None:
+    def _count(self, rank: int, nbytes: int, pid: int, by_src: dict[int, int]) -> None:
         with self._lock:
             self.rank_bytes[rank] += nbytes
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TransferTimeout("the fetch deadline passed between the ranks' parts")
-    return left
+            parts = self.remote_parts[rank]
+            parts.pid = pid
+            for p, n in by_src.items():
+                parts.fetched_bytes += n
+                parts.by_prefill_rank[p] = parts.by_prefill_rank.get(p, 0) + n
 
 
 class TPTransport(KVTransport):

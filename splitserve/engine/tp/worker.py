@@ -2,7 +2,8 @@
 
 It joins rank 0's store, builds the same engine parts from the same config (its shard of the weights,
 its heads' KV cache and state pools; the scheduler it builds stays idle) and runs every step rank 0
-broadcasts (runner.py's `serve_rank`) until rank 0 says stop. It exits at once when its parent
+broadcasts (runner.py's `serve_rank`) until rank 0 says stop; a thread of it reads this rank's share
+of each KV import rank 0 orders (rank_reads.py). It exits at once when its parent
 (rank 0's process) is gone.
 """
 
@@ -41,6 +42,7 @@ def main() -> int:
     from splitserve.engine.builder import build
     from splitserve.engine.tp import build as tp_build
     from splitserve.engine.tp.group import TPGroup, rank_device
+    from splitserve.engine.tp.read_orders import RankReadService
     from splitserve.engine.tp.runner import serve_rank
 
     torch.set_num_threads(int(spec["threads"]))
@@ -54,6 +56,7 @@ def main() -> int:
     store.set(f"joined/{rank}", "1")
     tp_build._WORKER_GROUP = TPGroup(rank, size, store, device)
     parts = build(config, False, None)
+    RankReadService(int(spec["port"]), rank, size, parts.kv_cache)  # this rank's share of KV imports
     serve_rank(parts.runner, tp_build._WORKER_GROUP, parts.scheduler.block_manager.checkpoints)
     return 0
 
