@@ -25,7 +25,7 @@ import torch
 from splitserve.engine.isolate import check_fault
 from splitserve.engine.prefill_graphs import PrefillGraphs
 from splitserve.engine.scheduler import ScheduledChunk
-from splitserve.engine.spec.rows import VerifyRow, as_rows, order_key
+from splitserve.engine.spec.rows import VerifyRow, as_rows, order_key, row_token, sample_rows
 from splitserve.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -128,8 +128,9 @@ class ModelRunner:
     def _execute(
         self, chunks: list[ScheduledChunk], feed: Feed | None
     ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        if self.graphs is not None and self.graphs.accepts(chunks):
-            return self.graphs.run(chunks, feed)
+        rows = chunks if self.states or self.graphs is None else as_rows(chunks)  # verify chunks: rows.py
+        if self.graphs is not None and self.graphs.accepts(rows):
+            return self.graphs.run(rows, feed)
         if self.prefill_graphs is not None and self.prefill_graphs.accepts(chunks):
             return self.prefill_graphs.run(chunks)
         inputs = self.prepare(chunks, feed)
@@ -377,7 +378,7 @@ class DecodeGraphs:
                 fed.append((i, feed[1][id(req)]))
                 host[0, i] = 0  # on the device: set below
             else:
-                host[0, i] = req.token_ids(p, p + 1)[0]
+                host[0, i] = row_token(c)
             host[1, i] = p
             host[2, i] = blocks[p // bs] * bs + p % bs
             host[3, i] = p + 1
@@ -390,8 +391,8 @@ class DecodeGraphs:
             self.runner.put_fed(self.inputs[0], fed, feed[0])
         self.graphs[size].replay()
         logits = self.logits[size]
-        sample = [i for i, c in enumerate(chunks) if c.samples]
+        sample, sampled = sample_rows(chunks)  # a verify chunk: a row at its last known token and each draft
         if len(sample) == b:
-            return logits[:b], list(chunks)
+            return logits[:b], sampled
         rows = torch.tensor(sample, dtype=torch.int64).to(dev, non_blocking=True)
-        return logits[rows], [chunks[i] for i in sample]
+        return logits[rows], sampled
