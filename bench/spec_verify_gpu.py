@@ -78,11 +78,15 @@ def step_costs(engine: LLMEngine, batch: int, ks: Sequence[int], args: argparse.
         engine.step()
     reqs = [engine.requests[r] for r in ids]
     runner, blocks = engine.runner, engine.scheduler.block_manager
+    for r in reqs:  # the slot of the next token, as the scheduler allocates before a decode step
+        assert blocks.allocate(r, 1), "the KV cache is too small for a decode step"
     plain = [ScheduledChunk(r, r.num_computed_tokens, 1) for r in reqs]
     graphs = runner.graphs
     t_graph = timed(lambda: runner.execute(plain), args.iters) if graphs is not None else float("nan")
     runner.graphs = None
     t_eager = timed(lambda: runner.execute(plain), args.iters)
+    for r in reqs:
+        blocks.trim(r)
     for k in ks:
         for r in reqs:
             assert blocks.allocate(r, 1 + k), "the KV cache is too small for the verify rows"
