@@ -3,8 +3,10 @@ drafts out as one decode row per position (each row attends to the cache up to i
 every row's K/V is stored before any row attends), so a step of decodes and verify chunks stays a
 decode-only step: the CPU's decode layer op (kernels/cpu/layer.py), which reads the KV blocks in place,
 instead of the prompt path, whose attention costs ~5x more per row at a few hundred tokens of context.
-On CUDA such a step replays the decode graphs like any decode step (runner.py's `DecodeGraphs`: one
-padded row per position, `row_token` and `sample_rows` below), while its rows fit the largest one."""
+On CUDA such a step replays the decode graphs like any decode step (decode_graphs.py: one padded row
+per position, `row_token` and `sample_rows` below), while its rows fit the largest one. A row attends
+to its chunk's earlier rows, whose K/V the same step stores: the Triton decode kernel reads a row's
+last `DecodeGroup.fresh` tokens after its PDL wait (kernels/paged_attention.py)."""
 
 from __future__ import annotations
 
