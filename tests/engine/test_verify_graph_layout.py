@@ -13,6 +13,7 @@ import torch
 from splitserve import SamplingParams
 from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
+from splitserve.engine.llm import LLM
 from splitserve.engine.scheduler import ScheduledChunk
 from splitserve.engine.verify_graphs import VerifyGraphs, verify_graph_shapes, verify_layout
 
@@ -109,3 +110,75 @@ def test_verify_step_as_decode_rows_equals_eager(engine):
         )
     engine.states.free(scratch_slot)
     pool.free([scratch_block])
+
+
+class _Replay:
+    """A stand-in for a captured graph on the CPU: runs the forward over the static inputs and writes
+    the shared outputs, as the graph's replay does."""
+
+    def __init__(self, graphs: VerifyGraphs, width: int, steps: int) -> None:
+        self.graphs, self.width, self.steps = graphs, width, steps
+
+    def replay(self) -> None:
+        n = self.width * self.steps
+        hidden, logits = self.graphs.forward(self.width, self.steps)
+        self.graphs.logits[:n].copy_(logits)  # type: ignore[index]
+        self.graphs.hidden[:n].copy_(hidden)  # type: ignore[index]
+
+
+def _with_replays(engine: LLMEngine, k: int) -> VerifyGraphs:
+    """The engine's runner with verify "graphs" that run eagerly (`_Replay`), over a block and a state
+    slot taken from its pools as the scratch ones."""
+    runner = engine.runner
+    block, slot = engine.pool.allocate(1)[0], engine.states.allocate()
+    assert slot is not None
+    shapes = verify_graph_shapes(k, 4, None)
+    graphs = VerifyGraphs(runner, shapes, engine.max_model_len, block, slot)
+    vocab, hidden = engine.model_config.vocab_size, engine.model_config.hidden_size
+    graphs.logits = torch.empty(graphs.max_rows, vocab)
+    graphs.hidden = torch.empty(graphs.max_rows, hidden)
+    for w, s in shapes:
+        graphs.graphs[(w, s)] = _Replay(graphs, w, s)  # type: ignore[assignment]
+    runner.verify_graphs = graphs
+    return graphs
+
+
+MTP = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": None}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "disable_by_batch_size": None,
+}
+
+
+def _generate(spec: dict | None, replays: bool) -> tuple[list[list[int]], list[list[int]], int]:
+    """Greedy tokens of two prompts that repeat themselves, the drafts taken at each step, and the
+    verify layout's replays; with `replays`, through `_with_replays`."""
+    config = EngineConfig(model="random:qwen3.5-tiny", device="cpu", dtype="float32", max_model_len=128,
+                          max_num_seqs=4, kv_cache_bytes=4 * 2**20, enable_prefix_caching=False,
+                          speculative_config=spec, progress=False)  # fmt: skip
+    engine = LLMEngine(config, tokenizer=None)
+    graphs = _with_replays(engine, spec["num_speculative_tokens"]) if spec and replays else None
+    drafts: list[list[int]] = []
+    mtp = engine.spec.mtp if engine.spec is not None else None
+    if mtp is not None:  # the MTP drafts come from the hidden states the verify layout hands over
+        take = mtp.take
+        mtp.take = lambda req: drafts.append(take(req)) or drafts[-1]  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (6, 23)]
+    batch = [{"prompt_token_ids": p + p} for p in prompts]  # text to quote for the n-gram drafter
+    outs = LLM.from_engine(engine).generate(batch, params, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    return [o.outputs[0].token_ids for o in outs], drafts, graphs.replays if graphs is not None else 0
+
+
+@pytest.mark.parametrize("spec", [MTP, NGRAM], ids=["mtp", "ngram"])
+def test_generation_through_the_verify_layout_equals_plain(spec):
+    """Whole greedy generations (rollbacks, the MTP drafter's hidden states) with every verify step that
+    fits run through `VerifyGraphs.run`: the tokens of speculation off."""
+    plain, _, _ = _generate(None, False)
+    tokens, drafts, replays = _generate(spec, True)
+    assert tokens == plain
+    assert replays > 0
