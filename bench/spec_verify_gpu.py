@@ -5,7 +5,9 @@ Two parts, each against its baseline measured in the same run:
   * step cost: B requests with `--prompt-len`-token prompts prefilled, then the model step alone
     (`ModelRunner.execute`), median of `--iters`: a plain decode step (one token a request; CUDA
     graphs as the engine replays them, and eager) against a verify step of k + 1 tokens a request
-    (the drafts' rows, as the engine runs them), for each k and batch.
+    (the drafts' rows), for each k and batch: replaying the hybrid verify graphs
+    (engine/verify_graphs.py, captured here for these shapes where the batch is at most
+    verify_graphs.MAX_WIDTH) and eagerly.
   * tokens/s: `--decode-tokens` greedy tokens a request at batch B, plain decoding (graphs on, as
     served) against `method: mtp` with k drafts, the acceptance forced to `--acceptance` per draft
     (random weights accept nothing: each draft is taken while a seeded coin says so, and the token
@@ -36,6 +38,7 @@ from splitserve.config.engine import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
 from splitserve.engine.scheduler import ScheduledChunk  # noqa: E402
 from splitserve.engine.spec import verify  # noqa: E402
+from splitserve.engine.verify_graphs import MAX_WIDTH  # noqa: E402
 from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 MODEL = "random:qwen3.5-9b"
@@ -78,27 +81,51 @@ def step_costs(engine: LLMEngine, batch: int, ks: Sequence[int], args: argparse.
         engine.step()
     reqs = [engine.requests[r] for r in ids]
     runner, blocks = engine.runner, engine.scheduler.block_manager
+    for r in reqs:  # the slot of the next token, as the scheduler allocates before a decode step
+        assert blocks.allocate(r, 1), "the KV cache is too small for a decode step"
     plain = [ScheduledChunk(r, r.num_computed_tokens, 1) for r in reqs]
-    graphs = runner.graphs
+    graphs, verify_graphs = runner.graphs, runner.verify_graphs
     t_graph = timed(lambda: runner.execute(plain), args.iters) if graphs is not None else float("nan")
     runner.graphs = None
     t_eager = timed(lambda: runner.execute(plain), args.iters)
+    runner.graphs = graphs
+    for r in reqs:
+        blocks.trim(r)
     for k in ks:
         for r in reqs:
             assert blocks.allocate(r, 1 + k), "the KV cache is too small for the verify rows"
         chunks = [ScheduledChunk(r, r.num_computed_tokens, 1 + k, (7,) * k) for r in reqs]
+        graphed = verify_graphs is not None and verify_graphs.accepts(chunks)
+        t_vgraph = timed(lambda c=chunks: runner.execute(c), args.iters) if graphed else float("nan")
+        runner.verify_graphs = None
         t_verify = timed(lambda c=chunks: runner.execute(c), args.iters)
+        runner.verify_graphs = verify_graphs
         for r in reqs:
             blocks.trim(r)
         base = t_graph if graphs is not None else t_eager
-        print(f"batch {batch:3d}  k={k}: verify step {t_verify * 1e3:7.2f} ms   plain step "
+        best = t_vgraph if graphed else t_verify
+        print(f"batch {batch:3d}  k={k}: verify step {t_vgraph * 1e3:7.2f} ms (graphs) / "
+              f"{t_verify * 1e3:7.2f} ms (eager), eager/graphs {t_verify / t_vgraph:5.2f}x   plain step "
               f"{base * 1e3:6.2f} ms (graphs) / {t_eager * 1e3:6.2f} ms (eager)   "
-              f"verify/plain {t_verify / base:5.2f}x (break-even accepted length)")  # fmt: skip
-    runner.graphs = graphs
+              f"verify/plain {best / base:5.2f}x (break-even accepted length)")  # fmt: skip
     for r in ids:
         engine.abort(r)
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def capture_verify_graphs(engine: LLMEngine, ks: Sequence[int], batches: Sequence[int]) -> None:
+    """The hybrid verify graphs of k + 1 positions for each batch the verify graphs take, on the plain
+    engine's runner (an engine with speculation captures those of its own k at start)."""
+    widths = [b for b in batches if b <= MAX_WIDTH]
+    scratch = engine.states.scratch
+    if engine.runner.graphs is None or scratch is None or not widths:
+        return
+    shapes = [(w, k + 1) for w in widths for k in ks]
+    seconds = engine.runner.enable_verify_graphs(
+        shapes, engine.max_model_len, engine.pool.num_blocks, scratch
+    )
+    print(f"   (verify graphs {shapes} captured in {seconds:.1f} s)")
 
 
 def forced_accept(rate: float, seed: int):  # noqa: ANN201
@@ -148,6 +175,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}: {MODEL} bf16, prompts of {args.prompt_len} tokens "
           f"(built in {time.perf_counter() - t0:.0f} s)")  # fmt: skip
     print("-- step cost (ModelRunner.execute, median of", args.iters, "runs)")
+    capture_verify_graphs(plain, ks, batches)
     for b in batches:
         step_costs(plain, b, ks, args)
     print(f"-- decode tokens/s, {args.decode_tokens} tokens a request, mtp acceptance forced to "

@@ -27,12 +27,14 @@ from splitserve.engine.memory_profile import cap_allocator, cuda_memory_plan, pr
 from splitserve.engine.prefill_graphs import graph_tokens
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.spec.rows import MAX_ROWS
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
 from splitserve.engine.tp import build as tp_build
 from splitserve.engine.tp import pools as tp_pools
 from splitserve.engine.tp.journal import JournaledCheckpoints, JournaledStatePool
 from splitserve.engine.tp.runner import TPRunner
+from splitserve.engine.verify_graphs import verify_graph_shapes
 from splitserve.kernels.cpu import linear as cpu_linear
 from splitserve.kernels.cpu.build import wait_started
 from splitserve.model.attention import (
@@ -125,9 +127,7 @@ def build(
             log.warning("CPU ops compiled at start (`python -m splitserve.model.prepare` builds them "
                         "ahead): %s", ", ".join(built))  # fmt: skip
     mtp_head = _mtp_head(config, loaded, device, dtype)
-    # NOTE: the MTP drafter reads the target's hidden states of every step, which graph replays skip
     graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill and tp is None
-    graphs = graphs and mtp_head is None
     if device.type == "cuda" and not graphs:
         log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
     kv_layers = cfg.num_kv_layers + (mtp_head.num_kv_layers if mtp_head is not None else 0)
@@ -183,9 +183,17 @@ def build(
     graph_capture_s = 0.0
     before_graphs = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     if graphs:
-        graph_capture_s = runner.enable_cuda_graphs(max_seqs, max_model_len, num_blocks, states.scratch)
+        spec = speculative_config(config.speculative_config)
+        # models without recurrent state replay verify chunks of up to MAX_ROWS tokens as decode rows
+        fresh = MAX_ROWS if spec is not None and states.scratch is None else 1
+        scratch = states.scratch
+        graph_capture_s = runner.enable_cuda_graphs(max_seqs, max_model_len, num_blocks, scratch, fresh)
+        if spec is not None and states.scratch is not None:  # hybrid verify steps (verify_graphs.py)
+            shapes = verify_graph_shapes(spec.num_speculative_tokens, max_seqs, spec.disable_by_batch_size)
+            graph_capture_s += runner.enable_verify_graphs(shapes, max_model_len, num_blocks, states.scratch)
         prefill_tokens = graph_tokens(loaded.model, config.batched_tokens(device), max_model_len)
-        if prefill_tokens and states.scratch is not None:
+        # (the MTP drafter reads every row's hidden state, which the prefill graphs do not keep)
+        if prefill_tokens and states.scratch is not None and mtp_head is None:
             graph_capture_s += runner.enable_prefill_graphs(
                 prefill_tokens, max_model_len, num_blocks, states.scratch
             )

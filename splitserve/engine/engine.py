@@ -93,6 +93,7 @@ class LLMEngine:
         self.scheduler.on_export = self.transfers.export
         self.prefault = KVPrefault(self.kv_cache, self.pool)  # CPU: for a serving loop's idle turns
         mtp = MTPDrafter(p.mtp_head, p.loaded.model) if p.mtp_head is not None else None
+        self.runner.keep_hidden = mtp is not None  # the drafter reads each step's hidden states
         self.spec = SpecDecoder.create(config.speculative_config, self.states.states, mtp)  # None: off
         overlap = config.async_scheduling if config.tensor_parallel_size == 1 else False  # (nor verify steps)
         overlap = (self.device.type == "cuda" if overlap is None else overlap) and not self.spec

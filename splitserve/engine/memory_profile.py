@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from splitserve.config.speculative import speculative_config
 from splitserve.engine.memory_plan import (
     CUDA_CONTEXT_BYTES,
     FixedCosts,
@@ -27,6 +28,7 @@ from splitserve.engine.memory_plan import (
 )
 from splitserve.engine.prefill_graphs import graph_tokens
 from splitserve.engine.state_pool import StatePool
+from splitserve.engine.verify_graphs import verify_graph_shapes
 from splitserve.model.attention import AttentionBackend, AttentionMetadata, PrefillBatch, PrefillChunk
 from splitserve.model.decoder import ForwardContext
 from splitserve.model.loader import LoadedModel
@@ -77,6 +79,12 @@ def profile_run(
     # hybrid models: the prefill graphs' pool, at most the activations of their longest chunk
     prefill_tokens = graph_tokens(model, budget, max_model_len)
     graphs += peak * (prefill_tokens + 64) // tokens if prefill_tokens else 0
+    # hybrid models with speculation: the verify graphs' logits, one buffer of their largest step's rows
+    spec = speculative_config(config.speculative_config)
+    if spec is not None and model.state_shapes():
+        k, cap = spec.num_speculative_tokens, spec.disable_by_batch_size
+        shapes = verify_graph_shapes(k, config.max_num_seqs, cap)
+        graphs += max(w * s for w, s in shapes) * cfg.vocab_size * 4
     log.info("warm-up pass over %d tokens (%d prompts): %.2f GiB of activations at peak", tokens, len(lens),
              peak / 2**30)  # fmt: skip
     return peak, graphs

@@ -3,15 +3,10 @@
 The flat batch puts single-token chunks (decodes) first, then multi-token chunks (prefills), which is
 the order `AttentionMetadata` expects.
 
-On CUDA with the Triton attention backend, decode-only steps replay CUDA graphs: one graph per batch
-size of a ladder (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, then every 32), captured once at start-up
-over static input buffers. A step of B decodes pads to the next captured size: a padded row has a
-context of one token and writes its K/V into a scratch block that no request owns (and, for hybrid
-models, its recurrent state into a scratch state slot), so it cannot disturb real sequences. A
-step's inputs reach the GPU in two host-to-device copies (the 1-D inputs packed in one pinned
-buffer, and the block table), and nothing waits on the GPU until the sampler's token ids. For
-hybrid models a step of one short prefill chunk replays a prefill graph (prefill_graphs.py); other
-mixed and prefill steps run eagerly.
+On CUDA with the Triton attention backend, decode-only steps replay CUDA graphs (decode_graphs.py).
+For hybrid models a step of one short prefill chunk replays a prefill graph (prefill_graphs.py), and a
+verify step of a few requests a verify graph (verify_graphs.py); other mixed and prefill steps run
+eagerly.
 """
 
 from __future__ import annotations
@@ -22,10 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitserve.engine.decode_graphs import DecodeGraphs, Feed
 from splitserve.engine.isolate import check_fault
 from splitserve.engine.prefill_graphs import PrefillGraphs
 from splitserve.engine.scheduler import ScheduledChunk
 from splitserve.engine.spec.rows import VerifyRow, as_rows, order_key
+from splitserve.engine.verify_graphs import VerifyGraphs
 from splitserve.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -41,19 +38,6 @@ log = logging.getLogger(__name__)
 # More groups cost more kernel launches than the padding they save: on CUDA (one kernel reads every
 # length) one group, on CPU (bound by the bytes the gather copies) up to four.
 MAX_DECODE_GROUPS = {"cpu": 4}
-
-
-def graph_batch_sizes(max_batch: int) -> list[int]:
-    """The ladder of decode batch sizes captured as CUDA graphs, up to `max_batch` (always included)."""
-    ladder = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
-    ladder += list(range(160, max_batch + 1, 32))
-    sizes = [b for b in ladder if b < max_batch] + [max_batch]
-    return sorted(set(sizes))
-
-
-# An overlapped step's input tokens that are still on the device: the previous step's sampled tokens,
-# and id(request) -> the row of that tensor holding the request's next input token.
-Feed = tuple[torch.Tensor, dict[int, int]]
 
 
 @dataclass(frozen=True)
@@ -89,12 +73,18 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # short one-chunk prefills (hybrid models)
+        self.verify_graphs: VerifyGraphs | None = None  # verify steps of a few requests (hybrid models)
+        # keep_hidden: each step leaves the model's final hidden states of its rows in `last_hidden`, in
+        # `prepare`'s order (the MTP drafter reads them); steps whose graphs do not keep them run eagerly
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     def enable_cuda_graphs(
-        self, max_batch: int, max_model_len: int, scratch_block: int, scratch_slot: int | None
+        self, max_batch: int, max_model_len: int, scratch_block: int, scratch_slot: int | None, fresh: int = 1
     ) -> float:
-        """Capture the decode graphs (CUDA, Triton backend); -> seconds it took."""
-        self.graphs = DecodeGraphs(self, max_batch, max_model_len, scratch_block, scratch_slot)
+        """Capture the decode graphs (CUDA, Triton backend); -> seconds it took. `fresh`: the longest
+        verify chunk whose rows they may replay (decode_graphs.py)."""
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len, scratch_block, scratch_slot, fresh)
         return self.graphs.capture()
 
     def enable_prefill_graphs(
@@ -109,6 +99,15 @@ class ModelRunner:
         pool = self.graphs.pool if self.graphs is not None else None
         self.prefill_graphs = PrefillGraphs(self, sizes, max_model_len, scratch_block, scratch_slot, pool)
         return self.prefill_graphs.capture()
+
+    def enable_verify_graphs(
+        self, shapes: list[tuple[int, int]], max_model_len: int, scratch_block: int, scratch_slot: int
+    ) -> float:
+        """Capture a hybrid model's verify graphs of (requests, positions) `shapes` (verify_graphs.py);
+        -> seconds it took."""
+        pool = self.graphs.pool if self.graphs is not None else None
+        self.verify_graphs = VerifyGraphs(self, shapes, max_model_len, scratch_block, scratch_slot, pool)
+        return self.verify_graphs.capture()
 
     @torch.inference_mode()
     def execute(
@@ -128,13 +127,17 @@ class ModelRunner:
     def _execute(
         self, chunks: list[ScheduledChunk], feed: Feed | None
     ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        if self.graphs is not None and self.graphs.accepts(chunks):
-            return self.graphs.run(chunks, feed)
-        if self.prefill_graphs is not None and self.prefill_graphs.accepts(chunks):
+        rows = chunks if self.states or self.graphs is None else as_rows(chunks)  # verify chunks: rows.py
+        if self.graphs is not None and self.graphs.accepts(rows):
+            return self.graphs.run(rows, feed)
+        if self.verify_graphs is not None and feed is None and self.verify_graphs.accepts(chunks):
+            return self.verify_graphs.run(chunks)
+        if self.prefill_graphs is not None and not self.keep_hidden and self.prefill_graphs.accepts(chunks):
             return self.prefill_graphs.run(chunks)
         inputs = self.prepare(chunks, feed)
         ctx = ForwardContext(self.attn, inputs.meta, self.kv_cache, self.states)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        self.last_hidden = hidden if self.keep_hidden else None
         if not inputs.sample_chunks:
             return hidden.new_empty((0, self.model.cfg.vocab_size)), []
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_chunks
@@ -243,7 +246,10 @@ class ModelRunner:
             from splitserve.kernels.paged_attention import decode_num_splits
 
             splits = decode_num_splits(end - start, self.num_kv_heads, int(lens.max()), self.sm_count)
-        return DecodeGroup(start, end, self._tensor(table), self._tensor(lens), splits)
+        # verify rows attend to their chunk's earlier rows, which the step stores too (kernels/pdl.py)
+        fresh = max((c.chunk.num_tokens for c in decodes[start:end] if isinstance(c, VerifyRow) and c.chunk),
+                    default=1)  # fmt: skip
+        return DecodeGroup(start, end, self._tensor(table), self._tensor(lens), splits, fresh)
 
     def _slots(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> torch.Tensor:
         slots = [c.request.state_slot for c in decodes + prefills]
@@ -265,133 +271,3 @@ class ModelRunner:
         if self.device.type == "cuda":
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
-
-
-class DecodeGraphs:
-    """CUDA graphs of the decode step (model forward + LM head) over a ladder of batch sizes."""
-
-    def __init__(
-        self,
-        runner: ModelRunner,
-        max_batch: int,
-        max_model_len: int,
-        scratch_block: int,
-        scratch_slot: int | None,
-    ) -> None:
-        self.runner = runner
-        self.sizes = graph_batch_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
-        self.scratch_block = scratch_block
-        self.hybrid = bool(runner.states)
-        if self.hybrid and scratch_slot is None:
-            raise ValueError("a hybrid model's decode graphs need a scratch state slot")
-        dev = runner.device
-        bs = runner.block_size
-        self.max_blocks = -(-max_model_len // bs)
-        # rows of `inputs`: token ids, positions, KV slots, context lengths, state slots. A padded row:
-        # token 0 at position 0, stored in the scratch block, a context of one token, the scratch slot
-        self.pad_row = np.array([0, 0, scratch_block * bs, 1, scratch_slot or 0], dtype=np.int64)
-        self.inputs = torch.empty((len(self.pad_row), self.max_batch), dtype=torch.int64, device=dev)
-        self.tables = torch.empty((self.max_batch, self.max_blocks), dtype=torch.int64, device=dev)
-        self._pad()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None
-        self.stream: torch.cuda.Stream | None = None  # made on our device when capturing
-
-    def _pad(self) -> None:
-        """Every row of the graphs' inputs a padded row, every table entry the scratch block."""
-        pad = torch.from_numpy(self.pad_row[:, None]).to(self.inputs.device)
-        self.inputs.copy_(pad.expand_as(self.inputs))
-        self.tables.fill_(self.scratch_block)
-
-    def accepts(self, chunks: list[ScheduledChunk]) -> bool:
-        return 0 < len(chunks) <= self.max_batch and all(c.num_tokens == 1 for c in chunks)
-
-    def _meta(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        from splitserve.kernels.paged_attention import decode_num_splits
-
-        r = self.runner
-        ids, pos, slots, lens, seq_slots = self.inputs[:, :b]
-        splits = decode_num_splits(b, r.num_kv_heads, self.max_blocks * r.block_size, r.sm_count)
-        group = DecodeGroup(0, b, self.tables[:b], lens, splits)
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            num_decode_tokens=b,
-            decode_groups=(group,),
-            prefills=(),
-            seq_slots=seq_slots if self.hybrid else None,
-        )
-        return ids, pos, meta
-
-    def _forward(self, b: int) -> torch.Tensor:
-        r = self.runner
-        ids, pos, meta = self._meta(b)
-        hidden = r.model(ids, pos, ForwardContext(r.attn, meta, r.kv_cache, r.states))
-        return r.model.compute_logits(hidden)
-
-    @torch.inference_mode()
-    def capture(self) -> float:
-        with torch.cuda.device(self.runner.device):  # graphs and Triton use the current device
-            return self._capture()
-
-    def _capture(self) -> float:
-        import time
-
-        t0 = time.perf_counter()
-        self.stream = torch.cuda.Stream(self.runner.device)
-        self._pad()  # a capture after serving (bench A/Bs) must not warm up on the last step's slots
-        for b in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
-            self._forward(b)  # warm-up: Triton compiles, lazy tables are built
-            torch.cuda.synchronize(self.runner.device)
-            graph = torch.cuda.CUDAGraph()
-            # NOTE: a capture stream of our own device: torch.cuda.graph's default one is made once per
-            # process, on whichever device was current then (another engine's, in a multi-GPU process)
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                self.logits[b] = self._forward(b)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[b] = graph
-        torch.cuda.synchronize(self.runner.device)
-        seconds = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.sizes), self.sizes, seconds)
-        return seconds
-
-    def run(
-        self, chunks: list[ScheduledChunk], feed: Feed | None = None
-    ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        b = len(chunks)
-        fed: list[tuple[int, int]] = []  # (batch row, row of feed's tokens)
-        size = next(s for s in self.sizes if s >= b)
-        bs = self.runner.block_size
-        host = np.empty((5, size), dtype=np.int64)
-        host[:, b:] = self.pad_row[:, None]
-        width = max(-(-(c.start + 1) // bs) for c in chunks)
-        table = np.full((b, width), self.scratch_block, dtype=np.int64)
-        for i, c in enumerate(chunks):
-            req = c.request
-            p = c.start
-            blocks = req.block_ids
-            n = -(-(p + 1) // bs)
-            if feed is not None and id(req) in feed[1]:
-                fed.append((i, feed[1][id(req)]))
-                host[0, i] = 0  # on the device: set below
-            else:
-                host[0, i] = req.token_ids(p, p + 1)[0]
-            host[1, i] = p
-            host[2, i] = blocks[p // bs] * bs + p % bs
-            host[3, i] = p + 1
-            host[4, i] = req.state_slot if self.hybrid else 0
-            table[i, :n] = blocks[:n]
-        dev = self.runner.device
-        self.inputs[:, :size].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
-        self.tables[:b, :width].copy_(torch.from_numpy(table).pin_memory(), non_blocking=True)
-        if feed is not None:
-            self.runner.put_fed(self.inputs[0], fed, feed[0])
-        self.graphs[size].replay()
-        logits = self.logits[size]
-        sample = [i for i, c in enumerate(chunks) if c.samples]
-        if len(sample) == b:
-            return logits[:b], list(chunks)
-        rows = torch.tensor(sample, dtype=torch.int64).to(dev, non_blocking=True)
-        return logits[rows], [chunks[i] for i in sample]

@@ -112,6 +112,7 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
+    FRESH: tl.constexpr,
 ):
     begin_early(PDL, EARLY)
     seq = tl.program_id(0)
@@ -128,21 +129,29 @@ def _decode_split_kernel(
     # The split's first tile is read before the wait for the previous kernel (kernels/pdl.py): no
     # kernel of this step writes the block tables, the context lengths or the keys and values of
     # earlier tokens. The step's own token, at ctx - 1, is stored by an earlier kernel of the step
-    # (fused.py's qk_norm_rope_store, or the plain path's store): its row is read after the wait.
+    # (fused.py's qk_norm_rope_store, or the plain path's store): its row is read after the wait. A
+    # verify chunk's rows (spec/rows.py, verify_graphs.py) also attend to the chunk's earlier tokens,
+    # stored by the same kernel: the last FRESH positions (a bound on those) are read after the wait.
     offs = start + tl.arange(0, BLOCK_N)
     rows = _kv_rows(table, offs, offs < end, kvh, stride_kb, stride_kt, stride_kh, BS)
-    early = (offs < tl.minimum(end, ctx - 1))[:, None]
+    early = (offs < tl.minimum(end, ctx - FRESH))[:, None]
     k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=early, other=0.0)
     v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=early, other=0.0)
-    new = ctx - 1  # the step's token
-    new_d = new + 0 * d  # [D]: a mask of the row's width (the interpreter takes no scalar & vector)
-    new_here = (new_d >= start) & (new_d < start + BLOCK_N) & (new_d < end)
-    new_block = tl.load(table + new // BS).to(tl.int64)  # (always in the table: new < ctx)
-    new_row = new_block * stride_kb + (new % BS) * stride_kt + kvh * stride_kh
-    end_early(PDL, EARLY)
-    at_new = (offs == new)[:, None]
-    k = tl.where(at_new, tl.load(k_ptr + new_row + d, mask=new_here, other=0.0)[None, :], k)
-    v = tl.where(at_new, tl.load(v_ptr + new_row + d, mask=new_here, other=0.0)[None, :], v)
+    if FRESH == 1:
+        new = ctx - 1  # the step's token
+        new_d = new + 0 * d  # [D]: a mask of the row's width (the interpreter takes no scalar & vector)
+        new_here = (new_d >= start) & (new_d < start + BLOCK_N) & (new_d < end)
+        new_block = tl.load(table + new // BS).to(tl.int64)  # (always in the table: new < ctx)
+        new_row = new_block * stride_kb + (new % BS) * stride_kt + kvh * stride_kh
+        end_early(PDL, EARLY)
+        at_new = (offs == new)[:, None]
+        k = tl.where(at_new, tl.load(k_ptr + new_row + d, mask=new_here, other=0.0)[None, :], k)
+        v = tl.where(at_new, tl.load(v_ptr + new_row + d, mask=new_here, other=0.0)[None, :], v)
+    else:
+        end_early(PDL, EARLY)
+        late = ((offs >= ctx - FRESH) & (offs < end))[:, None]
+        k = tl.where(late, tl.load(k_ptr + rows[:, None] + d[None, :], mask=late, other=0.0), k)
+        v = tl.where(late, tl.load(v_ptr + rows[:, None] + d[None, :], mask=late, other=0.0), v)
 
     head = kvh * G + g
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None])
@@ -290,8 +299,11 @@ def paged_decode_attention(
     scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    fresh: int = 1,
 ) -> torch.Tensor:
-    """softmax(q K^T * scale) V per sequence over its first context_lens[b] cached tokens -> [B, H, D]."""
+    """softmax(q K^T * scale) V per sequence over its first context_lens[b] cached tokens -> [B, H, D].
+    `fresh`: at most this many of a row's last tokens were stored by the kernel before (1: its own;
+    more for a verify chunk's rows), so they are read after the PDL wait."""
     b, h, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     g = h // kvh
@@ -316,7 +328,8 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BS=bs, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2, PDL=pdl, EARLY=pdl_early, launch_pdl=pdl,
+        num_warps=4, num_stages=2, PDL=pdl, EARLY=pdl_early, FRESH=triton.next_power_of_2(fresh),
+        launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(b, h)](

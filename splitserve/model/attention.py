@@ -51,6 +51,9 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [end - start, max_blocks] int64, padded with 0
     context_lens: torch.Tensor  # [end - start] int64
     num_splits: int = 1  # split-K factor for backends that split the context (fixed per CUDA graph)
+    # the most tokens at the end of a row's context that the step itself stores (1: the row's own; a
+    # verify chunk's rows: the chunk's): the Triton decode kernel reads those after its PDL wait
+    fresh: int = 1
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,16 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     seq_slots: torch.Tensor | None = None  # [num_decode + num_prefill] state slots (hybrid models)
     prefill_batch: PrefillBatch | None = None  # set for backends with `batched_prefill`
+    # The decode rows are `decode_steps` equal runs, the j-th run holding position j of the same
+    # sequences in the same order (a hybrid verify step laid out as decode rows, verify_graphs.py): the
+    # linear-attention layers advance their states one run after another. 1: every row its own sequence.
+    decode_steps: int = 1
+
+    def decode_spans(self) -> list[slice]:
+        """The decode rows' runs, in the order their states advance (one span when decode_steps is 1)."""
+        n, s = self.num_decode_tokens, self.decode_steps
+        assert n % s == 0, "decode rows are not whole runs of the sequences"
+        return [slice(j * (n // s), (j + 1) * (n // s)) for j in range(s)]
 
     def sole_decode_group(self, rows: int) -> DecodeGroup | None:
         """The one decode group when all `rows` of the step decode in one group (no prefill), else None."""
@@ -253,7 +266,7 @@ class TritonPagedAttention:
         for g in meta.decode_groups:
             self._kernels.paged_decode_attention(
                 q[g.start : g.end], k_cache, v_cache, g.block_tables, g.context_lens, self.scale,
-                g.num_splits, out=out[g.start : g.end],
+                g.num_splits, out=out[g.start : g.end], fresh=g.fresh,
             )  # fmt: skip
         batch = meta.prefill_batch
         if batch is not None:

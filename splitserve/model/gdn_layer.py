@@ -124,15 +124,16 @@ class GatedDeltaNet(nn.Module):
         the prefill chunks one by one), continuing and updating each sequence's conv window."""
         nd = meta.num_decode_tokens
         conv_out = mixed.new_empty((rows, self.conv_dim))
-        if kernels is not None:  # in place on the state pool, written straight into conv_out
-            kernels.causal_conv1d_update(
-                mixed[:nd], conv_states, self.conv1d.weight, meta.seq_slots[:nd], out=conv_out[:nd]
-            )
-        elif nd:
-            slots = meta.seq_slots[:nd]
-            window = torch.cat([conv_states[slots].to(mixed.dtype), mixed[:nd, :, None]], dim=-1)  # [B, C, K]
+        for span in meta.decode_spans() if nd else ():  # one token of each sequence at a time
+            slots = meta.seq_slots[span]
+            if kernels is not None:  # in place on the state pool, written straight into conv_out
+                kernels.causal_conv1d_update(
+                    mixed[span], conv_states, self.conv1d.weight, slots, out=conv_out[span]
+                )
+                continue
+            window = torch.cat([conv_states[slots].to(mixed.dtype), mixed[span, :, None]], -1)  # [B, C, K]
             conv_states[slots] = window[:, :, 1:].float()
-            conv_out[:nd] = self._conv(window)[:, :, -1]
+            conv_out[span] = self._conv(window)[:, :, -1]
         for i, chunk in enumerate(meta.prefills if rows > nd else ()):
             slot = meta.seq_slots[nd + i : nd + i + 1]  # [1], a tensor: no device sync
             span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
@@ -166,17 +167,17 @@ class GatedDeltaNet(nn.Module):
         else:
             beta = b.sigmoid()  # [rows, Hv]
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [rows, Hv] log-decay, fp32
-        if kernels is not None:
-            kernels.fused_recurrent_gated_delta_rule_update(
-                q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], rec_states, meta.seq_slots[:nd], out=core[:nd],
-                raw_gates=raw,
-            )  # fmt: skip
-        elif nd:
-            slots = meta.seq_slots[:nd]
+        for d in meta.decode_spans() if nd else ():  # one token of each sequence at a time
+            slots = meta.seq_slots[d]
+            if kernels is not None:
+                kernels.fused_recurrent_gated_delta_rule_update(
+                    q[d], k[d], v[d], g[d], beta[d], rec_states, slots, out=core[d], raw_gates=raw
+                )
+                continue
             out, state = recurrent_gated_delta_rule(  # batch of B sequences, one token each
-                q[:nd, None], k[:nd, None], v[:nd, None], g[:nd, None], beta[:nd, None], rec_states[slots]
+                q[d, None], k[d, None], v[d, None], g[d, None], beta[d, None], rec_states[slots]
             )
-            core[:nd] = out[:, 0]
+            core[d] = out[:, 0]
             rec_states[slots] = state
         for i, chunk in enumerate(meta.prefills if q.shape[0] > nd else ()):
             slot = meta.seq_slots[nd + i : nd + i + 1]

@@ -5,7 +5,8 @@ behind, leaving out the step's own token at position ctx - 1, which that kernel 
 rotary kernel) stores. Here the kernel before is a stand-in that lets its dependents launch at once,
 spins for a while and only then writes the rows: the token at ctx - 1 must still be read as written,
 and (the control, which shows the early reads really run ahead of the wait) an earlier token
-written the same way is not.
+written the same way is not. With `fresh` = 4 (a verify chunk's rows, whose chunk's earlier tokens the
+step stores too) each of the last four tokens written late is read as written.
 
 Skipped without a GPU of compute capability 9.0 or later (PDL).
 """
@@ -52,10 +53,17 @@ def _late_writer():
 # split) and 250 (2 splits), in a later one; the controls' ctx - 2 is in the first tile of split 0
 # (tiles of 64 tokens), whatever the splits
 SEQS = [(40, 1), (64, 1), (200, 1), (70, 1), (129, 1), (33, 1), (250, 1), (62, 2), (50, 2)]
+# a verify chunk's rows (fresh = 4: their last 4 tokens are stored by the step): any of those written
+# late is read after the wait; the controls' token 5 back, in the first tile of split 0, is not
+SEQS_FRESH = {
+    1: SEQS,
+    4: [(40, 1), (64, 3), (200, 4), (70, 2), (129, 4), (33, 3), (250, 1), (62, 5), (50, 5)],
+}
 
 
+@pytest.mark.parametrize("fresh", [1, 4])
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
-def test_the_steps_own_token_is_read_after_the_wait(num_splits):
+def test_the_steps_own_token_is_read_after_the_wait(num_splits, fresh):
     """In one launch behind the late writer: every sequence whose own token was written late gets the
     result of the same attention run afterwards, and the controls do not (their earlier token was read
     early, as garbage), which shows that this launch did run ahead of the wait."""
@@ -65,7 +73,8 @@ def test_the_steps_own_token_is_read_after_the_wait(num_splits):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     kvh, heads, d, bs = 2, 8, 128, 16
-    lens = [n for n, _ in SEQS]
+    seqs = SEQS_FRESH[fresh]
+    lens = [n for n, _ in seqs]
     b, width = len(lens), -(-max(lens) // bs)
     k_cache = torch.randn(b * width + 4, bs, kvh, d, device=dev, dtype=torch.bfloat16, generator=g)
     v_cache = torch.randn_like(k_cache)
@@ -76,13 +85,13 @@ def test_the_steps_own_token_is_read_after_the_wait(num_splits):
     writer = _late_writer()
     flat_k, flat_v = k_cache.view(-1), v_cache.view(-1)
     offs = []  # element offsets of the rows written late: each sequence's late token, each KV head
-    for s, (n, back) in enumerate(SEQS):
+    for s, (n, back) in enumerate(seqs):
         p = n - back
         block = int(tables[s, p // bs])
         offs += [k_cache.stride(0) * block + k_cache.stride(1) * (p % bs) + k_cache.stride(2) * h
                  for h in range(kvh)]  # fmt: skip
     rows = torch.tensor(offs, device=dev, dtype=torch.int64)
-    own = torch.tensor([back == 1 for _, back in SEQS], device=dev)
+    own = torch.tensor([back <= fresh for _, back in seqs], device=dev)
 
     def attend_behind_a_late_write() -> tuple[torch.Tensor, torch.Tensor]:
         """-> the attention launched right behind the stand-in, and the same attention run after it."""
@@ -94,11 +103,11 @@ def test_the_steps_own_token_is_read_after_the_wait(num_splits):
         torch.cuda.synchronize()
         writer[(len(offs),)](src_k, src_v, flat_k, flat_v, rows, D=d, SPIN=SPIN_NS, num_warps=1)
         early = paged_attention.paged_decode_attention(
-            q, k_cache, v_cache, tables, context_lens, 0.088, num_splits=num_splits
+            q, k_cache, v_cache, tables, context_lens, 0.088, num_splits=num_splits, fresh=fresh
         )
         torch.cuda.synchronize()
         after = paged_attention.paged_decode_attention(
-            q, k_cache, v_cache, tables, context_lens, 0.088, num_splits=num_splits
+            q, k_cache, v_cache, tables, context_lens, 0.088, num_splits=num_splits, fresh=fresh
         )
         return early, after
 

@@ -222,3 +222,57 @@ def test_gated_delta_net_decode_fused_matches_torch(monkeypatch):
         torch.testing.assert_close(states[name][used], ref_states[name][used], rtol=1e-5, atol=1e-5)
         untouched = torch.tensor([i for i in range(SCRATCH) if i not in used.tolist()])
         assert torch.equal(states[name][untouched], ref_states[name][untouched])
+
+
+def test_gated_delta_net_decode_runs_match_chunks(monkeypatch):
+    """Decode rows in runs (`decode_steps`, a verify step laid out as decode rows: run j holds position
+    j of each sequence) through the kernels, against each sequence as one prefill chunk by the torch
+    rule: two sequences of 3 and 2 tokens, the second's last row and a third column padded."""
+    cfg = ModelConfig.from_hf(
+        {**TINY_QWEN3_5, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]}
+    )
+    torch.manual_seed(0)
+    layer = qwen3_5.GatedDeltaNet(cfg, LAYER).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    lin = cfg.linear
+    assert lin is not None
+    gen = torch.Generator().manual_seed(6)
+    states = {
+        "conv": torch.randn(NUM_SLOTS, NUM_LAYERS, lin.conv_dim, lin.conv_kernel - 1, generator=gen) * 0.2,
+        "recurrent": torch.randn(
+            NUM_SLOTS, NUM_LAYERS, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim, generator=gen
+        ) * 0.2,
+    }  # fmt: skip
+    ref_states = {name: s.clone() for name, s in states.items()}
+    x = torch.randn(9, cfg.hidden_size, generator=gen)  # 3 runs of 3 columns
+    runs = AttentionMetadata(
+        slot_mapping=torch.zeros(9, dtype=torch.int64),
+        num_decode_tokens=9,
+        decode_groups=(),
+        prefills=(),
+        seq_slots=torch.tensor([6, 1, SCRATCH, 6, 1, SCRATCH, 6, SCRATCH, SCRATCH]),
+        decode_steps=3,
+    )
+    order = torch.tensor([0, 3, 6, 1, 4])  # the real rows, sequence by sequence
+    chunks = AttentionMetadata(
+        slot_mapping=torch.zeros(5, dtype=torch.int64),
+        num_decode_tokens=0,
+        decode_groups=(),
+        prefills=(PrefillChunk(0, 3, 3, None), PrefillChunk(3, 2, 2, None)),
+        seq_slots=torch.tensor([6, 1]),
+    )
+
+    def run(inp: torch.Tensor, meta: AttentionMetadata, st: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            return layer(inp, ForwardContext(attn=None, meta=meta, kv_cache=torch.empty(0), states=st))
+
+    ref = run(x[order], chunks, ref_states)
+    monkeypatch.setenv(gdn_layer.TRITON_ON_CPU_ENV, "1")
+    out = run(x, runs, states)
+    torch.testing.assert_close(out[order], ref, rtol=1e-5, atol=1e-5)
+    for name in states:
+        torch.testing.assert_close(states[name][[6, 1]], ref_states[name][[6, 1]], rtol=1e-5, atol=1e-5)
+        others = [i for i in range(SCRATCH) if i not in (6, 1)]
+        assert torch.equal(states[name][others], ref_states[name][others])

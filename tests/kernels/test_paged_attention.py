@@ -39,8 +39,10 @@ def _tables(lens: list[int], num_blocks: int, seed: int = 1) -> torch.Tensor:
     return table
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_matches_torch(splits: int) -> None:
+@pytest.mark.parametrize(("splits", "fresh"), [(1, 1), (3, 1), (1, 5), (3, 5), (3, 17)])
+def test_decode_matches_torch(splits: int, fresh: int) -> None:
+    """`fresh` > 1 (a verify chunk's rows: their chunk's last tokens read after the PDL wait) reads the
+    same tokens, whatever tiles they fall in (BLOCK_N is 16 under the interpreter)."""
     lens = [1, 5, 17, 30]
     kv = _cache(40)
     tables = _tables(lens, 40)
@@ -54,8 +56,9 @@ def test_decode_matches_torch(splits: int) -> None:
     )
     ref = TorchPagedAttention(D**-0.5)._decode(q, kv[:, layer, 0], kv[:, layer, 1], ref_meta.decode_groups[0])
     out = paged_decode_attention(
-        q, kv[:, layer, 0], kv[:, layer, 1], tables, torch.tensor(lens), D**-0.5, num_splits=splits
-    )
+        q, kv[:, layer, 0], kv[:, layer, 1], tables, torch.tensor(lens), D**-0.5, num_splits=splits,
+        fresh=fresh,
+    )  # fmt: skip
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -2,8 +2,9 @@
 
 The head at position i reads the target's hidden state h_i and the token at i + 1, and guesses the
 token at i + 2; its layer's K/V sit in the request's own blocks (extra KV layers after the target's).
-Two parts per engine step, on the target's hidden states of that step (kept by a forward hook on the
-target; CUDA graphs are off with this drafter, so every step runs the model eagerly):
+Two parts per engine step, on the target's final hidden states of that step (the runner keeps them in
+`last_hidden`, from an eager forward or from the decode and verify CUDA graphs' outputs; the head's own
+runs below are eager):
 
   1. `catch_up` (after the target ran and its tokens were decided, before they are appended): the head
      runs over every position of the step whose next token is now known and whose target state
@@ -51,13 +52,8 @@ class MTPDrafter:
         self.head = head  # Qwen3_5MTP
         self.target = target  # Qwen3_5LM
         self.vocab_size = target.cfg.vocab_size
-        self._hidden: torch.Tensor | None = None  # the target's last forward output [T, H]
         self._last: dict[int, tuple[torch.Tensor, int]] = {}  # id(req) -> (head's state at q, q)
         self.drafts: dict[int, tuple[int, list[int]]] = {}  # id(req) -> (its num_tokens, drafts)
-        target.register_forward_hook(self._keep_hidden)
-
-    def _keep_hidden(self, module: Any, args: Any, output: torch.Tensor) -> None:
-        self._hidden = output
 
     def take(self, req: Request) -> list[int]:
         """The drafts made for `req` after its last step, if its tokens have not moved since."""
@@ -69,8 +65,8 @@ class MTPDrafter:
         """Run the head over the positions of the step `chunks` (as `runner.execute` ordered them)
         whose next token is known; `produced`: id(request) -> the tokens this step gives it (not yet
         appended). Keeps the head's state at the last position of each request that got tokens."""
-        hidden, self._hidden = self._hidden, None
-        assert hidden is not None, "the target ran no forward pass this step"
+        hidden, runner.last_hidden = runner.last_hidden, None
+        assert hidden is not None, "the target ran no forward pass this step (or the runner kept none)"
         pieces: list[tuple[ScheduledChunk, range, list[int]]] = []
         row = 0
         for c in sorted(chunks, key=order_key):  # the runner's row order (a hybrid model: no decode rows)
