@@ -48,6 +48,9 @@ class Sharding:
         """Rank `rank`'s layout, from the model's unsharded one."""
         shapes = []
         for name, shape, dtype in full.state_shapes:
+            if name not in self.states:  # not split by heads (the MTP head's hidden): whole on every rank
+                shapes.append((name, shape, dtype))
+                continue
             axis, channels, _ = self.states[name]
             dims = list(shape)
             dims[axis] = len(channels[rank])
@@ -58,6 +61,9 @@ class Sharding:
         """The model's unsharded layout, from rank 0's (what handles of every size are stamped with)."""
         shapes = []
         for name, shape, dtype in rank0.state_shapes:
+            if name not in self.states:
+                shapes.append((name, shape, dtype))
+                continue
             axis, _, count = self.states[name]
             dims = list(shape)
             dims[axis] = count
