@@ -3,11 +3,14 @@
     python -m splitserve.model.prepare                  # the embedded default model
     python -m splitserve.model.prepare --model PATH     # an HF directory or a GGUF file
 
-Three things, each skipped when already done (a second run takes about as long as the imports):
-  1. the CPU C++ ops (kernels/cpu/build.py) this host runs, compiled into torch's extensions cache;
-  2. the tokenizer: a GGUF vocabulary converted once to a `tokenizer.json` under the cache directory,
+Four things, each skipped when already done (a second run takes about as long as the imports):
+  1. splitserve's own bytecode (`__pycache__`), which a start would otherwise compile in every process
+     it starts (an editable install ships none, and with $PYTHONDONTWRITEBYTECODE set no start writes
+     it: each process then compiles what it imports, ~0.1 s of a router's start);
+  2. the CPU C++ ops (kernels/cpu/build.py) this host runs, compiled into torch's extensions cache;
+  3. the tokenizer: a GGUF vocabulary converted once to a `tokenizer.json` under the cache directory,
      which the router and every worker then load (model/tokenizer.py);
-  3. the weight cache entry (model/weight_cache.py) of the model in the dtype a CPU worker loads, and
+  4. the weight cache entry (model/weight_cache.py) of the model in the dtype a CPU worker loads, and
      on an AVX-512 host the entry of its decode panels beside it (kernels/cpu/panel_cache.py).
 A start after it compiles and converts nothing. Prints one line per step, with its seconds.
 """
@@ -21,6 +24,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from splitserve.kernels.cpu.build import CppOps
+
+
+def compile_bytecode() -> str:
+    """splitserve's modules compiled to bytecode where they are imported from (where that folder can be
+    written to); -> what was done."""
+    import compileall
+    import os
+
+    import splitserve
+
+    root = os.path.dirname(splitserve.__file__)
+    if not os.access(root, os.W_OK):
+        return f"skipped ({root} is read-only)"
+    ok = compileall.compile_dir(root, quiet=1, workers=0)
+    return f"{root}" if ok else f"{root} (some modules did not compile: see above)"
 
 
 def cpu_ops() -> list[CppOps]:
@@ -106,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: the embedded model)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    t = time.perf_counter()
+    print(f"prepare: bytecode: {compile_bytecode()} [{time.perf_counter() - t:.1f}s]")
     t0 = time.perf_counter()
     built, failed = build_ops()
     have = [o.name for o in cpu_ops() if o.cached()]

@@ -26,8 +26,8 @@ from splitserve.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-PROMPT_TOKENS = 32
-MAX_TOKENS = 4
+PROMPT_TOKENS = 16
+MAX_TOKENS = 2
 
 
 async def warm_up(dispatcher: Dispatcher, roles: list[str], vocab_size: int, timeout_s: float = 60.0) -> bool:

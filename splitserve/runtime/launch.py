@@ -23,6 +23,7 @@ import msgspec
 import uvicorn
 
 from splitserve.config.manifest import Manifest
+from splitserve.heap import freeze_heap
 from splitserve.model.generation_defaults import describe as describe_defaults
 from splitserve.model.generation_defaults import generation_defaults
 from splitserve.model.tokenizer import Tokenizer, load_tokenizer
@@ -97,7 +98,6 @@ async def run_manifest(manifest: Manifest, progress: bool = True, zygote: Zygote
     tokenizer = load_tokenizer(manifest.model.source, manifest.model.tokenizer)
     use_chat_template(tokenizer, manifest.model.chat_template)  # vLLM's --chat-template
     mark("tokenizer")
-    from splitserve.heap import freeze_heap
 
     # the collector's pass over the imports (~50 ms) now, not once the port answers (the 503s would wait)
     freeze_heap("router imports")
@@ -129,6 +129,7 @@ async def run_manifest(manifest: Manifest, progress: bool = True, zygote: Zygote
         async with lifespan():
             gate.open(build_api(api))
             _print_ready(manifest, runtime, api, url)
+            freeze_heap("router")  # its pass (~20 ms) after the ready line, not before it
             # the warm spare for restarts, once the first requests had the CPU (its imports: seconds);
             # none once a drain has begun
             loop.call_later(SPARE_DELAY_S, lambda: stop.is_set() or runtime.start_standby())
@@ -200,9 +201,6 @@ async def _start(
     if manifest.runtime.warm_up:
         await warm_up(api.dispatcher, [w.role for w in runtime.workers], info.vocab_size)
         mark("warm_up")
-    from splitserve.heap import freeze_heap
-
-    freeze_heap("router")
     return api, lifespan
 
 

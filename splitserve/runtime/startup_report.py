@@ -1,17 +1,18 @@
 """Where a start's time went, per process: the end of the line `splitserve serve` prints when it is ready,
 and the same figures in its ready event (`"startup"`).
 
-    splitserve: serving ... at ...; ready in 2.6 s; router: imports 0.5, tokenizer 0.1, workers 1.8,
-      warm-up 0.2 | prefill-0 1.8: front end imports 0.4, tokenizer 0.1; core imports 1.3, weights 0.2,
-      engine 0.2 | ...
+    splitserve: serving ... at ...; ready in 1.7 s; router: imports 0.7, tokenizer 0.1, workers 0.8,
+      warm-up 0.1 | colocated-0 0.7: front end imports 0.2, tokenizer 0.1, http 0.2; core imports 0.0,
+      weights 0.1, engine 0.2
 
 Each process notes its age at the end of each phase (startup_clock.py); a phase's seconds are the
 difference from the previous mark. Router: `imports` (interpreter start-up and imports), `tokenizer`
 (then it serves 503s), `workers` (spawn to every worker ready), `warm-up`. A worker (its figure:
-spawn to ready, as the router saw it): its front end's `imports` and `tokenizer`; its engine core's
-`imports` (torch, the engine), `weights` (the load, from its load stats) and `engine` (the rest: the
-KV cache, CPU ops, the warm-up forward). A worker adopted from the warm spare shows `(spare)`: its
-imports were done before it was asked for.
+spawn to ready, as the router saw it): its front end's `imports` (up to handing the core its spec),
+`tokenizer` and `http` (the HTTP stack's imports and the collector's pass, while the core loads); its
+engine core's `imports` (torch, the engine: none for a core forked from the fork server), `weights`
+(the load, from its load stats) and `engine` (the rest: the KV cache, CPU ops, the warm-up forward).
+A worker adopted from the warm spare shows `(spare)`: its imports were done before it was asked for.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def worker_phases(w: dict[str, Any]) -> dict[str, Any]:
     core = phases(info.get("startup") or {})
     weights = float((info.get("load") or {}).get("total_seconds") or 0.0)
     out: dict[str, Any] = {"ready_s": w.get("startup_s"), "from_standby": bool(info.get("from_standby"))}
-    out["front_end"] = {k: v for k, v in front.items() if k in ("imports", "tokenizer")}
+    out["front_end"] = {k: v for k, v in front.items() if k in ("imports", "tokenizer", "http")}
     if core:
         engine = core.get("engine", 0.0)
         out["core"] = {"imports": core.get("imports", 0.0), "weights": round(min(weights, engine), 3),

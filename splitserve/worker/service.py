@@ -13,7 +13,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from msgspec.structs import replace
@@ -61,7 +61,14 @@ class Worker:
     """prefill / decode / generate / abort / health / stats over one engine core (the same class a Ray
     deployment wraps)."""
 
-    def __init__(self, config: WorkerConfig, client: CoreClient | None = None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        client: CoreClient | None = None,
+        while_loading: Callable[[], None] | None = None,
+    ) -> None:
+        """Starts the engine core on `config` and waits for it; `while_loading` runs meanwhile, once the
+        tokenizer is loaded (the front end's own start-up work, off the core's path to ready)."""
         from splitserve.model.tokenizer import load_tokenizer
 
         self.config = config
@@ -71,6 +78,8 @@ class Worker:
         try:
             # while the core loads the weights
             self.tokenizer = load_tokenizer(config.engine.model, config.engine.tokenizer)
+            if while_loading is not None:
+                while_loading()
         except Exception:
             self.client.close()
             raise
