@@ -142,7 +142,12 @@ class ModelRunner:
             return hidden.new_empty((0, self.model.cfg.vocab_size)), []
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_chunks
 
-    def prepare(self, chunks: list[ScheduledChunk], feed: Feed | None = None) -> StepInputs:
+    def prepare(
+        self, chunks: list[ScheduledChunk], feed: Feed | None = None, ahead: bool = False
+    ) -> StepInputs:
+        """The flat step inputs of `chunks`, each chunk's rows at its positions. `ahead`: the chunks may
+        reach past their requests' known tokens (the MTP head's runs, spec/mtp.py, which take their
+        tokens apart): those positions get placeholder ids, so every chunk still has its rows."""
         # decodes first, shortest context first (so length groups are contiguous), then prefills; without
         # recurrent state a verify chunk runs as decode rows (spec/rows.py)
         ordered = sorted(chunks if self.states else as_rows(chunks), key=order_key)
@@ -166,8 +171,7 @@ class ModelRunner:
             elif isinstance(c, VerifyRow):
                 ids.append(c.token)
             else:
-                ids.extend(req.token_ids(c.start, c.start + c.num_tokens - len(c.drafts)))
-                ids.extend(c.drafts)
+                ids.extend(_chunk_ids(c, ahead))
             pos = np.arange(c.start, c.start + c.num_tokens, dtype=np.int64)
             blocks = np.asarray(req.block_ids, dtype=np.int64)
             positions.append(pos)
@@ -271,3 +275,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
+
+
+def _chunk_ids(c: ScheduledChunk, ahead: bool) -> list[int]:
+    """The input ids of chunk `c`, one per position: its request's known tokens, then its drafts; with
+    `ahead`, 0 at positions past the request's known tokens (see `prepare`)."""
+    ids = c.request.token_ids(c.start, c.start + c.num_tokens - len(c.drafts)) + list(c.drafts)
+    missing = c.num_tokens - len(ids)
+    assert ahead or missing == 0, f"a chunk at {c.start} of {c.num_tokens} reaches past its request's tokens"
+    return ids + [0] * missing

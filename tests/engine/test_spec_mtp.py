@@ -216,3 +216,50 @@ def test_the_heads_kv_and_drafts_follow_its_definition(checkpoint, prompts):
         chain_hidden = torch.cat([chain_hidden, out[-1:]])
         chain_ids = [*chain_ids, int(mtp.target.compute_logits(out[-1:])[0, :VOCAB].argmax())]
     assert made[q + 2] == chain_ids[q + 1 :]
+
+
+def _accept_all_drafts(
+    engine: LLMEngine, prompts
+) -> tuple[list[list[int]], dict[tuple[int, int], list[int]]]:
+    """`prompts` generated together with every draft accepted (the target's own token after the last):
+    -> (the outputs, the drafts made after each step by (prompt index, the request's num_tokens))."""
+    mtp, made = engine.spec.mtp, {}
+    draft = mtp.draft
+
+    def keep_drafts(runner, blocks, budget, reqs):
+        draft(runner, blocks, budget, reqs)
+        for req in reqs:
+            if id(req) in mtp.drafts:
+                num_tokens, drafts = mtp.drafts[id(req)]
+                made[prompts.index(req.prompt_token_ids), num_tokens] = list(drafts)
+
+    mtp.draft = keep_drafts
+    return _generate(engine, prompts), made
+
+
+@torch.inference_mode()
+def test_mtp_drafts_with_every_draft_accepted_follow_the_heads_definition(checkpoint, prompts, monkeypatch):
+    """With every draft accepted, the head's catch-up after a verify step runs over positions past the
+    requests' appended tokens, for several requests in one pass: each one's rows must stay its own.
+    The drafts of a batch equal each request's alone and do not vary between runs, and each step's
+    first draft equals the head computed from its definition over the whole sequence."""
+    from splitserve.engine.spec import verify
+
+    monkeypatch.setattr(
+        verify, "accept_greedy", lambda logits, drafts: [*drafts, int(logits[len(drafts)].argmax())]
+    )
+    outs, made = _accept_all_drafts(_engine(checkpoint[0], speculative_config=MTP), prompts)
+    assert sum(len(d) for d in made.values()) > 3 * len(prompts)
+    assert _accept_all_drafts(_engine(checkpoint[0], speculative_config=MTP), prompts) == (outs, made)
+    for i, prompt in enumerate(prompts):
+        alone_outs, alone = _accept_all_drafts(_engine(checkpoint[0], speculative_config=MTP), [prompt])
+        assert alone_outs == [outs[i]]
+        assert {(i, n): d for (_, n), d in alone.items()} == {
+            key: d for key, d in made.items() if key[0] == i
+        }
+        seq = prompt + outs[i]
+        mtp = _engine(checkpoint[0], speculative_config=MTP).spec.mtp
+        _, _, out = _reference_head(mtp.head, mtp.target, _target_hidden(checkpoint[0], seq)[:-1], seq[1:])
+        firsts = mtp.target.compute_logits(out)[:, :VOCAB].argmax(dim=-1).tolist()
+        for (_, num_tokens), drafts in alone.items():
+            assert drafts[0] == firsts[num_tokens - 2]

@@ -152,7 +152,9 @@ class MTPDrafter:
     def _run(self, runner: Any, subs: list[ScheduledChunk], next_ids: list[int], hidden: torch.Tensor,
              step: int) -> torch.Tensor:  # fmt: skip
         """The head over `subs` (in the runner's order), `next_ids` and `hidden` row for row."""
-        inputs = runner.prepare(subs)
+        # `subs` reach past the known tokens (accepted drafts not appended yet, a further draft's
+        # position): `ahead` keeps each one's rows where `hidden` has them, with placeholder ids
+        inputs = runner.prepare(subs, ahead=True)
         ctx = ForwardContext(runner.attn, inputs.meta, runner.kv_cache, runner.states)
         ids = torch.tensor(next_ids, dtype=torch.int64, device=hidden.device)
         # NOTE: Triton launches on the current CUDA device, whatever its tensors' device (as runner.py)
