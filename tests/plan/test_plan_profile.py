@@ -122,6 +122,12 @@ def test_a_pinned_profile_runs_on_its_cpu_and_measures_the_corun_factor(monkeypa
 
     real = measure.measure_corun
     monkeypatch.setattr(measure, "measure_corun", corun)
+    from splitserve.plan import corun as corun_module
+
+    # fewer and smaller timed steps than a real profile's: the test checks where they run, not their figure
+    for name, value in (("ROUNDS", 2), ("ROUND_STEPS", 3), ("PROMPT_STEPS", 1), ("TIMED_BATCH", (2, 64)),
+                        ("TIMED_PROMPT", 64)):  # fmt: skip
+        monkeypatch.setattr(corun_module, name, value)
     grid = measure.Grid(
         prefill_lens=(32,), chunked_len=64, chunk_budget=32, decode_shapes=((1, 32), (2, 32)),
         decode_steps=2, transfer_blocks=(1, 2), transfer_reps=1,
