@@ -35,6 +35,12 @@ CHUNKS = ((0, 21), (21, 7))  # (first position, tokens): a prompt, then a chunk 
 POSITIONS = 256
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
+# the cases both device modules run: (shape, size) per layer, and (prefill size, decode size) per re-layout
+DENSE = [("random:tiny", 2), ("random:tiny", 4), ("random:tiny-llama", 2), ("random:tiny-llama", 4)]
+ALL = [*DENSE, ("random:qwen3.5-tiny", 2)]
+SIZES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2)]
+HYBRID_SIZES = [(1, 2), (2, 1), (2, 2)]
+
 
 class PartialCollectives:
     """`Collectives` that leave each rank's partial result unreduced (the check combines the ranks)."""

@@ -14,10 +14,6 @@ import tp_shard_checks as checks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-DENSE = [("random:tiny", 2), ("random:tiny", 4), ("random:tiny-llama", 2), ("random:tiny-llama", 4)]
-ALL = [*DENSE, ("random:qwen3.5-tiny", 2)]
-SIZES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2)]
-
 
 @pytest.fixture(autouse=True)
 def ieee_fp32():
@@ -28,12 +24,12 @@ def ieee_fp32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-@pytest.mark.parametrize(("shape", "size"), ALL)
+@pytest.mark.parametrize(("shape", "size"), checks.ALL)
 def test_attention_shards_sum_to_the_unsharded_layer_cuda(shape, size):
     checks.check_attention(shape, size, "cuda")
 
 
-@pytest.mark.parametrize(("shape", "size"), ALL)
+@pytest.mark.parametrize(("shape", "size"), checks.ALL)
 def test_mlp_shards_match_the_unsharded_layer_cuda(shape, size):
     checks.check_mlp(shape, size, "cuda")
 
@@ -43,17 +39,17 @@ def test_gated_deltanet_shards_match_the_unsharded_layer_cuda(fused):
     checks.check_gated_deltanet("random:qwen3.5-tiny", 2, "cuda", fused=fused)
 
 
-@pytest.mark.parametrize(("shape", "size"), ALL)
+@pytest.mark.parametrize(("shape", "size"), checks.ALL)
 def test_vocab_parallel_embedding_and_lm_head_cuda(shape, size):
     checks.check_vocab_parallel(shape, size, "cuda")
 
 
-@pytest.mark.parametrize(("prefill", "decode"), SIZES)
+@pytest.mark.parametrize(("prefill", "decode"), checks.SIZES)
 @pytest.mark.parametrize("shape", ["random:tiny", "random:tiny-llama"])
 def test_kv_relayout_dense_cuda(shape, prefill, decode):
     checks.check_relayout(shape, prefill, decode, "cuda")
 
 
-@pytest.mark.parametrize(("prefill", "decode"), [(1, 2), (2, 1), (2, 2)])
+@pytest.mark.parametrize(("prefill", "decode"), checks.HYBRID_SIZES)
 def test_kv_and_state_relayout_hybrid_cuda(prefill, decode):
     checks.check_relayout("random:qwen3.5-tiny", prefill, decode, "cuda")
