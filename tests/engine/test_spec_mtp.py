@@ -33,12 +33,7 @@ MTP = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": No
 NO_DRAFTS = {**MTP, "disable_by_batch_size": 1}  # the head catches up every step, but nobody drafts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

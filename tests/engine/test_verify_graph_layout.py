@@ -20,12 +20,7 @@ from splitserve.engine.verify_graphs import VerifyGraphs, verify_graph_shapes, v
 PROMPT_LENS = (5, 19, 40)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,7 @@ STEPS = 3
 BF16_TOL = dict(rtol=8e-3, atol=1e-6)  # one bf16 rounding step apart at most
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _batch_slots(gen: torch.Generator, real: int, padded: int) -> torch.Tensor:

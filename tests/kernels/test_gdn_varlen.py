@@ -28,12 +28,7 @@ from splitserve.model.decoder import ForwardContext  # noqa: E402
 LENS = (1, 2, 9, 70)  # shorter than the conv window (K - 1 = 3), and across a 64-token chunk
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _meta(nd: int, lens: tuple[int, ...], seq_slots: torch.Tensor) -> AttentionMetadata:
