@@ -61,8 +61,65 @@ def profile_one(engine: LLMEngine, prompts: torch.Tensor, top: int) -> None:
     events = prof.key_averages()
     gpu = sum(e.self_device_time_total for e in events) / 1e3
     print(f"GPU kernel time {gpu:.1f} ms in a {t * 1e3:.1f} ms prefill (under the profiler)")
+    gaps(prof.events())
     print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
+
+
+def gaps(events: list, show: int = 12) -> None:
+    """The GPU's idle time between its kernels (the union of their intervals against the span), and
+    the largest gaps with the kernels on either side: where the host, not the GPU, set the pace."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not spans:
+        return
+    idle, holes, end, last = 0.0, [], spans[0][1], spans[0][2]
+    for s, e, name in spans[1:]:
+        if s > end:
+            idle += s - end
+            holes.append((s - end, last, name))
+        if e > end:
+            end, last = e, name
+    span = (end - spans[0][0]) / 1e3
+    print(f"GPU idle {idle / 1e3:.1f} ms of a {span:.1f} ms span, in {len(holes)} gaps; the largest:")
+    for us, before, after in sorted(holes, reverse=True)[:show]:
+        print(f"  {us:8.0f} us  after {before[:60]}  before {after[:60]}")
+
+
+def sync_sites(engine: LLMEngine, prompts: torch.Tensor) -> None:
+    """Every place one prefill makes the host wait for the GPU (torch's sync debug mode), by count."""
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(*_a: object, **_k: object) -> None:
+        frames = [
+            f
+            for f in traceback.extract_stack()
+            if "torch/" not in f.filename and "warnings" not in f.filename
+        ]
+        sites[" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-6:]))] += 1
+
+    saved, warnings.showwarning = warnings.showwarning, record
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            prefill_once(engine, prompts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    warnings.showwarning = saved
+    print(f"host syncs in one prefill: {sum(sites.values())}")
+    for site, n in sites.most_common(25):
+        print(f"  {n:4d}  {site}")
 
 
 def prefix_hits(engine: LLMEngine, saved: object, prefix: int, tail: int, reps: int, top: int = 0) -> None:
@@ -122,6 +179,7 @@ def main() -> int:
     ap.add_argument("--prefill-graphs", choices=("on", "off", "both"), default="on")
     ap.add_argument("--cprofile", action="store_true", help="cProfile one eager step per length (host time)")
     ap.add_argument("--prefix", type=int, nargs=2, default=None, metavar=("PREFIX", "TAIL"))
+    ap.add_argument("--sync-sites", action="store_true", help="list where one prefill waits on the GPU")
     args = ap.parse_args()
     dev = torch.device("cuda")
     max_len = max(args.prompt_len) + 16
@@ -176,6 +234,8 @@ def main() -> int:
     if args.cprofile:
         cprofile_steps(engine, saved, args.batch, args.prompt_len)
     switch(modes[0])
+    if args.sync_sites:
+        sync_sites(engine, first[2])
     print(f"median prefill {t_first * 1e3:.1f} ms; one more under the profiler:")
     profile_one(engine, first[1], args.top)
     return 0

@@ -156,6 +156,29 @@ def decode_rate(engine: LLMEngine, batch: int, args: argparse.Namespace) -> floa
     return batch * (args.decode_tokens - 1) / (time.perf_counter() - t0)
 
 
+def profile_spec(engine: LLMEngine, args: argparse.Namespace, top: int) -> None:
+    """One batch-1 decode with mtp under torch.profiler (the kernels, the GPU's idle gaps) and
+    cProfile (the host's time), then the places it waits on the GPU."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile_prefill import gaps
+
+    short = argparse.Namespace(**{**vars(args), "decode_tokens": 16})
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode_rate(engine, 1, short)
+    events = prof.key_averages()
+    print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+    gaps(prof.events())
+    with cProfile.Profile() as cp:
+        decode_rate(engine, 1, short)
+    pstats.Stats(cp).sort_stats("tottime").print_stats(25)
+    pstats.Stats(cp).sort_stats("cumtime").print_stats(40)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ks", default="1,2,3")
@@ -164,6 +187,7 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--acceptance", type=float, default=0.6, help="forced per-draft acceptance")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="profile one batch-1 mtp decode")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("spec_verify_gpu: skipped (needs a CUDA device)")
@@ -195,6 +219,9 @@ def main() -> int:
             accepted = after.num_accepted_tokens - before.num_accepted_tokens
             print(f"batch {b:3d}  k={k}: mtp {rate:8.1f} tok/s   plain {base[b]:8.1f} tok/s   "
                   f"ratio {rate / base[b]:5.2f}x   acceptance {accepted / max(drafted, 1):.2f}")  # fmt: skip
+    if args.profile:
+        spec.spec.k = max(ks)
+        profile_spec(spec, args, args.profile)
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 
