@@ -209,9 +209,9 @@ class Matcher:
 
 def _without_control_bytes(vocab: Sequence[bytes], vocab_size: int, keep: Sequence[int]) -> torch.Tensor:
     """A bitmask row [W] int32 of the tokens whose bytes are all >= 0x20 (and the stop tokens)."""
+    flags = [bool(piece) and min(piece) >= 0x20 for piece in vocab[:vocab_size]]  # a list: one tensor write
     ok = torch.zeros(-(-vocab_size // 32) * 32, dtype=torch.bool)
-    for i, piece in enumerate(vocab[:vocab_size]):
-        ok[i] = bool(piece) and min(piece) >= 0x20
+    ok[: len(flags)] = torch.tensor(flags, dtype=torch.bool)
     ok[list(keep)] = True
     weights = 1 << torch.arange(32, dtype=torch.int64)
     words = (ok.view(-1, 32).long() * weights).sum(dim=1)  # [W] as unsigned 32-bit values
