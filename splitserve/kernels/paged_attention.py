@@ -351,15 +351,19 @@ def paged_prefill_attention(
     ctx_len: torch.Tensor,  # [P] int: tokens cached after the chunk (earlier ones + the chunk)
     max_q_len: int,
     scale: float,
+    tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each prefill chunk's queries over its sequence's cached keys (incl. its own)."""
+    """Causal attention of each prefill chunk's queries over its sequence's cached keys (incl. its own).
+    `tile`: (BLOCK_M, BLOCK_N, warps, stages) instead of the head size's default (bench sweeps)."""
     p = q_len.shape[0]
     _, h, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
     if p == 0:
         return out
-    if _interpreted():
+    if tile is not None:
+        block_m, block_n, warps, stages = tile
+    elif _interpreted():
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif d <= 128:
         block_m, block_n, warps, stages = 128, 64, 8, 3
