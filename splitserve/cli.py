@@ -132,7 +132,6 @@ def _main(args: argparse.Namespace, early: Zygote | None) -> int:
 
 
 def _serve(args: argparse.Namespace, early: Zygote | None = None) -> int:
-    import asyncio
     import gc
     import os
 
@@ -159,8 +158,9 @@ def _serve(args: argparse.Namespace, early: Zygote | None = None) -> int:
     server = early or (zygote.start_zygote(dict(os.environ)) if zygote.wanted(manifest) else None)
     try:
         from splitserve.runtime.launch import run_manifest
+        from splitserve.web import loop
 
-        return asyncio.run(run_manifest(manifest, progress=not args.no_progress, zygote=server))
+        return loop.run(run_manifest(manifest, progress=not args.no_progress, zygote=server))
     finally:
         if server is not None:
             server.stop()

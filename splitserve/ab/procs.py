@@ -39,6 +39,7 @@ import httpx
 
 from splitserve.ab.drive import ClientOptions, RequestResult, chains, drive, send_one
 from splitserve.ab.workload import BenchRequest
+from splitserve.web.loop import loop_factory
 
 # What httpx imports on a process's first request (~15 ms that would land on each process's first TTFT):
 # imported here, so by the forkserver once (each client process a fork of it) or by a spawned one before
@@ -210,7 +211,7 @@ def _child(
         def done(r: RequestResult) -> None:
             out.put(("done", k, r))
 
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             runner.run(_warm())
             _, duration = runner.run(drive(base_url, share, opts, done, start_at=start_at))
         out.put(("end", k, (duration, time.process_time())))
@@ -255,14 +256,6 @@ def _context() -> mp.context.BaseContext:
         return mp.get_context("spawn")
     ctx.set_forkserver_preload([__name__])  # effective when the server starts (the first run)
     return ctx
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def _cores() -> int:
