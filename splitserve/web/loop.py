@@ -1,10 +1,12 @@
 """The event loop a splitserve process runs its asyncio code on: uvloop where it is installed (a
-dependency on Linux and macOS), else asyncio's own. A streamed token crosses the router's loop, so each
-of its wake-ups and socket writes is on the path of every request's latency."""
+dependency on Linux and macOS), else asyncio's own; `SPLITSERVE_EVENT_LOOP=asyncio` picks asyncio's
+(as uvicorn's `--loop asyncio` does). A streamed token crosses the router's loop, so each of its
+wake-ups and socket writes is on the path of every request's latency."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -12,7 +14,9 @@ T = TypeVar("T")
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop constructor, or None (asyncio's default) where uvloop is missing."""
+    """uvloop's loop constructor, or None (asyncio's default) where uvloop is missing or not wanted."""
+    if os.environ.get("SPLITSERVE_EVENT_LOOP", "auto") == "asyncio":
+        return None
     try:
         import uvloop
     except ImportError:
