@@ -172,14 +172,17 @@ class DecodeGraphs:
             host[4, i] = req.state_slot if self.hybrid else 0
             table[i, :n] = blocks[:n]
         dev = self.runner.device
-        self.inputs[:, :size].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
-        self.tables[:b, :width].copy_(torch.from_numpy(table).pin_memory(), non_blocking=True)
+        pinned = dev.type == "cuda"  # (the CPU: layout tests run the graphs' forward without capture)
+        host_t, table_t = torch.from_numpy(host), torch.from_numpy(table)
+        self.inputs[:, :size].copy_(host_t.pin_memory() if pinned else host_t, non_blocking=pinned)
+        self.tables[:b, :width].copy_(table_t.pin_memory() if pinned else table_t, non_blocking=pinned)
         if feed is not None:
             self.runner.put_fed(self.inputs[0], fed, feed[0])
         self.graphs[size].replay()
-        if self.runner.keep_hidden:  # the rows in the eager step's order (runner.prepare's)
+        if self.runner.needs_hidden(("decode", size)):  # the rows in the eager step's order (prepare's)
             order = sorted(range(b), key=lambda i: order_key(chunks[i]))
-            rows = torch.tensor(order, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+            rows = torch.tensor(order, dtype=torch.int64)
+            rows = rows.pin_memory().to(dev, non_blocking=True) if pinned else rows
             self.runner.last_hidden = self.hidden[size][rows]
         logits = self.logits[size]
         sample, sampled = sample_rows(chunks)  # a verify chunk: a row at its last known token and each draft

@@ -126,6 +126,11 @@ class ModelRunner:
         self.head_graphs = HeadGraphs(self, head, k, draft_batch, max_model_len, scratch_block)
         return self.head_graphs.capture()
 
+    def needs_hidden(self, replayed: tuple[str, object]) -> bool:
+        """Whether a step replayed as `replayed` must leave its hidden states in `last_hidden`: the MTP
+        drafter reads them, unless its head's catch-up replays a graph on that graph's buffers."""
+        return self.keep_hidden and (self.head_graphs is None or not self.head_graphs.covers(replayed))
+
     @torch.inference_mode()
     def execute(
         self, chunks: list[ScheduledChunk], feed: Feed | None = None

@@ -241,7 +241,7 @@ class VerifyGraphs:
         self.load(layout)
         self.graphs[shape].replay()
         self.replays += 1
-        if r.keep_hidden:  # the eager step's rows, in its order (the MTP drafter reads them)
+        if r.needs_hidden(("verify", shape)):  # the eager step's rows, in its order (the MTP drafter's)
             r.last_hidden = self.hidden[_index(layout.hidden, r.device)]
         return self.logits[_index(layout.sample, r.device)], layout.chunks
 

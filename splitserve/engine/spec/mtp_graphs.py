@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -117,7 +118,8 @@ class HeadGraphs:
         self.drafts[:n, 0].copy_(ids)
         for j in range(1, k):  # the head at position q + j, on draft j - 1 and its own last state
             pos, slots, lens = self.steps[j - 1, :, :n]
-            group = DecodeGroup(0, n, self.tables[:n], lens, splits)
+            # positions q + 1 .. q + j were stored by this replay (kernels/pdl.py: read after the wait)
+            group = DecodeGroup(0, n, self.tables[:n], lens, splits, fresh=j)
             meta = AttentionMetadata(slots, num_decode_tokens=n, decode_groups=(group,), prefills=())
             state = self._head(ids, state, pos, meta, j)
             ids = self._argmax(state)
@@ -168,6 +170,11 @@ class HeadGraphs:
 
     # ---- replay ------------------------------------------------------------------------------------
 
+    def covers(self, replayed: Replayed) -> bool:
+        """Whether the catch-up after the target's graph `replayed` replays a graph (then that graph
+        need not gather its hidden states for an eager catch-up)."""
+        return replayed in self.catch_graphs
+
     def catch_up(self, replayed: Replayed | None, pieces: Sequence[tuple[int, list[int]]]
                  ) -> list[torch.Tensor] | None:  # fmt: skip
         """The head over the step the target replayed as `replayed`; `pieces`: (the chunk's index in the
@@ -184,8 +191,8 @@ class HeadGraphs:
             rows = index + width * np.arange(len(nxt))
             ids[rows] = nxt
             ends.append(int(rows[-1]))
-        with torch.cuda.device(self.runner.device):
-            self.catch_ids[:n].copy_(torch.from_numpy(ids).pin_memory(), non_blocking=True)
+        with _current(self.runner.device):
+            _put(self.catch_ids[:n], ids)
             graph.replay()
         self.replays += 1
         return [self.out[row] for row in ends]
@@ -199,7 +206,7 @@ class HeadGraphs:
             return None
         n = next(s for s in self.draft_sizes if s >= len(todo))
         bs = self.runner.block_size
-        with torch.cuda.device(self.runner.device):
+        with _current(self.runner.device):
             torch.stack(list(states), out=self.state[: len(todo)])
             if k > 1:
                 host = self._padded(k - 1)
@@ -211,8 +218,8 @@ class HeadGraphs:
                     host[: kr - 1, :, i] = np.stack([pos, blocks[pos // bs] * bs + pos % bs, pos + 1], axis=1)
                     used = -(-(req.num_tokens - 2 + kr) // bs)
                     table[i, :used] = blocks[:used]
-                self.steps[: k - 1].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
-                self.tables[:n, :width].copy_(torch.from_numpy(table).pin_memory(), non_blocking=True)
+                _put(self.steps[: k - 1], host)
+                _put(self.tables[:n, :width], table)
             self.draft_graphs[(n, k)].replay()
             made = self.drafts[: len(todo), :k].tolist()  # the one wait on the device
         self.replays += 1
@@ -222,3 +229,16 @@ class HeadGraphs:
 def _rows(key: Replayed) -> int:
     kind, shape = key
     return shape if kind == "decode" else shape[0] * shape[1]
+
+
+def _current(device: torch.device) -> Any:
+    """`device` the current CUDA device (Triton launches there), or nothing to do on the CPU (where layout
+    tests run these forwards without capture)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def _put(dst: torch.Tensor, host: np.ndarray) -> None:
+    """Copy `host` into `dst`: from pinned memory without waiting, on CUDA."""
+    t = torch.from_numpy(host)
+    cuda = dst.device.type == "cuda"
+    dst.copy_(t.pin_memory() if cuda else t, non_blocking=cuda)
