@@ -185,12 +185,10 @@ class HeadGraphs:
             return None
         kind, shape = replayed  # type: ignore[misc]
         width, n = (shape, shape) if kind == "decode" else (shape[0], shape[0] * shape[1])
+        rows = [index + width * j for index, nxt in pieces for j in range(len(nxt))]  # position j's row
         ids = np.zeros(n, dtype=np.int64)
-        ends: list[int] = []
-        for index, nxt in pieces:
-            rows = index + width * np.arange(len(nxt))
-            ids[rows] = nxt
-            ends.append(int(rows[-1]))
+        ids[rows] = [t for _, nxt in pieces for t in nxt]
+        ends = [index + width * (len(nxt) - 1) for index, nxt in pieces]
         with _current(self.runner.device):
             _put(self.catch_ids[:n], ids)
             graph.replay()
