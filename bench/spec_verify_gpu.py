@@ -12,12 +12,14 @@ Two parts, each against its baseline measured in the same run:
     served) against `method: mtp` with k drafts, the acceptance forced to `--acceptance` per draft
     (random weights accept nothing: each draft is taken while a seeded coin says so, and the token
     after the last taken one is the target's own), the MTP head's drafting and the hybrid state's
-    rollback included.
+    rollback included. The MTP head's runs replay its CUDA graphs (engine/spec/mtp_graphs.py);
+    `--head-ab` adds each row with them off (the head run eagerly).
 
 Without CUDA it prints a line and exits 0.
 
     python bench/spec_verify_gpu.py                          # ~3 min on an H100
     python bench/spec_verify_gpu.py --ks 1,2,3 --batches 1,32 --acceptance 0.6
+    python bench/spec_verify_gpu.py --head-ab    # mtp rows with the MTP head's graphs on, then off
 """
 
 from __future__ import annotations
@@ -188,6 +190,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--acceptance", type=float, default=0.6, help="forced per-draft acceptance")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="profile one batch-1 mtp decode")
+    ap.add_argument("--head-ab", action="store_true", help="mtp rows with the head's graphs off too")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("spec_verify_gpu: skipped (needs a CUDA device)")
@@ -209,16 +212,22 @@ def main() -> int:
     spec = LLMEngine(config(args, spec_cfg), tokenizer=None, loaded=plain.loaded)
     assert spec.spec is not None
     verify.accept_greedy = forced_accept(args.acceptance, seed=0)  # the verify step's greedy rule
+    head_graphs = spec.runner.head_graphs  # the MTP head's CUDA graphs (engine/spec/mtp_graphs.py)
     for k in ks:
         spec.spec.k = k
         for b in batches:
-            before = spec.spec.stats()
-            rate = decode_rate(spec, b, args)
-            after = spec.spec.stats()
-            drafted = after.num_draft_tokens - before.num_draft_tokens
-            accepted = after.num_accepted_tokens - before.num_accepted_tokens
-            print(f"batch {b:3d}  k={k}: mtp {rate:8.1f} tok/s   plain {base[b]:8.1f} tok/s   "
-                  f"ratio {rate / base[b]:5.2f}x   acceptance {accepted / max(drafted, 1):.2f}")  # fmt: skip
+            for graphed in (True, False) if args.head_ab else (True,):
+                spec.runner.head_graphs = head_graphs if graphed else None
+                before = spec.spec.stats()
+                rate = decode_rate(spec, b, args)
+                after = spec.spec.stats()
+                drafted = after.num_draft_tokens - before.num_draft_tokens
+                accepted = after.num_accepted_tokens - before.num_accepted_tokens
+                head = "head graphs" if graphed and head_graphs is not None else "head eager "
+                acc = f"acceptance {accepted / max(drafted, 1):.2f}"
+                print(f"batch {b:3d}  k={k}: mtp {rate:8.1f} tok/s ({head})   plain {base[b]:8.1f} tok/s   "
+                      f"ratio {rate / base[b]:5.2f}x   {acc}")  # fmt: skip
+    spec.runner.head_graphs = head_graphs
     if args.profile:
         spec.spec.k = max(ks)
         profile_spec(spec, args, args.profile)

@@ -189,8 +189,14 @@ def build(
         scratch = states.scratch
         graph_capture_s = runner.enable_cuda_graphs(max_seqs, max_model_len, num_blocks, scratch, fresh)
         if spec is not None and states.scratch is not None:  # hybrid verify steps (verify_graphs.py)
-            shapes = verify_graph_shapes(spec.num_speculative_tokens, max_seqs, spec.disable_by_batch_size)
-            graph_capture_s += runner.enable_verify_graphs(shapes, max_model_len, num_blocks, states.scratch)
+            # (not `shapes`: that name holds the state slots' shapes, returned below)
+            verify = verify_graph_shapes(spec.num_speculative_tokens, max_seqs, spec.disable_by_batch_size)
+            graph_capture_s += runner.enable_verify_graphs(verify, max_model_len, num_blocks, states.scratch)
+            if mtp_head is not None:  # the MTP head's catch-up and drafting (spec/mtp_graphs.py)
+                draft_batch = max(w for w, _ in verify)
+                graph_capture_s += runner.enable_head_graphs(
+                    mtp_head, spec.num_speculative_tokens, draft_batch, max_model_len, num_blocks
+                )
         prefill_tokens = graph_tokens(loaded.model, config.batched_tokens(device), max_model_len)
         # (the MTP drafter reads every row's hidden state, which the prefill graphs do not keep)
         if prefill_tokens and states.scratch is not None and mtp_head is None:

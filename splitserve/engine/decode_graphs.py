@@ -72,18 +72,22 @@ class DecodeGraphs:
         self.pad_row = np.array([0, 0, scratch_block * bs, 1, scratch_slot or 0], dtype=np.int64)
         self.inputs = torch.empty((len(self.pad_row), self.max_batch), dtype=torch.int64, device=dev)
         self.tables = torch.empty((self.max_batch, self.max_blocks), dtype=torch.int64, device=dev)
-        self._pad()
+        self.pad()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # each graph's final hidden states (the MTP drafter's)
         self.pool = None
         self.stream: torch.cuda.Stream | None = None  # made on our device when capturing
 
-    def _pad(self) -> None:
+    def pad(self) -> None:
         """Every row of the graphs' inputs a padded row, every table entry the scratch block."""
         pad = torch.from_numpy(self.pad_row[:, None]).to(self.inputs.device)
         self.inputs.copy_(pad.expand_as(self.inputs))
         self.tables.fill_(self.scratch_block)
+
+    def size(self, b: int) -> int:
+        """The captured batch size a step of `b` rows pads to."""
+        return next(s for s in self.sizes if s >= b)
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         if not 0 < len(chunks) <= self.max_batch or any(c.num_tokens != 1 for c in chunks):
@@ -92,7 +96,7 @@ class DecodeGraphs:
         return all(not isinstance(c, VerifyRow) or c.chunk is None or c.chunk.num_tokens <= self.fresh
                    for c in chunks)  # fmt: skip
 
-    def _meta(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def step_meta(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         from splitserve.kernels.paged_attention import decode_num_splits
 
         r = self.runner
@@ -110,7 +114,7 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner
-        ids, pos, meta = self._meta(b)
+        ids, pos, meta = self.step_meta(b)
         hidden = r.model(ids, pos, ForwardContext(r.attn, meta, r.kv_cache, r.states))
         return hidden, r.model.compute_logits(hidden)
 
@@ -124,7 +128,7 @@ class DecodeGraphs:
 
         t0 = time.perf_counter()
         self.stream = torch.cuda.Stream(self.runner.device)
-        self._pad()  # a capture after serving (bench A/Bs) must not warm up on the last step's slots
+        self.pad()  # a capture after serving (bench A/Bs) must not warm up on the last step's slots
         for b in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
             self._forward(b)  # warm-up: Triton compiles, lazy tables are built
             torch.cuda.synchronize(self.runner.device)
@@ -146,7 +150,7 @@ class DecodeGraphs:
     ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         b = len(chunks)
         fed: list[tuple[int, int]] = []  # (batch row, row of feed's tokens)
-        size = next(s for s in self.sizes if s >= b)
+        size = self.size(b)
         bs = self.runner.block_size
         host = np.empty((5, size), dtype=np.int64)
         host[:, b:] = self.pad_row[:, None]
@@ -168,14 +172,17 @@ class DecodeGraphs:
             host[4, i] = req.state_slot if self.hybrid else 0
             table[i, :n] = blocks[:n]
         dev = self.runner.device
-        self.inputs[:, :size].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
-        self.tables[:b, :width].copy_(torch.from_numpy(table).pin_memory(), non_blocking=True)
+        pinned = dev.type == "cuda"  # (the CPU: layout tests run the graphs' forward without capture)
+        host_t, table_t = torch.from_numpy(host), torch.from_numpy(table)
+        self.inputs[:, :size].copy_(host_t.pin_memory() if pinned else host_t, non_blocking=pinned)
+        self.tables[:b, :width].copy_(table_t.pin_memory() if pinned else table_t, non_blocking=pinned)
         if feed is not None:
             self.runner.put_fed(self.inputs[0], fed, feed[0])
         self.graphs[size].replay()
-        if self.runner.keep_hidden:  # the rows in the eager step's order (runner.prepare's)
+        if self.runner.needs_hidden(("decode", size)):  # the rows in the eager step's order (prepare's)
             order = sorted(range(b), key=lambda i: order_key(chunks[i]))
-            rows = torch.tensor(order, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+            rows = torch.tensor(order, dtype=torch.int64)
+            rows = rows.pin_memory().to(dev, non_blocking=True) if pinned else rows
             self.runner.last_hidden = self.hidden[size][rows]
         logits = self.logits[size]
         sample, sampled = sample_rows(chunks)  # a verify chunk: a row at its last known token and each draft

@@ -85,6 +85,9 @@ def profile_run(
         k, cap = spec.num_speculative_tokens, spec.disable_by_batch_size
         shapes = verify_graph_shapes(k, config.max_num_seqs, cap)
         graphs += max(w * s for w, s in shapes) * cfg.vocab_size * 4
+        if spec.method == "mtp":  # the MTP head's graphs (spec/mtp_graphs.py): a draft's logits, its rows
+            rows = config.max_num_seqs + max(w * s for w, s in shapes)
+            graphs += max(w for w, _ in shapes) * cfg.vocab_size * 4 + rows * cfg.hidden_size * 4
     log.info("warm-up pass over %d tokens (%d prompts): %.2f GiB of activations at peak", tokens, len(lens),
              peak / 2**30)  # fmt: skip
     return peak, graphs

@@ -6,13 +6,14 @@ the order `AttentionMetadata` expects.
 On CUDA with the Triton attention backend, decode-only steps replay CUDA graphs (decode_graphs.py).
 For hybrid models a step of one short prefill chunk replays a prefill graph (prefill_graphs.py), and a
 verify step of a few requests a verify graph (verify_graphs.py); other mixed and prefill steps run
-eagerly.
+eagerly. With the MTP drafter, its head's runs replay graphs of their own (spec/mtp_graphs.py).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from splitserve.model.attention import (
     TorchPagedAttention,
 )
 from splitserve.model.decoder import DecoderLM, ForwardContext
+
+if TYPE_CHECKING:
+    from splitserve.engine.spec.mtp_graphs import HeadGraphs
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,10 @@ class ModelRunner:
         # `prepare`'s order (the MTP drafter reads them); steps whose graphs do not keep them run eagerly
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        self.head_graphs: HeadGraphs | None = None  # the MTP head's runs (spec/mtp_graphs.py)
+        # the graph the last step replayed: ("decode", batch), ("verify", (width, steps)) or None (eager);
+        # the MTP head's catch-up graphs read that graph's static buffers
+        self.replayed: tuple[str, object] | None = None
 
     def enable_cuda_graphs(
         self, max_batch: int, max_model_len: int, scratch_block: int, scratch_slot: int | None, fresh: int = 1
@@ -109,6 +117,20 @@ class ModelRunner:
         self.verify_graphs = VerifyGraphs(self, shapes, max_model_len, scratch_block, scratch_slot, pool)
         return self.verify_graphs.capture()
 
+    def enable_head_graphs(self, head: torch.nn.Module, k: int, draft_batch: int, max_model_len: int,
+                           scratch_block: int) -> float:  # fmt: skip
+        """Capture the MTP head's graphs (spec/mtp_graphs.py) after the decode and verify graphs; -> seconds
+        it took. `k`: the most drafts a request makes; `draft_batch`: the most requests that draft."""
+        from splitserve.engine.spec.mtp_graphs import HeadGraphs
+
+        self.head_graphs = HeadGraphs(self, head, k, draft_batch, max_model_len, scratch_block)
+        return self.head_graphs.capture()
+
+    def needs_hidden(self, replayed: tuple[str, object]) -> bool:
+        """Whether a step replayed as `replayed` must leave its hidden states in `last_hidden`: the MTP
+        drafter reads them, unless its head's catch-up replays a graph on that graph's buffers."""
+        return self.keep_hidden and (self.head_graphs is None or not self.head_graphs.covers(replayed))
+
     @torch.inference_mode()
     def execute(
         self, chunks: list[ScheduledChunk], feed: Feed | None = None
@@ -128,9 +150,12 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], feed: Feed | None
     ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         rows = chunks if self.states or self.graphs is None else as_rows(chunks)  # verify chunks: rows.py
+        self.replayed = None
         if self.graphs is not None and self.graphs.accepts(rows):
+            self.replayed = ("decode", self.graphs.size(len(rows)))
             return self.graphs.run(rows, feed)
         if self.verify_graphs is not None and feed is None and self.verify_graphs.accepts(chunks):
+            self.replayed = ("verify", self.verify_graphs.shape(chunks))
             return self.verify_graphs.run(chunks)
         if self.prefill_graphs is not None and not self.keep_hidden and self.prefill_graphs.accepts(chunks):
             return self.prefill_graphs.run(chunks)

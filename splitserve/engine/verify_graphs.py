@@ -160,8 +160,8 @@ class VerifyGraphs:
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         return self.shape(chunks) is not None
 
-    def forward(self, width: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model over the first width * steps rows of the static inputs -> (hidden, logits)."""
+    def step_meta(self, width: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(token ids, positions, metadata) of the first width * steps rows of the static inputs."""
         from splitserve.kernels.paged_attention import decode_num_splits
 
         r = self.runner
@@ -177,8 +177,19 @@ class VerifyGraphs:
             seq_slots=seq_slots,
             decode_steps=steps,
         )
+        return ids, pos, meta
+
+    def forward(self, width: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over the first width * steps rows of the static inputs -> (hidden, logits)."""
+        r = self.runner
+        ids, pos, meta = self.step_meta(width, steps)
         hidden = r.model(ids, pos, ForwardContext(r.attn, meta, r.kv_cache, r.states))
         return hidden, r.model.compute_logits(hidden)
+
+    def pad(self) -> None:
+        """Every row of the static inputs a padded row, every table entry the scratch block."""
+        self.inputs.copy_(torch.from_numpy(np.repeat(self.pad_row[:, None], self.max_rows, axis=1)))
+        self.tables.fill_(self.scratch_block)
 
     def load(self, layout: VerifyLayout) -> None:
         """Copy a step's rows into the static inputs (two host-to-device copies, no host wait)."""
@@ -197,8 +208,7 @@ class VerifyGraphs:
         t0 = time.perf_counter()
         dev = self.runner.device
         self.stream = torch.cuda.Stream(dev)
-        self.inputs.copy_(torch.from_numpy(np.repeat(self.pad_row[:, None], self.max_rows, axis=1)))
-        self.tables.fill_(self.scratch_block)
+        self.pad()
         for width, steps in self.shapes:  # largest first: the smaller ones reuse its memory pool
             hidden, logits = self.forward(width, steps)  # warm-up: Triton compiles at these shapes
             if self.logits is None:  # the shared outputs, outside every graph's pool
@@ -231,7 +241,7 @@ class VerifyGraphs:
         self.load(layout)
         self.graphs[shape].replay()
         self.replays += 1
-        if r.keep_hidden:  # the eager step's rows, in its order (the MTP drafter reads them)
+        if r.needs_hidden(("verify", shape)):  # the eager step's rows, in its order (the MTP drafter's)
             r.last_hidden = self.hidden[_index(layout.hidden, r.device)]
         return self.logits[_index(layout.sample, r.device)], layout.chunks
 

@@ -3,8 +3,10 @@
 The head at position i reads the target's hidden state h_i and the token at i + 1, and guesses the
 token at i + 2; its layer's K/V sit in the request's own blocks (extra KV layers after the target's).
 Two parts per engine step, on the target's final hidden states of that step (the runner keeps them in
-`last_hidden`, from an eager forward or from the decode and verify CUDA graphs' outputs; the head's own
-runs below are eager):
+`last_hidden`, from an eager forward or from the decode and verify CUDA graphs' outputs). On CUDA the
+head's runs replay graphs of their own where the step fits one (spec/mtp_graphs.py: the catch-up of a
+decode or verify graph's step, and all k drafts of up to the verify graphs' widest batch in one
+replay), else they run eagerly; either way the drafts stay on the device until all are made:
 
   1. `catch_up` (after the target ran and its tokens were decided, before they are appended): the head
      runs over every position of the step whose next token is now known and whose target state
@@ -35,8 +37,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from splitserve.engine.block_manager import BlockManager
@@ -62,36 +65,39 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def catch_up(self, runner: Any, chunks: Sequence[ScheduledChunk], produced: dict[int, list[int]]) -> None:
-        """Run the head over the positions of the step `chunks` (as `runner.execute` ordered them)
-        whose next token is known; `produced`: id(request) -> the tokens this step gives it (not yet
+        """Run the head over the positions of the step `chunks` (as `runner.execute` got them) whose
+        next token is known; `produced`: id(request) -> the tokens this step gives it (not yet
         appended). Keeps the head's state at the last position of each request that got tokens."""
         hidden, runner.last_hidden = runner.last_hidden, None
-        assert hidden is not None, "the target ran no forward pass this step (or the runner kept none)"
-        pieces: list[tuple[ScheduledChunk, range, list[int]]] = []
-        row = 0
-        for c in sorted(chunks, key=order_key):  # the runner's row order (a hybrid model: no decode rows)
-            req = c.request
-            known_end = c.start + c.num_tokens - len(c.drafts)  # positions before it hold known tokens
-            nxt = req.token_ids(c.start + 1, min(req.num_tokens, known_end + 1)) + produced.get(id(req), [])
-            n = min(len(nxt), c.num_tokens)
-            if n > 0:
-                pieces.append((ScheduledChunk(req, c.start, n), range(row, row + n), list(nxt[:n])))
-            row += c.num_tokens
+        pieces = _pieces(chunks, produced)
         self._last = {}
         if not pieces:
             return
-        pieces.sort(key=lambda p: order_key(p[0]))
-        subs = [p[0] for p in pieces]
-        rows = torch.tensor([r for p in pieces for r in p[1]], device=hidden.device)
-        out = self._run(runner, subs, [t for p in pieces for t in p[2]], hidden[rows], step=0)
-        end = 0
-        for sub, _, _ in pieces:
-            end += sub.num_tokens
-            req = sub.request
+        graphs = getattr(runner, "head_graphs", None)  # on CUDA: spec/mtp_graphs.py
+        replayed = getattr(runner, "replayed", None)
+        ends = graphs.catch_up(replayed, [(p.index, p.next_ids) for p in pieces]) if graphs else None
+        if ends is None:
+            assert hidden is not None, "the target ran no forward pass this step (or the runner kept none)"
+            ends = self._catch_up_eager(runner, pieces, hidden)
+        for p, end in zip(pieces, ends, strict=True):
+            req = p.sub.request
             if id(req) in produced:
-                self._last[id(req)] = (out[end - 1], sub.start + sub.num_tokens - 1)
+                self._last[id(req)] = (end, p.sub.start + p.sub.num_tokens - 1)
                 if req.export_kv and req.state_slot is not None:  # leaves with the KV (module docstring)
-                    runner.states[STATE][req.state_slot].copy_(out[end - 1])
+                    runner.states[STATE][req.state_slot].copy_(end)
+
+    def _catch_up_eager(self, runner: Any, pieces: list[_Piece], hidden: torch.Tensor) -> list[torch.Tensor]:
+        """The head over `pieces` as one eager step on `hidden` (the target's rows in the runner's
+        order); -> its output at each piece's last position, in `pieces`' order."""
+        order = sorted(range(len(pieces)), key=lambda i: order_key(pieces[i].sub))
+        rows = torch.tensor([r for i in order for r in pieces[i].rows], device=hidden.device)
+        subs = [pieces[i].sub for i in order]
+        out = self._run(runner, subs, [t for i in order for t in pieces[i].next_ids], hidden[rows], step=0)
+        ends = np.cumsum([pieces[i].sub.num_tokens for i in order]) - 1
+        by_piece: list[torch.Tensor] = [out] * len(pieces)
+        for i, end in zip(order, ends, strict=True):
+            by_piece[i] = out[int(end)]
+        return by_piece
 
     @torch.inference_mode()
     def draft(self, runner: Any, blocks: BlockManager, budget: Callable[[Request], int],
@@ -128,13 +134,25 @@ class MTPDrafter:
                 states.append(last[0])
         if not todo:
             return
-        made: list[list[int]] = [[] for _ in todo]
+        graphs = getattr(runner, "head_graphs", None)  # on CUDA: spec/mtp_graphs.py
+        made = graphs.draft(todo, states) if graphs is not None else None
+        if made is None:
+            made = self._draft_eager(runner, todo, states)
+        for (req, k), drafts in zip(todo, made, strict=True):
+            if k > 1:
+                blocks.trim(req)
+            self.drafts[id(req)] = (req.num_tokens, drafts)
+
+    def _draft_eager(self, runner: Any, todo: list[tuple[Request, int]], states: list[torch.Tensor]
+                     ) -> list[list[int]]:  # fmt: skip
+        """The drafts of `todo` from `states`, the head run eagerly; each draft stays on the device and
+        feeds the next run, and all come to the host at the end."""
+        guesses: list[tuple[list[int], torch.Tensor]] = []  # (entries of `todo`, their drafts) per step
         active = list(range(len(todo)))  # the entries of `todo` that `state`'s rows belong to, in order
         state = torch.stack(states)  # [R, H]: the head's state at each one's last drafted position
         for step in range(max(k for _, k in todo)):
-            guesses = self.target.compute_logits(state)[:, : self.vocab_size].argmax(dim=-1).tolist()
-            for i, guess in zip(active, guesses, strict=True):
-                made[i].append(int(guess))
+            guess = self.target.compute_logits(state)[:, : self.vocab_size].argmax(dim=-1)
+            guesses.append((active, guess))
             more = [(row, i) for row, i in enumerate(active) if todo[i][1] > step + 1]
             if not more:
                 break
@@ -142,21 +160,50 @@ class MTPDrafter:
             more.sort(key=lambda ri: todo[ri[1]][0].num_tokens)  # decode rows by context length
             subs = [ScheduledChunk(todo[i][0], todo[i][0].num_tokens - 1 + step, 1) for _, i in more]
             rows = torch.tensor([row for row, _ in more], device=state.device)
-            state = self._run(runner, subs, [made[i][-1] for _, i in more], state[rows], step + 1)
+            state = self._run(runner, subs, guess[rows], state[rows], step + 1)
             active = [i for _, i in more]
-        for (req, k), drafts in zip(todo, made, strict=True):
-            if k > 1:
-                blocks.trim(req)
-            self.drafts[id(req)] = (req.num_tokens, drafts)
+        made: list[list[int]] = [[] for _ in todo]
+        flat = torch.cat([g for _, g in guesses]).tolist()  # the one wait on the device
+        at = 0
+        for entries, _ in guesses:
+            for i in entries:
+                made[i].append(int(flat[at]))
+                at += 1
+        return made
 
-    def _run(self, runner: Any, subs: list[ScheduledChunk], next_ids: list[int], hidden: torch.Tensor,
-             step: int) -> torch.Tensor:  # fmt: skip
+    def _run(self, runner: Any, subs: list[ScheduledChunk], next_ids: list[int] | torch.Tensor,
+             hidden: torch.Tensor, step: int) -> torch.Tensor:  # fmt: skip
         """The head over `subs` (in the runner's order), `next_ids` and `hidden` row for row."""
         # `subs` reach past the known tokens (accepted drafts not appended yet, a further draft's
         # position): `ahead` keeps each one's rows where `hidden` has them, with placeholder ids
         inputs = runner.prepare(subs, ahead=True)
         ctx = ForwardContext(runner.attn, inputs.meta, runner.kv_cache, runner.states)
-        ids = torch.tensor(next_ids, dtype=torch.int64, device=hidden.device)
+        ids = torch.as_tensor(next_ids, dtype=torch.int64, device=hidden.device)
         # NOTE: Triton launches on the current CUDA device, whatever its tensors' device (as runner.py)
         with torch.cuda.device(hidden.device) if hidden.device.type == "cuda" else nullcontext():
             return self.head(self.target, ids, hidden, inputs.positions, ctx, step)
+
+
+class _Piece(NamedTuple):
+    """The positions of one chunk of a step that the head's catch-up runs over."""
+
+    index: int  # the chunk's index in the step
+    rows: range  # its rows in the target's hidden states (the runner's order)
+    sub: ScheduledChunk  # its first positions, those whose next token is known
+    next_ids: list[int]  # the token after each of them
+
+
+def _pieces(chunks: Sequence[ScheduledChunk], produced: dict[int, list[int]]) -> list[_Piece]:
+    """The catch-up's pieces of the step `chunks`, in the runner's row order (a hybrid model's step has
+    no decode rows of verify chunks); `produced` as `MTPDrafter.catch_up` takes it."""
+    pieces: list[_Piece] = []
+    row = 0
+    for index, c in sorted(enumerate(chunks), key=lambda ic: order_key(ic[1])):
+        req = c.request
+        known_end = c.start + c.num_tokens - len(c.drafts)  # positions before it hold known tokens
+        nxt = req.token_ids(c.start + 1, min(req.num_tokens, known_end + 1)) + produced.get(id(req), [])
+        n = min(len(nxt), c.num_tokens)
+        if n > 0:
+            pieces.append(_Piece(index, range(row, row + n), ScheduledChunk(req, c.start, n), list(nxt[:n])))
+        row += c.num_tokens
+    return pieces
