@@ -1,7 +1,7 @@
 """The client matrix's cases: what users of a vLLM endpoint run through their client libraries, one
-function per case, each run in its own process by tests/clients/test_client_matrix.py:
+function per case, run by tests/clients/test_client_matrix.py in one process per client library:
 
-    python tests/clients/client_cases.py CASE      # SS_BASE_URL (…/v1), SS_API_KEY, SS_MODEL set
+    python tests/clients/client_cases.py CASE [CASE ...]    # SS_BASE_URL (…/v1), SS_API_KEY, SS_MODEL set
 
 A case raises (an assert, or the client's own error) when the served answer is not what the client
 needs; it prints one line of what it got. Budgets are large enough for the tiny default model, and
@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Annotated
 
@@ -22,6 +23,7 @@ from pydantic import BaseModel, Field
 BASE, KEY, MODEL = os.environ["SS_BASE_URL"], os.environ["SS_API_KEY"], os.environ["SS_MODEL"]
 ASK = "Name a city in France."
 CASES: dict[str, Callable[[], object]] = {}
+RESULT = "client-case: "  # the prefix of a case's outcome line
 
 
 class City(BaseModel):
@@ -329,5 +331,11 @@ for _mode in ("TOOLS", "TOOLS_STRICT", "JSON_SCHEMA", "RESPONSES_TOOLS"):
 
 
 if __name__ == "__main__":
-    got = CASES[sys.argv[1]]()
-    print(f"{sys.argv[1]}: {got!r}"[:400])
+    # one or more cases of one client library, in order: each case's outcome is a JSON line (the case,
+    # whether it passed, what it got or its traceback), and a failing case does not stop the next
+    for name in sys.argv[1:]:
+        try:
+            line = {"case": name, "ok": True, "got": repr(CASES[name]())[:400]}
+        except BaseException:  # noqa: BLE001 - the case's failure is the test's to report
+            line = {"case": name, "ok": False, "error": traceback.format_exc()[-4000:]}
+        print(RESULT + json.dumps(line), flush=True)

@@ -54,9 +54,16 @@ def _metric(url: str, name: str, selector: str) -> float:
     return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
 
 
-def test_a_correct_deployment_proves_its_split(tmp_path):
-    with start_serve(_manifest(tmp_path)) as sp:
-        report = asyncio.run(verify_url(sp.url))
+@pytest.fixture(scope="module")
+def correct(tmp_path_factory):
+    """One correct deployment for the checks that leave it as it is: the facts are counters' differences
+    over probes whose prompts begin with a fresh nonce, so one check's probes never serve another's."""
+    with start_serve(_manifest(tmp_path_factory.mktemp("split-gate"))) as sp:
+        yield sp
+
+
+def test_a_correct_deployment_proves_its_split(correct):
+    report = asyncio.run(verify_url(correct.url))
     facts = _facts(report)
     assert set(facts) == FACTS, report.table()
     assert all(ok for ok, _ in facts.values()), report.table()
@@ -146,9 +153,8 @@ async def _verify_behind_a_router_that_skips_prefill(url: str):
             await runner.cleanup()
 
 
-def test_a_router_that_bypasses_the_prefill_pool_fails_as_not_prefilled(tmp_path):
-    with start_serve(_manifest(tmp_path)) as sp:
-        report = asyncio.run(_verify_behind_a_router_that_skips_prefill(sp.url))
+def test_a_router_that_bypasses_the_prefill_pool_fails_as_not_prefilled(correct):
+    report = asyncio.run(_verify_behind_a_router_that_skips_prefill(correct.url))
     facts = _facts(report)
     assert not report.ok
     ok, detail = facts["prefill pool"]

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 PROMPTS = [f"Write the numbers from {i} to {i + 60}, separated by commas:" for i in range(4)]
 LONG_PROMPT = "Tell me a story about the sea. " * 120  # a prefill long enough to strike during
 MAX_TOKENS = 64
+LONG_MAX_TOKENS = 16  # the long prompts' faults strike their prefill: a short answer checks what follows
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,8 @@ def _sampling(prompt: str) -> dict:
 
 
 def _body(prompt: str, stream: bool) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": stream, "ignore_eos": True,
+    max_tokens = LONG_MAX_TOKENS if prompt.startswith(LONG_PROMPT) else MAX_TOKENS
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
             "logprobs": 0, **_sampling(prompt)}  # fmt: skip
 
 
