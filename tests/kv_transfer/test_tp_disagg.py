@@ -3,7 +3,8 @@ at size 2 starts its rank 1 as a child process, fp32, gloo): a request prefilled
 at size D gives the greedy tokens of one engine at size 1, for tiny random-weight Llama (one KV head,
 replicated on both ranks) and the Qwen3.5 hybrid (KV heads and Gated DeltaNet state channels split),
 for P/D 1/2, 2/1 and 2/2, over tcp and shm. Each decode rank is written only its own heads; every
-lease and block is free afterwards on both sides, also when a prefill rank hangs up mid-import. Each
+lease and block is free afterwards on both sides, also when a prefill rank hangs up mid-import (and
+the decode side's, when one is killed). Each
 prefill rank serves its own share from its own process, and each decode rank reads its own share over
 its own channels, in its own process, straight from the prefill ranks holding it; no channel holds a
 copy of a request's blocks."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 
 import msgspec
@@ -300,3 +302,27 @@ def test_a_prefill_rank_that_hangs_up_fails_the_fetch_and_every_lease_ends(engin
         faulty.install_faults(None)
     assert _all_free(d) and _all_free(p) and _leases(pc) == 0
     assert _disaggregated(p, d, f"after-hangup{sizes}")[0] == reference[0]
+
+
+def test_a_killed_prefill_rank_fails_the_import_and_the_decode_side_frees_everything(engines):
+    """Prefill rank 1 of 2 is killed (SIGKILL) after an export: the server of its heads went with its
+    process. The decode side's import fails with a transport error well within its deadline, and every
+    block and state slot of the decode side is free; the prefill replica is down (its rank watcher
+    marks it dead)."""
+    model = "random:qwen3.5-tiny"
+    (p, _), (d, _) = engines.get(model, 2, name="killed"), engines.get(model, 1, name="b")
+    p.add_request(PROMPTS[1], GREEDY, request_id="killed-p", kv_transfer="export")
+    out = _run(p)["killed-p"]
+    rank1 = p.runner.ranks.procs[0]
+    os.kill(rank1.pid, signal.SIGKILL)
+    rank1.wait()
+    start = time.monotonic()
+    with pytest.raises(KVTransferFailed) as failed:
+        d.add_request_with_kv(out.kv_export.handle, PROMPTS[1], out.outputs[0].token_ids[0], GREEDY, "killed")
+    assert isinstance(failed.value.cause, TransportError)
+    assert time.monotonic() - start < 10
+    assert _all_free(d)
+    deadline = time.monotonic() + 5
+    while p.runner.ranks.dead is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.runner.ranks.dead is not None and f"pid {rank1.pid}" in p.runner.ranks.dead
