@@ -4,10 +4,9 @@ at size D gives the greedy tokens of one engine at size 1, for tiny random-weigh
 replicated on both ranks) and the Qwen3.5 hybrid (KV heads and Gated DeltaNet state channels split),
 for P/D 1/2, 2/1 and 2/2, over tcp and shm. Each decode rank is written only its own heads; every
 lease and block is free afterwards on both sides, also when a prefill rank hangs up mid-import (and
-the decode side's, when one is killed). Each
-prefill rank serves its own share from its own process, and each decode rank reads its own share over
-its own channels, in its own process, straight from the prefill ranks holding it; no channel holds a
-copy of a request's blocks."""
+the decode side's, when one is killed). Each prefill rank serves its own share from its own process,
+and each decode rank reads its own share over its own channels, in its own process, straight from the
+prefill ranks holding it; no channel holds a copy of a request's blocks."""
 
 from __future__ import annotations
 
