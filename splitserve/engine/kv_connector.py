@@ -312,7 +312,7 @@ class KVConnector:
     @property
     def backend_name(self) -> str | None:
         """The backend the transport actually runs (after any fallback), not the one asked for."""
-        return self.transport.describe().backend if self.transport is not None else None
+        return self.transport.stats.backend if self.transport is not None else None  # what describe() says
 
     def stats(self) -> dict:
         with self._lock:

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -102,7 +102,9 @@ class TPTransport(KVTransport):
         self._ended: Counter[tuple[int, ...]] = Counter()
         self._lock = threading.Lock()
 
-    def attach(self, local: KVTransport, remote: list[RemoteRank], fetcher: ShardedFetch, kv_heads) -> None:  # noqa: ANN001
+    def attach(
+        self, local: KVTransport, remote: list[RemoteRank], fetcher: ShardedFetch, kv_heads: Sequence[int]
+    ) -> None:
         self.local, self.remote, self.fetcher, self.kv_heads = local, remote, fetcher, tuple(kv_heads)
         self.ranks = [local, *remote]
         self.backend, self.kv_cache, self.stats = local.backend, local.kv_cache, local.stats
