@@ -69,6 +69,7 @@ class ShardedFetch:
         self.layouts = [Sharding.of(cfg, self.size).rank_layout(full, r) for r in range(self.size)]
         self.rank_bytes = [0] * self.size  # KV and state bytes written into each rank's pool
         self.remote_parts = [RankParts() for _ in range(self.size)]  # ranks 1.., from their outcomes
+        self._plans: dict[int, Plan] = {}  # by exporter size
         self._lock = threading.Lock()
 
     @property
@@ -84,7 +85,7 @@ class ShardedFetch:
         shards = shards_of(handle)
         if len(shards) != handle.tp_size:
             raise PeerRefused(f"handle {handle.request_id} names {len(shards)} ranks for {handle.tp_size}")
-        check_heads(Plan.build(self.cfg, handle.tp_size, self.size), shards)  # before any byte moves
+        check_heads(self._plan(handle.tp_size), shards)  # before any byte moves
         whole = handle.tp_size == self.size and all(
             s.layout_fingerprint == t.fingerprint for s, t in zip(shards, self.layouts, strict=True)
         )
@@ -179,6 +180,13 @@ class ShardedFetch:
         self.local.close()
         if self.remote is not None:
             self.remote.close()
+
+    def _plan(self, prefill_size: int) -> Plan:
+        """How our ranks are filled from an exporter of `prefill_size` (PeerRefused if they cannot be)."""
+        plan = self._plans.get(prefill_size)
+        if plan is None:
+            plan = self._plans[prefill_size] = Plan.build(self.cfg, prefill_size, self.size)
+        return plan
 
     def _count(self, rank: int, nbytes: int, pid: int, by_src: dict[int, int]) -> None:
         with self._lock:

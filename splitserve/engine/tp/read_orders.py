@@ -210,7 +210,7 @@ class RemoteReads:
         while True:
             try:
                 done: ReadDone | ExportDone | Freed = conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, TypeError):  # TypeError: `close` closed it under this read
                 if not self._closed:
                     log.warning("tensor-parallel rank %d's order connection closed", rank)
                 with self._arrived:
