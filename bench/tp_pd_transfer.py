@@ -66,11 +66,13 @@ def run(model: str, p_size: int, d_size: int, prompts: list[list[int]]) -> dict:
         info = pc.transport.describe()
         tp = info.tensor_parallel
         served = tp.served_bytes if tp else [info.counts.get("served_bytes", 0)]
+        serving = len(set(tp.served_pids)) if tp else 1  # processes that served the prefill ranks
         tp = dc.transport.describe().tensor_parallel
         written = tp.fetched_bytes if tp else [int(dc.counts["fetched_bytes"])]
         fetch_s = dc.counts["fetch_seconds"] / max(1, dc.counts["fetches"])
         tokens = [done[f"d{i}"].outputs[0].token_ids for i in range(len(prompts))]
-        return {"served": served, "written": written, "fetch_s": fetch_s, "tokens": tokens}
+        return {"served": served, "serving": serving, "written": written, "fetch_s": fetch_s,
+                "tokens": tokens}  # fmt: skip
     finally:
         for e, c in ((p, pc), (d, dc)):
             c.close()
@@ -95,7 +97,8 @@ def main() -> None:
         base = base or r
         assert r["tokens"] == base["tokens"], f"{p_size} -> {d_size}: tokens differ from 1 -> 1"
         ratio = r["fetch_s"] / base["fetch_s"]
-        print(f"prefill {p_size} -> decode {d_size}: served per prefill rank {r['served']} B, written per "
+        print(f"prefill {p_size} -> decode {d_size}: served per prefill rank {r['served']} B (by "
+              f"{r['serving']} processes), written per "
               f"decode rank {r['written']} B, fetch {r['fetch_s'] * 1e3:.2f} ms a request "
               f"(1 -> 1: {base['fetch_s'] * 1e3:.2f} ms, ratio {ratio:.2f})")  # fmt: skip
 
