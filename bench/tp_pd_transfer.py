@@ -10,8 +10,9 @@ over its `fetches`), and its ratio against 1 -> 1 (the baseline). At P == D ever
 fetches its twin's part straight into its pool; otherwise each decode rank reads only its own heads
 and state channels from each prefill rank holding them (one fetch per pair of ranks that share
 heads): straight into its pool where a part fills whole rows of its blocks, else into one host buffer
-placed by a strided copy per run of heads (transport/part_sink.py). Each decode rank reads in its own
-process (rank 0's orders go to the others: engine/tp/read_orders.py). Greedy tokens are compared
+placed by a strided copy per run of heads (transport/part_sink.py). Each prefill rank serves from its
+own process, out of its own pool (engine/tp/rank_exports.py), and each decode rank reads in its own
+(rank 0's orders go to the others: engine/tp/read_orders.py). Greedy tokens are compared
 with the baseline (they must be equal). A shared 2-core host: no speed goal, the figure shows what the
 extra fetches and servers cost.
 
@@ -62,13 +63,16 @@ def run(model: str, p_size: int, d_size: int, prompts: list[list[int]]) -> dict:
             out = exported[f"p{i}"]
             d.add_request_with_kv(out.kv_export.handle, prompt, out.outputs[0].token_ids[0], params, f"d{i}")
         done = drain(d)
-        ranks = getattr(pc.transport, "ranks", [pc.transport])
-        served = [t.stats.snapshot()["counts"].get("served_bytes", 0) for t in ranks]
+        info = pc.transport.describe()
+        tp = info.tensor_parallel
+        served = tp.served_bytes if tp else [info.counts.get("served_bytes", 0)]
+        serving = len(set(tp.served_pids)) if tp else 1  # processes that served the prefill ranks
         tp = dc.transport.describe().tensor_parallel
         written = tp.fetched_bytes if tp else [int(dc.counts["fetched_bytes"])]
         fetch_s = dc.counts["fetch_seconds"] / max(1, dc.counts["fetches"])
         tokens = [done[f"d{i}"].outputs[0].token_ids for i in range(len(prompts))]
-        return {"served": served, "written": written, "fetch_s": fetch_s, "tokens": tokens}
+        return {"served": served, "serving": serving, "written": written, "fetch_s": fetch_s,
+                "tokens": tokens}  # fmt: skip
     finally:
         for e, c in ((p, pc), (d, dc)):
             c.close()
@@ -93,7 +97,8 @@ def main() -> None:
         base = base or r
         assert r["tokens"] == base["tokens"], f"{p_size} -> {d_size}: tokens differ from 1 -> 1"
         ratio = r["fetch_s"] / base["fetch_s"]
-        print(f"prefill {p_size} -> decode {d_size}: served per prefill rank {r['served']} B, written per "
+        print(f"prefill {p_size} -> decode {d_size}: served per prefill rank {r['served']} B (by "
+              f"{r['serving']} processes), written per "
               f"decode rank {r['written']} B, fetch {r['fetch_s'] * 1e3:.2f} ms a request "
               f"(1 -> 1: {base['fetch_s'] * 1e3:.2f} ms, ratio {ratio:.2f})")  # fmt: skip
 

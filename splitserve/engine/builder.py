@@ -31,7 +31,6 @@ from splitserve.engine.spec.rows import MAX_ROWS
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
 from splitserve.engine.tp import build as tp_build
-from splitserve.engine.tp import pools as tp_pools
 from splitserve.engine.tp.journal import JournaledCheckpoints, JournaledStatePool
 from splitserve.engine.tp.runner import TPRunner
 from splitserve.engine.verify_graphs import verify_graph_shapes
@@ -154,13 +153,9 @@ def build(
         num_blocks, max_seqs = tp.agree_min(num_blocks, max_seqs)
     # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
     kv_shape = (num_blocks + int(graphs), *layout)
-    # a rank other than 0 on the CPU: its pools in shared memory, for rank 0's KV transfer (tp/pools.py)
-    shared_rank = tp is not None and tp.rank > 0 and device.type == "cpu"
-    kv = allocate_kv_cache(kv_shape, dtype, device, shared=config.kv_shared_memory or shared_rank)
+    kv = allocate_kv_cache(kv_shape, dtype, device, shared=config.kv_shared_memory)
     shapes = {**loaded.model.state_shapes(), **(mtp_head.state_shapes() if mtp_head is not None else {})}
     states = (JournaledStatePool if tp else StatePool)(shapes, max_seqs, device, graphs)
-    if shared_rank:
-        tp_pools.publish(tp, kv, states)
     prefix_caching = config.enable_prefix_caching
     checkpoints = None
     if prefix_caching and states.enabled:  # hybrid: prefixes end at recurrent-state checkpoints

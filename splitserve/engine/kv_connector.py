@@ -161,7 +161,7 @@ class KVConnector:
             conn.transport = make(engine.kv_cache, conn.layout, conn.on_lease_end)
             # a handle from an exporter at tensor_parallel_size > 1: each rank's heads read into our one pool
             conn.sharded = ShardedFetch(
-                model_config(engine), conn.layout, engine.kv_cache, [conn.transport], opener
+                model_config(engine), conn.layout, engine.kv_cache, conn.transport, 1, opener
             )
             if engine.states.enabled:
                 conn.holds_state = conn.transport.register_states(engine.states.states)
@@ -312,7 +312,7 @@ class KVConnector:
     @property
     def backend_name(self) -> str | None:
         """The backend the transport actually runs (after any fallback), not the one asked for."""
-        return self.transport.describe().backend if self.transport is not None else None
+        return self.transport.stats.backend if self.transport is not None else None  # what describe() says
 
     def stats(self) -> dict:
         with self._lock:

@@ -24,13 +24,17 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class KVShard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One tensor-parallel rank's part of an export: its server, its lease and its own layout (the
-    rank's KV heads and state channels). The block ids are the handle's, the same on every rank."""
+    """One tensor-parallel rank's part of an export: the server of that rank's own process, which
+    serves its heads out of its own pool, its lease there, its own layout (the rank's KV heads and
+    state channels) and which of the model's KV heads those are. The block ids are the handle's, the
+    same on every rank."""
 
     address: str
     lease_id: str
     layout_fingerprint: str
     checksum: str | None = None
+    rank: NonNegative = 0
+    kv_heads: tuple[int, ...] = ()  # the model's KV heads this rank serves, in its cache's order
 
 
 class KVHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -117,6 +117,8 @@ class TensorParallelInfo(msgspec.Struct):
     served_bytes: list[int]  # per rank
     fetched_bytes: list[int]
     parts: list[RankParts] = msgspec.field(default_factory=list)  # per decode rank
+    served_pids: list[int] = msgspec.field(default_factory=list)  # per rank: the process serving its exports
+    leases_active: list[int] = msgspec.field(default_factory=list)  # per rank: its export leases held now
 
 
 class MoverInfo(msgspec.Struct, omit_defaults=True):

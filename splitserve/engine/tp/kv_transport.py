@@ -1,14 +1,13 @@
-"""KV transfer between replicas of different tensor-parallel sizes.
+"""KV imports between replicas of different tensor-parallel sizes: the decode side.
 
-Prefill replica at size P: one transport (and server) per rank, each over that rank's own pool, all
-in rank 0's process (the pools of ranks 1..P-1 are shared memory it maps: pools.py). An export leases
-the request's blocks and copies its state on every rank; the handle names P and each rank's address,
-lease and layout (`KVHandle.shards`), and is stamped with the model's unsharded layout, so that a
-decode replica of any size accepts it. The engine's blocks are freed once every rank's lease ended.
+Prefill replica at size P (kv_ranks.py): each rank serves its own heads and state channels from its
+own process, out of its own pool (rank_exports.py); the handle names P and, per rank, its server's
+address, its lease, its layout and the model's KV heads it holds (`KVHandle.shards`), and is stamped
+with the model's unsharded layout, so that a decode replica of any size accepts it.
 
 Decode replica at size D (`ShardedFetch`): each decode rank reads its own share in its own process,
-into its own pool (rank_reads.py; read_orders.py: rank 0 orders the other ranks' reads and waits for
-all of them; a failure on any rank fails the fetch):
+into its own pool, straight from the prefill ranks' own servers (rank_reads.py; read_orders.py: rank 0
+orders the other ranks' reads and waits for all of them; a failure on any rank fails the fetch):
   - P == D with the same rank layouts: decode rank d fetches prefill rank d's whole shard;
   - otherwise (P > D gathers several prefill ranks into one decode rank, P < D slices one among
     several, a KV head replicated below the rank count is read by each rank that holds it): each
@@ -16,20 +15,20 @@ all of them; a failure on any rank fails the fetch):
     those (a fetch that `select`s runs of heads and channels, kv_routes.py's `parts`), over a channel
     of that prefill rank's layout that is its own, into its own blocks and fresh state tensors
     (transport/part_sink.py): every byte crosses the wire once, and each rank's counters show its
-    own share. A size pair the model cannot be split into is refused before any byte moves, naming
-    both sizes; a rank layout the exporter does not have is refused by its handshake, in the same words.
+    own share. A size pair the model cannot be split into, or a handle whose ranks hold other heads
+    than that size puts on them, is refused before any byte moves, naming both sizes; a rank layout
+    the exporter does not have is refused by its handshake, in the same words.
 The state decode ranks 1..D-1 read stays in their processes; it comes back as `name@rank` keys holding
 a `Held`, which the engine's state pool sends with the next step (journal.py's "put").
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import os
 import threading
 import time
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -39,36 +38,38 @@ from splitserve.engine.tp.rank_reads import Held, Opener, RankReader, left_s, sh
 from splitserve.engine.tp.read_orders import ReadDone, RemoteReads
 from splitserve.model.config import ModelConfig
 from splitserve.transport.errors import PeerRefused
-from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.layout import KVLayout, torch_dtype
-from splitserve.transport.lease import FreeCallback
-from splitserve.transport.transport import ExportRequest, FetchRequest, KVTransport
+from splitserve.transport.transport import KVTransport
 from splitserve.wire.kv_handle import KVHandle, KVShard
-from splitserve.wire.transport_info import RankParts, TensorParallelInfo, TransportInfo
+from splitserve.wire.transport_info import RankParts
+
+log = logging.getLogger(__name__)
 
 MAX_PEER_SIZE = 8  # the largest exporter size `check_peer` tries
 
 
 class ShardedFetch:
-    """Decode side: fill our ranks' pools from a handle of any exporter size (rank 0's own here, each
-    other rank's in that rank's process: rank_reads.py), and release such handles (each rank's lease
-    through a connection of that rank's layout)."""
+    """Decode side of a replica at `size`: fill our ranks' pools from a handle of any exporter size
+    (rank 0's here, through `own`, the transport over its pool; each other rank's in that rank's
+    process: rank_reads.py), and release such handles (each rank's lease at that rank's server)."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         full: KVLayout,
         kv: torch.Tensor,
-        direct: Sequence[KVTransport],
+        own: KVTransport,
+        size: int,
         opener: Opener,
         remote: RemoteReads | None = None,
     ) -> None:
-        self.cfg, self.full, self.direct, self.opener, self.remote = cfg, full, list(direct), opener, remote
-        self.size = len(self.direct)
-        self.local = RankReader(cfg, full, 0, self.size, kv, opener, own=self.direct[0])
+        self.cfg, self.full, self.own, self.opener, self.remote = cfg, full, own, opener, remote
+        self.size = size
+        self.local = RankReader(cfg, full, 0, self.size, kv, opener, own=own)
         self.layouts = [Sharding.of(cfg, self.size).rank_layout(full, r) for r in range(self.size)]
         self.rank_bytes = [0] * self.size  # KV and state bytes written into each rank's pool
         self.remote_parts = [RankParts() for _ in range(self.size)]  # ranks 1.., from their outcomes
+        self._plans: dict[int, Plan] = {}  # by exporter size
         self._lock = threading.Lock()
 
     @property
@@ -84,11 +85,10 @@ class ShardedFetch:
         shards = shards_of(handle)
         if len(shards) != handle.tp_size:
             raise PeerRefused(f"handle {handle.request_id} names {len(shards)} ranks for {handle.tp_size}")
+        check_heads(self._plan(handle.tp_size), shards)  # before any byte moves
         whole = handle.tp_size == self.size and all(
             s.layout_fingerprint == t.fingerprint for s, t in zip(shards, self.layouts, strict=True)
         )
-        if not whole:
-            Plan.build(self.cfg, handle.tp_size, self.size)  # refuses before any byte moves
         remote = self.remote if self.size > 1 else None
         seqs = remote.start(handle, into, deadline, whole, self.cfg, self.full) if remote else []
         before, error, state = self.local.nbytes, None, {}
@@ -114,26 +114,34 @@ class ShardedFetch:
         return out
 
     def release(self, handle: KVHandle) -> None:
-        """End every rank's lease of `handle`: our own server's locally, a peer's over a connection
-        of its layout."""
-        sharding = None
+        """End every rank's lease of `handle` at that rank's server (over a connection of its layout),
+        each rank's whatever became of the others'; the first failure is raised after."""
+        sharding, error = None, None
         for p, shard in enumerate(shards_of(handle)):
             one = shard_handle(handle, shard) if handle.shards else handle
-            own = next((t for t in self.direct if t.address == shard.address), None)
-            same = next((t for t in self.direct if t.layout.fingerprint == shard.layout_fingerprint), None)
-            if own is None and same is None:
+            try:
+                if (
+                    self.own.address == shard.address
+                    or self.own.layout.fingerprint == shard.layout_fingerprint
+                ):
+                    self.own.release(one)
+                    continue
                 sharding = sharding or Plan.build(self.cfg, handle.tp_size, self.size).src
-                same = self.local.peer(sharding.rank_layout(self.full, p), p)
-            (own or same).release(one)  # type: ignore[union-attr]
+                self.local.peer(sharding.rank_layout(self.full, p), p).release(one)
+            except Exception as exc:  # noqa: BLE001 - the other ranks' leases end all the same
+                log.warning("releasing prefill rank %d's lease of %s failed: %s", p, handle.request_id, exc)
+                error = error or exc
+        if error is not None:
+            raise error
 
     def check_peer(self, address: str, timeout_s: float) -> KVLayout:
         """Handshake with the exporter at `address` now, whatever its tensor-parallel size: with our own
         rank layout first, then with rank 0's layout at each other size the model splits into (up to
         `MAX_PEER_SIZE`); -> the exporter's layout. The first refusal (our own layout's) when none fits."""
         deadline = time.monotonic() + timeout_s
-        tried = {self.direct[0].layout.fingerprint}
+        tried = {self.own.layout.fingerprint}
         try:
-            return self.direct[0].check_peer(address, timeout_s)
+            return self.own.check_peer(address, timeout_s)
         except PeerRefused as exc:
             refusal = exc
         for size in range(1, MAX_PEER_SIZE + 1):
@@ -173,6 +181,13 @@ class ShardedFetch:
         if self.remote is not None:
             self.remote.close()
 
+    def _plan(self, prefill_size: int) -> Plan:
+        """How our ranks are filled from an exporter of `prefill_size` (PeerRefused if they cannot be)."""
+        plan = self._plans.get(prefill_size)
+        if plan is None:
+            plan = self._plans[prefill_size] = Plan.build(self.cfg, prefill_size, self.size)
+        return plan
+
     def _count(self, rank: int, nbytes: int, pid: int, by_src: dict[int, int]) -> None:
         with self._lock:
             self.rank_bytes[rank] += nbytes
@@ -183,119 +198,15 @@ class ShardedFetch:
                 parts.by_prefill_rank[p] = parts.by_prefill_rank.get(p, 0) + n
 
 
-class TPTransport(KVTransport):
-    """The transport of a replica at tensor_parallel_size > 1: one inner transport per rank (`ranks`,
-    rank 0's the engine's own pool), exports on every rank, fetches through `ShardedFetch`."""
-
-    def __init__(
-        self, full: KVLayout, states: Sequence[Mapping[str, torch.Tensor]], on_free: FreeCallback | None
-    ):
-        self.layout = full
-        self.states = list(states)  # each rank's state tensors [num_slots, *shape] by name
-        self.ranks: list[KVTransport] = []
-        self.fetcher: ShardedFetch | None = None
-        self._on_free = on_free
-        self._ended: Counter[tuple[int, ...]] = Counter()
-        self._lock = threading.Lock()
-
-    def attach(self, ranks: Sequence[KVTransport], fetcher: ShardedFetch) -> None:
-        self.ranks, self.fetcher = list(ranks), fetcher
-        self.backend, self.kv_cache, self.stats = ranks[0].backend, ranks[0].kv_cache, ranks[0].stats
-
-    def rank_freed(self, block_ids: list[int]) -> None:
-        """One rank's lease ended: the engine frees the blocks when every rank's has."""
-        key = tuple(block_ids)
-        with self._lock:
-            self._ended[key] += 1
-            done = self._ended[key] == len(self.ranks)
-            if done:
-                del self._ended[key]
-        if done and self._on_free is not None:
-            self._on_free(list(block_ids))
-
-    def export_request(self, request: ExportRequest) -> KVHandle:
-        slot = _slot(request.state, self.states[0])
-        handles: list[tuple[KVTransport, KVHandle]] = []
-        try:
-            for rank, transport in enumerate(self.ranks):
-                state = _rank_state(request.state, self.states[rank], slot)
-                made = transport.export_request(dataclasses.replace(request, state=state))
-                handles.append((transport, made))
-        except BaseException:
-            for transport, done in handles:
-                transport.release(done)
-            raise
-        shards = tuple(KVShard(h.address, h.lease_id, h.layout_fingerprint, h.checksum) for _, h in handles)
-        first = handles[0][1]
-        return msgspec.structs.replace(
-            first,
-            layout_fingerprint=self.layout.fingerprint,
-            checksum=None,
-            tp_size=len(shards),
-            shards=shards,
-        )
-
-    def release(self, handle: KVHandle) -> None:
-        assert self.fetcher is not None
-        self.fetcher.release(handle)
-
-    def fetch_request(self, request: FetchRequest) -> dict[str, torch.Tensor]:
-        assert self.fetcher is not None
-        timeout = request.timeout_s if request.timeout_s is not None else 30.0
-        return self.fetcher.fetch(request.handle, request.into_block_ids, timeout)
-
-    def listen(self) -> str:
-        return [t.listen() for t in self.ranks][0]
-
-    @property
-    def address(self) -> str | None:
-        return self.ranks[0].address
-
-    def check_peer(self, address: str, timeout_s: float) -> KVLayout:
-        assert self.fetcher is not None
-        return self.fetcher.check_peer(address, timeout_s)
-
-    def install_faults(self, plan: FaultPlan | None) -> None:
-        for t in self.ranks:
-            t.install_faults(plan)
-
-    def describe(self) -> TransportInfo:
-        group = TensorParallelInfo(
-            size=len(self.ranks),
-            addresses=[t.address for t in self.ranks],
-            served_bytes=[t.stats.snapshot()["counts"].get("served_bytes", 0) for t in self.ranks],
-            fetched_bytes=list(self.fetcher.rank_bytes) if self.fetcher else [],
-            parts=self.fetcher.rank_parts() if self.fetcher else [],
-        )
-        return msgspec.structs.replace(
-            self.ranks[0].describe(), layout_fingerprint=self.layout.fingerprint, tensor_parallel=group
-        )
-
-    def close(self) -> None:
-        if self.fetcher is not None:
-            self.fetcher.close()
-        for t in self.ranks:
-            t.close()
+def check_heads(plan: Plan, shards: Sequence[KVShard]) -> None:
+    """Refuse a handle whose ranks say they hold other KV heads than its size puts on them."""
+    for p, shard in enumerate(shards):
+        if shard.kv_heads and list(shard.kv_heads) != plan.src.kv[p]:
+            raise PeerRefused(
+                f"cannot map a prefill replica at tensor_parallel_size {plan.src.size} onto a decode "
+                f"replica at tensor_parallel_size {plan.dst.size}",
+                [f"prefill rank {p} serves KV heads {list(shard.kv_heads)}, not {plan.src.kv[p]}"],
+            )
 
 
-def _slot(state: Mapping[str, torch.Tensor] | None, pool: Mapping[str, torch.Tensor]) -> int | None:
-    """The slot of rank 0's pool that an export's state views are; None for state that is not one."""
-    if not state:
-        return None
-    name, view = next(iter(state.items()))
-    t = pool[name]
-    slot = (view.data_ptr() - t.data_ptr()) // (t[0].numel() * t.element_size())
-    return slot if 0 <= slot < t.shape[0] and t[slot].data_ptr() == view.data_ptr() else None
-
-
-def _rank_state(
-    state: Mapping[str, torch.Tensor] | None, pool: Mapping[str, torch.Tensor], slot: int | None
-) -> dict[str, torch.Tensor] | None:
-    """What one rank exports as state: its own slot's views, or (state that is no slot: a transport
-    probe's) a copy of its slot 0, of its own shapes."""
-    if not state:
-        return None
-    return {name: t[slot] if slot is not None else t[0].clone() for name, t in pool.items()}
-
-
-__all__ = ["Opener", "ShardedFetch", "TPTransport", "shard_handle", "shards_of"]
+__all__ = ["MAX_PEER_SIZE", "Opener", "ShardedFetch", "check_heads", "shard_handle", "shards_of"]

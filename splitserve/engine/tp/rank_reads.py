@@ -80,7 +80,7 @@ class RankReader:
         self.layout = Sharding.of(cfg, size).rank_layout(full, rank)
         self.own = own
         self.peers: dict[tuple[str, int], KVTransport] = {}  # (layout fingerprint, prefill rank) -> channel
-        self.by_src: Counter[int] = Counter()  # bytes the part reads took from each prefill rank
+        self.by_src: Counter[int] = Counter()  # bytes the reads took from each prefill rank
         self.nbytes = 0  # every byte written into this rank's pool and state
         self._lock = threading.Lock()
 
@@ -91,7 +91,7 @@ class RankReader:
             if self.own is None:
                 self.own = self.opener(self.kv, self.layout)
             state = self.own.fetch(shard_handle(handle, shards[self.rank]), into, left_s(deadline))
-            self._count(None, self.layout.payload_nbytes(len(into)))
+            self._count(self.rank, self.layout.payload_nbytes(len(into)))  # its twin prefill rank
             return state
         plan = Plan.build(self.cfg, handle.tp_size, self.size)
         state = empty_state(self.layout)

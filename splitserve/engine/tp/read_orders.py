@@ -1,4 +1,5 @@
-"""Rank 0's orders to the other decode ranks to read their share of a KV import, and their outcomes.
+"""Rank 0's orders to the other ranks: to read their share of a KV import, and to serve their share
+of an export (rank_exports.py), over one connection to each rank's process; and their outcomes.
 
 Rank 0 reads its own share (rank_reads.py's `RankReader`) and sends every other rank an order to read
 its own, over a connection to that rank's process; each rank reads with channels of its own into its
@@ -11,6 +12,9 @@ freed. Each rank is given the fetch's deadline less a margin.
     rank 0 (`RemoteReads`)                       rank r > 0 (`RankReadService`)
     ReadOrder(seq, handle, into, ...) ─────────▶ RankReader.read(...) into rank r's pool; keep(state)
                                       ◀───────── ReadDone(seq, bytes by prefill rank, pid | error)
+
+Exports go the same way (`ask` / `answer`; a rank's lease ending comes back as `Freed`), each on a
+thread of the rank's own that takes them in order.
 
 The connections: rank 0 listens on a loopback port and posts it, with a random key each side proves
 (multiprocessing.connection's handshake), in the group's store; each rank connects when it starts.
@@ -34,6 +38,7 @@ from multiprocessing.connection import Client, Connection, Listener
 import torch
 import torch.distributed as dist
 
+from splitserve.engine.tp.rank_exports import ExportDone, ExportOrder, Freed, RankExporter
 from splitserve.engine.tp.rank_reads import RankReader, drop, keep
 from splitserve.model.config import ModelConfig
 from splitserve.transport.backends import make_transport
@@ -92,12 +97,16 @@ class ReadDone:
 
 class RankReadService:
     """Rank r > 0: connect to rank 0 (once it posts where), then read every order it sends, each on a
-    thread of a small pool, and answer with the outcome."""
+    thread of a small pool, and answer with the outcome; carry out its export orders, in order, on a
+    thread of their own, over this rank's exporter (`states`: this rank's state tensors by name)."""
 
-    def __init__(self, port: int, rank: int, size: int, kv: torch.Tensor) -> None:
-        self.port, self.rank, self.size, self.kv = port, rank, size, kv
+    def __init__(
+        self, port: int, rank: int, size: int, kv: torch.Tensor, states: dict[str, torch.Tensor]
+    ) -> None:
+        self.port, self.rank, self.size, self.kv, self.states = port, rank, size, kv, states
         self.readers: dict[tuple, RankReader] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"tp-read-{rank}")
+        self._exports = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tp-export-{rank}")
         self._send_lock = threading.Lock()
         self._conn: Connection | None = None
         threading.Thread(target=self._loop, name=f"tp-read-orders-{rank}", daemon=True).start()
@@ -115,18 +124,27 @@ class RankReadService:
             conn.send(self.rank)
             with self._send_lock:
                 self._conn = conn
-            self._serve_orders(conn)
+            exporter = RankExporter(self.rank, self.kv, self.states, self._reply)
+            self._serve_orders(conn, exporter)
+            self._exports.submit(exporter.close)  # rank 0's connector closed: so do this rank's leases
 
-    def _serve_orders(self, conn: Connection) -> None:
+    def _serve_orders(self, conn: Connection, exporter: RankExporter) -> None:
         while True:
             try:
-                order: ReadOrder = conn.recv()
+                order: ReadOrder | ExportOrder = conn.recv()
             except (EOFError, OSError):
                 return
-            if order.handle is None:
+            if isinstance(order, ExportOrder):
+                self._exports.submit(lambda o=order: self._reply(exporter.answer(o)))
+            elif order.handle is None:
                 drop(order.drop)
             else:
                 self._pool.submit(self._serve, order)
+
+    def _reply(self, message: object) -> None:
+        with self._send_lock, contextlib.suppress(OSError):  # rank 0's connector closed: nobody waits
+            assert self._conn is not None
+            self._conn.send(message)
 
     def _serve(self, order: ReadOrder) -> None:
         done = ReadDone(order.seq, os.getpid())
@@ -141,9 +159,7 @@ class RankReadService:
         except Exception as exc:  # noqa: BLE001 - every failure goes back to rank 0
             mismatches = list(getattr(exc, "mismatches", None) or [])
             done = ReadDone(order.seq, os.getpid(), error=(type(exc).__name__, str(exc), mismatches))
-        with self._send_lock, contextlib.suppress(OSError):  # rank 0's connector closed: nobody waits
-            assert self._conn is not None
-            self._conn.send(done)
+        self._reply(done)
 
     def _reader(self, order: ReadOrder) -> RankReader:
         assert order.reach is not None and order.cfg is not None and order.full is not None
@@ -159,16 +175,18 @@ class RankReadService:
 
 
 class RemoteReads:
-    """Rank 0: orders to ranks 1..size-1 and their outcomes, over one connection to each."""
+    """Rank 0: orders to ranks 1..size-1 and their outcomes, over one connection to each; `on_freed`
+    hears of each rank's export leases ending."""
 
     def __init__(self, store: dist.Store, size: int, reach: Callable[[], Reach]) -> None:
         self.size, self.reach = size, reach
+        self.on_freed: Callable[[list[int]], None] | None = None
         key = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=key)
         self._conns: dict[int, Connection] = {}
         self._joined = threading.Condition()
         self._next = [0] * size
-        self._outcomes: dict[tuple[int, int], ReadDone] = {}
+        self._outcomes: dict[tuple[int, int], ReadDone | ExportDone] = {}
         self._abandoned: set[tuple[int, int]] = set()  # orders whose wait ended before their outcome
         self._gone: set[int] = set()  # ranks whose connection closed
         self._arrived = threading.Condition()
@@ -191,21 +209,25 @@ class RemoteReads:
     def _receive(self, rank: int, conn: Connection) -> None:
         while True:
             try:
-                done: ReadDone = conn.recv()
-            except (EOFError, OSError):
+                done: ReadDone | ExportDone | Freed = conn.recv()
+            except (EOFError, OSError, TypeError):  # TypeError: `close` closed it under this read
                 if not self._closed:
-                    log.warning("decode rank %d's read connection closed", rank)
+                    log.warning("tensor-parallel rank %d's order connection closed", rank)
                 with self._arrived:
                     self._gone.add(rank)
                     self._arrived.notify_all()
                 return
+            if isinstance(done, Freed):
+                if self.on_freed is not None:
+                    self.on_freed(list(done.block_ids))
+                continue
             with self._arrived:
                 late = (rank, done.seq) in self._abandoned
                 self._abandoned.discard((rank, done.seq))
                 if not late:
                     self._outcomes[(rank, done.seq)] = done
                     self._arrived.notify_all()
-            if late and done.error is None:
+            if late and isinstance(done, ReadDone) and done.error is None:
                 self.drop(rank, done.seq)
 
     def _send(self, rank: int, order: ReadOrder, deadline: float) -> None:
@@ -245,22 +267,33 @@ class RemoteReads:
 
     def wait(self, seqs: Sequence[int], deadline: float) -> list[ReadDone | BaseException]:
         """Each rank's outcome (rank order, from rank 1), or a TransferTimeout where none came in time."""
-        out: list[ReadDone | BaseException] = []
-        for rank, seq in enumerate(seqs, start=1):
-            key = (rank, seq)
-            with self._arrived:
-                left = max(0.0, deadline - time.monotonic())
-                self._arrived.wait_for(lambda k=key: k in self._outcomes or k[0] in self._gone, left)
-                done = self._outcomes.pop(key, None)
-                if done is None:
-                    self._abandoned.add(key)
-            if done is not None:
-                out.append(done)
-            elif rank in self._gone:
-                out.append(TransportError(f"decode rank {rank}'s process is gone"))
-            else:
-                out.append(TransferTimeout(f"decode rank {rank} did not finish its read within the deadline"))
-        return out
+        return [self._outcome(rank, seq, deadline, "its read") for rank, seq in enumerate(seqs, start=1)]  # type: ignore[misc]
+
+    def ask(self, rank: int, order: Callable[[int], ExportOrder], deadline: float) -> int:
+        """Send rank `rank` the export order `order(seq)`; -> its seq, for `answer`."""
+        seq = self._seq(rank)
+        self._send(rank, order(seq), deadline)
+        return seq
+
+    def answer(self, rank: int, seq: int, deadline: float) -> ExportDone | BaseException:
+        """Rank `rank`'s answer to export order `seq`, or why none came."""
+        return self._outcome(rank, seq, deadline, "its export order")  # type: ignore[return-value]
+
+    def _outcome(
+        self, rank: int, seq: int, deadline: float, what: str
+    ) -> ReadDone | ExportDone | BaseException:
+        key = (rank, seq)
+        with self._arrived:
+            left = max(0.0, deadline - time.monotonic())
+            self._arrived.wait_for(lambda: key in self._outcomes or rank in self._gone, left)
+            done = self._outcomes.pop(key, None)
+            if done is None:
+                self._abandoned.add(key)
+        if done is not None:
+            return done
+        if rank in self._gone:
+            return TransportError(f"tensor-parallel rank {rank}'s process is gone")
+        return TransferTimeout(f"tensor-parallel rank {rank} did not finish {what} within the deadline")
 
     def drop(self, rank: int, seq: int) -> None:
         """Rank `rank` forgets the state it read for order `seq` (the import failed elsewhere)."""

@@ -2,8 +2,9 @@
 
 It joins rank 0's store, builds the same engine parts from the same config (its shard of the weights,
 its heads' KV cache and state pools; the scheduler it builds stays idle) and runs every step rank 0
-broadcasts (runner.py's `serve_rank`) until rank 0 says stop; a thread of it reads this rank's share
-of each KV import rank 0 orders (rank_reads.py). It exits at once when its parent
+broadcasts (runner.py's `serve_rank`) until rank 0 says stop; threads of it read this rank's share
+of each KV import rank 0 orders (rank_reads.py) and serve its share of each export from its own
+transport (rank_exports.py). It exits at once when its parent
 (rank 0's process) is gone.
 """
 
@@ -56,7 +57,8 @@ def main() -> int:
     store.set(f"joined/{rank}", "1")
     tp_build._WORKER_GROUP = TPGroup(rank, size, store, device)
     parts = build(config, False, None)
-    RankReadService(int(spec["port"]), rank, size, parts.kv_cache)  # this rank's share of KV imports
+    # this rank's share of KV imports and exports, in this process
+    RankReadService(int(spec["port"]), rank, size, parts.kv_cache, parts.states.states)
     serve_rank(parts.runner, tp_build._WORKER_GROUP, parts.scheduler.block_manager.checkpoints)
     return 0
 
