@@ -13,7 +13,6 @@ the shipped one's (largest difference printed). TFLOP/s counts the causal half o
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,25 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.conv_varlen_gpu import timed  # noqa: E402  (CUDA events, median of reps)
 from splitserve.kernels.paged_attention import paged_prefill_attention  # noqa: E402
 
 TILES = [None, (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 1),
          (64, 64, 8, 3), (128, 128, 8, 1), (64, 128, 8, 2), (32, 64, 4, 2)]  # fmt: skip
-
-
-def timed(fn, reps: int) -> float:  # noqa: ANN001
-    """Median seconds of `reps` launches (CUDA events), after 3 untimed."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -9,12 +9,12 @@ acceptance forced to a seeded coin (as bench/spec_verify_gpu.py forces it) some 
 
 from __future__ import annotations
 
-import random
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import pytest
 import torch
+from spec_forcing import forced_accept
 
 from splitserve import SamplingParams
 from splitserve.config.engine import EngineConfig
@@ -80,19 +80,6 @@ def _stand_ins(engine: LLMEngine, k: int, head: bool) -> Counter:
     return counts
 
 
-def _forced(rate: float):  # noqa: ANN202
-    """A greedy acceptance rule that takes each draft while a seeded coin lands under `rate`."""
-    rng = random.Random(0)
-
-    def accept(logits: torch.Tensor, drafts: Sequence[int]) -> list[int]:
-        m = 0
-        while m < len(drafts) and rng.random() < rate:
-            m += 1
-        return [*drafts[:m], int(logits[m].argmax())]
-
-    return accept
-
-
 def _generate(k: int | None, batch: int, head: bool = True) -> tuple[list[list[int]], list[dict], Counter]:
     """Greedy tokens of `batch` prompts (k None: no speculation), the drafts made after each step
     (request id -> drafts) and the stand-in graphs' replays by kind."""
@@ -141,7 +128,7 @@ def test_head_graph_layout_drafts_as_the_eager_head(k: int, batch: int):
 def test_head_graph_layout_with_drafts_accepted(k: int, batch: int, monkeypatch):
     runs = []
     for head in (True, False):
-        monkeypatch.setattr(verify, "accept_greedy", _forced(0.6))  # the same coins for each run
+        monkeypatch.setattr(verify, "accept_greedy", forced_accept(0.6))  # the same coins for each run
         runs.append(_generate(k, batch, head))
     (tokens, drafts, counts), (eager_tokens, eager_drafts, _) = runs
     assert drafts == eager_drafts and any(drafts)

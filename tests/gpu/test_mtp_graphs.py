@@ -12,11 +12,9 @@ Skipped without a GPU; on a GPU machine: `python -m pytest tests/gpu/test_mtp_gr
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
-
 import pytest
 import torch
+from spec_forcing import forced_accept
 
 from splitserve import SamplingParams
 from splitserve.config.engine import EngineConfig
@@ -43,19 +41,6 @@ def _engine(spec: dict | None, head_graphs: bool = True) -> LLMEngine:
         if not head_graphs:
             engine.runner.head_graphs = None  # the head's runs eager, the target's graphs as before
     return engine
-
-
-def _forced(rate: float):  # noqa: ANN202
-    """A greedy acceptance rule that takes each draft while a seeded coin lands under `rate`."""
-    rng = random.Random(0)
-
-    def accept(logits: torch.Tensor, drafts: Sequence[int]) -> list[int]:
-        m = 0
-        while m < len(drafts) and rng.random() < rate:
-            m += 1
-        return [*drafts[:m], int(logits[m].argmax())]
-
-    return accept
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], list[dict[str, list[int]]]]:
@@ -103,7 +88,7 @@ def test_head_graphs_equal_eager_with_drafts_accepted(k: int, batch: int, monkey
     runs = []
     for head_graphs in (True, False):
         engine = _engine(spec, head_graphs)
-        monkeypatch.setattr(verify, "accept_greedy", _forced(0.6))  # the same coins for each engine
+        monkeypatch.setattr(verify, "accept_greedy", forced_accept(0.6))  # the same coins for each engine
         runs.append((*_run(engine, prompts), engine.spec.stats()))  # type: ignore[union-attr]
     (tokens, drafts, stats), (eager_tokens, eager_drafts, eager_stats) = runs
     assert drafts == eager_drafts and any(drafts)
