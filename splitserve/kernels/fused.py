@@ -138,21 +138,23 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr,
 
 @triton.jit
 def _gated_rmsnorm_kernel(
-    x_ptr, z_ptr, w_ptr, out_ptr, stride_xt, stride_zt, stride_ot, eps,
-    HEADS: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, z_ptr, w_ptr, out_ptr, stride_xt, stride_zt, stride_ot, eps, rows,
+    HEADS: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     begin(PDL)
-    row = tl.program_id(0)  # token t, head h
-    t = row // HEADS
-    h = row % HEADS
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # ROWS (token t, head h) rows, each normed alone
+    t = (r // HEADS).to(tl.int64)
+    h = r % HEADS
     d = tl.arange(0, D)
-    x = tl.load(x_ptr + t * stride_xt + h * D + d).to(tl.float32)
-    var = tl.sum(x * x, 0) / D
+    m = (r < rows)[:, None]
+    col = h[:, None] * D + d[None, :]
+    x = tl.load(x_ptr + t[:, None] * stride_xt + col, mask=m, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, 1) / D
     w = tl.load(w_ptr + d).to(tl.float32)
-    normed = _round(w * _round(x * tl.rsqrt(var + eps), DTYPE), DTYPE)
-    z = tl.load(z_ptr + t * stride_zt + h * D + d).to(tl.float32)
+    normed = _round(w[None, :] * _round(x * tl.rsqrt(var + eps)[:, None], DTYPE), DTYPE)
+    z = tl.load(z_ptr + t[:, None] * stride_zt + col, mask=m, other=0.0).to(tl.float32)
     out = normed * (z / (1.0 + tl.exp(-z)))
-    tl.store(out_ptr + t * stride_ot + h * D + d, out.to(DTYPE))
+    tl.store(out_ptr + t[:, None] * stride_ot + col, out.to(DTYPE), mask=m)
 
 
 @triton.jit
@@ -286,6 +288,9 @@ def qk_norm_rope_store(
     return q
 
 
+GATED_NORM_MULTI_ROW = 8192  # (token, head) rows from which `gated_rmsnorm` gives a program 16 of them
+
+
 def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`GatedRMSNorm` per head: x [T, H * D] (rows contiguous), gate z [T, H * D] (any row stride)
     -> round(round(w * round(norm(x))) * silu(z_fp32)), [T, H * D]. D = weight's length."""
@@ -294,9 +299,13 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     assert x.stride(1) == 1 and z.stride(1) == 1 and n % d == 0
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t:
-        _gated_rmsnorm_kernel[(t * (n // d),)](
-            x, z, weight, out, x.stride(0), z.stride(0), out.stride(0), eps,
-            HEADS=n // d, D=d, DTYPE=_TL[x.dtype], PDL=pdl_on(x.device), num_warps=1,
+        rows = t * (n // d)
+        # a (token, head) row a program while that fills the GPU (decode); many rows a program in a
+        # long prefill, where one-row programs made the kernel wait on memory latency, not bandwidth
+        per, warps = (1, 1) if rows < GATED_NORM_MULTI_ROW else (16, 4)
+        _gated_rmsnorm_kernel[(triton.cdiv(rows, per),)](
+            x, z, weight, out, x.stride(0), z.stride(0), out.stride(0), eps, rows,
+            HEADS=n // d, D=d, ROWS=per, DTYPE=_TL[x.dtype], PDL=pdl_on(x.device), num_warps=warps,
             launch_pdl=pdl_on(x.device),
         )  # fmt: skip
     return out

@@ -198,12 +198,18 @@ def test_sigmoid_gate_mul() -> None:
     torch.testing.assert_close(sigmoid_gate_mul(x, qkv, heads, d), x * torch.sigmoid(gate))
 
 
+@pytest.mark.parametrize("t, multi_row", [(3, False), (37, True)])
 @torch.inference_mode()
-def test_gated_rmsnorm() -> None:
+def test_gated_rmsnorm(t: int, multi_row: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One (token, head) row a program, and 16 a program (a long prefill's launch), the last partly
+    masked: each row is normed alone either way."""
+    from splitserve.kernels import fused
     from splitserve.kernels.fused import gated_rmsnorm
     from splitserve.model.layers import GatedRMSNorm
 
-    t, heads, d = 3, 4, 16
+    if multi_row:
+        monkeypatch.setattr(fused, "GATED_NORM_MULTI_ROW", 1)
+    heads, d = 4, 16
     x = torch.randn(t, heads * d)
     z = torch.randn(t, 2 * heads * d)[:, heads * d :]  # a strided slice, as in the model
     norm = GatedRMSNorm(d, 1e-6)
