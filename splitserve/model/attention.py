@@ -269,12 +269,55 @@ class TritonPagedAttention:
                 g.num_splits, out=out[g.start : g.end], fresh=g.fresh,
             )  # fmt: skip
         batch = meta.prefill_batch
-        if batch is not None:
+        fresh = _sole_fresh_chunk(meta)
+        if fresh is not None:
+            assert batch is not None
+            _attend_fresh_chunk(q, k_cache, v_cache, batch.block_tables[0], fresh, self.scale, out)
+        elif batch is not None:
             self._kernels.paged_prefill_attention(
                 q, k_cache, v_cache, out, batch.block_tables, batch.query_start, batch.query_len,
                 batch.context_len, batch.max_query_len, self.scale,
             )  # fmt: skip
         return out.flatten(1)
+
+
+FRESH_SDPA_MIN = 512  # a lone prefill chunk with no earlier context from this length goes to torch's SDPA
+
+
+def _sole_fresh_chunk(meta: AttentionMetadata) -> PrefillChunk | None:
+    """The step's one prefill chunk when it has no earlier context and at least FRESH_SDPA_MIN tokens:
+    a long prompt's first chunk, where torch's fused causal attention (flash attention on CUDA) beats
+    the paged kernel by ~1.7x at 4,096 tokens (bench/prefill_attention_gpu.py). Never while a CUDA graph
+    is captured: a graph replays for chunks with cached context too."""
+    if meta.prefill_batch is None or len(meta.prefills) != 1:
+        return None
+    chunk = meta.prefills[0]
+    if chunk.context_len != chunk.query_len or chunk.query_len < FRESH_SDPA_MIN:
+        return None
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return None if capturing else chunk
+
+
+def _attend_fresh_chunk(
+    q: torch.Tensor,  # [T, H, D], the step's rows
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    table: torch.Tensor,  # the chunk's block table
+    chunk: PrefillChunk,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]: the chunk's rows written
+) -> None:
+    """Causal attention of a fresh chunk over its own K/V, read back from its blocks (just stored)."""
+    n, bs = chunk.query_len, k_cache.shape[1]
+    blocks = table[: -(-n // bs)]
+    k = k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)  # [KVH, n, D]
+    v = v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
+    rows = slice(chunk.query_start, chunk.query_start + n)
+    # 4-D, as the fused (flash) kernels require
+    o = F.scaled_dot_product_attention(
+        q[rows].transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True
+    )  # [1, H, n, D]
+    out[rows] = o[0].transpose(0, 1)
 
 
 def triton_supported(device: torch.device, head_dim: int) -> bool:

@@ -87,3 +87,38 @@ def test_num_splits() -> None:
     assert decode_num_splits(1, 8, 576) == 4  # few programs: split, but keep >= 128 tokens a split
     assert decode_num_splits(1, 8, 4096) == 16
     assert decode_num_splits(128, 8, 4096) == 1  # 1024 programs already fill the GPU
+
+
+def test_fresh_chunk_goes_to_sdpa_over_its_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's one prefill chunk with no cached context, after two decode rows: the backend attends it
+    with torch's fused attention over the K/V read back from its (shuffled) blocks, equal to the paged
+    kernel; a chunk with cached context, or a short one, stays on the paged kernel."""
+    from splitserve.model import attention
+    from splitserve.model.attention import PrefillBatch, TritonPagedAttention
+
+    monkeypatch.setattr(attention, "FRESH_SDPA_MIN", 8)
+    kv = _cache(40, seed=4)
+    n, layer = 13, 1
+    tables = _tables([n], 40, seed=5)
+    q = torch.randn(2 + n, H, D)
+    chunk = PrefillChunk(2, n, n, None)
+    one = torch.tensor([2]), torch.tensor([n]), torch.tensor([n])
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=0, decode_groups=(),
+        prefills=(chunk,), prefill_batch=PrefillBatch(*one, tables, n),
+    )  # fmt: skip
+    assert attention._sole_fresh_chunk(meta) is chunk
+    out = torch.zeros(2 + n, H, D)
+    attention._attend_fresh_chunk(q, kv[:, layer, 0], kv[:, layer, 1], tables[0], chunk, D**-0.5, out)
+    want = torch.zeros_like(q)
+    paged_prefill_attention(q, kv[:, layer, 0], kv[:, layer, 1], want, tables, *one, n, D**-0.5)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    got = TritonPagedAttention(D**-0.5).attend(layer, q, kv, meta).view(2 + n, H, D)
+    torch.testing.assert_close(got[2:], want[2:], rtol=1e-5, atol=1e-5)
+    cached = AttentionMetadata(
+        slot_mapping=meta.slot_mapping, num_decode_tokens=0, decode_groups=(),
+        prefills=(PrefillChunk(2, n, n + 3, None),), prefill_batch=meta.prefill_batch,
+    )  # fmt: skip
+    assert attention._sole_fresh_chunk(cached) is None
+    monkeypatch.setattr(attention, "FRESH_SDPA_MIN", n + 1)
+    assert attention._sole_fresh_chunk(meta) is None
