@@ -14,12 +14,20 @@ Two parts, each against its baseline measured in the same run:
     after the last taken one is the target's own), the MTP head's drafting and the hybrid state's
     rollback included. The MTP head's runs replay its CUDA graphs (engine/spec/mtp_graphs.py);
     `--head-ab` adds each row with them off (the head run eagerly).
+  * `--backoff` (instead of the two parts above): `--backoff-batch` requests (32) with the default
+    `disable_by_batch_size` (8), so drafting is backed off and, past the head's grace
+    (spec/verify.py), the MTP head stops too: `method: mtp` against plain decoding, alternating
+    (plain, mtp, mtp, plain), tokens/s of each and the ratio; beside it, the head's runs (eager
+    forwards and graph replays) and the requests that lost its context. Runs on the CPU too, with
+    the tiny Qwen3.5 by default (`--device cpu`).
 
-Without CUDA it prints a line and exits 0.
+Without CUDA it prints a line and exits 0, but for `--backoff`.
 
     python bench/spec_verify_gpu.py                          # ~3 min on an H100
     python bench/spec_verify_gpu.py --ks 1,2,3 --batches 1,32 --acceptance 0.6
     python bench/spec_verify_gpu.py --head-ab    # mtp rows with the MTP head's graphs on, then off
+    python bench/spec_verify_gpu.py --backoff --decode-tokens 256              # on an H100
+    python bench/spec_verify_gpu.py --backoff --device cpu --prompt-len 64 --decode-tokens 128
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +53,7 @@ from splitserve.engine.verify_graphs import MAX_WIDTH  # noqa: E402
 from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 MODEL = "random:qwen3.5-9b"
+CPU_MODEL = "random:qwen3.5-tiny"
 
 
 def config(args: argparse.Namespace, spec: dict | None) -> EngineConfig:
@@ -56,9 +66,14 @@ def config(args: argparse.Namespace, spec: dict | None) -> EngineConfig:
     )  # fmt: skip
 
 
-def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def prompts(n: int, length: int, seed: int, vocab: int = 200_000) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 200_000, (n, length), generator=g).tolist()
+    return torch.randint(10, min(vocab, 200_000), (n, length), generator=g).tolist()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed(fn, iters: int) -> float:  # noqa: ANN001
@@ -147,15 +162,58 @@ def forced_accept(rate: float, seed: int):  # noqa: ANN201
 def decode_rate(engine: LLMEngine, batch: int, args: argparse.Namespace) -> float:
     """Output tokens/s of the decode part (after every request has its first token)."""
     params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts(batch, args.prompt_len, seed=100 + batch)]
+    vocab = engine.model_config.vocab_size
+    ids = [engine.add_request(p, params) for p in prompts(batch, args.prompt_len, 100 + batch, vocab)]
     while any(r in engine.requests and not engine.requests[r].output_token_ids for r in ids):
         engine.step()
-    torch.cuda.synchronize()
+    sync(engine.device.type)
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    torch.cuda.synchronize()
+    sync(engine.device.type)
     return batch * (args.decode_tokens - 1) / (time.perf_counter() - t0)
+
+
+def backoff(args: argparse.Namespace) -> None:
+    """`method: mtp` at a batch past the default drafting cap against plain decoding, alternating."""
+    dev = args.device
+    model = args.model or (MODEL if dev == "cuda" else CPU_MODEL)
+    batch, max_len = args.backoff_batch, args.prompt_len + args.decode_tokens + 16
+    kv = 2 * batch * max_len * 64 * 2**10 + 2**28 if dev == "cuda" else 256 << 20
+
+    def cfg(spec: dict | None) -> EngineConfig:
+        return EngineConfig(model=model, device=dev, dtype="bfloat16" if dev == "cuda" else "float32",
+                            max_model_len=max_len, max_num_seqs=batch, kv_cache_bytes=kv, progress=False,
+                            max_num_batched_tokens=max(batch * args.prompt_len, 2048),
+                            enable_prefix_caching=False, speculative_config=spec)  # fmt: skip
+
+    k = max(int(k) for k in args.ks.split(","))
+    plain = LLMEngine(cfg(None), tokenizer=None)
+    spec = LLMEngine(cfg({"method": "mtp", "num_speculative_tokens": k}), tokenizer=None, loaded=plain.loaded)
+    sd = spec.spec
+    assert sd is not None and sd.mtp is not None
+    forwards: Counter = Counter()  # the head's eager forwards (a graph replay runs none)
+    sd.mtp.head.register_forward_hook(lambda *_: forwards.update(["head"]))
+    graphs = spec.runner.head_graphs
+    name = torch.cuda.get_device_name() if dev == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{name}: {model}, batch {batch}, prompts of {args.prompt_len} tokens, {args.decode_tokens} "
+          f"tokens a request; disable_by_batch_size {sd.config.disable_by_batch_size}, the head's grace "
+          f"{sd.head_grace} steps, head graphs {'on' if graphs is not None else 'off'}")  # fmt: skip
+    decode_rate(plain, batch, args)  # warm-up of both (first-use costs, the allocator)
+    decode_rate(spec, batch, args)
+    rates: dict[str, list[float]] = {"plain": [], "mtp": []}
+    forwards.clear()
+    replays0, before = graphs.replays if graphs is not None else 0, sd.stats()
+    for mode in ("plain", "mtp", "mtp", "plain"):  # alternating: the host's load drifts
+        rates[mode].append(decode_rate(spec if mode == "mtp" else plain, batch, args))
+    after = sd.stats()
+    replays = (graphs.replays if graphs is not None else 0) - replays0
+    on, off = statistics.median(rates["mtp"]), statistics.median(rates["plain"])
+    print(f"batch {batch:3d} backed off: mtp {on:8.1f} tok/s {[round(r, 1) for r in rates['mtp']]}   plain "
+          f"{off:8.1f} tok/s {[round(r, 1) for r in rates['plain']]}   ratio {on / off:5.3f}x   "
+          f"the head in the mtp runs: {forwards['head']} eager forwards, {replays} graph replays; "
+          f"drafts verified {after.num_drafts - before.num_drafts}, requests that lost the head's "
+          f"context {after.num_head_lost - before.num_head_lost}")  # fmt: skip
 
 
 def profile_spec(engine: LLMEngine, args: argparse.Namespace, top: int) -> None:
@@ -191,7 +249,14 @@ def main() -> int:
     ap.add_argument("--acceptance", type=float, default=0.6, help="forced per-draft acceptance")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="profile one batch-1 mtp decode")
     ap.add_argument("--head-ab", action="store_true", help="mtp rows with the head's graphs off too")
+    ap.add_argument("--backoff", action="store_true", help="only mtp backed off against plain, at one batch")
+    ap.add_argument("--backoff-batch", type=int, default=32)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--backoff's")
+    ap.add_argument("--model", default=None, help=f"--backoff's (default {MODEL}; on the CPU {CPU_MODEL})")
     args = ap.parse_args()
+    if args.backoff:
+        backoff(args)
+        return 0
     if not torch.cuda.is_available():
         print("spec_verify_gpu: skipped (needs a CUDA device)")
         return 0
