@@ -16,18 +16,20 @@ Two parts, each against its baseline measured in the same run:
     `--head-ab` adds each row with them off (the head run eagerly).
   * `--backoff` (instead of the two parts above): `--backoff-batch` requests (32) with the default
     `disable_by_batch_size` (8), so drafting is backed off and, past the head's grace
-    (spec/verify.py), the MTP head stops too: `method: mtp` against plain decoding, alternating
-    (plain, mtp, mtp, plain), tokens/s of each and the ratio; beside it, the head's runs (eager
-    forwards and graph replays) and the requests that lost its context. Runs on the CPU too, with
-    the tiny Qwen3.5 by default (`--device cpu`).
+    (spec/verify.py), the MTP head stops too: `method: mtp` against plain decoding, alternating:
+    tokens/s of each and the ratio, over the whole decode and past the grace; beside them, the head's
+    runs (eager forwards and graph replays) and the requests that lost its context. `--backoff-ab`
+    adds mtp with the head never stopping (every step caught up). Runs on the CPU too, with the
+    tiny Qwen3.5 by default (`--device cpu`).
 
 Without CUDA it prints a line and exits 0, but for `--backoff`.
 
     python bench/spec_verify_gpu.py                          # ~3 min on an H100
     python bench/spec_verify_gpu.py --ks 1,2,3 --batches 1,32 --acceptance 0.6
     python bench/spec_verify_gpu.py --head-ab    # mtp rows with the MTP head's graphs on, then off
-    python bench/spec_verify_gpu.py --backoff --decode-tokens 256              # on an H100
-    python bench/spec_verify_gpu.py --backoff --device cpu --prompt-len 64 --decode-tokens 128
+    python bench/spec_verify_gpu.py --backoff --backoff-ab --decode-tokens 256         # on an H100
+    python bench/spec_verify_gpu.py --backoff --backoff-ab --device cpu --prompt-len 64 \
+        --decode-tokens 128
 """
 
 from __future__ import annotations
@@ -159,23 +161,26 @@ def forced_accept(rate: float, seed: int):  # noqa: ANN201
     return accept
 
 
-def decode_rate(engine: LLMEngine, batch: int, args: argparse.Namespace) -> float:
-    """Output tokens/s of the decode part (after every request has its first token)."""
+def decode_rate(engine: LLMEngine, batch: int, args: argparse.Namespace, skip: int = 0) -> float:
+    """Output tokens/s of the decode part (after every request has its first token, and `skip` more
+    steps: each gives every request one token where nothing is drafted)."""
     params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     ids = [engine.add_request(p, params) for p in prompts(batch, args.prompt_len, 100 + batch, vocab)]
     while any(r in engine.requests and not engine.requests[r].output_token_ids for r in ids):
+        engine.step()
+    for _ in range(skip):
         engine.step()
     sync(engine.device.type)
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
     sync(engine.device.type)
-    return batch * (args.decode_tokens - 1) / (time.perf_counter() - t0)
+    return batch * (args.decode_tokens - 1 - skip) / (time.perf_counter() - t0)
 
 
-def backoff(args: argparse.Namespace) -> None:
-    """`method: mtp` at a batch past the default drafting cap against plain decoding, alternating."""
+def backoff_engines(args: argparse.Namespace) -> tuple[LLMEngine, LLMEngine]:
+    """(plain, mtp) engines for `--backoff`: the same weights, the default drafting cap."""
     dev = args.device
     model = args.model or (MODEL if dev == "cuda" else CPU_MODEL)
     batch, max_len = args.backoff_batch, args.prompt_len + args.decode_tokens + 16
@@ -189,31 +194,63 @@ def backoff(args: argparse.Namespace) -> None:
 
     k = max(int(k) for k in args.ks.split(","))
     plain = LLMEngine(cfg(None), tokenizer=None)
-    spec = LLMEngine(cfg({"method": "mtp", "num_speculative_tokens": k}), tokenizer=None, loaded=plain.loaded)
-    sd = spec.spec
+    # the same weights: shared on CUDA; on the CPU each engine lays out its own (random: sources are seeded)
+    shared = plain.loaded if dev == "cuda" else None
+    mtp = LLMEngine(cfg({"method": "mtp", "num_speculative_tokens": k}), tokenizer=None, loaded=shared)
+    return plain, mtp
+
+
+def backoff(args: argparse.Namespace) -> None:
+    """`method: mtp` at a batch past the default drafting cap against plain decoding, alternating: over
+    the whole decode, and past the head's grace (the same steps skipped in both). `--backoff-ab` adds
+    mtp with a head that never stops (its grace endless: every step catches up, as before the
+    head's back-off)."""
+    plain, spec = backoff_engines(args)
+    sd, batch, graphs = spec.spec, args.backoff_batch, spec.runner.head_graphs
     assert sd is not None and sd.mtp is not None
+    grace = sd.head_grace if args.head_grace is None else args.head_grace
     forwards: Counter = Counter()  # the head's eager forwards (a graph replay runs none)
     sd.mtp.head.register_forward_hook(lambda *_: forwards.update(["head"]))
-    graphs = spec.runner.head_graphs
+    dev = spec.device.type
     name = torch.cuda.get_device_name() if dev == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{name}: {model}, batch {batch}, prompts of {args.prompt_len} tokens, {args.decode_tokens} "
-          f"tokens a request; disable_by_batch_size {sd.config.disable_by_batch_size}, the head's grace "
-          f"{sd.head_grace} steps, head graphs {'on' if graphs is not None else 'off'}")  # fmt: skip
-    decode_rate(plain, batch, args)  # warm-up of both (first-use costs, the allocator)
-    decode_rate(spec, batch, args)
-    rates: dict[str, list[float]] = {"plain": [], "mtp": []}
-    forwards.clear()
-    replays0, before = graphs.replays if graphs is not None else 0, sd.stats()
-    for mode in ("plain", "mtp", "mtp", "plain"):  # alternating: the host's load drifts
-        rates[mode].append(decode_rate(spec if mode == "mtp" else plain, batch, args))
-    after = sd.stats()
-    replays = (graphs.replays if graphs is not None else 0) - replays0
-    on, off = statistics.median(rates["mtp"]), statistics.median(rates["plain"])
-    print(f"batch {batch:3d} backed off: mtp {on:8.1f} tok/s {[round(r, 1) for r in rates['mtp']]}   plain "
-          f"{off:8.1f} tok/s {[round(r, 1) for r in rates['plain']]}   ratio {on / off:5.3f}x   "
-          f"the head in the mtp runs: {forwards['head']} eager forwards, {replays} graph replays; "
-          f"drafts verified {after.num_drafts - before.num_drafts}, requests that lost the head's "
-          f"context {after.num_head_lost - before.num_head_lost}")  # fmt: skip
+    print(f"{name}: {spec.model_path}, batch {batch}, prompts of {args.prompt_len} tokens, "
+          f"{args.decode_tokens} tokens a request; disable_by_batch_size "
+          f"{sd.config.disable_by_batch_size}, the head's grace {grace} steps, head graphs "
+          f"{'on' if graphs is not None else 'off'}")  # fmt: skip
+    modes = ["plain", "mtp", "mtp, head never stops"][: 3 if args.backoff_ab else 2]
+    counts: dict[str, Counter] = {m: Counter() for m in modes}
+
+    def run(mode: str, skip: int) -> float:
+        if mode == "plain":
+            return decode_rate(plain, batch, args, skip)
+        sd.head_grace = grace if mode == "mtp" else 10**9
+        forwards.clear()
+        replays, before = graphs.replays if graphs is not None else 0, sd.stats()
+        rate = decode_rate(spec, batch, args, skip)
+        after = sd.stats()
+        replays = (graphs.replays if graphs is not None else 0) - replays
+        counts[mode].update({"eager forwards": forwards["head"], "graph replays": replays,
+                             "drafts verified": after.num_drafts - before.num_drafts,
+                             "requests that lost it": after.num_head_lost - before.num_head_lost})  # fmt: skip
+        return rate
+
+    for mode in modes:  # warm-up (first-use costs, the allocator)
+        run(mode, 0)
+    for skip in (0, grace + 1) if grace + 2 < args.decode_tokens else (0,):
+        rates: dict[str, list[float]] = {m: [] for m in modes}
+        for c in counts.values():
+            c.clear()
+        for i in range(args.backoff_repeats):  # the order turns each time: the host's load drifts
+            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+                rates[mode].append(run(mode, skip))
+        base = statistics.median(rates["plain"])
+        part = "the whole decode" if not skip else f"past {skip} steps"
+        print(f"-- batch {batch}, drafting backed off, {part} (median of {args.backoff_repeats} runs each)")
+        for mode in modes:
+            rate = statistics.median(rates[mode])
+            head = ", ".join(f"{k} {v}" for k, v in counts[mode].items())
+            print(f"   {mode:22s} {rate:9.1f} tok/s {[round(r) for r in rates[mode]]}  ratio to plain "
+                  f"{rate / base:5.3f}x" + (f"  (the head: {head})" if head else ""))  # fmt: skip
 
 
 def profile_spec(engine: LLMEngine, args: argparse.Namespace, top: int) -> None:
@@ -251,6 +288,9 @@ def main() -> int:
     ap.add_argument("--head-ab", action="store_true", help="mtp rows with the head's graphs off too")
     ap.add_argument("--backoff", action="store_true", help="only mtp backed off against plain, at one batch")
     ap.add_argument("--backoff-batch", type=int, default=32)
+    ap.add_argument("--backoff-repeats", type=int, default=4, help="runs of each mode, alternating")
+    ap.add_argument("--head-grace", type=int, default=None, help="--backoff's (default: the engine's)")
+    ap.add_argument("--backoff-ab", action="store_true", help="--backoff with a head that never stops too")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--backoff's")
     ap.add_argument("--model", default=None, help=f"--backoff's (default {MODEL}; on the CPU {CPU_MODEL})")
     args = ap.parse_args()
