@@ -229,9 +229,10 @@ def backoff(args: argparse.Namespace) -> None:
         rate = decode_rate(spec, batch, args, skip)
         after = sd.stats()
         replays = (graphs.replays if graphs is not None else 0) - replays
+        lost = after.num_head_lost - before.num_head_lost
         counts[mode].update({"eager forwards": forwards["head"], "graph replays": replays,
                              "drafts verified": after.num_drafts - before.num_drafts,
-                             "requests that lost it": after.num_head_lost - before.num_head_lost})  # fmt: skip
+                             "requests that lost it": lost})  # fmt: skip
         return rate
 
     for mode in modes:  # warm-up (first-use costs, the allocator)
