@@ -14,12 +14,22 @@ Two parts, each against its baseline measured in the same run:
     after the last taken one is the target's own), the MTP head's drafting and the hybrid state's
     rollback included. The MTP head's runs replay its CUDA graphs (engine/spec/mtp_graphs.py);
     `--head-ab` adds each row with them off (the head run eagerly).
+  * `--backoff` (instead of the two parts above): `--backoff-batch` requests (32) with the default
+    `disable_by_batch_size` (8), so drafting is backed off and, past the head's grace
+    (spec/verify.py), the MTP head stops too: `method: mtp` against plain decoding, alternating:
+    tokens/s of each and the ratio, over the whole decode and past the grace; beside them, the head's
+    runs (eager forwards and graph replays) and the requests that lost its context. `--backoff-ab`
+    adds mtp with the head never stopping (every step caught up). Runs on the CPU too, with the
+    tiny Qwen3.5 by default (`--device cpu`).
 
-Without CUDA it prints a line and exits 0.
+Without CUDA it prints a line and exits 0, but for `--backoff`.
 
     python bench/spec_verify_gpu.py                          # ~3 min on an H100
     python bench/spec_verify_gpu.py --ks 1,2,3 --batches 1,32 --acceptance 0.6
     python bench/spec_verify_gpu.py --head-ab    # mtp rows with the MTP head's graphs on, then off
+    python bench/spec_verify_gpu.py --backoff --backoff-ab --decode-tokens 256         # on an H100
+    python bench/spec_verify_gpu.py --backoff --backoff-ab --device cpu --prompt-len 64 \
+        --decode-tokens 128
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +55,7 @@ from splitserve.engine.verify_graphs import MAX_WIDTH  # noqa: E402
 from splitserve.sampling.params import SamplingParams  # noqa: E402
 
 MODEL = "random:qwen3.5-9b"
+CPU_MODEL = "random:qwen3.5-tiny"
 
 
 def config(args: argparse.Namespace, spec: dict | None) -> EngineConfig:
@@ -56,9 +68,14 @@ def config(args: argparse.Namespace, spec: dict | None) -> EngineConfig:
     )  # fmt: skip
 
 
-def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def prompts(n: int, length: int, seed: int, vocab: int = 200_000) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 200_000, (n, length), generator=g).tolist()
+    return torch.randint(10, min(vocab, 200_000), (n, length), generator=g).tolist()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed(fn, iters: int) -> float:  # noqa: ANN001
@@ -144,18 +161,97 @@ def forced_accept(rate: float, seed: int):  # noqa: ANN201
     return accept
 
 
-def decode_rate(engine: LLMEngine, batch: int, args: argparse.Namespace) -> float:
-    """Output tokens/s of the decode part (after every request has its first token)."""
+def decode_rate(engine: LLMEngine, batch: int, args: argparse.Namespace, skip: int = 0) -> float:
+    """Output tokens/s of the decode part (after every request has its first token, and `skip` more
+    steps: each gives every request one token where nothing is drafted)."""
     params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts(batch, args.prompt_len, seed=100 + batch)]
+    vocab = engine.model_config.vocab_size
+    ids = [engine.add_request(p, params) for p in prompts(batch, args.prompt_len, 100 + batch, vocab)]
     while any(r in engine.requests and not engine.requests[r].output_token_ids for r in ids):
         engine.step()
-    torch.cuda.synchronize()
+    for _ in range(skip):
+        engine.step()
+    sync(engine.device.type)
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    torch.cuda.synchronize()
-    return batch * (args.decode_tokens - 1) / (time.perf_counter() - t0)
+    sync(engine.device.type)
+    return batch * (args.decode_tokens - 1 - skip) / (time.perf_counter() - t0)
+
+
+def backoff_engines(args: argparse.Namespace) -> tuple[LLMEngine, LLMEngine]:
+    """(plain, mtp) engines for `--backoff`: the same weights, the default drafting cap."""
+    dev = args.device
+    model = args.model or (MODEL if dev == "cuda" else CPU_MODEL)
+    batch, max_len = args.backoff_batch, args.prompt_len + args.decode_tokens + 16
+    kv = 2 * batch * max_len * 64 * 2**10 + 2**28 if dev == "cuda" else 256 << 20
+
+    def cfg(spec: dict | None) -> EngineConfig:
+        return EngineConfig(model=model, device=dev, dtype="bfloat16" if dev == "cuda" else "float32",
+                            max_model_len=max_len, max_num_seqs=batch, kv_cache_bytes=kv, progress=False,
+                            max_num_batched_tokens=max(batch * args.prompt_len, 2048),
+                            enable_prefix_caching=False, speculative_config=spec)  # fmt: skip
+
+    k = max(int(k) for k in args.ks.split(","))
+    plain = LLMEngine(cfg(None), tokenizer=None)
+    # the same weights: shared on CUDA; on the CPU each engine lays out its own (random: sources are seeded)
+    shared = plain.loaded if dev == "cuda" else None
+    mtp = LLMEngine(cfg({"method": "mtp", "num_speculative_tokens": k}), tokenizer=None, loaded=shared)
+    return plain, mtp
+
+
+def backoff(args: argparse.Namespace) -> None:
+    """`method: mtp` at a batch past the default drafting cap against plain decoding, alternating: over
+    the whole decode, and past the head's grace (the same steps skipped in both). `--backoff-ab` adds
+    mtp with a head that never stops (its grace endless: every step catches up, as before the
+    head's back-off)."""
+    plain, spec = backoff_engines(args)
+    sd, batch, graphs = spec.spec, args.backoff_batch, spec.runner.head_graphs
+    assert sd is not None and sd.mtp is not None
+    grace = sd.head_grace if args.head_grace is None else args.head_grace
+    forwards: Counter = Counter()  # the head's eager forwards (a graph replay runs none)
+    sd.mtp.head.register_forward_hook(lambda *_: forwards.update(["head"]))
+    dev = spec.device.type
+    name = torch.cuda.get_device_name() if dev == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{name}: {spec.model_path}, batch {batch}, prompts of {args.prompt_len} tokens, "
+          f"{args.decode_tokens} tokens a request; disable_by_batch_size "
+          f"{sd.config.disable_by_batch_size}, the head's grace {grace} steps, head graphs "
+          f"{'on' if graphs is not None else 'off'}")  # fmt: skip
+    modes = ["plain", "mtp", "mtp, head never stops"][: 3 if args.backoff_ab else 2]
+    counts: dict[str, Counter] = {m: Counter() for m in modes}
+
+    def run(mode: str, skip: int) -> float:
+        if mode == "plain":
+            return decode_rate(plain, batch, args, skip)
+        sd.head_grace = grace if mode == "mtp" else 10**9
+        forwards.clear()
+        replays, before = graphs.replays if graphs is not None else 0, sd.stats()
+        rate = decode_rate(spec, batch, args, skip)
+        after = sd.stats()
+        replays = (graphs.replays if graphs is not None else 0) - replays
+        lost = after.num_head_lost - before.num_head_lost
+        counts[mode].update({"eager forwards": forwards["head"], "graph replays": replays,
+                             "drafts verified": after.num_drafts - before.num_drafts,
+                             "requests that lost it": lost})  # fmt: skip
+        return rate
+
+    for mode in modes:  # warm-up (first-use costs, the allocator)
+        run(mode, 0)
+    for skip in (0, grace + 1) if grace + 2 < args.decode_tokens else (0,):
+        rates: dict[str, list[float]] = {m: [] for m in modes}
+        for c in counts.values():
+            c.clear()
+        for i in range(args.backoff_repeats):  # the order turns each time: the host's load drifts
+            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+                rates[mode].append(run(mode, skip))
+        base = statistics.median(rates["plain"])
+        part = "the whole decode" if not skip else f"past {skip} steps"
+        print(f"-- batch {batch}, drafting backed off, {part} (median of {args.backoff_repeats} runs each)")
+        for mode in modes:
+            rate = statistics.median(rates[mode])
+            head = ", ".join(f"{k} {v}" for k, v in counts[mode].items())
+            print(f"   {mode:22s} {rate:9.1f} tok/s {[round(r) for r in rates[mode]]}  ratio to plain "
+                  f"{rate / base:5.3f}x" + (f"  (the head: {head})" if head else ""))  # fmt: skip
 
 
 def profile_spec(engine: LLMEngine, args: argparse.Namespace, top: int) -> None:
@@ -191,7 +287,17 @@ def main() -> int:
     ap.add_argument("--acceptance", type=float, default=0.6, help="forced per-draft acceptance")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="profile one batch-1 mtp decode")
     ap.add_argument("--head-ab", action="store_true", help="mtp rows with the head's graphs off too")
+    ap.add_argument("--backoff", action="store_true", help="only mtp backed off against plain, at one batch")
+    ap.add_argument("--backoff-batch", type=int, default=32)
+    ap.add_argument("--backoff-repeats", type=int, default=4, help="runs of each mode, alternating")
+    ap.add_argument("--head-grace", type=int, default=None, help="--backoff's (default: the engine's)")
+    ap.add_argument("--backoff-ab", action="store_true", help="--backoff with a head that never stops too")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--backoff's")
+    ap.add_argument("--model", default=None, help=f"--backoff's (default {MODEL}; on the CPU {CPU_MODEL})")
     args = ap.parse_args()
+    if args.backoff:
+        backoff(args)
+        return 0
     if not torch.cuda.is_available():
         print("spec_verify_gpu: skipped (needs a CUDA device)")
         return 0

@@ -143,7 +143,7 @@ class CoreOps:
             memory=_memory(engine),
             spec_decode=None if spec is None else stats.SpecDecodeCounts(
                 spec.method, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                tuple(spec.accepted_per_pos), spec.num_first_step_drafts),
+                tuple(spec.accepted_per_pos), spec.num_first_step_drafts, spec.num_head_lost),
         )  # fmt: skip
 
     def op_release(self, op: ops.Release) -> ops.Ok:

@@ -264,13 +264,16 @@ class LLMEngine:
         return self.table.outputs(changed)
 
     def _spec_step(self) -> list[RequestOutput]:
-        """Drafts proposed, then a step that verifies them (spec/verify.py), or a plain one if none fit."""
+        """Drafts proposed, then a step that verifies them or that the MTP head catches up on
+        (spec/verify.py), else a plain one."""
         spec = self.spec
         assert spec is not None
         spec.propose(self.scheduler, self.max_model_len, self.runner)
         sched = self._schedule()
-        if sched is None or not (has_drafts(sched) or spec.every_step):
-            return [] if sched is None else self._run(sched)
+        if sched is None:
+            return []
+        if not (has_drafts(sched) or spec.catches_up(sched)):
+            return self._run(sched)
         return self.table.outputs(spec.run(sched, self.runner, self.sampler, self.scheduler))
 
     def _overlapped_step(self) -> list[RequestOutput]:

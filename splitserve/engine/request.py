@@ -84,6 +84,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # speculative: to verify next step
     draft_pause: int = 0  # speculative back-off: steps left without drafting
     draft_misses: int = 0  # speculative back-off: verify steps in a row that accepted nothing
+    head_lost: bool = False  # MTP: a position missed the head's catch-up; never drafts with it again
 
     @property
     def num_prompt_tokens(self) -> int:

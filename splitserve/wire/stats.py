@@ -122,6 +122,7 @@ class SpecDecodeCounts(msgspec.Struct):
     num_accepted_tokens: int
     accepted_per_pos: tuple[int, ...]
     num_first_step_drafts: int = 0  # verify runs at a request's first decode step (local or imported KV)
+    num_head_lost: int = 0  # mtp: requests that lost the head's context (its back-off) and draft no more
 
 
 class KVTransferCounts(msgspec.Struct):

@@ -10,74 +10,20 @@ acceptance forced to a seeded coin (as bench/spec_verify_gpu.py forces it) some 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
 import torch
+from graph_stand_ins import stand_ins
 from spec_forcing import forced_accept
 
 from splitserve import SamplingParams
 from splitserve.config.engine import EngineConfig
-from splitserve.engine.decode_graphs import DecodeGraphs
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.spec import verify
-from splitserve.engine.spec.mtp_graphs import HeadGraphs
-from splitserve.engine.verify_graphs import VerifyGraphs, verify_graph_shapes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 PARAMS = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-
-
-class _Run:
-    """A stand-in for a captured graph: its replay runs `forward` and counts under `name`."""
-
-    def __init__(self, forward: Callable[[], None], counts: Counter, name: str) -> None:
-        self.forward, self.counts, self.name = forward, counts, name
-
-    def replay(self) -> None:
-        self.forward()
-        self.counts[self.name] += 1
-
-
-def _stand_ins(engine: LLMEngine, k: int, head: bool) -> Counter:
-    """Decode, verify and (with `head`) MTP head graphs on `engine`'s runner, each a `_Run`, over a block
-    and a state slot taken from its pools as the scratch ones; -> the replays by kind."""
-    runner, counts = engine.runner, Counter()
-    block, slot = engine.pool.allocate(1)[0], engine.states.allocate()
-    assert slot is not None
-    dec = DecodeGraphs(runner, 4, engine.max_model_len, block, slot)
-
-    def decode(b: int) -> None:
-        dec.hidden[b], dec.logits[b] = dec._forward(b)
-
-    for b in dec.sizes:
-        dec.graphs[b] = _Run(lambda b=b: decode(b), counts, "decode")  # type: ignore[assignment]
-    runner.graphs = dec
-    shapes = verify_graph_shapes(k, 4, None)
-    ver = VerifyGraphs(runner, shapes, engine.max_model_len, block, slot)
-    ver.logits = torch.empty(ver.max_rows, engine.model_config.vocab_size)
-    ver.hidden = torch.empty(ver.max_rows, engine.model_config.hidden_size)
-
-    def verify_step(w: int, s: int) -> None:
-        hidden, logits = ver.forward(w, s)
-        ver.logits[: w * s].copy_(logits)  # type: ignore[index]
-        ver.hidden[: w * s].copy_(hidden)  # type: ignore[index]
-
-    for w, s in shapes:
-        ver.graphs[(w, s)] = _Run(lambda w=w, s=s: verify_step(w, s), counts, "verify")  # type: ignore[assignment]
-    runner.verify_graphs = ver
-    if head:
-        hg = HeadGraphs(runner, engine.spec.mtp.head, k, 4, engine.max_model_len, block)  # type: ignore[union-attr]
-        for key in [("decode", b) for b in dec.sizes] + [("verify", sh) for sh in shapes]:
-            hg.catch_graphs[key] = _Run(
-                lambda key=key: hg._catch_up_forward(key), counts, f"catch-up {key[0]}"
-            )  # type: ignore[assignment]
-        for kk in range(1, k + 1):
-            for n in hg.draft_sizes:
-                hg.draft_graphs[(n, kk)] = _Run(lambda n=n, kk=kk: hg._draft_forward(n, kk), counts, "drafts")  # type: ignore[assignment]
-        runner.head_graphs = hg
-    return counts
 
 
 def _generate(k: int | None, batch: int, head: bool = True) -> tuple[list[list[int]], list[dict], Counter]:
@@ -90,7 +36,7 @@ def _generate(k: int | None, batch: int, head: bool = True) -> tuple[list[list[i
                           max_num_seqs=4, kv_cache_bytes=4 * 2**20, enable_prefix_caching=False,
                           speculative_config=spec, progress=False)  # fmt: skip
     engine = LLMEngine(config, tokenizer=None)
-    counts = _stand_ins(engine, k, head) if k is not None else Counter()
+    counts = stand_ins(engine, k, head) if k is not None else Counter()
     made: list[dict] = []
     mtp = engine.spec.mtp if engine.spec is not None else None
     if mtp is not None:

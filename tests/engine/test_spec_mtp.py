@@ -30,7 +30,7 @@ PROMPT_LENS = (3, 17, 41, 70)
 MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": None}
-NO_DRAFTS = {**MTP, "disable_by_batch_size": 1}  # the head catches up every step, but nobody drafts
+NO_DRAFTS = {**MTP, "disable_by_batch_size": 1}  # nobody drafts (the head's grace: `_no_drafts`)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -104,6 +104,14 @@ def test_mtp_greedy_equals_plain(checkpoint, prompts, plain, k):
     assert len(stats.accepted_per_pos) == k
 
 
+def _no_drafts(path) -> LLMEngine:
+    """An engine whose requests never draft while its MTP head catches up on every step (its back-off,
+    spec/verify.py, given a grace longer than any run)."""
+    engine = _engine(path, speculative_config=NO_DRAFTS)
+    engine.spec.head_grace = 10**9
+    return engine
+
+
 def _oracle(engine: LLMEngine, prompts, refs, wrong_every: int) -> None:
     """The head still runs every step, but the drafts verified are the oracle's (known continuations,
     some or all made wrong), so that runs end in a rejection at chosen positions."""
@@ -121,7 +129,7 @@ def _oracle(engine: LLMEngine, prompts, refs, wrong_every: int) -> None:
 def test_mtp_rejections_leave_state_and_every_kv_layer_as_without_drafts(checkpoint, prompts, plain,
                                                                           wrong_every):  # fmt: skip
     prompt, ref = prompts[2], plain[2]
-    ref_tokens, ref_snaps = trace(_engine(checkpoint[0], speculative_config=NO_DRAFTS), prompt, GREEDY)
+    ref_tokens, ref_snaps = trace(_no_drafts(checkpoint[0]), prompt, GREEDY)
     engine = _engine(checkpoint[0], speculative_config=MTP)
     _oracle(engine, [prompt], [ref], wrong_every)
     tokens, snaps = trace(engine, prompt, GREEDY)

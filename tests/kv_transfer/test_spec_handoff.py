@@ -29,9 +29,10 @@ PROMPTS = [[(7 * i) % VOCAB for i in range(VOCAB)], [(11 * i + 3) % VOCAB for i 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _engine(spec: dict | None) -> LLMEngine:
+def _engine(spec: dict | None, **knobs) -> LLMEngine:
     config = EngineConfig(model=MODEL, device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=4,
-                          kv_cache_bytes=8 << 20, speculative_config=spec, progress=False)  # fmt: skip
+                          kv_cache_bytes=8 << 20, speculative_config=spec, progress=False,
+                          **knobs)  # fmt: skip
     return LLMEngine(config, tokenizer=None)
 
 
@@ -103,6 +104,31 @@ def test_decode_verifies_drafts_from_its_first_step_after_the_import(plain, spec
     assert stats is not None and stats.num_first_step_drafts == len(got) >= 2
     assert all(len(d) == spec["num_speculative_tokens"] for d in got.values())
     assert prefill.spec.stats().num_drafts == 0  # a prefill engine stops at the first token
+
+
+def test_a_prefill_engine_past_its_cap_still_hands_the_heads_context_over(plain):
+    """The MTP head's back-off (spec/verify.py) spares a KV export: a prefill engine whose batch is past
+    the drafting cap beyond the head's grace still catches up over the prompts it exports, so the
+    decode engine drafts the same first drafts as after a local prefill."""
+    colocated = _engine(MTP)
+    want = _first_step_drafts(colocated)
+    assert _colocated(colocated) == plain
+    # prompts in chunks of 128 tokens: several steps with requests running, each past the cap
+    prefill = _engine({**MTP, "disable_by_batch_size": 1}, max_num_batched_tokens=128)
+    decode = _engine(MTP)
+    prefill.spec.head_grace = 0
+    head_on = []
+    catches_up = prefill.spec.catches_up
+
+    def recording(sched):  # noqa: ANN001, ANN202
+        head_on.append(prefill.spec.head_on)
+        return catches_up(sched)
+
+    prefill.spec.catches_up = recording  # type: ignore[method-assign]
+    got = _first_step_drafts(decode)
+    assert _split(prefill, decode) == plain
+    assert False in head_on  # some prompt chunks ran with the head backed off
+    assert got == want and prefill.spec.stats().num_head_lost == 0
 
 
 def test_the_heads_state_travels_in_the_layout():

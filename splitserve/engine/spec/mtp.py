@@ -15,6 +15,9 @@ replay), else they run eagerly; either way the drafts stay on the device until a
      accepted draft. Its K/V there are what later drafts attend to, so they are written for every
      request, drafting or not, a KV export included (the prefill side hands them over with the
      prompt's KV). Positions past the last accepted draft are left for the next step to overwrite.
+     The exception is the head's back-off (spec/verify.py): once the batch has been at the drafting
+     cap for a few steps the engine runs plain steps, and a request that missed a position there
+     (`Request.head_lost`) is skipped from then on, its rows in a catch-up graph running on token 0.
   2. `draft` (after the tokens were appended): for each request that drafts, with its last two known
      tokens at positions q and q + 1, the head's output at q gives the first draft (argmax: a point
      mass, as the acceptance rules take it); each further draft j runs the head once more at position
@@ -26,11 +29,15 @@ Through the split: the prefill engine's catch-up over a prompt's last chunk writ
 every prompt position into the blocks that are exported, and the head's state at the last one into the
 request's state slot (`STATE`), which the export carries with the recurrent state. The decode engine,
 once the KV and state arrived, drafts from that state (`resume`) before the request's first step, so
-that step already verifies drafts.
+that step already verifies drafts. The prefill engine catches up a KV export's prompt whatever its own
+batch: whether the request drafts is decided by the decode engine's batch, which the prefill engine
+does not know, and a head context missing there could not be made up (the head over a prompt costs
+about one layer of the target's forward over it).
 
 A prefix-cache hit reuses the head's K/V with the blocks; the K/V of a block's last position was made
 with the token after it, so a request that shares the block but not that token drafts a little worse
-there (drafts only: the target verifies every token).
+there (drafts only: the target verifies every token). Likewise a block computed while the head was off
+holds no head K/V of its own: a request that reuses it drafts worse over those positions.
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ class MTPDrafter:
         next token is known; `produced`: id(request) -> the tokens this step gives it (not yet
         appended). Keeps the head's state at the last position of each request that got tokens."""
         hidden, runner.last_hidden = runner.last_hidden, None
-        pieces = _pieces(chunks, produced)
+        pieces = [p for p in _pieces(chunks, produced) if not p.sub.request.head_lost]
         self._last = {}
         if not pieces:
             return

@@ -11,7 +11,8 @@ Two kinds, captured at start-up after the target's decode and verify graphs, in 
     host-to-device copy). A row whose next token is not known (a rejected draft's position, a padded
     row) runs on token 0: its K/V land at a position the request has not reached (rewritten by the
     next step's catch-up or draft before any row attends to it) or in the scratch block, and its
-    output is not read.
+    output is not read. So does the row of a request that lost the head's context (spec/verify.py:
+    no draft ever reads its head K/V).
   * drafting: for n requests (the decode ladder up to the verify graphs' widest step) and k drafts,
     one graph makes all k: the first from the head's state at each request's second-to-last known
     position q (the LM head's argmax), and each further draft j from one more run of the head at
@@ -24,7 +25,8 @@ Two kinds, captured at start-up after the target's decode and verify graphs, in 
 Memory: the graphs' intermediates share the target graphs' pool (the largest is a drafting graph's
 logits, [n, vocab] fp32 per draft); outside it, the head's output rows ([rows, hidden] for the widest
 catch-up), the drafting state ([n, hidden]) and the small integer inputs. Steps that fit no graph run
-the head eagerly (spec/mtp.py).
+the head eagerly (spec/mtp.py). While the head is backed off (spec/verify.py: the batch past the
+drafting cap beyond a grace of a few steps) the engine runs plain steps and none of these replays.
 """
 
 from __future__ import annotations

@@ -26,6 +26,17 @@ min_tokens or a KV export. Back-off: (a) no request drafts while `disable_by_bat
 (a large batch is compute-bound: verifying k more rows a request costs more than the steps it
 saves); (b) a request whose last verify steps accepted nothing pauses drafting for 2, 4, 8, ... up to
 32 steps, so text with nothing to quote costs no verify rows after a few misses.
+
+The MTP head's back-off: while (a) holds the head's catch-up (step 3) is pure cost (a few per cent of
+a step at Qwen3.5-9B's shape, docs/performance.md). It goes on for `HEAD_GRACE_STEPS` steps after (a)
+begins (so a batch that hovers around the cap keeps its requests' head context), then stops: the
+step runs as a plain one, with neither the head's runs nor its CUDA graphs, and each request of it
+that misses a position there loses its head context (`Request.head_lost`, counted in
+`SpecStats.num_head_lost`): it never drafts with MTP again, since its drafts would attend to head K/V
+that was never written (still exact, being verified, but accepted at random). Requests prefilled
+after (a) ends have a whole head context and draft as usual. A KV export's prompt is caught up
+whatever the batch: its head K/V and state are for the decode engine, which drafts by its own batch
+(spec/mtp.py).
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from splitserve.engine.spec.mtp import MTPDrafter
 from splitserve.engine.spec.ngram import NgramDrafter
 
 MAX_PAUSE = 32  # steps a request that keeps missing waits before drafting again, at most
+HEAD_GRACE_STEPS = 16  # steps the MTP head goes on catching up once `disable_by_batch_size` holds
 
 
 @dataclass
@@ -57,6 +69,7 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     num_first_step_drafts: int = 0  # verify runs at a request's first decode step (after its prompt)
+    num_head_lost: int = 0  # requests that lost the MTP head's context (its back-off, module docstring)
 
     def count(self, drafted: int, accepted: int, first_step: bool = False) -> None:
         self.num_drafts += 1
@@ -79,6 +92,7 @@ class SpecStats:
     num_accepted_tokens: int
     accepted_per_pos: tuple[int, ...]
     num_first_step_drafts: int = 0  # verify runs at a request's first decode step (local or imported KV)
+    num_head_lost: int = 0  # requests that lost the MTP head's context and draft no more
 
     @property
     def acceptance_rate(self) -> float:
@@ -101,6 +115,8 @@ class SpecDecoder:
         self.states = states  # hybrid models' state pools ({} for others)
         self.counters = SpecCounters()
         self.max_model_len = 0  # set by `propose`
+        self.head_grace = HEAD_GRACE_STEPS  # the MTP head's back-off (module docstring)
+        self.capped_steps = 0  # steps in a row that began with `disable_by_batch_size` holding
 
     @classmethod
     def create(
@@ -114,14 +130,28 @@ class SpecDecoder:
         return None if parsed is None else cls(parsed, states, mtp)
 
     @property
-    def every_step(self) -> bool:
-        """Whether every step runs through `run`, drafts or not (the MTP head catches up on each)."""
-        return self.mtp is not None
+    def head_on(self) -> bool:
+        """Whether the MTP head catches up on this step's requests: it is configured, and the batch is
+        under the cap or has been over it for at most `head_grace` steps (set by `propose`)."""
+        return self.mtp is not None and self.capped_steps <= self.head_grace
+
+    def catches_up(self, sched: SchedulerOutput) -> bool:
+        """Whether the MTP head catches up on the step `sched` (which then runs through `run`, drafts or
+        not). With the head off only a KV export's chunks are caught up, and every other request of
+        the step loses its head context here; requests that lost it are never caught up again."""
+        if self.mtp is None:
+            return False
+        if not self.head_on:
+            for c in sched.chunks:
+                if not c.request.export_kv and not c.request.head_lost:
+                    c.request.head_lost = True
+                    self.counters.num_head_lost += 1
+        return any(not c.request.head_lost for c in sched.chunks)
 
     def stats(self) -> SpecStats:
         c = self.counters
         return SpecStats(self.config.method, c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
-                         tuple(c.accepted_per_pos), c.num_first_step_drafts)  # fmt: skip
+                         tuple(c.accepted_per_pos), c.num_first_step_drafts, c.num_head_lost)  # fmt: skip
 
     # ---- drafting ---------------------------------------------------------------------------------
 
@@ -130,6 +160,7 @@ class SpecDecoder:
         KV was imported (its first step then verifies drafts too; see the module docstring)."""
         self.max_model_len = max_model_len
         capped = self._capped(scheduler)
+        self.capped_steps = self.capped_steps + 1 if capped else 0
         imported = [r for r in scheduler.waiting if _kv_imported(r)]
         if self.mtp is not None and imported and not capped:
             self.mtp.resume(runner, scheduler.block_manager, self._budget_now, imported)
@@ -154,7 +185,7 @@ class SpecDecoder:
 
     def _budget(self, req: Request) -> int:
         """How many drafts `req` may verify in its next step (0: none)."""
-        if not _drafts_allowed(req):
+        if not _drafts_allowed(req) or (self.mtp is not None and req.head_lost):
             return 0
         return max(0, min(self.k, req.max_tokens - len(req.output_token_ids) - 1,
                           self.max_model_len - req.num_tokens))  # fmt: skip
