@@ -51,8 +51,8 @@ def dep():
 
 @pytest.fixture(scope="module")
 def ref(dep) -> list[list[str]]:
-    """The fault-free answers to PROMPTS, one request at a time, asked once of the deployment as it
-    started: every run with a fault, on restarted workers too, must end with these tokens."""
+    """The fault-free answers to PROMPTS, asked once of the deployment as it started: every run with a
+    fault, on restarted workers too, must end with these tokens."""
     return _reference(dep, PROMPTS)
 
 
@@ -74,13 +74,18 @@ def _body(prompt: str, stream: bool) -> dict:
 
 
 def _reference(dep, prompts: list[str]) -> list[list[str]]:
-    """The answers' tokens, one request at a time, with no fault."""
-    out = []
-    for prompt in prompts:
-        r = httpx.post(f"{dep.url}/v1/completions", json=_body(prompt, False), timeout=120)
+    """The answers' tokens with no fault, the requests asked together (as the faulty runs ask theirs)."""
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> list[str]:
+        r = await client.post(f"{dep.url}/v1/completions", json=_body(prompt, False))
         r.raise_for_status()
-        out.append(r.json()["choices"][0]["logprobs"]["tokens"])
-    return out
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    async def main() -> list[list[str]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+    return asyncio.run(main())
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, list[str]]:

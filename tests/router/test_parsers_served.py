@@ -86,13 +86,14 @@ async def _answer(client: Any, kw: dict[str, Any], stream: bool) -> dict[str, An
 
 
 def _answers(
-    deps: tuple[Any, ...], kws: list[dict[str, Any]], stream: bool, at_once: int = 32
+    deps: tuple[Any, ...], kws: list[dict[str, Any]], streams: tuple[bool, ...], at_once: int = 32
 ) -> list[list[dict[str, Any]]]:
-    """Each deployment's answer to each request, the deployments asked side by side (their processes share
-    the CPU), `at_once` requests in flight on each: 100 at once would hold more KV than the decode worker's
-    pool, and an import that waits past its deadline for room is a 503 under the `fail` policy."""
+    """Each deployment's answer to each request (`streams`: whether each deployment is asked streamed), the
+    deployments asked side by side (their processes share the CPU), `at_once` requests in flight on each:
+    100 at once would hold more KV than the decode worker's pool, and an import that waits past its
+    deadline for room is a 503 under the `fail` policy."""
 
-    async def on(dep: Any) -> list[dict[str, Any]]:
+    async def on(dep: Any, stream: bool) -> list[dict[str, Any]]:
         gate = asyncio.Semaphore(at_once)
         async with dep.async_client(timeout=300) as client:
             model = (await client.models.list()).data[0].id
@@ -104,7 +105,7 @@ def _answers(
             return await asyncio.gather(*(one(kw) for kw in kws))
 
     async def run() -> list[list[dict[str, Any]]]:
-        return await asyncio.gather(*(on(dep) for dep in deps))
+        return await asyncio.gather(*(on(dep, stream) for dep, stream in zip(deps, streams, strict=True)))
 
     return asyncio.run(run())
 
@@ -112,18 +113,22 @@ def _answers(
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("choice", ["required", "named"])
+@pytest.mark.parametrize(
+    "choice, streams", [("required", (False, True)), ("named", (True, False))], ids=["required", "named"]
+)
 def test_forced_calls_after_bounded_thinking_100_of_100_split_as_colocated(
-    qwen_served, qwen_split, choice, stream
+    qwen_served, qwen_split, choice, streams
 ):
     """tool_choice required and a named function: after a thinking bounded to 0..7 tokens, Qwen3.5's XML
     call held to the schema by the grammar and read by the XML parser, 100 sampled answers of 100 (seeds),
-    no XML left in content; the disaggregated deployment's answers equal the colocated one's."""
+    no XML left in content; the disaggregated deployment's answers equal the colocated one's. One side is
+    asked streamed and the other whole, crossed between the two choices (each deployment answers one
+    choice streamed and the other whole), so that the equality also holds the streamed parse to the
+    unstreamed one."""
     kws = [{"messages": ASK, "tools": TOOLS, "tool_choice": NAMED if choice == "named" else "required",
             "temperature": 1.0, "seed": seed, "max_tokens": 200, "parallel_tool_calls": False,
             "extra_body": {"thinking_token_budget": seed % 8}} for seed in range(100)]  # fmt: skip
-    colocated, split = _answers((qwen_served, qwen_split), kws, stream)
+    colocated, split = _answers((qwen_served, qwen_split), kws, streams)
     assert split == colocated
     for answer in colocated:
         assert answer["finish"] == "tool_calls" and answer["content"] is None, answer
@@ -144,7 +149,7 @@ def test_a_json_schema_answer_after_bounded_thinking_split_as_colocated(qwen_ser
     fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": CITY_SCHEMA, "strict": True}}
     kws = [{"messages": ASK, "response_format": fmt, "temperature": 1.0, "seed": seed, "max_tokens": 120,
             "extra_body": {"thinking_token_budget": 3 + seed}} for seed in range(12)]  # fmt: skip
-    colocated, split = _answers((qwen_served, qwen_split), kws, stream)
+    colocated, split = _answers((qwen_served, qwen_split), kws, (stream, stream))
     assert split == colocated
     for kw, answer in zip(kws, colocated, strict=True):
         budget = kw["extra_body"]["thinking_token_budget"]

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -209,47 +210,48 @@ def test_sigkill_of_the_router_under_load_leaves_no_process():
         time.sleep(0.2)
 
 
-def test_sigterm_drains_and_stops_workers():
-    dep = start_deployment(manifest_yaml(mode="colocated"))
-    pids = _worker_pids(dep)
-
-    async def one() -> str:
-        client = dep.async_client(timeout=60)
-        r = await client.completions.create(
-            model=MODEL, prompt="Once upon a time", max_tokens=48, temperature=0
-        )
-        return r.choices[0].finish_reason
-
-    async def main() -> tuple[str, int]:
-        job = asyncio.create_task(one())
-        await asyncio.to_thread(_wait_busy, dep)
-        dep.proc.send_signal(signal.SIGTERM)  # in flight: it finishes (drain), then everything stops
-        reason = await job
-        return reason, await asyncio.to_thread(dep.proc.wait, 60)
-
-    reason, code = asyncio.run(main())
-    assert reason == "length" and code == 0
-    for pid in pids:  # front ends and engine cores alike
-        assert _gone(pid), pid
-
-
-def test_streams_open_at_the_drain_deadline_end_with_an_error_event_and_done():
-    """A stream still running when `drain_timeout_s` ends is not cut mid-body: it ends with an SSE
-    error event and [DONE], and the server stops at the deadline."""
+def test_sigterm_drains_then_ends_open_streams_at_the_deadline_and_stops_workers():
+    """SIGTERM with requests in flight: a request that finishes within `drain_timeout_s` is answered whole
+    (the drain), a stream still running at the deadline is not cut mid-body: it ends with an SSE error
+    event and [DONE]; the server stops at the deadline with code 0, and every worker process, front end
+    and engine core, is gone."""
     dep = start_deployment(manifest_yaml(mode="colocated", runtime={"drain_timeout_s": 2}))
+    pids = _worker_pids(dep)
     body = {**LONG, "max_tokens": 1500, "stream": True}
     lines: list[str] = []
-    with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, headers=dep.headers(), timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue  # the blank line after each event: one SIGTERM only (a second skips the drain)
-            lines.append(line[6:])
-            if len(lines) == 3:
-                dep.proc.send_signal(signal.SIGTERM)
-                stopped = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        short: Future[str] | None = None
+        with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue  # the blank line after each event: one SIGTERM only (a second skips the drain)
+                lines.append(line[6:])
+                if len(lines) == 3:  # the stream is generating: a short request joins it, then SIGTERM
+                    short = pool.submit(_finish_reason, dep, 8)
+                    _wait_unfinished(dep, 2)
+                    dep.proc.send_signal(signal.SIGTERM)
+                    stopped = time.monotonic()
+        assert short is not None and short.result() == "length"  # in flight at SIGTERM: finished
     assert lines[-1] == "[DONE]", lines[-3:]
     error = json.loads(lines[-2])
     assert error["error"]["code"] == "server_shutdown" and error["status"] == 503, error
     assert dep.proc.wait(30) == 0
     assert time.monotonic() - stopped < 10
+    for pid in pids:  # front ends and engine cores alike
+        assert _gone(pid), pid
+
+
+def _finish_reason(dep, max_tokens: int) -> str:
+    r = dep.client(timeout=60).completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=max_tokens, temperature=0
+    )
+    return r.choices[0].finish_reason
+
+
+def _wait_unfinished(dep, n: int, timeout_s: float = 30.0) -> None:
+    """Until the workers hold `n` unfinished requests between them."""
+    deadline = time.monotonic() + timeout_s
+    while sum(s["unfinished"] for s in dep.worker_stats().values()) < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests reached the workers"
+        time.sleep(0.02)
