@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 # NOTE: one hash chain for the engine and the router (which looks prompts up in its view of each
 # replica's cache): the function lives on the wire both import.
 from splitserve.wire.kv_events import ROOT_HASH as ROOT_HASH
+from splitserve.wire.kv_events import extend_chain as extend_chain
 from splitserve.wire.kv_events import hash_block as hash_block
 
 if TYPE_CHECKING:
