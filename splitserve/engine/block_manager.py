@@ -116,8 +116,10 @@ class BlockManager:
         if full <= req.num_cached_blocks:
             return
         self._extend_hashes(req, full * self.block_size)
-        for i in range(req.num_cached_blocks, full):  # NOTE: only blocks that became full since last time
-            self.pool.cache(req.block_ids[i], req.block_hashes[i])
+        # NOTE: only blocks that became full since last time
+        self.pool.cache_blocks(
+            req.block_ids[req.num_cached_blocks : full], req.block_hashes[req.num_cached_blocks : full]
+        )
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def _checkpoint(self, req: Request) -> None:
