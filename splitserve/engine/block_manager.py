@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.engine.block_pool import ROOT_HASH, BlockPool, hash_block
+from splitserve.engine.block_pool import ROOT_HASH, BlockPool, extend_chain
 from splitserve.engine.request import Request
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
@@ -116,8 +116,10 @@ class BlockManager:
         if full <= req.num_cached_blocks:
             return
         self._extend_hashes(req, full * self.block_size)
-        for i in range(req.num_cached_blocks, full):  # NOTE: only blocks that became full since last time
-            self.pool.cache(req.block_ids[i], req.block_hashes[i])
+        # NOTE: only blocks that became full since last time
+        self.pool.cache_blocks(
+            req.block_ids[req.num_cached_blocks : full], req.block_hashes[req.num_cached_blocks : full]
+        )
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def _checkpoint(self, req: Request) -> None:
@@ -129,8 +131,9 @@ class BlockManager:
         self.checkpoints.save(req.block_hashes[at // self.block_size - 1], self.states.states, req.state_slot)
 
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
+        """Hash the request's whole blocks up to `num_tokens` that are not hashed yet."""
         bs = self.block_size
-        while (len(req.block_hashes) + 1) * bs <= num_tokens:
-            i = len(req.block_hashes)
+        start, end = len(req.block_hashes), num_tokens // bs
+        if end > start:
             parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
-            req.block_hashes.append(hash_block(parent, req.token_ids(i * bs, (i + 1) * bs)))
+            req.block_hashes.extend(extend_chain(parent, req.token_ids(start * bs, end * bs), bs))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 # NOTE: one hash chain for the engine and the router (which looks prompts up in its view of each
 # replica's cache): the function lives on the wire both import.
 from splitserve.wire.kv_events import ROOT_HASH as ROOT_HASH
+from splitserve.wire.kv_events import extend_chain as extend_chain
 from splitserve.wire.kv_events import hash_block as hash_block
 
 if TYPE_CHECKING:
@@ -63,13 +64,15 @@ class BlockPool:
         self._reclaim()
         if n > len(self._free):
             raise NoFreeBlocks(f"need {n} blocks, {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            block, _ = self._free.popitem(last=False)
-            self.fresh_from = max(self.fresh_from, block + 1)
-            self._evict(block)
-            self.ref_counts[block] = 1
-            out.append(block)
+        pop = self._free.popitem
+        out = [pop(last=False)[0] for _ in range(n)]
+        hashes, refs = self.block_hash, self.ref_counts
+        for block in out:
+            if hashes[block] is not None:  # a cached block handed out again: it leaves the cache
+                self._evict(block)
+            refs[block] = 1
+        if out:
+            self.fresh_from = max(self.fresh_from, max(out) + 1)
         return out
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -117,14 +120,21 @@ class BlockPool:
             self.ref_counts[block] += 1
 
     def cache(self, block: int, block_hash: bytes) -> None:
-        if not self.enable_prefix_caching or self.block_hash[block] is not None:
+        self.cache_blocks([block], [block_hash])
+
+    def cache_blocks(self, blocks: Sequence[int], block_hashes: Sequence[bytes]) -> None:
+        """Make each block findable under its hash (in order; a block or a hash cached already is
+        left as it is: the same content computed twice keeps its first copy)."""
+        if not self.enable_prefix_caching:
             return
-        if block_hash in self._cached:  # same content computed twice: keep the first copy
-            return
-        self.block_hash[block] = block_hash
-        self._cached[block_hash] = block
-        if self.events is not None:
-            self.events.record("stored", block_hash)
+        hashes, cached, events = self.block_hash, self._cached, self.events
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if hashes[block] is not None or block_hash in cached:
+                continue
+            hashes[block] = block_hash
+            cached[block_hash] = block
+            if events is not None:
+                events.record("stored", block_hash)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):

@@ -216,32 +216,40 @@ class ModelRunner:
             elif c.samples:  # with drafts: a row at the last known token and at each draft
                 sample_rows.extend(range(len(ids) - 1 - len(c.drafts), len(ids)))
                 sample_chunks.append(c)
+        host = [np.asarray(ids, dtype=np.int64), np.concatenate(positions), np.concatenate(slots),
+                np.asarray(sample_rows, dtype=np.int64)]  # fmt: skip
+        if self.states:
+            host.append(self._slots(decodes, prefills_chunks))
+        if batched and prefills:
+            host += _prefill_columns(prefills, prefill_blocks)
+        dev = self._tensors(host)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots)),
+            slot_mapping=dev[2],
             num_decode_tokens=len(decodes),
             decode_groups=self._decode_groups(decodes),
             prefills=tuple(prefills),
-            seq_slots=self._slots(decodes, prefills_chunks) if self.states else None,
-            prefill_batch=self._prefill_batch(prefills, prefill_blocks) if batched and prefills else None,
+            seq_slots=dev[4] if self.states else None,
+            prefill_batch=_prefill_batch(prefills, dev[-2], dev[-1]) if batched and prefills else None,
         )
-        input_ids = self._tensor(np.asarray(ids, dtype=np.int64))
         if feed is not None:
-            self.put_fed(input_ids, fed, feed[0])
+            self.put_fed(dev[0], fed, feed[0])
         return StepInputs(
-            input_ids=input_ids,
-            positions=self._tensor(np.concatenate(positions)),
-            meta=meta,
-            sample_rows=self._tensor(np.asarray(sample_rows, dtype=np.int64)),
-            sample_chunks=sample_chunks,
+            input_ids=dev[0], positions=dev[1], meta=meta, sample_rows=dev[3], sample_chunks=sample_chunks
         )
 
-    def _prefill_batch(self, prefills: list[PrefillChunk], blocks: list[np.ndarray]) -> PrefillBatch:
-        cols = np.array([(p.query_start, p.query_len, p.context_len) for p in prefills], dtype=np.int64)
-        table = np.zeros((len(blocks), max(len(b) for b in blocks)), dtype=np.int64)
-        for i, b in enumerate(blocks):
-            table[i, : len(b)] = b
-        packed = self._tensor(np.ascontiguousarray(cols.T))  # [3, P]
-        return PrefillBatch(packed[0], packed[1], packed[2], self._tensor(table), int(cols[:, 1].max()))
+    def _tensors(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """int64 `arrays` on the device through one staging buffer (pinned on CUDA): one host-to-device
+        copy a step instead of one per array, each array a view of it starting 16-byte aligned."""
+        offsets, n = [], 0
+        for a in arrays:
+            offsets.append(n)
+            n += a.size + (a.size & 1)  # even element counts keep every view 16-byte aligned
+        staging = torch.empty(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        flat = staging.numpy()
+        for a, off in zip(arrays, offsets, strict=True):
+            flat[off : off + a.size] = a.ravel()
+        on_device = staging.to(self.device, non_blocking=True)
+        return [on_device[off : off + a.size].view(a.shape) for a, off in zip(arrays, offsets, strict=True)]
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> tuple[DecodeGroup, ...]:
         """Split decodes (sorted by context length) so that padding stays under ~25% per group. One group
@@ -280,10 +288,10 @@ class ModelRunner:
                     default=1)  # fmt: skip
         return DecodeGroup(start, end, self._tensor(table), self._tensor(lens), splits, fresh)
 
-    def _slots(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> torch.Tensor:
+    def _slots(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> np.ndarray:
         slots = [c.request.state_slot for c in decodes + prefills]
         assert None not in slots, "a hybrid-model request runs without a state slot"
-        return self._tensor(np.asarray(slots, dtype=np.int64))
+        return np.asarray(slots, dtype=np.int64)
 
     def put_fed(self, input_ids: torch.Tensor, fed: list[tuple[int, int]], tokens: torch.Tensor) -> None:
         """input_ids[row] = tokens[src] for each (row, src) of `fed`, on the device (no host wait)."""
@@ -300,6 +308,21 @@ class ModelRunner:
         if self.device.type == "cuda":
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
+
+
+def _prefill_columns(prefills: list[PrefillChunk], blocks: list[np.ndarray]) -> list[np.ndarray]:
+    """The batched prefill's host arrays: its [3, P] (query start, query length, context length) rows
+    and its [P, max blocks] block table, zero-padded."""
+    cols = np.array([(p.query_start, p.query_len, p.context_len) for p in prefills], dtype=np.int64)
+    table = np.zeros((len(blocks), max(len(b) for b in blocks)), dtype=np.int64)
+    for i, b in enumerate(blocks):
+        table[i, : len(b)] = b
+    return [np.ascontiguousarray(cols.T), table]
+
+
+def _prefill_batch(prefills: list[PrefillChunk], cols: torch.Tensor, table: torch.Tensor) -> PrefillBatch:
+    """`_prefill_columns`' arrays on the device as a `PrefillBatch`."""
+    return PrefillBatch(cols[0], cols[1], cols[2], table, max(p.query_len for p in prefills))
 
 
 def _chunk_ids(c: ScheduledChunk, ahead: bool) -> list[int]:

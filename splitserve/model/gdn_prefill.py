@@ -115,7 +115,8 @@ def _rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
 
 
 def build_linear_prefill(meta: AttentionMetadata, device: torch.device) -> LinearPrefill | None:
-    """The step's prefill chunks as device tensors (one host-to-device copy); None without prefills."""
+    """The step's prefill chunks as device tensors (one pinned host-to-device copy, fla's chunk table
+    included); None without prefills."""
     if not meta.prefills:
         return None
     assert meta.seq_slots is not None
@@ -124,17 +125,26 @@ def build_linear_prefill(meta: AttentionMetadata, device: torch.device) -> Linea
     cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     seq = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
-    packed = torch.from_numpy(np.concatenate([cu, seq]))
+    with_table = VARLEN_RULE is None and fla_rule() is not None
+    table = chunk_table(lens) if with_table else np.empty((0, 2), dtype=np.int64)
+    packed = torch.from_numpy(np.concatenate([cu, seq, table.ravel()]))
     if device.type == "cuda":
         packed = packed.pin_memory().to(device, non_blocking=True)
-    cu_dev, seq_dev = packed[: len(cu)], packed[len(cu) :].to(torch.int32)
-    chunk_indices = None
-    if VARLEN_RULE is None and fla_rule() is not None:
-        from fla.ops.utils.index import prepare_chunk_indices
-
-        chunk_indices = prepare_chunk_indices(cu_dev, CHUNK, cu_seqlens_cpu=torch.from_numpy(cu))
+    n_cu, n_seq = len(cu), len(seq)
+    cu_dev, seq_dev = packed[:n_cu], packed[n_cu : n_cu + n_seq].to(torch.int32)
+    chunk_indices = packed[n_cu + n_seq :].view(-1, 2) if with_table else None
     slots = meta.seq_slots[row0 : row0 + len(lens)]
     return LinearPrefill(row0, int(cu[-1]), cu_dev, torch.from_numpy(cu), seq_dev, slots, chunk_indices)
+
+
+def chunk_table(lens: np.ndarray) -> np.ndarray:
+    """fla's chunk table of sequences of `lens` tokens ([num_chunks, 2] int64: each CHUNK-row chunk's
+    sequence and its index in it), what `fla.ops.utils.index.prepare_chunk_indices` computes with
+    torch ops on the host and then copies from pageable memory; here it rides the step's pinned copy."""
+    counts = (lens + CHUNK - 1) // CHUNK
+    seq = np.repeat(np.arange(len(lens), dtype=np.int64), counts)
+    starts = np.cumsum(counts) - counts
+    return np.stack([seq, np.arange(len(seq), dtype=np.int64) - starts[seq]], axis=1)
 
 
 def varlen_conv(

@@ -44,16 +44,30 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + ids.tobytes(), digest_size=16).digest()
 
 
+def extend_chain(parent: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The hashes of the whole blocks of `token_ids`, chained on from `parent`: `hash_block` of each
+    block in turn, with the ids packed into one int64 buffer for all of them (a 4,096-token prompt's
+    256 blocks: one conversion instead of 256 slices and arrays)."""
+    ids = array("q", token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    buf = memoryview(ids).cast("B")
+    step = 8 * block_size
+    out: list[bytes] = []
+    blake2b = hashlib.blake2b
+    for i in range(0, len(buf) - step + 1, step):
+        h = blake2b(parent, digest_size=16)
+        h.update(buf[i : i + step])
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[bytes]:
     """The hash chain of the whole blocks of `token_ids` (at most `max_blocks`)."""
     n = len(token_ids) // block_size
     n = n if max_blocks is None else min(n, max_blocks)
-    out: list[bytes] = []
-    parent = ROOT_HASH
-    for i in range(n):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
+    return extend_chain(ROOT_HASH, token_ids[: n * block_size], block_size)
 
 
 class KVEvent(msgspec.Struct, array_like=True, frozen=True):

@@ -15,7 +15,7 @@ from splitserve.engine.kv_events import KVEventLog
 from splitserve.engine.request import Request
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.sampling.params import SamplingParams
-from splitserve.wire.kv_events import ROOT_HASH, block_hashes, hash_block
+from splitserve.wire.kv_events import ROOT_HASH, block_hashes, extend_chain, hash_block
 
 
 def test_the_router_computes_the_engines_hash_chain():
@@ -30,6 +30,17 @@ def test_the_router_computes_the_engines_hash_chain():
     # the bytes hashed: the parent's hash, then the ids as little-endian int64
     data = ROOT_HASH + np.asarray(prompt[:8], dtype="<i8").tobytes()
     assert hash_block(ROOT_HASH, prompt[:8]) == hashlib.blake2b(data, digest_size=16).digest()
+
+
+def test_the_chain_hashes_block_by_block_from_any_parent():
+    ids = [int(x) for x in np.random.default_rng(1).integers(0, 250_000, 8 * 5 + 3)]
+    parent, expected = b"p" * 16, []
+    for i in range(5):  # the 3 trailing ids make no whole block
+        parent = hash_block(parent, ids[i * 8 : (i + 1) * 8])
+        expected.append(parent)
+    assert extend_chain(b"p" * 16, ids, 8) == expected
+    assert block_hashes(ids, 8, max_blocks=2) == extend_chain(ROOT_HASH, ids[:16], 8)
+    assert extend_chain(ROOT_HASH, ids[:7], 8) == []
 
 
 def test_pool_records_stored_removed_and_cleared_merged_by_kind():

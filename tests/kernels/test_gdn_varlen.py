@@ -160,3 +160,14 @@ def test_engine_varlen_greedy_matches_torch(monkeypatch, tmp_path):
     got, preemptions = run("fla")
     assert calls and preemptions > 0
     assert got == ref
+
+
+def test_the_chunk_table_lists_each_sequences_chunks_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    lens = (1, 64, 65, 200, 128)
+    expected = [(i, j) for i, n in enumerate(lens) for j in range(-(-n // gdn_prefill.CHUNK))]
+    monkeypatch.setattr(gdn_prefill, "fla_rule", lambda: object())  # as where fla imports
+    monkeypatch.setattr(gdn_prefill, "VARLEN_RULE", None)
+    lp = gdn_prefill.build_linear_prefill(_meta(2, lens, torch.arange(7)), torch.device("cpu"))
+    assert lp is not None and lp.chunk_indices is not None
+    assert lp.chunk_indices.tolist() == [list(r) for r in expected]
+    assert lp.cu_seqlens.tolist() == [0, 1, 65, 130, 330, 458] and lp.token_seq.dtype == torch.int32
