@@ -73,6 +73,10 @@ class EngineConfig:
     # Tensor parallelism (vLLM's --tensor-parallel-size): ranks, one process each, that shard every layer
     # by heads (engine/tp/, model/parallel.py); gloo on the CPU, NCCL on CUDA. 1: one process, no sharding
     tensor_parallel_size: int = 1
+    # A test mode of tensor parallelism on one GPU: every rank on the engine's device, the model's
+    # collectives over gloo through the host (NCCL refuses two ranks of a group on one GPU), CUDA graphs
+    # off. For testing the ranks' code on a machine of one GPU; slow, never for serving
+    tensor_parallel_one_device: bool = False
 
     def torch_device(self) -> torch.device:
         import torch

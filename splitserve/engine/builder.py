@@ -126,9 +126,11 @@ def build(
             log.warning("CPU ops compiled at start (`python -m splitserve.model.prepare` builds them "
                         "ahead): %s", ", ".join(built))  # fmt: skip
     mtp_head = _mtp_head(config, loaded, device, dtype)
-    graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill and tp is None
+    graphs = device.type == "cuda" and not config.enforce_eager and attn.batched_prefill
     if device.type == "cuda" and not graphs:
         log.info("decode CUDA graphs are off (enforce_eager or the torch attention backend)")
+    if tp is not None:  # the model's collectives inside the graphs: NCCL's, not gloo's
+        graphs = tp_build.graphs_allowed(tp, graphs)
     kv_layers = cfg.num_kv_layers + (mtp_head.num_kv_layers if mtp_head is not None else 0)
     layout = (kv_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)  # of one block
     one_block = block_bytes(cfg, block_size, dtype, kv_layers)
@@ -149,8 +151,9 @@ def build(
                         max_seqs, config.max_num_seqs)  # fmt: skip
     else:
         num_blocks = kv_budget_bytes(config, device) // one_block
-    if tp is not None:  # every rank the same pool: the smallest any rank can hold
-        num_blocks, max_seqs = tp.agree_min(num_blocks, max_seqs)
+    if tp is not None:  # every rank the same pool (the smallest any rank can hold), and the same graphs
+        num_blocks, max_seqs, captures = tp.agree_min(num_blocks, max_seqs, int(graphs))
+        graphs = bool(captures)
     # CUDA graphs: one block more, never handed out, for the padded rows of a graph step to write
     kv_shape = (num_blocks + int(graphs), *layout)
     kv = allocate_kv_cache(kv_shape, dtype, device, shared=config.kv_shared_memory)

@@ -156,6 +156,9 @@ def cuda_memory_plan(
     shapes = getattr(model, "state_shapes", lambda: {})()
     checkpoints = config.state_checkpoints * slot if shapes and config.enable_prefix_caching else 0
     vocab_words = -(-int(getattr(getattr(model, "cfg", None), "vocab_size", 0)) // 32)
+    # tensor_parallel_one_device: every rank of the group holds its share of this one device
+    ranks_here = config.tensor_parallel_size if config.tensor_parallel_one_device else 1
+    share = int(total * config.gpu_memory_utilization / ranks_here)
     inputs = MemoryInputs(
         device_total=total,
         device_free=free,
@@ -174,7 +177,7 @@ def cuda_memory_plan(
         scratch_slot=scratch_slot and slot > 0,
         block_bytes=block_bytes,
         blocks_per_seq=blocks_per_seq,
-        share=None if config.kv_cache_bytes is not None else int(total * config.gpu_memory_utilization),
+        share=None if config.kv_cache_bytes is not None else share,
         kv_bytes=config.kv_cache_bytes,
     )
     return plan_memory(inputs)

@@ -29,6 +29,7 @@ _ENGINE_HELP = {
     "weight_cache_dir": '"auto", a path, or "off"',
     "weight_cache_verify": "a CRC32 of every chunk on load",
     "cpu_weights": "CPU: fp32 (token-exact) or int4 (weight-only int4, bf16 activations)",
+    "tensor_parallel_one_device": "test mode: every tensor-parallel rank on one GPU, collectives over gloo",
 }
 _TRI = {"auto": None, "on": True, "off": False}
 # dests that are not a WorkerConfig field of the same name: dest -> field

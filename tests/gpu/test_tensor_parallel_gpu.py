@@ -1,5 +1,6 @@
 """Tensor parallelism on CUDA (NCCL between two GPUs of one host): TP=2 greedy tokens in fp32 equal
-TP=1's, for a dense and a hybrid tiny random-weight model. Skipped with fewer than two GPUs."""
+TP=1's, for a dense and a hybrid tiny random-weight model, with each rank's CUDA graphs (the model's
+NCCL collectives captured inside them) and eagerly. Skipped with fewer than two GPUs."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 42, 7, 99, 250], list(range(3, 60)), [11] * 20]
 
 
-def _generate(model: str, tp: int) -> list[list[int]]:
+def _generate(model: str, tp: int, eager: bool = False) -> list[list[int]]:
     llm = LLM(model=model, device="cuda:0", dtype="float32", max_model_len=256, max_num_seqs=4,
-              kv_cache_bytes=16 << 20, tensor_parallel_size=tp, progress=False)  # fmt: skip
+              kv_cache_bytes=16 << 20, tensor_parallel_size=tp, enforce_eager=eager,
+              progress=False)  # fmt: skip
     try:
+        assert (llm.engine.runner.graphs is None) == eager
         res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         return [r.outputs[0].token_ids for r in res]
     finally:
@@ -25,6 +28,7 @@ def _generate(model: str, tp: int) -> list[list[int]]:
             llm.engine.runner.close()
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("model", ["random:tiny", "random:tiny-llama", "random:qwen3.5-tiny"])
-def test_tp2_nccl_greedy_equals_tp1(model):
-    assert _generate(model, 2) == _generate(model, 1)
+def test_tp2_nccl_greedy_equals_tp1(model, eager):
+    assert _generate(model, 2, eager) == _generate(model, 1)

@@ -77,7 +77,7 @@ class RankProcesses:
             proc.stdin.close()
             procs.append(proc)
         _wait_joined(store, procs)
-        return cls(procs, TPGroup(0, size, store, device))
+        return cls(procs, TPGroup(0, size, store, device, config.tensor_parallel_one_device))
 
     def check(self) -> None:
         """Raise RankDied when a rank has exited."""

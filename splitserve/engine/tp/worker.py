@@ -48,14 +48,16 @@ def main() -> int:
 
     torch.set_num_threads(int(spec["threads"]))
     rank = int(spec["rank"])
-    device = rank_device(torch.device(spec["device"]), rank)
-    config = dataclasses.replace(EngineConfig(**spec["engine"]), device=str(device))
+    config = EngineConfig(**spec["engine"])
+    one_device = config.tensor_parallel_one_device
+    device = rank_device(torch.device(spec["device"]), rank, one_device)
+    config = dataclasses.replace(config, device=str(device))
     size = config.tensor_parallel_size
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and Triton work on the current device
     store = dist.TCPStore("127.0.0.1", int(spec["port"]), size, False, timeout=datetime.timedelta(minutes=10))
     store.set(f"joined/{rank}", "1")
-    tp_build._WORKER_GROUP = TPGroup(rank, size, store, device)
+    tp_build._WORKER_GROUP = TPGroup(rank, size, store, device, one_device)
     parts = build(config, False, None)
     # this rank's share of KV imports and exports, in this process
     RankReadService(int(spec["port"]), rank, size, parts.kv_cache, parts.states.states)
