@@ -19,9 +19,10 @@ import msgspec
 import pytest
 import torch
 from kv_transfer_helpers import SECRET, random_prompts
+from tp_pd_engines import GREEDY, Engines, colocated, disaggregated
+from tp_pd_engines import all_free as _all_free
+from tp_pd_engines import run as _run
 
-from splitserve import SamplingParams
-from splitserve.config.engine import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.kv_transfer import KVTransferFailed
@@ -29,89 +30,30 @@ from splitserve.engine.tp.kv_routes import Plan, parts
 from splitserve.model.config import ModelConfig
 from splitserve.model.parallel import kv_head_index
 from splitserve.model.random_weights import random_source_config
-from splitserve.transport import PeerRefused, TransportError, TransportOptions
+from splitserve.transport import PeerRefused, TransportError
 from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.layout import itemsize
 from splitserve.wire.ops import FaultKnobs
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = random_prompts((5, 37, 18), vocab=500, seed=7)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
-class Engines:
-    """One engine (with its connector) per (model, size, backend, name), made on first use."""
-
-    def __init__(self) -> None:
-        self.made: dict[tuple, tuple[LLMEngine, KVConnector]] = {}
-
-    def get(
-        self, model: str, size: int, backend: str = "tcp", name: str = "a"
-    ) -> tuple[LLMEngine, KVConnector]:
-        key = (model, size, backend, name)
-        if key not in self.made:
-            config = EngineConfig(model=model, device="cpu", dtype="float32", max_model_len=128,
-                                  kv_cache_bytes=1 << 20, max_num_seqs=4, tensor_parallel_size=size,
-                                  kv_shared_memory=backend == "shm", progress=False)  # fmt: skip
-            engine = LLMEngine(config, tokenizer=None)
-            options = TransportOptions(lease_s=30.0, fetch_timeout_s=20.0)
-            self.made[key] = engine, KVConnector.open(engine, backend, secret=SECRET, options=options)
-        return self.made[key]
-
-    def close(self) -> None:
-        for engine, conn in self.made.values():
-            conn.close()
-            if engine.config.tensor_parallel_size > 1:
-                engine.runner.close()
-
-
 @pytest.fixture(scope="module")
 def engines():
-    made = Engines()
+    made = Engines(SECRET, config=lambda size, backend: {"kv_shared_memory": backend == "shm"})
     yield made
     made.close()
 
 
-def _run(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def _colocated(engine: LLMEngine) -> list[list[int]]:
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(p, GREEDY, request_id=f"c{i}")
-    done = _run(engine)
-    return [done[f"c{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
+    return colocated(engine, PROMPTS)
 
 
 def _disaggregated(p: LLMEngine, d: LLMEngine, tag: str) -> list[list[int]]:
-    for i, prompt in enumerate(PROMPTS):
-        p.add_request(prompt, GREEDY, request_id=f"{tag}p{i}", kv_transfer="export")
-    exported = _run(p)
-    for i, prompt in enumerate(PROMPTS):
-        out = exported[f"{tag}p{i}"]
-        d.add_request_with_kv(out.kv_export.handle, prompt, out.outputs[0].token_ids[0], GREEDY, f"{tag}d{i}")
-    done = _run(d)
-    return [done[f"{tag}d{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
-
-
-def _all_free(engine: LLMEngine, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        engine.free_released_kv()
-        free = (
-            engine.pool.num_free == engine.pool.num_blocks
-            and engine.states.num_free == engine.states.num_slots
-        )
-        if free or time.monotonic() > deadline:
-            return free
-        time.sleep(0.05)
+    return disaggregated(p, d, PROMPTS, tag)
 
 
 def _leases(conn: KVConnector) -> int:
