@@ -100,12 +100,21 @@ def test_bad_arguments_exit_2(tmp_path, capsys, extra, word):
     assert word in capsys.readouterr().err
 
 
-def test_a_target_failing_the_verify_gate_is_not_benchmarked(tmp_path, capsys):
+def test_a_target_failing_the_verify_gate_is_not_benchmarked(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_KV_SECRET", "ab-test-secret-0123456789abcdef")
     out = tmp_path / "r"
     assert main(["bench", "down=http://127.0.0.1:1", "--verify", "--out", str(out), "--no-progress"]) == 1
     assert "verify gate failed" in capsys.readouterr().err
     report = json.loads((out / "report.json").read_text())
     assert report["gate"]["status"] == "failed" and report["targets"][0]["points"] == []
+
+
+def test_the_verify_gate_without_the_kv_secret_says_how_to_give_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_KV_SECRET", raising=False)
+    out = tmp_path / "r"
+    assert main(["bench", "down=http://127.0.0.1:1", "--verify", "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "KV secret" in err and "--skip-verify" in err
 
 
 def test_an_unreachable_target_fails_the_run(tmp_path, capsys):
