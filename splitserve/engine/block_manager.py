@@ -1,14 +1,34 @@
 """Per-request block bookkeeping over the `BlockPool`: prefix hits, growth, caching of full blocks; for
-hybrid models also the state slot and the recurrent-state checkpoints of prefix caching (state_cache.py)."""
+hybrid models also the state slot and the recurrent-state checkpoints of prefix caching (state_cache.py).
+
+With the MTP head (spec/mtp.py) a cached block may hold no head K/V (`BlockPool.headless`: computed
+while the head was backed off, spec/verify.py). `head` (the engine's `SpecDecoder`) decides what a
+prefix hit on such blocks means: a request that needs the head's context (it may draft, or it exports
+its KV to a decode engine that may) is offered the cached prefix only up to the first of them, and
+computes the rest with the head, its copies taking their place in the cache; any other request takes
+the whole hit and loses its head context (`Request.head_lost`), which it would not use anyway.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from splitserve.engine.block_pool import ROOT_HASH, BlockPool, extend_chain
 from splitserve.engine.request import Request
 from splitserve.engine.state_cache import StateCheckpoints
 from splitserve.engine.state_pool import StatePool
+
+
+class HeadContext(Protocol):
+    """What the MTP head's back-off (spec/verify.py `SpecDecoder`) tells the block manager."""
+
+    def needs_head(self, req: Request) -> bool:
+        """Whether `req` must find the head's K/V over the prefix it reuses."""
+        ...
+
+    def lose_head(self, req: Request) -> None:
+        """`req` reuses blocks without the head's K/V: it never drafts with the head."""
+        ...
 
 
 class BlockManager:
@@ -25,6 +45,7 @@ class BlockManager:
         self.block_size = block_size
         self.states = states if states is not None and states.enabled else None
         self.checkpoints = checkpoints if checkpoints is not None and checkpoints.enabled else None
+        self.head: HeadContext | None = None  # the MTP head's back-off, when it drafts (module docstring)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -36,7 +57,14 @@ class BlockManager:
         self._extend_hashes(req, req.num_tokens)
         max_blocks = (req.num_tokens - 1) // self.block_size
         blocks = self.pool.lookup(req.block_hashes[:max_blocks])
-        return blocks if self.states is None else self._state_prefix(req, blocks)
+        headless = self.pool.headless
+        if headless and self.head is not None and self.head.needs_head(req):
+            blocks = next((blocks[:i] for i, b in enumerate(blocks) if b in headless), blocks)
+        if self.states is not None:
+            blocks = self._state_prefix(req, blocks)
+        if headless and self.head is not None and any(b in headless for b in blocks):
+            self.head.lose_head(req)
+        return blocks
 
     def _state_prefix(self, req: Request, blocks: list[int]) -> list[int]:
         """Hybrid: the KV hit cut back to its longest part that ends at a state checkpoint (restored
@@ -117,9 +145,9 @@ class BlockManager:
             return
         self._extend_hashes(req, full * self.block_size)
         # NOTE: only blocks that became full since last time
-        self.pool.cache_blocks(
-            req.block_ids[req.num_cached_blocks : full], req.block_hashes[req.num_cached_blocks : full]
-        )
+        # a request without its head context leaves blocks without the head's K/V (module docstring)
+        self.pool.cache_blocks(req.block_ids[req.num_cached_blocks : full],
+                               req.block_hashes[req.num_cached_blocks : full], req.head_lost)  # fmt: skip
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
     def _checkpoint(self, req: Request) -> None:

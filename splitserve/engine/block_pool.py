@@ -5,6 +5,12 @@ mean equal KV. A freed block keeps its hash and stays findable until the pool ha
 the free queue is in eviction order (least recently freed first; a request's tail blocks before its
 head blocks, since heads are the more shareable).
 
+With an MTP head (engine/spec/mtp.py) the head's K/V sit in the blocks too, and a block computed while
+the head was backed off holds none: `headless` names the cached blocks of that kind (at most every
+block of the pool), so that a request that drafts can be kept off them. A block leaves it when it
+leaves the cache (handed out again, or the cache reset), or when a copy with the head's K/V is
+computed and takes its place under the hash.
+
 NOTE: invariant: a block is in the free queue exactly when its ref_count is 0.
 """
 
@@ -38,6 +44,7 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        self.headless: set[int] = set()  # cached blocks without the MTP head's K/V (module docstring)
         self._held: list[tuple[list[int], Any]] = []  # freed, but still written by a late copy
         # blocks [fresh_from, num_blocks) were never handed out: the free queue starts with them in order
         self.fresh_from = 0
@@ -122,24 +129,39 @@ class BlockPool:
     def cache(self, block: int, block_hash: bytes) -> None:
         self.cache_blocks([block], [block_hash])
 
-    def cache_blocks(self, blocks: Sequence[int], block_hashes: Sequence[bytes]) -> None:
+    def cache_blocks(
+        self, blocks: Sequence[int], block_hashes: Sequence[bytes], headless: bool = False
+    ) -> None:
         """Make each block findable under its hash (in order; a block or a hash cached already is
-        left as it is: the same content computed twice keeps its first copy)."""
+        left as it is: the same content computed twice keeps its first copy, unless that copy is
+        `headless` and this one is not: then this one takes its place). `headless`: the blocks hold
+        no MTP head K/V (computed while the head was backed off)."""
         if not self.enable_prefix_caching:
             return
         hashes, cached, events = self.block_hash, self._cached, self.events
         for block, block_hash in zip(blocks, block_hashes, strict=True):
-            if hashes[block] is not None or block_hash in cached:
+            if hashes[block] is not None:
                 continue
+            old = cached.get(block_hash)
+            if old is not None:
+                if headless or old not in self.headless:
+                    continue
+                # the old copy stays with the requests that hold it, findable no more (the hash
+                # itself stays cached: no event)
+                hashes[old] = None
+                self.headless.discard(old)
+            elif events is not None:
+                events.record("stored", block_hash)
             hashes[block] = block_hash
             cached[block_hash] = block
-            if events is not None:
-                events.record("stored", block_hash)
+            if headless:
+                self.headless.add(block)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
             self.block_hash[block] = None
         self._cached.clear()
+        self.headless.clear()
         if self.events is not None:
             self.events.record("cleared", None)
 
@@ -147,6 +169,7 @@ class BlockPool:
         h = self.block_hash[block]
         if h is not None:
             self.block_hash[block] = None
+            self.headless.discard(block)
             if self._cached.get(h) == block:
                 del self._cached[h]
                 if self.events is not None:

@@ -95,6 +95,8 @@ class LLMEngine:
         mtp = MTPDrafter(p.mtp_head, p.loaded.model) if p.mtp_head is not None else None
         self.runner.keep_hidden = mtp is not None  # the drafter reads each step's hidden states
         self.spec = SpecDecoder.create(config.speculative_config, self.states.states, mtp)  # None: off
+        if self.spec is not None:
+            self.spec.attach(self.scheduler.block_manager)  # MTP: cached blocks without the head's K/V
         overlap = config.async_scheduling if config.tensor_parallel_size == 1 else False  # (nor verify steps)
         overlap = (self.device.type == "cuda" if overlap is None else overlap) and not self.spec
         self.overlap = OverlappedSteps(self.scheduler, self.runner, self.sampler, self.table,

@@ -238,3 +238,66 @@ def test_blocks_freed_after_a_late_copy_come_back_only_once_it_has_ended():
     assert sorted(pool.allocate(2)) == sorted(b)  # never the held ones
     copy.ended = True
     assert pool.num_held == 0 and pool.num_free == 2 and sorted(pool.allocate(2)) == sorted(a)
+
+
+# ---- blocks without the MTP head's K/V ---------------------------------------------------------------
+
+
+def test_a_headless_copy_gives_way_to_one_with_the_head_and_leaves_with_the_cache():
+    pool = BlockPool(4)
+    h = _hashes(list(range(8)), 4)
+    a, b, c, d = pool.allocate(4)
+    pool.cache_blocks([a, b], h, headless=True)
+    assert pool.lookup(h) == [a, b] and pool.headless == {a, b}
+    pool.cache_blocks([c], h[:1], headless=True)  # another copy without the head: the first stays
+    assert pool.lookup(h[:1]) == [a] and pool.block_hash[c] is None
+    pool.cache_blocks([d], h[:1])  # a copy with the head's K/V takes the hash
+    assert pool.lookup(h) == [d, b] and pool.headless == {b}
+    assert pool.block_hash[a] is None
+    pool.free([a, b, c])
+    pool.free([d])
+    assert sorted(pool.allocate(3)) == [a, b, c]  # b handed out again: it left the cache
+    assert pool.headless == set() and pool.lookup(h) == [d]
+    pool.cache_blocks([a], [hash_block(ROOT_HASH, [9])], headless=True)
+    pool.reset_prefix_cache()
+    assert pool.headless == set()
+
+
+class _Head:
+    """The MTP back-off's side of the block manager, as spec/verify.py's SpecDecoder answers it."""
+
+    def __init__(self, needs: bool) -> None:
+        self.needs, self.lost = needs, []
+
+    def needs_head(self, req: Request) -> bool:
+        return self.needs
+
+    def lose_head(self, req: Request) -> None:
+        self.lost.append(req.request_id)
+        req.head_lost = True
+
+
+@pytest.mark.parametrize("needs", [True, False], ids=["drafts", "does-not-draft"])
+def test_a_hit_on_headless_blocks_stops_before_them_or_loses_the_head(needs):
+    pool = BlockPool(8)
+    block_manager = BlockManager(pool, block_size=4)
+    block_manager.head = head = _Head(needs)
+    prompt = list(range(1, 14))  # three whole blocks and a token
+    first = _request("a", prompt)
+    assert block_manager.allocate(first, 8)
+    first.num_computed_tokens = 8
+    block_manager.cache_full_blocks(first)  # two blocks with the head's K/V
+    first.head_lost = True
+    assert block_manager.allocate(first, 4)
+    first.num_computed_tokens = 12
+    block_manager.cache_full_blocks(first)  # the third without
+    assert pool.headless == {first.block_ids[2]}
+    later = _request("b", prompt)
+    hit = block_manager.find_prefix(later)
+    assert hit == (first.block_ids[:2] if needs else first.block_ids[:3])
+    assert head.lost == ([] if needs else ["b"]) and later.head_lost is not needs
+    if needs:  # it computes the third block itself, with the head: its copy replaces the cached one
+        assert block_manager.allocate(later, 5, hit)
+        later.num_computed_tokens = 12
+        block_manager.cache_full_blocks(later)
+        assert pool.headless == set() and pool.lookup(later.block_hashes[:3]) == later.block_ids[:3]

@@ -2,7 +2,8 @@
 the decode engine verifies drafts from a request's first step after its KV was imported, with `ngram`
 (prompt lookup over the prompt and the first token) and with `mtp` (from the head's state at the last
 prompt position, which travels in the request's state slot beside the recurrent state); the output
-equals the output without speculation, token for token."""
+equals the output without speculation, token for token. Imported prompts' blocks keep the head's K/V
+in the decode engine's prefix cache, its head backed off or not."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kv_transfer_helpers import SECRET
 
 from splitserve import SamplingParams
 from splitserve.config.engine import EngineConfig
+from splitserve.engine.block_pool import ROOT_HASH, extend_chain
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.spec.verify import SpecDecoder
@@ -138,3 +140,43 @@ def test_the_heads_state_travels_in_the_layout():
     assert with_head.state_shapes[STATE] == ((64,), with_head.dtype)
     assert STATE not in without.state_shapes
     assert with_head.states.states[STATE].shape[1:] == (64,)
+
+
+def test_a_decode_engine_past_its_cap_caches_imported_prompts_with_the_heads_kv(plain):
+    """Requests imported while the decode engine's head is backed off lose their head context at their
+    first step, but their prompts' blocks carry the prefill engine's head K/V: the prefix cache keeps
+    them as blocks with it (block_pool.py `headless`), so a later request that drafts may reuse them."""
+    prefill = _engine(MTP)
+    decode = _engine({**MTP, "disable_by_batch_size": 1})
+    decode.spec.head_grace = 0
+    options = TransportOptions(lease_s=30.0, fetch_timeout_s=5.0)
+    conns = [KVConnector.open(e, "tcp", secret=SECRET, options=options) for e in (prefill, decode)]
+    try:
+        for i, p in enumerate(PROMPTS):
+            prefill.add_request(p, GREEDY, request_id=f"r{i}", kv_transfer="export")
+        outs = _run(prefill)
+
+        def add(i: int) -> None:
+            first = outs[f"r{i}"].outputs[0].token_ids[0]
+            decode.add_request_with_kv(outs[f"r{i}"].kv_export.handle, PROMPTS[i], first, GREEDY, f"d{i}")
+
+        done = {}
+        add(2)
+        for _ in range(4):  # the short one runs alone: at the cap, past the grace
+            done.update((o.request_id, o) for o in decode.step() if o.finished)
+            if not decode.spec.head_on:
+                break
+        assert not decode.spec.head_on and not done
+        add(0)
+        add(1)
+        done.update(_run(decode))
+    finally:
+        for conn in conns:
+            conn.close()
+    assert [done[f"d{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == plain
+    assert decode.spec.stats().num_head_lost == len(PROMPTS)
+    pool = decode.scheduler.block_manager.pool
+    for p in PROMPTS[:2]:
+        hashes = extend_chain(ROOT_HASH, p, decode.scheduler.block_manager.block_size)
+        blocks = pool.lookup(hashes)
+        assert len(blocks) == len(hashes) and not set(blocks) & pool.headless

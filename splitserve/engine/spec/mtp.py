@@ -36,8 +36,9 @@ about one layer of the target's forward over it).
 
 A prefix-cache hit reuses the head's K/V with the blocks; the K/V of a block's last position was made
 with the token after it, so a request that shares the block but not that token drafts a little worse
-there (drafts only: the target verifies every token). Likewise a block computed while the head was off
-holds no head K/V of its own: a request that reuses it drafts worse over those positions.
+there (drafts only: the target verifies every token). A block computed while the head was off holds
+no head K/V: the prefix cache knows it (`BlockPool.headless`), and a request that drafts does not
+reuse it (block_manager.py).
 """
 
 from __future__ import annotations

@@ -37,6 +37,12 @@ that was never written (still exact, being verified, but accepted at random). Re
 after (a) ends have a whole head context and draft as usual. A KV export's prompt is caught up
 whatever the batch: its head K/V and state are for the decode engine, which drafts by its own batch
 (spec/mtp.py).
+
+The blocks such a request fills from then on hold no head K/V: they enter the prefix cache marked so
+(`BlockPool.headless`), and a later request that would reuse them either stops its hit before them
+(it needs the head's context: it may draft, or it is a KV export) or takes them and loses its head
+context too (block_manager.py). Blocks filled before the loss keep theirs: they are offered to the
+cache as they stand first (a KV import's prompt, whose head K/V came with it, included).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import numpy as np
 import torch
 
 from splitserve.config.speculative import SpeculativeConfig, speculative_config
+from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, target_probs
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -117,6 +124,13 @@ class SpecDecoder:
         self.max_model_len = 0  # set by `propose`
         self.head_grace = HEAD_GRACE_STEPS  # the MTP head's back-off (module docstring)
         self.capped_steps = 0  # steps in a row that began with `disable_by_batch_size` holding
+        self.blocks: BlockManager | None = None  # MTP: the engine's, once `attach`ed
+
+    def attach(self, blocks: BlockManager) -> None:
+        """MTP: follow which cached blocks hold the head's K/V in `blocks` (block_manager.py)."""
+        if self.mtp is not None:
+            self.blocks = blocks
+            blocks.head = self
 
     @classmethod
     def create(
@@ -143,10 +157,28 @@ class SpecDecoder:
             return False
         if not self.head_on:
             for c in sched.chunks:
-                if not c.request.export_kv and not c.request.head_lost:
-                    c.request.head_lost = True
-                    self.counters.num_head_lost += 1
+                if not c.request.export_kv:
+                    self.lose_head(c.request)
         return any(not c.request.head_lost for c in sched.chunks)
+
+    def needs_head(self, req: Request) -> bool:
+        """Whether `req` must find the head's K/V over a prefix it reuses: it exports its KV (the decode
+        engine may draft from it), or it may draft here (the head is on, its context intact, and its
+        parameters allow drafts)."""
+        p = req.params
+        return req.export_kv or (self.head_on and not req.head_lost and req.grammar is None
+                                 and p.logprobs is None and not p.has_penalties)  # fmt: skip
+
+    def lose_head(self, req: Request) -> None:
+        """`req` loses the head's context (counted once). Its full blocks so far hold the head's K/V:
+        they are offered to the prefix cache first, as such (a KV import's are otherwise cached only
+        after its first step)."""
+        if req.head_lost:
+            return
+        if self.blocks is not None:
+            self.blocks.cache_full_blocks(req)
+        req.head_lost = True
+        self.counters.num_head_lost += 1
 
     def stats(self) -> SpecStats:
         c = self.counters
