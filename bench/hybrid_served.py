@@ -46,15 +46,16 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 _CLIENTS: dict = {}
 
 
-def ttft(url: str, model: str, prompt: list[int]) -> dict:
-    """One streamed request of 4 tokens: the client's time to the first token, the router's headers.
+def ttft(url: str, model: str, prompt: list[int], max_tokens: int = 4) -> dict:
+    """One streamed request of `max_tokens` tokens: the client's time to the first token, the router's
+    headers.
     One keep-alive client for the run, as an application (or the `openai` client) holds one: making an
     httpx client per request costs ~40 ms of SSL-context set-up on the client's side, which an earlier
     version of this bench counted into every TTFT."""
     import httpx
 
     client = _CLIENTS.get(url) or _CLIENTS.setdefault(url, httpx.Client(timeout=600))
-    body = completion_body(model, prompt, 4)
+    body = completion_body(model, prompt, max_tokens)
     t0 = time.perf_counter()
     first = None
     with client.stream("POST", f"{url}/v1/completions", json=body) as r:

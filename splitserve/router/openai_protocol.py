@@ -13,7 +13,15 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from splitserve.sampling.params import SamplingParams
 
@@ -298,6 +306,16 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _token_ids(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """A list of plain ints (a token-id prompt, as JSON gives it) is the union's `list[int]` as it
+        stands. The union would try `str` and `list[str]` first, the latter failing on every id (an
+        error object per id), then copy the list."""
+        if type(v) is list and v and set(map(type, v)) == {int}:
+            return v
+        return handler(v)
+
     @model_validator(mode="after")
     def _completion(self) -> CompletionRequest:
         if self.suffix:
@@ -316,7 +334,7 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(x, int) for x in p):
+        if isinstance(p[0], int):  # one union member's output: all ints, or none (never empty)
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 

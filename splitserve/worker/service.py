@@ -125,7 +125,7 @@ class Worker:
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            return prompt  # a fresh list of ints: the body's decoding checked each (wire/http.py)
         if self.tokenizer is None:
             raise ValueError("this worker has no tokenizer: pass prompt token ids")
         return self.tokenizer.encode(prompt)
