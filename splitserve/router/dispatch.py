@@ -303,10 +303,7 @@ class Dispatcher:
         kv_export, claimed = pre.kv_export, False
         try:
             if early:  # the first token now; a fault from here on is mid-stream (migrate.py)
-                first = early_piece(index, pre, metrics)
-                yield first
-                assert first.taken is not None
-                await first.taken.wait()  # written out: the decode request's making is off its way
+                yield early_piece(index, pre, metrics)
             dc = (await self._pick("decode", prompt_ids, at)).worker
             dbody = DecodeRequest(
                 prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob,
