@@ -8,6 +8,7 @@ import time
 
 import pytest
 from kv_transfer_helpers import SECRET, random_prompts
+from tp_pd_engines import run as _run
 
 from splitserve import SamplingParams
 from splitserve.config.engine import EngineConfig
@@ -41,15 +42,6 @@ def make(tiny_qwen, tiny_qwen_loaded):
     yield _make
     for conn in made:
         conn.close()
-
-
-def _run(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def _prefill(engine: LLMEngine, prompts, params=GREEDY) -> list:

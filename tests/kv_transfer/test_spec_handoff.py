@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from kv_transfer_helpers import SECRET
+from tp_pd_engines import run as _run
 
 from splitserve import SamplingParams
 from splitserve.config.engine import EngineConfig
@@ -36,15 +37,6 @@ def _engine(spec: dict | None, **knobs) -> LLMEngine:
                           kv_cache_bytes=8 << 20, speculative_config=spec, progress=False,
                           **knobs)  # fmt: skip
     return LLMEngine(config, tokenizer=None)
-
-
-def _run(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def _first_step_drafts(engine: LLMEngine) -> dict[tuple[int, ...], tuple[int, ...]]:
