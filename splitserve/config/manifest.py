@@ -46,6 +46,7 @@ from pydantic import (
     model_validator,
 )
 
+from splitserve.config.kv_backends import across_sizes_refusal
 from splitserve.config.manifest_errors import ManifestError, describe
 from splitserve.config.manifest_scaling import ScalingSection
 from splitserve.config.manifest_sections import (
@@ -109,12 +110,23 @@ class Manifest(Section):
             lo, hi = pool.min_replicas, pool.max_replicas
             if (lo is not None and pool.replicas < lo) or (hi is not None and pool.replicas > hi):
                 raise ValueError(f"{name}.replicas ({pool.replicas}) must lie within its min/max_replicas")
+        if self.mode == "disaggregated":
+            self._backends_across_sizes()
         if self.mode == "disaggregated" and len({_mtp(self.engine_for(r)) for r in pools}) > 1:
             raise ValueError(
                 'speculative method "mtp" must be on for both roles or neither: the MTP head\'s K/V '
                 "are layers of the KV cache that the transfer moves (prefill computes them for the prompt)"
             )
         return self
+
+    def _backends_across_sizes(self) -> None:
+        """Refuse a backend (or fallback) that cannot move KV between the roles' tensor-parallel sizes."""
+        sizes = (self.tensor_parallel_size("prefill"), self.tensor_parallel_size("decode"))
+        for backend in (self.transport.backend, *self.transport.fallback):
+            refusal = across_sizes_refusal(backend, *sizes)
+            if refusal:
+                where = "transport.backend" if backend == self.transport.backend else "transport.fallback"
+                raise ValueError(f"{where}: {refusal}")
 
     def tensor_parallel_size(self, role: str) -> int:
         """Ranks per replica of `role`: its engine section's size, else the model's."""

@@ -52,6 +52,7 @@ from splitserve.engine.tp.build import full_model_config
 from splitserve.engine.tp.kv_ranks import open_ranks
 from splitserve.engine.tp.kv_routes import Sharding
 from splitserve.engine.tp.kv_transport import ShardedFetch
+from splitserve.engine.tp.rank_reads import fetch_only
 from splitserve.engine.tp.read_orders import Reach
 from splitserve.model.config import ModelConfig
 from splitserve.transport import (
@@ -147,8 +148,9 @@ class KVConnector:
             return make_transport(backend, kv, layout, secret=secret, on_free=on_free, options=options,
                                   fallback=fallback)  # fmt: skip
 
-        def opener(kv: torch.Tensor, layout: KVLayout) -> KVTransport:
-            return make_transport(conn.backend_name or backend, kv, layout, secret=secret, options=options)
+        def opener(kv: torch.Tensor, layout: KVLayout) -> KVTransport:  # a fetch-only channel
+            name = conn.backend_name or backend
+            return make_transport(name, kv, layout, secret=secret, options=fetch_only(options))
 
         if engine.config.tensor_parallel_size > 1:
 

@@ -33,6 +33,7 @@ from typing import Protocol
 import msgspec
 import torch
 
+from splitserve.config.kv_backends import ACROSS_SIZES
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.client import ConnectionPool, counted_failures, fetch_frame
 from splitserve.transport.errors import (
@@ -47,6 +48,7 @@ from splitserve.transport.fault_plan import FaultPlan
 from splitserve.transport.frames import Frame, Ok, Payload, Release, Select
 from splitserve.transport.layout import KVLayout
 from splitserve.transport.lease import FreeCallback, LeaseManager
+from splitserve.transport.part_sink import PartSink, PartTarget
 from splitserve.transport.payload import (
     BlockSink,
     ByteStream,
@@ -267,11 +269,33 @@ class KVChannel(KVTransport):
     def fetch_part(self, request: FetchRequest, select: Select, into: ByteStream) -> None:
         """Fetch only the `select`ed heads and state channels of the handle's payload (the exporter's
         layout, this channel's) into `into`: views of another tensor, such as a tensor-parallel rank's
-        pool of a different layout. The stream backends only (tcp, shm)."""
+        pool of a different layout. The stream backends only (tcp, shm; cuda_ipc: `read_part`)."""
         fetch_part = getattr(self.mover, "fetch_part", None)
         if fetch_part is None:
-            raise BackendUnavailable(f"{self.backend} cannot fetch part of a payload")
+            raise BackendUnavailable(
+                f"{self.backend} cannot fetch part of a payload into host views "
+                f"(across tensor_parallel sizes use {', '.join(ACROSS_SIZES)})"
+            )
         fetch_part(request, select, into)
+
+    def read_part(self, request: FetchRequest, select: Select, target: PartTarget) -> int:
+        """The `select`ed heads and state channels of the handle's payload into `target`: a rank's own
+        blocks and fresh state tensors, of another layout than this channel's (tensor parallelism at
+        another size); -> the bytes written there. A mover that copies a part on the device does so
+        (cuda_ipc); a stream mover's bytes land through a PartSink (part_sink.py)."""
+        read_part = getattr(self.mover, "read_part", None)
+        if read_part is not None:
+            return read_part(request, select, target)
+        sink = PartSink(*target)
+        self.fetch_part(request, select, ByteStream(sink.pieces))
+        sink.commit()
+        return sink.nbytes
+
+    @property
+    def part_state_device(self) -> torch.device:
+        """Where a rank reading parts over this channel keeps its fresh state tensors: on the KV's device
+        for a mover that copies parts there (cuda_ipc), else on the host (the stream movers)."""
+        return self.kv_cache.device if hasattr(self.mover, "read_part") else torch.device("cpu")
 
     def verify(self, handle: KVHandle, sent: str | None, stream: ByteStream) -> None:
         """The payload's checksum against the handle's (else the one the exporter `sent` with it)."""

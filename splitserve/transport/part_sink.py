@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +32,20 @@ from splitserve.transport.layout import KVLayout, torch_dtype
 from splitserve.transport.payload import block_pieces, direct_access, tensor_bytes
 
 Picks = Sequence[tuple[str, int, Runs]]  # (state name, split axis, runs along it), in payload order
+
+
+class PartTarget(NamedTuple):
+    """Where one part of a transfer lands: a rank's KV cache [num_blocks, L, 2, bs, KVH, D] of
+    `layout`, its blocks `block_ids` (handle order), the runs of its heads the part's head runs fill
+    (`heads`), its fresh state tensors by name and the runs of their channels the part fills (`picks`).
+    `PartSink(*target)` receives a streamed part into it; cuda_ipc copies into it on the device."""
+
+    kv: torch.Tensor
+    layout: KVLayout
+    block_ids: Sequence[int]
+    heads: Runs
+    state: Mapping[str, torch.Tensor]
+    picks: Picks
 
 
 def _count(runs: Runs) -> int:
@@ -112,4 +127,4 @@ def place_channels(t: torch.Tensor, axis: int, runs: Runs, src: torch.Tensor) ->
         at += n
 
 
-__all__ = ["PartSink", "Picks", "place_channels", "place_heads"]
+__all__ = ["PartSink", "PartTarget", "Picks", "place_channels", "place_heads"]

@@ -239,6 +239,32 @@ def test_speculation_per_role_and_mtp_on_both_sides_of_the_split():
         parse_manifest(f"mode: disaggregated\ndecode:\n  engine:\n    speculative_config: {mtp}\n")
 
 
+@pytest.mark.parametrize("backend", ["tcp", "shm", "cuda_ipc", "nccl", "nixl"])
+def test_backends_that_move_whole_blocks_only_are_refused_across_tensor_parallel_sizes(backend):
+    sizes = "prefill:\n  engine: {tensor_parallel_size: 2}\ndecode:\n  engine: {tensor_parallel_size: 1}\n"
+    text = f"mode: disaggregated\ntransport: {{backend: {backend}}}\n{sizes}"
+    same = parse_manifest(
+        f"mode: disaggregated\ntransport: {{backend: {backend}}}\nmodel: {{tensor_parallel_size: 2}}\n"
+    )
+    assert same.tensor_parallel_size("prefill") == same.tensor_parallel_size("decode") == 2
+    assert parse_manifest(text.replace("disaggregated", "colocated")).transport.backend == backend
+    if backend in ("tcp", "shm", "cuda_ipc"):
+        m = parse_manifest(text)
+        assert (m.tensor_parallel_size("prefill"), m.tensor_parallel_size("decode")) == (2, 1)
+        return
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text)
+    (problem,) = info.value.problems
+    assert f"kv transport {backend} cannot move KV" in problem
+    assert (
+        "prefill replica at tensor_parallel_size 2" in problem
+        and "decode replica at tensor_parallel_size 1" in problem
+    )
+    assert "tcp, shm, cuda_ipc" in problem
+    with pytest.raises(ManifestError, match=f"transport.fallback: kv transport {backend} cannot"):
+        parse_manifest(text.replace(f"backend: {backend}", f"backend: tcp, fallback: [{backend}]"))
+
+
 def test_pool_engine_errors_name_path_and_line():
     text = """\
 mode: disaggregated

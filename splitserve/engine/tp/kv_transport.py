@@ -33,12 +33,21 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from splitserve.config.kv_backends import across_sizes_refusal
 from splitserve.engine.tp.kv_routes import Plan, Sharding
-from splitserve.engine.tp.rank_reads import Held, Opener, RankReader, left_s, shard_handle, shards_of
+from splitserve.engine.tp.rank_reads import (
+    Held,
+    Opener,
+    RankReader,
+    fetch_only_kv,
+    left_s,
+    shard_handle,
+    shards_of,
+)
 from splitserve.engine.tp.read_orders import ReadDone, RemoteReads
 from splitserve.model.config import ModelConfig
 from splitserve.transport.errors import PeerRefused
-from splitserve.transport.layout import KVLayout, torch_dtype
+from splitserve.transport.layout import KVLayout
 from splitserve.transport.transport import KVTransport
 from splitserve.wire.kv_handle import KVHandle, KVShard
 from splitserve.wire.transport_info import RankParts
@@ -89,6 +98,9 @@ class ShardedFetch:
         whole = handle.tp_size == self.size and all(
             s.layout_fingerprint == t.fingerprint for s, t in zip(shards, self.layouts, strict=True)
         )
+        refusal = None if whole else across_sizes_refusal(self.own.backend, handle.tp_size, self.size)
+        if refusal:
+            raise PeerRefused(refusal, [f"handle {handle.request_id}: prefill ranks {handle.tp_size}"])
         remote = self.remote if self.size > 1 else None
         seqs = remote.start(handle, into, deadline, whole, self.cfg, self.full) if remote else []
         before, error, state = self.local.nbytes, None, {}
@@ -152,15 +164,17 @@ class ShardedFetch:
             if layout.fingerprint in tried:
                 continue
             tried.add(layout.fingerprint)
-            transport = self.opener(
-                torch.empty((1, *layout.block_shape), dtype=torch_dtype(layout.dtype)), layout
-            )
+            transport = self.opener(fetch_only_kv(layout, self.local.kv.device), layout)
             try:
-                return transport.check_peer(address, left_s(deadline))
+                found = transport.check_peer(address, left_s(deadline))
             except PeerRefused:
                 continue
             finally:
                 transport.close()
+            across = across_sizes_refusal(self.own.backend, size, self.size)
+            if across:  # a peer we could read, but not over this backend: say so now, not at a fetch
+                raise PeerRefused(across, [f"exporter {address}: rank 0 of tensor_parallel_size {size}"])
+            return found
         raise refusal
 
     def rank_parts(self) -> list[RankParts]:

@@ -11,6 +11,7 @@ its slot: rank 0's journal carries a `Held` in place of the tensor (journal.py's
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -24,9 +25,9 @@ from splitserve.engine.tp.kv_routes import Plan, Sharding, parts
 from splitserve.model.config import ModelConfig
 from splitserve.transport.errors import PeerRefused, TransferTimeout
 from splitserve.transport.layout import KVLayout, torch_dtype
-from splitserve.transport.part_sink import PartSink
-from splitserve.transport.payload import ByteStream, empty_state
-from splitserve.transport.transport import FetchRequest, KVTransport
+from splitserve.transport.part_sink import PartTarget
+from splitserve.transport.payload import empty_state
+from splitserve.transport.transport import FetchRequest, KVTransport, TransportOptions
 from splitserve.wire.kv_handle import KVHandle, KVShard
 
 Opener = Callable[[torch.Tensor, KVLayout], KVTransport]  # a fetch-only transport over a tensor
@@ -45,11 +46,20 @@ def shards_of(handle: KVHandle) -> tuple[KVShard, ...]:
 
 
 def shard_handle(handle: KVHandle, shard: KVShard) -> KVHandle:
-    """One rank's part of `handle`, as a plain handle its transport fetches and releases by."""
+    """One rank's part of `handle`, as a plain handle its transport fetches and releases by. The
+    handle's lease board slot and state arena row (cuda_ipc) are rank 0's: another rank's shard has
+    none (its fetch asks that rank's exporter, whose answer names its own row)."""
+    own = shard.lease_id == handle.lease_id and shard.address == handle.address
     return msgspec.structs.replace(
         handle, address=shard.address, lease_id=shard.lease_id, layout_fingerprint=shard.layout_fingerprint,
-        checksum=shard.checksum, tp_size=1, shards=(),
+        checksum=shard.checksum, tp_size=1, shards=(), lease_slot=handle.lease_slot if own else None,
+        state_row=handle.state_row if own else None,
     )  # fmt: skip
+
+
+def fetch_only(options: TransportOptions) -> TransportOptions:
+    """The options of a channel that only fetches (an `Opener`'s): no GPU rows kept for exports' state."""
+    return dataclasses.replace(options, state_arena_rows=0)
 
 
 def left_s(deadline: float) -> float:
@@ -94,17 +104,23 @@ class RankReader:
             self._count(self.rank, self.layout.payload_nbytes(len(into)))  # its twin prefill rank
             return state
         plan = Plan.build(self.cfg, handle.tp_size, self.size)
-        state = empty_state(self.layout)
-        for part in parts(plan, self.rank):
-            peer = self.peer(plan.src.rank_layout(self.full, part.src), part.src)
-            sink = PartSink(self.kv, self.layout, into, part.heads, state, part.states)
+        reads = [
+            (part, self.peer(plan.src.rank_layout(self.full, part.src), part.src))
+            for part in parts(plan, self.rank)
+        ]
+        # fresh state tensors, where the channels put them: the rank's device for a device copy (cuda_ipc)
+        device = (
+            getattr(reads[0][1], "part_state_device", torch.device("cpu")) if reads else torch.device("cpu")
+        )
+        state = {name: t.to(device) for name, t in empty_state(self.layout).items()}
+        for part, peer in reads:
+            target = PartTarget(self.kv, self.layout, into, part.heads, state, part.states)
             request = FetchRequest(shard_handle(handle, shards[part.src]), into, left_s(deadline))
             try:
-                peer.fetch_part(request, part.select, ByteStream(sink.pieces))  # type: ignore[attr-defined]
+                nbytes = peer.read_part(request, part.select, target)  # type: ignore[attr-defined]
             except PeerRefused as exc:
                 raise refused(plan, exc) from None
-            sink.commit()
-            self._count(part.src, sink.nbytes)
+            self._count(part.src, nbytes)
         return state
 
     def peer(self, layout: KVLayout, src: int) -> KVTransport:
@@ -112,8 +128,8 @@ class RankReader:
         with self._lock:
             if key in self.peers:
                 return self.peers[key]
-        dummy = torch.empty((1, *layout.block_shape), dtype=torch_dtype(layout.dtype))
-        made = self.opener(dummy, layout)  # NOTE: not under the lock (an opener may read describe())
+        made = self.opener(fetch_only_kv(layout, self.kv.device), layout)  # NOTE: not under the lock
+        # (an opener may read describe())
         with self._lock:
             peer = self.peers.setdefault(key, made)
         if peer is not made:
@@ -131,6 +147,12 @@ class RankReader:
             peers, self.peers = list(self.peers.values()), {}
         for peer in peers:
             peer.close()
+
+
+def fetch_only_kv(layout: KVLayout, device: torch.device) -> torch.Tensor:
+    """The KV a fetch-only channel is opened over: one unused block of `layout`, on the reading rank's
+    device (a GPU backend's channel lives on the GPU it copies into)."""
+    return torch.empty((1, *layout.block_shape), dtype=torch_dtype(layout.dtype), device=device)
 
 
 @dataclass(frozen=True)
@@ -181,6 +203,8 @@ __all__ = [
     "Opener",
     "RankReader",
     "drop",
+    "fetch_only",
+    "fetch_only_kv",
     "held_tensor",
     "keep",
     "left_s",

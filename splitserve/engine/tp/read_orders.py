@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 
 from splitserve.engine.tp.rank_exports import ExportDone, ExportOrder, Freed, RankExporter
-from splitserve.engine.tp.rank_reads import RankReader, drop, keep
+from splitserve.engine.tp.rank_reads import RankReader, drop, fetch_only, keep
 from splitserve.model.config import ModelConfig
 from splitserve.transport.backends import make_transport
 from splitserve.transport.errors import PeerRefused, TransferTimeout, TransportError
 from splitserve.transport.layout import KVLayout
-from splitserve.transport.transport import KVTransport
+from splitserve.transport.transport import KVTransport, TransportOptions
 from splitserve.wire.kv_handle import KVHandle
 
 log = logging.getLogger(__name__)
@@ -167,8 +167,9 @@ class RankReadService:
         if key not in self.readers:
             reach = order.reach
 
-            def opener(kv: torch.Tensor, layout: KVLayout) -> KVTransport:
-                return make_transport(reach.backend, kv, layout, secret=reach.secret, options=reach.options)
+            def opener(kv: torch.Tensor, layout: KVLayout) -> KVTransport:  # a fetch-only channel
+                options = fetch_only(reach.options or TransportOptions())
+                return make_transport(reach.backend, kv, layout, secret=reach.secret, options=options)
 
             self.readers[key] = RankReader(order.cfg, order.full, self.rank, self.size, self.kv, opener)
         return self.readers[key]

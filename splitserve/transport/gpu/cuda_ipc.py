@@ -62,18 +62,20 @@ from splitserve.transport.channel import KVChannel
 from splitserve.transport.client import SyncChannel
 from splitserve.transport.errors import PeerRefused, TransportError
 from splitserve.transport.export_requests import Export
-from splitserve.transport.frames import CudaIpcOpen, CudaIpcShare, Fetch, GpuPayload, KvCuda
+from splitserve.transport.frames import CudaIpcOpen, CudaIpcShare, Fetch, GpuPayload, KvCuda, Select
 from splitserve.transport.gpu.blocks import copy_blocks, handle_ids, host_id, kv_rows, paired_runs, wait_event
 from splitserve.transport.gpu.cuda_ipc_copy import queue_copy, queue_state_copy, wait_copies
+from splitserve.transport.gpu.cuda_ipc_part import read_part
 from splitserve.transport.gpu.cuda_ipc_share import PeerKV, open_board, open_peer, share_kv
 from splitserve.transport.gpu.link import GpuSide, QueuedCopy
 from splitserve.transport.gpu.mover import GpuMover, NoClose
 from splitserve.transport.gpu.state_arena import StateArena, open_arena
 from splitserve.transport.layout import KVLayout
+from splitserve.transport.part_sink import PartTarget
 from splitserve.transport.protocol import Deadline, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec, UnixSocketPath
 from splitserve.transport.trace import mark
-from splitserve.transport.transport import ExportRequest
+from splitserve.transport.transport import ExportRequest, FetchRequest
 from splitserve.wire.kv_handle import KVHandle
 from splitserve.wire.transport_info import CudaIpcInfo
 
@@ -278,6 +280,11 @@ class CudaIpcLink:
         self._wait_copies("the exporter's state arena", deadline, done)
         self.port.stats.count("state_rows_read")
         return state
+
+    def read_part(self, request: FetchRequest, select: Select, target: PartTarget) -> int:
+        """Only the `select`ed heads and state channels, copied by our GPU into `target` (a rank's own
+        blocks and state at another tensor-parallel size): cuda_ipc_part.py; -> the bytes written."""
+        return read_part(self.mover, request, select, target)
 
     def _wait_copies(self, address: str, deadline: Deadline, done: Any) -> None:
         wait_copies(self.mover, self.port.stats, self.device, address, deadline, done)

@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from splitserve.config.kv_backends import ACROSS_SIZES
 from splitserve.transport.board import LeaseBoard
 from splitserve.transport.client import SyncChannel, counted_failures, fetch_frame
 from splitserve.transport.errors import BackendUnavailable, CorruptTransfer, PeerRefused, TransportError
 from splitserve.transport.export_requests import PayloadCall
 from splitserve.transport.fault_plan import Fault
-from splitserve.transport.frames import Done, Error, Frame, GpuPayload, op
+from splitserve.transport.frames import Done, Error, Frame, GpuPayload, Select, op
 from splitserve.transport.gpu.blocks import (
     as_ids,
     cached_ids,
@@ -42,7 +43,16 @@ from splitserve.transport.gpu.blocks import (
     warm_copy_kernel,
 )
 from splitserve.transport.gpu.link import GpuLink
-from splitserve.transport.payload import ByteStream, empty_state, snapshot_state, source_pieces, state_pieces
+from splitserve.transport.part_sink import PartTarget
+from splitserve.transport.payload import (
+    ByteStream,
+    check_select,
+    empty_state,
+    selected_nbytes,
+    snapshot_state,
+    source_pieces,
+    state_pieces,
+)
 from splitserve.transport.port import MoverPort
 from splitserve.transport.protocol import Deadline, checksum, checksum_algo, expect
 from splitserve.transport.server import AsyncChannel, ListenSpec
@@ -190,6 +200,13 @@ class GpuMover:
             raise exc
         if fault is Fault.KILL:
             return 0  # hang up instead of answering: the fetcher must fail, not hang
+        select = call.request.select  # a part (cuda_ipc_part.py): the fetcher reads only these
+        if select is not None:
+            try:
+                check_select(self.layout, select)
+            except TransportError as exc:
+                await chan.send(Error.of(exc), deadline)
+                raise
         start = time.perf_counter()
         mark("e.serve")
         ids = cached_ids(block_ids)
@@ -220,6 +237,8 @@ class GpuMover:
         expect(await chan.recv(deadline), Done)
         mark("e.done")
         self.serve_phases.append((answered - start, pushed - answered, time.perf_counter() - pushed))
+        if select is not None:
+            return selected_nbytes(self.layout, len(ids), select)
         return len(ids) * self.layout.block_nbytes + state.nbytes
 
     # -- fetcher -----------------------------------------------------------------------------------
@@ -286,6 +305,18 @@ class GpuMover:
         self.phases.append((sent - start, answered - sent, pulled - answered))
         self.stats.fetched(nbytes, end - start, handle.address)
         return state
+
+    def read_part(self, request: FetchRequest, select: Select, target: PartTarget) -> int:
+        """Only the `select`ed heads and state channels of the handle's payload, into `target` (a rank's
+        own blocks and state at another tensor-parallel size; channel.py's `read_part`), where the link
+        can (cuda_ipc copies them on the device); -> the bytes written."""
+        read = getattr(self.link, "read_part", None)
+        if read is None:
+            raise BackendUnavailable(
+                f"{self.backend} moves whole blocks only: it cannot carry KV between replicas of "
+                f"different tensor_parallel_size (use {', '.join(ACROSS_SIZES)})"
+            )
+        return read(request, select, target)
 
     def peer(self, chan: SyncChannel, handle: KVHandle, deadline: Deadline) -> Any:
         """The link's peer on this connection: its open exchange on the connection's first use."""
