@@ -88,7 +88,7 @@ class Fetch(Frame, tag="fetch", kw_only=True):
     request_id: str
     timeout_s: float
     into_run: bool = False  # nccl: the fetcher's blocks are one run (one message is enough)
-    select: Select | None = None  # tcp, shm: only these heads and state channels (None: all)
+    select: Select | None = None  # tcp, shm, cuda_ipc: only these heads and state channels (None: all)
 
 
 class Release(Frame, tag="release", kw_only=True):

@@ -26,7 +26,15 @@ from splitserve.engine.tp.kv_transport import ShardedFetch
 from splitserve.engine.tp.rank_reads import RankReader, fetch_only
 from splitserve.model.config import ModelConfig
 from splitserve.model.random_weights import random_source_config
-from splitserve.transport import BackendUnavailable, PeerRefused, TransportOptions
+from splitserve.transport import (
+    BackendUnavailable,
+    LeaseExpired,
+    PeerRefused,
+    TransferTimeout,
+    TransportError,
+    TransportOptions,
+)
+from splitserve.transport.faults import FaultKnobs, FaultPlan
 from splitserve.transport.gpu.cuda_ipc import CudaIpcTransport
 from splitserve.transport.gpu.cuda_ipc_part import copy_channels, copy_heads
 from splitserve.transport.gpu.nccl import NcclTransport
@@ -254,3 +262,38 @@ def test_copy_heads_and_channels_are_exact_on_both_paths(into):
     assert torch.equal(state_dst["rec"], state_src["rec"][:, [3, 0]])
     with pytest.raises(ValueError, match="differ in shape"):
         copy_heads(src, ids, ((0, 2),), want, into, ((0, 1),))
+
+
+def test_a_part_read_meets_the_whole_reads_deadline_lease_and_hang_up_rules():
+    """A prefill rank that never answers fails the part read at its deadline, one that hangs up fails
+    it at once, and an ended lease is the exporter's LeaseExpired; the lease holds meanwhile, and the
+    same read succeeds, byte-exact, once the exporter behaves."""
+    cfg = _cfg()
+    full = _full(cfg)
+    prefill = Prefill(cfg, full, 2, "cuda_ipc")
+    kv = torch.zeros((48, *full.block_shape))
+    reader = RankReader(cfg, full, 0, 1, kv, _opener("cuda_ipc", connect_timeout_s=2.0))
+    try:
+        prefill.ranks[1].install_faults(FaultPlan(FaultKnobs(drop=1.0)))
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            reader.read(prefill.handle, INTO, time.monotonic() + 1.0, whole=False)
+        assert time.monotonic() - start < 5  # at its deadline: nothing hangs
+        prefill.ranks[1].install_faults(FaultPlan(FaultKnobs(kill=1.0)))
+        start = time.monotonic()
+        with pytest.raises(TransportError):
+            reader.read(prefill.handle, INTO, time.monotonic() + 10.0, whole=False)
+        assert time.monotonic() - start < 5
+        prefill.ranks[1].install_faults(None)
+        assert all(t.describe().leases.active == 1 for t in prefill.ranks)
+        state = reader.read(prefill.handle, INTO, time.monotonic() + 10.0, whole=False)
+        _check_rank(cfg, prefill, Sharding.of(cfg, 1), 0, kv, state)
+        shard = prefill.handle.shards[1]
+        prefill.ranks[1].release(
+            msgspec.structs.replace(prefill.handle, address=shard.address, lease_id=shard.lease_id)
+        )
+        with pytest.raises(LeaseExpired):
+            reader.read(prefill.handle, INTO, time.monotonic() + 10.0, whole=False)
+    finally:
+        reader.close()
+        prefill.close()

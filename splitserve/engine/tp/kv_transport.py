@@ -14,10 +14,13 @@ orders the other ranks' reads and waits for all of them; a failure on any rank f
     decode rank reads, from each prefill rank holding some of its heads and state channels, only
     those (a fetch that `select`s runs of heads and channels, kv_routes.py's `parts`), over a channel
     of that prefill rank's layout that is its own, into its own blocks and fresh state tensors
-    (transport/part_sink.py): every byte crosses the wire once, and each rank's counters show its
-    own share. A size pair the model cannot be split into, or a handle whose ranks hold other heads
-    than that size puts on them, is refused before any byte moves, naming both sizes; a rank layout
-    the exporter does not have is refused by its handshake, in the same words.
+    (`KVChannel.read_part`: tcp and shm stream them, transport/part_sink.py; cuda_ipc's GPU copies
+    them out of the exporter's mapped pool, transport/gpu/cuda_ipc_part.py): every byte crosses once,
+    and each rank's counters show its own share. nccl and nixl move whole blocks only: across sizes
+    they are refused before any byte moves, at the peer check and at the fetch (config/kv_backends.py).
+    A size pair the model cannot be split into, or a handle whose ranks hold other heads than that
+    size puts on them, is refused before any byte moves, naming both sizes; a rank layout the
+    exporter does not have is refused by its handshake, in the same words.
 The state decode ranks 1..D-1 read stays in their processes; it comes back as `name@rank` keys holding
 a `Held`, which the engine's state pool sends with the next step (journal.py's "put").
 """

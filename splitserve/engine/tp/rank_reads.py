@@ -26,7 +26,6 @@ from splitserve.model.config import ModelConfig
 from splitserve.transport.errors import PeerRefused, TransferTimeout
 from splitserve.transport.layout import KVLayout, torch_dtype
 from splitserve.transport.part_sink import PartTarget
-from splitserve.transport.payload import empty_state
 from splitserve.transport.transport import FetchRequest, KVTransport, TransportOptions
 from splitserve.wire.kv_handle import KVHandle, KVShard
 
@@ -79,8 +78,9 @@ def refused(plan: Plan, exc: PeerRefused) -> PeerRefused:
 
 class RankReader:
     """Decode rank `rank`'s reads into its pool `kv`, over channels of its own: one per prefill rank
-    and layout for parts (a fetch-only channel: one unused block, nothing staged), and `own` (a
-    channel over the pool itself) for whole shards."""
+    and layout for parts (a fetch-only channel: one unused block on the rank's device, nothing
+    staged; `read_part` streams a part in or copies it on the device), and `own` (a channel over the
+    pool itself) for whole shards."""
 
     def __init__(
         self, cfg: ModelConfig, full: KVLayout, rank: int, size: int, kv: torch.Tensor, opener: Opener,
@@ -112,7 +112,8 @@ class RankReader:
         device = (
             getattr(reads[0][1], "part_state_device", torch.device("cpu")) if reads else torch.device("cpu")
         )
-        state = {name: t.to(device) for name, t in empty_state(self.layout).items()}
+        state = {name: torch.empty(shape, dtype=torch_dtype(dtype), device=device)
+                 for name, shape, dtype in self.layout.state_shapes}  # fmt: skip
         for part, peer in reads:
             target = PartTarget(self.kv, self.layout, into, part.heads, state, part.states)
             request = FetchRequest(shard_handle(handle, shards[part.src]), into, left_s(deadline))
