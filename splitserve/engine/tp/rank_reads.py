@@ -108,10 +108,9 @@ class RankReader:
             (part, self.peer(plan.src.rank_layout(self.full, part.src), part.src))
             for part in parts(plan, self.rank)
         ]
-        # fresh state tensors, where the channels put them: the rank's device for a device copy (cuda_ipc)
-        device = (
-            getattr(reads[0][1], "part_state_device", torch.device("cpu")) if reads else torch.device("cpu")
-        )
+        # fresh state tensors where the channels put them: the rank's device for cuda_ipc's device copy
+        cpu = torch.device("cpu")
+        device = getattr(reads[0][1], "part_state_device", cpu) if reads else cpu
         state = {name: torch.empty(shape, dtype=torch_dtype(dtype), device=device)
                  for name, shape, dtype in self.layout.state_shapes}  # fmt: skip
         for part, peer in reads:
@@ -129,8 +128,8 @@ class RankReader:
         with self._lock:
             if key in self.peers:
                 return self.peers[key]
-        made = self.opener(fetch_only_kv(layout, self.kv.device), layout)  # NOTE: not under the lock
-        # (an opener may read describe())
+        # NOTE: not under the lock (an opener may read describe())
+        made = self.opener(fetch_only_kv(layout, self.kv.device), layout)
         with self._lock:
             peer = self.peers.setdefault(key, made)
         if peer is not made:
