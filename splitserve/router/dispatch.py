@@ -303,7 +303,10 @@ class Dispatcher:
         kv_export, claimed = pre.kv_export, False
         try:
             if early:  # the first token now; a fault from here on is mid-stream (migrate.py)
-                yield early_piece(index, pre, metrics)
+                first = early_piece(index, pre, metrics)
+                yield first
+                assert first.taken is not None
+                await first.taken.wait()  # written out: the decode request's making is off its way
             dc = (await self._pick("decode", prompt_ids, at)).worker
             dbody = DecodeRequest(
                 prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob,

@@ -12,6 +12,7 @@ still carries the KV transfer's figures (the router counts them, run.py) and is 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -25,11 +26,13 @@ log = logging.getLogger(__name__)
 def early_piece(index: int, pre: PrefillResponse, metrics: dict) -> Piece:
     """The prefill's first token as the choice's first piece; `metrics`: the prefill's figures. The KV
     backend is the export's (the handshake refuses a pair that does not share one); the transfer's
-    figures come later, with the decode worker's first piece."""
+    figures come later, with the decode worker's first piece. Its `taken` is set once the client's
+    stream has it: the decode request waits for that (dispatch.py), so that making it is not on the first
+    token's way out."""
     assert pre.kv_export is not None
     lps = None if pre.logprob is None else [pre.logprob]
     metrics = {**metrics, "kv_backend": pre.kv_export.handle.backend}
-    return Piece(index, [pre.first_token], pre.text, lps, None, False, metrics)
+    return Piece(index, [pre.first_token], pre.text, lps, None, False, metrics, asyncio.Event())
 
 
 class SentFirst:

@@ -3,6 +3,7 @@ worker's failure or error answer -> the client's `APIError` (dispatch.py drives 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ class Piece:
     finish_reason: str | None = None
     finished: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)  # the first piece: where the time went
+    # set by the run once its consumer has handled this piece (written it out) and asks for the next
+    taken: asyncio.Event | None = None
 
 
 async def lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
