@@ -89,7 +89,9 @@ class Run:
         end: BaseException | int | None = index  # what the consumer hears last from this choice
         try:
             stream = bool(self.req.stream)  # streamed: the first token may go ahead (router.first_token)
-            async for piece in self.s.dispatcher.run(index, ids, params, rid, self.deadline, stream):
+            # paced: this task queues each piece and goes on at once; next() tells when one is written
+            pieces = self.s.dispatcher.run(index, ids, params, rid, self.deadline, stream, paced=True)
+            async for piece in pieces:
                 self.queue.put_nowait(piece)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             end = exc
