@@ -39,7 +39,8 @@ class Piece:
     finish_reason: str | None = None
     finished: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)  # the first piece: where the time went
-    # set by the run once its consumer has handled this piece (written it out) and asks for the next
+    # a paced early first piece (first_token.py): set by the run once its consumer has written it out
+    # and asks for the next; the decode request waits for it
     taken: asyncio.Event | None = None
 
 
