@@ -26,7 +26,25 @@ import triton.language as tl
 from splitserve.kernels.causal_conv_varlen import TILE, causal_conv1d_varlen
 from splitserve.kernels.gated_delta import _round_to
 
-ROW_TILES = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (32, 64, 2), (64, 256, 8)]  # rows, channels, warps
+# rows, channels, warps: a row of BLOCK_C channels spread over the warps' threads, 8 bf16 (16 bytes) a
+# thread where BLOCK_C = 256 x warps
+ROW_TILES = [
+    (16, 128, 4),
+    (32, 256, 1),
+    (64, 256, 1),
+    (32, 512, 2),
+    (64, 512, 2),
+    (32, 1024, 4),
+    (64, 1024, 4),
+]
+
+
+@triton.jit
+def _silu_store(acc, optr, mask, wdt: tl.constexpr, odt: tl.constexpr):
+    """The shipped kernel's epilogue for one output row: rounded as the torch path rounds it."""
+    y = _round_to(acc, wdt)
+    y = _round_to(_round_to(y / (1.0 + tl.exp(-y)), wdt), odt)
+    tl.store(optr, y.to(odt), mask=mask)
 
 
 @triton.jit
@@ -35,27 +53,26 @@ def _conv_rows_kernel(
     stride_xt, stride_xc, stride_ss, stride_sc, stride_sk, stride_wc, stride_wk, stride_ot, stride_oc,
     KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """The shipped `_conv_varlen_kernel` (unsplit output), its whole-tile case walking the rows with a
-    register window over the last three inputs (K = 4); tiles across a chunk start as shipped."""
+    """The shipped `_conv_varlen_kernel`'s arithmetic (unsplit output), a program walking its rows one
+    by one: in a tile wholly inside a chunk with a register window over the last three inputs (K = 4),
+    else each row's taps read from x or its chunk's conv window."""
     tl.static_assert(KW == 4)
     r0 = tl.program_id(0) * BLOCK_T
     c0 = tl.program_id(1) * BLOCK_C
     dr, dc = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_C)
     rows = r0 + dr
     mr, mc = rows < T, c0 + dc < C
-    seq = tl.load(seq_ptr + rows, mask=mr, other=0)
-    pos = rows - tl.load(cu_ptr + seq, mask=mr, other=0).to(tl.int32)
+    pos = rows - tl.load(cu_ptr + tl.load(seq_ptr + rows, mask=mr, other=0), mask=mr, other=0).to(tl.int32)
     wdt: tl.constexpr = w_ptr.dtype.element_ty
     odt: tl.constexpr = out_ptr.dtype.element_ty
     x_blk = x_ptr + r0.to(tl.int64) * stride_xt + c0.to(tl.int64) * stride_xc
     o_blk = out_ptr + r0.to(tl.int64) * stride_ot + c0.to(tl.int64) * stride_oc
-    w_col = w_ptr + (c0 + dc) * stride_wc
+    xc, oc, w_col = dc * stride_xc, dc * stride_oc, w_ptr + (c0 + dc) * stride_wc
     w0 = tl.load(w_col, mask=mc, other=0.0).to(tl.float32)
     w1 = tl.load(w_col + stride_wk, mask=mc, other=0.0).to(tl.float32)
     w2 = tl.load(w_col + 2 * stride_wk, mask=mc, other=0.0).to(tl.float32)
     w3 = tl.load(w_col + 3 * stride_wk, mask=mc, other=0.0).to(tl.float32)
     if tl.min(tl.where(mr, pos, KW), 0) >= KW - 1:  # every row's taps inside x: the register window
-        xc = dc * stride_xc
         a0 = _round_to(tl.load(x_blk - 3 * stride_xt + xc, mask=mc, other=0.0).to(tl.float32), wdt)
         a1 = _round_to(tl.load(x_blk - 2 * stride_xt + xc, mask=mc, other=0.0).to(tl.float32), wdt)
         a2 = _round_to(tl.load(x_blk - stride_xt + xc, mask=mc, other=0.0).to(tl.float32), wdt)
@@ -67,26 +84,25 @@ def _conv_rows_kernel(
             acc += a1 * w1
             acc += a2 * w2
             acc += a3 * w3
-            y = _round_to(acc, wdt)
-            y = _round_to(_round_to(y / (1.0 + tl.exp(-y)), wdt), odt)
-            tl.store(o_blk + i * stride_ot + dc * stride_oc, y.to(odt), mask=m)
+            _silu_store(acc, o_blk + i * stride_ot + oc, m, wdt, odt)
             a0, a1, a2 = a1, a2, a3
-    else:  # some rows read their chunk's conv window: the shipped tile's arithmetic
-        offs = dr[:, None] * stride_xt + dc[None, :] * stride_xc
-        slot = tl.load(slot_ptr + seq, mask=mr, other=0).to(tl.int64)
-        s_row = state_ptr + slot[:, None] * stride_ss + (c0 + dc)[None, :].to(tl.int64) * stride_sc
-        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(KW):
-            in_x = pos >= KW - 1 - j
-            xv = tl.load(x_blk + offs - (KW - 1 - j) * stride_xt, mask=(mr & in_x)[:, None] & mc[None, :])
-            sv = tl.load(s_row + (pos + j)[:, None] * stride_sk, mask=(mr & ~in_x)[:, None] & mc[None, :])
-            v = tl.where(in_x[:, None], xv.to(tl.float32), _round_to(sv, x_ptr.dtype.element_ty))
-            w = tl.load(w_col + j * stride_wk, mask=mc, other=0.0).to(tl.float32)
-            acc += _round_to(v, wdt) * w[None, :]
-        y = _round_to(acc, wdt)
-        y = _round_to(_round_to(y / (1.0 + tl.exp(-y)), wdt), odt)
-        optr = o_blk + dr[:, None] * stride_ot + dc[None, :] * stride_oc
-        tl.store(optr, y.to(odt), mask=mr[:, None] & mc[None, :])
+    else:  # a chunk starts in the tile: per row, tap j from x or (pos + j) of the row's conv window
+        for i in tl.static_range(BLOCK_T):
+            row = r0 + i
+            seq = tl.load(seq_ptr + row, mask=row < T, other=0)
+            p = row - tl.load(cu_ptr + seq, mask=row < T, other=0).to(tl.int32)
+            slot = tl.load(slot_ptr + seq, mask=row < T, other=0).to(tl.int64)
+            s_col = state_ptr + slot * stride_ss + (c0 + dc).to(tl.int64) * stride_sc
+            m = mc & (row + dc * 0 < T)
+            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+            for j in tl.static_range(KW):
+                in_x = p + dc * 0 >= KW - 1 - j
+                xv = tl.load(x_blk + (i - (KW - 1 - j)) * stride_xt + xc, mask=m & in_x, other=0.0)
+                sv = tl.load(s_col + (p + j) * stride_sk, mask=m & ~in_x, other=0.0)
+                v = tl.where(in_x, xv.to(tl.float32), _round_to(sv, x_ptr.dtype.element_ty))
+                w = tl.load(w_col + j * stride_wk, mask=mc, other=0.0).to(tl.float32)
+                acc += _round_to(v, wdt) * w
+            _silu_store(acc, o_blk + i * stride_ot + oc, m, wdt, odt)
 
 
 def conv_rows(x, state, weight, cu, seq, slots, out, tile):  # noqa: ANN001, ANN201
