@@ -16,6 +16,11 @@ the conv window. The arithmetic is fp32 with the result rounded as the torch pat
 weight's dtype, SiLU, then to x's dtype). `conv1d_varlen_update_states` then writes each chunk's last
 K - 1 inputs back into its slot (a second launch: every read of the old windows is done by then). No
 host synchronization: both can run inside a captured graph.
+
+The split variant (q | k | v into three contiguous tensors, what fla's varlen rule reads) can also
+L2-normalize each key head of q and k, as fla's `l2norm_fwd` would next (`qk_norm_dim`): a program's
+tile then spans exactly one head, so a row's sum of squares is a reduction inside the tile, and the
+q and k planes are written once instead of written, read and written again.
 """
 
 from __future__ import annotations
@@ -27,14 +32,24 @@ import triton.language as tl
 from splitserve.kernels.gated_delta import _round_to
 
 TILE = (16, 128, 4)  # a program's rows, channels and warps: the fastest of bench/conv_varlen_gpu.py's sweep
+L2NORM_EPS = 1e-6  # fla's l2norm_fwd default, as its gated delta rule normalizes q and k
+MAX_NORM_DIM = 256  # the widest key head a tile holds for the fused L2 norm
+
+
+def can_fuse_qk_l2norm(key_dim: int, head_dim: int) -> bool:
+    """Whether `causal_conv1d_varlen_split` can L2-normalize q and k per key head of `head_dim` channels:
+    a power of two up to MAX_NORM_DIM (a tile's channel block) and key_dim whole heads. A function of
+    shapes only, so that a captured CUDA graph and its replays take the same path."""
+    return 0 < head_dim <= MAX_NORM_DIM and head_dim & (head_dim - 1) == 0 and key_dim % head_dim == 0
 
 
 @triton.jit
 def _conv_varlen_kernel(
     x_ptr, state_ptr, w_ptr, cu_ptr, seq_ptr, slot_ptr, out_ptr,
-    T, C, KD, VD,
+    T, C, KD, VD, eps,
     stride_xt, stride_xc, stride_ss, stride_sc, stride_sk, stride_wc, stride_wk, stride_ot, stride_oc,
     KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
+    L2NORM: tl.constexpr,
 ):  # fmt: skip
     # one program: rows [r0, r0 + BLOCK_T) x channels [c0, c0 + BLOCK_C)
     r0 = tl.program_id(0) * BLOCK_T
@@ -71,6 +86,10 @@ def _conv_varlen_kernel(
             acc += _round_to(v, wdt) * w[None, :]
     y = _round_to(acc, wdt)
     y = _round_to(_round_to(y / (1.0 + tl.exp(-y)), wdt), out_ptr.dtype.element_ty)
+    if L2NORM:  # SPLIT with BLOCK_C = the key head dim: a q or k tile holds one head of each row
+        if c0 < 2 * KD:  # fla's l2norm_fwd on the rounded output (rows past T: 0 * 1 / sqrt(eps))
+            rstd = 1 / tl.sqrt(tl.sum(y * y, 1) + eps)
+            y = _round_to(y * rstd[:, None], out_ptr.dtype.element_ty)
     if SPLIT:  # planes [q: T x KD | k: T x KD | v: T x VD], each row-major; a tile lies in one plane
         in_k, in_v = (c0 >= KD).to(tl.int32), (c0 >= 2 * KD).to(tl.int32)
         plane = (in_k + in_v) * KD  # the plane's first channel: 0, KD or 2 KD
@@ -139,13 +158,18 @@ def causal_conv1d_varlen_split(
     slots: torch.Tensor,
     key_dim: int,
     tile: tuple[int, int, int] | None = None,
+    qk_norm_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`causal_conv1d_varlen` with its output split at the channels' q | k | v boundaries (key_dim,
     key_dim, the rest) into three contiguous tensors [T, key_dim], [T, key_dim], [T, C - 2 key_dim]:
-    what fla's varlen rule reads, with no strided copies in between."""
+    what fla's varlen rule reads, with no strided copies in between.
+
+    `qk_norm_dim`: the key head dim, to L2-normalize every head of q and k as fla's `l2norm_fwd` does
+    (fp32 from the rounded output, eps L2NORM_EPS); `can_fuse_qk_l2norm` must hold. The tile's channel
+    block is then the head dim, whatever `tile` says."""
     t, c = x.shape
     buf = torch.empty(t * c, dtype=x.dtype, device=x.device)
-    _launch(x, conv_state, weight, cu_seqlens, token_seq, slots, buf, key_dim, tile)
+    _launch(x, conv_state, weight, cu_seqlens, token_seq, slots, buf, key_dim, tile, qk_norm_dim)
     q, k, v = buf.split([t * key_dim, t * key_dim, t * (c - 2 * key_dim)])
     return q.view(t, key_dim), k.view(t, key_dim), v.view(t, c - 2 * key_dim)
 
@@ -160,9 +184,10 @@ def _launch(
     out: torch.Tensor,
     key_dim: int | None,
     tile: tuple[int, int, int] | None,
+    norm_dim: int | None = None,
 ) -> None:
     """One launch of `_conv_varlen_kernel` into out [T, C] (any strides), or with `key_dim` into the
-    flat buffer of the q | k | v planes."""
+    flat buffer of the q | k | v planes (q and k L2-normalized per head of `norm_dim` channels)."""
     t, c = x.shape
     weight = weight.reshape(weight.shape[0], weight.shape[-1])  # [C, K]
     kw = weight.shape[1]
@@ -174,12 +199,16 @@ def _launch(
     if key_dim is not None:  # a tile may not straddle two planes
         assert 0 < 2 * key_dim < c
         block_c = min(block_c, key_dim & -key_dim, (c - 2 * key_dim) & -(c - 2 * key_dim))
+    if norm_dim is not None:  # one head a tile; v's last tile may run past C (masked)
+        assert key_dim is not None and can_fuse_qk_l2norm(key_dim, norm_dim)
+        block_c = norm_dim
     grid = (triton.cdiv(t, block_t), triton.cdiv(c, block_c))
     strides = (0, 0) if key_dim is not None else out.stride()
     _conv_varlen_kernel[grid](
         x, conv_state, weight, cu_seqlens, token_seq, slots, out, t, c, key_dim or 0, c - 2 * (key_dim or 0),
-        *x.stride(), *conv_state.stride(), *weight.stride(), *strides,
-        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT=key_dim is not None, num_warps=warps,
+        L2NORM_EPS, *x.stride(), *conv_state.stride(), *weight.stride(), *strides,
+        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT=key_dim is not None, L2NORM=norm_dim is not None,
+        num_warps=warps,
     )  # fmt: skip
 
 

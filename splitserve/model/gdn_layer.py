@@ -94,9 +94,9 @@ class GatedDeltaNet(nn.Module):
         q, k, v = q.view(rows, hk, dk), k.view(rows, hk, dk), v.view(rows, hv, dv)
         core = None
         if lp is not None:  # the prefill rows: conv output straight into contiguous q | k | v
-            pq, pk, pv = varlen_conv(lp, mixed, conv_states, self.conv1d.weight, hk * dk)
+            pq, pk, pv, normed = varlen_conv(lp, mixed, conv_states, self.conv1d.weight, hk * dk, dk)
             pq, pk, pv = pq.view(-1, hk, dk), pk.view(-1, hk, dk), pv.view(-1, hv, dv)
-            o = varlen_rule(lp, pq, pk, pv, a, b, self.A_log, self.dt_bias, rec_states)
+            o = varlen_rule(lp, pq, pk, pv, a, b, self.A_log, self.dt_bias, rec_states, normed)
             core = o  # [Tp, Hv, Dv]: all of core in a step without decode rows
             if nd:
                 core = o.new_empty((t, hv, dv))

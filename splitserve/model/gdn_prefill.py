@@ -6,10 +6,11 @@ A step's prefill chunks lie back to back after its decode rows. `build_linear_pr
 
 1. runs the causal conv + SiLU over all chunks (splitserve/kernels/causal_conv_varlen.py), reading
    each chunk's conv window from its slot, and writes the windows back; its output goes straight
-   into contiguous q, k and v (fla's kernels read them so: no strided copies in between);
+   into contiguous q, k and v (fla's kernels read them so: no strided copies in between), q and k
+   L2-normalized per head in the same launch where the head dim allows (`can_fuse_qk_l2norm`);
 2. gathers the chunks' recurrent states from their slots ([P, Hv, Dk, Dv] fp32), runs one varlen
-   gated delta rule with q/k L2 norm, the sigmoid of beta and the decay gate
-   `-exp(A_log) * softplus(a + dt_bias)` fused in the kernels, and scatters the final states back.
+   gated delta rule with the q/k L2 norm (unless the conv did it), the sigmoid of beta and the decay
+   gate `-exp(A_log) * softplus(a + dt_bias)` fused in the kernels, and scatters the final states back.
 
 `linear_attention_backend` (EngineConfig): "torch" keeps the per-chunk torch rule (the CPU path and
 the reference), "fla" needs CUDA and an importable `fla`, "auto" picks fla when both hold.
@@ -19,7 +20,8 @@ fla's public `chunk_gated_delta_rule` goes through its backend dispatch, argumen
 Function and a contiguity guard on every call: host work paid 24 times a step (1.37 ms a call in a
 64-token step on the H200, where the whole step's GPU time is 12 ms). `fla_forward` calls the same
 forward kernels directly (l2norm, beta sigmoid, `chunk_gated_delta_rule_fwd`), with the step's chunk
-table built once; SPLITSERVE_FLA_DIRECT=0 goes back through the public call (to compare).
+table built once; SPLITSERVE_FLA_DIRECT=0 goes back through the public call (to compare), and
+SPLITSERVE_CONV_QK_NORM=0 leaves the q/k L2 norm to fla (to compare).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from splitserve.model.attention import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "fla")
 CHUNK = 64  # the gated delta rule's chunk length in fla
+# whether the varlen conv L2-normalizes q and k where it can (read once: captured graphs and their
+# replays must take the same path)
+CONV_QK_NORM = os.environ.get("SPLITSERVE_CONV_QK_NORM", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -74,11 +79,15 @@ def fla_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     except ImportError:  # another fla layout: the public call
         return None
 
-    def forward(q, k, v, a, b, *, initial_state, A_log, dt_bias, cu_seqlens, chunk_indices, **_):  # noqa: ANN001, ANN202
+    def forward(  # noqa: ANN202
+        q, k, v, a, b, *, initial_state, A_log, dt_bias, cu_seqlens, chunk_indices,  # noqa: ANN001
+        use_qk_l2norm_in_kernel: bool = False, **_: object,
+    ):  # fmt: skip
         dtype = q.dtype
         q, k, v, a, b = (x.contiguous() for x in (q, k, v, a, b))  # slices of the projections' outputs
-        q, _ = l2norm_fwd(q)
-        k, _ = l2norm_fwd(k)
+        if use_qk_l2norm_in_kernel:
+            q, _ = l2norm_fwd(q)
+            k, _ = l2norm_fwd(k)
         beta = fused_beta_sigmoid_fwd(b, 1.0)
         _, o, _, final, _, _ = chunk_gated_delta_rule_fwd(
             q=q, k=k, v=v, g=a, beta=beta, scale=k.shape[-1] ** -0.5, initial_state=initial_state,
@@ -148,27 +157,43 @@ def chunk_table(lens: np.ndarray) -> np.ndarray:
 
 
 def varlen_conv(
-    lp: LinearPrefill, mixed: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, key_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lp: LinearPrefill,
+    mixed: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    key_dim: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """silu(conv) of mixed's prefill rows, continuing and then updating the windows; -> q, k [Tp,
-    key_dim] and v [Tp, C - 2 key_dim], each contiguous (the channels' q | k | v split)."""
-    from splitserve.kernels.causal_conv_varlen import causal_conv1d_varlen_split, conv1d_varlen_update_states
+    key_dim] and v [Tp, C - 2 key_dim], each contiguous (the channels' q | k | v split), and whether
+    q and k came out L2-normalized per key head of `head_dim` (then the rule must not normalize
+    them again: `varlen_rule`'s qk_normed). The choice depends on the shapes only."""
+    from splitserve.kernels import causal_conv_varlen as ccv
 
     x = mixed[lp.row0 : lp.row0 + lp.num_rows]  # [Tp, C]
-    qkv = causal_conv1d_varlen_split(x, conv_states, weight, lp.cu_seqlens, lp.token_seq, lp.slots, key_dim)
-    conv1d_varlen_update_states(x, conv_states, lp.cu_seqlens, lp.slots)
-    return qkv
+    normed = CONV_QK_NORM and ccv.can_fuse_qk_l2norm(key_dim, head_dim)
+    q, k, v = ccv.causal_conv1d_varlen_split(
+        x, conv_states, weight, lp.cu_seqlens, lp.token_seq, lp.slots, key_dim,
+        qk_norm_dim=head_dim if normed else None,
+    )  # fmt: skip
+    ccv.conv1d_varlen_update_states(x, conv_states, lp.cu_seqlens, lp.slots)
+    return q, k, v, normed
 
 
 def rule_kwargs(
-    lp: LinearPrefill, initial_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    lp: LinearPrefill,
+    initial_state: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    qk_normed: bool = False,
 ) -> dict:
-    """fla's varlen keyword arguments for the chunks of `lp`: the decay gate, the q/k l2 norm and
-    sigmoid(beta) fused in its kernels, the chunks' states in and out."""
+    """fla's varlen keyword arguments for the chunks of `lp`: the decay gate, the q/k l2 norm (unless
+    `qk_normed`: q and k come normalized) and sigmoid(beta) fused in its kernels, the chunks' states
+    in and out."""
     return dict(
         initial_state=initial_state,
         output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=not qk_normed,
         use_beta_sigmoid_in_kernel=True,
         use_gate_in_kernel=True,
         A_log=A_log,
@@ -189,17 +214,19 @@ def varlen_rule(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     rec_states: torch.Tensor,
+    qk_normed: bool = False,
 ) -> torch.Tensor:
     """The gated delta rule over every prefill chunk, from and back into the chunks' recurrent states
     (rec_states [num_slots, Hv, Dk, Dv] fp32, in place); -> o [Tp, Hv, Dv].
 
     q, k [Tp, Hk, Dk]; v [Tp, Hv, Dv] (the prefill rows only, contiguous: `varlen_conv`'s); a, b
-    [T, Hv] raw, all rows of the step (the decay gate and sigmoid(beta) are fused)."""
+    [T, Hv] raw, all rows of the step (the decay gate and sigmoid(beta) are fused). `qk_normed`: q and
+    k are L2-normalized already (`varlen_conv` said so), else the rule normalizes them."""
     rows = slice(lp.row0, lp.row0 + lp.num_rows)
     initial = rec_states[lp.slots]  # [P, Hv, Dk, Dv] fp32
     o, final = _rule()(
         q[None], k[None], v[None], a[None, rows], b[None, rows],
-        **rule_kwargs(lp, initial, A_log, dt_bias),
+        **rule_kwargs(lp, initial, A_log, dt_bias, qk_normed),
     )  # fmt: skip
     rec_states[lp.slots] = final.to(rec_states.dtype)
     return o[0]
@@ -216,10 +243,12 @@ def torch_varlen_rule(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     cu_seqlens_cpu: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = False,
     **_: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's varlen call (gates, l2 norm and sigmoid fused) computed with the torch chunked rule, one
-    chunk at a time: a stand-in for `VARLEN_RULE` where fla cannot run (the CPU tests)."""
+    chunk at a time: a stand-in for `VARLEN_RULE` where fla cannot run (the CPU tests). q and k are
+    L2-normalized here only with use_qk_l2norm_in_kernel, as fla does."""
     import torch.nn.functional as F
 
     from splitserve.model.gated_delta import chunk_gated_delta_rule
@@ -231,8 +260,9 @@ def torch_varlen_rule(
     bounds = cu_seqlens_cpu.tolist()
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         o, state = chunk_gated_delta_rule(
-            q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state[i : i + 1]
-        )
+            q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state[i : i + 1],
+            use_qk_l2norm=use_qk_l2norm_in_kernel,
+        )  # fmt: skip
         out[:, s:e] = o
         finals.append(state)
     return out, torch.cat(finals)

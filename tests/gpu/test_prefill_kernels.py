@@ -1,5 +1,6 @@
 """The hybrid prefill's kernels on the GPU against torch: the varlen causal conv (whole tiles inside a
-chunk and tiles across chunk starts, the q | k | v split), and the attention output gate.
+chunk and tiles across chunk starts, the q | k | v split, its fused q/k L2 norm against fla's), and the
+attention output gate.
 
 Skipped without a GPU (CI has none; tests/kernels checks the same kernels under Triton's interpreter).
 """
@@ -64,6 +65,26 @@ def test_conv_varlen_matches_torch(lens):
         ref_pool[slot] = seq[:, -3:]
         start += n
     assert torch.equal(pool, ref_pool)
+
+
+@pytest.mark.parametrize("lens", [[1, 2, 9, 70, 512], [4096]])
+def test_conv_qk_norm_matches_fla_l2norm(lens):
+    """The split conv's fused q/k L2 norm against the unfused split followed by fla's `l2norm_fwd` (what
+    fla's rule runs with use_qk_l2norm_in_kernel): equal but for rare last bits (the two kernels sum a
+    row's squares in different orders), v untouched."""
+    fla_norm = pytest.importorskip("fla.modules.norm.l2norm")
+    from splitserve.kernels.causal_conv_varlen import causal_conv1d_varlen_split
+
+    c, key_dim, dk = 2 * 512 + 1024 + 64, 512, 128  # 4 key heads; v's last tile ends inside
+    x, pool, weight, lp, _ = _conv_case(lens, c, key_dim)
+    args = (x, pool, weight, lp.cu_seqlens, lp.token_seq, lp.slots, key_dim)
+    q, k, v = causal_conv1d_varlen_split(*args)
+    nq, nk, nv = causal_conv1d_varlen_split(*args, qk_norm_dim=dk)
+    assert torch.equal(nv, v)
+    for got, raw in ((nq, q), (nk, k)):
+        want = fla_norm.l2norm_fwd(raw.view(-1, key_dim // dk, dk))[0].view_as(raw)
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3)
+        assert (got != want).float().mean() < 1e-3
 
 
 def test_sigmoid_gate_mul_matches_torch():
