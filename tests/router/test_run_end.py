@@ -19,7 +19,14 @@ class _StrayCancel:
     """Awaits a future that another task cancels: the CancelledError comes from below, not from Run."""
 
     async def run(
-        self, index: int, ids: list[int], params: SamplingParams, rid: str, deadline=None, stream=False
+        self,
+        index: int,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        deadline=None,
+        stream=False,
+        paced=False,
     ):
         fut = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.05, fut.cancel)
@@ -29,7 +36,14 @@ class _StrayCancel:
 
 class _Hang:
     async def run(
-        self, index: int, ids: list[int], params: SamplingParams, rid: str, deadline=None, stream=False
+        self,
+        index: int,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        deadline=None,
+        stream=False,
+        paced=False,
     ):
         await asyncio.sleep(3600)
         yield
