@@ -206,18 +206,21 @@ class Dispatcher:
 
     def run(
         self, index: int, prompt_ids: list[int], params: SamplingParams, request_id: str,
-        deadline: float | None = None, stream: bool = False,
+        deadline: float | None = None, stream: bool = False, paced: bool = False,
     ) -> AsyncIterator[Piece]:  # fmt: skip
         """The choice's pieces; `deadline` (time.perf_counter()): the request's, which bounds waits for
-        a worker and migrations; `stream`: the client reads them as they come (`router.first_token`)."""
+        a worker and migrations; `stream`: the client reads them as they come (`router.first_token`);
+        `paced`: the caller hands the pieces on to another task, and sets an early first piece's `taken`
+        once that task has written it out (`Run`): the decode request waits for it. Unpaced, asking for
+        the next piece says the last one is out."""
         early = stream and self.config.first_token == "prefill"
-        attempt = functools.partial(self._attempt, early=early)
+        attempt = functools.partial(self._attempt, early=early, paced=early and paced)
         return migrating(attempt, self.config, index, prompt_ids, params, request_id, deadline,
                          self.on_migrated)  # fmt: skip
 
     async def _attempt(
         self, index: int, ids: list[int], params: SamplingParams, rid: str, resumed: int, at: Attempt,
-        early: bool = False,
+        early: bool = False, paced: bool = False,
     ) -> AsyncIterator[Piece]:  # fmt: skip
         """One try at a choice (migrate.py): `ids` the prompt, its last `resumed` tokens the completion's
         own (streamed before a fault)."""
@@ -233,7 +236,7 @@ class Dispatcher:
             finally:
                 choice.done()
             return
-        async for p in self._disaggregated(index, ids, params, rid, resumed, at, early):
+        async for p in self._disaggregated(index, ids, params, rid, resumed, at, early, paced):
             yield p
 
     async def _pick(self, role: str, prompt_ids: Sequence[int], at: Attempt) -> Choice:
@@ -254,7 +257,7 @@ class Dispatcher:
 
     async def _disaggregated(
         self, index: int, prompt_ids: list[int], params: SamplingParams, rid: str, resumed: int, at: Attempt,
-        early: bool = False,
+        early: bool = False, paced: bool = False,
     ) -> AsyncIterator[Piece]:  # fmt: skip
         t = self.config.timeouts
         await self._pick("decode", prompt_ids, at)  # none ready: wait before a prefill holds KV for it
@@ -303,7 +306,10 @@ class Dispatcher:
         kv_export, claimed = pre.kv_export, False
         try:
             if early:  # the first token now; a fault from here on is mid-stream (migrate.py)
-                yield early_piece(index, pre, metrics)
+                first = early_piece(index, pre, metrics, paced)
+                yield first
+                if first.taken is not None:  # paced: wait until it is written out, so that making the
+                    await first.taken.wait()  # decode request is off its way (a cancel lands here)
             dc = (await self._pick("decode", prompt_ids, at)).worker
             dbody = DecodeRequest(
                 prompt_token_ids=prompt_ids, first_token=pre.first_token, first_logprob=pre.logprob,

@@ -12,6 +12,7 @@ still carries the KV transfer's figures (the router counts them, run.py) and is 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -22,14 +23,18 @@ from splitserve.wire.http import PrefillResponse
 log = logging.getLogger(__name__)
 
 
-def early_piece(index: int, pre: PrefillResponse, metrics: dict) -> Piece:
+def early_piece(index: int, pre: PrefillResponse, metrics: dict, paced: bool = False) -> Piece:
     """The prefill's first token as the choice's first piece; `metrics`: the prefill's figures. The KV
     backend is the export's (the handshake refuses a pair that does not share one); the transfer's
-    figures come later, with the decode worker's first piece."""
+    figures come later, with the decode worker's first piece. `paced` (the pieces go through a queue to
+    the task that writes them, run.py): it carries a `taken` event, which that task sets once the
+    client's stream has it; the decode request waits for that (dispatch.py), so that making it is not on
+    the first token's way out. Unpaced, the consumer asking for the next piece says as much."""
     assert pre.kv_export is not None
     lps = None if pre.logprob is None else [pre.logprob]
     metrics = {**metrics, "kv_backend": pre.kv_export.handle.backend}
-    return Piece(index, [pre.first_token], pre.text, lps, None, False, metrics)
+    taken = asyncio.Event() if paced else None
+    return Piece(index, [pre.first_token], pre.text, lps, None, False, metrics, taken)
 
 
 class SentFirst:

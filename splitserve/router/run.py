@@ -69,6 +69,7 @@ class Run:
         # tools or thinking on: each choice's text parsed (parsers/output.py), one parser per choice
         self.output: Callable[[], ChatOutput] | None = None
         self.cancelling = False  # set by cancel(): its choices' cancellations are its own
+        self._handed: Piece | None = None  # the piece next() returned last
 
     def count_thinking(self, counter: Callable[[], ThinkingTokens] | None) -> None:
         """Count each choice's thinking tokens (usage's reasoning_tokens) with a fresh `counter()`."""
@@ -88,7 +89,9 @@ class Run:
         end: BaseException | int | None = index  # what the consumer hears last from this choice
         try:
             stream = bool(self.req.stream)  # streamed: the first token may go ahead (router.first_token)
-            async for piece in self.s.dispatcher.run(index, ids, params, rid, self.deadline, stream):
+            # paced: this task queues each piece and goes on at once; next() tells when one is written
+            pieces = self.s.dispatcher.run(index, ids, params, rid, self.deadline, stream, paced=True)
+            async for piece in pieces:
                 self.queue.put_nowait(piece)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             end = exc
@@ -123,6 +126,8 @@ class Run:
 
     async def next(self) -> Piece | None:
         """The next piece of any choice; None once all are done. Raises a choice's error."""
+        if self._handed is not None and self._handed.taken is not None:
+            self._handed.taken.set()  # asked for the next: the last one is out (first_token.py)
         while self.pending:
             item = await self.queue.get()
             if item is _DEADLINE:
@@ -142,6 +147,7 @@ class Run:
                 self.pending -= 1
                 continue
             self._account(item)
+            self._handed = item
             return item
         if self._timer is not None:
             self._timer.cancel()  # else it holds this run until the deadline

@@ -3,6 +3,7 @@ worker's failure or error answer -> the client's `APIError` (dispatch.py drives 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ class Piece:
     finish_reason: str | None = None
     finished: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)  # the first piece: where the time went
+    # a paced early first piece (first_token.py): set by the run once its consumer has written it out
+    # and asks for the next; the decode request waits for it
+    taken: asyncio.Event | None = None
 
 
 async def lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:

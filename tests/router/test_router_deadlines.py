@@ -144,6 +144,76 @@ async def test_a_first_token_sent_ahead_gives_the_kv_back_when_the_decode_worker
         server.close()
 
 
+async def _released(seen: list[str], *paths: str) -> None:
+    """Wait (5 s at most) until the fake worker has seen each of `paths`: they go out in the background."""
+    deadline = time.monotonic() + 5
+    while not set(paths) <= set(seen) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+DECODE_NEVER_ANSWERS: dict[str, bytes | None] = {
+    "/prefill": PREFILL_ANSWER,
+    "/decode": None,
+    "/kv/release": b"{}",
+}
+
+
+def _early_pair(url: str) -> tuple[_Workers, Dispatcher]:
+    workers = _Workers(_Endpoint("prefill-0", "prefill", url), _Endpoint("decode-0", "decode", url))
+    router = RouterSection.model_validate(
+        {"first_token": "prefill", "timeouts": {"request_s": 600, "kv_transfer_s": 0.4, "connect_s": 0.2}}
+    )
+    return workers, Dispatcher(workers, router, "disaggregated")
+
+
+async def test_a_paced_first_token_holds_the_decode_request_and_a_cancel_there_gives_the_kv_back() -> None:
+    """Paced (the run's choice task queues the pieces for the task that writes them): the decode request
+    waits until the first piece is written out (`taken`). A client that goes away meanwhile cancels that
+    wait: the cancellation comes out as itself (it is the caller's, not turned into an error), no decode
+    request is made, and the export is released."""
+    server, url, seen = await _fake_worker(DECODE_NEVER_ANSWERS)
+    workers, dispatcher = _early_pair(url)
+    pieces = dispatcher.run(0, [1, 2, 3, 4], SamplingParams(max_tokens=8), "r", stream=True, paced=True)
+    try:
+        first = await anext(pieces)
+        assert first.token_ids == [7] and first.taken is not None and not first.taken.is_set()
+        waiting = asyncio.ensure_future(anext(pieces))
+        for _ in range(20):  # the loop goes round; only `taken` lets the decode request go
+            await asyncio.sleep(0)
+        assert not waiting.done() and workers.endpoints[1].inflight == 0 and seen == ["/prefill"]
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await _released(seen, "/kv/release")
+        assert seen == ["/prefill", "/kv/release"], seen
+        assert [e.inflight for e in workers.endpoints] == [0, 0]
+    finally:
+        await dispatcher.close()
+        server.close()
+
+
+async def test_a_paced_first_token_once_written_meets_the_decode_deadline() -> None:
+    """Paced, the first piece written out (`taken` set): the decode request goes, and a decode worker
+    that never answers is the kv transfer stage's 504; the export it never took is released."""
+    server, url, seen = await _fake_worker(DECODE_NEVER_ANSWERS)
+    workers, dispatcher = _early_pair(url)
+    pieces = dispatcher.run(0, [1, 2, 3, 4], SamplingParams(max_tokens=8), "r", stream=True, paced=True)
+    try:
+        first = await anext(pieces)
+        assert first.taken is not None
+        first.taken.set()
+        with pytest.raises(APIError) as info:
+            async with asyncio.timeout(10):
+                await anext(pieces)
+        assert info.value.status == 504 and info.value.code == "worker_timeout", info.value
+        await _released(seen, "/kv/release", "/abort")
+        assert seen[:2] == ["/prefill", "/decode"] and {"/kv/release", "/abort"} <= set(seen), seen
+        assert [e.inflight for e in workers.endpoints] == [0, 0]
+    finally:
+        await dispatcher.close()
+        server.close()
+
+
 async def test_a_colocated_worker_that_never_answers_is_a_504_at_the_prefill_deadline() -> None:
     server, url, _ = await _fake_worker({"/generate": None, "/abort": b"{}"})
     dispatcher = Dispatcher(
