@@ -20,7 +20,7 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.llm import LLM
 from splitserve.model.checkpoint import default_model_path
 from splitserve.model.loader import load_model
-from splitserve.model.tokenizer import Tokenizer
+from splitserve.model.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from serve_harness import Deployment
@@ -87,7 +87,10 @@ def smol_loaded(default_path):
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(default_path, smol_loaded) -> Tokenizer:
-    tok = Tokenizer.from_checkpoint(default_path, smol_loaded.config.eos_token_ids)
+    """The default model's tokenizer as a worker loads it: the GGUF's vocabulary converted once into the
+    cache (scripts/setup.sh's prepare does it) and read from there. tests/model/test_tokenizer.py holds
+    the conversion to the cache, and what is read from it to transformers' ids."""
+    tok = load_tokenizer(default_path, eos_ids=smol_loaded.config.eos_token_ids)
     assert tok is not None
     return tok
 

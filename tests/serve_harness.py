@@ -112,11 +112,15 @@ def manifest_yaml(**sections) -> dict:
     return base
 
 
-def start_deployment(manifest: dict, api_key: str | None = None, timeout_s: float = 180.0) -> Deployment:
+def start_deployment(
+    manifest: dict, api_key: str | None = None, timeout_s: float = 180.0, args: list[str] | None = None
+) -> Deployment:
     """`splitserve serve` on `manifest` (a dict of YAML sections) as a child process, through the same
-    launcher the benchmarks and `verify` use; returns once it serves."""
+    launcher the benchmarks and `verify` use; returns once it serves. `args`: command-line flags after
+    the manifest (vLLM's names; each overrides a manifest field)."""
     overrides = {"server.api_keys": [api_key]} if api_key else None
-    sp = start_serve(parse_manifest(yaml.safe_dump(manifest), "test manifest", overrides), timeout_s)
+    parsed = parse_manifest(yaml.safe_dump(manifest), "test manifest", overrides)
+    sp = start_serve(parsed, timeout_s, args=args)
     return Deployment(sp, sp.proc, sp.url, api_key, sp.ready["workers"], sp.log)
 
 

@@ -32,9 +32,11 @@ def other_tiny_qwen(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smol_chat_prompts(default_path) -> list[list[int]]:
-    from splitserve.model.checkpoint import open_checkpoint
-    from splitserve.model.tokenizer import Tokenizer
+    from pathlib import Path
 
-    tok = Tokenizer.from_checkpoint(default_path, (), cache_key=open_checkpoint(default_path).fingerprint())
+    from splitserve.model.tokenizer import Tokenizer, gguf_fingerprint
+
+    # the cache key from the weight cache's memo (opening the whole GGUF for it takes seconds)
+    tok = Tokenizer.from_checkpoint(default_path, (), cache_key=gguf_fingerprint(Path(default_path)))
     assert tok is not None
     return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from splitserve.model.checkpoint import open_checkpoint
-from splitserve.model.tokenizer import Tokenizer
+from pathlib import Path
+
+from splitserve.model.tokenizer import LightTokenizer, Tokenizer, gguf_fingerprint
 
 TEXTS = ["Hello, world!", "  leading spaces and ünïcödé ✓", "def f(x):\n    return x * 2\n"]
 
@@ -26,18 +27,21 @@ def test_incremental_decoding_matches_full_decode(smol_tokenizer):
 
 
 def test_converted_tokenizer_is_cached_and_rebuilt_when_corrupt(default_path, tmp_path, monkeypatch):
+    """A cache entry whose tokenizer.json is corrupt is converted again (the one conversion here: seconds)
+    and replaced; the next load reads the entry, converting nothing, with the same ids."""
+    key = gguf_fingerprint(Path(default_path))  # from the weight cache's memo, before the cache dir moves
     monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path))
-    key = open_checkpoint(default_path).fingerprint()
-    fresh = Tokenizer.from_checkpoint(default_path, cache_key=key)
     entry = tmp_path / "tokenizers" / key
-    assert (entry / "tokenizer.json").exists()
-    cached = Tokenizer.from_checkpoint(default_path, cache_key=key)
-    for text in TEXTS:
-        assert cached.encode(text) == fresh.encode(text)
+    entry.mkdir(parents=True)  # an entry whose tokenizer.json is broken
+    (entry / "tokenizer_config.json").write_text("{}")
     (entry / "tokenizer.json").write_text("{ not json")
     rebuilt = Tokenizer.from_checkpoint(default_path, cache_key=key)
-    assert rebuilt.encode(TEXTS[0]) == fresh.encode(TEXTS[0])
+    assert not isinstance(rebuilt, LightTokenizer)  # converted from the GGUF, not read from the entry
     assert (entry / "tokenizer.json").read_text().startswith("{\n")
+    cached = Tokenizer.from_checkpoint(default_path, cache_key=key)
+    assert isinstance(cached, LightTokenizer) and cached.folder == entry  # read from the entry
+    for text in TEXTS:
+        assert cached.encode(text) == rebuilt.encode(text)
 
 
 def _reference(hf, messages, **kw) -> list[int]:
@@ -54,7 +58,7 @@ def test_light_tokenizer_matches_transformers_token_for_token() -> None:
 
     from transformers import AutoTokenizer
 
-    from splitserve.model.tokenizer import LightTokenizer, load_tokenizer
+    from splitserve.model.tokenizer import load_tokenizer
 
     light = load_tokenizer(None)
     assert isinstance(light, LightTokenizer)

@@ -3,9 +3,18 @@ model resources, a prefill node and a decode node marked by custom resources; tw
 one decode replica, cache-aware routing (router.policy: cache_aware). Greedy output through it equals
 the engine's; each replica runs where its placement says; the Ray router follows each prefill replica's
 own prefix-cache events as the local router does: prompts that share a system prompt go to the replica
-that ran it first, and that replica finds the shared blocks in its cache; a killed decode replica is
-replaced by Serve (the `fail` policy: the requests on it end with an error, not migrated). One deployment
-for all three (each Serve deployment takes seconds of a small host's CPU to start); the kill comes last."""
+that ran it first, and that replica finds the shared blocks in its cache.
+
+A worker changes role on it (runtime/ray_role.py): a change that would leave a role with no ready worker
+is refused (409), as is one to the role a worker has (409) or of an unknown worker (404). While requests
+stream, a prefill replica moves to decode and back: every stream ends with the greedy answer of a run
+with no change, token for token; the replica serves its new role (its own stats say so, and count the
+KV it fetched or exported); a call stamped with its old role is answered 409; and afterwards every KV
+block is free and no export is leased, on every worker.
+
+Last, a killed decode replica is replaced by Serve (the `fail` policy: the requests on it end with an
+error, not migrated). One deployment for all of it (each Serve deployment takes seconds of a small
+host's CPU to start and to delete)."""
 
 from __future__ import annotations
 
@@ -17,10 +26,12 @@ import time
 
 import httpx
 import pytest
+from serve_harness import SECRET, stream_tokens
 
 ray = pytest.importorskip("ray")
 from splitserve import SamplingParams  # noqa: E402
 from splitserve.config import parse_manifest  # noqa: E402
+from splitserve.wire.auth import worker_headers  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -119,6 +130,108 @@ def test_shared_prefixes_land_on_the_replica_that_holds_them(deployment):
         while _hits(url, first) - before < 3 * SYSTEM_TOKENS:
             assert time.monotonic() < deadline, (first, _hits(url, first) - before)
             time.sleep(0.2)
+
+
+ROLE_PROMPTS = [f"Count from {i} to {i + 40}, separated by commas:" for i in range(3)]
+MAX_TOKENS = 16
+WORKER = worker_headers(SECRET)  # the deployment's workers take the harness's KV secret (its env)
+
+
+def _body(prompt: str, stream: bool) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
+            "ignore_eos": True, "logprobs": 0}  # fmt: skip
+
+
+def _workers(url: str) -> dict[str, dict]:
+    return {w["name"]: w for w in httpx.get(f"{url}/admin/deployment", timeout=10).json()["workers"]}
+
+
+def _stats(worker: dict) -> dict:
+    return httpx.get(f"{worker['url']}/stats", headers=WORKER, timeout=60).json()
+
+
+def _switch(url: str, name: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/admin/workers/{name}/role", json=body, timeout=120)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, list[str]]:
+    return await stream_tokens(client, url, _body(prompt, True))
+
+
+def test_refusals(deployment):
+    _, url = deployment
+    workers = _workers(url)
+    prefill = next(n for n, w in workers.items() if w["role"] == "prefill")
+    decode = next(n for n, w in workers.items() if w["role"] == "decode")
+    r = _switch(url, decode, role="prefill")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "role_change_refused", r.text
+    assert "last ready decode worker" in r.json()["error"]["message"]
+    assert _switch(url, prefill, role="prefill").status_code == 409  # its role already
+    assert _switch(url, "nobody-0", role="decode").status_code == 404
+
+
+def test_a_prefill_replica_serves_decode_and_back_under_load(deployment):
+    _, url = deployment
+    ref = []
+    for prompt in ROLE_PROMPTS:  # the greedy answers before any change
+        r = httpx.post(f"{url}/v1/completions", json=_body(prompt, False), timeout=120)
+        ref.append(r.json()["choices"][0]["logprobs"]["tokens"])
+    name = sorted(n for n, w in _workers(url).items() if w["role"] == "prefill")[-1]
+    answers: list[tuple[int, str, list[str]]] = []
+
+    async def load(client: httpx.AsyncClient, stop: asyncio.Event, k: int) -> None:
+        while not stop.is_set():
+            outcome, tokens = await _stream(client, url, ROLE_PROMPTS[k % len(ROLE_PROMPTS)])
+            answers.append((k % len(ROLE_PROMPTS), outcome, tokens))
+            k += 1
+
+    async def serving(role: str) -> None:
+        """Until the switched replica's own stats show it serving `role` (KV fetched, or exported)."""
+        key = "exports" if role == "prefill" else "fetches"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            s = await asyncio.to_thread(_stats, _workers(url)[name])
+            if s["role"] == role and s["kv_transfer"]["counts"].get(key):
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{name} did not serve as {role}: {s}")
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            stop = asyncio.Event()
+            loaders = [asyncio.create_task(load(client, stop, k)) for k in range(3)]
+            await asyncio.sleep(1.0)  # the streams are under way
+            for epoch, role in enumerate(("decode", "prefill"), start=1):
+                change = {"role": role, "reason": "test", "drain_timeout_s": 30.0}
+                r = await client.post(f"{url}/admin/workers/{name}/role", json=change)
+                assert r.status_code == 200, r.text
+                assert (r.json()["to_role"], r.json()["epoch"]) == (role, epoch), r.json()
+                w = (await asyncio.to_thread(_workers, url))[name]
+                assert (w["role"], w["role_epoch"], w["state"]) == (role, epoch, "ready"), w
+                await serving(role)
+                if role == "decode":  # a call stamped with its old role and epoch
+                    body = {"prompt_token_ids": [1, 2, 3], "stamp": {"role": "prefill", "epoch": 0}}
+                    r = await client.post(f"{w['url']}/prefill", json=body, headers=WORKER)
+                    assert r.status_code == 409 and r.json()["error"]["code"] == "stale_role", r.text
+            stop.set()
+            await asyncio.gather(*loaders)
+
+    asyncio.run(main())
+    assert len(answers) > 3, answers
+    for prompt, outcome, tokens in answers:
+        assert outcome == "ok" and tokens == ref[prompt], (outcome, tokens, ref[prompt])
+    deadline = time.monotonic() + 30
+    while True:  # idle: nothing unfinished, every block free, no export leased
+        busy = {}
+        for n, w in _workers(url).items():
+            s = _stats(w)
+            leases = s["kv_transfer"]["transport"]["leases"]["active"]
+            if (s["unfinished"], s["blocks"]["free"], leases) != (0, s["blocks"]["total"], 0):
+                busy[n] = s
+        if not busy:
+            break
+        assert time.monotonic() < deadline, busy
+        time.sleep(0.5)
 
 
 def test_killed_decode_replica_is_replaced(cluster, deployment):

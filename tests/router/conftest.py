@@ -1,7 +1,8 @@
 """A random-weight tiny Qwen3.5 carrying Qwen3.5's own chat template (tests/fixtures/qwen3_5), and its
 deployments, shared by the modules that serve it (the parsers served, the agent clients): colocated and
 disaggregated (1 prefill + 1 decode), each with `--enable-auto-tool-choice` and the parsers the template
-asks for (`qwen3_coder`, `qwen3`) named as vLLM's flags name them."""
+asks for (`qwen3_coder`, `qwen3`), named as vLLM's flags name them: in the colocated deployment's
+manifest, and on the disaggregated one's command line, as vLLM is started for Qwen3.5."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import pytest
 TEMPLATE = Path(__file__).parents[1] / "fixtures" / "qwen3_5" / "chat_template.jinja"
 QWEN_SERVER = {"port": 0, "enable_auto_tool_choice": True, "tool_call_parser": "qwen3_coder",
                "reasoning_parser": "qwen3"}  # fmt: skip
+# vLLM's command line for Qwen3.5 (`vllm serve MODEL --enable-auto-tool-choice ...`), after the model
+QWEN_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
+              "--max-model-len", "2048"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -39,20 +43,23 @@ def qwen_dir(tmp_path_factory) -> Path:
     return path
 
 
-def _serve(qwen_dir: Path, mode: str) -> Iterator[Any]:
+@pytest.fixture(scope="session")
+def qwen_served(qwen_dir) -> Iterator[Any]:
+    """Colocated: the model and the parsers in the manifest."""
     from serve_harness import manifest_yaml, start_deployment  # imports the openai client
 
     model = {"source": str(qwen_dir), "max_model_len": 2048}
-    dep = start_deployment(manifest_yaml(mode=mode, model=model, server=QWEN_SERVER))
+    dep = start_deployment(manifest_yaml(mode="colocated", model=model, server=QWEN_SERVER))
     yield dep
     assert dep.stop() == 0, "\n".join(dep.log)
 
 
 @pytest.fixture(scope="session")
-def qwen_served(qwen_dir) -> Iterator[Any]:
-    yield from _serve(qwen_dir, "colocated")
-
-
-@pytest.fixture(scope="session")
 def qwen_split(qwen_dir) -> Iterator[Any]:
-    yield from _serve(qwen_dir, "disaggregated")
+    """Disaggregated, the model and the parsers given as vLLM's flags (`--model DIR` and QWEN_FLAGS) after
+    a manifest that holds only the test deployments' runtime settings (serve_harness.manifest_yaml)."""
+    from serve_harness import manifest_yaml, start_deployment
+
+    dep = start_deployment(manifest_yaml(mode="disaggregated"), args=["--model", str(qwen_dir), *QWEN_FLAGS])
+    yield dep
+    assert dep.stop() == 0, "\n".join(dep.log)

@@ -181,27 +181,21 @@ def test_a_parser_that_does_not_fit_the_template_is_refused_at_start(qwen_dir):
         start_serve(parse_manifest(json.dumps(manifest), "test manifest"), timeout_s=180)
 
 
-def test_vllms_command_line_starts_and_serves_qwen3_5(qwen_dir):
-    """`splitserve serve MODEL --enable-auto-tool-choice --tool-call-parser qwen3_coder --reasoning-parser
-    qwen3`, as vLLM is started for Qwen3.5: it serves a forced call; a bad tool schema is a 400 naming it."""
-    args = [str(qwen_dir), "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
-            "--reasoning-parser", "qwen3", "--port", "0", "--max-model-len", "2048",
-            "--kv-cache-mb", "64"]  # fmt: skip
-    sp = start_serve(None, timeout_s=180, args=args)
-    try:
-        client = openai.OpenAI(base_url=sp.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        kw = {"model": client.models.list().data[0].id, "messages": ASK, "max_tokens": 120,
-              "extra_body": {"thinking_token_budget": 2}}  # fmt: skip
-        message = client.chat.completions.create(**kw, tools=TOOLS, tool_choice=NAMED).choices[0].message
-        (call,) = message.tool_calls
-        jsonschema.validate(json.loads(call.function.arguments), PARAMS)
-        bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-                "properties": {"x": {"type": "nonsense"}}}}}]  # fmt: skip
-        with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.parameters") as err:
-            client.chat.completions.create(**kw, tools=bad, tool_choice="required")
-        assert err.value.body["param"] == "tools[0].function.parameters"
-    finally:
-        assert sp.stop() == 0, "\n".join(sp.log)
+def test_vllms_command_line_starts_and_serves_qwen3_5(qwen_split):
+    """`splitserve serve --model MODEL --enable-auto-tool-choice --tool-call-parser qwen3_coder
+    --reasoning-parser qwen3`, as vLLM is started for Qwen3.5 (the `qwen_split` deployment, conftest.py):
+    it serves a forced call; a bad tool schema is a 400 naming it."""
+    client = qwen_split.client(timeout=120)
+    kw = {"model": client.models.list().data[0].id, "messages": ASK, "max_tokens": 120,
+          "extra_body": {"thinking_token_budget": 2}}  # fmt: skip
+    message = client.chat.completions.create(**kw, tools=TOOLS, tool_choice=NAMED).choices[0].message
+    (call,) = message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS)
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+            "properties": {"x": {"type": "nonsense"}}}}}]  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.parameters") as err:
+        client.chat.completions.create(**kw, tools=bad, tool_choice="required")
+    assert err.value.body["param"] == "tools[0].function.parameters"
 
 
 def test_responses_give_reasoning_items(qwen_served):
