@@ -40,11 +40,9 @@ def queue_copy(
         raise TransportError(f"cuda_ipc copy failed: {exc}") from exc
 
 
-def queue_state_copy(
-    mover: GpuSide, mapped: PeerKV, row: int, layout: KVLayout, device: torch.device
-) -> tuple[dict[str, torch.Tensor], Any]:
-    """One device copy of the exporter's arena row into a buffer on our GPU; -> (the state tensors,
-    views of it or fp32 copies when it travelled in bf16; the CUDA event after the copy or None)."""
+def arena_row(mapped: PeerKV, row: int) -> torch.Tensor:
+    """Our mapping of the exporter's GPU state arena row `row` (uint8); TransportError when the arena
+    is not mapped or the row is outside it."""
     if mapped.state_rows is None:
         raise TransportError(
             "cuda_ipc: the exporter keeps the state in its GPU arena, which we could not map "
@@ -52,10 +50,19 @@ def queue_state_copy(
         )
     if not 0 <= row < mapped.state_rows.shape[0]:
         raise TransportError(f"exporter named state arena row {row}, outside its arena")
+    return mapped.state_rows[row]
+
+
+def queue_state_copy(
+    mover: GpuSide, mapped: PeerKV, row: int, layout: KVLayout, device: torch.device
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """One device copy of the exporter's arena row into a buffer on our GPU; -> (the state tensors,
+    views of it or fp32 copies when it travelled in bf16; the CUDA event after the copy or None)."""
+    src = arena_row(mapped, row)
     try:
         with mover.on_device():
-            buf = torch.empty(mapped.state_rows.shape[1], dtype=torch.uint8, device=device)
-            buf.copy_(mapped.state_rows[row], non_blocking=True)
+            buf = torch.empty(src.shape[0], dtype=torch.uint8, device=device)
+            buf.copy_(src, non_blocking=True)
             state = unpack(buf, layout, mapped.state_wire)
             done = None
             if mover.on_cuda:
@@ -92,4 +99,4 @@ def wait_copies(
         raise TransportError(f"cuda_ipc copy from {address} failed: {exc}") from exc
 
 
-__all__ = ["queue_copy", "queue_state_copy", "wait_copies"]
+__all__ = ["arena_row", "queue_copy", "queue_state_copy", "wait_copies"]

@@ -39,7 +39,7 @@ from splitserve.transport.gpu.blocks import (
     index_tensor,
     paired_runs,
 )
-from splitserve.transport.gpu.cuda_ipc_copy import wait_copies
+from splitserve.transport.gpu.cuda_ipc_copy import arena_row, wait_copies
 from splitserve.transport.gpu.cuda_ipc_share import PeerKV
 from splitserve.transport.gpu.link import GpuSide
 from splitserve.transport.gpu.state_arena import unpack
@@ -105,18 +105,6 @@ def copy_channels(
             dst[name].narrow(axis, d, n).copy_(src[name].narrow(axis, s, n), non_blocking=True)
 
 
-def _arena_state(mapped: PeerKV, row: int, layout: KVLayout) -> dict[str, torch.Tensor]:
-    """The exporter's state tensors in its GPU arena's row `row`: views of our mapping of it."""
-    if mapped.state_rows is None:
-        raise TransportError(
-            "cuda_ipc: the exporter keeps the state in its GPU arena, which we could not map "
-            "(see the log); set transport.state_rows: 0 to send the state the host way"
-        )
-    if not 0 <= row < mapped.state_rows.shape[0]:
-        raise TransportError(f"exporter named state arena row {row}, outside its arena")
-    return unpack(mapped.state_rows[row], layout, mapped.state_wire)
-
-
 def _queue(
     mover: GpuSide, mapped: PeerKV, src_ids: np.ndarray, select: Select, target: PartTarget,
     state_row: int | None, body: Mapping[str, torch.Tensor],
@@ -126,7 +114,8 @@ def _queue(
     copies, or None when they were synchronous)."""
     try:
         with mover.on_device():
-            state = body if state_row is None else _arena_state(mapped, state_row, mover.layout)
+            wire = mapped.state_wire
+            state = body if state_row is None else unpack(arena_row(mapped, state_row), mover.layout, wire)
             src = kv_view(mapped.rows, mover.layout)
             how = copy_heads(src, src_ids, select.heads, target.kv, as_ids(target.block_ids), target.heads)
             copy_channels(state, select.states, target.state, target.picks)
