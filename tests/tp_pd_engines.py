@@ -63,21 +63,25 @@ def run(engine: LLMEngine) -> dict:
     return done
 
 
-def colocated(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+def colocated(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY
+) -> list[list[int]]:
     for i, p in enumerate(prompts):
-        engine.add_request(p, GREEDY, request_id=f"c{i}")
+        engine.add_request(p, params, request_id=f"c{i}")
     done = run(engine)
     return [done[f"c{i}"].outputs[0].token_ids for i in range(len(prompts))]
 
 
-def disaggregated(p: LLMEngine, d: LLMEngine, prompts: list[list[int]], tag: str) -> list[list[int]]:
+def disaggregated(
+    p: LLMEngine, d: LLMEngine, prompts: list[list[int]], tag: str, params: SamplingParams = GREEDY
+) -> list[list[int]]:
     """Each prompt prefilled on `p` (its first token there); `d` fetches its KV and state and decodes."""
     for i, prompt in enumerate(prompts):
-        p.add_request(prompt, GREEDY, request_id=f"{tag}p{i}", kv_transfer="export")
+        p.add_request(prompt, params, request_id=f"{tag}p{i}", kv_transfer="export")
     exported = run(p)
     for i, prompt in enumerate(prompts):
         out = exported[f"{tag}p{i}"]
-        d.add_request_with_kv(out.kv_export.handle, prompt, out.outputs[0].token_ids[0], GREEDY, f"{tag}d{i}")
+        d.add_request_with_kv(out.kv_export.handle, prompt, out.outputs[0].token_ids[0], params, f"{tag}d{i}")
     done = run(d)
     return [done[f"{tag}d{i}"].outputs[0].token_ids for i in range(len(prompts))]
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import msgspec
 import pytest
 import torch
+from tp_pd_engines import run as _run
 
 from splitserve.transport import AuthError, KVHandle, KVLayout, PeerRefused, TransportOptions, make_transport
 
@@ -325,12 +326,3 @@ def test_engine_disaggregated_on_two_gpus_equals_colocated(backend, eager):
     finally:
         for conn in conns:
             conn.close()
-
-
-def _run(engine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done

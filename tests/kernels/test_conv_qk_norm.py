@@ -12,11 +12,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from gdn_meta import prefill_meta  # noqa: E402
 from tiny_configs import TINY_QWEN3_5  # noqa: E402
 
 from splitserve.kernels.causal_conv_varlen import can_fuse_qk_l2norm, causal_conv1d_varlen_split  # noqa: E402
 from splitserve.model import gdn_prefill, qwen3_5  # noqa: E402
-from splitserve.model.attention import AttentionMetadata, PrefillChunk  # noqa: E402
 from splitserve.model.config import ModelConfig  # noqa: E402
 from splitserve.model.decoder import ForwardContext  # noqa: E402
 
@@ -25,27 +25,15 @@ LENS = (1, 2, 9, 70, 21)  # chunk starts inside 16-row tiles, shorter than the w
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
-def _meta(nd: int, lens: tuple[int, ...], seq_slots: torch.Tensor) -> AttentionMetadata:
-    chunks, start = [], nd
-    for n in lens:
-        chunks.append(PrefillChunk(start, n, n, torch.zeros(1, dtype=torch.int64)))
-        start += n
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(start, dtype=torch.int64),
-        num_decode_tokens=nd,
-        decode_groups=(),
-        prefills=tuple(chunks),
-        seq_slots=seq_slots,
-    )
-
-
 def _conv_inputs(c: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(3)
     kw, t = 4, sum(LENS)
     x = torch.randn(t, c + 8, generator=gen).to(dtype)[:, 4 : 4 + c]  # strided, as in_proj's split gives
     pool = torch.randn(8, c, kw - 1, generator=gen).to(dtype).float()
     weight = (torch.randn(c, 1, kw, generator=gen) * 0.5).to(dtype)
-    lp = gdn_prefill.build_linear_prefill(_meta(0, LENS, torch.tensor([5, 0, 3, 2, 7])), torch.device("cpu"))
+    lp = gdn_prefill.build_linear_prefill(
+        prefill_meta(0, LENS, torch.tensor([5, 0, 3, 2, 7])), torch.device("cpu")
+    )
     assert lp is not None
     return x, pool, weight, lp
 
@@ -118,7 +106,7 @@ def test_layer_normalizes_q_and_k_once(monkeypatch: pytest.MonkeyPatch, conv_nor
         * 0.2,
     }
     ref_states = {name: s.clone() for name, s in states.items()}
-    meta = _meta(2, LENS, torch.tensor([6, 1, 3, 0, 7, 4, 2]))
+    meta = prefill_meta(2, LENS, torch.tensor([6, 1, 3, 0, 7, 4, 2]))
     x = torch.randn(2 + sum(LENS), cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     seen = []
 

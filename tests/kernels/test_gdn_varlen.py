@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from gdn_meta import prefill_meta  # noqa: E402
 from tiny_configs import TINY_QWEN3_5  # noqa: E402
 
 from splitserve.kernels.causal_conv_varlen import (  # noqa: E402
@@ -21,7 +22,6 @@ from splitserve.kernels.causal_conv_varlen import (  # noqa: E402
     conv1d_varlen_update_states,
 )
 from splitserve.model import gdn_layer, gdn_prefill, qwen3_5  # noqa: E402
-from splitserve.model.attention import AttentionMetadata, PrefillChunk  # noqa: E402
 from splitserve.model.config import ModelConfig  # noqa: E402
 from splitserve.model.decoder import ForwardContext  # noqa: E402
 
@@ -29,20 +29,6 @@ LENS = (1, 2, 9, 70)  # shorter than the conv window (K - 1 = 3), and across a 6
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
-
-
-def _meta(nd: int, lens: tuple[int, ...], seq_slots: torch.Tensor) -> AttentionMetadata:
-    chunks, start = [], nd
-    for n in lens:
-        chunks.append(PrefillChunk(start, n, n, torch.zeros(1, dtype=torch.int64)))
-        start += n
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(start, dtype=torch.int64),
-        num_decode_tokens=nd,
-        decode_groups=(),
-        prefills=tuple(chunks),
-        seq_slots=seq_slots,
-    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -54,7 +40,7 @@ def test_conv_varlen_matches_per_chunk(dtype: torch.dtype):
     pool = torch.randn(6, 2, c, kw - 1, generator=gen).to(dtype).float()[:, 1]  # one layer of a pool
     ref_pool = pool.clone()
     weight = (torch.randn(c, 1, kw, generator=gen) * 0.5).to(dtype)
-    meta = _meta(0, LENS, slots)
+    meta = prefill_meta(0, LENS, slots)
     lp = gdn_prefill.build_linear_prefill(meta, torch.device("cpu"))
     assert lp is not None and lp.cu_seqlens.tolist() == [0, 1, 3, 12, 82]
 
@@ -100,7 +86,7 @@ def test_gated_delta_net_varlen_matches_per_chunk(monkeypatch):
     layer, states = _layer_and_states(cfg)
     ref_states = {name: s.clone() for name, s in states.items()}
     nd = 2
-    meta = _meta(nd, LENS, torch.tensor([6, 1, 3, 0, 7, 4]))  # 2 decode rows, then 4 chunks
+    meta = prefill_meta(nd, LENS, torch.tensor([6, 1, 3, 0, 7, 4]))  # 2 decode rows, then 4 chunks
     x = torch.randn(nd + sum(LENS), cfg.hidden_size, generator=torch.Generator().manual_seed(2))
 
     with torch.no_grad():
@@ -167,7 +153,7 @@ def test_the_chunk_table_lists_each_sequences_chunks_in_order(monkeypatch: pytes
     expected = [(i, j) for i, n in enumerate(lens) for j in range(-(-n // gdn_prefill.CHUNK))]
     monkeypatch.setattr(gdn_prefill, "fla_rule", lambda: object())  # as where fla imports
     monkeypatch.setattr(gdn_prefill, "VARLEN_RULE", None)
-    lp = gdn_prefill.build_linear_prefill(_meta(2, lens, torch.arange(7)), torch.device("cpu"))
+    lp = gdn_prefill.build_linear_prefill(prefill_meta(2, lens, torch.arange(7)), torch.device("cpu"))
     assert lp is not None and lp.chunk_indices is not None
     assert lp.chunk_indices.tolist() == [list(r) for r in expected]
     assert lp.cu_seqlens.tolist() == [0, 1, 65, 130, 330, 458] and lp.token_seq.dtype == torch.int32

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from kv_transfer_helpers import SECRET
+from tp_pd_engines import colocated, disaggregated
 from tp_pd_engines import run as _run
 
 from splitserve import SamplingParams
@@ -57,27 +58,17 @@ def _first_step_drafts(engine: LLMEngine) -> dict[tuple[int, ...], tuple[int, ..
 
 
 def _colocated(engine: LLMEngine) -> list[list[int]]:
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(p, GREEDY, request_id=f"c{i}")
-    done = _run(engine)
-    return [done[f"c{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
+    return colocated(engine, PROMPTS, GREEDY)
 
 
 def _split(prefill: LLMEngine, decode: LLMEngine) -> list[list[int]]:
     options = TransportOptions(lease_s=30.0, fetch_timeout_s=5.0)
     conns = [KVConnector.open(e, "tcp", secret=SECRET, options=options) for e in (prefill, decode)]
     try:
-        for i, p in enumerate(PROMPTS):
-            prefill.add_request(p, GREEDY, request_id=f"r{i}", kv_transfer="export")
-        outs = _run(prefill)
-        for i, p in enumerate(PROMPTS):
-            out = outs[f"r{i}"]
-            decode.add_request_with_kv(out.kv_export.handle, p, out.outputs[0].token_ids[0], GREEDY, f"d{i}")
-        done = _run(decode)
+        return disaggregated(prefill, decode, PROMPTS, "s", GREEDY)
     finally:
         for conn in conns:
             conn.close()
-    return [done[f"d{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
 
 
 @pytest.fixture(scope="module")
